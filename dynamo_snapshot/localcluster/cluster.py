@@ -1,0 +1,345 @@
+"""Start and stop the local control plane as supervised child processes."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+from dynamo_snapshot.localcluster.components import Components, find_components
+from dynamo_snapshot.localcluster.nodes import KWOK_NODE_ANNOTATION, KWOK_NODE_VALUE, gpu_node_manifest
+from dynamo_snapshot.localcluster.pki import Pki, PkiError, make_pki
+
+_PR_SET_PDEATHSIG = 1
+
+
+class LocalClusterError(RuntimeError):
+    """A one-line, actionable reason the control plane could not start or answer."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def ensure_port_free(port: int, what: str) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            raise LocalClusterError(
+                f"port {port} for {what} is in use: stop the process holding it "
+                f"(ss -ltnp 'sport = :{port}') or choose another port"
+            ) from None
+
+
+def _die_with_parent() -> None:
+    # A killed test run must not leave an apiserver behind holding ports and etcd data.
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class _Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+    log_handle: IO[bytes]
+
+
+@dataclass
+class ClusterOptions:
+    apiserver_port: int | None = None
+    # Short grace so failover tests see NotReady nodes in seconds, like a tuned production cluster.
+    node_monitor_grace_period: str = "20s"
+    pod_cidr: str = "10.64.0.1/12"
+    extra_apiserver_args: Sequence[str] = field(default_factory=tuple)
+
+
+class LocalCluster:
+    """etcd + kube-apiserver + kube-scheduler + kube-controller-manager + kwok, rooted at `workdir`."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        components: Components | None = None,
+        options: ClusterOptions | None = None,
+    ) -> None:
+        self.workdir = workdir
+        self._components = components
+        self.options = options or ClusterOptions()
+        self._procs: list[_Proc] = []
+        self._pki: Pki | None = None
+        self.apiserver_port = 0
+
+    # ------------------------------------------------------------------ public surface
+    @property
+    def components(self) -> Components:
+        if self._components is None:
+            self._components = find_components()
+        return self._components
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.workdir / "kubeconfig"
+
+    @property
+    def server(self) -> str:
+        return f"https://127.0.0.1:{self.apiserver_port}"
+
+    def start(self, timeout: float = 180.0, progress: Callable[[str], None] | None = None) -> None:
+        say = progress or (lambda _msg: None)
+        comps = self.components
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.options.apiserver_port:
+            ensure_port_free(self.options.apiserver_port, "kube-apiserver")
+        self.apiserver_port = self.options.apiserver_port or free_port()
+        etcd_port, etcd_peer = free_port(), free_port()
+        try:
+            self._pki = pki = make_pki(
+                self.workdir / "pki",
+                ["127.0.0.1", "localhost", "10.96.0.1", "kubernetes", "kubernetes.default.svc"],
+            )
+        except PkiError as e:
+            raise LocalClusterError(str(e)) from None
+        self._write_kubeconfig(pki)
+        deadline = time.monotonic() + timeout
+
+        say("starting etcd")
+        self._spawn(
+            "etcd",
+            [
+                str(comps.etcd),
+                "--name=local",
+                f"--data-dir={self.workdir / 'etcd'}",
+                f"--listen-client-urls=http://127.0.0.1:{etcd_port}",
+                f"--advertise-client-urls=http://127.0.0.1:{etcd_port}",
+                f"--listen-peer-urls=http://127.0.0.1:{etcd_peer}",
+                f"--initial-advertise-peer-urls=http://127.0.0.1:{etcd_peer}",
+                f"--initial-cluster=local=http://127.0.0.1:{etcd_peer}",
+                # Tests and the demo value speed over durability; the data dies with the cluster anyway.
+                "--unsafe-no-fsync",
+                "--quota-backend-bytes=8589934592",
+                "--log-level=warn",
+            ],
+        )
+        self._wait("etcd", lambda: _http_ok(f"http://127.0.0.1:{etcd_port}/health"), deadline)
+
+        say("starting kube-apiserver")
+        self._spawn(
+            "kube-apiserver",
+            [
+                str(comps.kube_apiserver),
+                f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={self.apiserver_port}",
+                f"--tls-cert-file={pki.server_cert}",
+                f"--tls-private-key-file={pki.server_key}",
+                f"--client-ca-file={pki.ca_cert}",
+                "--authorization-mode=Node,RBAC",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                f"--service-account-key-file={pki.sa_pub}",
+                f"--service-account-signing-key-file={pki.sa_key}",
+                "--service-cluster-ip-range=10.96.0.0/16",
+                "--allow-privileged=true",
+                "--profiling=false",
+                "--max-requests-inflight=1600",
+                "--max-mutating-requests-inflight=800",
+                *self.options.extra_apiserver_args,
+            ],
+        )
+        self._wait("kube-apiserver", lambda: self._api_ok("/readyz"), deadline)
+
+        common = [f"--kubeconfig={self.kubeconfig}", "--leader-elect=false"]
+        say("starting kube-controller-manager, kube-scheduler and kwok")
+        self._spawn(
+            "kube-controller-manager",
+            [
+                str(comps.kube_controller_manager),
+                *common,
+                "--secure-port=0",
+                f"--service-account-private-key-file={pki.sa_key}",
+                f"--root-ca-file={pki.ca_cert}",
+                "--use-service-account-credentials=false",
+                "--cluster-name=dynamo-snapshot-local",
+                f"--node-monitor-grace-period={self.options.node_monitor_grace_period}",
+                "--kube-api-qps=200",
+                "--kube-api-burst=400",
+            ],
+        )
+        self._spawn(
+            "kube-scheduler",
+            [
+                str(comps.kube_scheduler),
+                *common,
+                "--secure-port=0",
+                "--kube-api-qps=200",
+                "--kube-api-burst=400",
+            ],
+        )
+        self._spawn(
+            "kwok",
+            [
+                str(comps.kwok),
+                f"--kubeconfig={self.kubeconfig}",
+                "--manage-all-nodes=false",
+                f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}={KWOK_NODE_VALUE}",
+                f"--cidr={self.options.pod_cidr}",
+                "--node-ip=10.255.0.1",
+                "--node-lease-duration-seconds=40",
+                f"--server-address=127.0.0.1:{free_port()}",
+            ],
+        )
+        # The service-account controller proves the controller-manager is working, not merely alive.
+        self._wait("kube-controller-manager", lambda: self._has_default_sa("default"), deadline)
+        say(f"control plane ready at {self.server} (kubeconfig {self.kubeconfig})")
+
+    def stop(self) -> None:
+        for proc in reversed(self._procs):
+            if proc.popen.poll() is None:
+                proc.popen.terminate()
+        for proc in reversed(self._procs):
+            try:
+                proc.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait(timeout=5)
+            proc.log_handle.close()
+        self._procs.clear()
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def env(self) -> dict[str, str]:
+        """Environment for child tools (kubectl, helm, the controller) pointed at this cluster."""
+        return {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "PATH": f"{self.components.bin_dir}:{os.environ.get('PATH', '')}",
+        }
+
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True, timeout: float = 120.0
+    ) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [str(self.components.kubectl), f"--kubeconfig={self.kubeconfig}", *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if check and proc.returncode != 0:
+            raise LocalClusterError(f"kubectl {' '.join(args)}: {proc.stderr.strip()}")
+        return proc
+
+    def apply(self, manifest: dict[str, Any] | str, namespace: str | None = None) -> str:
+        text = manifest if isinstance(manifest, str) else json.dumps(manifest)
+        ns = ["-n", namespace] if namespace else []
+        return self.kubectl("apply", *ns, "-f", "-", input=text).stdout
+
+    def add_gpu_node(self, name: str, **kwargs: Any) -> dict[str, Any]:
+        manifest = gpu_node_manifest(name, **kwargs)
+        self.apply(manifest)
+        return manifest
+
+    def alive(self) -> dict[str, bool]:
+        return {p.name: p.popen.poll() is None for p in self._procs}
+
+    def log_tail(self, name: str, lines: int = 20) -> str:
+        for p in self._procs:
+            if p.name == name:
+                return "\n".join(p.log.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    # ------------------------------------------------------------------ internals
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        log = self.workdir / "logs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        handle = log.open("ab")
+        popen = subprocess.Popen(
+            argv,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
+        )
+        self._procs.append(_Proc(name, popen, log, handle))
+
+    def _wait(self, name: str, ready: Callable[[], bool], deadline: float) -> None:
+        while time.monotonic() < deadline:
+            for p in self._procs:
+                if p.popen.poll() is not None:
+                    tail = self.log_tail(p.name, 8)
+                    self.stop()
+                    raise LocalClusterError(
+                        f"{p.name} exited with {p.popen.returncode}; log {p.log}:\n{tail}"
+                    )
+            if ready():
+                return
+            time.sleep(0.2)
+        self.stop()
+        raise LocalClusterError(f"{name} did not become ready in time; see {self.workdir / 'logs'}")
+
+    def _ssl(self) -> ssl.SSLContext:
+        assert self._pki is not None
+        ctx = ssl.create_default_context(cafile=str(self._pki.ca_cert))
+        ctx.load_cert_chain(str(self._pki.admin_cert), str(self._pki.admin_key))
+        return ctx
+
+    def _api_ok(self, path: str) -> bool:
+        return _http_ok(self.server + path, self._ssl())
+
+    def _has_default_sa(self, namespace: str) -> bool:
+        return _http_ok(f"{self.server}/api/v1/namespaces/{namespace}/serviceaccounts/default", self._ssl())
+
+    def _write_kubeconfig(self, pki: Pki) -> None:
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [
+                {
+                    "name": "local",
+                    "cluster": {"server": self.server, "certificate-authority": str(pki.ca_cert)},
+                }
+            ],
+            "users": [
+                {
+                    "name": "admin",
+                    "user": {"client-certificate": str(pki.admin_cert), "client-key": str(pki.admin_key)},
+                }
+            ],
+            "contexts": [{"name": "local", "context": {"cluster": "local", "user": "admin"}}],
+            "current-context": "local",
+        }
+        self.kubeconfig.write_text(json.dumps(config, indent=2))
+
+
+def _http_ok(url: str, context: ssl.SSLContext | None = None) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2, context=context) as resp:
+            return bool(resp.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False

@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# Installs, builds and caches every real component the tests and the local demo start:
+#   kube-apiserver, kube-scheduler, kube-controller-manager, kubectl  (Go module proxy, version-stamped)
+#   kwok, helm                                                         (Go module proxy)
+#   etcd 3.5 (Debian 13 etcd-server), criu 4.x (Debian 13 source, built here), runc + prometheus (Debian)
+# Idempotent: a warm cache costs seconds. Everything lands in $DYNSNAP_CACHE (default ~/.cache/dynamo-snapshot);
+# binaries in $DYNSNAP_CACHE/bin. Prints `export PATH=...` hints at the end.
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=versions.env
+source "$here/versions.env"
+CACHE=${DYNSNAP_CACHE:-$HOME/.cache/dynamo-snapshot}
+BIN=$CACHE/bin
+SRC=$CACHE/src
+mkdir -p "$BIN" "$SRC"
+t_start=$SECONDS
+
+say() { printf '[test-env %3ds] %s\n' "$((SECONDS - t_start))" "$*"; }
+die() { printf 'test-env: %s\n' "$*" >&2; exit 1; }
+stamp_ok() { [ -f "$BIN/.stamp-$1" ] && [ "$(cat "$BIN/.stamp-$1")" = "$2" ]; }
+stamp() { printf '%s' "$2" > "$BIN/.stamp-$1"; }
+
+[ "$(id -u)" = 0 ] || die "must run as root (CRIU, apt and the fake GPU nodes need it): re-run with sudo"
+command -v go >/dev/null || die "Go is missing: install Go >= 1.26 (https://go.dev/dl) and re-run"
+go_minor=$(go env GOVERSION | sed -E 's/^go1\.([0-9]+).*/\1/')
+[ "$go_minor" -ge 26 ] || die "Go $(go env GOVERSION) is too old for Kubernetes $K8S_VERSION: install Go >= 1.26"
+command -v apt-get >/dev/null || die "apt-get is missing: this script supports Debian 12/13 machines"
+
+export GOFLAGS=-mod=mod GOTOOLCHAIN=local
+export CGO_ENABLED=0
+
+# ---------------------------------------------------------------- Debian packages
+apt_updated=0
+apt_update() { [ "$apt_updated" = 1 ] || { say "apt-get update"; apt-get update -qq >/dev/null || die "apt-get update failed: check the network / mirror"; apt_updated=1; }; }
+apt_need() {
+  local missing=()
+  for p in "$@"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p"); done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  apt_update
+  say "apt-get install ${missing[*]}"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
+    || die "apt-get install ${missing[*]} failed"
+}
+
+# Debian 13 packages are fetched from a trixie source list that lives only while we download: installing
+# trixie's criu on Debian 12 would drag libc6 2.41 and a partial dist-upgrade, so its source is built here.
+with_trixie() {
+  local list=/etc/apt/sources.list.d/dynamo-snapshot-trixie.sources
+  local pin=/etc/apt/preferences.d/dynamo-snapshot-trixie
+  printf 'Types: deb deb-src\nURIs: http://deb.debian.org/debian\nSuites: trixie\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' > "$list"
+  printf 'Package: *\nPin: release n=trixie\nPin-Priority: 1\n' > "$pin"
+  apt-get update -qq >/dev/null || { rm -f "$list" "$pin"; die "apt-get update with the trixie suite failed"; }
+  local rc=0
+  "$@" || rc=$?
+  rm -f "$list" "$pin"
+  apt-get update -qq >/dev/null || true
+  return $rc
+}
+
+apt_need ca-certificates curl runc prometheus iproute2 procps
+# criu build dependencies (bookworm versions are fine for criu 4.1)
+apt_need build-essential pkg-config libprotobuf-dev libprotobuf-c-dev protobuf-c-compiler protobuf-compiler \
+  python3-protobuf libnl-3-dev libnet1-dev libcap-dev libbsd-dev libgnutls28-dev libnftables-dev libaio-dev \
+  uuid-dev xz-utils
+
+# ---------------------------------------------------------------- etcd (Debian 13 etcd-server)
+fetch_etcd() {
+  local d=$SRC/etcd-$ETCD_DEB_VERSION
+  rm -rf "$d"; mkdir -p "$d"
+  (cd "$d" && apt-get download -qq "etcd-server=$ETCD_DEB_VERSION" 2>/dev/null) || return 1
+  dpkg-deb -x "$d"/etcd-server_*.deb "$d/root"
+  cp "$d/root/usr/bin/etcd" "$BIN/etcd"
+}
+if stamp_ok etcd "$ETCD_DEB_VERSION" && [ -x "$BIN/etcd" ]; then
+  say "etcd $ETCD_DEB_VERSION cached"
+else
+  say "fetching etcd-server $ETCD_DEB_VERSION (Debian 13)"
+  with_trixie fetch_etcd || die "could not download etcd-server $ETCD_DEB_VERSION from Debian trixie"
+  stamp etcd "$ETCD_DEB_VERSION"
+fi
+
+# ---------------------------------------------------------------- criu (Debian 13 source, built here)
+build_criu() {
+  local d=$SRC/criu-$CRIU_DEB_VERSION
+  rm -rf "$d"; mkdir -p "$d"
+  # Only the upstream tarball is needed; the mirror may lack the .dsc, so judge by the tarball alone.
+  (cd "$d" && apt-get source --download-only -qq "criu=$CRIU_DEB_VERSION" >/dev/null 2>&1) || true
+  compgen -G "$d/criu_*.orig.tar.*" >/dev/null
+}
+if stamp_ok criu "$CRIU_DEB_VERSION" && [ -x "$BIN/criu" ]; then
+  say "criu $CRIU_DEB_VERSION cached"
+else
+  say "fetching criu $CRIU_DEB_VERSION source (Debian 13)"
+  with_trixie build_criu || die "could not download the criu $CRIU_DEB_VERSION source from Debian trixie"
+  d=$SRC/criu-$CRIU_DEB_VERSION
+  tar -C "$d" -xf "$d"/criu_*.orig.tar.*
+  top=$(find "$d" -mindepth 1 -maxdepth 1 -type d -name 'criu-*' | head -n1)
+  say "building criu in $top (about 2 min on 2 cores)"
+  make -C "$top" -j"$(nproc)" criu > "$d/build.log" 2>&1 || { tail -n 20 "$d/build.log" >&2; die "criu build failed: see $d/build.log"; }
+  cp "$top/criu/criu" "$BIN/criu"
+  stamp criu "$CRIU_DEB_VERSION"
+fi
+
+# ---------------------------------------------------------------- Kubernetes control plane from the module proxy
+build_k8s() {
+  local d=$SRC/k8s-$K8S_VERSION
+  mkdir -p "$d"
+  {
+    printf 'module dynamo-snapshot.local/k8s-build\n\ngo 1.26.0\n\nrequire k8s.io/kubernetes %s\n\nreplace (\n' "$K8S_VERSION"
+    for m in api apiextensions-apiserver apimachinery apiserver cli-runtime client-go cloud-provider \
+      cluster-bootstrap code-generator component-base component-helpers controller-manager cri-api cri-client \
+      cri-streaming csi-translation-lib dynamic-resource-allocation endpointslice externaljwt kms kube-aggregator \
+      kube-controller-manager kube-proxy kube-scheduler kubectl kubelet metrics mount-utils \
+      pod-security-admission sample-apiserver sample-cli-plugin sample-controller streaming; do
+      printf '\tk8s.io/%s => k8s.io/%s %s\n' "$m" "$m" "$K8S_STAGING_VERSION"
+    done
+    printf ')\n'
+  } > "$d/go.mod"
+  local cmds="k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kubectl"
+  local minor=${K8S_VERSION#v1.}; minor=${minor%%.*}
+  local ld="-s -w"
+  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    ld+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
+    ld+=" -X $pkg.buildDate=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  done
+  (cd "$d" && go get $cmds 2>&1 | tail -n 5) || return 1
+  (cd "$d" && go build -trimpath -ldflags "$ld" -o "$BIN/" $cmds) || return 1
+}
+if stamp_ok k8s "$K8S_VERSION" && [ -x "$BIN/kube-apiserver" ] && [ -x "$BIN/kubectl" ]; then
+  say "kubernetes $K8S_VERSION cached"
+else
+  say "building kube-apiserver, kube-scheduler, kube-controller-manager, kubectl $K8S_VERSION (first time: ~20 min on 2 cores)"
+  build_k8s || die "building Kubernetes $K8S_VERSION failed (see the go output above); the Go module proxy must be reachable"
+  "$BIN/kube-apiserver" --version | grep -q "$K8S_VERSION" || die "kube-apiserver --version does not report $K8S_VERSION"
+  stamp k8s "$K8S_VERSION"
+fi
+
+go_install() {  # name version module/cmd-path
+  local name=$1 version=$2 pkg=$3
+  if stamp_ok "$name" "$version" && [ -x "$BIN/$name" ]; then say "$name $version cached"; return; fi
+  say "building $name $version"
+  GOBIN=$BIN go install -trimpath -ldflags "-s -w $4" "$pkg@$version" || die "building $name $version failed"
+  stamp "$name" "$version"
+}
+go_install kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION"
+go_install helm "$HELM_VERSION" helm.sh/helm/v3/cmd/helm "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
+
+"$BIN/criu" --version | head -n1 | sed 's/^/[test-env] /'
+"$BIN/etcd" --version | head -n1 | sed 's/^/[test-env] /'
+say "components ready in $BIN"

@@ -1,0 +1,99 @@
+"""Shared fixtures: a real local control plane (session), namespaces and fake GPU nodes (per test).
+
+Nothing here fakes Kubernetes: every fixture talks to the etcd, kube-apiserver, kube-scheduler,
+kube-controller-manager and kwok built by scripts/test-env.sh.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes_asyncio import client, config
+
+from dynamo_snapshot.localcluster import LocalCluster, LocalClusterError
+from dynamo_snapshot.localcluster.components import ComponentsMissingError, cache_dir
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _fail(msg: str) -> None:
+    # One clear line instead of a traceback: the fix is almost always "run scripts/test-env.sh".
+    pytest.fail(msg, pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    workdir = tmp_path_factory.mktemp("cluster")
+    lc = LocalCluster(workdir)
+    try:
+        lc.start()
+    except (LocalClusterError, ComponentsMissingError) as e:
+        _fail(f"local control plane: {e}")
+    yield lc
+    lc.stop()
+
+
+@pytest.fixture(scope="session")
+def crds(cluster: LocalCluster) -> list[str]:
+    """Install every CRD in crds/ and wait until the apiserver serves them."""
+    files = sorted((REPO / "crds").glob("*.yaml"))
+    if not files:
+        _fail("crds/ is empty: run python -m dynamo_snapshot.api.crdgen")
+    names = []
+    for f in files:
+        out = cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(f), "-o", "name")
+        names += out.stdout.split()
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", *names)
+    return names
+
+
+@pytest.fixture
+async def api(cluster: LocalCluster) -> AsyncIterator[client.ApiClient]:
+    cfg = client.Configuration()
+    await config.load_kube_config(config_file=str(cluster.kubeconfig), client_configuration=cfg)
+    async with client.ApiClient(cfg) as api_client:
+        yield api_client
+
+
+@pytest.fixture
+def namespace(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    base = "".join(c if c.isalnum() else "-" for c in request.node.name.lower())[:40].strip("-")
+    name = f"{base}-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", name)
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
+
+
+@pytest.fixture
+def gpu_node(cluster: LocalCluster) -> Iterator[Callable[..., dict[str, Any]]]:
+    """Factory: gpu_node(product=..., gpus=..., driver_major=...) -> the Node manifest it created."""
+    made: list[str] = []
+
+    def make(name: str | None = None, **kwargs: Any) -> dict[str, Any]:
+        node_name = name or f"gpu-{uuid.uuid4().hex[:8]}"
+        made.append(node_name)
+        return cluster.add_gpu_node(node_name, **kwargs)
+
+    yield make
+    if made:
+        cluster.kubectl("delete", "node", *made, "--wait=false", "--ignore-not-found", check=False)
+
+
+@pytest.fixture(scope="session")
+def criu_bin() -> Path:
+    """The CRIU >= 4 binary; tests that use it run for real, as root."""
+    if os.geteuid() != 0:
+        _fail("CRIU tests must run as root: re-run the test command with sudo")
+    path = cache_dir() / "bin" / "criu"
+    if not os.access(path, os.X_OK):
+        found = shutil.which("criu")
+        if not found:
+            _fail(f"criu is missing in {path.parent}: run scripts/test-env.sh")
+        path = Path(found)
+    return path
