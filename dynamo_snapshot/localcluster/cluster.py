@@ -159,6 +159,8 @@ class LocalCluster:
                 "--service-cluster-ip-range=10.96.0.0/16",
                 "--allow-privileged=true",
                 "--profiling=false",
+                # No real network here: the `kubernetes` Service endpoint would be loopback, which is refused.
+                "--endpoint-reconciler-type=none",
                 "--max-requests-inflight=1600",
                 "--max-mutating-requests-inflight=800",
                 *self.options.extra_apiserver_args,
@@ -198,6 +200,7 @@ class LocalCluster:
             [
                 str(comps.kwok),
                 f"--kubeconfig={self.kubeconfig}",
+                f"--config={comps.kwok_stages}",
                 "--manage-all-nodes=false",
                 f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}={KWOK_NODE_VALUE}",
                 f"--cidr={self.options.pod_cidr}",

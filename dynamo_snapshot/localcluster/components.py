@@ -28,6 +28,7 @@ class Components:
     kwok: Path
     helm: Path
     criu: Path
+    kwok_stages: Path
 
     @property
     def bin_dir(self) -> Path:
@@ -49,6 +50,9 @@ def find_components(bin_dir: Path | None = None) -> Components:
     }
     paths = {attr: base / exe for attr, exe in names.items()}
     missing = [names[a] for a, p in paths.items() if not os.access(p, os.X_OK)]
+    paths["kwok_stages"] = base / "kwok-stages.yaml"
+    if not paths["kwok_stages"].is_file():
+        missing.append("kwok-stages.yaml")
     if missing:
         raise ComponentsMissingError(f"missing in {base}: {', '.join(missing)} — {SETUP_HINT}")
     return Components(**paths)

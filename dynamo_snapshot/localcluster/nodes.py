@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dynamo_snapshot.api import protocol
+
 # kwok manages only nodes carrying this annotation, so real nodes (there are none here) are never touched.
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 KWOK_NODE_VALUE = "fake"
@@ -21,8 +23,6 @@ def gpu_node_manifest(
     labels: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """A v1 Node that kwok keeps Ready, with `nvidia.com/gpu` capacity and GFD labels."""
-    from dynamo_snapshot.api import protocol  # TODO(reconcile): top-level once api lands
-
     node_labels = {
         "kubernetes.io/hostname": name,
         "kubernetes.io/os": "linux",

@@ -1,0 +1,116 @@
+"""DynamoCheckpoint (nvidia.com/v1alpha1): one checkpoint of a warm worker, and the Job that makes it.
+
+Follows Dynamo's DynamoCheckpoint (deploy/operator/api/v1alpha1) so checkpoints created by either
+operator are readable by the other.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
+
+from dynamo_snapshot.api.identity import CheckpointIdentity
+from dynamo_snapshot.api.kube import (
+    Condition,
+    CustomResource,
+    KubeModel,
+    NonNegativeInt32,
+    PositiveInt32,
+    PrinterColumn,
+    ResourceInfo,
+    Timestamp,
+)
+from dynamo_snapshot.api.protocol import API_GROUP, API_VERSION
+
+__all__ = [
+    "IDENTITY_IMMUTABLE_MESSAGE",
+    "CheckpointJobConfig",
+    "CheckpointPhase",
+    "DynamoCheckpoint",
+    "DynamoCheckpointSpec",
+    "DynamoCheckpointStatus",
+    "StorageType",
+]
+
+IDENTITY_IMMUTABLE_MESSAGE = (
+    "identity is immutable once set: create a new DynamoCheckpoint for a different identity"
+)
+
+
+class CheckpointJobConfig(KubeModel):
+    """The Job that starts the worker, waits until it is warm and checkpoints it."""
+
+    pod_template_spec: dict[str, Any] = Field(
+        description="A Kubernetes PodTemplateSpec running the worker to checkpoint."
+    )
+    active_deadline_seconds: PositiveInt32 = Field(
+        default=3600, description="How long the Job may run before it is failed."
+    )
+    backoff_limit: NonNegativeInt32 = Field(default=3, description="Retries before the Job is failed.")
+    ttl_seconds_after_finished: NonNegativeInt32 = Field(
+        default=300, description="How long a finished Job is kept."
+    )
+
+
+class DynamoCheckpointSpec(KubeModel):
+    identity: CheckpointIdentity = Field(
+        description="What the checkpoint captures; decides its identity hash.",
+        json_schema_extra={
+            "x-kubernetes-validations": [{"rule": "self == oldSelf", "message": IDENTITY_IMMUTABLE_MESSAGE}]
+        },
+    )
+    job: CheckpointJobConfig
+
+
+class CheckpointPhase(StrEnum):
+    PENDING = "Pending"
+    CREATING = "Creating"
+    READY = "Ready"
+    FAILED = "Failed"
+
+
+class StorageType(StrEnum):
+    PVC = "pvc"
+    S3 = "s3"
+    OCI = "oci"
+
+
+class DynamoCheckpointStatus(KubeModel):
+    phase: CheckpointPhase | None = None
+    identity_hash: str | None = Field(default=None, description="Hash of spec.identity.")
+    location: str | None = Field(default=None, description="Where the checkpoint is stored.")
+    storage_type: StorageType | None = None
+    job_name: str | None = Field(default=None, description="The checkpoint Job.")
+    created_at: Timestamp | None = Field(default=None, description="When the checkpoint became ready.")
+    message: str | None = None
+    conditions: list[Condition] | None = Field(
+        default=None,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+
+
+class DynamoCheckpoint(CustomResource):
+    """A checkpoint of a warm worker that new replicas with the same identity restore from."""
+
+    resource: ClassVar[ResourceInfo] = ResourceInfo(
+        group=API_GROUP,
+        version=API_VERSION,
+        kind="DynamoCheckpoint",
+        plural="dynamocheckpoints",
+        singular="dynamocheckpoint",
+        short_names=("dckpt",),
+        printer_columns=(
+            PrinterColumn("Model", ".spec.identity.model", description="Model identifier"),
+            PrinterColumn("Backend", ".spec.identity.backendFramework", description="Backend framework"),
+            PrinterColumn("Phase", ".status.phase", description="Phase of the checkpoint"),
+            PrinterColumn("Hash", ".status.identityHash", description="Identity hash"),
+            PrinterColumn("Age", ".metadata.creationTimestamp", type="date"),
+        ),
+    )
+
+    api_version: Literal["nvidia.com/v1alpha1"] = "nvidia.com/v1alpha1"
+    kind: Literal["DynamoCheckpoint"] = "DynamoCheckpoint"
+    spec: DynamoCheckpointSpec
+    status: DynamoCheckpointStatus | None = None

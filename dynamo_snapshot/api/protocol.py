@@ -1,0 +1,150 @@
+"""Every name the controller, the node agent and the workload use to talk to each other.
+
+This is the one place these strings are spelled; import them from here.  Where NVIDIA Dynamo's own
+snapshot code already has a name for the same thing (ai-dynamo/dynamo deploy/snapshot, and the
+snapshotprotocol package of its operator), the spelling is Dynamo's, so pods and checkpoints stay
+readable by Dynamo's tooling.  Bump ``PROTOCOL_VERSION`` whenever a name or meaning here changes in a
+way an older agent or workload would misread.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Final
+
+__all__ = [
+    "ANNOTATION_CHECKPOINT_LOCATION",
+    "ANNOTATION_CHECKPOINT_MESSAGE",
+    "ANNOTATION_CHECKPOINT_STATUS",
+    "ANNOTATION_CHECKPOINT_STORAGE_TYPE",
+    "ANNOTATION_CHECKPOINT_TIMINGS",
+    "ANNOTATION_RESTORE_CONTAINER_ID",
+    "ANNOTATION_RESTORE_FROM",
+    "ANNOTATION_RESTORE_MESSAGE",
+    "ANNOTATION_RESTORE_STATUS",
+    "ANNOTATION_RESTORE_TIMINGS",
+    "ANNOTATION_TARGET_CONTAINERS",
+    "API_GROUP",
+    "API_VERSION",
+    "CONTROL_MOUNT_PATH",
+    "CONTROL_VOLUME_NAME",
+    "ENV_CONTROL_DIR",
+    "ENV_CONTROL_DIRS",
+    "ENV_CONTROL_DIR_LEGACY",
+    "FILE_READY_FOR_CHECKPOINT",
+    "FILE_RESTORE_COMPLETE",
+    "FILE_SNAPSHOT_COMPLETE",
+    "FINALIZER",
+    "LABEL_CHECKPOINT_HASH",
+    "LABEL_CHECKPOINT_ID",
+    "LABEL_CHECKPOINT_SOURCE",
+    "LABEL_CUDA_DRIVER_MAJOR",
+    "LABEL_GPU_COUNT",
+    "LABEL_GPU_PRESENT",
+    "LABEL_GPU_PRODUCT",
+    "LABEL_RESTORE_TARGET",
+    "PROTOCOL_VERSION",
+    "RESOURCE_GPU",
+    "TRUE",
+    "SnapshotStatus",
+    "per_container",
+]
+
+PROTOCOL_VERSION: Final = "1"
+
+API_GROUP: Final = "nvidia.com"
+API_VERSION: Final = "v1alpha1"
+
+# Label values that are flags are the string "true": label values cannot be booleans.
+TRUE: Final = "true"
+
+# --- Pod labels (selectors for the controller's and agent's watches) -------------------------------
+LABEL_CHECKPOINT_HASH: Final = "nvidia.com/snapshot-checkpoint-hash"
+LABEL_CHECKPOINT_SOURCE: Final = "nvidia.com/snapshot-is-checkpoint-source"
+LABEL_CHECKPOINT_ID: Final = "nvidia.com/snapshot-checkpoint-id"
+LABEL_RESTORE_TARGET: Final = "nvidia.com/snapshot-is-restore-target"
+
+# --- Pod annotations -----------------------------------------------------------------------------
+# Names the checkpoint (a DynamoCheckpoint in the pod's namespace) to restore into the pod.
+ANNOTATION_RESTORE_FROM: Final = "nvidia.com/restore-from"
+# Comma-separated container names to checkpoint or restore; other containers are left alone.
+ANNOTATION_TARGET_CONTAINERS: Final = "nvidia.com/snapshot-target-containers"
+ANNOTATION_CHECKPOINT_LOCATION: Final = "nvidia.com/snapshot-checkpoint-location"
+ANNOTATION_CHECKPOINT_STORAGE_TYPE: Final = "nvidia.com/snapshot-checkpoint-storage-type"
+
+# Progress the node agent reports, one key per container: use per_container(...) for the full key.
+ANNOTATION_CHECKPOINT_STATUS: Final = "nvidia.com/snapshot-checkpoint-status"
+ANNOTATION_RESTORE_STATUS: Final = "nvidia.com/snapshot-restore-status"
+ANNOTATION_CHECKPOINT_MESSAGE: Final = "nvidia.com/snapshot-checkpoint-message"
+ANNOTATION_RESTORE_MESSAGE: Final = "nvidia.com/snapshot-restore-message"
+# JSON object of phase name -> seconds, for the startup-latency report.
+ANNOTATION_CHECKPOINT_TIMINGS: Final = "nvidia.com/snapshot-checkpoint-timings"
+ANNOTATION_RESTORE_TIMINGS: Final = "nvidia.com/snapshot-restore-timings"
+# The container ID a restore went into, so a restarted container is not mistaken for a restored one.
+ANNOTATION_RESTORE_CONTAINER_ID: Final = "nvidia.com/snapshot-restore-container-id"
+
+
+class SnapshotStatus(StrEnum):
+    """Value of the per-container checkpoint and restore status annotations."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+    @classmethod
+    def parse(cls, value: str) -> SnapshotStatus:
+        """Read a status annotation, including Dynamo's agent's spelling of a restore under way."""
+        if value == "in_progress":
+            return cls.RUNNING
+        return cls(value)
+
+    @property
+    def terminal(self) -> bool:
+        return self in (SnapshotStatus.COMPLETED, SnapshotStatus.FAILED)
+
+
+# An annotation key's name part (after the '/') is a qualified name of at most 63 characters.
+_QUALIFIED_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+
+
+def per_container(annotation: str, container: str) -> str:
+    """The per-container form of a status annotation: ``<annotation>.<container>``.
+
+    Raises ValueError when the key would not be a valid annotation key, which long container names
+    can cause; the agent must then fail the operation rather than write somewhere nobody reads.
+    """
+    key = f"{annotation}.{container}"
+    _, _, name = key.partition("/")
+    if len(name) > 63 or not _QUALIFIED_NAME.match(name):
+        raise ValueError(f"container name {container!r} gives an invalid annotation key {key!r}")
+    return key
+
+
+# --- The control volume shared by the workload and the node agent ----------------------------------
+CONTROL_VOLUME_NAME: Final = "snapshot-control"
+CONTROL_MOUNT_PATH: Final = "/snapshot-control"
+ENV_CONTROL_DIR: Final = "SNAPSHOT_CONTROL_DIR"
+# Dynamo's workers (dynamo.common.snapshot) still read this name.
+ENV_CONTROL_DIR_LEGACY: Final = "DYN_SNAPSHOT_CONTROL_DIR"
+# Pods get both, so old and new workloads find the directory.
+ENV_CONTROL_DIRS: Final = (ENV_CONTROL_DIR, ENV_CONTROL_DIR_LEGACY)
+
+# Sentinel files in the control directory.
+# Written by the workload once its engine is loaded and it is safe to checkpoint.
+FILE_READY_FOR_CHECKPOINT: Final = "ready-for-checkpoint"
+# Written by the agent once a restore has finished and the workload may resume.
+FILE_RESTORE_COMPLETE: Final = "restore-complete"
+# Written by the agent after a successful dump; Dynamo workloads that survive a dump wait for it.
+FILE_SNAPSHOT_COMPLETE: Final = "snapshot-complete"
+
+# Held on DynamoCheckpoints until their stored artifact is removed.
+FINALIZER: Final = "snapshot.nvidia.com/finalizer"
+
+# --- GPU node labels (NVIDIA GPU feature discovery) and the device-plugin resource -----------------
+LABEL_GPU_PRODUCT: Final = "nvidia.com/gpu.product"
+LABEL_GPU_COUNT: Final = "nvidia.com/gpu.count"
+LABEL_CUDA_DRIVER_MAJOR: Final = "nvidia.com/cuda.driver.major"
+LABEL_GPU_PRESENT: Final = "nvidia.com/gpu.present"
+RESOURCE_GPU: Final = "nvidia.com/gpu"

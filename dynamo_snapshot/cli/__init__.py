@@ -1,0 +1,1 @@
+"""The `dynamo-snapshot` command line (top layer: may import everything below it)."""

@@ -1,0 +1,248 @@
+"""The generated CRDs on a real kube-apiserver: Dynamo manifests apply unchanged and come back whole,
+and bad input is refused by the apiserver itself with a message naming the field."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes_asyncio import client
+from pydantic import ValidationError
+
+from dynamo_snapshot.api.checkpoint import IDENTITY_IMMUTABLE_MESSAGE, DynamoCheckpoint
+from dynamo_snapshot.api.graphdeployment import (
+    CHECKPOINT_NEEDS_SOURCE_MESSAGE,
+    MANUAL_NEEDS_REF_MESSAGE,
+    DynamoGraphDeployment,
+)
+from dynamo_snapshot.api.identity import compute_identity_hash
+from dynamo_snapshot.api.kube import CustomResource
+from dynamo_snapshot.api.protocol import API_GROUP, API_VERSION
+from dynamo_snapshot.api.resources import CUSTOM_RESOURCES
+from dynamo_snapshot.localcluster import LocalCluster
+from tests.api.examples import MANIFEST_DIR, MANIFEST_FILES, load_manifest
+
+pytestmark = pytest.mark.cluster
+
+MODELS: dict[str, type[CustomResource]] = {resource.resource.kind: resource for resource in CUSTOM_RESOURCES}
+
+
+def _lost(applied: Any, stored: Any, path: str = "") -> list[str]:
+    """Everything in ``applied`` that ``stored`` lacks or changed; additions (defaults) are fine."""
+    if isinstance(applied, dict):
+        if not isinstance(stored, dict):
+            return [f"{path}: became {stored!r}"]
+        return [
+            lost for key, value in applied.items() for lost in _lost(value, stored.get(key), f"{path}.{key}")
+        ]
+    if isinstance(applied, list):
+        if not isinstance(stored, list) or len(stored) != len(applied):
+            return [f"{path}: became {stored!r}"]
+        return [
+            lost
+            for index, item in enumerate(applied)
+            for lost in _lost(item, stored[index], f"{path}[{index}]")
+        ]
+    return [] if applied == stored else [f"{path}: {applied!r} became {stored!r}"]
+
+
+async def _read(api: client.ApiClient, namespace: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    plural = MODELS[manifest["kind"]].resource.plural
+    stored: dict[str, Any] = await client.CustomObjectsApi(api).get_namespaced_custom_object(
+        API_GROUP, API_VERSION, namespace, plural, manifest["metadata"]["name"]
+    )
+    return stored
+
+
+def _apply(cluster: LocalCluster, namespace: str, manifest: dict[str, Any]) -> None:
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
+
+
+def _refused(cluster: LocalCluster, namespace: str, manifest: dict[str, Any]) -> str:
+    """Apply ``manifest``, expecting the apiserver to refuse it; returns kubectl's error output."""
+    proc = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest), check=False)
+    assert proc.returncode != 0, f"the apiserver accepted {json.dumps(manifest)}:\n{proc.stdout}"
+    return proc.stderr
+
+
+def _checkpoint(name: str, **identity: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{API_GROUP}/{API_VERSION}",
+        "kind": "DynamoCheckpoint",
+        "metadata": {"name": name},
+        "spec": {
+            "identity": {"model": "Qwen/Qwen3-0.6B", "backendFramework": "vllm", **identity},
+            "job": {"podTemplateSpec": {"spec": {"containers": [{"name": "main", "image": "worker:1"}]}}},
+        },
+    }
+
+
+def _graph(name: str, checkpoint: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{API_GROUP}/{API_VERSION}",
+        "kind": "DynamoGraphDeployment",
+        "metadata": {"name": name},
+        "spec": {
+            "services": {"worker": {"componentType": "worker", "replicas": 1, "checkpoint": checkpoint}}
+        },
+    }
+
+
+# --- real manifests ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", MANIFEST_FILES, ids=[path.stem for path in MANIFEST_FILES])
+async def test_example_applies_unchanged_and_reads_back_whole(
+    cluster: LocalCluster, crds: list[str], api: client.ApiClient, namespace: str, path: Path
+) -> None:
+    manifest = load_manifest(path)
+    # The file itself, not a re-serialisation of it.
+    cluster.kubectl("apply", "-n", namespace, "-f", str(path))
+
+    stored = await _read(api, namespace, manifest)
+    assert _lost(manifest["spec"], stored["spec"]) == []
+    for key in ("labels", "annotations"):
+        assert _lost(manifest["metadata"].get(key, {}), stored["metadata"].get(key, {})) == []
+
+    model = MODELS[manifest["kind"]].model_validate(stored)
+    assert model.to_dict() == stored
+    assert _lost(manifest["spec"], model.to_dict()["spec"]) == []
+
+
+async def test_server_defaults_do_not_change_the_identity_hash(
+    cluster: LocalCluster, crds: list[str], api: client.ApiClient, namespace: str
+) -> None:
+    manifest = _checkpoint("defaults")
+    _apply(cluster, namespace, manifest)
+    stored = await _read(api, namespace, manifest)
+    identity = stored["spec"]["identity"]
+    assert (identity["tensorParallelSize"], identity["pipelineParallelSize"]) == (1, 1)
+    assert compute_identity_hash(identity) == compute_identity_hash(manifest["spec"]["identity"])
+    job = stored["spec"]["job"]
+    assert (job["activeDeadlineSeconds"], job["backoffLimit"], job["ttlSecondsAfterFinished"]) == (
+        3600,
+        3,
+        300,
+    )
+
+
+# --- refusals ------------------------------------------------------------------------------------
+
+
+def test_unknown_backend_framework_is_refused(cluster: LocalCluster, crds: list[str], namespace: str) -> None:
+    manifest = _checkpoint("bad-backend", backendFramework="tensorflow")
+    with pytest.raises(ValidationError, match="backendFramework"):
+        DynamoCheckpoint.model_validate(manifest)
+    error = _refused(cluster, namespace, manifest)
+    assert "spec.identity.backendFramework" in error
+    assert "tensorflow" in error
+
+
+def test_unknown_backend_framework_in_a_service_is_refused(
+    cluster: LocalCluster, crds: list[str], namespace: str
+) -> None:
+    manifest = _graph(
+        "bad-backend", {"enabled": True, "identity": {"model": "m", "backendFramework": "onnx"}}
+    )
+    with pytest.raises(ValidationError, match="backendFramework"):
+        DynamoGraphDeployment.model_validate(manifest)
+    error = _refused(cluster, namespace, manifest)
+    assert "checkpoint.identity.backendFramework" in error
+    assert "onnx" in error
+
+
+@pytest.mark.parametrize("size", [0, -2])
+def test_non_positive_tensor_parallel_size_is_refused(
+    cluster: LocalCluster, crds: list[str], namespace: str, size: int
+) -> None:
+    manifest = _checkpoint(f"tp{size}".replace("-", "minus"), tensorParallelSize=size)
+    with pytest.raises(ValidationError, match="tensorParallelSize"):
+        DynamoCheckpoint.model_validate(manifest)
+    error = _refused(cluster, namespace, manifest)
+    assert "spec.identity.tensorParallelSize" in error
+    assert "greater than or equal to 1" in error
+
+
+async def test_identity_is_immutable(
+    cluster: LocalCluster, crds: list[str], api: client.ApiClient, namespace: str
+) -> None:
+    manifest = _checkpoint("immutable", dtype="bfloat16")
+    _apply(cluster, namespace, manifest)
+
+    changed = copy.deepcopy(manifest)
+    changed["spec"]["identity"]["model"] = "Qwen/Qwen3-8B"
+    error = _refused(cluster, namespace, changed)
+    assert "spec.identity" in error
+    assert IDENTITY_IMMUTABLE_MESSAGE in error
+
+    added = copy.deepcopy(manifest)
+    added["spec"]["identity"]["maxModelLen"] = 4096
+    assert IDENTITY_IMMUTABLE_MESSAGE in _refused(cluster, namespace, added)
+
+    stored = await _read(api, namespace, manifest)
+    assert stored["spec"]["identity"]["model"] == "Qwen/Qwen3-0.6B"
+
+    # Only the identity is frozen: the Job settings may still change.
+    retimed = copy.deepcopy(manifest)
+    retimed["spec"]["job"]["activeDeadlineSeconds"] = 7200
+    _apply(cluster, namespace, retimed)
+    assert (await _read(api, namespace, manifest))["spec"]["job"]["activeDeadlineSeconds"] == 7200
+
+
+def test_enabled_checkpoint_without_ref_or_identity_is_refused(
+    cluster: LocalCluster, crds: list[str], namespace: str
+) -> None:
+    manifest = _graph("no-source", {"enabled": True, "mode": "Auto"})
+    with pytest.raises(ValidationError, match="checkpointRef"):
+        DynamoGraphDeployment.model_validate(manifest)
+    error = _refused(cluster, namespace, manifest)
+    assert "checkpoint" in error
+    assert CHECKPOINT_NEEDS_SOURCE_MESSAGE in error
+
+
+def test_manual_checkpoint_without_ref_is_refused(
+    cluster: LocalCluster, crds: list[str], namespace: str
+) -> None:
+    manifest = _graph(
+        "manual", {"enabled": True, "mode": "Manual", "identity": {"model": "m", "backendFramework": "vllm"}}
+    )
+    with pytest.raises(ValidationError, match="Manual"):
+        DynamoGraphDeployment.model_validate(manifest)
+    assert MANUAL_NEEDS_REF_MESSAGE in _refused(cluster, namespace, manifest)
+
+
+def test_disabled_checkpoint_needs_nothing(cluster: LocalCluster, crds: list[str], namespace: str) -> None:
+    manifest = _graph("disabled", {"enabled": False})
+    DynamoGraphDeployment.model_validate(manifest)
+    _apply(cluster, namespace, manifest)
+
+
+# --- kubectl get ---------------------------------------------------------------------------------
+
+
+def test_kubectl_get_dckpt_columns(cluster: LocalCluster, crds: list[str], namespace: str) -> None:
+    path = MANIFEST_DIR / "dckpt-qwen3-prewarm.yaml"
+    manifest = load_manifest(path)
+    name = manifest["metadata"]["name"]
+    cluster.kubectl("apply", "-n", namespace, "-f", str(path))
+    identity_hash = compute_identity_hash(manifest["spec"]["identity"])
+    status = {"status": {"phase": "Ready", "identityHash": identity_hash}}
+    cluster.kubectl(
+        "patch",
+        "dckpt",
+        name,
+        "-n",
+        namespace,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps(status),
+    )
+
+    header, *rows = cluster.kubectl("get", "dckpt", "-n", namespace).stdout.splitlines()
+    assert header.split() == ["NAME", "MODEL", "BACKEND", "PHASE", "HASH", "AGE"]
+    [row] = rows
+    assert row.split()[:5] == [name, "Qwen/Qwen3-0.6B", "vllm", "Ready", identity_hash]
