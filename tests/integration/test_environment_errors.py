@@ -23,7 +23,9 @@ def test_missing_binaries_name_each_and_the_fix(tmp_path: Path) -> None:
     with pytest.raises(ComponentsMissingError) as err:
         find_components(tmp_path)
     msg = str(err.value)
-    assert "kube-apiserver" in msg and "kwok" in msg and "etcd," not in msg
+    assert "kube-apiserver" in msg
+    assert "kwok" in msg
+    assert "etcd," not in msg
     assert "scripts/test-env.sh" in msg
     assert "\n" not in msg
 
@@ -83,7 +85,8 @@ def test_demo_reports_missing_components_in_one_line(tmp_path: Path) -> None:
     )
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
-    assert "demo failed: missing in" in proc.stderr and "scripts/test-env.sh" in proc.stderr
+    assert "demo failed: missing in" in proc.stderr
+    assert "scripts/test-env.sh" in proc.stderr
 
 
 @pytest.mark.cluster
@@ -106,5 +109,6 @@ def test_demo_brings_up_cluster_with_crds_and_gpu_nodes(tmp_path: Path) -> None:
         env={**os.environ, "COLUMNS": "300"},
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "ready" in proc.stderr and "1 fake H200 nodes" in proc.stderr
+    assert "ready" in proc.stderr
+    assert "1 fake H200 nodes" in proc.stderr
     assert "nvidia.com_dynamocheckpoints.yaml" in proc.stderr
