@@ -145,17 +145,20 @@ go_install() {  # name version module/cmd-path
 }
 go_install kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION"
 # kwok's own stage definitions (fast node start, lease heartbeats, fast pod lifecycle) from its module.
-if stamp_ok kwok-stages "$KWOK_VERSION" && [ -s "$BIN/kwok-stages.yaml" ]; then
+# Not pod-complete: it finishes every Job pod at once, while a checkpoint-source pod must keep running
+# until the node agent has checkpointed it.
+stages_rev="$KWOK_VERSION-r2"
+if stamp_ok kwok-stages "$stages_rev" && [ -s "$BIN/kwok-stages.yaml" ]; then
   say "kwok stages cached"
 else
   kdir=$(cd "$SRC" && GOFLAGS= go mod download -json "sigs.k8s.io/kwok@$KWOK_VERSION" | sed -n 's/^\t"Dir": "\(.*\)",$/\1/p')
   st=$kdir/kustomize/stage
   [ -d "$st" ] || die "kwok $KWOK_VERSION module has no kustomize/stage directory"
   for f in node/fast/node-initialize.yaml node/heartbeat-with-lease/node-heartbeat-with-lease.yaml \
-           pod/fast/pod-ready.yaml pod/fast/pod-complete.yaml pod/fast/pod-delete.yaml; do
+           pod/fast/pod-ready.yaml pod/fast/pod-delete.yaml; do
     printf -- '---\n'; cat "$st/$f"
   done > "$BIN/kwok-stages.yaml"
-  stamp kwok-stages "$KWOK_VERSION"
+  stamp kwok-stages "$stages_rev"
   say "kwok stages written to $BIN/kwok-stages.yaml"
 fi
 go_install helm "$HELM_VERSION" helm.sh/helm/v3/cmd/helm "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"

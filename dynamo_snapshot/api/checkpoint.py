@@ -26,6 +26,8 @@ from dynamo_snapshot.api.protocol import API_GROUP, API_VERSION
 
 __all__ = [
     "IDENTITY_IMMUTABLE_MESSAGE",
+    "MAX_FAILED_RESTORES_LISTED",
+    "CheckpointCompatibility",
     "CheckpointJobConfig",
     "CheckpointPhase",
     "DynamoCheckpoint",
@@ -77,6 +79,17 @@ class StorageType(StrEnum):
     OCI = "oci"
 
 
+class CheckpointCompatibility(KubeModel):
+    """The GPU environment the checkpoint was taken on; restores go only to nodes that match it."""
+
+    gpu_product: str | None = Field(default=None, description="nvidia.com/gpu.product of the source node.")
+    cuda_driver_major: str | None = Field(default=None, description="CUDA driver major version.")
+    gpu_count: NonNegativeInt32 | None = Field(default=None, description="GPUs the source worker used.")
+
+
+MAX_FAILED_RESTORES_LISTED = 20
+
+
 class DynamoCheckpointStatus(KubeModel):
     phase: CheckpointPhase | None = None
     identity_hash: str | None = Field(default=None, description="Hash of spec.identity.")
@@ -85,6 +98,12 @@ class DynamoCheckpointStatus(KubeModel):
     job_name: str | None = Field(default=None, description="The checkpoint Job.")
     created_at: Timestamp | None = Field(default=None, description="When the checkpoint became ready.")
     message: str | None = None
+    compatibility: CheckpointCompatibility | None = None
+    failed_restores: list[str] | None = Field(
+        default=None,
+        max_length=MAX_FAILED_RESTORES_LISTED,
+        description="Pods whose restore from this checkpoint failed; enough of them fail the checkpoint.",
+    )
     conditions: list[Condition] | None = Field(
         default=None,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},

@@ -19,6 +19,7 @@ __all__ = [
     "ANNOTATION_CHECKPOINT_STATUS",
     "ANNOTATION_CHECKPOINT_STORAGE_TYPE",
     "ANNOTATION_CHECKPOINT_TIMINGS",
+    "ANNOTATION_REPLACES",
     "ANNOTATION_RESTORE_CONTAINER_ID",
     "ANNOTATION_RESTORE_FROM",
     "ANNOTATION_RESTORE_MESSAGE",
@@ -43,11 +44,17 @@ __all__ = [
     "LABEL_GPU_COUNT",
     "LABEL_GPU_PRESENT",
     "LABEL_GPU_PRODUCT",
+    "LABEL_GRAPH",
+    "LABEL_MANAGED_BY",
     "LABEL_RESTORE_TARGET",
+    "LABEL_SERVICE",
+    "LABEL_START_MODE",
+    "MANAGED_BY_VALUE",
     "PROTOCOL_VERSION",
     "RESOURCE_GPU",
     "TRUE",
     "SnapshotStatus",
+    "StartMode",
     "per_container",
 ]
 
@@ -65,6 +72,23 @@ LABEL_CHECKPOINT_SOURCE: Final = "nvidia.com/snapshot-is-checkpoint-source"
 LABEL_CHECKPOINT_ID: Final = "nvidia.com/snapshot-checkpoint-id"
 LABEL_RESTORE_TARGET: Final = "nvidia.com/snapshot-is-restore-target"
 
+# --- Labels the controller puts on everything it creates (its informers select on them) -----------
+LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
+MANAGED_BY_VALUE: Final = "dynamo-snapshot"
+# The DynamoGraphDeployment and service a worker pod belongs to.
+LABEL_GRAPH: Final = "snapshot.nvidia.com/graph"
+LABEL_SERVICE: Final = "snapshot.nvidia.com/service"
+# How a worker pod starts: see StartMode.
+LABEL_START_MODE: Final = "snapshot.nvidia.com/start-mode"
+
+
+class StartMode(StrEnum):
+    """How a worker pod came to life; restore and cold start are counted apart in status and metrics."""
+
+    COLD = "cold"
+    RESTORE = "restore"
+
+
 # --- Pod annotations -----------------------------------------------------------------------------
 # Names the checkpoint (a DynamoCheckpoint in the pod's namespace) to restore into the pod.
 ANNOTATION_RESTORE_FROM: Final = "nvidia.com/restore-from"
@@ -81,6 +105,8 @@ ANNOTATION_RESTORE_MESSAGE: Final = "nvidia.com/snapshot-restore-message"
 # JSON object of phase name -> seconds, for the startup-latency report.
 ANNOTATION_CHECKPOINT_TIMINGS: Final = "nvidia.com/snapshot-checkpoint-timings"
 ANNOTATION_RESTORE_TIMINGS: Final = "nvidia.com/snapshot-restore-timings"
+# On a cold-start pod that replaces a failed restore: the failed pod's name (makes the swap idempotent).
+ANNOTATION_REPLACES: Final = "snapshot.nvidia.com/replaces"
 # The container ID a restore went into, so a restarted container is not mistaken for a restored one.
 ANNOTATION_RESTORE_CONTAINER_ID: Final = "nvidia.com/snapshot-restore-container-id"
 
