@@ -1,0 +1,1 @@
+"""The dynamo-snapshot controller: reconcilers on top of the generic runtime in ``runtime``."""

@@ -1,0 +1,46 @@
+"""metav1.Condition bookkeeping: a condition's lastTransitionTime moves only when its status changes."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+READY = "Ready"
+CHECKPOINT_READY = "CheckpointReady"
+PROGRESSING = "Progressing"
+DEGRADED = "Degraded"
+
+
+def now_rfc3339() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def set_condition(
+    conditions: list[dict[str, Any]],
+    type_: str,
+    status: bool,
+    reason: str,
+    message: str,
+    generation: int | None,
+) -> list[dict[str, Any]]:
+    """Return `conditions` with `type_` set; other types are kept as they are."""
+    value = "True" if status else "False"
+    old = next((c for c in conditions if c.get("type") == type_), None)
+    transition = old["lastTransitionTime"] if old and old.get("status") == value else now_rfc3339()
+    new = {
+        "type": type_,
+        "status": value,
+        "reason": reason,
+        "message": message[:32768],
+        "lastTransitionTime": transition,
+    }
+    if generation is not None:
+        new["observedGeneration"] = generation
+    return [c for c in conditions if c.get("type") != type_] + [new]
+
+
+def condition_is(obj: dict[str, Any], type_: str) -> bool:
+    for cond in (obj.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == type_:
+            return bool(cond.get("status") == "True")
+    return False

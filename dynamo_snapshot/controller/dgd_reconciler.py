@@ -1,0 +1,542 @@
+"""DynamoGraphDeployment reconcile: for every service with checkpointing enabled, make the worker pods the
+spec asks for exist — restored from a Ready checkpoint where there is one, cold-started otherwise — and
+report it in `status` and Events. Level-triggered: everything is derived from the caches on every run.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.checkpoint import CheckpointPhase, DynamoCheckpoint
+from dynamo_snapshot.api.graphdeployment import CheckpointMode, DGDState, DynamoGraphDeployment, ServiceSpec
+from dynamo_snapshot.api.identity import compute_identity_hash
+from dynamo_snapshot.controller import conditions as cond
+from dynamo_snapshot.controller.checkpoint_reconciler import agent_verdict
+from dynamo_snapshot.controller.context import PODS_CREATED, Context, validation_message
+from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD, POD
+from dynamo_snapshot.controller.podspec import (
+    checkpoint_job_template,
+    cold_start_pod,
+    owner_reference,
+    restore_pod,
+)
+from dynamo_snapshot.controller.runtime import (
+    NORMAL,
+    WARNING,
+    Obj,
+    Result,
+    conflict_retry,
+    is_already_exists,
+    is_not_found,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServiceOutcome:
+    """What one service's reconcile found, folded into the DGD's status and conditions."""
+
+    replicas: int = 0
+    ready: int = 0
+    restored: int = 0
+    cold: int = 0
+    desired: int = 0
+    checkpoint: dict[str, Any] | None = None
+    waiting: list[str] = field(default_factory=list)  # why the service cannot make progress yet
+    degraded: list[str] = field(default_factory=list)  # what is wrong right now
+    checkpoint_ready: bool = True
+
+
+def _active(pod: Obj) -> bool:
+    return not pod["metadata"].get("deletionTimestamp") and pod.get("status", {}).get("phase") not in (
+        "Succeeded",
+        "Failed",
+    )
+
+
+def _pod_ready(pod: Obj) -> bool:
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in pod.get("status", {}).get("conditions") or []
+    )
+
+
+def _mode(pod: Obj) -> str:
+    return str(
+        (pod["metadata"].get("labels") or {}).get(protocol.LABEL_START_MODE, protocol.StartMode.COLD.value)
+    )
+
+
+def _scale_down_order(pod: Obj) -> tuple[bool, str, str]:
+    # Not-ready pods first (they serve nothing yet), then the newest; name breaks ties deterministically.
+    return (_pod_ready(pod), _neg(pod["metadata"].get("creationTimestamp") or ""), pod["metadata"]["name"])
+
+
+def _neg(timestamp: str) -> str:
+    # RFC 3339 timestamps sort as strings; invert the digits so newer sorts first in an ascending sort.
+    return "".join(chr(ord("9") - ord(ch) + ord("0")) if ch.isdigit() else ch for ch in timestamp)
+
+
+class DGDReconciler:
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+
+    async def reconcile(self, key: str) -> Result | None:
+        ctx = self.ctx
+        obj = ctx.dgds.get(key)
+        if obj is None or obj["metadata"].get("deletionTimestamp"):
+            return None  # pods and Jobs carry ownerReferences: the garbage collector removes them
+        namespace, name = key.split("/", 1)
+        generation = obj["metadata"].get("generation")
+        status: dict[str, Any] = dict(obj.get("status") or {})
+        try:
+            dgd = DynamoGraphDeployment.model_validate(obj)
+        except ValidationError as e:
+            msg = f"invalid spec, nothing changed: {validation_message(e)}"
+            ctx.recorder.record(obj, WARNING, "InvalidSpec", msg)
+            conds = cond.set_condition(
+                status.get("conditions") or [], cond.DEGRADED, True, "InvalidSpec", msg, generation
+            )
+            await self._write_status(obj, {**status, "conditions": conds, "observedGeneration": generation})
+            return None
+
+        outcomes: dict[str, ServiceOutcome] = {}
+        requeue = False
+        services = dgd.spec.services or {}
+        for svc_name, svc in services.items():
+            if svc.checkpoint is None or not svc.checkpoint.enabled:
+                await self._release_service(obj, svc_name)
+                continue
+            outcome, again = await self._reconcile_service(obj, dgd, svc_name, svc, status)
+            outcomes[svc_name] = outcome
+            requeue = requeue or again
+        for stale in {
+            p["metadata"]["labels"][protocol.LABEL_SERVICE] for p in ctx.pods_of(namespace, name)
+        } - set(outcomes):
+            if stale not in services:
+                await self._release_service(obj, stale)
+
+        await self._write_status(obj, self._status(status, outcomes, generation))
+        # Pod creations show up through the pod informer; a requeue covers writes that were refused.
+        return Result(requeue=True) if requeue else None
+
+    # ------------------------------------------------------------------ one service
+    async def _reconcile_service(
+        self, obj: Obj, dgd: DynamoGraphDeployment, svc_name: str, svc: ServiceSpec, status: dict[str, Any]
+    ) -> tuple[ServiceOutcome, bool]:
+        ctx = self.ctx
+        namespace, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        assert svc.checkpoint is not None
+        out = ServiceOutcome(desired=svc.replicas if svc.replicas is not None else 1)
+        _, ckpt = await self._resolve_checkpoint(obj, dgd, svc_name, svc, status, out)
+        ready_ckpt = ckpt if ckpt and ckpt.status and ckpt.status.phase == CheckpointPhase.READY else None
+        ref_mode = bool(svc.checkpoint.checkpoint_ref)
+
+        owner = (f"{namespace}/{name}", svc_name)
+        again = False
+        for pod in [p for p in self._live_pods(owner) if self._restore_failed(p)]:
+            await self._replace_failed_restore(obj, dgd, svc_name, pod)
+            again = True
+        # Cache and expectations are read together, with no await in between: an informer event handled
+        # during an await would otherwise move a pod out of the expectations before we count the cache.
+        pods = self._live_pods(owner)
+        count = len(pods) + len(
+            ctx.expectations.pending_creates(owner, {p["metadata"]["name"] for p in pods})
+        )
+
+        compat = ready_ckpt.status.compatibility if ready_ckpt and ready_ckpt.status else None
+        if ready_ckpt is not None and ctx.compatible_nodes(compat) == 0:
+            # Level, not edge: the service stays Degraded for as long as no node can take a restore.
+            out.degraded.append(
+                f"no Ready node matches checkpoint {ready_ckpt.metadata.name} "
+                f"(gpu.product={compat.gpu_product if compat else '?'}, "
+                f"cuda.driver.major={compat.cuda_driver_major if compat else '?'}, "
+                f"gpus>={compat.gpu_count if compat else '?'}); new replicas start cold"
+            )
+            ready_ckpt = None
+        if count < out.desired:
+            missing = out.desired - count
+            if out.degraded:
+                ctx.recorder.record(obj, WARNING, "NoCompatibleNode", out.degraded[-1])
+            # checkpointRef mode waits for its checkpoint (out.waiting says why) unless something is wrong
+            # with it, in which case capacity by cold start beats none at all.
+            if ready_ckpt is not None or not ref_mode or out.degraded:
+                await self._create_pods(obj, dgd, svc_name, owner, missing, ready_ckpt)
+        elif count > out.desired:
+            extra = sorted(pods, key=_scale_down_order)[: count - out.desired]
+            await self._delete_pods(obj, owner, extra, "ScaledDown")
+
+        pods = [p for p in ctx.pods_of(namespace, name, svc_name) if _active(p)]
+        out.replicas = len(pods)
+        out.ready = sum(1 for p in pods if _pod_ready(p))
+        out.restored = sum(1 for p in pods if _mode(p) == protocol.StartMode.RESTORE.value)
+        out.cold = out.replicas - out.restored
+        return out, again
+
+    async def _resolve_checkpoint(
+        self,
+        obj: Obj,
+        dgd: DynamoGraphDeployment,
+        svc_name: str,
+        svc: ServiceSpec,
+        status: dict[str, Any],
+        out: ServiceOutcome,
+    ) -> tuple[Obj | None, DynamoCheckpoint | None]:
+        """Find (checkpointRef) or find-or-create (Auto) the service's DynamoCheckpoint."""
+        ctx = self.ctx
+        namespace = dgd.metadata.namespace or ""
+        cfg = svc.checkpoint
+        assert cfg is not None
+        previous = (status.get("checkpoints") or {}).get(svc_name) or {}
+        if cfg.checkpoint_ref:
+            ckpt_obj = ctx.checkpoints.get(f"{namespace}/{cfg.checkpoint_ref}")
+            if ckpt_obj is None:
+                msg = (
+                    f"DynamoCheckpoint {cfg.checkpoint_ref!r} not found in namespace {namespace}; "
+                    f"service {svc_name} waits for it"
+                )
+                ctx.recorder.record(obj, WARNING, "CheckpointNotFound", msg)
+                out.waiting.append(msg)
+                out.checkpoint_ready = False
+                out.checkpoint = {"checkpointName": cfg.checkpoint_ref, "ready": False}
+                return None, None
+        else:
+            if cfg.mode is not CheckpointMode.AUTO or cfg.identity is None:
+                out.checkpoint_ready = False
+                return None, None
+            identity_hash = compute_identity_hash(cfg.identity)
+            if previous.get("identityHash") and previous["identityHash"] != identity_hash:
+                ctx.recorder.record(
+                    obj,
+                    WARNING,
+                    "IdentityChanged",
+                    f"service {svc_name}: checkpoint identity changed from {previous['identityHash']} to "
+                    f"{identity_hash}; running replicas are kept, "
+                    "new replicas use the new checkpoint once Ready",
+                )
+            ckpt_obj = ctx.checkpoint_by_hash(namespace, identity_hash)
+            if ckpt_obj is None:
+                ckpt_obj = await self._create_checkpoint(obj, dgd, svc_name, identity_hash)
+            else:
+                await self._share_checkpoint(obj, ckpt_obj)
+        try:
+            ckpt = DynamoCheckpoint.model_validate(ckpt_obj)
+        except ValidationError as e:
+            out.degraded.append(
+                f"DynamoCheckpoint {ckpt_obj['metadata']['name']} is invalid: {validation_message(e)}"
+            )
+            out.checkpoint_ready = False
+            return None, None
+        phase = ckpt.status.phase if ckpt.status else None
+        ready = phase == CheckpointPhase.READY
+        out.checkpoint_ready = ready
+        out.checkpoint = {
+            "checkpointName": ckpt.metadata.name,
+            "identityHash": (ckpt.status.identity_hash if ckpt.status else None)
+            or compute_identity_hash(ckpt.spec.identity),
+            "ready": ready,
+        }
+        if not ready:
+            why = (ckpt.status.message if ckpt.status else None) or "not taken yet"
+            state = phase.value if phase else CheckpointPhase.PENDING.value
+            note = f"checkpoint {ckpt.metadata.name} is {state}: {why}"
+            (out.degraded if phase == CheckpointPhase.FAILED else out.waiting).append(note)
+        return ckpt_obj, ckpt
+
+    async def _create_checkpoint(
+        self, obj: Obj, dgd: DynamoGraphDeployment, svc_name: str, identity_hash: str
+    ) -> Obj:
+        ctx = self.ctx
+        namespace = dgd.metadata.namespace or ""
+        svc = (dgd.spec.services or {})[svc_name]
+        assert svc.checkpoint is not None
+        assert svc.checkpoint.identity is not None
+        body: Obj = {
+            "apiVersion": CHECKPOINT.api_version,
+            "kind": CHECKPOINT.kind,
+            "metadata": {
+                "name": identity_hash,
+                "namespace": namespace,
+                "labels": {
+                    protocol.LABEL_MANAGED_BY: protocol.MANAGED_BY_VALUE,
+                    protocol.LABEL_CHECKPOINT_HASH: identity_hash,
+                },
+                # Not a controller reference: DGDs that share an identity share the checkpoint, and the
+                # garbage collector keeps it while any of them remains.
+                "ownerReferences": [owner_reference(obj, controller=False)],
+            },
+            "spec": {
+                "identity": svc.checkpoint.identity.model_dump(by_alias=True, exclude_none=True, mode="json"),
+                "job": {"podTemplateSpec": checkpoint_job_template(dgd, svc_name)},
+            },
+        }
+        try:
+            created = await ctx.kube.create(CHECKPOINT, body)
+            ctx.recorder.record(
+                obj,
+                NORMAL,
+                "CheckpointCreated",
+                f"created DynamoCheckpoint {identity_hash} for service {svc_name} (Auto mode)",
+            )
+        except Exception as e:
+            if not is_already_exists(e):
+                raise
+            created = await ctx.kube.get(CHECKPOINT, identity_hash, namespace)
+            await self._share_checkpoint(obj, created)
+        ctx.recent_checkpoints[(namespace, identity_hash)] = created["metadata"]["name"]
+        return created
+
+    async def _share_checkpoint(self, obj: Obj, ckpt_obj: Obj) -> None:
+        """Add this DGD to the checkpoint's owners so deleting one sharer does not delete it."""
+        uid = obj["metadata"]["uid"]
+        if any(r.get("uid") == uid for r in ckpt_obj["metadata"].get("ownerReferences") or []):
+            return
+        if (ckpt_obj["metadata"].get("labels") or {}).get(
+            protocol.LABEL_MANAGED_BY
+        ) != protocol.MANAGED_BY_VALUE:
+            return  # a user's pre-warmed checkpoint: it lives as long as the user keeps it
+        ns, name = ckpt_obj["metadata"]["namespace"], ckpt_obj["metadata"]["name"]
+
+        async def add_owner() -> None:
+            fresh = await self.ctx.kube.get(CHECKPOINT, name, ns)
+            refs = fresh["metadata"].get("ownerReferences") or []
+            if any(r.get("uid") == uid for r in refs):
+                return
+            await self.ctx.kube.json_patch(
+                CHECKPOINT,
+                name,
+                [
+                    {
+                        "op": "test",
+                        "path": "/metadata/resourceVersion",
+                        "value": fresh["metadata"]["resourceVersion"],
+                    },
+                    {
+                        "op": "add",
+                        "path": "/metadata/ownerReferences",
+                        "value": [*refs, owner_reference(obj, controller=False)],
+                    },
+                ],
+                ns,
+            )
+
+        await conflict_retry(add_owner)
+
+    # ------------------------------------------------------------------ pods
+    def _live_pods(self, owner: tuple[str, str]) -> list[Obj]:
+        """The service's pods that count as replicas: running or starting, and not being deleted by us."""
+        namespace, graph = owner[0].split("/", 1)
+        return [
+            p
+            for p in self.ctx.pods_of(namespace, graph, owner[1])
+            if _active(p) and not self.ctx.expectations.pending_delete(owner, p["metadata"]["name"])
+        ]
+
+    def _restore_failed(self, pod: Obj) -> bool:
+        if _mode(pod) != protocol.StartMode.RESTORE.value:
+            return False
+        verdict, _ = agent_verdict(
+            pod, protocol.ANNOTATION_RESTORE_STATUS, protocol.ANNOTATION_RESTORE_MESSAGE
+        )
+        return verdict is protocol.SnapshotStatus.FAILED
+
+    async def _create_pods(
+        self,
+        obj: Obj,
+        dgd: DynamoGraphDeployment,
+        svc_name: str,
+        owner: tuple[str, str],
+        count: int,
+        ckpt: DynamoCheckpoint | None,
+    ) -> None:
+        ctx = self.ctx
+        mode = protocol.StartMode.RESTORE if ckpt is not None else protocol.StartMode.COLD
+        for _ in range(count):
+            pod = (
+                restore_pod(obj, dgd, svc_name, ckpt)
+                if ckpt is not None
+                else cold_start_pod(obj, dgd, svc_name)
+            )
+            ctx.expectations.expect_create(owner, pod["metadata"]["name"])
+            try:
+                await ctx.kube.create(POD, pod)
+            except Exception:
+                ctx.expectations.observed(owner, pod["metadata"]["name"])
+                raise
+            PODS_CREATED.labels(mode.value).inc()
+        ctx.observe_scale_latency(owner[0], count)
+        how = f"by restore from {ckpt.metadata.name}" if ckpt is not None else "by cold start"
+        ctx.recorder.record(
+            obj, NORMAL, "ScaledUp", f"service {svc_name}: created {count} worker pod(s) {how}"
+        )
+
+    async def _delete_pods(self, obj: Obj, owner: tuple[str, str], pods: list[Obj], reason: str) -> None:
+        for pod in pods:
+            pname = pod["metadata"]["name"]
+            self.ctx.expectations.expect_delete(owner, pname)
+            try:
+                await self.ctx.kube.delete(
+                    POD, pname, pod["metadata"]["namespace"], uid=pod["metadata"].get("uid")
+                )
+            except Exception as e:
+                if not is_not_found(e):
+                    raise
+        names = ", ".join(p["metadata"]["name"] for p in pods)
+        self.ctx.recorder.record(
+            obj, NORMAL, reason, f"service {owner[1]}: deleted {len(pods)} pod(s): {names}"
+        )
+
+    async def _replace_failed_restore(
+        self, obj: Obj, dgd: DynamoGraphDeployment, svc_name: str, pod: Obj
+    ) -> None:
+        """Swap a pod whose restore failed for a cold start, and count the failure against the checkpoint.
+
+        Every step is idempotent (deterministic replacement name, set-like failure list), so a controller
+        killed half-way finishes the swap on its next run without doubling anything.
+        """
+        ctx = self.ctx
+        pname, ns = pod["metadata"]["name"], pod["metadata"]["namespace"]
+        _, message = agent_verdict(
+            pod, protocol.ANNOTATION_RESTORE_STATUS, protocol.ANNOTATION_RESTORE_MESSAGE
+        )
+        ckpt_name = (pod["metadata"].get("annotations") or {}).get(protocol.ANNOTATION_RESTORE_FROM, "")
+        replacement = cold_start_pod(obj, dgd, svc_name, name=f"{pname}-cold"[:63], replaces=pname)
+        owner = (f"{ns}/{obj['metadata']['name']}", svc_name)
+        ctx.expectations.expect_create(owner, replacement["metadata"]["name"])
+        try:
+            await ctx.kube.create(POD, replacement)
+            PODS_CREATED.labels(protocol.StartMode.COLD.value).inc()
+        except Exception as e:
+            if not is_already_exists(e):
+                ctx.expectations.observed(owner, replacement["metadata"]["name"])
+                raise
+        if ckpt_name:
+            await self._record_restore_failure(ns, ckpt_name, pname)
+        await self._delete_pods(obj, owner, [pod], "RestoreReplaced")
+        ctx.recorder.record(
+            obj,
+            WARNING,
+            "RestoreFailed",
+            f"service {svc_name}: restore of pod {pname} from {ckpt_name or '?'} failed "
+            f"({message or 'no reason given'}); replaced by cold-start pod {replacement['metadata']['name']}",
+        )
+
+    async def _record_restore_failure(self, namespace: str, ckpt_name: str, pod_name: str) -> None:
+        kube = self.ctx.kube
+
+        async def add() -> None:
+            try:
+                fresh = await kube.get(CHECKPOINT, ckpt_name, namespace)
+            except Exception as e:
+                if is_not_found(e):
+                    return
+                raise
+            failures = list((fresh.get("status") or {}).get("failedRestores") or [])
+            if pod_name in failures:
+                return
+            failures = [*failures, pod_name][-20:]
+            await kube.json_patch(
+                CHECKPOINT,
+                ckpt_name,
+                [
+                    {
+                        "op": "test",
+                        "path": "/metadata/resourceVersion",
+                        "value": fresh["metadata"]["resourceVersion"],
+                    },
+                    {"op": "add", "path": "/status/failedRestores", "value": failures},
+                ],
+                namespace,
+                subresource="status",
+            )
+
+        await conflict_retry(add)
+
+    async def _release_service(self, obj: Obj, svc_name: str) -> None:
+        """Checkpointing turned off, or the service removed: our pods for it go, nothing else does."""
+        ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        pods = [p for p in self.ctx.pods_of(ns, name, svc_name) if not p["metadata"].get("deletionTimestamp")]
+        if pods:
+            await self._delete_pods(obj, (f"{ns}/{name}", svc_name), pods, "ServiceReleased")
+
+    # ------------------------------------------------------------------ status
+    def _status(
+        self, old: dict[str, Any], outcomes: dict[str, ServiceOutcome], generation: int | None
+    ) -> dict[str, Any]:
+        waiting = [w for o in outcomes.values() for w in o.waiting]
+        degraded = [d for o in outcomes.values() for d in o.degraded]
+        short = [f"{s}: {o.replicas}/{o.desired}" for s, o in outcomes.items() if o.ready < o.desired]
+        all_ready = not short and not degraded
+        ckpt_ready = all(o.checkpoint_ready for o in outcomes.values())
+        conds: list[dict[str, Any]] = list(old.get("conditions") or [])
+        conds = cond.set_condition(
+            conds,
+            cond.READY,
+            all_ready,
+            "AllReplicasReady" if all_ready else "ReplicasNotReady",
+            "all services have their desired ready replicas"
+            if all_ready
+            else "not ready: " + "; ".join(short or degraded),
+            generation,
+        )
+        conds = cond.set_condition(
+            conds,
+            cond.CHECKPOINT_READY,
+            ckpt_ready,
+            "CheckpointsReady" if ckpt_ready else "CheckpointNotReady",
+            "every checkpointed service has a Ready checkpoint"
+            if ckpt_ready
+            else "; ".join(waiting + degraded) or "pending",
+            generation,
+        )
+        progressing = bool(short) and not degraded
+        conds = cond.set_condition(
+            conds,
+            cond.PROGRESSING,
+            progressing,
+            "ScalingReplicas" if progressing else "Stable",
+            "; ".join(short + waiting) if progressing else "no change in progress",
+            generation,
+        )
+        conds = cond.set_condition(
+            conds,
+            cond.DEGRADED,
+            bool(degraded),
+            "Degraded" if degraded else "Healthy",
+            "; ".join(degraded) if degraded else "no problem detected",
+            generation,
+        )
+        state = DGDState.SUCCESSFUL if all_ready else DGDState.FAILED if degraded else DGDState.PENDING
+        return {
+            **old,
+            "observedGeneration": generation,
+            "state": state.value,
+            "conditions": conds,
+            "services": {
+                s: {
+                    "replicas": o.replicas,
+                    "readyReplicas": o.ready,
+                    "restoredReplicas": o.restored,
+                    "coldStartedReplicas": o.cold,
+                }
+                for s, o in outcomes.items()
+            },
+            "checkpoints": {s: o.checkpoint for s, o in outcomes.items() if o.checkpoint is not None},
+        }
+
+    async def _write_status(self, obj: Obj, status: dict[str, Any]) -> None:
+        if status == (obj.get("status") or {}):
+            return
+        # Replace rather than merge: maps of services that disappeared must disappear from status too.
+        body = {**obj, "status": status}
+        try:
+            await self.ctx.kube.replace_status(DGD, body)
+        except Exception as e:
+            if not is_not_found(e):
+                raise

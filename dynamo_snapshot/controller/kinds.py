@@ -1,0 +1,17 @@
+"""The API kinds the controller reads and writes."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from dynamo_snapshot.api.checkpoint import DynamoCheckpoint
+from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment
+from dynamo_snapshot.controller.runtime import NODE, POD, ResourceKind
+
+_dgd = DynamoGraphDeployment.resource
+_ckpt = DynamoCheckpoint.resource
+DGD: Final = ResourceKind(_dgd.group, _dgd.version, _dgd.plural, _dgd.kind)
+CHECKPOINT: Final = ResourceKind(_ckpt.group, _ckpt.version, _ckpt.plural, _ckpt.kind)
+JOB: Final = ResourceKind("batch", "v1", "jobs", "Job")
+
+__all__ = ["CHECKPOINT", "DGD", "JOB", "NODE", "POD"]

@@ -1,0 +1,279 @@
+"""Pod and Job manifests the controller creates for a DGD service: cold-start workers, restore workers and
+the checkpoint Job. Pure functions over plain dicts, so the reconcilers stay small and this stays testable.
+"""
+
+from __future__ import annotations
+
+import copy
+import secrets
+from typing import Any
+
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.checkpoint import CheckpointCompatibility, DynamoCheckpoint
+from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment, ServiceSpec
+
+Obj = dict[str, Any]
+
+MAIN_CONTAINER = "main"
+# Kubernetes names are at most 63 characters in labels and 253 for pods; keep the prefix short enough
+# that the random suffix always fits in a DNS label.
+_PREFIX_MAX = 63 - 6
+
+
+def owner_reference(obj: Obj, *, controller: bool = True) -> Obj:
+    return {
+        "apiVersion": obj["apiVersion"],
+        "kind": obj["kind"],
+        "name": obj["metadata"]["name"],
+        "uid": obj["metadata"]["uid"],
+        "controller": controller,
+        "blockOwnerDeletion": controller,
+    }
+
+
+def pod_name_prefix(graph: str, service: str) -> str:
+    return f"{graph}-{service}".lower()[:_PREFIX_MAX].rstrip("-")
+
+
+def new_pod_name(graph: str, service: str) -> str:
+    return f"{pod_name_prefix(graph, service)}-{secrets.token_hex(2)}{secrets.choice('abcdefghjk')}"
+
+
+def _env_list(*sources: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Merge EnvVar lists; later sources win by name, as Dynamo's service envs override graph envs."""
+    merged: dict[str, dict[str, Any]] = {}
+    for src in sources:
+        for env in src or []:
+            merged[env["name"]] = env
+    return list(merged.values())
+
+
+def _resources(service: ServiceSpec) -> dict[str, Any]:
+    out: dict[str, dict[str, str]] = {}
+    if service.resources is None:
+        return out
+    for kind in ("requests", "limits"):
+        item = getattr(service.resources, kind)
+        if item is None:
+            continue
+        res: dict[str, str] = {}
+        if item.cpu:
+            res["cpu"] = item.cpu
+        if item.memory:
+            res["memory"] = item.memory
+        if item.gpu:
+            res[item.gpu_type or protocol.RESOURCE_GPU] = item.gpu
+        res.update(item.custom or {})
+        if res:
+            out[kind] = res
+    # The device plugin needs GPUs as limits; Dynamo manifests often give them as requests only.
+    gpu_req = out.get("requests", {}).get(protocol.RESOURCE_GPU)
+    if gpu_req and protocol.RESOURCE_GPU not in out.get("limits", {}):
+        out.setdefault("limits", {})[protocol.RESOURCE_GPU] = gpu_req
+    return out
+
+
+def gpus_of_pod(pod: Obj) -> int:
+    """GPUs a pod asks for (limits, else requests) across its containers."""
+    total = 0
+    for c in pod.get("spec", {}).get("containers", []):
+        res = c.get("resources") or {}
+        value = (res.get("limits") or {}).get(protocol.RESOURCE_GPU) or (res.get("requests") or {}).get(
+            protocol.RESOURCE_GPU
+        )
+        total += int(value) if value else 0
+    return total
+
+
+def worker_pod_spec(dgd: DynamoGraphDeployment, service_name: str) -> Obj:
+    """The PodSpec of one worker of `service_name`, with the snapshot control volume and env."""
+    service = (dgd.spec.services or {})[service_name]
+    extra = (
+        service.extra_pod_spec.model_dump(by_alias=True, exclude_unset=True) if service.extra_pod_spec else {}
+    )
+    main_override = extra.pop("mainContainer", None) or {}
+    spec: Obj = copy.deepcopy(extra)
+    main: Obj = {"name": MAIN_CONTAINER, **copy.deepcopy(main_override)}
+    main["env"] = _env_list(
+        dgd.spec.envs,
+        service.envs,
+        main.get("env"),
+        [{"name": n, "value": protocol.CONTROL_MOUNT_PATH} for n in protocol.ENV_CONTROL_DIRS],
+    )
+    if service.env_from_secret:
+        main.setdefault("envFrom", []).append({"secretRef": {"name": service.env_from_secret}})
+    resources = _resources(service)
+    if resources:
+        main["resources"] = {**resources, **main.get("resources", {})}
+    for probe, value in (
+        ("readinessProbe", service.readiness_probe),
+        ("livenessProbe", service.liveness_probe),
+    ):
+        if value is not None and probe not in main:
+            main[probe] = copy.deepcopy(value)
+    mounts = [m for m in main.get("volumeMounts", []) if m.get("name") != protocol.CONTROL_VOLUME_NAME]
+    mounts.append({"name": protocol.CONTROL_VOLUME_NAME, "mountPath": protocol.CONTROL_MOUNT_PATH})
+    main["volumeMounts"] = mounts
+    others = [c for c in spec.get("containers", []) if c.get("name") != MAIN_CONTAINER]
+    spec["containers"] = [main, *others]
+    volumes = [v for v in spec.get("volumes", []) if v.get("name") != protocol.CONTROL_VOLUME_NAME]
+    volumes.append({"name": protocol.CONTROL_VOLUME_NAME, "emptyDir": {}})
+    spec["volumes"] = volumes
+    return spec
+
+
+def _name(dgd: DynamoGraphDeployment) -> str:
+    # Objects read from the apiserver always have a name; the model allows None only for manifests.
+    return dgd.metadata.name or ""
+
+
+def _base_labels(dgd: DynamoGraphDeployment, service_name: str) -> dict[str, str]:
+    return {
+        **(dgd.spec.labels or {}),
+        **((dgd.spec.services or {})[service_name].labels or {}),
+        protocol.LABEL_MANAGED_BY: protocol.MANAGED_BY_VALUE,
+        protocol.LABEL_GRAPH: _name(dgd),
+        protocol.LABEL_SERVICE: service_name,
+    }
+
+
+def cold_start_pod(
+    dgd_obj: Obj,
+    dgd: DynamoGraphDeployment,
+    service_name: str,
+    *,
+    name: str | None = None,
+    replaces: str | None = None,
+) -> Obj:
+    labels = {**_base_labels(dgd, service_name), protocol.LABEL_START_MODE: protocol.StartMode.COLD.value}
+    annotations = dict((dgd.spec.services or {})[service_name].annotations or {})
+    if replaces:
+        annotations[protocol.ANNOTATION_REPLACES] = replaces
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name or new_pod_name(_name(dgd), service_name),
+            "namespace": dgd.metadata.namespace,
+            "labels": labels,
+            "annotations": annotations,
+            "ownerReferences": [owner_reference(dgd_obj)],
+        },
+        "spec": worker_pod_spec(dgd, service_name),
+    }
+
+
+def compatibility_affinity(compat: CheckpointCompatibility | None) -> list[Obj]:
+    """Node-selector requirements that place a restore only where the checkpoint's GPU state fits."""
+    if compat is None:
+        return []
+    exprs: list[Obj] = []
+    if compat.gpu_product:
+        exprs.append({"key": protocol.LABEL_GPU_PRODUCT, "operator": "In", "values": [compat.gpu_product]})
+    if compat.cuda_driver_major:
+        exprs.append(
+            {"key": protocol.LABEL_CUDA_DRIVER_MAJOR, "operator": "In", "values": [compat.cuda_driver_major]}
+        )
+    if compat.gpu_count:
+        exprs.append(
+            {"key": protocol.LABEL_GPU_COUNT, "operator": "Gt", "values": [str(compat.gpu_count - 1)]}
+        )
+    return exprs
+
+
+def _add_required_affinity(spec: Obj, exprs: list[Obj]) -> None:
+    if not exprs:
+        return
+    required = (
+        spec.setdefault("affinity", {})
+        .setdefault("nodeAffinity", {})
+        .setdefault("requiredDuringSchedulingIgnoredDuringExecution", {"nodeSelectorTerms": []})
+    )
+    terms = required.setdefault("nodeSelectorTerms", [])
+    if not terms:
+        terms.append({"matchExpressions": []})
+    # Terms are ORed, so the compatibility requirements must be ANDed into every one of them.
+    for term in terms:
+        term.setdefault("matchExpressions", []).extend(copy.deepcopy(exprs))
+
+
+def restore_pod(
+    dgd_obj: Obj,
+    dgd: DynamoGraphDeployment,
+    service_name: str,
+    ckpt: DynamoCheckpoint,
+    *,
+    name: str | None = None,
+) -> Obj:
+    pod = cold_start_pod(dgd_obj, dgd, service_name, name=name)
+    status = ckpt.status
+    labels = pod["metadata"]["labels"]
+    labels[protocol.LABEL_START_MODE] = protocol.StartMode.RESTORE.value
+    labels[protocol.LABEL_RESTORE_TARGET] = protocol.TRUE
+    labels[protocol.LABEL_CHECKPOINT_ID] = ckpt.metadata.name
+    if status and status.identity_hash:
+        labels[protocol.LABEL_CHECKPOINT_HASH] = status.identity_hash
+    ann = pod["metadata"]["annotations"]
+    ann[protocol.ANNOTATION_RESTORE_FROM] = ckpt.metadata.name
+    ann[protocol.ANNOTATION_TARGET_CONTAINERS] = MAIN_CONTAINER
+    if status and status.location:
+        ann[protocol.ANNOTATION_CHECKPOINT_LOCATION] = status.location
+    _add_required_affinity(pod["spec"], compatibility_affinity(status.compatibility if status else None))
+    return pod
+
+
+def checkpoint_job_template(dgd: DynamoGraphDeployment, service_name: str) -> Obj:
+    """The PodTemplateSpec an Auto-mode DynamoCheckpoint gets: the service's own worker."""
+    return {
+        "metadata": {
+            "labels": {
+                k: v
+                for k, v in _base_labels(dgd, service_name).items()
+                if k not in (protocol.LABEL_GRAPH, protocol.LABEL_SERVICE)
+            }
+        },
+        "spec": worker_pod_spec(dgd, service_name),
+    }
+
+
+def checkpoint_job(ckpt_obj: Obj, ckpt: DynamoCheckpoint, identity_hash: str) -> Obj:
+    """The batch/v1 Job whose pod runs the worker to readiness for the node agent to checkpoint."""
+    template = copy.deepcopy(ckpt.spec.job.pod_template_spec)
+    meta = template.setdefault("metadata", {})
+    labels = meta.setdefault("labels", {})
+    labels.update(
+        {
+            protocol.LABEL_MANAGED_BY: protocol.MANAGED_BY_VALUE,
+            protocol.LABEL_CHECKPOINT_SOURCE: protocol.TRUE,
+            protocol.LABEL_CHECKPOINT_ID: ckpt.metadata.name,
+            protocol.LABEL_CHECKPOINT_HASH: identity_hash,
+        }
+    )
+    meta.setdefault("annotations", {})[protocol.ANNOTATION_TARGET_CONTAINERS] = MAIN_CONTAINER
+    spec = template.setdefault("spec", {})
+    spec["restartPolicy"] = "Never"
+    job = ckpt.spec.job
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": checkpoint_job_name(ckpt.metadata.name or ""),
+            "namespace": ckpt.metadata.namespace,
+            "labels": {
+                protocol.LABEL_MANAGED_BY: protocol.MANAGED_BY_VALUE,
+                protocol.LABEL_CHECKPOINT_ID: ckpt.metadata.name,
+                protocol.LABEL_CHECKPOINT_HASH: identity_hash,
+            },
+            "ownerReferences": [owner_reference(ckpt_obj)],
+        },
+        "spec": {
+            "activeDeadlineSeconds": job.active_deadline_seconds,
+            "backoffLimit": job.backoff_limit,
+            "ttlSecondsAfterFinished": job.ttl_seconds_after_finished,
+            "template": template,
+        },
+    }
+
+
+def checkpoint_job_name(checkpoint_name: str) -> str:
+    return f"{checkpoint_name}-checkpoint"[:63].rstrip("-")

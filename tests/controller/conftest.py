@@ -1,0 +1,198 @@
+"""Fixtures for controller tests: the real controller running in-process against the real control plane,
+and a test double of the node agent that only writes the agent's pod annotations (the real agent has its
+own issue and tests)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from kubernetes_asyncio import client
+
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD
+from dynamo_snapshot.controller.manager import Controller, ControllerConfig
+from dynamo_snapshot.controller.runtime import EVENT, POD, ApiError, Kube, Obj
+
+IDENTITY = {"model": "Qwen/Qwen3-0.6B", "backendFramework": "vllm", "tensorParallelSize": 1}
+
+
+def dgd_manifest(
+    name: str,
+    replicas: int = 1,
+    *,
+    identity: dict[str, Any] | None = None,
+    checkpoint_ref: str | None = None,
+    gpus: int = 1,
+) -> Obj:
+    ckpt: dict[str, Any] = {"enabled": True}
+    if checkpoint_ref:
+        ckpt["checkpointRef"] = checkpoint_ref
+    else:
+        ckpt.update(mode="Auto", identity=identity or IDENTITY)
+    return {
+        "apiVersion": "nvidia.com/v1alpha1",
+        "kind": "DynamoGraphDeployment",
+        "metadata": {"name": name},
+        "spec": {
+            "backendFramework": "vllm",
+            "services": {
+                "VllmWorker": {
+                    "componentType": "worker",
+                    "replicas": replicas,
+                    "resources": {"limits": {"gpu": str(gpus)}},
+                    "extraPodSpec": {
+                        "mainContainer": {
+                            "image": "vllm-runtime:test",
+                            "command": ["python3", "-m", "dynamo.vllm"],
+                        }
+                    },
+                    "checkpoint": ckpt,
+                }
+            },
+        },
+    }
+
+
+@dataclass
+class AgentDouble:
+    """Plays the node agent: reports checkpoints of source pods and restores of restore pods.
+
+    `restore_outcome` decides each restore's verdict, so tests can make restores fail.
+    """
+
+    kube: Kube
+    namespace: str
+    restore_outcome: Callable[[Obj], str] = lambda pod: "completed"
+    checkpoint_outcome: str = "completed"
+    handled: set[str] = field(default_factory=set)
+
+    async def run(self) -> None:
+        while True:
+            pods, _ = await self.kube.list_all(POD, self.namespace)
+            for pod in pods:
+                await self._handle(pod)
+            await asyncio.sleep(0.2)
+
+    async def _handle(self, pod: Obj) -> None:
+        meta = pod["metadata"]
+        labels = meta.get("labels") or {}
+        if meta["uid"] in self.handled or meta.get("deletionTimestamp"):
+            return
+        if pod.get("status", {}).get("phase") != "Running" or not pod["spec"].get("nodeName"):
+            return
+        ann: dict[str, str] = {}
+        if labels.get(protocol.LABEL_CHECKPOINT_SOURCE) == protocol.TRUE:
+            ann[protocol.per_container(protocol.ANNOTATION_CHECKPOINT_STATUS, "main")] = (
+                self.checkpoint_outcome
+            )
+            ann[protocol.ANNOTATION_CHECKPOINT_LOCATION] = (
+                f"/var/lib/dynamo-snapshot/artifacts/{labels[protocol.LABEL_CHECKPOINT_HASH]}"
+            )
+            if self.checkpoint_outcome == "failed":
+                ann[protocol.per_container(protocol.ANNOTATION_CHECKPOINT_MESSAGE, "main")] = (
+                    "criu dump: test failure"
+                )
+        elif labels.get(protocol.LABEL_RESTORE_TARGET) == protocol.TRUE:
+            outcome = self.restore_outcome(pod)
+            ann[protocol.per_container(protocol.ANNOTATION_RESTORE_STATUS, "main")] = outcome
+            if outcome == "failed":
+                ann[protocol.per_container(protocol.ANNOTATION_RESTORE_MESSAGE, "main")] = (
+                    "checksum mismatch (test)"
+                )
+        else:
+            return
+        self.handled.add(meta["uid"])
+        await self.kube.merge_patch(POD, meta["name"], {"metadata": {"annotations": ann}}, self.namespace)
+
+
+@dataclass
+class Harness:
+    kube: Kube
+    namespace: str
+    agent: AgentDouble
+    start_controller: Callable[[], Awaitable[None]]
+    kill_controller: Callable[[], Awaitable[None]]
+
+    async def apply_dgd(self, manifest: Obj) -> Obj:
+        return await self.kube.create(DGD, manifest, self.namespace)
+
+    async def scale(self, name: str, replicas: int, service: str = "VllmWorker") -> None:
+        await self.kube.merge_patch(
+            DGD, name, {"spec": {"services": {service: {"replicas": replicas}}}}, self.namespace
+        )
+
+    async def pods(self, graph: str | None = None) -> list[Obj]:
+        selector = (
+            f"{protocol.LABEL_GRAPH}={graph}"
+            if graph
+            else f"{protocol.LABEL_MANAGED_BY}={protocol.MANAGED_BY_VALUE}"
+        )
+        items, _ = await self.kube.list_all(POD, self.namespace, label_selector=selector)
+        return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+
+    async def checkpoints(self) -> list[Obj]:
+        items, _ = await self.kube.list_all(CHECKPOINT, self.namespace)
+        return items
+
+    async def dgd(self, name: str) -> Obj:
+        return await self.kube.get(DGD, name, self.namespace)
+
+    async def events(self, reason: str) -> list[Obj]:
+        items, _ = await self.kube.list_all(EVENT, self.namespace)
+        return [e for e in items if e.get("reason") == reason]
+
+
+async def eventually(check: Callable[[], Awaitable[Any]], within: float = 30.0, interval: float = 0.2) -> Any:
+    """Poll `check` until it returns a truthy value; fail with its last value or error."""
+    deadline = time.monotonic() + within
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = await check()
+            if last:
+                return last
+        except (AssertionError, ApiError) as e:  # not there yet (404) counts as not yet
+            last = e
+        await asyncio.sleep(interval)
+    raise AssertionError(f"condition not met within {within}s; last: {last!r}")
+
+
+@pytest.fixture
+async def harness(api: client.ApiClient, namespace: str, crds: list[str]) -> AsyncIterator[Harness]:
+    kube = Kube(api, field_manager="tests")
+    config = ControllerConfig(
+        namespace=namespace, leader_elect=False, resync_seconds=5, metrics_port=0, drain_timeout=5
+    )
+    state: dict[str, Any] = {}
+
+    async def start() -> None:
+        stop = asyncio.Event()
+        ctrl = Controller(kube, config)
+        state.update(stop=stop, task=asyncio.create_task(ctrl.run_until(stop)), ctrl=ctrl)
+
+    async def kill() -> None:
+        # Abrupt: the task is cancelled mid-whatever, as a crash or OOM kill would leave things.
+        task = state.pop("task", None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    agent = AgentDouble(kube, namespace)
+    agent_task = asyncio.create_task(agent.run())
+    await start()
+    try:
+        yield Harness(kube, namespace, agent, start, kill)
+    finally:
+        if "stop" in state:
+            state["stop"].set()
+        await kill()
+        agent_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await agent_task

@@ -1,0 +1,196 @@
+"""The controller against the real apiserver, scheduler, controller-manager and kwok GPU nodes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.identity import compute_identity_hash
+from dynamo_snapshot.controller.kinds import CHECKPOINT, JOB, NODE
+
+from .conftest import IDENTITY, Harness, dgd_manifest, eventually
+
+pytestmark = pytest.mark.cluster
+HASH = compute_identity_hash(IDENTITY)
+
+
+def _mode(pod: dict[str, Any]) -> str:
+    return pod["metadata"]["labels"][protocol.LABEL_START_MODE]
+
+
+def _condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next(c for c in obj["status"]["conditions"] if c["type"] == type_)
+
+
+async def _ready_checkpoint(h: Harness, name: str = HASH) -> dict[str, Any]:
+    async def ready() -> dict[str, Any]:
+        ckpt = await h.kube.get(CHECKPOINT, name, h.namespace)
+        assert (ckpt.get("status") or {}).get("phase") == "Ready", ckpt.get("status")
+        return ckpt
+
+    return await eventually(ready, within=45)
+
+
+async def test_auto_mode_cold_start_checkpoint_then_scale_by_restore(
+    harness: Harness, gpu_node: Callable[..., dict[str, Any]]
+) -> None:
+    h = harness
+    for _ in range(3):
+        gpu_node(product="NVIDIA-H200", gpus=8, driver_major=580)
+    odd = gpu_node(product="NVIDIA-A100-SXM4-80GB", gpus=8, driver_major=535)["metadata"]["name"]
+    await h.apply_dgd(dgd_manifest("llama", replicas=1))
+
+    # One cold-start worker, and in the background a DynamoCheckpoint named by the hash with its Job.
+    pods = await eventually(lambda: h.pods("llama"))
+    assert [_mode(p) for p in pods] == ["cold"]
+    ckpt = await _ready_checkpoint(h)
+    assert ckpt["metadata"]["labels"][protocol.LABEL_CHECKPOINT_HASH] == HASH
+    assert ckpt["status"]["identityHash"] == HASH
+    assert ckpt["status"]["compatibility"] == {
+        "gpuProduct": "NVIDIA-H200",
+        "cudaDriverMajor": "580",
+        "gpuCount": 1,
+    }
+    assert ckpt["status"]["location"].endswith(HASH)
+
+    async def job_gone() -> bool:
+        jobs, _ = await h.kube.list_all(JOB, h.namespace)
+        return not jobs
+
+    await eventually(job_gone)  # the source worker is released once the checkpoint is Ready
+
+    async def status_ready() -> dict[str, Any] | None:
+        dgd = await h.dgd("llama")
+        st = (dgd.get("status") or {}).get("checkpoints", {}).get("VllmWorker")
+        return dgd if st and st.get("ready") else None
+
+    dgd = await eventually(status_ready)
+    assert dgd["status"]["checkpoints"]["VllmWorker"] == {
+        "checkpointName": HASH,
+        "identityHash": HASH,
+        "ready": True,
+    }
+
+    await h.scale("llama", 4)
+
+    async def four_running() -> list[dict[str, Any]] | None:
+        pods = await h.pods("llama")
+        running = [p for p in pods if p.get("status", {}).get("phase") == "Running"]
+        return pods if len(pods) == 4 and len(running) == 4 else None
+
+    pods = await eventually(four_running, within=45)
+    restored = [p for p in pods if _mode(p) == "restore"]
+    assert len(restored) == 3
+    for pod in restored:
+        meta = pod["metadata"]
+        assert meta["annotations"][protocol.ANNOTATION_RESTORE_FROM] == HASH
+        assert meta["labels"][protocol.LABEL_CHECKPOINT_ID] == HASH
+        assert meta["labels"][protocol.LABEL_RESTORE_TARGET] == protocol.TRUE
+        assert pod["spec"]["nodeName"] != odd, "restore scheduled onto an incompatible GPU node"
+        env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+        assert (
+            env[protocol.ENV_CONTROL_DIR]
+            == env[protocol.ENV_CONTROL_DIR_LEGACY]
+            == protocol.CONTROL_MOUNT_PATH
+        )
+        assert any(v["name"] == protocol.CONTROL_VOLUME_NAME for v in pod["spec"]["volumes"])
+
+    async def counted() -> dict[str, Any] | None:
+        st = ((await h.dgd("llama")).get("status") or {}).get("services", {}).get("VllmWorker", {})
+        return st if st.get("restoredReplicas") == 3 and st.get("readyReplicas") == 4 else None
+
+    st = await eventually(counted)
+    assert st["coldStartedReplicas"] == 1
+    assert _condition(await h.dgd("llama"), "Ready")["status"] == "True"
+
+    # A second DGD with the same identity shares the one checkpoint, restoring from the start.
+    await h.apply_dgd(dgd_manifest("llama-b", replicas=2))
+    pods_b = await eventually(lambda: _n(h, "llama-b", 2))
+    assert {_mode(p) for p in pods_b} == {"restore"}
+    ckpts = await h.checkpoints()
+    assert [c["metadata"]["name"] for c in ckpts] == [HASH]
+    owners = {r["name"] for r in ckpts[0]["metadata"]["ownerReferences"]}
+    assert owners == {"llama", "llama-b"}
+
+    # Scale down removes pods (newest first) and keeps the count exact.
+    await h.scale("llama", 2)
+    await eventually(lambda: _n(h, "llama", 2))
+    assert len(await h.events("ScaledUp")) >= 2
+
+
+async def _n(h: Harness, graph: str, n: int) -> list[dict[str, Any]] | None:
+    pods = await h.pods(graph)
+    return pods if len(pods) == n else None
+
+
+async def test_missing_checkpoint_ref_waits_with_condition(harness: Harness) -> None:
+    h = harness
+    await h.apply_dgd(dgd_manifest("ref", replicas=2, checkpoint_ref="does-not-exist"))
+
+    async def cond() -> dict[str, Any] | None:
+        dgd = await h.dgd("ref")
+        conds = (dgd.get("status") or {}).get("conditions") or []
+        return next((c for c in conds if c["type"] == "CheckpointReady"), None)
+
+    c = await eventually(cond)
+    assert c["status"] == "False"
+    assert "does-not-exist" in c["message"]
+    assert "not found" in c["message"]
+    assert await eventually(lambda: h.events("CheckpointNotFound"))
+    assert await h.pods("ref") == []
+
+
+async def test_failed_restores_fall_back_to_cold_start_and_fail_the_checkpoint(
+    harness: Harness, gpu_node: Callable[..., dict[str, Any]]
+) -> None:
+    h = harness
+    gpu_node(gpus=8)
+    gpu_node(gpus=8)
+    await h.apply_dgd(dgd_manifest("flaky", replicas=1))
+    await _ready_checkpoint(h)
+    h.agent.restore_outcome = lambda pod: "failed"
+    await h.scale("flaky", 4)
+
+    async def all_cold() -> list[dict[str, Any]] | None:
+        pods = await h.pods("flaky")
+        return pods if len(pods) == 4 and all(_mode(p) == "cold" for p in pods) else None
+
+    pods = await eventually(all_cold, within=45)
+    replaced = [p for p in pods if protocol.ANNOTATION_REPLACES in p["metadata"].get("annotations", {})]
+    assert len(replaced) == 3
+    ckpt = await eventually(lambda: _phase(h, "Failed"), within=30)
+    assert len(ckpt["status"]["failedRestores"]) == 3
+    assert "3 restores" in ckpt["status"]["message"]
+    events = await h.events("RestoreFailed")
+    assert events
+    assert "checksum mismatch (test)" in events[0]["message"]
+
+
+async def _phase(h: Harness, phase: str) -> dict[str, Any] | None:
+    ckpt = await h.kube.get(CHECKPOINT, HASH, h.namespace)
+    return ckpt if (ckpt.get("status") or {}).get("phase") == phase else None
+
+
+async def test_no_compatible_node_starts_cold_and_says_why(
+    harness: Harness, gpu_node: Callable[..., dict[str, Any]]
+) -> None:
+    h = harness
+    source = gpu_node(product="NVIDIA-H200", gpus=8)["metadata"]["name"]
+    gpu_node(product="NVIDIA-L40S", gpus=8)
+    await h.apply_dgd(dgd_manifest("nocompat", replicas=1))
+    await _ready_checkpoint(h)
+    await h.kube.delete(NODE, source)
+    await h.scale("nocompat", 2)
+    pods = await eventually(lambda: _n(h, "nocompat", 2))
+    assert {_mode(p) for p in pods} == {"cold"}
+
+    async def degraded() -> dict[str, Any] | None:
+        c = _condition(await h.dgd("nocompat"), "Degraded")
+        return c if c["status"] == "True" else None
+
+    c = await eventually(degraded)
+    assert "no Ready node matches checkpoint" in c["message"]
+    assert "NVIDIA-H200" in c["message"]
