@@ -69,7 +69,7 @@ class AgentDouble:
     kube: Kube
     namespace: str
     restore_outcome: Callable[[Obj], str] = lambda pod: "completed"
-    checkpoint_outcome: str = "completed"
+    checkpoint_outcome: str | None = "completed"  # None: never answer (a worker that never gets ready)
     handled: set[str] = field(default_factory=set)
 
     async def run(self) -> None:
@@ -88,6 +88,8 @@ class AgentDouble:
             return
         ann: dict[str, str] = {}
         if labels.get(protocol.LABEL_CHECKPOINT_SOURCE) == protocol.TRUE:
+            if self.checkpoint_outcome is None:
+                return
             ann[protocol.per_container(protocol.ANNOTATION_CHECKPOINT_STATUS, "main")] = (
                 self.checkpoint_outcome
             )

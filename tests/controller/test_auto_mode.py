@@ -141,6 +141,7 @@ async def test_missing_checkpoint_ref_waits_with_condition(harness: Harness) -> 
     assert "not found" in c["message"]
     assert await eventually(lambda: h.events("CheckpointNotFound"))
     assert await h.pods("ref") == []
+    assert await h.checkpoints() == [], "checkpointRef mode must never create a checkpoint"
 
 
 async def test_failed_restores_fall_back_to_cold_start_and_fail_the_checkpoint(
