@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from dynamo_snapshot import __version__
-from dynamo_snapshot.cli import controller_cmd, crds_cmd, demo_cmd
+from dynamo_snapshot.cli import agent_cmd, controller_cmd, crds_cmd, demo_cmd
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo_cmd.register(sub)
     controller_cmd.register(sub)
+    agent_cmd.register(sub)
     crds_cmd.register(sub)
     return parser
 

@@ -53,6 +53,9 @@ class Context:
         default_factory=lambda: TTLCache(maxsize=1_024, ttl=5.0)
     )
     dgd_seen_at: dict[str, float] = field(default_factory=dict)
+    # DGD key -> the resourceVersion our last status write replaced. While the cache still holds that
+    # version, another status write could only conflict (see DGDReconciler._write_status).
+    status_written_over: dict[str, str] = field(default_factory=dict)
 
     def pods_of(self, namespace: str, graph: str, service: str | None = None) -> list[Obj]:
         pods = [

@@ -96,6 +96,7 @@ class Controller:
             key = object_key(obj)
             if etype == DELETED:
                 ctx.dgd_seen_at.pop(key, None)
+                ctx.status_written_over.pop(key, None)
                 return
             ctx.mark_dgd_seen(key)
             self.queue.add((DGD_KEY, key))

@@ -85,8 +85,12 @@ def gpus_of_pod(pod: Obj) -> int:
     return total
 
 
-def worker_pod_spec(dgd: DynamoGraphDeployment, service_name: str) -> Obj:
-    """The PodSpec of one worker of `service_name`, with the snapshot control volume and env."""
+def worker_pod_spec(dgd: DynamoGraphDeployment, service_name: str, *, snapshot_control: bool = True) -> Obj:
+    """The PodSpec of one worker of `service_name`.
+
+    `snapshot_control` adds the control volume and env. Only checkpoint sources and restore targets get
+    them: a worker that finds a control dir waits for `restore-complete`, which a cold start never gets.
+    """
     service = (dgd.spec.services or {})[service_name]
     extra = (
         service.extra_pod_spec.model_dump(by_alias=True, exclude_unset=True) if service.extra_pod_spec else {}
@@ -94,11 +98,9 @@ def worker_pod_spec(dgd: DynamoGraphDeployment, service_name: str) -> Obj:
     main_override = extra.pop("mainContainer", None) or {}
     spec: Obj = copy.deepcopy(extra)
     main: Obj = {"name": MAIN_CONTAINER, **copy.deepcopy(main_override)}
+    control_env = [{"name": n, "value": protocol.CONTROL_MOUNT_PATH} for n in protocol.ENV_CONTROL_DIRS]
     main["env"] = _env_list(
-        dgd.spec.envs,
-        service.envs,
-        main.get("env"),
-        [{"name": n, "value": protocol.CONTROL_MOUNT_PATH} for n in protocol.ENV_CONTROL_DIRS],
+        dgd.spec.envs, service.envs, main.get("env"), control_env if snapshot_control else []
     )
     if service.env_from_secret:
         main.setdefault("envFrom", []).append({"secretRef": {"name": service.env_from_secret}})
@@ -111,14 +113,16 @@ def worker_pod_spec(dgd: DynamoGraphDeployment, service_name: str) -> Obj:
     ):
         if value is not None and probe not in main:
             main[probe] = copy.deepcopy(value)
-    mounts = [m for m in main.get("volumeMounts", []) if m.get("name") != protocol.CONTROL_VOLUME_NAME]
-    mounts.append({"name": protocol.CONTROL_VOLUME_NAME, "mountPath": protocol.CONTROL_MOUNT_PATH})
-    main["volumeMounts"] = mounts
     others = [c for c in spec.get("containers", []) if c.get("name") != MAIN_CONTAINER]
     spec["containers"] = [main, *others]
-    volumes = [v for v in spec.get("volumes", []) if v.get("name") != protocol.CONTROL_VOLUME_NAME]
-    volumes.append({"name": protocol.CONTROL_VOLUME_NAME, "emptyDir": {}})
-    spec["volumes"] = volumes
+    if snapshot_control:
+        mounts = [m for m in main.get("volumeMounts", []) if m.get("name") != protocol.CONTROL_VOLUME_NAME]
+        main["volumeMounts"] = [
+            *mounts,
+            {"name": protocol.CONTROL_VOLUME_NAME, "mountPath": protocol.CONTROL_MOUNT_PATH},
+        ]
+        volumes = [v for v in spec.get("volumes", []) if v.get("name") != protocol.CONTROL_VOLUME_NAME]
+        spec["volumes"] = [*volumes, {"name": protocol.CONTROL_VOLUME_NAME, "emptyDir": {}}]
     return spec
 
 
@@ -159,7 +163,7 @@ def cold_start_pod(
             "annotations": annotations,
             "ownerReferences": [owner_reference(dgd_obj)],
         },
-        "spec": worker_pod_spec(dgd, service_name),
+        "spec": worker_pod_spec(dgd, service_name, snapshot_control=False),
     }
 
 
@@ -206,6 +210,7 @@ def restore_pod(
     name: str | None = None,
 ) -> Obj:
     pod = cold_start_pod(dgd_obj, dgd, service_name, name=name)
+    pod["spec"] = worker_pod_spec(dgd, service_name, snapshot_control=True)
     status = ckpt.status
     labels = pod["metadata"]["labels"]
     labels[protocol.LABEL_START_MODE] = protocol.StartMode.RESTORE.value

@@ -1,0 +1,58 @@
+"""What the executor needs from a container runtime, whatever runs the worker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """The main container of a pod, as the agent launches it on a node without a kubelet."""
+
+    key: str  # unique per pod: "<namespace>_<name>_<uid8>"
+    command: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str | None = None
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A running worker: its root pid on the host and the host directory behind its control dir."""
+
+    key: str
+    pid: int
+    control_dir: Path
+    container_id: str | None = None
+
+
+class WorkloadRuntimeError(Exception):
+    """A runtime operation failed; the message is meant for a pod annotation."""
+
+
+class Runtime(Protocol):
+    name: str
+
+    def control_dir(self, key: str) -> Path:
+        """Host directory behind the workload's snapshot control dir."""
+        ...
+
+    async def launch(self, spec: WorkloadSpec) -> Workload: ...
+
+    async def find(self, key: str) -> Workload | None:
+        """The running workload for `key`, e.g. after an agent restart; None when there is none."""
+        ...
+
+    async def stop(self, key: str) -> None:
+        """Kill the workload and forget it; a no-op when it is gone already."""
+        ...
+
+    async def dump(self, workload: Workload, images_dir: Path) -> float:
+        """CRIU-dump the workload's whole process tree into `images_dir`; returns seconds. Kills it."""
+        ...
+
+    async def restore(self, key: str, images_dir: Path, source_control_dir: str | None) -> Workload:
+        """Restore a dumped tree as workload `key`; returns once the processes exist (not yet resumed
+        past the CUDA lock)."""
+        ...

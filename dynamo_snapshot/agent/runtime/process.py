@@ -1,0 +1,128 @@
+"""Workers as plain host processes, for local/dev nodes without a kubelet (the demo, the GPU test).
+
+CRIU restores a tree with its original pids, so on one host only one restored copy of a checkpoint can
+live at a time, and the restored process keeps the control-dir path it was started with: restores write
+`restore-complete` there. For several restored replicas per host use the runc runtime (own pid and mount
+namespaces per replica).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+from dynamo_snapshot.agent.runtime.base import Workload, WorkloadRuntimeError, WorkloadSpec
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.criu import Criu, CriuError
+
+# Per workload: its pid and the control dir it really uses (a restored one keeps its source's).
+_STATEFILE = ".workload.json"
+
+
+class ProcessRuntime:
+    name = "local"
+
+    def __init__(self, control_root: Path, criu: Criu) -> None:
+        self.control_root = control_root
+        self.criu = criu
+
+    def control_dir(self, key: str) -> Path:
+        return self.control_root / key
+
+    async def launch(self, spec: WorkloadSpec) -> Workload:
+        ctl = self.control_dir(spec.key)
+        ctl.mkdir(parents=True, exist_ok=True)
+        log = (ctl / "worker.log").open("ab")
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *spec.command,
+                # The worker finds its control dir through the env; here that is a host directory.
+                env={**os.environ, **spec.env, **{name: str(ctl) for name in protocol.ENV_CONTROL_DIRS}},
+                cwd=spec.workdir,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                # Own session: CRIU dumps a tree that shares no terminal or process group with the agent.
+                start_new_session=True,
+            )
+        except OSError as e:
+            raise WorkloadRuntimeError(f"cannot start {spec.command[0]!r}: {e.strerror}") from None
+        finally:
+            log.close()
+        await asyncio.to_thread(_write_state, ctl, proc.pid, ctl)
+        return Workload(spec.key, proc.pid, ctl)
+
+    async def find(self, key: str) -> Workload | None:
+        try:
+            state = json.loads((self.control_dir(key) / _STATEFILE).read_text())
+            pid, ctl = int(state["pid"]), Path(state["control_dir"])
+        except (OSError, ValueError, KeyError):
+            return None
+        return Workload(key, pid, ctl) if _alive(pid) else None
+
+    async def stop(self, key: str) -> None:
+        found = await self.find(key)
+        if found is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(found.pid, signal.SIGKILL)
+        shutil.rmtree(self.control_dir(key), ignore_errors=True)
+
+    async def dump(self, workload: Workload, images_dir: Path) -> float:
+        try:
+            result = await self.criu.dump(workload.pid, images_dir)
+        except CriuError as e:
+            raise WorkloadRuntimeError(str(e)) from None
+        await _reap(workload.pid)
+        return result.seconds
+
+    async def restore(self, key: str, images_dir: Path, source_control_dir: str | None) -> Workload:
+        if not source_control_dir:
+            raise WorkloadRuntimeError("artifact does not record the source control dir")
+        ctl = Path(source_control_dir)
+        await asyncio.to_thread(_prepare_restored_control_dir, ctl)
+        try:
+            result = await self.criu.restore(images_dir, detach=True, pidfile=ctl / ".criu-restore.pid")
+        except CriuError as e:
+            raise WorkloadRuntimeError(str(e)) from None
+        await asyncio.to_thread(_write_state, self.control_dir(key), result.pid, ctl)
+        return Workload(key, result.pid, ctl)
+
+
+def _prepare_restored_control_dir(ctl: Path) -> None:
+    ctl.mkdir(parents=True, exist_ok=True)
+    # The restored tree reopens its stdout/stderr file by path; a fresh node may not have it.
+    (ctl / "worker.log").touch()
+    with contextlib.suppress(FileNotFoundError):
+        (ctl / protocol.FILE_RESTORE_COMPLETE).unlink()
+
+
+def _write_state(own_dir: Path, pid: int, control_dir: Path) -> None:
+    own_dir.mkdir(parents=True, exist_ok=True)
+    (own_dir / _STATEFILE).write_text(json.dumps({"pid": pid, "control_dir": str(control_dir)}))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+async def _reap(pid: int, within: float = 5.0) -> None:
+    """CRIU kills the dumped tree; wait until the pid is really gone so a restore can reuse it."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)  # noqa: ASYNC222 - WNOHANG never blocks
+        if not _alive(pid):
+            return
+        await asyncio.sleep(0.02)

@@ -1,0 +1,269 @@
+"""The agent's Kubernetes side: watch only pods bound to this node, run one task per pod, and report in
+the pod's annotations (per container, as the controller reads them).
+
+In local mode (no kubelet on the node, e.g. kwok nodes in the demo and tests) the agent also starts the
+pod's main container itself through its runtime, and stops it when the pod goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from dynamo_snapshot.agent.executor import AgentError, Executor
+from dynamo_snapshot.agent.runtime.base import Runtime, Workload, WorkloadRuntimeError, WorkloadSpec
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.identity import CheckpointIdentity
+from dynamo_snapshot.controller.kinds import CHECKPOINT
+from dynamo_snapshot.controller.runtime import DELETED, POD, Informer, Kube, Obj, is_not_found
+
+log = logging.getLogger(__name__)
+MAIN = "main"
+S = protocol.SnapshotStatus
+
+
+@dataclass
+class AgentSettings:
+    node_name: str
+    launch_workloads: bool = True  # local mode: no kubelet here, the agent starts pods' main containers
+    ready_timeout: float = 3600.0
+
+
+def workload_key(pod: Obj) -> str:
+    meta = pod["metadata"]
+    return f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}"
+
+
+def _status(pod: Obj, key: str) -> S | None:
+    raw = (pod["metadata"].get("annotations") or {}).get(protocol.per_container(key, MAIN))
+    try:
+        return S.parse(raw) if raw else None
+    except ValueError:
+        return S.FAILED
+
+
+class NodeAgent:
+    def __init__(self, kube: Kube, executor: Executor, runtime: Runtime, settings: AgentSettings) -> None:
+        self.kube = kube
+        self.executor = executor
+        self.runtime = runtime
+        self.settings = settings
+        self.pods = Informer(kube, POD, field_selector=f"spec.nodeName={settings.node_name}")
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._background: set[asyncio.Task[None]] = set()
+        self.pods.add_handler(self._on_pod)
+
+    async def run_until(self, stop: asyncio.Event) -> None:
+        self.pods.start()
+        try:
+            await stop.wait()
+        finally:
+            await self.pods.stop()
+            for task in list(self._tasks.values()):
+                task.cancel()
+            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+    async def _on_pod(self, etype: str, pod: Obj, old: Obj | None) -> None:
+        uid = pod["metadata"]["uid"]
+        if pod["spec"].get("nodeName") != self.settings.node_name:
+            return  # never touch another node's pod, whatever the watch delivers
+        if etype == DELETED or pod["metadata"].get("deletionTimestamp"):
+            task = self._tasks.pop(uid, None)
+            if task is not None:
+                task.cancel()
+            if self.settings.launch_workloads:
+                stopping = asyncio.create_task(self.runtime.stop(workload_key(pod)))
+                self._background.add(stopping)
+                stopping.add_done_callback(self._background.discard)
+            return
+        if uid not in self._tasks:
+            self._tasks[uid] = asyncio.create_task(self._handle(pod), name=f"pod-{workload_key(pod)}")
+
+    # ------------------------------------------------------------------ per pod
+    async def _handle(self, pod: Obj) -> None:
+        labels = pod["metadata"].get("labels") or {}
+        try:
+            if labels.get(protocol.LABEL_RESTORE_TARGET) == protocol.TRUE:
+                await self._restore(pod)
+            elif labels.get(protocol.LABEL_CHECKPOINT_SOURCE) == protocol.TRUE:
+                await self._checkpoint(pod)
+            elif (
+                self.settings.launch_workloads
+                and labels.get(protocol.LABEL_MANAGED_BY) == protocol.MANAGED_BY_VALUE
+            ):
+                await self._ensure_running(pod)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("pod handling failed", extra={"pod": workload_key(pod)})
+
+    async def _ensure_running(self, pod: Obj) -> Workload:
+        key = workload_key(pod)
+        found = await self.runtime.find(key)
+        if found is not None:
+            return found
+        if not self.settings.launch_workloads:
+            raise AgentError(f"no running container found for {key}")
+        return await self.runtime.launch(_spec(pod, key))
+
+    async def _checkpoint(self, pod: Obj) -> None:
+        state = _status(pod, protocol.ANNOTATION_CHECKPOINT_STATUS)
+        if state is not None and state.terminal:
+            return
+        if state is S.RUNNING:
+            # A previous agent died mid-checkpoint; its unpublished temp dir never became an artifact.
+            await asyncio.to_thread(self.executor.store.gc_partial)
+            await self._report(
+                pod,
+                protocol.ANNOTATION_CHECKPOINT_STATUS,
+                protocol.ANNOTATION_CHECKPOINT_MESSAGE,
+                S.FAILED,
+                "node agent restarted during the checkpoint; nothing was published",
+            )
+            return
+        labels = pod["metadata"]["labels"]
+        identity_hash = labels.get(protocol.LABEL_CHECKPOINT_HASH, "")
+        try:
+            workload = await self._ensure_running(pod)
+            await self.executor.wait_ready(workload, within=self.settings.ready_timeout)
+            await self._report(
+                pod,
+                protocol.ANNOTATION_CHECKPOINT_STATUS,
+                protocol.ANNOTATION_CHECKPOINT_MESSAGE,
+                S.RUNNING,
+                "checkpointing",
+            )
+            outcome = await self.executor.checkpoint(workload, identity_hash, await self._identity(pod))
+        except (AgentError, WorkloadRuntimeError, ValueError) as e:
+            await self._report(
+                pod,
+                protocol.ANNOTATION_CHECKPOINT_STATUS,
+                protocol.ANNOTATION_CHECKPOINT_MESSAGE,
+                S.FAILED,
+                str(e),
+            )
+            return
+        await self._report(
+            pod,
+            protocol.ANNOTATION_CHECKPOINT_STATUS,
+            protocol.ANNOTATION_CHECKPOINT_MESSAGE,
+            S.COMPLETED,
+            f"checkpointed {outcome.artifact_bytes} bytes in {outcome.timings.total():.2f}s",
+            extra={
+                protocol.ANNOTATION_CHECKPOINT_LOCATION: outcome.location,
+                protocol.ANNOTATION_CHECKPOINT_STORAGE_TYPE: "pvc",
+                protocol.ANNOTATION_CHECKPOINT_TIMINGS: json.dumps(outcome.timings.phases),
+            },
+        )
+
+    async def _restore(self, pod: Obj) -> None:
+        state = _status(pod, protocol.ANNOTATION_RESTORE_STATUS)
+        if state is not None and state.terminal:
+            return  # a restored workload outlives an agent restart; a failed one was cleaned up
+        key = workload_key(pod)
+        if state is S.RUNNING:
+            await self.runtime.stop(key)
+            await self._report(
+                pod,
+                protocol.ANNOTATION_RESTORE_STATUS,
+                protocol.ANNOTATION_RESTORE_MESSAGE,
+                S.FAILED,
+                "node agent restarted during the restore; the partial restore was removed",
+            )
+            return
+        identity_hash = (pod["metadata"].get("labels") or {}).get(protocol.LABEL_CHECKPOINT_HASH, "")
+        await self._report(
+            pod,
+            protocol.ANNOTATION_RESTORE_STATUS,
+            protocol.ANNOTATION_RESTORE_MESSAGE,
+            S.RUNNING,
+            "restoring",
+        )
+        try:
+            outcome = await self.executor.restore(
+                key,
+                identity_hash,
+                identity_info={
+                    "podName": pod["metadata"]["name"],
+                    "namespace": pod["metadata"]["namespace"],
+                    "podIP": (pod.get("status") or {}).get("podIP"),
+                    "hostname": pod["metadata"]["name"][:63],
+                    "env": {
+                        "POD_NAME": pod["metadata"]["name"],
+                        "POD_NAMESPACE": pod["metadata"]["namespace"],
+                    },
+                },
+            )
+        except (AgentError, WorkloadRuntimeError, ValueError) as e:
+            with contextlib.suppress(Exception):
+                await self.runtime.stop(key)
+            await self._report(
+                pod, protocol.ANNOTATION_RESTORE_STATUS, protocol.ANNOTATION_RESTORE_MESSAGE, S.FAILED, str(e)
+            )
+            return
+        await self._report(
+            pod,
+            protocol.ANNOTATION_RESTORE_STATUS,
+            protocol.ANNOTATION_RESTORE_MESSAGE,
+            S.COMPLETED,
+            f"restored in {outcome.timings.total():.2f}s",
+            extra={
+                protocol.ANNOTATION_RESTORE_TIMINGS: json.dumps(outcome.timings.phases),
+                protocol.ANNOTATION_RESTORE_CONTAINER_ID: outcome.workload.container_id
+                or str(outcome.workload.pid),
+            },
+        )
+
+    async def _identity(self, pod: Obj) -> CheckpointIdentity | None:
+        # The DynamoCheckpoint named by the pod's checkpoint-id label carries the identity; the artifact
+        # records it so an artifact on shared storage explains itself.
+        name = (pod["metadata"].get("labels") or {}).get(protocol.LABEL_CHECKPOINT_ID)
+        if not name:
+            return None
+        try:
+            ckpt = await self.kube.get(CHECKPOINT, name, pod["metadata"]["namespace"])
+        except Exception as e:
+            if is_not_found(e):
+                return None
+            raise
+        return CheckpointIdentity.model_validate(ckpt["spec"]["identity"])
+
+    async def _report(
+        self,
+        pod: Obj,
+        status_key: str,
+        message_key: str,
+        state: S,
+        message: str,
+        extra: dict[str, str] | None = None,
+    ) -> None:
+        ann: dict[str, Any] = {
+            protocol.per_container(status_key, MAIN): state.value,
+            protocol.per_container(message_key, MAIN): message[:4000],
+            **(extra or {}),
+        }
+        try:
+            await self.kube.merge_patch(
+                POD, pod["metadata"]["name"], {"metadata": {"annotations": ann}}, pod["metadata"]["namespace"]
+            )
+        except Exception as e:
+            if not is_not_found(e):
+                raise
+        log.info("reported", extra={"pod": workload_key(pod), "status": state.value, "message": message})
+
+
+def _spec(pod: Obj, key: str) -> WorkloadSpec:
+    containers = pod["spec"].get("containers") or []
+    main = next((c for c in containers if c.get("name") == MAIN), containers[0] if containers else None)
+    if main is None:
+        raise AgentError("pod has no containers")
+    command = [*(main.get("command") or []), *(main.get("args") or [])]
+    if not command:
+        raise AgentError("local mode needs the main container's command: images are not run here")
+    env = {e["name"]: str(e.get("value", "")) for e in main.get("env") or [] if "value" in e}
+    env.update(POD_NAME=pod["metadata"]["name"], POD_NAMESPACE=pod["metadata"]["namespace"])
+    return WorkloadSpec(key=key, command=[str(c) for c in command], env=env, workdir=main.get("workingDir"))

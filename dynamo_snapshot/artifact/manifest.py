@@ -1,0 +1,214 @@
+"""The versioned manifest (``manifest.json``) that describes and seals an artifact's files."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Annotated
+
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import ErrorDetails
+
+from dynamo_snapshot.api.identity import IDENTITY_HASH_LENGTH, CheckpointIdentity, compute_identity_hash
+from dynamo_snapshot.artifact.errors import ArtifactError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "IDENTITY_HASH_PATTERN",
+    "MANIFEST_NAME",
+    "FileEntry",
+    "GpuInfo",
+    "Manifest",
+    "validate_identity_hash",
+    "validate_relative_path",
+]
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+IDENTITY_HASH_PATTERN = rf"^[0-9a-f]{{{IDENTITY_HASH_LENGTH}}}$"
+_HASH = re.compile(IDENTITY_HASH_PATTERN)
+_SHA256 = r"^[0-9a-f]{64}$"
+_MAX_PATH = 4096
+
+StrictNonNegative = Annotated[int, Field(strict=True, ge=0)]
+StrictPositive = Annotated[int, Field(strict=True, ge=1)]
+
+
+def validate_identity_hash(value: object) -> str:
+    """``value`` if it is an identity hash (16 lowercase hex digits), else ``ValueError``.
+
+    The hash is the only thing that becomes a path in a store, so this is the gate against traversal.
+    """
+    # fullmatch, not match: "$" would accept a trailing newline.
+    if not isinstance(value, str) or not _HASH.fullmatch(value):
+        raise ValueError(f"invalid identity hash {value!r}: need {IDENTITY_HASH_LENGTH} lowercase hex digits")
+    return value
+
+
+def validate_relative_path(value: str) -> str:
+    """``value`` if it is a plain relative POSIX path that stays inside the artifact directory."""
+    if not value:
+        raise ValueError("file path is empty")
+    if len(value) > _MAX_PATH:
+        raise ValueError(f"file path is longer than {_MAX_PATH} characters")
+    if "\0" in value or "\\" in value:
+        raise ValueError(f"file path {value!r} contains a NUL or backslash")
+    if value.startswith("/"):
+        raise ValueError(f"file path {value!r} is absolute")
+    parts = value.split("/")
+    if ".." in parts:
+        raise ValueError(f"file path {value!r} contains '..'")
+    if "" in parts or "." in parts:
+        raise ValueError(f"file path {value!r} is not normalised (empty or '.' component)")
+    if value == MANIFEST_NAME:
+        raise ValueError(f"file path {value!r} is reserved for the manifest")
+    return value
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FileEntry(_Model):
+    path: str = Field(description="Relative POSIX path inside the artifact directory.")
+    size: StrictNonNegative = Field(description="Size in bytes.")
+    sha256: str = Field(pattern=_SHA256, description="Lowercase hex SHA-256 of the content.")
+
+    @field_validator("path")
+    @classmethod
+    def _relative(cls, v: str) -> str:
+        return validate_relative_path(v)
+
+
+class GpuInfo(_Model):
+    """The GPUs a checkpoint was taken on, or those a node offers (then only some fields are known)."""
+
+    product: str = Field(min_length=1, description='nvidia.com/gpu.product, e.g. "NVIDIA-H200".')
+    driver_version: str | None = Field(default=None, description='Full driver version, e.g. "570.133.20".')
+    # A string like the node label and the DynamoCheckpoint status it is compared with.
+    cuda_driver_major: str = Field(
+        pattern=r"^[0-9]+$", description='nvidia.com/cuda.driver.major, e.g. "570".'
+    )
+    count: StrictPositive = Field(description="GPUs used by the checkpointed worker.")
+    uuids: list[str] = Field(default_factory=list, description="GPU UUIDs, one per GPU when known.")
+    memory_mib: StrictNonNegative | None = Field(default=None, description="Memory per GPU in MiB.")
+
+    @model_validator(mode="after")
+    def _uuids_match_count(self) -> GpuInfo:
+        if self.uuids and len(self.uuids) != self.count:
+            raise ValueError(f"{len(self.uuids)} GPU uuids for a count of {self.count}")
+        if len(set(self.uuids)) != len(self.uuids):
+            raise ValueError("GPU uuids repeat")
+        return self
+
+
+class Manifest(_Model):
+    format_version: StrictPositive = FORMAT_VERSION
+    identity_hash: str
+    identity: CheckpointIdentity | None = Field(default=None, description="Absent for CLI checkpoints.")
+    created_at: AwareDatetime
+    source_node: str = Field(min_length=1)
+    gpus: GpuInfo | None = Field(default=None, description="Absent for a CPU-only checkpoint.")
+    criu_version: str = Field(min_length=1)
+    agent_version: str = Field(min_length=1)
+    files: list[FileEntry]
+    timings: dict[str, float] = Field(default_factory=dict, description="Seconds per phase.")
+    extra: dict[str, JsonValue] = Field(default_factory=dict, description="Caller's JSON data.")
+
+    @field_validator("format_version")
+    @classmethod
+    def _known_version(cls, v: int) -> int:
+        if v > FORMAT_VERSION:
+            raise ValueError(f"manifest format_version {v} is newer than supported {FORMAT_VERSION}")
+        return v
+
+    @field_validator("identity_hash")
+    @classmethod
+    def _hash(cls, v: str) -> str:
+        return validate_identity_hash(v)
+
+    @field_validator("timings")
+    @classmethod
+    def _seconds(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = sorted(k for k, s in v.items() if not (math.isfinite(s) and s >= 0))
+        if bad:
+            raise ValueError(f"timings must be finite, non-negative seconds: {', '.join(bad)}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Manifest:
+        paths = [f.path for f in self.files]
+        dupes = sorted({p for p in paths if paths.count(p) > 1})
+        if dupes:
+            raise ValueError(f"files listed twice: {', '.join(dupes)}")
+        if self.identity is not None:
+            computed = compute_identity_hash(self.identity)
+            if computed != self.identity_hash:
+                raise ValueError(
+                    f"identity hash mismatch: manifest says {self.identity_hash}, "
+                    f"its identity hashes to {computed}"
+                )
+        return self
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json(by_alias=True, exclude_none=True, indent=2).encode() + b"\n"
+
+    @classmethod
+    def from_json(cls, data: bytes | str, *, source: str = MANIFEST_NAME) -> Manifest:
+        """Parse and validate, raising ``ArtifactError`` with one line per problem.
+
+        The format version is checked first, so a newer manifest is reported as that, not as a list
+        of fields this version does not know.
+        """
+        try:
+            raw = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ArtifactError(f"{source} is not valid JSON: {e}") from e
+        if not isinstance(raw, dict):
+            raise ArtifactError(f"{source} must hold a JSON object, not {type(raw).__name__}")
+        version = raw.get("format_version")
+        if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
+            raise ArtifactError(f"manifest format_version {version} is newer than supported {FORMAT_VERSION}")
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as e:
+            raise ArtifactError([f"invalid {source}: {_describe(err)}" for err in e.errors()]) from e
+
+    def compatibility(self, node_gpus: GpuInfo | None) -> list[str]:
+        """Why a node with ``node_gpus`` cannot restore this checkpoint; empty when it can."""
+        want = self.gpus
+        if want is None:
+            return []
+        if node_gpus is None:
+            return [f"node has no GPUs; the checkpoint needs {want.count} {want.product}"]
+        problems = []
+        if node_gpus.product != want.product:
+            problems.append(f"GPU product {node_gpus.product} differs from the checkpoint's {want.product}")
+        if node_gpus.cuda_driver_major != want.cuda_driver_major:
+            problems.append(
+                f"CUDA driver major {node_gpus.cuda_driver_major} differs from the checkpoint's "
+                f"{want.cuda_driver_major}"
+            )
+        if node_gpus.count < want.count:
+            problems.append(f"too few GPUs: node has {node_gpus.count}, the checkpoint needs {want.count}")
+        return problems
+
+
+def _describe(err: ErrorDetails) -> str:
+    loc = ".".join(str(part) for part in err["loc"]) or "manifest"
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    return f"{loc}: {msg}"

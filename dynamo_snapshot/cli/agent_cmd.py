@@ -1,0 +1,137 @@
+"""`dynamo-snapshot agent`: the per-node agent (DaemonSet pod, or a local process for dev nodes)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from prometheus_client import start_http_server
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.alias_generators import to_camel
+
+from dynamo_snapshot.agent.executor import Executor
+from dynamo_snapshot.agent.runtime import ProcessRuntime, RuncRuntime, Runtime
+from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent
+from dynamo_snapshot.artifact import ArtifactStore
+from dynamo_snapshot.cli.logs import setup_logging
+from dynamo_snapshot.controller.runtime import Kube, load_client
+from dynamo_snapshot.criu import Criu, CriuError
+
+
+class AgentConfig(BaseModel):
+    """agent/config.yaml; flags override it."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+    node_name: str = Field(default_factory=lambda: os.environ.get("NODE_NAME", ""), min_length=1)
+    artifact_root: Path = Path("/var/lib/dynamo-snapshot/artifacts")
+    control_root: Path = Path("/var/lib/dynamo-snapshot/control")
+    state_root: Path = Path("/var/lib/dynamo-snapshot/runtime")
+    runtime: Literal["local", "runc"] = "runc"
+    launch_workloads: bool = Field(default=False, description="local/dev nodes: start pods' main containers")
+    ready_timeout_seconds: float = Field(default=3600, gt=0)
+    metrics_port: int = Field(default=9090, ge=0, le=65535)
+    criu: Path | None = None
+
+
+_FLAGS = (
+    "node_name",
+    "artifact_root",
+    "control_root",
+    "state_root",
+    "runtime",
+    "launch_workloads",
+    "ready_timeout_seconds",
+    "metrics_port",
+    "criu",
+)
+
+
+def register(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "agent",
+        help="run the node agent (checkpoint and restore workers on this node)",
+        description="Watch pods bound to this node: checkpoint checkpoint sources, restore restore targets.",
+    )
+    p.add_argument("--config", type=Path, help="YAML settings (see agent/config.yaml)")
+    p.add_argument("--kubeconfig", help="kubeconfig (default: $KUBECONFIG, ~/.kube/config, in-cluster)")
+    p.add_argument("--node-name", help="this node's name (default: $NODE_NAME)")
+    p.add_argument("--artifact-root", type=Path, help="artifact store (shared volume or node-local)")
+    p.add_argument("--control-root", type=Path, help="host directories behind pods' control dirs")
+    p.add_argument("--state-root", type=Path, help="runtime state (runc bundles)")
+    p.add_argument("--runtime", choices=["local", "runc"], help="host processes or runc containers")
+    p.add_argument(
+        "--launch-workloads",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="start pods' main containers here (nodes without a kubelet: demo, kwok)",
+    )
+    p.add_argument("--ready-timeout-seconds", type=float, help="how long a worker may take to get ready")
+    p.add_argument("--metrics-port", type=int, help="Prometheus metrics port, 0 disables (default 9090)")
+    p.add_argument("--criu", type=Path, help="criu binary (default: $DYNSNAP_CRIU, cache, PATH)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(run=run)
+
+
+def load_config(args: argparse.Namespace) -> AgentConfig:
+    data: dict[str, Any] = yaml.safe_load(args.config.read_text()) or {} if args.config else {}
+    base = AgentConfig.model_validate(data)
+    overrides = {k: getattr(args, k) for k in _FLAGS if getattr(args, k, None) is not None}
+    return AgentConfig.model_validate({**base.model_dump(), **overrides})
+
+
+def build(config: AgentConfig, kube: Kube) -> NodeAgent:
+    criu = Criu(config.criu)
+    runtime: Runtime
+    if config.runtime == "runc":
+        runtime = RuncRuntime(config.state_root, config.control_root, criu_binary=criu.binary)
+    else:
+        runtime = ProcessRuntime(config.control_root, criu)
+    executor = Executor(runtime, ArtifactStore(config.artifact_root), criu, node_name=config.node_name)
+    settings = AgentSettings(
+        node_name=config.node_name,
+        launch_workloads=config.launch_workloads,
+        ready_timeout=config.ready_timeout_seconds,
+    )
+    return NodeAgent(kube, executor, runtime, settings)
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
+    try:
+        config = load_config(args)
+    except (OSError, yaml.YAMLError) as e:
+        print(f"agent: cannot read config: {e}", file=sys.stderr)
+        return 2
+    except ValidationError as e:
+        err = e.errors()[0]
+        print(f"agent: invalid config: {'.'.join(map(str, err['loc']))}: {err['msg']}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(_main(config, args.kubeconfig))
+    except CriuError as e:
+        print(f"agent: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        print(f"agent: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _main(config: AgentConfig, kubeconfig: str | None) -> None:
+    await Criu(config.criu).require()
+    if config.metrics_port:
+        start_http_server(config.metrics_port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    api_client = await load_client(kubeconfig)
+    async with api_client:
+        await build(config, Kube(api_client, field_manager="dynamo-snapshot-agent")).run_until(stop)

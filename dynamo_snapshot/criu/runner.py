@@ -1,0 +1,262 @@
+"""Running the CRIU binary from asyncio: finding it, checking its version, dump, restore and check."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from dynamo_snapshot.criu.argv import dump_argv, restore_argv
+from dynamo_snapshot.criu.errors import CriuError, log_excerpt, summary_line
+from dynamo_snapshot.criu.version import CriuVersion
+from dynamo_snapshot.localcluster.components import cache_dir
+
+__all__ = ["ENV_CRIU", "MIN_VERSION", "Criu", "DumpResult", "RestoreResult", "find_criu"]
+
+ENV_CRIU = "DYNSNAP_CRIU"
+# Debian 12's CRIU 3.17 cannot restore on current kernels (vDSO layout), so 4.0 is the floor.
+MIN_VERSION = (4, 0)
+
+
+@dataclass(frozen=True)
+class DumpResult:
+    seconds: float
+    log_path: Path
+    image_bytes: int
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    pid: int
+    seconds: float
+    log_path: Path
+
+
+def _executable(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def find_criu(binary: Path | None = None) -> Path:
+    """The CRIU binary: ``binary``, else ``$DYNSNAP_CRIU``, else the component cache, else ``PATH``.
+
+    An explicit choice that is wrong is an error rather than a reason to look further, so a
+    misconfigured agent never silently runs some other CRIU.
+    """
+    if binary is not None:
+        if not _executable(binary):
+            raise CriuError("find", None, f"criu not found: {binary} is not an executable file")
+        return binary
+    env = os.environ.get(ENV_CRIU)
+    if env:
+        if not _executable(Path(env)):
+            raise CriuError("find", None, f"criu not found: ${ENV_CRIU}={env} is not an executable file")
+        return Path(env)
+    cached = cache_dir() / "bin" / "criu"
+    if _executable(cached):
+        return cached
+    on_path = shutil.which("criu")
+    if on_path:
+        return Path(on_path)
+    raise CriuError(
+        "find", None, f"criu not found: not in ${ENV_CRIU}, {cached} or PATH (run scripts/test-env.sh)"
+    )
+
+
+async def _run(binary: Path, op: str, argv: Sequence[str]) -> tuple[int, str]:
+    """Run CRIU to completion and return its exit status and combined stdout/stderr.
+
+    Output goes to an anonymous file, not a pipe: a restored process tree could inherit a pipe end
+    and keep it open long after CRIU exits, and waiting for EOF would then hang.
+    """
+    with tempfile.TemporaryFile() as out:
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                str(binary), *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out
+            )
+        except OSError as e:
+            raise CriuError(op, None, f"cannot run {binary}: {e}") from e
+        try:
+            returncode = await proc.wait()
+        except asyncio.CancelledError:
+            # Never leave CRIU running unobserved: a half-done restore would resurrect half a tree.
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            raise
+        out.seek(0)
+        return returncode, out.read().decode(errors="replace")
+
+
+def _failure(op: str, returncode: int, output: str, log_path: Path | None) -> CriuError:
+    text = output
+    if log_path is not None:
+        try:
+            text = log_path.read_text(errors="replace")
+        except OSError:
+            log_path = None  # CRIU failed before opening its log; its stderr says why
+    excerpt = log_excerpt(text)
+    message = summary_line(excerpt) or (excerpt[-1] if excerpt else f"no output, exit code {returncode}")
+    return CriuError(op, returncode, message, excerpt, log_path=log_path)
+
+
+def _image_bytes(images_dir: Path, skip: Path) -> int:
+    total = 0
+    for entry in os.scandir(images_dir):
+        if entry.is_file(follow_symlinks=False) and Path(entry.path) != skip:
+            total += entry.stat(follow_symlinks=False).st_size
+    return total
+
+
+def _prepare_restore(log_dir: Path, pidfile: Path) -> None:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    # CRIU creates the pidfile with O_EXCL, so a stale one from an earlier restore would fail this one.
+    pidfile.unlink(missing_ok=True)
+
+
+class Criu:
+    """One CRIU binary; every operation runs it as a subprocess without blocking the event loop."""
+
+    def __init__(self, binary: Path | None = None) -> None:
+        self._requested = binary
+        self._binary: Path | None = None
+        self._version: CriuVersion | None = None
+
+    @property
+    def binary(self) -> Path:
+        """The resolved binary (see ``find_criu``); raises ``CriuError`` when there is none."""
+        if self._binary is None:
+            self._binary = find_criu(self._requested)
+        return self._binary
+
+    async def version(self) -> CriuVersion:
+        if self._version is None:
+            returncode, output = await _run(self.binary, "version", ["--version"])
+            if returncode != 0:
+                raise _failure("version", returncode, output, None)
+            try:
+                self._version = CriuVersion.parse(output)
+            except ValueError as e:
+                raise CriuError("version", returncode, f"{self.binary}: {e}") from e
+        return self._version
+
+    async def require(self, min: tuple[int, ...] = MIN_VERSION) -> CriuVersion:
+        """The version, or a one-line ``CriuError`` when CRIU is missing or older than ``min``."""
+        version = await self.version()
+        if not version.at_least(min):
+            need = ".".join(map(str, min))
+            why = f" ({version} fails on this kernel's vDSO)" if version.major < 4 else ""
+            raise CriuError("version", None, f"CRIU {version} is too old: need >= {need}{why}")
+        return version
+
+    async def check(self) -> str:
+        """``criu check``'s output when it says "Looks good"; otherwise ``CriuError`` quoting it."""
+        returncode, output = await _run(self.binary, "check", ["check"])
+        if returncode != 0 or "Looks good" not in output:
+            raise _failure("check", returncode, output, None)
+        return output.strip()
+
+    async def dump(
+        self,
+        pid: int,
+        images_dir: Path,
+        *,
+        log_dir: Path | None = None,
+        leave_running: bool = False,
+        ext_unix_sk: bool = True,
+        file_locks: bool = True,
+        link_remap: bool = True,
+        tcp_established: bool = False,
+        shell_job: bool = False,
+        ghost_limit: int | None = None,
+        extra_args: Sequence[str] = (),
+    ) -> DumpResult:
+        """Checkpoint the process tree rooted at ``pid`` into ``images_dir`` (created if missing).
+
+        Unless ``leave_running``, CRIU kills the tree once it is dumped.  Without ``shell_job`` the
+        root must lead its own session (e.g. started with ``start_new_session=True``).
+        """
+        work_dir = log_dir or images_dir
+        log_path = work_dir / "dump.log"
+        await asyncio.to_thread(_make_dirs, images_dir, work_dir)
+        argv = dump_argv(
+            pid,
+            images_dir,
+            work_dir=work_dir,
+            log_file=log_path.name,
+            leave_running=leave_running,
+            ext_unix_sk=ext_unix_sk,
+            file_locks=file_locks,
+            link_remap=link_remap,
+            tcp_established=tcp_established,
+            shell_job=shell_job,
+            ghost_limit=ghost_limit,
+            extra_args=extra_args,
+        )
+        started = time.monotonic()
+        returncode, output = await _run(self.binary, "dump", argv)
+        seconds = time.monotonic() - started
+        if returncode != 0:
+            raise await asyncio.to_thread(_failure, "dump", returncode, output, log_path)
+        image_bytes = await asyncio.to_thread(_image_bytes, images_dir, log_path)
+        return DumpResult(seconds=seconds, log_path=log_path, image_bytes=image_bytes)
+
+    async def restore(
+        self,
+        images_dir: Path,
+        *,
+        log_dir: Path | None = None,
+        pidfile: Path | None = None,
+        detach: bool = True,
+        restore_sibling: bool = False,
+        ext_unix_sk: bool = True,
+        file_locks: bool = True,
+        tcp_established: bool = False,
+        shell_job: bool = False,
+        extra_args: Sequence[str] = (),
+    ) -> RestoreResult:
+        """Restore the tree dumped in ``images_dir``; it comes back with its original pids.
+
+        With ``detach`` (the default) CRIU returns once the tree runs; without it, only when the tree
+        exits.  Give ``log_dir`` when ``images_dir`` is read-only or must stay as it was verified:
+        CRIU writes its log, stats and the pidfile there.
+        """
+        work_dir = log_dir or images_dir
+        log_path = work_dir / "restore.log"
+        pidfile = pidfile or work_dir / "restore.pid"
+        await asyncio.to_thread(_prepare_restore, work_dir, pidfile)
+        argv = restore_argv(
+            images_dir,
+            pidfile,
+            work_dir=work_dir,
+            log_file=log_path.name,
+            detach=detach,
+            restore_sibling=restore_sibling,
+            ext_unix_sk=ext_unix_sk,
+            file_locks=file_locks,
+            tcp_established=tcp_established,
+            shell_job=shell_job,
+            extra_args=extra_args,
+        )
+        started = time.monotonic()
+        returncode, output = await _run(self.binary, "restore", argv)
+        seconds = time.monotonic() - started
+        if returncode != 0:
+            raise await asyncio.to_thread(_failure, "restore", returncode, output, log_path)
+        try:
+            pid = int((await asyncio.to_thread(pidfile.read_text)).strip())
+        except (OSError, ValueError) as e:
+            raise CriuError(
+                "restore", returncode, f"CRIU succeeded but left no usable pidfile {pidfile}: {e}"
+            ) from e
+        return RestoreResult(pid=pid, seconds=seconds, log_path=log_path)
+
+
+def _make_dirs(*dirs: Path) -> None:
+    for d in dirs:
+        d.mkdir(parents=True, exist_ok=True)

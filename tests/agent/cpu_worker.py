@@ -1,0 +1,30 @@
+"""A CPU stand-in worker for the agent tests: holds random state only in memory, uses the workload
+handshake, and after a restore writes verify.json proving the state survived (checksum) and who it is now."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+
+from dynamo_snapshot.workload import SnapshotHandshake
+
+state = bytearray(os.urandom(int(os.environ.get("WORKER_STATE_MIB", "32")) << 20))
+digest = hashlib.sha256(state).hexdigest()
+handshake = SnapshotHandshake()
+handshake.signal_ready({"digest": digest})
+info = handshake.wait_for_restore()
+verdict = {
+    "digest_before": digest,
+    "digest_after": hashlib.sha256(state).hexdigest(),
+    "pid": os.getpid(),
+    "restored": info.restored,
+    "pod_name": info.pod_name,
+    "restore_info": info.content,
+}
+tmp = handshake.control_dir / ".verify.tmp"
+tmp.write_text(json.dumps(verdict))
+os.replace(tmp, handshake.control_dir / "verify.json")
+while True:
+    time.sleep(1)

@@ -1,0 +1,295 @@
+"""The node agent for real: pods on kwok nodes of the real control plane, workers launched by the agent
+(host processes or runc containers), CRIU checkpoint and restore, the artifact store on disk."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes_asyncio import client
+
+from dynamo_snapshot.agent.executor import Executor
+from dynamo_snapshot.agent.runtime import ProcessRuntime, RuncRuntime, Runtime
+from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.artifact import ArtifactStore, GpuInfo
+from dynamo_snapshot.controller.runtime import POD, Kube, Obj
+from dynamo_snapshot.criu import Criu
+from tests.controller.conftest import eventually
+
+pytestmark = [pytest.mark.cluster, pytest.mark.criu]
+REPO = Path(__file__).resolve().parents[2]
+WORKER = REPO / "tests" / "agent" / "cpu_worker.py"
+HASH = "0123456789abcdef"
+H200 = GpuInfo(
+    product="NVIDIA-H200",
+    driver_version="580.159.04",
+    cuda_driver_major="580",
+    count=1,
+    uuids=["GPU-aaaaaaaa-0000-0000-0000-000000000001"],
+    memory_mib=143771,
+)
+
+
+@dataclass
+class AgentHandle:
+    node: str
+    agent: NodeAgent
+    runtime: Runtime
+    stop: asyncio.Event
+    task: asyncio.Task[None]
+
+    async def shutdown(self, *, abrupt: bool = False) -> None:
+        if abrupt:
+            self.task.cancel()
+        else:
+            self.stop.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+
+
+@pytest.fixture
+async def agents(api: client.ApiClient, tmp_path: Path, criu_bin: Path) -> AsyncIterator[Callable[..., Any]]:
+    kube = Kube(api, field_manager="agent-test")
+    store_root = tmp_path / "artifacts"  # shared, like a ReadWriteMany volume
+    started: list[AgentHandle] = []
+    workloads: list[tuple[Runtime, str]] = []
+
+    async def start(node: str, runtime_kind: str = "local", gpus: GpuInfo | None = None) -> AgentHandle:
+        criu = Criu(criu_bin)
+        base = tmp_path / f"node-{node}"
+        runtime: Runtime
+        if runtime_kind == "runc":
+            # The container sees this interpreter, its virtualenv and the repo, read-only.
+            binds = ["/usr", "/etc", sys.prefix, sys.base_prefix, str(REPO)]
+            runtime = RuncRuntime(base / "state", base / "control", criu_binary=criu.binary, host_binds=binds)
+        else:
+            runtime = ProcessRuntime(base / "control", criu)
+        executor = Executor(runtime, ArtifactStore(store_root), criu, node_name=node, cuda=None, gpus=gpus)
+        agent = NodeAgent(kube, executor, runtime, AgentSettings(node_name=node, ready_timeout=60))
+        stop = asyncio.Event()
+        handle = AgentHandle(node, agent, runtime, stop, asyncio.create_task(agent.run_until(stop)))
+        started.append(handle)
+        original_launch = runtime.launch
+
+        async def tracked_launch(spec: Any) -> Any:
+            workloads.append((runtime, spec.key))
+            return await original_launch(spec)
+
+        runtime.launch = tracked_launch  # type: ignore[method-assign]
+        return handle
+
+    yield start
+    for h in started:
+        await h.shutdown(abrupt=True)
+    for runtime, key in workloads:
+        with contextlib.suppress(Exception):
+            await runtime.stop(key)
+
+
+def pod(name: str, node: str, labels: dict[str, str], state_mib: int = 32) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "labels": {protocol.LABEL_MANAGED_BY: protocol.MANAGED_BY_VALUE, **labels},
+        },
+        "spec": {
+            "nodeName": node,  # bound directly: this test is about the agent, not the scheduler
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "worker:test",
+                    "command": [sys.executable, str(WORKER)],
+                    "env": [
+                        {"name": "PYTHONPATH", "value": str(REPO)},
+                        {"name": "WORKER_STATE_MIB", "value": str(state_mib)},
+                    ],
+                }
+            ],
+        },
+    }
+
+
+SOURCE = {
+    protocol.LABEL_CHECKPOINT_SOURCE: protocol.TRUE,
+    protocol.LABEL_CHECKPOINT_HASH: HASH,
+    protocol.LABEL_CHECKPOINT_ID: "ckpt",
+}
+TARGET = {
+    protocol.LABEL_RESTORE_TARGET: protocol.TRUE,
+    protocol.LABEL_CHECKPOINT_HASH: HASH,
+    protocol.LABEL_CHECKPOINT_ID: "ckpt",
+}
+
+
+async def _annotations(kube: Kube, ns: str, name: str) -> dict[str, str]:
+    return dict((await kube.get(POD, name, ns))["metadata"].get("annotations") or {})
+
+
+async def _status(kube: Kube, ns: str, name: str, key: str, want: str) -> dict[str, str] | None:
+    ann = await _annotations(kube, ns, name)
+    got = ann.get(protocol.per_container(key, "main"))
+    if got == "failed" and want != "failed":
+        raise AssertionError(ann)
+    return ann if got == want else None
+
+
+async def _checkpointed(kube: Kube, ns: str, name: str) -> dict[str, str]:
+    return await eventually(
+        lambda: _status(kube, ns, name, protocol.ANNOTATION_CHECKPOINT_STATUS, "completed"), within=60
+    )
+
+
+async def _verified(path: Path) -> dict[str, Any]:
+    def load() -> dict[str, Any] | None:
+        return json.loads(path.read_text()) if path.exists() else None
+
+    async def read() -> dict[str, Any] | None:
+        return await asyncio.to_thread(load)
+
+    return await eventually(read, within=30)
+
+
+@pytest.mark.parametrize("runtime_kind", ["local", "runc"])
+async def test_checkpoint_on_one_node_restore_on_another(
+    api: client.ApiClient,
+    namespace: str,
+    gpu_node: Callable[..., Obj],
+    agents: Callable[..., Any],
+    runtime_kind: str,
+) -> None:
+    kube = Kube(api)
+    node_a, node_b = (gpu_node()["metadata"]["name"] for _ in range(2))
+    a = await agents(node_a, runtime_kind)
+    b = await agents(node_b, runtime_kind)
+    await kube.create(POD, pod("source", node_a, SOURCE), namespace)
+    ann = await _checkpointed(kube, namespace, "source")
+    assert ann[protocol.ANNOTATION_CHECKPOINT_LOCATION].endswith(HASH)
+    timings = json.loads(ann[protocol.ANNOTATION_CHECKPOINT_TIMINGS])
+    assert timings["criu_dump"] > 0
+    artifact = ArtifactStore(Path(ann[protocol.ANNOTATION_CHECKPOINT_LOCATION]).parent).open(HASH)
+    assert artifact.manifest.source_node == node_a
+
+    replicas = ["restored-1", "restored-2"] if runtime_kind == "runc" else ["restored-1"]
+    for name in replicas:
+        await kube.create(POD, pod(name, node_b, TARGET), namespace)
+    for name in replicas:
+        ann = await eventually(
+            lambda n=name: _status(kube, namespace, n, protocol.ANNOTATION_RESTORE_STATUS, "completed"),
+            within=60,
+        )
+        assert "criu_restore" in json.loads(ann[protocol.ANNOTATION_RESTORE_TIMINGS])
+        uid = (await kube.get(POD, name, namespace))["metadata"]["uid"]
+        workload = await b.runtime.find(f"{namespace}_{name}_{uid[:8]}")
+        assert workload is not None
+        verify = await _verified(workload.control_dir / "verify.json")
+        assert verify["digest_after"] == verify["digest_before"], "memory changed across checkpoint/restore"
+        assert verify["restored"] is True
+        assert verify["pod_name"] == name, "the worker learns its new identity after restore"
+    assert a.node != b.node
+
+
+async def test_flipped_byte_refuses_restore(
+    api: client.ApiClient, namespace: str, gpu_node: Callable[..., Obj], agents: Callable[..., Any]
+) -> None:
+    kube = Kube(api)
+    node = gpu_node()["metadata"]["name"]
+    b = await agents(node)
+    await kube.create(POD, pod("source", node, SOURCE), namespace)
+    ann = await _checkpointed(kube, namespace, "source")
+    images = Path(ann[protocol.ANNOTATION_CHECKPOINT_LOCATION]) / "criu"
+    victim = max(images.glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    with victim.open("r+b") as f:
+        f.seek(4096)
+        byte = f.read(1)
+        f.seek(4096)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    await kube.create(POD, pod("restored", node, TARGET), namespace)
+    ann = await eventually(
+        lambda: _status(kube, namespace, "restored", protocol.ANNOTATION_RESTORE_STATUS, "failed"), within=60
+    )
+    message = ann[protocol.per_container(protocol.ANNOTATION_RESTORE_MESSAGE, "main")]
+    assert "checksum mismatch" in message
+    assert victim.name in message
+    uid = (await kube.get(POD, "restored", namespace))["metadata"]["uid"]
+    assert await b.runtime.find(f"{namespace}_restored_{uid[:8]}") is None, "nothing may be left running"
+
+
+async def test_incompatible_gpu_is_refused_naming_both(
+    api: client.ApiClient, namespace: str, gpu_node: Callable[..., Obj], agents: Callable[..., Any]
+) -> None:
+    kube = Kube(api)
+    node_a, node_b = (gpu_node()["metadata"]["name"] for _ in range(2))
+    await agents(node_a, gpus=H200)
+    a100 = GpuInfo(
+        product="NVIDIA-A100-SXM4-80GB",
+        driver_version="535.1",
+        cuda_driver_major="535",
+        count=1,
+        uuids=["GPU-bbbbbbbb-0000-0000-0000-000000000002"],
+        memory_mib=81920,
+    )
+    await agents(node_b, gpus=a100)
+    await kube.create(POD, pod("source", node_a, SOURCE), namespace)
+    await _checkpointed(kube, namespace, "source")
+    await kube.create(POD, pod("restored", node_b, TARGET), namespace)
+    ann = await eventually(
+        lambda: _status(kube, namespace, "restored", protocol.ANNOTATION_RESTORE_STATUS, "failed"), within=60
+    )
+    message = ann[protocol.per_container(protocol.ANNOTATION_RESTORE_MESSAGE, "main")]
+    assert "NVIDIA-H200" in message
+    assert "NVIDIA-A100-SXM4-80GB" in message
+
+
+async def test_agent_killed_mid_dump_publishes_nothing_and_reports_failure(
+    api: client.ApiClient,
+    namespace: str,
+    gpu_node: Callable[..., Obj],
+    agents: Callable[..., Any],
+    tmp_path: Path,
+) -> None:
+    kube = Kube(api)
+    node = gpu_node()["metadata"]["name"]
+    first = await agents(node)
+    await kube.create(POD, pod("source", node, SOURCE, state_mib=1024), namespace)
+    await eventually(
+        lambda: _status(kube, namespace, "source", protocol.ANNOTATION_CHECKPOINT_STATUS, "running"),
+        within=60,
+        interval=0.02,
+    )
+    await first.shutdown(abrupt=True)  # the dump of 1 GiB is under way
+    store = ArtifactStore(tmp_path / "artifacts")
+    await asyncio.sleep(0.5)
+    await agents(node)
+    ann = await eventually(
+        lambda: _status(kube, namespace, "source", protocol.ANNOTATION_CHECKPOINT_STATUS, "failed"), within=60
+    )
+    assert "restarted" in ann[protocol.per_container(protocol.ANNOTATION_CHECKPOINT_MESSAGE, "main")]
+    assert not store.exists(HASH), "a killed dump must never be published"
+
+
+async def test_pods_of_other_nodes_are_never_touched(
+    api: client.ApiClient, namespace: str, gpu_node: Callable[..., Obj], agents: Callable[..., Any]
+) -> None:
+    kube = Kube(api)
+    mine, other = (gpu_node()["metadata"]["name"] for _ in range(2))
+    agent = await agents(mine)
+    await kube.create(POD, pod(f"elsewhere-{uuid.uuid4().hex[:4]}", other, SOURCE), namespace)
+    await asyncio.sleep(3)
+    pods, _ = await kube.list_all(POD, namespace)
+    for p in pods:
+        assert not any(
+            k.startswith("nvidia.com/snapshot-") and k != protocol.ANNOTATION_TARGET_CONTAINERS
+            for k in p["metadata"].get("annotations") or {}
+        )
+    assert agent.agent.pods.list() == []

@@ -1,0 +1,49 @@
+"""Small builders shared by the artifact tests."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from dynamo_snapshot.api.identity import CheckpointIdentity
+from dynamo_snapshot.artifact import ArtifactStore, ArtifactWriter, GpuInfo, PublishResult
+
+IDENTITY = CheckpointIdentity(model="meta-llama/Llama-3-8B", backend_framework="vllm", dtype="bfloat16")
+HASH = IDENTITY.compute_hash()
+H200 = GpuInfo(
+    product="NVIDIA-H200",
+    driver_version="580.159.04",
+    cuda_driver_major="580",
+    count=2,
+    uuids=["GPU-aaaaaaaa-0000-0000-0000-000000000001", "GPU-aaaaaaaa-0000-0000-0000-000000000002"],
+    memory_mib=143771,
+)
+
+
+def sample_files() -> dict[str, bytes]:
+    return {
+        "inventory.img": b"\x01inventory",
+        "pages-1.img": os.urandom(3 << 20),
+        "pagemap-1.img": os.urandom(1000),
+        "cuda/gpu-0.bin": os.urandom(1 << 20),
+        "empty.img": b"",
+    }
+
+
+def stage(directory: Path, files: dict[str, bytes]) -> None:
+    for rel, data in files.items():
+        (directory / rel).parent.mkdir(parents=True, exist_ok=True)
+        (directory / rel).write_bytes(data)
+
+
+async def publish(store: ArtifactStore, files: dict[str, bytes], identity_hash: str = HASH) -> PublishResult:
+    with ArtifactWriter(store, identity_hash) as writer:
+        stage(writer.directory, files)
+        return await writer.publish(
+            criu_version="4.1.1",
+            gpus=H200,
+            identity=IDENTITY if identity_hash == HASH else None,
+            source_node="node-a",
+            timings={"dump": 1.5},
+            extra={"runtime": "process"},
+        )

@@ -1,0 +1,172 @@
+"""CRIU version parsing, command lines and log excerpts: no CRIU needed."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from dynamo_snapshot.criu import Criu, CriuError, CriuVersion, dump_argv, restore_argv
+from dynamo_snapshot.criu.errors import log_excerpt, summary_line
+
+DUMP_LOG = """\
+(00.000000) Version: 4.1.1 (gitid 0)
+(00.025240) Warn  (criu/seize.c:63): Failed to open /proc/4242/comm: No such file or directory
+(00.025248) Error (criu/util.c:1533): rlimit: Can't setup RLIMIT_NOFILE for self: Operation not permitted
+(00.025700) net: Unlock network
+(00.025759) Unfreezing tasks into 1
+(00.025762) Error (compel/src/lib/infect.c:418): Unable to detach from 4242: No such process
+(00.025768) Error (criu/cr-dump.c:2111): Dumping FAILED.
+"""
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("Version: 4.1.1\n", CriuVersion(4, 1, 1)),
+        ("Version: 3.17\n", CriuVersion(3, 17, 0)),
+        ("Version: 4.0\nGitID: v4.0-12-gdeadbeef\n", CriuVersion(4, 0, 0)),
+        ("  Version:  4.2.10  \n", CriuVersion(4, 2, 10)),
+    ],
+)
+def test_version_parse(text: str, expected: CriuVersion) -> None:
+    assert CriuVersion.parse(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "criu: command not found", "Version: four"])
+def test_version_parse_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match="cannot read a CRIU version"):
+        CriuVersion.parse(text)
+
+
+def test_version_order_and_text() -> None:
+    assert CriuVersion(3, 17) < CriuVersion(4, 0) < CriuVersion(4, 0, 1) < CriuVersion(4, 1)
+    assert CriuVersion(4, 1).at_least((4, 0))
+    assert not CriuVersion(3, 17).at_least((4, 0))
+    assert CriuVersion(4, 1, 1).at_least((4, 1, 1))
+    assert (str(CriuVersion(3, 17)), str(CriuVersion(4, 1, 1))) == ("3.17", "4.1.1")
+
+
+def test_dump_argv_defaults() -> None:
+    argv = dump_argv(123, Path("/img"))
+    assert argv[:3] == ["dump", "-t", "123"]
+    assert argv[argv.index("-D") + 1] == "/img"
+    assert argv[argv.index("-W") + 1] == "/img"
+    assert argv[argv.index("-o") + 1] == "dump.log"
+    assert "-v4" in argv
+    for flag in ("--ext-unix-sk", "--file-locks", "--link-remap"):
+        assert flag in argv
+    for flag in ("--leave-running", "--tcp-established", "--shell-job", "--ghost-limit"):
+        assert flag not in argv
+
+
+def test_dump_argv_options() -> None:
+    argv = dump_argv(
+        7,
+        Path("/img"),
+        work_dir=Path("/logs"),
+        leave_running=True,
+        ext_unix_sk=False,
+        file_locks=False,
+        link_remap=False,
+        tcp_established=True,
+        shell_job=True,
+        ghost_limit=64 << 20,
+        extra_args=("--manage-cgroups", "ignore"),
+    )
+    assert argv[argv.index("-W") + 1] == "/logs"
+    assert argv[argv.index("--ghost-limit") + 1] == str(64 << 20)
+    assert argv[-2:] == ["--manage-cgroups", "ignore"]
+    for flag in ("--leave-running", "--tcp-established", "--shell-job"):
+        assert flag in argv
+    for flag in ("--ext-unix-sk", "--file-locks", "--link-remap"):
+        assert flag not in argv
+
+
+def test_dump_argv_rejects_bad_values() -> None:
+    with pytest.raises(ValueError, match="invalid pid"):
+        dump_argv(0, Path("/img"))
+    with pytest.raises(ValueError, match="invalid ghost_limit"):
+        dump_argv(1, Path("/img"), ghost_limit=-1)
+
+
+def test_restore_argv() -> None:
+    argv = restore_argv(Path("/img"), Path("/run/r.pid"), work_dir=Path("/logs"))
+    assert argv[0] == "restore"
+    assert argv[argv.index("--pidfile") + 1] == "/run/r.pid"
+    assert argv[argv.index("-o") + 1] == "restore.log"
+    assert "--restore-detached" in argv
+    assert "--restore-sibling" not in argv
+    argv = restore_argv(Path("/img"), Path("/p"), detach=False, restore_sibling=True, tcp_established=True)
+    assert "--restore-detached" not in argv
+    assert "--restore-sibling" in argv
+    assert "--tcp-established" in argv
+
+
+def test_relative_paths_become_absolute() -> None:
+    argv = restore_argv(Path("img"), Path("r.pid"))
+    assert argv[argv.index("-D") + 1] == str(Path("img").absolute())
+    assert argv[argv.index("--pidfile") + 1] == str(Path("r.pid").absolute())
+
+
+def test_log_excerpt_keeps_problems_and_tail() -> None:
+    excerpt = log_excerpt(DUMP_LOG)
+    assert excerpt[0].endswith("Failed to open /proc/4242/comm: No such file or directory")
+    assert excerpt[-1].endswith("Dumping FAILED.")
+    assert not any("Version: 4.1.1" in line for line in excerpt)
+    assert any("Unfreezing tasks" in line for line in excerpt)  # tail context
+    assert summary_line(excerpt) == "Unable to detach from 4242: No such process"
+
+
+def test_log_excerpt_limits_problem_lines() -> None:
+    text = "\n".join(f"(0.{i}) Error (x.c:1): problem {i}" for i in range(50))
+    excerpt = log_excerpt(text, problems=10, tail=3)
+    assert len(excerpt) == 10
+    assert excerpt[0].endswith("problem 40")
+
+
+def test_error_text_quotes_log() -> None:
+    excerpt = log_excerpt(DUMP_LOG)
+    err = CriuError("dump", 1, summary_line(excerpt) or "", excerpt, log_path=Path("/img/dump.log"))
+    text = str(err)
+    assert text.startswith("criu dump failed (exit 1): Unable to detach from 4242: No such process")
+    assert "/img/dump.log" in text
+    assert "Failed to open /proc/4242/comm" in text
+    assert "exit code" not in text
+
+
+def _fake_criu(tmp_path: Path, version_line: str) -> Path:
+    path = tmp_path / "criu"
+    path.write_text(f"#!/bin/sh\necho '{version_line}'\n")
+    path.chmod(0o755)
+    return path
+
+
+async def test_require_too_old(tmp_path: Path) -> None:
+    criu = Criu(_fake_criu(tmp_path, "Version: 3.17"))
+    with pytest.raises(CriuError) as err:
+        await criu.require(min=(4, 0))
+    assert str(err.value) == "CRIU 3.17 is too old: need >= 4.0 (3.17 fails on this kernel's vDSO)"
+
+
+async def test_require_accepts_new_enough(tmp_path: Path) -> None:
+    assert await Criu(_fake_criu(tmp_path, "Version: 4.1.1")).require() == CriuVersion(4, 1, 1)
+
+
+async def test_missing_binary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(CriuError, match=r"^criu not found: .*/nope is not an executable file$"):
+        await Criu(tmp_path / "nope").require()
+    monkeypatch.setenv("DYNSNAP_CRIU", str(tmp_path / "missing"))
+    with pytest.raises(CriuError, match=r"^criu not found: \$DYNSNAP_CRIU="):
+        await Criu().version()
+    monkeypatch.delenv("DYNSNAP_CRIU")
+    monkeypatch.setenv("DYNSNAP_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-path"))
+    with pytest.raises(CriuError, match=r"^criu not found: not in \$DYNSNAP_CRIU, .*empty-cache/bin/criu"):
+        await Criu().version()
+
+
+async def test_env_binary_is_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DYNSNAP_CRIU", os.fspath(_fake_criu(tmp_path, "Version: 4.9")))
+    assert await Criu().version() == CriuVersion(4, 9)

@@ -1,0 +1,28 @@
+"""The CUDA checkpoint API on a real GPU (the H200 machine): see cuda_scenarios.py for what each checks.
+
+Skipped unless cuda-python imports and cuInit succeeds, and torch is there for the worker. Each test
+prints its measurements as one JSON line (run with -s to see them).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from dynamo_snapshot.cuda import cuda_available
+from tests.gpu import cuda_scenarios
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not cuda_available(), reason="needs cuda-python and an NVIDIA driver"),
+    pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="the CUDA worker needs torch"),
+]
+
+
+@pytest.mark.parametrize("name", list(cuda_scenarios.SCENARIOS))
+def test_cuda_checkpoint(name: str, tmp_path: Path) -> None:
+    report = cuda_scenarios.SCENARIOS[name](tmp_path)
+    print(f"\n{name}: {json.dumps(report, default=str)}")
