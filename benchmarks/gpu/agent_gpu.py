@@ -80,13 +80,14 @@ async def main() -> int:
     executor = Executor(runtime, store, criu, node_name=os.uname().nodename)
     identity = CheckpointIdentity.model_validate({"model": "bench/raw-weights", "backendFramework": "vllm"})
     ident_hash = compute_identity_hash(identity)
-    env = {"PYTHONPATH": str(REPO), "WORKER_LINGER_S": "3"}
+    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {"PYTHONPATH": pythonpath, "WORKER_LINGER_S": "3"}
     res: dict[str, object] = {"weights_gib": args.weights_gib}
 
     await asyncio.to_thread(drop_caches)
     started = time.time()
     source = await runtime.launch(WorkloadSpec("source", [sys.executable, str(WORKER), str(weights)], env))
-    await executor.wait_ready(source, timeout=600)
+    await executor.wait_ready(source, within=600)
     res["cold_start_s"] = round(time.time() - started, 3)
     res["cold_timings"] = await wait_file(source.control_dir / "cold-timings.json", within=5)
 

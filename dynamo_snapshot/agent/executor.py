@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from dynamo_snapshot import __version__
 from dynamo_snapshot.agent.runtime.base import Runtime, Workload, WorkloadRuntimeError
@@ -49,6 +49,7 @@ PHASE_SECONDS = Histogram(
 )
 BYTES = Counter("dynsnap_agent_artifact_bytes_total", "Artifact bytes written or verified", ["op"])
 FAILURES = Counter("dynsnap_agent_failures_total", "Failed checkpoints/restores", ["op"])
+THROUGHPUT = Gauge("dynsnap_agent_io_gbps", "Artifact read/hash throughput of the last operation", ["op"])
 
 
 class AgentError(Exception):
@@ -163,6 +164,8 @@ class Executor:
         artifact = published.artifact
         size = sum(f.size for f in artifact.manifest.files)
         BYTES.labels("checkpoint").inc(size)
+        if published.io.seconds > 0:
+            THROUGHPUT.labels("checkpoint").set(published.io.bytes / published.io.seconds / 1e9)
         return CheckpointOutcome(str(artifact.path), size, t)
 
     # ------------------------------------------------------------------ restore
@@ -182,6 +185,8 @@ class Executor:
                 if problems:
                     raise AgentError("incompatible node: " + "; ".join(problems))
             BYTES.labels("restore").inc(stats.bytes)
+            if stats.seconds > 0:
+                THROUGHPUT.labels("restore").set(stats.bytes / stats.seconds / 1e9)
             extra = artifact.manifest.extra
             with t.phase("restore", "criu_restore"):
                 try:

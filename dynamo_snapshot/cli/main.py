@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from dynamo_snapshot import __version__
-from dynamo_snapshot.cli import agent_cmd, controller_cmd, crds_cmd, demo_cmd
+from dynamo_snapshot.cli import agent_cmd, controller_cmd, crds_cmd, demo_cmd, snapshot_cmds
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo_cmd.register(sub)
     controller_cmd.register(sub)
     agent_cmd.register(sub)
+    snapshot_cmds.register(sub)
     crds_cmd.register(sub)
     return parser
 

@@ -87,7 +87,10 @@ class ProcessRuntime:
         ctl = Path(source_control_dir)
         await asyncio.to_thread(_prepare_restored_control_dir, ctl)
         try:
-            result = await self.criu.restore(images_dir, detach=True, pidfile=ctl / ".criu-restore.pid")
+            # Logs go beside the workload, not into the (shared, verified) artifact.
+            result = await self.criu.restore(
+                images_dir, detach=True, pidfile=ctl / ".criu-restore.pid", log_dir=self.control_dir(key)
+            )
         except CriuError as e:
             raise WorkloadRuntimeError(str(e)) from None
         await asyncio.to_thread(_write_state, self.control_dir(key), result.pid, ctl)

@@ -1,0 +1,96 @@
+"""`dynamo-snapshot checkpoint / restore / inspect` on a real process, without Kubernetes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.criu
+CLI = [sys.executable, "-m", "dynamo_snapshot.cli.main"]
+REPO = Path(__file__).resolve().parents[2]
+WORKER = REPO / "tests" / "agent" / "cpu_worker.py"
+
+
+def _wait(path: Path, within: float = 30) -> str:
+    deadline = time.monotonic() + within
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.05)
+    time.sleep(0.05)
+    return path.read_text()
+
+
+def test_checkpoint_restore_inspect_round_trip(criu_bin: Path, tmp_path: Path) -> None:
+    control, store = tmp_path / "control", tmp_path / "store"
+    control.mkdir()
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "SNAPSHOT_CONTROL_DIR": str(control),
+        "DYNSNAP_CRIU": str(criu_bin),
+    }
+    log = (tmp_path / "worker.log").open("w")
+    worker = subprocess.Popen(
+        [sys.executable, str(WORKER)],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
+    )
+    try:
+        _wait(control / "ready-for-checkpoint")
+        identity = tmp_path / "identity.yaml"
+        identity.write_text("model: Qwen/Qwen3-0.6B\nbackendFramework: sglang\n")
+        done = subprocess.run(
+            [*CLI, "checkpoint", "--pid", str(worker.pid), "--out", str(store), "--identity", str(identity)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        artifact = Path(done.stdout.strip().splitlines()[-1])
+        assert artifact.parent == store
+        worker.wait(timeout=10)  # the dump stopped it
+
+        shown = subprocess.run(
+            [*CLI, "inspect", str(artifact), "--verify"], capture_output=True, text=True, timeout=60
+        )
+        assert shown.returncode == 0, shown.stderr
+        manifest = json.loads(shown.stdout)
+        assert manifest["identity"]["backendFramework"] == "sglang"
+        assert "verified" in shown.stderr
+
+        restored = subprocess.run(
+            [*CLI, "restore", str(artifact)], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert restored.returncode == 0, restored.stderr
+        pid = int(restored.stdout.strip().splitlines()[-1])
+        assert pid == worker.pid, "CRIU restores the original pid"
+        verdict = json.loads(_wait(control / "verify.json"))
+        assert verdict["digest_after"] == verdict["digest_before"]
+        os.kill(pid, signal.SIGKILL)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+
+
+def test_bad_inputs_exit_1_with_one_line(tmp_path: Path) -> None:
+    missing = subprocess.run(
+        [*CLI, "inspect", str(tmp_path / "nope")], capture_output=True, text=True, timeout=60
+    )
+    assert missing.returncode == 1
+    assert "Traceback" not in missing.stderr
+    bad_hash = tmp_path / "not-a-hash"
+    bad_hash.mkdir()
+    refused = subprocess.run([*CLI, "restore", str(bad_hash)], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1
+    assert "identity hash" in refused.stderr
