@@ -1,25 +1,74 @@
-"""The SDK a worker calls to be checkpointed and restored: the handshake through the control directory."""
+"""The SDK a worker calls to be checkpointed and restored: the handshake through the control directory,
+and GPU memory (KV cache, weights) that is left out of the checkpoint and taken back after the restore.
 
+Imports without torch or cuda-python: both are loaded on first use.
+"""
+
+from dynamo_snapshot.workload.gpu_memory import (
+    DEFAULT_POOL,
+    KIND_KV,
+    KIND_WEIGHTS,
+    RegionPool,
+    VmmRegion,
+    allocation_granularity,
+    device_memory_info,
+)
 from dynamo_snapshot.workload.handshake import (
     DEFAULT_POLL_INTERVAL,
     NoControlDirError,
     RestoreInfo,
     SnapshotHandshake,
+    SnapshotHook,
     control_dir,
     maybe_checkpoint_and_wait,
     maybe_checkpoint_and_wait_async,
     maybe_signal_ready,
     maybe_signal_ready_async,
 )
+from dynamo_snapshot.workload.kv_cache import KvCache
+from dynamo_snapshot.workload.offload import GpuOffload, OffloadReport
+from dynamo_snapshot.workload.weights import (
+    FILE_WEIGHTS_MANIFEST,
+    LoadResult,
+    SaveResult,
+    WeightRegion,
+    WeightsFile,
+    WeightsFileError,
+    pack_module,
+    read_weights_manifest,
+    warm_page_cache,
+    warm_weights,
+)
 
 __all__ = [
     "DEFAULT_POLL_INTERVAL",
+    "DEFAULT_POOL",
+    "FILE_WEIGHTS_MANIFEST",
+    "KIND_KV",
+    "KIND_WEIGHTS",
+    "GpuOffload",
+    "KvCache",
+    "LoadResult",
     "NoControlDirError",
+    "OffloadReport",
+    "RegionPool",
     "RestoreInfo",
+    "SaveResult",
     "SnapshotHandshake",
+    "SnapshotHook",
+    "VmmRegion",
+    "WeightRegion",
+    "WeightsFile",
+    "WeightsFileError",
+    "allocation_granularity",
     "control_dir",
+    "device_memory_info",
     "maybe_checkpoint_and_wait",
     "maybe_checkpoint_and_wait_async",
     "maybe_signal_ready",
     "maybe_signal_ready_async",
+    "pack_module",
+    "read_weights_manifest",
+    "warm_page_cache",
+    "warm_weights",
 ]

@@ -15,6 +15,12 @@ Files (names from dynamo_snapshot.api.protocol, spelled as Dynamo spells them):
 - restore-complete, written by the agent once this process was restored into a new pod.
 - snapshot-complete, written by the agent after a dump that left this process running.
 
+Hooks (add_hook) run around the checkpoint: before_checkpoint(handshake) before ready-for-checkpoint
+is written, on_resume(handshake, info) once the wait ends (restored or dumped and left running).
+register_kv_cache and register_weights add the GPU offload hook (offload.GpuOffload), which releases
+KV caches and weights so the checkpoint does not carry them, and takes them back after. Without hooks
+the handshake behaves exactly as it always did.
+
 What CRIU restores and what it does not: the process's memory comes back as it was at checkpoint
 time, environment included, so os.environ (POD_NAME, POD_IP, ...) still describes the checkpoint pod
 after a restore. The new pod's identity comes, in this order, from the restore-complete content when
@@ -35,7 +41,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dynamo_snapshot.api.protocol import (
     ENV_CONTROL_DIR,
@@ -46,11 +52,15 @@ from dynamo_snapshot.api.protocol import (
     PROTOCOL_VERSION,
 )
 
+if TYPE_CHECKING:
+    from dynamo_snapshot.workload.offload import GpuOffload, ReleasableCache, SavableWeights
+
 __all__ = [
     "DEFAULT_POLL_INTERVAL",
     "NoControlDirError",
     "RestoreInfo",
     "SnapshotHandshake",
+    "SnapshotHook",
     "control_dir",
     "maybe_checkpoint_and_wait",
     "maybe_checkpoint_and_wait_async",
@@ -184,11 +194,21 @@ def _identity(content: Any, restored: bool) -> tuple[str, str | None, str | None
     return hostname, pod_name, pod_ip, env
 
 
+class SnapshotHook(Protocol):
+    """Work around a checkpoint: before_checkpoint runs before ready-for-checkpoint is written (an
+    exception there means no ready file), on_resume after the wait for the agent ended (info) or
+    after a later hook's before_checkpoint failed (info None), to undo what before_checkpoint did."""
+
+    def before_checkpoint(self, handshake: SnapshotHandshake) -> None: ...
+
+    def on_resume(self, handshake: SnapshotHandshake, info: RestoreInfo | None) -> None: ...
+
+
 class SnapshotHandshake:
     """The sentinel files of one control directory. Sync methods block; *_async ones only await.
 
     Thread-safe in the sense that matters: every method works on files only, so engines may call the
-    sync API from their own threads.
+    sync API from their own threads. Hooks are the exception: register them before the handshake.
     """
 
     def __init__(self, control_dir: Path | str | None = None) -> None:
@@ -198,6 +218,9 @@ class SnapshotHandshake:
             if control_dir is None:
                 raise NoControlDirError()
         self.control_dir = Path(control_dir)
+        self._hooks: list[SnapshotHook] = []
+        self._armed: list[SnapshotHook] = []  # hooks whose before_checkpoint ran, awaiting on_resume
+        self._offload: GpuOffload | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> SnapshotHandshake:
@@ -212,6 +235,53 @@ class SnapshotHandshake:
         """Like from_env, but None outside snapshot-enabled pods."""
         found = _configured_dir(environ)
         return cls(found) if found is not None else None
+
+    # ---- hooks ----
+
+    def add_hook(self, hook: SnapshotHook) -> None:
+        """Run `hook` around the checkpoint; hooks run in the order added (on_resume too)."""
+        self._hooks.append(hook)
+
+    @property
+    def gpu_offload(self) -> GpuOffload:
+        """The GPU offload hook (created and added on first use), with its report of the last cycle."""
+        if self._offload is None:
+            from dynamo_snapshot.workload.offload import GpuOffload
+
+            self._offload = GpuOffload()
+            self.add_hook(self._offload)
+        return self._offload
+
+    def register_kv_cache(self, cache: ReleasableCache) -> None:
+        """Release `cache` (a KvCache) before the checkpoint and reacquire it after."""
+        self.gpu_offload.add_kv_cache(cache)
+
+    def register_weights(self, weights: SavableWeights, path: Path | str) -> None:
+        """Save `weights` (a WeightRegion) to `path` and release them before the checkpoint (listing
+        the file in weights.json), and load them from `path` after."""
+        self.gpu_offload.add_weights(weights, path)
+
+    def _before_checkpoint(self) -> None:
+        for hook in self._hooks:
+            if hook in self._armed:
+                continue  # signal_ready twice without a wait between: already done
+            self._armed.append(hook)
+            try:
+                hook.before_checkpoint(self)
+            except BaseException:
+                # Undo in reverse what was done, the failing hook included, so the worker can go on.
+                self._resume_hooks(None, quiet=True)
+                raise
+
+    def _resume_hooks(self, info: RestoreInfo | None, *, quiet: bool = False) -> None:
+        armed, self._armed = self._armed, []
+        for hook in reversed(armed) if info is None else armed:
+            try:
+                hook.on_resume(self, info)
+            except Exception:
+                if not quiet:
+                    raise
+                log.exception("undoing snapshot hook %r failed", hook)
 
     @property
     def ready_path(self) -> Path:
@@ -241,6 +311,26 @@ class SnapshotHandshake:
         data = json.dumps(payload, sort_keys=True).encode()  # fails here, before anything is written
         if not self.control_dir.is_dir():
             raise FileNotFoundError(f"snapshot control dir {self.control_dir} does not exist")
+        if self._hooks:
+            self._before_checkpoint()
+            payload["timestamp"] = time.time()  # the ready time, after the hooks' work
+            data = json.dumps(payload, sort_keys=True).encode()
+        try:
+            self._write_ready(data)
+        except BaseException:
+            # No ready file, so no checkpoint is coming: give the worker back what the hooks took.
+            if self._armed:
+                self._resume_hooks(None, quiet=True)
+            raise
+        # Directory fsync is not supported everywhere (some FUSE and overlay setups); the rename is done.
+        with contextlib.suppress(OSError):
+            dir_fd = os.open(self.control_dir, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)  # the rename itself survives a crash of the node
+            finally:
+                os.close(dir_fd)
+
+    def _write_ready(self, data: bytes) -> None:
         for stale in (self.restore_complete_path, self.snapshot_complete_path):
             stale.unlink(missing_ok=True)
         fd, tmp = tempfile.mkstemp(
@@ -256,13 +346,6 @@ class SnapshotHandshake:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        # Directory fsync is not supported everywhere (some FUSE and overlay setups); the rename is done.
-        with contextlib.suppress(OSError):
-            dir_fd = os.open(self.control_dir, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)  # the rename itself survives a crash of the node
-            finally:
-                os.close(dir_fd)
 
     async def signal_ready_async(self, info: Mapping[str, Any] | None = None) -> None:
         # fsync can take a while on a busy disk: keep it off the event loop.
@@ -331,7 +414,10 @@ class SnapshotHandshake:
             stable, content = again is not None and again == content, again
             if stable:
                 break
-        return self._result(state, content, waited)
+        result = self._result(state, content, waited)
+        if self._armed:
+            self._resume_hooks(result)
+        return result
 
     # `timeout` rather than asyncio.timeout(): the loop's clock would count the time the process spent
     # frozen or on another machine, and a restored worker must not time out on waking.
@@ -361,7 +447,11 @@ class SnapshotHandshake:
             stable, content = again is not None and again == content, again
             if stable:
                 break
-        return self._result(state, content, waited)
+        result = self._result(state, content, waited)
+        if self._armed:
+            # Loading weights blocks for seconds: off the event loop.
+            await asyncio.to_thread(self._resume_hooks, result)
+        return result
 
     def checkpoint_and_wait(
         self,

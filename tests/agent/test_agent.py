@@ -78,13 +78,19 @@ async def agents(api: client.ApiClient, tmp_path: Path, criu_bin: Path) -> Async
         stop = asyncio.Event()
         handle = AgentHandle(node, agent, runtime, stop, asyncio.create_task(agent.run_until(stop)))
         started.append(handle)
-        original_launch = runtime.launch
+        original_launch, original_restore = runtime.launch, runtime.restore
 
         async def tracked_launch(spec: Any) -> Any:
             workloads.append((runtime, spec.key))
             return await original_launch(spec)
 
+        async def tracked_restore(key: str, *args: Any) -> Any:
+            workloads.append((runtime, key))
+            return await original_restore(key, *args)
+
+        # Everything a test starts is stopped at teardown, restored trees included.
         runtime.launch = tracked_launch  # type: ignore[method-assign]
+        runtime.restore = tracked_restore  # type: ignore[method-assign]
         return handle
 
     yield start

@@ -75,9 +75,11 @@ def test_checkpoint_restore_inspect_round_trip(criu_bin: Path, tmp_path: Path) -
         assert restored.returncode == 0, restored.stderr
         pid = int(restored.stdout.strip().splitlines()[-1])
         assert pid == worker.pid, "CRIU restores the original pid"
-        verdict = json.loads(_wait(control / "verify.json"))
+        try:
+            verdict = json.loads(_wait(control / "verify.json"))
+        finally:
+            os.kill(pid, signal.SIGKILL)
         assert verdict["digest_after"] == verdict["digest_before"]
-        os.kill(pid, signal.SIGKILL)
     finally:
         if worker.poll() is None:
             worker.kill()

@@ -1,0 +1,167 @@
+"""The handshake hook that takes KV caches and weights out of the checkpoint and puts them back.
+
+Before ready-for-checkpoint is written: each registered WeightRegion is saved to its file (skipped when
+the file holds these bytes already), the control directory's weights.json names the files, then the
+weights and the KV caches are released, so the CUDA checkpoint has almost nothing to copy. After the
+agent restored the process (restore-complete), or dumped it and let it run on (snapshot-complete), the
+KV caches are mapped again and the weights read back from their files.
+
+    handshake = SnapshotHandshake.from_env()
+    handshake.register_kv_cache(kv)
+    handshake.register_weights(weights, "/models/cache/llama-70b.dsw")
+    info = handshake.checkpoint_and_wait()
+
+Works through SnapshotHandshake.add_hook; any object with the same two methods can be a hook.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from dynamo_snapshot.workload.weights import (
+    DEFAULT_BLOCK_BYTES,
+    LoadResult,
+    SaveResult,
+    write_weights_manifest,
+)
+
+if TYPE_CHECKING:
+    from dynamo_snapshot.workload.handshake import RestoreInfo, SnapshotHandshake
+
+__all__ = ["GpuOffload", "OffloadReport", "ReleasableCache", "SavableWeights"]
+
+log = logging.getLogger(__name__)
+
+
+class ReleasableCache(Protocol):
+    """What GpuOffload needs of a KV cache (KvCache has it)."""
+
+    def release_for_checkpoint(self) -> int: ...
+
+    def reacquire_after_restore(self, *, zero: bool = False) -> int: ...
+
+
+class SavableWeights(Protocol):
+    """What GpuOffload needs of a weight region (WeightRegion has it)."""
+
+    device: int
+
+    def save(self, path: Path | str, *, chunk_bytes: int = ..., threads: int = ...) -> SaveResult: ...
+
+    def release(self) -> int: ...
+
+    def load(
+        self,
+        path: Path | str,
+        *,
+        threads: int = ...,
+        block: int = ...,
+        buffers: int = ...,
+        verify: bool = ...,
+        direct: bool | None = ...,
+    ) -> LoadResult: ...
+
+
+@dataclass
+class OffloadReport:
+    """What the last checkpoint and resume did, with seconds per step (for logs and benchmarks)."""
+
+    saved: list[SaveResult] = field(default_factory=list)
+    released_bytes: int = 0
+    checkpoint_seconds: float = 0.0
+    reacquired_bytes: int = 0
+    loaded: list[LoadResult] = field(default_factory=list)
+    resume_seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "saved": [s.to_dict() for s in self.saved],
+            "released_bytes": self.released_bytes,
+            "checkpoint_seconds": round(self.checkpoint_seconds, 4),
+            "reacquired_bytes": self.reacquired_bytes,
+            "loaded": [r.to_dict() for r in self.loaded],
+            "resume_seconds": round(self.resume_seconds, 4),
+        }
+
+
+class GpuOffload:
+    """A SnapshotHandshake hook: KV caches released and reacquired, weights saved, released, loaded."""
+
+    def __init__(
+        self,
+        *,
+        load_threads: int = 16,
+        load_block: int = DEFAULT_BLOCK_BYTES,
+        verify_load: bool = False,
+        zero_kv: bool = False,
+    ) -> None:
+        self.load_threads = load_threads
+        self.load_block = load_block
+        self.verify_load = verify_load
+        self.zero_kv = zero_kv
+        self._kv: list[ReleasableCache] = []
+        self._weights: list[tuple[SavableWeights, Path]] = []
+        self._released_kv: list[ReleasableCache] = []
+        self._released_weights: list[tuple[SavableWeights, Path]] = []
+        self.report = OffloadReport()
+
+    def add_kv_cache(self, cache: ReleasableCache) -> None:
+        self._kv.append(cache)
+
+    def add_weights(self, weights: SavableWeights, path: Path | str) -> None:
+        self._weights.append((weights, Path(path).absolute()))
+
+    @property
+    def empty(self) -> bool:
+        return not self._kv and not self._weights
+
+    def before_checkpoint(self, handshake: SnapshotHandshake) -> None:
+        started = time.monotonic()
+        report = OffloadReport()
+        for weights, path in self._weights:
+            report.saved.append(weights.save(path))
+        if self._weights:
+            # Before anything is released: a failure here leaves the worker as it was.
+            write_weights_manifest(
+                handshake.control_dir,
+                [s.manifest_entry(w.device) for s, (w, _) in zip(report.saved, self._weights, strict=True)],
+            )
+        for weights, path in self._weights:
+            report.released_bytes += weights.release()
+            self._released_weights.append((weights, path))
+        for cache in self._kv:
+            report.released_bytes += cache.release_for_checkpoint()
+            self._released_kv.append(cache)
+        report.checkpoint_seconds = time.monotonic() - started
+        self.report = report
+        log.info(
+            "released %.2f GiB of GPU memory for the checkpoint in %.2f s",
+            report.released_bytes / 2**30,
+            report.checkpoint_seconds,
+        )
+
+    def on_resume(self, handshake: SnapshotHandshake, info: RestoreInfo | None) -> None:
+        """Reacquire what before_checkpoint released (also after a failed before_checkpoint)."""
+        started = time.monotonic()
+        # KV first: it is only a mapping, and holding it early keeps its memory from other users.
+        while self._released_kv:
+            cache = self._released_kv.pop(0)
+            self.report.reacquired_bytes += cache.reacquire_after_restore(zero=self.zero_kv)
+        while self._released_weights:
+            weights, path = self._released_weights[0]
+            self.report.loaded.append(
+                weights.load(path, threads=self.load_threads, block=self.load_block, verify=self.verify_load)
+            )
+            self._released_weights.pop(0)
+        self.report.resume_seconds = time.monotonic() - started
+        loads = ", ".join(f"{r.bytes / 2**30:.2f} GiB at {r.gbps:.1f} GB/s" for r in self.report.loaded)
+        log.info(
+            "restored GPU memory (KV %.2f GiB, weights %s) in %.2f s",
+            self.report.reacquired_bytes / 2**30,
+            loads or "none",
+            self.report.resume_seconds,
+        )

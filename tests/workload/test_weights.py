@@ -1,0 +1,418 @@
+"""The weights file format and the save/release/load pipeline, with a pure-Python stand-in for the GPU
+(fake_cuda: the driver's memory model and a transfer engine over it). What torch and the real driver
+do is exercised on the H200 by tests/gpu/vmm_scenarios.py."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import random
+import struct
+from pathlib import Path
+
+import pytest
+
+from dynamo_snapshot.workload import weights as w
+from dynamo_snapshot.workload.gpu_memory import RegionPool
+from dynamo_snapshot.workload.weights import (
+    ALIGN,
+    FILE_WEIGHTS_MANIFEST,
+    MAGIC,
+    PREFIX_BYTES,
+    TensorSpec,
+    WeightRegion,
+    WeightsFile,
+    WeightsFileError,
+    WeightsHeader,
+    plan_layout,
+    read_header,
+    read_weights_manifest,
+    write_weights_manifest,
+)
+from tests.workload.fake_cuda import FakeDriver, FakeEngine
+
+GRAN = 64 << 10
+CHUNK = 64 << 10  # small chunks and blocks so a few hundred KiB exercise every path
+
+TENSORS = [
+    ("embed", "bfloat16", (100, 33), 100 * 33 * 2),
+    ("odd", "uint8", (1001,), 1001),
+    ("empty", "float32", (0, 4), 0),
+    ("w1", "float32", (128, 256), 128 * 256 * 4),
+    ("scalar", "int64", (), 8),
+    ("w2", "float16", (300, 170), 300 * 170 * 2),
+]
+
+
+@pytest.fixture
+def cu() -> FakeDriver:
+    driver = FakeDriver(granularity=GRAN, total=64 << 20)
+    driver.set_current_for_test(FakeDriver.context_of(0))
+    return driver
+
+
+def o_direct_works(directory: Path) -> bool:
+    probe = directory / ".o_direct_probe"
+    probe.write_bytes(bytes(ALIGN))
+    try:
+        os.close(os.open(probe, os.O_RDONLY | os.O_DIRECT))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.unlink()
+
+
+def make_region(
+    cu: FakeDriver, tensors: list[tuple[str, str, tuple[int, ...], int]] = TENSORS
+) -> WeightRegion:
+    region = WeightRegion(driver=cu, engine=FakeEngine, pool=RegionPool())
+    region.allocate(tensors)
+    return region
+
+
+def fill_random(cu: FakeDriver, region: WeightRegion, seed: int = 7) -> bytes:
+    assert region.region is not None
+    data = random.Random(seed).randbytes(region.data_bytes)
+    cu.memory(region.region.ptr)[: len(data)] = data
+    return data
+
+
+def device_bytes(cu: FakeDriver, region: WeightRegion) -> bytes:
+    assert region.region is not None
+    return bytes(cu.memory(region.region.ptr)[: region.data_bytes])
+
+
+# ---- layout ---------------------------------------------------------------------------------------
+
+
+def test_layout_aligns_every_tensor_in_order() -> None:
+    specs, end = plan_layout(TENSORS)
+    assert [s.name for s in specs] == [t[0] for t in TENSORS]
+    assert all(s.offset % 256 == 0 for s in specs)
+    assert specs[0].offset == 0
+    for prev, cur in itertools.pairwise(specs):
+        assert cur.offset == -(-(prev.offset + prev.nbytes) // 256) * 256
+    assert end == specs[-1].offset + specs[-1].nbytes
+    assert specs[1] == TensorSpec("odd", "uint8", (1001,), 6656, 1001)
+
+
+def test_layout_with_another_alignment_and_bad_input() -> None:
+    specs, end = plan_layout([("a", "uint8", (1,), 1), ("b", "uint8", (1,), 1)], alignment=4096)
+    assert [s.offset for s in specs] == [0, 4096]
+    assert end == 4097
+    with pytest.raises(ValueError, match="power of two"):
+        plan_layout([], alignment=384)
+    with pytest.raises(ValueError, match="twice"):
+        plan_layout([("a", "uint8", (1,), 1), ("a", "uint8", (1,), 1)])
+    with pytest.raises(ValueError, match="negative"):
+        plan_layout([("a", "uint8", (-1,), 1)])
+    assert plan_layout([]) == ([], 0)
+
+
+# ---- header ---------------------------------------------------------------------------------------
+
+
+def header_for(data_bytes: int = 3 * CHUNK) -> WeightsHeader:
+    specs, _ = plan_layout([("t", "uint8", (data_bytes,), data_bytes)])
+    chunks = tuple(hashlib.sha256(bytes([i])).hexdigest() for i in range(-(-data_bytes // CHUNK)))
+    return WeightsHeader(tuple(specs), data_bytes, data_bytes + GRAN, CHUNK, chunks, w.data_digest(chunks))
+
+
+def test_header_encoding_is_aligned_and_self_checking(tmp_path: Path) -> None:
+    header = header_for()
+    head = header.encode()
+    assert len(head) % ALIGN == 0
+    magic, version, flags, length, data_offset, data_bytes, digest = struct.unpack_from("<8sIIQQQ32s", head)
+    assert (magic, version, flags, data_offset, data_bytes) == (MAGIC, 1, 0, len(head), 3 * CHUNK)
+    body = head[PREFIX_BYTES : PREFIX_BYTES + length]
+    assert hashlib.sha256(body).digest() == digest
+    doc = json.loads(body)
+    assert doc["format"] == "dynamo-snapshot-weights"
+    assert doc["tensors"] == [
+        {"name": "t", "dtype": "uint8", "shape": [3 * CHUNK], "offset": 0, "nbytes": 3 * CHUNK}
+    ]
+    assert set(head[PREFIX_BYTES + length :]) <= {0}
+
+    path = tmp_path / "f.dsw"
+    path.write_bytes(head + bytes(3 * CHUNK))
+    assert read_header(path) == (header, len(head))
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda b: b"NOTMAGIC" + b[8:], "not a weights file"),
+        (lambda b: b[:8] + struct.pack("<I", 2) + b[12:], "version 2"),
+        (lambda b: b[: PREFIX_BYTES + 3] + b"X" + b[PREFIX_BYTES + 4 :], "header checksum"),
+        (lambda b: b[:-1], "truncated"),
+        (lambda b: b + b"\0" * ALIGN, "truncated or appended"),
+        (lambda b: b[:100], "too short"),
+    ],
+)
+def test_damaged_files_are_refused(tmp_path: Path, damage: object, message: str) -> None:
+    head = header_for().encode()
+    path = tmp_path / "f.dsw"
+    path.write_bytes(damage(head + bytes(3 * CHUNK)))  # type: ignore[operator]
+    with pytest.raises(WeightsFileError, match=message):
+        read_header(path)
+
+
+def test_inconsistent_header_contents_are_refused(tmp_path: Path) -> None:
+    good = header_for()
+    bad_digest = WeightsHeader(
+        good.tensors, good.data_bytes, good.device_bytes, CHUNK, good.chunk_sha256, "00" * 32
+    )
+    moved = (TensorSpec("t", "uint8", (3 * CHUNK,), 256, 3 * CHUNK),)
+    bad_layout = WeightsHeader(
+        moved, good.data_bytes, good.device_bytes, CHUNK, good.chunk_sha256, good.data_digest
+    )
+    few_chunks = good.chunk_sha256[:2]
+    bad_chunks = WeightsHeader(
+        good.tensors, good.data_bytes, good.device_bytes, CHUNK, few_chunks, w.data_digest(few_chunks)
+    )
+    for header, message in ((bad_digest, "data_digest"), (bad_layout, "layout"), (bad_chunks, "one digest")):
+        path = tmp_path / "f.dsw"
+        path.write_bytes(header.encode() + bytes(header.data_bytes))
+        with pytest.raises(WeightsFileError, match=message):
+            read_header(path)
+
+
+# ---- save / release / load ------------------------------------------------------------------------
+
+
+def test_save_writes_the_region_in_the_documented_format(cu: FakeDriver, tmp_path: Path) -> None:
+    region = make_region(cu)
+    data = fill_random(cu, region)
+    result = region.save(tmp_path / "m.dsw", chunk_bytes=CHUNK, threads=3)
+
+    raw = (tmp_path / "m.dsw").read_bytes()
+    header, data_offset = read_header(tmp_path / "m.dsw")
+    assert result.written
+    assert result.bytes == len(raw) == data_offset + region.data_bytes
+    assert raw[data_offset:] == data
+    assert result.sha256 == hashlib.sha256(raw).hexdigest()
+    assert (tmp_path / "m.dsw.sha256").read_text() == f"{result.sha256}  m.dsw\n"  # sha256sum -c format
+    assert header.tensors == tuple(region.specs)
+    assert header.data_bytes == region.data_bytes
+    assert region.data_bytes % ALIGN == 0
+    assert header.chunk_sha256 == tuple(
+        hashlib.sha256(data[i : i + CHUNK]).hexdigest() for i in range(0, len(data), CHUNK)
+    )
+    assert result.data_digest == header.data_digest
+    assert not list(tmp_path.glob(".*tmp"))  # no temporary left
+    assert all(e.closed for e in FakeEngine.instances)
+
+
+@pytest.mark.parametrize("direct", [None, True, False])
+@pytest.mark.parametrize(
+    ("threads", "block", "buffers"), [(16, CHUNK, 4), (3, 2 * ALIGN, 2), (1, 4 * CHUNK, 1)]
+)
+def test_release_then_load_brings_back_the_same_bytes(
+    cu: FakeDriver, tmp_path: Path, direct: bool | None, threads: int, block: int, buffers: int
+) -> None:
+    region = make_region(cu)
+    assert region.region is not None
+    ptr = region.region.ptr
+    data = fill_random(cu, region)
+    region.save(tmp_path / "m.dsw", chunk_bytes=CHUNK)
+
+    assert region.release() == region.region.size
+    assert region.released
+    assert cu.used == 0
+    result = region.load(tmp_path / "m.dsw", threads=threads, block=block, buffers=buffers, direct=direct)
+
+    assert region.region.ptr == ptr
+    assert device_bytes(cu, region) == data
+    assert result.bytes == region.data_bytes
+    assert result.seconds > 0
+    assert result.gbps > 0
+    assert result.block == block
+    assert result.threads == threads
+    assert not result.verified
+    if direct is False:
+        assert not result.direct
+    if direct is True and o_direct_works(tmp_path):
+        assert result.direct  # the ring's buffers are page-aligned, every piece a multiple of ALIGN
+    assert 0.0 <= (result.resident_fraction or 0.0) <= 1.0
+    json.dumps(result.to_dict())
+    assert all(e.closed for e in FakeEngine.instances)
+    assert cu.registered == {}  # no pinned host memory left behind
+
+
+def test_verified_load_checks_every_chunk(cu: FakeDriver, tmp_path: Path) -> None:
+    region = make_region(cu)
+    data = fill_random(cu, region)
+    path = tmp_path / "m.dsw"
+    region.save(path, chunk_bytes=CHUNK)
+    region.release()
+    result = region.load(path, block=4 * CHUNK, verify=True)
+    assert result.verified
+    assert result.block == CHUNK  # verification reads chunk by chunk
+    assert device_bytes(cu, region) == data
+
+    # One flipped byte in the data: the header is intact, so only verification can see it.
+    _, data_offset = read_header(path)
+    with open(path, "r+b") as f:
+        f.seek(data_offset + CHUNK + 17)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    region.release()
+    with pytest.raises(WeightsFileError, match="chunk 1 "):
+        region.load(path, verify=True)
+    region.release()
+    region.load(path)  # without verification the damage goes unnoticed (the agent verifies files)
+    assert device_bytes(cu, region) != data
+
+
+def test_save_skips_an_identical_file_and_rewrites_a_different_one(cu: FakeDriver, tmp_path: Path) -> None:
+    region = make_region(cu)
+    fill_random(cu, region, seed=1)
+    path = tmp_path / "m.dsw"
+    first = region.save(path, chunk_bytes=CHUNK)
+    stat = path.stat()
+
+    again = region.save(path, chunk_bytes=CHUNK)
+    assert not again.written
+    assert (again.sha256, again.bytes) == (first.sha256, first.bytes)
+    assert path.stat().st_mtime_ns == stat.st_mtime_ns
+    assert path.stat().st_ino == stat.st_ino
+
+    (tmp_path / "m.dsw.sha256").unlink()  # the sidecar is rebuilt from the file when missing
+    assert region.save(path, chunk_bytes=CHUNK).sha256 == first.sha256
+    assert (tmp_path / "m.dsw.sha256").exists()
+
+    fill_random(cu, region, seed=2)
+    changed = region.save(path, chunk_bytes=CHUNK)
+    assert changed.written
+    assert changed.data_digest != first.data_digest
+    assert changed.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+
+    other_chunks = region.save(path, chunk_bytes=2 * CHUNK)  # another layout of digests: rewritten
+    assert other_chunks.written
+
+
+def test_load_refuses_a_file_of_another_layout(cu: FakeDriver, tmp_path: Path) -> None:
+    region = make_region(cu)
+    fill_random(cu, region)
+    region.save(tmp_path / "m.dsw")
+    other = make_region(cu, [*TENSORS[:-1], ("w2", "float16", (300, 171), 300 * 171 * 2)])
+    with pytest.raises(WeightsFileError, match="layout"):
+        other.load(tmp_path / "m.dsw")
+
+
+def test_a_new_region_takes_the_files_layout(cu: FakeDriver, tmp_path: Path) -> None:
+    region = make_region(cu)
+    data = fill_random(cu, region)
+    region.save(tmp_path / "m.dsw")
+    fresh = WeightRegion(driver=cu, engine=FakeEngine, pool=RegionPool())
+    fresh.load(tmp_path / "m.dsw", threads=4)
+    assert fresh.specs == region.specs
+    assert device_bytes(cu, fresh) == data
+
+
+def test_save_needs_a_mapped_region(cu: FakeDriver, tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="pack"):
+        WeightRegion(driver=cu, engine=FakeEngine).save(tmp_path / "x")
+    region = make_region(cu)
+    region.release()
+    with pytest.raises(RuntimeError, match="released"):
+        region.save(tmp_path / "x")
+
+
+def test_a_failed_read_closes_everything_and_leaves_the_region_mapped(cu: FakeDriver, tmp_path: Path) -> None:
+    region = make_region(cu)
+    fill_random(cu, region)
+    path = tmp_path / "m.dsw"
+    region.save(path, chunk_bytes=CHUNK)
+    region.release()
+
+    real_read = w._Reader.read
+    calls = 0
+
+    def failing_read(self: w._Reader, view: memoryview, offset: int) -> int:
+        nonlocal calls
+        calls += 1
+        if calls == 5:
+            raise OSError(5, "Input/output error")
+        return real_read(self, view, offset)
+
+    w._Reader.read = failing_read  # type: ignore[method-assign]
+    try:
+        with pytest.raises(OSError, match="Input/output"):
+            region.load(path, threads=2, block=2 * ALIGN)
+    finally:
+        w._Reader.read = real_read  # type: ignore[method-assign]
+    assert all(e.closed for e in FakeEngine.instances)
+    assert region.region is not None
+    assert region.region.mapped
+    assert cu.registered == {}
+
+
+def test_reader_falls_back_to_buffered_reads_when_o_direct_refuses(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    payload = random.Random(3).randbytes(3 * ALIGN)
+    path.write_bytes(payload)
+    buf = w.MmapBuffer(3 * ALIGN)
+    reader = w._Reader(path, direct=True)
+    try:
+        # An unaligned piece: O_DIRECT answers EINVAL (where the filesystem has O_DIRECT at all).
+        assert reader.read(buf.view()[1 : 1 + ALIGN], 1) == ALIGN
+        assert bytes(buf.view()[1 : 1 + ALIGN]) == payload[1 : 1 + ALIGN]
+        assert reader.read(buf.view()[: 2 * ALIGN], 2 * ALIGN) == ALIGN  # short only at end of file
+        assert not reader.direct
+    finally:
+        reader.close()
+        buf.close()
+
+
+# ---- manifest and page cache ----------------------------------------------------------------------
+
+
+def test_weights_manifest_round_trip(tmp_path: Path) -> None:
+    assert read_weights_manifest(tmp_path) == []
+    files = [WeightsFile("/models/a.dsw", 4096 * 3, "ab" * 32, "cd" * 32, 0)]
+    path = write_weights_manifest(tmp_path, files)
+    assert path == tmp_path / FILE_WEIGHTS_MANIFEST == tmp_path / "weights.json"
+    doc = json.loads(path.read_text())
+    assert doc == {
+        "version": 1,
+        "files": [
+            {
+                "path": "/models/a.dsw",
+                "bytes": 12288,
+                "sha256": "ab" * 32,
+                "data_digest": "cd" * 32,
+                "device": 0,
+            }
+        ],
+    }
+    assert read_weights_manifest(tmp_path) == files
+    path.write_text('{"version": 9, "files": []}')
+    with pytest.raises(ValueError, match="version 1"):
+        read_weights_manifest(tmp_path)
+    path.write_text('{"version": 1, "files": [{"path": "/x"}]}')
+    with pytest.raises(ValueError, match="bad entry"):
+        read_weights_manifest(tmp_path)
+
+
+def test_warm_page_cache_reads_the_whole_file(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(5 * ALIGN + 7))
+    result = w.warm_page_cache(path, threads=3, block=2 * ALIGN)
+    assert result.bytes == 5 * ALIGN + 7
+    fraction = w.page_cache_fraction(path)
+    assert fraction is None or fraction == pytest.approx(1.0)
+    assert w.page_cache_fraction(tmp_path / "absent") is None
+
+
+def test_warm_weights_from_the_control_dir(cu: FakeDriver, tmp_path: Path) -> None:
+    region = make_region(cu)
+    fill_random(cu, region)
+    saved = region.save(tmp_path / "m.dsw")
+    write_weights_manifest(tmp_path, [saved.manifest_entry(0), WeightsFile("/absent", 1, "0", "0", 0)])
+    (warm,) = w.warm_weights(tmp_path, threads=2)
+    assert warm.bytes == saved.bytes
