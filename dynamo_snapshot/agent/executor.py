@@ -24,7 +24,7 @@ from typing import Any
 from prometheus_client import Counter, Gauge, Histogram
 
 from dynamo_snapshot import __version__
-from dynamo_snapshot.agent.runtime.base import Runtime, Workload, WorkloadRuntimeError
+from dynamo_snapshot.agent.runtime.base import Runtime, Workload, WorkloadRuntimeError, pid_alive
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.identity import CheckpointIdentity
 from dynamo_snapshot.artifact import ArtifactError, ArtifactStore, ArtifactWriter, GpuInfo
@@ -113,7 +113,7 @@ class Executor:
         sentinel = workload.control_dir / protocol.FILE_READY_FOR_CHECKPOINT
         deadline = time.monotonic() + within
         while not sentinel.exists():
-            if not _alive(workload.pid):
+            if not pid_alive(workload.pid):
                 raise AgentError(
                     f"worker (pid {workload.pid}) exited before writing {protocol.FILE_READY_FOR_CHECKPOINT}"
                 )
@@ -292,13 +292,3 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

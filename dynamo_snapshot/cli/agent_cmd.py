@@ -5,23 +5,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
-import sys
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from prometheus_client import start_http_server
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from dynamo_snapshot.agent.executor import Executor
 from dynamo_snapshot.agent.runtime import ProcessRuntime, RuncRuntime, Runtime
 from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent
 from dynamo_snapshot.artifact import ArtifactStore
-from dynamo_snapshot.cli.logs import setup_logging
+from dynamo_snapshot.cli.service import load_settings, run_service
 from dynamo_snapshot.controller.runtime import Kube, load_client
-from dynamo_snapshot.criu import Criu, CriuError
+from dynamo_snapshot.criu import Criu
 
 
 class AgentConfig(BaseModel):
@@ -79,13 +76,6 @@ def register(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
-def load_config(args: argparse.Namespace) -> AgentConfig:
-    data: dict[str, Any] = yaml.safe_load(args.config.read_text()) or {} if args.config else {}
-    base = AgentConfig.model_validate(data)
-    overrides = {k: getattr(args, k) for k in _FLAGS if getattr(args, k, None) is not None}
-    return AgentConfig.model_validate({**base.model_dump(), **overrides})
-
-
 def build(config: AgentConfig, kube: Kube) -> NodeAgent:
     criu = Criu(config.criu)
     runtime: Runtime
@@ -103,35 +93,18 @@ def build(config: AgentConfig, kube: Kube) -> NodeAgent:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level)
-    try:
-        config = load_config(args)
-    except (OSError, yaml.YAMLError) as e:
-        print(f"agent: cannot read config: {e}", file=sys.stderr)
-        return 2
-    except ValidationError as e:
-        err = e.errors()[0]
-        print(f"agent: invalid config: {'.'.join(map(str, err['loc']))}: {err['msg']}", file=sys.stderr)
-        return 2
-    try:
-        asyncio.run(_main(config, args.kubeconfig))
-    except CriuError as e:
-        print(f"agent: {e}", file=sys.stderr)
-        return 1
-    except Exception as e:
-        print(f"agent: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return run_service(
+        "agent",
+        args,
+        lambda: load_settings(AgentConfig, args.config, args, _FLAGS),
+        lambda config, stop: _main(config, args.kubeconfig, stop),
+    )
 
 
-async def _main(config: AgentConfig, kubeconfig: str | None) -> None:
+async def _main(config: AgentConfig, kubeconfig: str | None, stop: asyncio.Event) -> None:
     await Criu(config.criu).require()
     if config.metrics_port:
         start_http_server(config.metrics_port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     api_client = await load_client(kubeconfig)
     async with api_client:
         await build(config, Kube(api_client, field_manager="dynamo-snapshot-agent")).run_until(stop)

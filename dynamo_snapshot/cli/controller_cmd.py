@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
-import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
 from prometheus_client import start_http_server
-from pydantic import ValidationError
 
-from dynamo_snapshot.cli.logs import setup_logging
+from dynamo_snapshot.cli.service import load_settings, run_service
 from dynamo_snapshot.controller.manager import Controller, ControllerConfig
 from dynamo_snapshot.controller.runtime import Kube, load_client
 
@@ -57,40 +53,18 @@ def register(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
-def load_config(args: argparse.Namespace) -> ControllerConfig:
-    data: dict[str, Any] = {}
-    if args.config:
-        data = yaml.safe_load(args.config.read_text()) or {}
-    config = ControllerConfig.model_validate(data)
-    overrides = {k: getattr(args, k) for k in _OVERRIDES if getattr(args, k, None) is not None}
-    return ControllerConfig.model_validate({**config.model_dump(), **overrides})
-
-
 def run(args: argparse.Namespace) -> int:
-    setup_logging(args.log_level)
-    try:
-        config = load_config(args)
-    except (OSError, yaml.YAMLError) as e:
-        print(f"controller: cannot read config: {e}", file=sys.stderr)
-        return 2
-    except ValidationError as e:
-        print(f"controller: invalid config: {e.errors()[0]['loc']}: {e.errors()[0]['msg']}", file=sys.stderr)
-        return 2
-    try:
-        asyncio.run(_main(config, args.kubeconfig))
-    except Exception as e:  # the one place a crash turns into a one-line reason and exit 1
-        print(f"controller: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    return 0
+    return run_service(
+        "controller",
+        args,
+        lambda: load_settings(ControllerConfig, args.config, args, _OVERRIDES),
+        lambda config, stop: _main(config, args.kubeconfig, stop),
+    )
 
 
-async def _main(config: ControllerConfig, kubeconfig: str | None) -> None:
+async def _main(config: ControllerConfig, kubeconfig: str | None, stop: asyncio.Event) -> None:
     if config.metrics_port:
         start_http_server(config.metrics_port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     api_client = await load_client(kubeconfig)
     async with api_client:
         controller = Controller(Kube(api_client, field_manager="dynamo-snapshot-controller"), config)

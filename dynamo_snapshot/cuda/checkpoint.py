@@ -45,6 +45,7 @@ from dynamo_snapshot.cuda.errors import (
     DriverTooOldError,
     NotCudaProcessError,
     WrongStateError,
+    describe_result,
 )
 
 __all__ = [
@@ -232,17 +233,7 @@ class CudaCheckpointer:
         return self._version
 
     def _describe(self, driver: Any, result: Any) -> str:
-        fn = getattr(driver, "cuGetErrorString", None)
-        if fn is None:
-            return ""
-        try:
-            out = fn(result)
-        except Exception:
-            return ""
-        text = out[1] if isinstance(out, tuple) and len(out) > 1 else None
-        if isinstance(text, bytes):
-            return text.decode(errors="replace")
-        return text if isinstance(text, str) else ""
+        return describe_result(driver, result)
 
     # ---- target checks ----
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "INSTALL_HINT",
     "CudaError",
@@ -63,3 +65,18 @@ class WrongStateError(CudaError):
         super().__init__(
             op, pid, result or "wrong state", f"the process is {state}; {op} needs it {expected}"
         )
+
+
+def describe_result(driver: Any, result: Any) -> str:
+    """The driver's own text for a CUresult (cuGetErrorString), or "" when it has none."""
+    fn = getattr(driver, "cuGetErrorString", None)
+    if fn is None:
+        return ""
+    try:
+        out = fn(result)
+    except Exception:
+        return ""
+    text = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+    if isinstance(text, bytes):
+        return text.decode(errors="replace")
+    return text if isinstance(text, str) else ""

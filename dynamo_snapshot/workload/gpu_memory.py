@@ -40,7 +40,7 @@ from collections.abc import Iterator
 from typing import Any, Final, Literal
 
 from dynamo_snapshot.cuda.checkpoint import _import_driver, _result_name
-from dynamo_snapshot.cuda.errors import CudaError, CudaUnavailableError
+from dynamo_snapshot.cuda.errors import CudaError, CudaUnavailableError, describe_result
 
 __all__ = [
     "DEFAULT_POOL",
@@ -72,18 +72,7 @@ def round_up(n: int, to: int) -> int:
 # ---- driver plumbing ------------------------------------------------------------------------------
 
 
-def _describe(driver: Any, result: Any) -> str:
-    fn = getattr(driver, "cuGetErrorString", None)
-    if fn is None:
-        return ""
-    try:
-        out = fn(result)
-    except Exception:
-        return ""
-    text = out[1] if isinstance(out, tuple) and len(out) > 1 else None
-    if isinstance(text, bytes):
-        return text.decode(errors="replace")
-    return text if isinstance(text, str) else ""
+_describe = describe_result
 
 
 def _call(driver: Any, op: str, *args: Any) -> tuple[Any, ...]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -56,3 +57,14 @@ class Runtime(Protocol):
         """Restore a dumped tree as workload `key`; returns once the processes exist (not yet resumed
         past the CUDA lock)."""
         ...
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` exists (a zombie counts until it is reaped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

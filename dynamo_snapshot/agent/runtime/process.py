@@ -17,7 +17,7 @@ import signal
 import time
 from pathlib import Path
 
-from dynamo_snapshot.agent.runtime.base import Workload, WorkloadRuntimeError, WorkloadSpec
+from dynamo_snapshot.agent.runtime.base import Workload, WorkloadRuntimeError, WorkloadSpec, pid_alive
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.criu import Criu, CriuError
 
@@ -64,7 +64,7 @@ class ProcessRuntime:
             pid, ctl = int(state["pid"]), Path(state["control_dir"])
         except (OSError, ValueError, KeyError):
             return None
-        return Workload(key, pid, ctl) if _alive(pid) else None
+        return Workload(key, pid, ctl) if pid_alive(pid) else None
 
     async def stop(self, key: str) -> None:
         found = await self.find(key)
@@ -110,22 +110,12 @@ def _write_state(own_dir: Path, pid: int, control_dir: Path) -> None:
     (own_dir / _STATEFILE).write_text(json.dumps({"pid": pid, "control_dir": str(control_dir)}))
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 async def _reap(pid: int, within: float = 5.0) -> None:
     """CRIU kills the dumped tree; wait until the pid is really gone so a restore can reuse it."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)  # noqa: ASYNC222 - WNOHANG never blocks
-        if not _alive(pid):
+        if not pid_alive(pid):
             return
         await asyncio.sleep(0.02)
