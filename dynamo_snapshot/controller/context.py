@@ -56,6 +56,8 @@ class Context:
     # DGD key -> the resourceVersion our last status write replaced. While the cache still holds that
     # version, another status write could only conflict (see DGDReconciler._write_status).
     status_written_over: dict[str, str] = field(default_factory=dict)
+    # When each DGD's status was last written, to pace writes that carry no new generation.
+    status_written_at: dict[str, float] = field(default_factory=dict)
 
     def pods_of(self, namespace: str, graph: str, service: str | None = None) -> list[Obj]:
         pods = [

@@ -6,6 +6,7 @@ report it in `status` and Events. Level-triggered: everything is derived from th
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,7 @@ from dynamo_snapshot.controller.runtime import (
 )
 
 log = logging.getLogger(__name__)
+STATUS_MIN_INTERVAL = 1.0  # seconds between status writes of one DGD that carry no new generation
 
 
 @dataclass
@@ -123,9 +125,27 @@ class DGDReconciler:
             if stale not in services:
                 await self._release_service(obj, stale)
 
-        await self._write_status(obj, self._status(status, outcomes, generation))
+        new_status = self._status(status, outcomes, generation)
+        wait = self._status_throttle(f"{namespace}/{name}", status, new_status)
+        if wait > 0:
+            return Result(requeue_after=wait)
+        await self._write_status(obj, new_status)
         # Pod creations show up through the pod informer; a requeue covers writes that were refused.
         return Result(requeue=True) if requeue else None
+
+    def _status_throttle(self, key: str, old: dict[str, Any], new: dict[str, Any]) -> float:
+        """Seconds to hold back a status write that only refreshes counts and conditions.
+
+        A cold start of 10 pods turns Running one by one; writing status for each step costs the
+        apiserver 3-5 writes per DGD for nothing a reader needs within a second. A new generation is
+        always reported at once, so `observedGeneration` never lags a spec change.
+        """
+        if new == old or new.get("observedGeneration") != old.get("observedGeneration"):
+            return 0.0
+        last = self.ctx.status_written_at.get(key)
+        if last is None:
+            return 0.0
+        return max(0.0, STATUS_MIN_INTERVAL - (time.monotonic() - last))
 
     # ------------------------------------------------------------------ one service
     async def _reconcile_service(
@@ -555,5 +575,6 @@ class DGDReconciler:
             if not is_not_found(e):
                 raise
             return
+        self.ctx.status_written_at[key] = time.monotonic()
         if rv is not None:
             self.ctx.status_written_over[key] = rv

@@ -97,6 +97,7 @@ class Controller:
             if etype == DELETED:
                 ctx.dgd_seen_at.pop(key, None)
                 ctx.status_written_over.pop(key, None)
+                ctx.status_written_at.pop(key, None)
                 return
             ctx.mark_dgd_seen(key)
             self.queue.add((DGD_KEY, key))
