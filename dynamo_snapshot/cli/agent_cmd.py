@@ -14,6 +14,7 @@ from pydantic.alias_generators import to_camel
 
 from dynamo_snapshot.agent.executor import Executor
 from dynamo_snapshot.agent.runtime import ProcessRuntime, RuncRuntime, Runtime
+from dynamo_snapshot.agent.runtime.runc import DEFAULT_HOST_BINDS
 from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent
 from dynamo_snapshot.artifact import ArtifactStore
 from dynamo_snapshot.cli.service import load_settings, run_service
@@ -35,6 +36,10 @@ class AgentConfig(BaseModel):
     ready_timeout_seconds: float = Field(default=3600, gt=0)
     metrics_port: int = Field(default=9090, ge=0, le=65535)
     criu: Path | None = None
+    host_binds: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_HOST_BINDS),
+        description="runc + launchWorkloads: host directories containers see read-only",
+    )
 
 
 _FLAGS = (
@@ -80,7 +85,9 @@ def build(config: AgentConfig, kube: Kube) -> NodeAgent:
     criu = Criu(config.criu)
     runtime: Runtime
     if config.runtime == "runc":
-        runtime = RuncRuntime(config.state_root, config.control_root, criu_binary=criu.binary)
+        runtime = RuncRuntime(
+            config.state_root, config.control_root, criu_binary=criu.binary, host_binds=config.host_binds
+        )
     else:
         runtime = ProcessRuntime(config.control_root, criu)
     executor = Executor(runtime, ArtifactStore(config.artifact_root), criu, node_name=config.node_name)

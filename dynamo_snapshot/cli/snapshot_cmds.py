@@ -70,10 +70,10 @@ def _run(coro: Coroutine[Any, Any, int]) -> int:
         return 1
 
 
-def _executor(criu_path: Path | None, store_root: Path) -> tuple[Executor, ProcessRuntime]:
+def _executor(criu_path: Path | None, store_root: Path) -> Executor:
     criu = Criu(criu_path)
     runtime = ProcessRuntime(Path(tempfile.mkdtemp(prefix="dynamo-snapshot-cli-")), criu)
-    return Executor(runtime, ArtifactStore(store_root), criu, node_name=_hostname()), runtime
+    return Executor(runtime, ArtifactStore(store_root), criu, node_name=socket.gethostname())
 
 
 async def _phase(label: str, work: Awaitable[T]) -> T:
@@ -84,7 +84,7 @@ async def _phase(label: str, work: Awaitable[T]) -> T:
 async def _checkpoint(args: argparse.Namespace) -> int:
     identity = _load_identity(args.identity) if args.identity else None
     ident_hash = compute_identity_hash(identity) if identity else secrets.token_hex(8)
-    executor, _ = _executor(args.criu, args.out)
+    executor = _executor(args.criu, args.out)
     await executor.criu.require()
     control = _control_dir_of(args.pid)
     workload = Workload("cli", args.pid, control or Path("/nonexistent"))
@@ -103,7 +103,7 @@ async def _checkpoint(args: argparse.Namespace) -> int:
 async def _restore(args: argparse.Namespace) -> int:
     path = args.artifact.resolve()
     ident_hash = validate_identity_hash(path.name)
-    executor, _ = _executor(args.criu, path.parent)
+    executor = _executor(args.criu, path.parent)
     await executor.criu.require()
     outcome = await _phase(f"restoring {path}", executor.restore(f"cli-{secrets.token_hex(3)}", ident_hash))
     _print_timings("restore", outcome.timings, {"pid": str(outcome.workload.pid)})
@@ -150,7 +150,3 @@ def _print_timings(op: str, timings: Timings, facts: dict[str, str]) -> None:
     for key, value in facts.items():
         table.add_row(key, value)
     console.print(table)
-
-
-def _hostname() -> str:
-    return socket.gethostname()

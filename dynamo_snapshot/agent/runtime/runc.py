@@ -21,8 +21,9 @@ from typing import Any
 from dynamo_snapshot.agent.runtime.base import Workload, WorkloadRuntimeError, WorkloadSpec
 from dynamo_snapshot.api import protocol
 
-# Host directories the local-mode container sees read-only: enough for a Python worker from the host.
-DEFAULT_HOST_BINDS = ("/usr", "/etc", "/opt", "/root/.pyenv", "/work", "/var/lib/dynamo-snapshot/workloads")
+# Host directories a container the agent launches itself (local mode) sees read-only: the system's
+# programs and libraries. Where the worker's interpreter or code lives elsewhere, add it (`hostBinds`).
+DEFAULT_HOST_BINDS = ("/usr", "/etc", "/opt")
 _MERGED_USR = ("bin", "lib", "lib64", "sbin")
 
 
