@@ -206,7 +206,9 @@ class Executor:
             with t.phase("restore", "signal"):
                 # The workload SDK reads who it is now from here (podName, podIP, hostname, env).
                 info = {"node": self.node_name, "restoredAt": time.time(), **(identity_info or {})}
-                _write_atomic(workload.control_dir / protocol.FILE_RESTORE_COMPLETE, json.dumps(info))
+                await asyncio.to_thread(
+                    _write_atomic, workload.control_dir / protocol.FILE_RESTORE_COMPLETE, json.dumps(info)
+                )
         except BaseException:
             FAILURES.labels("restore").inc()
             raise
