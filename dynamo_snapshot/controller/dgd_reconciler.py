@@ -17,6 +17,7 @@ from dynamo_snapshot.api.checkpoint import CheckpointPhase, DynamoCheckpoint
 from dynamo_snapshot.api.graphdeployment import CheckpointMode, DGDState, DynamoGraphDeployment, ServiceSpec
 from dynamo_snapshot.api.identity import compute_identity_hash
 from dynamo_snapshot.controller import conditions as cond
+from dynamo_snapshot.controller.batching import slow_start
 from dynamo_snapshot.controller.checkpoint_reconciler import agent_verdict
 from dynamo_snapshot.controller.context import PODS_CREATED, Context, validation_message
 from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD, POD
@@ -378,7 +379,8 @@ class DGDReconciler:
     ) -> None:
         ctx = self.ctx
         mode = protocol.StartMode.RESTORE if ckpt is not None else protocol.StartMode.COLD
-        for _ in range(count):
+
+        async def create_one() -> None:
             pod = (
                 restore_pod(obj, dgd, svc_name, ckpt)
                 if ckpt is not None
@@ -391,6 +393,8 @@ class DGDReconciler:
                 ctx.expectations.observed(owner, pod["metadata"]["name"])
                 raise
             PODS_CREATED.labels(mode.value).inc()
+
+        await slow_start(create_one, count)
         ctx.observe_scale_latency(owner[0], count)
         how = f"by restore from {ckpt.metadata.name}" if ckpt is not None else "by cold start"
         ctx.recorder.record(
