@@ -28,6 +28,7 @@ __all__ = [
     "ANNOTATION_TARGET_CONTAINERS",
     "API_GROUP",
     "API_VERSION",
+    "ARTIFACT_WEIGHTS_DIR",
     "CONTROL_MOUNT_PATH",
     "CONTROL_VOLUME_NAME",
     "ENV_CONTROL_DIR",
@@ -36,6 +37,7 @@ __all__ = [
     "FILE_READY_FOR_CHECKPOINT",
     "FILE_RESTORE_COMPLETE",
     "FILE_SNAPSHOT_COMPLETE",
+    "FILE_WEIGHTS_MANIFEST",
     "FINALIZER",
     "LABEL_CHECKPOINT_HASH",
     "LABEL_CHECKPOINT_ID",
@@ -164,6 +166,11 @@ FILE_READY_FOR_CHECKPOINT: Final = "ready-for-checkpoint"
 FILE_RESTORE_COMPLETE: Final = "restore-complete"
 # Written by the agent after a successful dump; Dynamo workloads that survive a dump wait for it.
 FILE_SNAPSHOT_COMPLETE: Final = "snapshot-complete"
+# Written by the workload SDK before ready-for-checkpoint when it took GPU memory out of the checkpoint:
+# the weights files to carry in the artifact, and the bytes it maps again after a restore.
+FILE_WEIGHTS_MANIFEST: Final = "weights.json"
+# Inside an artifact: where the agent keeps the weights files the manifest above named.
+ARTIFACT_WEIGHTS_DIR: Final = "weights"
 
 # Held on DynamoCheckpoints until their stored artifact is removed.
 FINALIZER: Final = "snapshot.nvidia.com/finalizer"

@@ -4,6 +4,7 @@ and GPU memory (KV cache, weights) that is left out of the checkpoint and taken 
 Imports without torch or cuda-python: both are loaded on first use.
 """
 
+from dynamo_snapshot.api.protocol import FILE_WEIGHTS_MANIFEST
 from dynamo_snapshot.workload.gpu_memory import (
     DEFAULT_POOL,
     KIND_KV,
@@ -28,13 +29,14 @@ from dynamo_snapshot.workload.handshake import (
 from dynamo_snapshot.workload.kv_cache import KvCache
 from dynamo_snapshot.workload.offload import GpuOffload, OffloadReport
 from dynamo_snapshot.workload.weights import (
-    FILE_WEIGHTS_MANIFEST,
     LoadResult,
+    OffloadManifest,
     SaveResult,
     WeightRegion,
     WeightsFile,
     WeightsFileError,
     pack_module,
+    read_offload_manifest,
     read_weights_manifest,
     warm_page_cache,
     warm_weights,
@@ -50,6 +52,7 @@ __all__ = [
     "KvCache",
     "LoadResult",
     "NoControlDirError",
+    "OffloadManifest",
     "OffloadReport",
     "RegionPool",
     "RestoreInfo",
@@ -68,6 +71,7 @@ __all__ = [
     "maybe_signal_ready",
     "maybe_signal_ready_async",
     "pack_module",
+    "read_offload_manifest",
     "read_weights_manifest",
     "warm_page_cache",
     "warm_weights",

@@ -80,6 +80,10 @@ class KvCache:
         return self.region.size
 
     @property
+    def device(self) -> int:
+        return self.region.device
+
+    @property
     def used_bytes(self) -> int:
         return self._next
 

@@ -1,8 +1,9 @@
 """The handshake hook that takes KV caches and weights out of the checkpoint and puts them back.
 
 Before ready-for-checkpoint is written: each registered WeightRegion is saved to its file (skipped when
-the file holds these bytes already), the control directory's weights.json names the files, then the
-weights and the KV caches are released, so the CUDA checkpoint has almost nothing to copy. After the
+the file holds these bytes already), the weights and the KV caches are released, so the CUDA checkpoint
+has almost nothing to copy, and the control directory's weights.json names the files and the bytes
+released per GPU. After the
 agent restored the process (restore-complete), or dumped it and let it run on (snapshot-complete), the
 KV caches are mapped again and the weights read back from their files.
 
@@ -39,6 +40,9 @@ log = logging.getLogger(__name__)
 
 class ReleasableCache(Protocol):
     """What GpuOffload needs of a KV cache (KvCache has it)."""
+
+    @property
+    def device(self) -> int: ...
 
     def release_for_checkpoint(self) -> int: ...
 
@@ -124,18 +128,23 @@ class GpuOffload:
         report = OffloadReport()
         for weights, path in self._weights:
             report.saved.append(weights.save(path))
-        if self._weights:
-            # Before anything is released: a failure here leaves the worker as it was.
-            write_weights_manifest(
-                handshake.control_dir,
-                [s.manifest_entry(w.device) for s, (w, _) in zip(report.saved, self._weights, strict=True)],
-            )
+        released: dict[int, int] = {}
         for weights, path in self._weights:
-            report.released_bytes += weights.release()
+            n = weights.release()
+            released[weights.device] = released.get(weights.device, 0) + n
             self._released_weights.append((weights, path))
         for cache in self._kv:
-            report.released_bytes += cache.release_for_checkpoint()
+            n = cache.release_for_checkpoint()
+            released[cache.device] = released.get(cache.device, 0) + n
             self._released_kv.append(cache)
+        report.released_bytes = sum(released.values())
+        # Last, so a failure above leaves no manifest behind; the handshake undoes the releases. The
+        # agent carries the files in the artifact and checks a target GPU has room for what comes back.
+        write_weights_manifest(
+            handshake.control_dir,
+            [s.manifest_entry(w.device) for s, (w, _) in zip(report.saved, self._weights, strict=True)],
+            released,
+        )
         report.checkpoint_seconds = time.monotonic() - started
         self.report = report
         log.info(

@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final, Protocol
 
+from dynamo_snapshot.api.protocol import FILE_WEIGHTS_MANIFEST
 from dynamo_snapshot.workload.gpu_memory import (
     KIND_WEIGHTS,
     RegionPool,
@@ -73,6 +74,7 @@ __all__ = [
     "HostBuffer",
     "LoadResult",
     "MmapBuffer",
+    "OffloadManifest",
     "SaveResult",
     "TensorSpec",
     "TransferEngine",
@@ -85,6 +87,7 @@ __all__ = [
     "page_cache_fraction",
     "plan_layout",
     "read_header",
+    "read_offload_manifest",
     "read_weights_manifest",
     "warm_page_cache",
     "warm_weights",
@@ -103,9 +106,8 @@ DEFAULT_TENSOR_ALIGNMENT: Final = 256
 DEFAULT_CHUNK_BYTES: Final = 64 << 20
 DEFAULT_BLOCK_BYTES: Final = 64 << 20
 _MAX_HEADER_BYTES: Final = 256 << 20
-# The control directory file naming the weights files (to move into dynamo_snapshot.api.protocol).
-FILE_WEIGHTS_MANIFEST: Final = "weights.json"
-_MANIFEST_VERSION: Final = 1
+_MANIFEST_VERSION: Final = 2
+_MANIFEST_VERSIONS_READ: Final = (1, 2)
 _SHA256_SUFFIX: Final = ".sha256"
 # load(direct=None) reads through the page cache when at least this much of the file is in it (the
 # agent warmed it): O_DIRECT would ignore those pages and go to the disk again.
@@ -665,23 +667,40 @@ class WeightsFile:
     device: int  # CUDA device ordinal of the region
 
 
-def write_weights_manifest(control_dir: Path | str, files: Sequence[WeightsFile]) -> Path:
+@dataclass(frozen=True)
+class OffloadManifest:
+    """What FILE_WEIGHTS_MANIFEST says: the weights files, and the GPU memory the worker released before
+    the checkpoint and maps again after the restore (bytes per CUDA device ordinal)."""
+
+    files: list[WeightsFile] = field(default_factory=list)
+    released_bytes: dict[int, int] = field(default_factory=dict)
+
+
+def write_weights_manifest(
+    control_dir: Path | str, files: Sequence[WeightsFile], released_bytes: Mapping[int, int] | None = None
+) -> Path:
     """Write FILE_WEIGHTS_MANIFEST into the control directory (atomically); its path."""
     path = Path(control_dir) / FILE_WEIGHTS_MANIFEST
-    doc = {"version": _MANIFEST_VERSION, "files": [asdict(f) for f in files]}
+    doc = {
+        "version": _MANIFEST_VERSION,
+        "files": [asdict(f) for f in files],
+        "released_bytes": {str(d): int(n) for d, n in sorted((released_bytes or {}).items())},
+    }
     _write_atomic(path, json.dumps(doc, sort_keys=True, indent=1).encode())
     return path
 
 
-def read_weights_manifest(control_dir: Path | str) -> list[WeightsFile]:
-    """The weights files FILE_WEIGHTS_MANIFEST lists; [] when there is none. ValueError if damaged."""
+def read_offload_manifest(control_dir: Path | str) -> OffloadManifest | None:
+    """FILE_WEIGHTS_MANIFEST of the control directory; None when there is none. ValueError if damaged."""
     path = Path(control_dir) / FILE_WEIGHTS_MANIFEST
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        return []
+        return None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
     files = doc.get("files") if isinstance(doc, dict) else None
-    if not isinstance(files, list) or doc.get("version") != _MANIFEST_VERSION:
+    if not isinstance(files, list) or doc.get("version") not in _MANIFEST_VERSIONS_READ:
         raise ValueError(f"{path}: not a version {_MANIFEST_VERSION} weights manifest")
     out = []
     for entry in files:
@@ -697,7 +716,20 @@ def read_weights_manifest(control_dir: Path | str) -> list[WeightsFile]:
             )
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"{path}: bad entry {entry!r}") from None
-    return out
+    released = doc.get("released_bytes", {})
+    try:
+        released_bytes = {int(d): int(n) for d, n in released.items()}
+    except (AttributeError, TypeError, ValueError):
+        raise ValueError(f"{path}: bad released_bytes {released!r}") from None
+    if any(d < 0 or n < 0 for d, n in released_bytes.items()):
+        raise ValueError(f"{path}: negative released_bytes {released!r}")
+    return OffloadManifest(out, released_bytes)
+
+
+def read_weights_manifest(control_dir: Path | str) -> list[WeightsFile]:
+    """The weights files FILE_WEIGHTS_MANIFEST lists; [] when there is none. ValueError if damaged."""
+    manifest = read_offload_manifest(control_dir)
+    return manifest.files if manifest is not None else []
 
 
 def warm_weights(control_dir: Path | str, *, threads: int = 8) -> list[WarmResult]:

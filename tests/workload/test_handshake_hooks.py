@@ -26,6 +26,7 @@ from dynamo_snapshot.workload import (
     RestoreInfo,
     SnapshotHandshake,
     WeightRegion,
+    read_offload_manifest,
     read_weights_manifest,
 )
 from dynamo_snapshot.workload import handshake as hs
@@ -181,6 +182,7 @@ def test_gpu_offload_releases_before_ready_and_restores_after(cu: FakeDriver, tm
             time.sleep(0.01)
         seen_at_ready["used"] = cu.used
         seen_at_ready["manifest"] = read_weights_manifest(ctl)
+        seen_at_ready["offload"] = read_offload_manifest(ctl)
         (ctl / FILE_RESTORE_COMPLETE).write_text('{"podName": "restored"}')
 
     t = threading.Thread(target=agent)
@@ -196,6 +198,8 @@ def test_gpu_offload_releases_before_ready_and_restores_after(cu: FakeDriver, tm
     assert entry.bytes == weights_file.stat().st_size
     assert entry.sha256 == hashlib.sha256(weights_file.read_bytes()).hexdigest()
     assert (ctl / FILE_WEIGHTS_MANIFEST).exists()
+    # The agent learns how much GPU memory comes back after a restore, per device.
+    assert seen_at_ready["offload"].released_bytes == {0: used_before}
 
     assert cu.used == used_before
     assert not kv.released

@@ -21,6 +21,7 @@ from dynamo_snapshot.workload.weights import (
     FILE_WEIGHTS_MANIFEST,
     MAGIC,
     PREFIX_BYTES,
+    OffloadManifest,
     TensorSpec,
     WeightRegion,
     WeightsFile,
@@ -28,6 +29,7 @@ from dynamo_snapshot.workload.weights import (
     WeightsHeader,
     plan_layout,
     read_header,
+    read_offload_manifest,
     read_weights_manifest,
     write_weights_manifest,
 )
@@ -374,12 +376,13 @@ def test_reader_falls_back_to_buffered_reads_when_o_direct_refuses(tmp_path: Pat
 
 def test_weights_manifest_round_trip(tmp_path: Path) -> None:
     assert read_weights_manifest(tmp_path) == []
+    assert read_offload_manifest(tmp_path) is None
     files = [WeightsFile("/models/a.dsw", 4096 * 3, "ab" * 32, "cd" * 32, 0)]
-    path = write_weights_manifest(tmp_path, files)
+    path = write_weights_manifest(tmp_path, files, {0: 2 << 30})
     assert path == tmp_path / FILE_WEIGHTS_MANIFEST == tmp_path / "weights.json"
     doc = json.loads(path.read_text())
     assert doc == {
-        "version": 1,
+        "version": 2,
         "files": [
             {
                 "path": "/models/a.dsw",
@@ -389,10 +392,21 @@ def test_weights_manifest_round_trip(tmp_path: Path) -> None:
                 "device": 0,
             }
         ],
+        "released_bytes": {"0": 2 << 30},
     }
     assert read_weights_manifest(tmp_path) == files
+    assert read_offload_manifest(tmp_path) == OffloadManifest(files, {0: 2 << 30})
+    # Version 1 (no released_bytes) still reads.
+    path.write_text(json.dumps({"version": 1, "files": doc["files"]}))
+    assert read_offload_manifest(tmp_path) == OffloadManifest(files, {})
+    path.write_text('{"version": 2, "files": [], "released_bytes": {"0": -1}}')
+    with pytest.raises(ValueError, match="negative released_bytes"):
+        read_offload_manifest(tmp_path)
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not JSON"):
+        read_offload_manifest(tmp_path)
     path.write_text('{"version": 9, "files": []}')
-    with pytest.raises(ValueError, match="version 1"):
+    with pytest.raises(ValueError, match="version 2"):
         read_weights_manifest(tmp_path)
     path.write_text('{"version": 1, "files": [{"path": "/x"}]}')
     with pytest.raises(ValueError, match="bad entry"):
