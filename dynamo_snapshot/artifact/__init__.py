@@ -10,24 +10,36 @@
                         timings=..., extra=...) -> PublishResult(artifact, won, io)
     # leaving the block unpublished (or w.discard()) removes the staging dir
 
-    artifact.verify(*, check_checksums=True, expect_hash=None) -> TreeStats   # or ArtifactError;
+    artifact.verify(*, check_checksums=True, expect_hash=None, files=None) -> TreeStats  # or ArtifactError
     await artifact.averify(...)                                               # same, in a thread
+    verify_files(root, entries, parallel=HASH_PARALLEL) -> TreeStats          # just these entries
     artifact.compatibility(node_gpus: GpuInfo | None) -> [problem]            # empty: restorable
     await fetch(artifact, local_store) -> PublishResult   # checked, atomic copy into a local cache
 
-Large-file helpers (``dynamo_snapshot.artifact.io``): ``copy_file``, ``copy_tree``, ``sha256_file``
-and their ``a``-prefixed async forms, reporting ``IoStats``/``TreeStats`` (bytes, seconds, gbps).
+A file larger than ``DEFAULT_CHUNK_BYTES`` (64 MiB) is sealed as one SHA-256 per chunk
+(``FileEntry.chunks``), so sealing, verifying and fetching spread even one huge file over
+``HASH_PARALLEL`` threads; smaller files keep one whole-file ``sha256``.
+
+Large-file helpers (``dynamo_snapshot.artifact.io``): ``copy_file``, ``copy_tree``, ``sha256_file``,
+``hash_files`` (per-chunk digests of ``HashJob``s on one pool) and their ``a``-prefixed async forms,
+reporting ``IoStats``/``TreeStats`` (bytes, seconds, gbps).
 """
 
 from dynamo_snapshot.artifact.errors import ArtifactError, ArtifactNotFoundError
 from dynamo_snapshot.artifact.io import (
+    DEFAULT_CHUNK_BYTES,
+    HASH_PARALLEL,
+    FileDigests,
+    HashJob,
     IoStats,
     TreeStats,
     acopy_file,
     acopy_tree,
+    ahash_files,
     asha256_file,
     copy_file,
     copy_tree,
+    hash_files,
     sha256_file,
 )
 from dynamo_snapshot.artifact.manifest import (
@@ -38,30 +50,37 @@ from dynamo_snapshot.artifact.manifest import (
     Manifest,
     validate_identity_hash,
 )
-from dynamo_snapshot.artifact.reader import Artifact
+from dynamo_snapshot.artifact.reader import Artifact, verify_files
 from dynamo_snapshot.artifact.store import ArtifactStore
 from dynamo_snapshot.artifact.writer import ArtifactWriter, PublishResult, fetch
 
 __all__ = [
+    "DEFAULT_CHUNK_BYTES",
     "FORMAT_VERSION",
+    "HASH_PARALLEL",
     "MANIFEST_NAME",
     "Artifact",
     "ArtifactError",
     "ArtifactNotFoundError",
     "ArtifactStore",
     "ArtifactWriter",
+    "FileDigests",
     "FileEntry",
     "GpuInfo",
+    "HashJob",
     "IoStats",
     "Manifest",
     "PublishResult",
     "TreeStats",
     "acopy_file",
     "acopy_tree",
+    "ahash_files",
     "asha256_file",
     "copy_file",
     "copy_tree",
     "fetch",
+    "hash_files",
     "sha256_file",
     "validate_identity_hash",
+    "verify_files",
 ]

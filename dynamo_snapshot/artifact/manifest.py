@@ -21,6 +21,7 @@ from pydantic_core import ErrorDetails
 
 from dynamo_snapshot.api.identity import IDENTITY_HASH_LENGTH, CheckpointIdentity, compute_identity_hash
 from dynamo_snapshot.artifact.errors import ArtifactError
+from dynamo_snapshot.artifact.io import ALIGN, chunk_count
 
 __all__ = [
     "FORMAT_VERSION",
@@ -33,7 +34,9 @@ __all__ = [
     "validate_relative_path",
 ]
 
-FORMAT_VERSION = 1
+# 2: a file may be sealed as per-chunk digests (``chunk_bytes``/``chunks``) instead of one ``sha256``.
+FORMAT_VERSION = 2
+_FIRST_CHUNKED_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 IDENTITY_HASH_PATTERN = rf"^[0-9a-f]{{{IDENTITY_HASH_LENGTH}}}$"
 _HASH = re.compile(IDENTITY_HASH_PATTERN)
@@ -42,6 +45,7 @@ _MAX_PATH = 4096
 
 StrictNonNegative = Annotated[int, Field(strict=True, ge=0)]
 StrictPositive = Annotated[int, Field(strict=True, ge=1)]
+Sha256Hex = Annotated[str, Field(strict=True, pattern=_SHA256)]
 
 
 def validate_identity_hash(value: object) -> str:
@@ -80,14 +84,54 @@ class _Model(BaseModel):
 
 
 class FileEntry(_Model):
+    """One sealed file: its whole-content ``sha256``, or ``chunks`` (one SHA-256 per ``chunk_bytes``)."""
+
     path: str = Field(description="Relative POSIX path inside the artifact directory.")
     size: StrictNonNegative = Field(description="Size in bytes.")
-    sha256: str = Field(pattern=_SHA256, description="Lowercase hex SHA-256 of the content.")
+    sha256: Sha256Hex | None = Field(default=None, description="Lowercase hex SHA-256 of the content.")
+    chunk_bytes: StrictPositive | None = Field(
+        default=None, description="Size of each chunk in bytes (a multiple of 4096); with chunks."
+    )
+    chunks: list[Sha256Hex] | None = Field(
+        default=None,
+        description="Lowercase hex SHA-256 of each consecutive chunk_bytes piece, the last one shorter.",
+    )
 
     @field_validator("path")
     @classmethod
     def _relative(cls, v: str) -> str:
         return validate_relative_path(v)
+
+    @model_validator(mode="after")
+    def _one_digest(self) -> FileEntry:
+        problem = _digest_problem(self)
+        if problem:
+            raise ValueError(f"{self.path}: {problem}")
+        return self
+
+    @property
+    def chunked(self) -> bool:
+        return self.chunks is not None
+
+
+def _digest_problem(entry: FileEntry) -> str | None:
+    if entry.sha256 is not None and entry.chunks is not None:
+        return "has both sha256 and chunks; need exactly one"
+    if entry.chunks is None:
+        if entry.sha256 is None:
+            return "has neither sha256 nor chunks"
+        if entry.chunk_bytes is not None:
+            return "chunk_bytes without chunks"
+        return None
+    if entry.chunk_bytes is None:
+        return "chunks without chunk_bytes"
+    if entry.chunk_bytes % ALIGN:
+        return f"chunk_bytes {entry.chunk_bytes} is not a multiple of {ALIGN}"
+    want = chunk_count(entry.size, entry.chunk_bytes)
+    if len(entry.chunks) != want:
+        have = len(entry.chunks)
+        return f"{have} chunks for {entry.size} bytes in {entry.chunk_bytes}-byte chunks; need {want}"
+    return None
 
 
 class GpuInfo(_Model):
@@ -151,6 +195,12 @@ class Manifest(_Model):
         dupes = sorted({p for p in paths if paths.count(p) > 1})
         if dupes:
             raise ValueError(f"files listed twice: {', '.join(dupes)}")
+        chunked = [f.path for f in self.files if f.chunked]
+        if chunked and self.format_version < _FIRST_CHUNKED_VERSION:
+            raise ValueError(
+                f"format_version {self.format_version} has no chunked files, "
+                f"but these are chunked: {', '.join(chunked)}"
+            )
         if self.identity is not None:
             computed = compute_identity_hash(self.identity)
             if computed != self.identity_hash:

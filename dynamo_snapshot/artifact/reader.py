@@ -7,12 +7,12 @@ import functools
 import os
 import stat
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from dynamo_snapshot.artifact.errors import ArtifactError, ArtifactNotFoundError
-from dynamo_snapshot.artifact.io import PARALLEL_FILES, IoStats, TreeStats, sha256_file
+from dynamo_snapshot.artifact.io import HASH_PARALLEL, FileDigests, HashJob, TreeStats, hash_files
 from dynamo_snapshot.artifact.manifest import (
     MANIFEST_NAME,
     FileEntry,
@@ -21,7 +21,7 @@ from dynamo_snapshot.artifact.manifest import (
     validate_identity_hash,
 )
 
-__all__ = ["Artifact"]
+__all__ = ["Artifact", "verify_files"]
 
 
 @dataclass(frozen=True)
@@ -53,12 +53,19 @@ class Artifact:
         return self.manifest.compatibility(node_gpus)
 
     def verify(
-        self, *, check_checksums: bool = True, expect_hash: str | None = None, parallel: int = PARALLEL_FILES
+        self,
+        *,
+        check_checksums: bool = True,
+        expect_hash: str | None = None,
+        parallel: int = HASH_PARALLEL,
+        files: Collection[str] | None = None,
     ) -> TreeStats:
         """Raise ``ArtifactError`` listing every missing, resized or altered file; else the read stats.
 
-        Sizes are checked for every file before any is hashed, so a truncated file is reported as
-        that, and cheaply.  Files not named in the manifest are ignored: CRIU never reads them.
+        ``files`` limits the check to those relative paths (None: every file of the manifest), e.g. the
+        weights a loader is about to read.  Sizes are checked before anything is hashed, so a truncated
+        file is reported as that, and cheaply.  Files not named in the manifest are ignored: CRIU never
+        reads them.
         """
         started = time.monotonic()
         problems: list[str] = []
@@ -66,36 +73,106 @@ class Artifact:
             problems.append(
                 f"identity hash mismatch: expected {expect_hash}, artifact has {self.manifest.identity_hash}"
             )
-        present = [f for f in self.manifest.files if not _size_problem(self.path, f, problems)]
-        results: dict[str, IoStats] = {}
-        if check_checksums and present:
-            with ThreadPoolExecutor(
-                max_workers=max(1, parallel), thread_name_prefix="artifact-verify"
-            ) as pool:
-                digests = {f.path: pool.submit(sha256_file, self.path / f.path) for f in present}
-                results = {rel: future.result() for rel, future in digests.items()}
-            for f in present:
-                got = results[f.path]
-                if got.bytes != f.size:
-                    problems.append(
-                        f"unexpected file size: {f.path} (expected {f.size} bytes, read {got.bytes})"
-                    )
-                elif got.sha256 != f.sha256:
-                    problems.append(f"checksum mismatch: {f.path} (expected {f.sha256}, got {got.sha256})")
+        entries = self._select(files, problems)
+        present = check_sizes(self.path, entries, problems)
+        stats = hash_entries(self.path, present, problems, parallel=parallel) if check_checksums else None
         if problems:
             raise ArtifactError(problems)
-        return TreeStats(
-            bytes=sum(r.bytes for r in results.values()), seconds=time.monotonic() - started, files=results
-        )
+        if stats is None:
+            return TreeStats(bytes=0, seconds=time.monotonic() - started)
+        return TreeStats(bytes=stats.bytes, seconds=time.monotonic() - started, files=stats.files)
 
     async def averify(
-        self, *, check_checksums: bool = True, expect_hash: str | None = None, parallel: int = PARALLEL_FILES
+        self,
+        *,
+        check_checksums: bool = True,
+        expect_hash: str | None = None,
+        parallel: int = HASH_PARALLEL,
+        files: Collection[str] | None = None,
     ) -> TreeStats:
         """``verify`` in a worker thread, so the event loop keeps serving."""
         check = functools.partial(
-            self.verify, check_checksums=check_checksums, expect_hash=expect_hash, parallel=parallel
+            self.verify,
+            check_checksums=check_checksums,
+            expect_hash=expect_hash,
+            parallel=parallel,
+            files=files,
         )
         return await asyncio.to_thread(check)
+
+    def _select(self, files: Collection[str] | None, problems: list[str]) -> list[FileEntry]:
+        if files is None:
+            return list(self.manifest.files)
+        known = {f.path for f in self.manifest.files}
+        # Asked for by name, so a file the manifest does not seal cannot pass as verified.
+        problems += [f"not a file of this artifact: {rel}" for rel in sorted(set(files) - known)]
+        return [f for f in self.manifest.files if f.path in files]
+
+
+def verify_files(root: Path, entries: Sequence[FileEntry], *, parallel: int = HASH_PARALLEL) -> TreeStats:
+    """Check that the files ``entries`` seal are under ``root`` intact; ``ArtifactError`` lists every problem.
+
+    For verifying part of an artifact (say its weights) while something else uses the rest: sizes
+    first, then every chunk of every file on one pool of ``parallel`` threads.
+    """
+    problems: list[str] = []
+    present = check_sizes(root, entries, problems)
+    stats = hash_entries(root, present, problems, parallel=parallel)
+    if problems:
+        raise ArtifactError(problems)
+    return stats
+
+
+def check_sizes(root: Path, entries: Sequence[FileEntry], problems: list[str]) -> list[FileEntry]:
+    """The entries whose file is a regular file of the sealed size; the others go to ``problems``."""
+    return [f for f in entries if not _size_problem(root, f, problems)]
+
+
+def hash_entries(
+    root: Path,
+    entries: Sequence[FileEntry],
+    problems: list[str],
+    *,
+    parallel: int = HASH_PARALLEL,
+    copy_to: Path | None = None,
+    direct: bool = False,
+    fsync: bool = False,
+) -> TreeStats:
+    """Hash the files of ``entries`` (copying them under ``copy_to``); mismatches go to ``problems``."""
+    started = time.monotonic()
+    jobs = [
+        HashJob(
+            src=root / f.path,
+            size=f.size,
+            chunk_bytes=f.chunk_bytes if f.chunked else None,
+            dst=copy_to / f.path if copy_to is not None else None,
+        )
+        for f in entries
+    ]
+    results = hash_files(jobs, parallel=parallel, direct=direct, fsync=fsync)
+    problems += [p for f, r in zip(entries, results, strict=True) if (p := _digest_problem(f, r)) is not None]
+    return TreeStats(
+        bytes=sum(r.stats.bytes for r in results),
+        seconds=time.monotonic() - started,
+        files={f.path: r.stats for f, r in zip(entries, results, strict=True)},
+    )
+
+
+def _digest_problem(entry: FileEntry, got: FileDigests) -> str | None:
+    if got.stats.bytes != entry.size:
+        return f"unexpected file size: {entry.path} (expected {entry.size} bytes, read {got.stats.bytes})"
+    if entry.chunks is None:
+        if got.digests[0] != entry.sha256:
+            return f"checksum mismatch: {entry.path} (expected {entry.sha256}, got {got.digests[0]})"
+        return None
+    bad = [i for i, (want, have) in enumerate(zip(entry.chunks, got.digests, strict=True)) if want != have]
+    if not bad:
+        return None
+    # Chunks count from 0; the offset makes that unambiguous for whoever goes looking.
+    first = bad[0]
+    more = f", and {len(bad) - 1} more" if len(bad) > 1 else ""
+    offset = first * (entry.chunk_bytes or 0)
+    return f"checksum mismatch: {entry.path} (chunk {first} of {len(entry.chunks)} at offset {offset}{more})"
 
 
 def _size_problem(root: Path, entry: FileEntry, problems: list[str]) -> bool:

@@ -1,7 +1,8 @@
 """Writing an artifact so that readers only ever see a complete one.
 
-Data goes into a locked staging directory inside the store; ``publish`` hashes every file, writes the
-manifest last, fsyncs, and renames the directory to ``<hash>`` in one step.  A crash at any point
+Data goes into a locked staging directory inside the store; ``publish`` hashes every file (a large one
+in chunks, all chunks of all files on one thread pool), writes the manifest last, fsyncs, and renames
+the directory to ``<hash>`` in one step.  A crash at any point
 leaves only staging that ``ArtifactStore.gc_partial`` removes.
 """
 
@@ -14,7 +15,6 @@ import platform
 import shutil
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -25,9 +25,17 @@ from pydantic import JsonValue
 from dynamo_snapshot import __version__
 from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_hash
 from dynamo_snapshot.artifact.errors import ArtifactError
-from dynamo_snapshot.artifact.io import PARALLEL_FILES, IoStats, TreeStats, copy_tree, sha256_file
+from dynamo_snapshot.artifact.io import (
+    ALIGN,
+    DEFAULT_CHUNK_BYTES,
+    HASH_PARALLEL,
+    FileDigests,
+    HashJob,
+    TreeStats,
+    hash_files,
+)
 from dynamo_snapshot.artifact.manifest import MANIFEST_NAME, FileEntry, GpuInfo, Manifest
-from dynamo_snapshot.artifact.reader import Artifact
+from dynamo_snapshot.artifact.reader import Artifact, check_sizes, hash_entries
 from dynamo_snapshot.artifact.store import ArtifactStore, fsync_dir
 from dynamo_snapshot.criu.version import CriuVersion
 
@@ -55,15 +63,18 @@ class PublishResult:
         return self.artifact.manifest.total_bytes
 
 
-def _hash_and_sync(path: Path) -> IoStats:
-    result = sha256_file(path)
-    # CRIU does not fsync its images; the rename must not become durable before the data does.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return result
+def _job(path: Path, chunk_bytes: int) -> HashJob:
+    size = os.stat(path).st_size
+    # One chunk or less gains nothing from chunking: keep the plain whole-file digest.
+    return HashJob(path, size, chunk_bytes if size > chunk_bytes else None)
+
+
+def _entry(rel: str, got: FileDigests) -> FileEntry:
+    if got.job.chunk_bytes is None:
+        return FileEntry(path=rel, size=got.stats.bytes, sha256=got.digests[0])
+    return FileEntry(
+        path=rel, size=got.stats.bytes, chunk_bytes=got.job.chunk_bytes, chunks=list(got.digests)
+    )
 
 
 def _staged_files(root: Path) -> list[str]:
@@ -123,13 +134,17 @@ class ArtifactWriter:
         agent_version: str = __version__,
         timings: dict[str, float] | None = None,
         extra: dict[str, JsonValue] | None = None,
-        parallel: int = PARALLEL_FILES,
+        parallel: int = HASH_PARALLEL,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> PublishResult:
         """Hash and seal the staged files, then make them visible as ``store/<hash>`` atomically.
 
-        Runs in a worker thread (hashing reads every byte).  ``timings`` gains a ``"hash"`` entry
-        with the seconds spent hashing.
+        Runs in a worker thread (hashing reads every byte).  Files larger than ``chunk_bytes`` (a
+        multiple of 4096) are sealed as one SHA-256 per chunk, so ``parallel`` threads share even a
+        single huge file.  ``timings`` gains a ``"hash"`` entry with the seconds spent hashing.
         """
+        if chunk_bytes <= 0 or chunk_bytes % ALIGN:
+            raise ValueError(f"chunk_bytes must be a positive multiple of {ALIGN}, not {chunk_bytes}")
         if identity is not None and compute_identity_hash(identity) != self.identity_hash:
             raise ArtifactError(
                 f"identity hash mismatch: writer is for {self.identity_hash}, "
@@ -150,19 +165,33 @@ class ArtifactWriter:
                 extra=extra or {},
             )
 
-        return await asyncio.to_thread(self._hash_and_seal, manifest_for, parallel)
+        return await asyncio.to_thread(self._hash_and_seal, manifest_for, parallel, chunk_bytes)
 
     def _hash_and_seal(
-        self, manifest_for: Callable[[list[FileEntry], TreeStats], Manifest], parallel: int
+        self,
+        manifest_for: Callable[[list[FileEntry], TreeStats], Manifest],
+        parallel: int,
+        chunk_bytes: int,
     ) -> PublishResult:
         self._check_open()
         started = time.monotonic()
         rels = _staged_files(self.directory)
-        with ThreadPoolExecutor(max_workers=max(1, parallel), thread_name_prefix="artifact-hash") as pool:
-            futures = {rel: pool.submit(_hash_and_sync, self.directory / rel) for rel in rels}
-            hashed = {rel: future.result() for rel, future in futures.items()}
-        io = TreeStats(sum(r.bytes for r in hashed.values()), time.monotonic() - started, hashed)
-        files = [FileEntry(path=rel, size=r.bytes, sha256=r.sha256 or "") for rel, r in hashed.items()]
+        jobs = [_job(self.directory / rel, chunk_bytes) for rel in rels]
+        # fsync: CRIU does not fsync its images; the rename must not become durable before the data does.
+        hashed = hash_files(jobs, parallel=parallel, fsync=True)
+        changed = [
+            f"file changed while hashing: {rel} (was {got.job.size} bytes, read {got.stats.bytes})"
+            for rel, got in zip(rels, hashed, strict=True)
+            if got.stats.bytes != got.job.size
+        ]
+        if changed:
+            raise ArtifactError(changed)
+        io = TreeStats(
+            sum(got.stats.bytes for got in hashed),
+            time.monotonic() - started,
+            {rel: got.stats for rel, got in zip(rels, hashed, strict=True)},
+        )
+        files = [_entry(rel, got) for rel, got in zip(rels, hashed, strict=True)]
         return self._seal(manifest_for(files, io), io)
 
     def _check_open(self) -> None:
@@ -194,12 +223,13 @@ class ArtifactWriter:
         return PublishResult(Artifact(final, manifest), won=True, io=io)
 
 
-async def fetch(source: Artifact, store: ArtifactStore, *, parallel: int = PARALLEL_FILES) -> PublishResult:
+async def fetch(source: Artifact, store: ArtifactStore, *, parallel: int = HASH_PARALLEL) -> PublishResult:
     """Copy ``source`` (e.g. on shared storage) into ``store`` (e.g. a node-local cache).
 
-    Every file is hashed while it is copied and checked against the manifest before the copy is
-    published, with the same atomic rename as a fresh artifact.  Already present: nothing is copied.
-    Runs in a worker thread.
+    Every chunk is hashed as it is copied (all chunks of all files on ``parallel`` threads) and
+    checked against the manifest before the copy is published, with the same atomic rename as a fresh
+    artifact; on any mismatch nothing is published.  Already present: nothing is copied.  Runs in a
+    worker thread.
     """
     return await asyncio.to_thread(_fetch, source, store, parallel)
 
@@ -208,21 +238,21 @@ def _fetch(source: Artifact, store: ArtifactStore, parallel: int) -> PublishResu
     identity_hash = source.manifest.identity_hash
     if store.exists(identity_hash):
         return PublishResult(store.open(identity_hash), won=False, io=TreeStats(0, 0.0))
+    problems: list[str] = []
+    present = check_sizes(source.path, source.manifest.files, problems)
+    if problems:
+        raise ArtifactError(problems)
     with ArtifactWriter(store, identity_hash) as writer:
-        io = copy_tree(
+        # O_DIRECT: a bulk copy must not evict the page cache the node's running workers use.
+        io = hash_entries(
             source.path,
-            writer.directory,
-            files=[f.path for f in source.manifest.files],
-            sha256=True,
-            parallel_files=parallel,
+            present,
+            problems,
+            parallel=parallel,
+            copy_to=writer.directory,
+            direct=True,
+            fsync=True,
         )
-        problems = []
-        for f in source.manifest.files:
-            got = io.files[f.path]
-            if got.bytes != f.size:
-                problems.append(f"unexpected file size: {f.path} (expected {f.size} bytes, got {got.bytes})")
-            elif got.sha256 != f.sha256:
-                problems.append(f"checksum mismatch: {f.path} (expected {f.sha256}, got {got.sha256})")
         if problems:
             raise ArtifactError(problems)
         return writer._seal(source.manifest, io)

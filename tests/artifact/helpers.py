@@ -6,7 +6,13 @@ import os
 from pathlib import Path
 
 from dynamo_snapshot.api.identity import CheckpointIdentity
-from dynamo_snapshot.artifact import ArtifactStore, ArtifactWriter, GpuInfo, PublishResult
+from dynamo_snapshot.artifact import (
+    DEFAULT_CHUNK_BYTES,
+    ArtifactStore,
+    ArtifactWriter,
+    GpuInfo,
+    PublishResult,
+)
 
 IDENTITY = CheckpointIdentity(model="meta-llama/Llama-3-8B", backend_framework="vllm", dtype="bfloat16")
 HASH = IDENTITY.compute_hash()
@@ -36,10 +42,17 @@ def stage(directory: Path, files: dict[str, bytes]) -> None:
         (directory / rel).write_bytes(data)
 
 
-async def publish(store: ArtifactStore, files: dict[str, bytes], identity_hash: str = HASH) -> PublishResult:
+async def publish(
+    store: ArtifactStore,
+    files: dict[str, bytes],
+    identity_hash: str = HASH,
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> PublishResult:
     with ArtifactWriter(store, identity_hash) as writer:
         stage(writer.directory, files)
         return await writer.publish(
+            chunk_bytes=chunk_bytes,
             criu_version="4.1.1",
             gpus=H200,
             identity=IDENTITY if identity_hash == HASH else None,

@@ -118,7 +118,9 @@ def test_newer_format_version_is_reported_as_such() -> None:
     raw = manifest_dict(format_version=FORMAT_VERSION + 1, new_field={"x": 1})
     with pytest.raises(ArtifactError) as err:
         load(raw)
-    assert str(err.value) == "manifest format_version 2 is newer than supported 1"
+    assert str(err.value) == (
+        f"manifest format_version {FORMAT_VERSION + 1} is newer than supported {FORMAT_VERSION}"
+    )
 
 
 def test_identity_hash_mismatch() -> None:
@@ -178,3 +180,61 @@ def test_every_hash_maps_to_one_directory(value: str) -> None:
 def test_path_like_hashes_refused(value: str) -> None:
     with pytest.raises(ValueError, match="invalid identity hash"):
         ArtifactStore(Path("/store")).path_for(value)
+
+
+def chunked(**changes: Any) -> dict[str, Any]:
+    return {"path": "pages-1.img", "size": 3 * 4096 + 1, "chunk_bytes": 4096, "chunks": [SHA] * 4, **changes}
+
+
+def test_chunked_entry_round_trip() -> None:
+    m = load(
+        manifest_dict(
+            format_version=FORMAT_VERSION, files=[chunked(), {"path": "e", "size": 0, "sha256": SHA}]
+        )
+    )
+    assert Manifest.from_json(m.to_json()) == m
+    assert m.files[0].chunked
+    assert not m.files[1].chunked
+    assert m.total_bytes == 3 * 4096 + 1
+    empty = load(manifest_dict(format_version=FORMAT_VERSION, files=[chunked(size=0, chunks=[])]))
+    assert empty.files[0].chunks == []
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        (chunked(chunk_bytes=None), "files.0: pages-1.img: chunks without chunk_bytes"),
+        ({**chunked(), "chunk_bytes": None}, "files.0: pages-1.img: chunks without chunk_bytes"),
+        (
+            chunked(chunks=[SHA] * 3),
+            "files.0: pages-1.img: 3 chunks for 12289 bytes in 4096-byte chunks; need 4",
+        ),
+        (chunked(size=0), "files.0: pages-1.img: 4 chunks for 0 bytes in 4096-byte chunks; need 0"),
+        (chunked(sha256=SHA), "files.0: pages-1.img: has both sha256 and chunks; need exactly one"),
+        ({"path": "p", "size": 1}, "files.0: p: has neither sha256 nor chunks"),
+        (
+            {"path": "p", "size": 1, "sha256": SHA, "chunk_bytes": 4096},
+            "files.0: p: chunk_bytes without chunks",
+        ),
+        (chunked(chunk_bytes=1000), "files.0: pages-1.img: chunk_bytes 1000 is not a multiple of 4096"),
+        (chunked(chunk_bytes=0), "files.0.chunk_bytes"),
+        (chunked(chunk_bytes="4096"), "files.0.chunk_bytes"),
+        (chunked(chunks=[SHA, SHA, SHA, "XYZ"]), "files.0.chunks.3"),
+    ],
+)
+def test_chunked_entry_validation(entry: dict[str, Any], message: str) -> None:
+    with pytest.raises(ArtifactError) as err:
+        load(manifest_dict(format_version=FORMAT_VERSION, files=[entry]))
+    assert any(message in p for p in err.value.problems), err.value.problems
+    assert all("\n" not in p for p in err.value.problems)
+
+
+def test_version_1_manifest_without_chunks_still_loads() -> None:
+    m = load(manifest_dict(format_version=1))
+    assert m.format_version == 1
+    assert Manifest.from_json(m.to_json()) == m
+    with pytest.raises(
+        ArtifactError,
+        match=re.escape("format_version 1 has no chunked files, but these are chunked: pages-1.img"),
+    ):
+        load(manifest_dict(format_version=1, files=[chunked()]))

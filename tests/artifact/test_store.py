@@ -9,11 +9,13 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from dynamo_snapshot import __version__
 from dynamo_snapshot.artifact import (
+    FORMAT_VERSION,
     Artifact,
     ArtifactError,
     ArtifactNotFoundError,
@@ -21,7 +23,8 @@ from dynamo_snapshot.artifact import (
     ArtifactWriter,
     fetch,
 )
-from dynamo_snapshot.artifact import writer as writer_module
+from dynamo_snapshot.artifact import io as io_module
+from dynamo_snapshot.artifact.io import HashJob
 
 from .helpers import H200, HASH, IDENTITY, publish, sample_files, stage
 
@@ -113,8 +116,10 @@ async def test_newer_format_refused_on_open(store: ArtifactStore) -> None:
     await publish(store, sample_files())
     manifest = store.path_for(HASH) / "manifest.json"
     raw = json.loads(manifest.read_text())
-    manifest.write_text(json.dumps({**raw, "format_version": 2}))
-    with pytest.raises(ArtifactError, match=r"^manifest format_version 2 is newer than supported 1$"):
+    newer = FORMAT_VERSION + 1
+    manifest.write_text(json.dumps({**raw, "format_version": newer}))
+    message = f"^manifest format_version {newer} is newer than supported {FORMAT_VERSION}$"
+    with pytest.raises(ArtifactError, match=message):
         store.open(HASH)
 
 
@@ -153,15 +158,15 @@ async def test_failure_while_hashing_publishes_nothing(
 ) -> None:
     calls = 0
 
-    def flaky(path: Path) -> object:
+    def flaky(job: HashJob, *args: Any, **kwargs: Any) -> object:
         nonlocal calls
         calls += 1
         if calls == 2:
-            raise OSError(5, "Input/output error", str(path))
-        return real(path)
+            raise OSError(5, "Input/output error", str(job.src))
+        return real(job, *args, **kwargs)
 
-    real = writer_module._hash_and_sync
-    monkeypatch.setattr(writer_module, "_hash_and_sync", flaky)
+    real = io_module._hash_range
+    monkeypatch.setattr(io_module, "_hash_range", flaky)
     with pytest.raises(OSError, match="Input/output error"):
         await publish(store, sample_files())
     assert entries(store) == []
