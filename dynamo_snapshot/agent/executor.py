@@ -22,12 +22,29 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
+from pydantic import JsonValue
 
 from dynamo_snapshot import __version__
 from dynamo_snapshot.agent.runtime.base import Runtime, Workload, WorkloadRuntimeError, pid_alive
+from dynamo_snapshot.agent.weights import (
+    CarriedWeights,
+    WeightsPlacementError,
+    capture_weights,
+    gpu_memory_problem,
+    host_path,
+    mib,
+    place_weights,
+)
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.identity import CheckpointIdentity
-from dynamo_snapshot.artifact import ArtifactError, ArtifactStore, ArtifactWriter, GpuInfo
+from dynamo_snapshot.artifact import (
+    Artifact,
+    ArtifactError,
+    ArtifactStore,
+    ArtifactWriter,
+    GpuInfo,
+    TreeStats,
+)
 from dynamo_snapshot.criu import Criu
 from dynamo_snapshot.cuda import (
     CudaCheckpointer,
@@ -35,9 +52,12 @@ from dynamo_snapshot.cuda import (
     ProcessState,
     cuda_available,
     find_cuda_pids,
+    gpu_memory_by_pid,
+    list_gpus,
     node_gpus,
     process_tree,
 )
+from dynamo_snapshot.workload.weights import OffloadManifest, read_offload_manifest
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +79,8 @@ class AgentError(Exception):
 @dataclass
 class Timings:
     phases: dict[str, float] = field(default_factory=dict)
+    # Work done beside the phases (not part of their sum), e.g. weights verified during CRIU restore.
+    overlapped: dict[str, float] = field(default_factory=dict)
 
     @contextlib.contextmanager
     def phase(self, op: str, name: str) -> Iterator[None]:
@@ -130,6 +152,12 @@ class Executor:
         cuda_pids: list[int] = []
         if self.cuda is not None:
             cuda_pids = await asyncio.to_thread(find_cuda_pids, workload.pid)
+        seen_ctl = _control_dir_seen_by_worker(self.runtime.name, workload)
+        try:
+            offload = await asyncio.to_thread(read_offload_manifest, workload.control_dir)
+        except ValueError as e:
+            raise AgentError(f"worker's {protocol.FILE_WEIGHTS_MANIFEST} is unreadable: {e}") from None
+        held_mib = await asyncio.to_thread(_gpu_memory_held_mib, cuda_pids)
         writer = ArtifactWriter(self.store, identity_hash)
         try:
             with t.phase("checkpoint", "cuda_checkpoint"):
@@ -143,6 +171,13 @@ class Executor:
                     # CRIU left the tree running: give it its GPU back so the worker carries on.
                     await self._resume_cuda(cuda_pids, {}, best_effort=True)
                     raise AgentError(f"CRIU dump failed: {e}") from None
+            carried: list[CarriedWeights] = []
+            if offload is not None and offload.files:
+                with t.phase("checkpoint", "weights_capture"):
+                    carried = await asyncio.to_thread(
+                        self._capture_weights, offload, seen_ctl, workload, writer.directory
+                    )
+            released_mib = mib(sum(offload.released_bytes.values())) if offload is not None else 0
             with t.phase("checkpoint", "publish"):
                 published = await writer.publish(
                     identity=identity,
@@ -153,8 +188,10 @@ class Executor:
                     timings=dict(t.phases),
                     extra={
                         "runtime": self.runtime.name,
-                        "control_dir": _control_dir_seen_by_worker(self.runtime.name, workload),
+                        "control_dir": seen_ctl,
                         "cuda_pids": list(cuda_pids),
+                        "weights": [w.to_json() for w in carried],
+                        "gpuMemory": {"heldMiB": held_mib, "releasedMiB": released_mib},
                     },
                 )
         except BaseException:
@@ -168,6 +205,19 @@ class Executor:
             THROUGHPUT.labels("checkpoint").set(published.io.bytes / published.io.seconds / 1e9)
         return CheckpointOutcome(str(artifact.path), size, t)
 
+    def _capture_weights(
+        self, offload: OffloadManifest, seen_ctl: str, workload: Workload, staging: Path
+    ) -> list[CarriedWeights]:
+        containerized = self.runtime.name == "runc"
+        try:
+            to_host = {
+                f.path: host_path(f.path, seen_ctl, workload.control_dir, containerized=containerized)
+                for f in offload.files
+            }
+            return capture_weights(offload, to_host, staging)
+        except WeightsPlacementError as e:
+            raise AgentError(f"cannot carry the worker's weights: {e}") from None
+
     # ------------------------------------------------------------------ restore
     async def restore(
         self, key: str, identity_hash: str, *, identity_info: dict[str, Any] | None = None
@@ -177,42 +227,113 @@ class Executor:
             with t.phase("restore", "verify"):
                 try:
                     artifact = await asyncio.to_thread(self.store.open, identity_hash)
-                    # Checked before anything starts: a bad artifact never becomes a running process.
-                    stats = await artifact.averify(expect_hash=identity_hash)
-                except (ArtifactError, ValueError) as e:
+                    weights = [CarriedWeights.from_json(w) for w in _list(artifact.manifest.extra, "weights")]
+                except (ArtifactError, ValueError, WeightsPlacementError) as e:
                     raise AgentError(f"artifact {identity_hash} refused: {e}") from None
                 problems = artifact.compatibility(self.gpus)
                 if problems:
                     raise AgentError("incompatible node: " + "; ".join(problems))
-            BYTES.labels("restore").inc(stats.bytes)
+                await self._check_gpu_memory(artifact.manifest.extra, artifact.manifest.gpus)
+                weight_files = {w.file for w in weights}
+                process_files = [f.path for f in artifact.manifest.files if f.path not in weight_files]
+                try:
+                    # Checked before anything starts: a bad artifact never becomes a running process.
+                    stats = await artifact.averify(expect_hash=identity_hash, files=process_files)
+                    verified_bytes = stats.bytes
+                except (ArtifactError, ValueError) as e:
+                    raise AgentError(f"artifact {identity_hash} refused: {e}") from None
+            # The weights are checked while CRIU restores the process: the same read fills the page
+            # cache the worker loads them from once it resumes, which it does only after this passed.
+            weights_check = asyncio.create_task(self._verify_weights(artifact, weight_files, t))
+            try:
+                workload = await self._restore_process(key, artifact, t)
+                try:
+                    if weights:
+                        with t.phase("restore", "weights_wait"):
+                            verified_bytes += (await weights_check).bytes
+                        await asyncio.to_thread(self._place_weights, artifact, weights, workload)
+                    with t.phase("restore", "signal"):
+                        # The workload SDK reads who it is now from here (podName, podIP, hostname, env).
+                        info = {"node": self.node_name, "restoredAt": time.time(), **(identity_info or {})}
+                        await asyncio.to_thread(
+                            _write_atomic,
+                            workload.control_dir / protocol.FILE_RESTORE_COMPLETE,
+                            json.dumps(info),
+                        )
+                except BaseException:
+                    await self.runtime.stop(key)
+                    raise
+            finally:
+                if not weights_check.done():
+                    weights_check.cancel()
+                    with contextlib.suppress(BaseException):
+                        await weights_check
+            BYTES.labels("restore").inc(verified_bytes)
             if stats.seconds > 0:
                 THROUGHPUT.labels("restore").set(stats.bytes / stats.seconds / 1e9)
-            extra = artifact.manifest.extra
-            with t.phase("restore", "criu_restore"):
-                try:
-                    source_ctl = extra.get("control_dir")
-                    workload = await self.runtime.restore(
-                        key, artifact.path / "criu", source_ctl if isinstance(source_ctl, str) else None
-                    )
-                except WorkloadRuntimeError as e:
-                    raise AgentError(f"CRIU restore failed: {e}") from None
-            try:
-                with t.phase("restore", "cuda_restore"):
-                    remap = _gpu_remap(artifact.manifest.gpus, self.gpus)
-                    await self._resume_cuda(await self._checkpointed_pids(workload.pid), remap)
-            except BaseException:
-                await self.runtime.stop(key)
-                raise
-            with t.phase("restore", "signal"):
-                # The workload SDK reads who it is now from here (podName, podIP, hostname, env).
-                info = {"node": self.node_name, "restoredAt": time.time(), **(identity_info or {})}
-                await asyncio.to_thread(
-                    _write_atomic, workload.control_dir / protocol.FILE_RESTORE_COMPLETE, json.dumps(info)
-                )
         except BaseException:
             FAILURES.labels("restore").inc()
             raise
         return RestoreOutcome(workload, t)
+
+    async def _restore_process(self, key: str, artifact: Artifact, t: Timings) -> Workload:
+        extra = artifact.manifest.extra
+        with t.phase("restore", "criu_restore"):
+            try:
+                source_ctl = extra.get("control_dir")
+                workload = await self.runtime.restore(
+                    key, artifact.path / "criu", source_ctl if isinstance(source_ctl, str) else None
+                )
+            except WorkloadRuntimeError as e:
+                raise AgentError(f"CRIU restore failed: {e}") from None
+        try:
+            with t.phase("restore", "cuda_restore"):
+                remap = _gpu_remap(artifact.manifest.gpus, self.gpus)
+                await self._resume_cuda(await self._checkpointed_pids(workload.pid), remap)
+        except BaseException:
+            await self.runtime.stop(key)
+            raise
+        return workload
+
+    async def _verify_weights(self, artifact: Artifact, files: set[str], t: Timings) -> TreeStats:
+        if not files:
+            return TreeStats(0, 0.0)
+        # Timed apart from the phases it overlaps; "weights_wait" is what it added to the restore.
+        started = time.monotonic()
+        try:
+            return await artifact.averify(files=sorted(files))
+        except (ArtifactError, ValueError) as e:
+            raise AgentError(f"weights of artifact {artifact.identity_hash} refused: {e}") from None
+        finally:
+            t.overlapped["weights_verify"] = round(time.monotonic() - started, 4)
+
+    def _place_weights(self, artifact: Artifact, weights: list[CarriedWeights], workload: Workload) -> None:
+        seen_ctl = _control_dir_seen_by_worker(self.runtime.name, workload)
+        try:
+            for w in weights:
+                target = host_path(
+                    w.worker_path, seen_ctl, workload.control_dir, containerized=self.runtime.name == "runc"
+                )
+                place_weights(artifact.path / w.file, target, w)
+        except (WeightsPlacementError, OSError) as e:
+            raise AgentError(f"cannot put the weights back: {e}") from None
+
+    async def _check_gpu_memory(self, extra: dict[str, JsonValue], gpus: GpuInfo | None) -> None:
+        """Refuse before anything starts when the GPUs cannot hold what the worker had at checkpoint."""
+        need = extra.get("gpuMemory")
+        if gpus is None or self.cuda is None or not isinstance(need, dict):
+            return
+        held, released = need.get("heldMiB"), need.get("releasedMiB")
+        if not isinstance(held, int) or not isinstance(released, int):
+            return
+        try:
+            free = [g.memory_free_mib for g in await asyncio.to_thread(list_gpus)][: gpus.count]
+        except CudaError as e:
+            log.warning("cannot read free GPU memory; restoring anyway", extra={"error": str(e)})
+            return
+        problem = gpu_memory_problem(free, held, released)
+        if problem:
+            raise AgentError(problem)
 
     # ------------------------------------------------------------------ CUDA
     async def _suspend_cuda(self, pids: list[int]) -> None:
@@ -275,6 +396,25 @@ def _local_gpus() -> GpuInfo | None:
         log.warning("no GPU inventory", extra={"error": str(e)})
         return None
     return GpuInfo.model_validate(dataclasses.asdict(gpus))
+
+
+def _gpu_memory_held_mib(pids: list[int]) -> int:
+    """GPU memory the worker's CUDA processes hold (after their own releases); 0 when NVML cannot say."""
+    if not pids:
+        return 0
+    try:
+        used = gpu_memory_by_pid()
+    except CudaError as e:
+        log.warning("no per-process GPU memory", extra={"error": str(e)})
+        return 0
+    return sum(used.get(pid, 0) for pid in pids)
+
+
+def _list(extra: dict[str, JsonValue], key: str) -> list[JsonValue]:
+    value = extra.get(key, [])
+    if not isinstance(value, list):
+        raise ValueError(f"manifest extra.{key} is not a list")
+    return value
 
 
 def _control_dir_seen_by_worker(runtime: str, workload: Workload) -> str:

@@ -17,7 +17,13 @@ import signal
 import time
 from pathlib import Path
 
-from dynamo_snapshot.agent.runtime.base import Workload, WorkloadRuntimeError, WorkloadSpec, pid_alive
+from dynamo_snapshot.agent.runtime.base import (
+    Workload,
+    WorkloadRuntimeError,
+    WorkloadSpec,
+    pid_alive,
+    pid_running,
+)
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.criu import Criu, CriuError
 
@@ -71,6 +77,7 @@ class ProcessRuntime:
         if found is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(found.pid, signal.SIGKILL)
+            await _reap(found.pid)
         shutil.rmtree(self.control_dir(key), ignore_errors=True)
 
     async def dump(self, workload: Workload, images_dir: Path) -> float:
@@ -116,6 +123,6 @@ async def _reap(pid: int, within: float = 5.0) -> None:
     while time.monotonic() < deadline:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)  # noqa: ASYNC222 - WNOHANG never blocks
-        if not pid_alive(pid):
+        if not pid_running(pid):
             return
         await asyncio.sleep(0.02)

@@ -1,0 +1,152 @@
+"""Decoupled weights through the agent's Executor with real CRIU: the worker's weights file travels in
+the artifact (not in the CRIU image), is verified while CRIU restores, and is put back where the worker
+looks; a missing, truncated or substituted weights file, or other weights in the way, is refused before
+the worker resumes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dynamo_snapshot.agent.executor import AgentError, Executor
+from dynamo_snapshot.agent.runtime import ProcessRuntime, WorkloadSpec
+from dynamo_snapshot.agent.runtime.base import pid_running
+from dynamo_snapshot.agent.weights import WeightsPlacementError, gpu_memory_problem, host_path
+from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_hash
+from dynamo_snapshot.artifact import ArtifactStore
+from dynamo_snapshot.criu import Criu
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = REPO / "tests" / "agent" / "weights_worker.py"
+IDENTITY = CheckpointIdentity.model_validate({"model": "test/decoupled", "backendFramework": "vllm"})
+HASH = compute_identity_hash(IDENTITY)
+WEIGHTS = "weights/00-model.dsw"
+
+
+async def _checkpoint(tmp: Path, criu_bin: Path) -> tuple[Executor, ProcessRuntime, Path]:
+    criu = Criu(criu_bin)
+    runtime = ProcessRuntime(tmp / "node-a", criu)
+    store = ArtifactStore(tmp / "store")
+    executor = Executor(runtime, store, criu, node_name="node-a", cuda=None, gpus=None)
+    env = {"PYTHONPATH": str(REPO)}
+    source = await runtime.launch(WorkloadSpec("source", [sys.executable, str(WORKER)], env))
+    await executor.wait_ready(source, within=60)
+    await executor.checkpoint(source, HASH, IDENTITY)
+    # A fresh node: the source pod's control dir (and its copy of the weights) is gone.
+    shutil.rmtree(source.control_dir)
+    return executor, runtime, source.control_dir
+
+
+async def _verdict(path: Path, within: float = 30) -> dict[str, Any]:
+    deadline = time.monotonic() + within
+    while not await asyncio.to_thread(path.exists):
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.05)
+    return dict(json.loads(await asyncio.to_thread(path.read_text)))
+
+
+@pytest.mark.criu
+async def test_weights_travel_in_the_artifact_and_come_back(criu_bin: Path, tmp_path: Path) -> None:
+    executor, runtime, ctl = await _checkpoint(tmp_path, criu_bin)
+    artifact = executor.store.open(HASH)
+    assert [w["file"] for w in artifact.manifest.extra["weights"]] == [WEIGHTS]  # type: ignore[index,union-attr]
+    assert artifact.manifest.extra["gpuMemory"] == {"heldMiB": 0, "releasedMiB": 3}
+    images = sum(p.stat().st_size for p in (artifact.path / "criu").iterdir())
+    assert images < 64 << 20
+
+    restored = await executor.restore("restored", HASH)
+    try:
+        verdict = await _verdict(ctl / "verify.json")
+        assert verdict == {"weights_ok": True, "digest_ok": True, "restored": True}
+        # Put back as the artifact's own (verified) file, not a copy.
+        assert await asyncio.to_thread(
+            os.path.samefile, ctl / "weights" / "model.dsw", artifact.path / WEIGHTS
+        )
+        assert "weights_verify" in restored.timings.overlapped
+        assert "weights_wait" in restored.timings.phases
+    finally:
+        await runtime.stop("restored")
+
+
+def _truncate(p: Path) -> None:
+    with p.open("r+b") as f:
+        f.truncate(p.stat().st_size - 4096)
+
+
+def _substitute(p: Path) -> None:
+    # Another model's weights of the same size: a new file replaces the artifact's.
+    data = os.urandom(p.stat().st_size)
+    p.unlink()
+    p.write_bytes(data)
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda p: p.unlink(), f"missing file: {WEIGHTS}"),
+        (_truncate, f"unexpected file size: {WEIGHTS}"),
+        (_substitute, f"checksum mismatch: {WEIGHTS}"),
+    ],
+    ids=["missing", "truncated", "other-model"],
+)
+async def test_bad_weights_are_refused_before_the_worker_resumes(
+    criu_bin: Path, tmp_path: Path, damage: Any, message: str
+) -> None:
+    executor, runtime, ctl = await _checkpoint(tmp_path, criu_bin)
+    damage(executor.store.path_for(HASH) / WEIGHTS)
+    with pytest.raises(AgentError, match=r"weights of artifact .* refused") as err:
+        await executor.restore("restored", HASH)
+    assert message in str(err.value)
+    # The restored process was stopped before restore-complete: it never resumed.
+    assert not (ctl / "verify.json").exists()
+    assert not (ctl / "restore-complete").exists()
+    assert await runtime.find("restored") is None
+    pidfile = ctl / ".criu-restore.pid"
+    if pidfile.exists():
+        assert not pid_running(int(pidfile.read_text()))
+
+
+@pytest.mark.criu
+async def test_other_weights_at_the_path_are_not_overwritten(criu_bin: Path, tmp_path: Path) -> None:
+    executor, runtime, ctl = await _checkpoint(tmp_path, criu_bin)
+    theirs = ctl / "weights" / "model.dsw"
+    theirs.parent.mkdir(parents=True)
+    theirs.write_bytes(b"somebody else's file")
+    with pytest.raises(AgentError, match=r"holds other weights .* not overwriting it"):
+        await executor.restore("restored", HASH)
+    assert theirs.read_bytes() == b"somebody else's file"
+    assert not (ctl / "verify.json").exists()
+    assert await runtime.find("restored") is None
+
+
+def test_host_paths() -> None:
+    host_ctl = Path("/var/lib/agent/pod-1")
+    assert host_path(
+        "/snapshot-control/weights/m.dsw", "/snapshot-control", host_ctl, containerized=True
+    ) == (host_ctl / "weights" / "m.dsw")
+    assert host_path("/models/m.dsw", "/ctl", host_ctl, containerized=False) == Path("/models/m.dsw")
+    with pytest.raises(WeightsPlacementError, match="outside the control dir"):
+        host_path("/models/m.dsw", "/snapshot-control", host_ctl, containerized=True)
+    with pytest.raises(WeightsPlacementError, match="absolute"):
+        host_path("weights/m.dsw", "/ctl", host_ctl, containerized=False)
+    with pytest.raises(WeightsPlacementError, match="absolute"):
+        host_path("/ctl/../etc/passwd", "/ctl", host_ctl, containerized=False)
+
+
+def test_gpu_memory_check() -> None:
+    assert gpu_memory_problem([80_000], held_mib=1_000, released_mib=60_000) is None
+    problem = gpu_memory_problem([20_000], held_mib=1_000, released_mib=60_000)
+    assert problem == (
+        "not enough free GPU memory: 20000 MiB free on 1 GPU(s), the checkpoint needs 61000 MiB "
+        "(1000 MiB held by the worker at checkpoint + 60000 MiB it maps again after the restore)"
+    )

@@ -1,0 +1,61 @@
+"""A CPU stand-in for a worker with decoupled weights: it writes a weights file in the SDK's format
+under its control dir and lists it in weights.json (as GpuOffload does after saving and releasing a
+WeightRegion), drops the bytes from memory, and after the restore reads the file the agent put back
+and writes verify.json saying whether it holds exactly the weights it saved."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+
+from dynamo_snapshot.workload import SnapshotHandshake
+from dynamo_snapshot.workload.weights import (
+    WeightsFile,
+    WeightsHeader,
+    data_digest,
+    plan_layout,
+    read_header,
+    write_weights_manifest,
+)
+
+CHUNK = 1 << 20
+nbytes = int(os.environ.get("WORKER_WEIGHTS_MIB", "3")) << 20
+data = os.urandom(nbytes)
+digests = [hashlib.sha256(data[i : i + CHUNK]).hexdigest() for i in range(0, nbytes, CHUNK)]
+specs, _ = plan_layout([("w", "uint8", (nbytes,), nbytes)], 256)
+header = WeightsHeader(
+    tensors=tuple(specs),
+    data_bytes=nbytes,
+    device_bytes=nbytes,
+    chunk_bytes=CHUNK,
+    chunk_sha256=tuple(digests),
+    data_digest=data_digest(digests),
+)
+handshake = SnapshotHandshake()
+path = handshake.control_dir / "weights" / "model.dsw"
+path.parent.mkdir(parents=True, exist_ok=True)
+content = header.encode() + data
+path.write_bytes(content)
+whole = hashlib.sha256(content).hexdigest()
+write_weights_manifest(
+    handshake.control_dir,
+    [WeightsFile(str(path), len(content), whole, header.data_digest, 0)],
+    {0: nbytes},
+)
+del data, content  # released: from here on only the file holds the weights
+handshake.signal_ready()
+info = handshake.wait_for_restore()
+got = path.read_bytes()
+read_back, _ = read_header(path)
+verdict = {
+    "weights_ok": hashlib.sha256(got).hexdigest() == whole,
+    "digest_ok": read_back.data_digest == header.data_digest,
+    "restored": info.restored,
+}
+tmp = handshake.control_dir / ".verify.tmp"
+tmp.write_text(json.dumps(verdict))
+os.replace(tmp, handshake.control_dir / "verify.json")
+while True:
+    time.sleep(1)
