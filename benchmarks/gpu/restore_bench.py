@@ -1,0 +1,331 @@
+"""Cold start vs restore of the compile-heavy reference worker (examples/reference_worker) on the H200,
+through the project's own agent code path (ProcessRuntime + Executor: CUDA driver checkpoint API, CRIU,
+artifact store), in three modes:
+
+- plain:      the worker as it is; the CUDA checkpoint copies weights and KV cache into the CRIU image
+- kv:         the KV cache is released before the checkpoint and mapped again after the restore
+- decoupled:  KV released, and the weights saved beside the image, verified while CRIU restores, and
+              loaded back at the same addresses by the worker
+
+    python3 benchmarks/gpu/restore_bench.py --size 1g --out $OUT
+
+Per size: the storage bandwidth is measured first (16 parallel O_DIRECT reads, page cache dropped); the
+plain-mode worker is started with an empty torch.compile cache (`cold_start_s`: a new pod on a new node)
+and the kv and decoupled workers with the cache it left (`cold_start_warm_cache_s`). Every cold start and
+every restore begins with the page cache dropped. A restore ends when the worker answers /health again;
+then its /generate answer is compared with the cold-started worker's. SOL = the artifact's bytes (what
+the restore must read) / the measured bandwidth. Writes OUT/gpu-restore-<size>.json after every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from dynamo_snapshot.agent.executor import AgentError, Executor  # noqa: E402
+from dynamo_snapshot.agent.runtime import ProcessRuntime, WorkloadSpec  # noqa: E402
+from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_hash  # noqa: E402
+from dynamo_snapshot.artifact import ArtifactStore  # noqa: E402
+from dynamo_snapshot.criu import Criu  # noqa: E402
+
+WORKER = REPO / "examples" / "reference_worker" / "worker.py"
+MODES = {
+    "plain": [],
+    "kv": ["--release-kv"],
+    "decoupled": ["--release-kv", "--decouple-weights"],
+}
+GIB = 2**30
+
+
+def drop_caches() -> None:
+    subprocess.run("sync; echo 3 > /proc/sys/vm/drop_caches", shell=True, check=False)
+
+
+def storage_gbps(path: Path, gib: int = 4, threads: int = 16, block: int = 64 << 20) -> float:
+    """Read bandwidth of the disk under `path`: a file written once, read back with 16 O_DIRECT readers."""
+    if not path.exists() or path.stat().st_size != gib * GIB:
+        subprocess.run(
+            ["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={gib * 16}", "oflag=direct", "status=none"],
+            check=True,
+        )
+    drop_caches()
+    import mmap
+
+    size = path.stat().st_size
+
+    def reader(k: int) -> int:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        buf = mmap.mmap(-1, block)
+        done = 0
+        try:
+            for off in range(k * block, size, threads * block):
+                done += os.preadv(fd, [buf], off)
+        finally:
+            os.close(fd)
+            buf.close()
+        return done
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(threads) as pool:
+        total = sum(pool.map(reader, range(threads)))
+    return total / (time.monotonic() - started) / 1e9
+
+
+def http(port: int, path: str, body: dict[str, Any] | None = None, timeout: float = 60) -> tuple[int, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method="POST" if data else "GET")
+    req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, None
+
+
+async def wait_serving(port: int, within: float) -> float:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            status, _ = await asyncio.to_thread(http, port, "/health", None, 2)
+            if status == 200:
+                return time.time()
+        except (OSError, urllib.error.URLError):
+            pass
+        await asyncio.sleep(0.01)
+    raise TimeoutError(f"worker on port {port} did not serve within {within}s")
+
+
+async def read_json(path: Path, within: float) -> dict[str, Any]:
+    deadline = time.monotonic() + within
+    while not await asyncio.to_thread(path.exists):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {within}s")
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.02)
+    return dict(json.loads(await asyncio.to_thread(path.read_text)))
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.work: Path = args.work
+        self.criu = Criu()
+        self.runtime = ProcessRuntime(self.work / "control", self.criu)
+        self.store = ArtifactStore(self.work / "artifacts")
+        self.executor = Executor(self.runtime, self.store, self.criu, node_name=os.uname().nodename)
+        self.result: dict[str, Any] = {"size": args.size, "kv_gib": args.kv_gib, "modes": {}}
+        self.out = args.out / f"gpu-restore-{args.size}.json"
+
+    def save(self) -> None:
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.out.write_text(json.dumps(self.result, indent=1))
+
+    def logs(self, mode: str) -> dict[str, str]:
+        """The last lines of the worker's and CRIU's logs, to see why a mode failed."""
+        out = {}
+        for key in (f"src-{mode}", f"restored-{mode}"):
+            d = self.runtime.control_dir(key)
+            for log in sorted(d.glob("*.log")) if d.exists() else []:
+                out[f"{key}/{log.name}"] = log.read_text(errors="replace")[-3000:]
+        return out
+
+    def env(self, cache: Path, port: int) -> dict[str, str]:
+        pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+        return {
+            "PYTHONPATH": pythonpath,
+            "TORCHINDUCTOR_CACHE_DIR": str(cache),
+            "TRITON_CACHE_DIR": str(cache / "triton"),
+            "WORKER_PORT": str(port),
+        }
+
+    def worker_cmd(self, mode: str, port: int) -> list[str]:
+        a = self.args
+        return [
+            sys.executable,
+            str(WORKER),
+            "--size",
+            a.size,
+            "--model-dir",
+            str(self.model_dir),
+            "--kv-gib",
+            str(a.kv_gib),
+            "--port",
+            str(port),
+            *MODES[mode],
+            *a.worker_args.split(),
+        ]
+
+    @property
+    def model_dir(self) -> Path:
+        return self.work / "models" / self.args.size
+
+    async def prepare(self) -> None:
+        started = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            *self.worker_cmd("plain", 0),
+            "--prepare-only",
+            env={**os.environ, **self.env(self.work / "inductor-prepare", 0)},
+        )
+        if await proc.wait() != 0:
+            raise RuntimeError("preparing the model failed")
+        self.result["prepare_s"] = round(time.monotonic() - started, 2)
+        files = list(self.model_dir.glob("*.safetensors"))
+        self.result["model_bytes"] = sum(f.stat().st_size for f in files)
+        gbps = await asyncio.to_thread(storage_gbps, self.work / "calibration.bin", self.args.calib_gib)
+        self.result["storage_gbps"] = round(gbps, 3)
+        self.save()
+
+    async def run_mode(self, mode: str, cache: Path, port: int) -> None:
+        rec: dict[str, Any] = {"mode": mode}
+        self.result["modes"][mode] = rec
+        ident = CheckpointIdentity.model_validate(
+            {"model": f"reference-worker/{self.args.size}-{mode}", "backendFramework": "vllm"}
+        )
+        ident_hash = compute_identity_hash(ident)
+        await asyncio.to_thread(drop_caches)
+        launched = time.time()
+        source = await self.runtime.launch(WorkloadSpec(f"src-{mode}", self.worker_cmd(mode, port), self.env(cache, port)))
+        await self.executor.wait_ready(source, within=self.args.ready_timeout)
+        cold = await read_json(source.control_dir / "cold-timings.json", within=10)
+        rec["cold_start_s"] = round(float(cold["ready_at"]) - launched, 3)
+        rec["cold_timings"] = cold
+        reference = cold["selftest_tokens"]
+        self.save()
+
+        ckpt = await self.executor.checkpoint(source, ident_hash, ident)
+        rec["checkpoint_phases"] = ckpt.timings.phases
+        rec["checkpoint_s"] = ckpt.timings.total()
+        rec["artifact_bytes"] = ckpt.artifact_bytes
+        manifest = self.store.open(ident_hash).manifest
+        rec["artifact_files"] = {f.path: f.size for f in manifest.files if f.size > 64 << 20}
+        rec["gpu_memory"] = manifest.extra.get("gpuMemory")
+        self.save()
+        shutil.rmtree(source.control_dir, ignore_errors=True)  # a new node: nothing of the source left
+
+        await asyncio.to_thread(drop_caches)
+        t0 = time.time()
+        restored = await self.executor.restore(f"restored-{mode}", ident_hash)
+        t_agent = time.time()
+        serving = await wait_serving(port, within=self.args.serve_timeout)
+        rec["restore_s"] = round(serving - t0, 3)
+        rec["restore_agent_s"] = round(t_agent - t0, 3)
+        rec["restore_phases"] = restored.timings.phases
+        rec["restore_overlapped"] = restored.timings.overlapped
+        status, answer = await asyncio.to_thread(
+            http, port, "/generate", {"prompts": cold["selftest_prompts"], "max_new_tokens": 16}
+        )
+        rec["output_identical"] = status == 200 and answer["tokens"] == reference
+        resume = await read_json(restored.workload.control_dir / "resume.json", within=60)
+        rec["resume"] = resume
+        rec["sol_s"] = round(ckpt.artifact_bytes / (self.result["storage_gbps"] * 1e9), 3)
+        rec["restore_over_sol"] = round(rec["restore_s"] / rec["sol_s"], 3)
+        self.save()
+        if mode == "decoupled" and self.args.bad_inputs:
+            rec["bad_inputs"] = await self.bad_inputs(f"restored-{mode}", ident_hash)
+        await self.runtime.stop(f"restored-{mode}")
+        if mode != "decoupled" or not self.args.keep_artifacts:
+            await asyncio.to_thread(shutil.rmtree, self.store.path_for(ident_hash), True)
+        self.save()
+
+    async def bad_inputs(self, running_key: str, ident_hash: str) -> dict[str, str]:
+        """A restore onto a GPU without room, and from a truncated weights file: both refused."""
+        out: dict[str, str] = {}
+        await self.runtime.stop(running_key)
+        need = self.store.open(ident_hash).manifest.extra["gpuMemory"]
+        assert isinstance(need, dict)
+        # Leave half of what the restore needs free on the GPU.
+        hog = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            "import sys, torch, time\n"
+            "free, _ = torch.cuda.mem_get_info()\n"
+            f"keep = {int(need['heldMiB']) + int(need['releasedMiB'])} * 2**20 // 2\n"
+            "x = torch.empty(max(free - keep, 0), dtype=torch.uint8, device='cuda')\n"
+            "print('hogging', flush=True)\n"
+            "time.sleep(600)\n",
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert hog.stdout is not None
+        await asyncio.wait_for(hog.stdout.readline(), 120)
+        try:
+            await self.executor.restore("bad-memory", ident_hash)
+            out["too_little_gpu_memory"] = "NOT REFUSED"
+        except AgentError as e:
+            out["too_little_gpu_memory"] = str(e)
+        finally:
+            hog.kill()
+            await hog.wait()
+            await self.runtime.stop("bad-memory")
+        artifact = self.store.path_for(ident_hash)
+        weights = sorted((artifact / "weights").iterdir())
+        with weights[0].open("r+b") as f:
+            f.truncate(weights[0].stat().st_size - 4096)
+        try:
+            await self.executor.restore("bad-weights", ident_hash)
+            out["truncated_weights"] = "NOT REFUSED"
+        except AgentError as e:
+            out["truncated_weights"] = str(e)
+        finally:
+            await self.runtime.stop("bad-weights")
+        return out
+
+
+async def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", default="1g")
+    ap.add_argument("--kv-gib", type=float, default=8.0)
+    ap.add_argument("--modes", default="plain,kv,decoupled")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/restore-bench"))
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--ready-timeout", type=float, default=400)
+    ap.add_argument("--no-bad-inputs", dest="bad_inputs", action="store_false")
+    ap.add_argument("--keep-artifacts", action="store_true")
+    ap.add_argument("--serve-timeout", type=float, default=120, help="restore to serving, at most")
+    ap.add_argument("--calib-gib", type=int, default=4, help="size of the bandwidth calibration file")
+    ap.add_argument("--worker-args", default="", help="extra worker flags, e.g. for a CPU dry run")
+    args = ap.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    # Artifacts of an earlier run would be reused (same identity hash): every run checkpoints anew.
+    shutil.rmtree(args.work / "artifacts", ignore_errors=True)
+    shutil.rmtree(args.work / "control", ignore_errors=True)
+    bench = Bench(args)
+    await bench.criu.require()
+    failed = False
+    try:
+        await bench.prepare()
+        empty_cache = args.work / f"inductor-{args.size}"
+        shutil.rmtree(empty_cache, ignore_errors=True)  # the first worker compiles from nothing
+        for i, mode in enumerate(args.modes.split(",")):
+            try:
+                await bench.run_mode(mode, empty_cache, 18000 + i)
+            except Exception:
+                failed = True
+                rec = bench.result["modes"].setdefault(mode, {})
+                rec["error"] = traceback.format_exc()[-3000:]
+                rec["logs"] = bench.logs(mode)
+                bench.save()
+                for key in (f"src-{mode}", f"restored-{mode}"):
+                    await bench.runtime.stop(key)
+    finally:
+        bench.save()
+    print(json.dumps(bench.result, indent=1)[-6000:])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))
