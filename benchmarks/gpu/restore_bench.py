@@ -60,7 +60,15 @@ def storage_gbps(path: Path, gib: int = 4, threads: int = 16, block: int = 64 <<
     """Read bandwidth of the disk under `path`: a file written once, read back with 16 O_DIRECT readers."""
     if not path.exists() or path.stat().st_size != gib * GIB:
         subprocess.run(
-            ["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={gib * 16}", "oflag=direct", "status=none"],
+            [
+                "dd",
+                "if=/dev/zero",
+                f"of={path}",
+                "bs=64M",
+                f"count={gib * 16}",
+                "oflag=direct",
+                "status=none",
+            ],
             check=True,
         )
     drop_caches()
@@ -88,7 +96,9 @@ def storage_gbps(path: Path, gib: int = 4, threads: int = 16, block: int = 64 <<
 
 def http(port: int, path: str, body: dict[str, Any] | None = None, timeout: float = 60) -> tuple[int, Any]:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method="POST" if data else "GET")
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=data, method="POST" if data else "GET"
+    )
     req.add_header("Content-Type", "application/json")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -199,7 +209,9 @@ class Bench:
         ident_hash = compute_identity_hash(ident)
         await asyncio.to_thread(drop_caches)
         launched = time.time()
-        source = await self.runtime.launch(WorkloadSpec(f"src-{mode}", self.worker_cmd(mode, port), self.env(cache, port)))
+        source = await self.runtime.launch(
+            WorkloadSpec(f"src-{mode}", self.worker_cmd(mode, port), self.env(cache, port))
+        )
         await self.executor.wait_ready(source, within=self.args.ready_timeout)
         cold = await read_json(source.control_dir / "cold-timings.json", within=10)
         rec["cold_start_s"] = round(float(cold["ready_at"]) - launched, 3)
