@@ -30,6 +30,7 @@ from dynamo_snapshot.agent.weights import (
     CarriedWeights,
     WeightsPlacementError,
     capture_weights,
+    check_carried,
     gpu_memory_problem,
     host_path,
     mib,
@@ -43,7 +44,6 @@ from dynamo_snapshot.artifact import (
     ArtifactStore,
     ArtifactWriter,
     GpuInfo,
-    TreeStats,
 )
 from dynamo_snapshot.criu import Criu
 from dynamo_snapshot.cuda import (
@@ -57,7 +57,7 @@ from dynamo_snapshot.cuda import (
     node_gpus,
     process_tree,
 )
-from dynamo_snapshot.workload.weights import OffloadManifest, read_offload_manifest
+from dynamo_snapshot.workload.weights import OffloadManifest, read_offload_manifest, warm_page_cache
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,8 @@ PHASE_SECONDS = Histogram(
 )
 BYTES = Counter("dynsnap_agent_artifact_bytes_total", "Artifact bytes written or verified", ["op"])
 FAILURES = Counter("dynsnap_agent_failures_total", "Failed checkpoints/restores", ["op"])
+# Readers that fill the page cache with the weights while CRIU restores (the disk wants many in flight).
+PREFETCH_THREADS = 16
 THROUGHPUT = Gauge("dynsnap_agent_io_gbps", "Artifact read/hash throughput of the last operation", ["op"])
 
 
@@ -128,6 +130,7 @@ class Executor:
         self.cuda = cuda if cuda is not None else (CudaCheckpointer() if cuda_available() else None)
         self.gpus = gpus if gpus is not None else _local_gpus()
         self.cuda_lock_timeout_ms = cuda_lock_timeout_ms
+        self._background: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ checkpoint
     async def wait_ready(self, workload: Workload, within: float) -> None:
@@ -236,38 +239,43 @@ class Executor:
                 await self._check_gpu_memory(artifact.manifest.extra, artifact.manifest.gpus)
                 weight_files = {w.file for w in weights}
                 process_files = [f.path for f in artifact.manifest.files if f.path not in weight_files]
+                # The memory pages are most of the bytes. Where the runtime can hold the restored tree
+                # stopped, they are checked while CRIU restores them and the tree runs only once they
+                # passed; everything else (the metadata CRIU acts on) is checked before CRIU starts.
+                overlap = self.runtime.restores_stopped
+                pages = [f for f in process_files if _is_pages(f)] if overlap else []
                 try:
-                    # Checked before anything starts: a bad artifact never becomes a running process.
-                    stats = await artifact.averify(expect_hash=identity_hash, files=process_files)
+                    stats = await artifact.averify(
+                        expect_hash=identity_hash, files=[f for f in process_files if f not in pages]
+                    )
                     verified_bytes = stats.bytes
                 except (ArtifactError, ValueError) as e:
                     raise AgentError(f"artifact {identity_hash} refused: {e}") from None
-            # The weights are checked while CRIU restores the process: the same read fills the page
-            # cache the worker loads them from once it resumes, which it does only after this passed.
-            weights_check = asyncio.create_task(self._verify_weights(artifact, weight_files, t))
-            try:
-                workload = await self._restore_process(key, artifact, t)
                 try:
-                    if weights:
-                        with t.phase("restore", "weights_wait"):
-                            verified_bytes += (await weights_check).bytes
-                        await asyncio.to_thread(self._place_weights, artifact, weights, workload)
-                    with t.phase("restore", "signal"):
-                        # The workload SDK reads who it is now from here (podName, podIP, hostname, env).
-                        info = {"node": self.node_name, "restoredAt": time.time(), **(identity_info or {})}
-                        await asyncio.to_thread(
-                            _write_atomic,
-                            workload.control_dir / protocol.FILE_RESTORE_COMPLETE,
-                            json.dumps(info),
-                        )
-                except BaseException:
-                    await self.runtime.stop(key)
-                    raise
-            finally:
-                if not weights_check.done():
-                    weights_check.cancel()
-                    with contextlib.suppress(BaseException):
-                        await weights_check
+                    await artifact.averify(files=sorted(weight_files), check_checksums=False)
+                    for w in weights:
+                        await asyncio.to_thread(check_carried, artifact.path / w.file, w)
+                except (ArtifactError, ValueError, WeightsPlacementError) as e:
+                    raise AgentError(f"weights of artifact {identity_hash} refused: {e}") from None
+            # Read ahead while CRIU restores the process, so the worker's (verifying) load finds the
+            # weights in the page cache; nothing waits for it.
+            self._prefetch([artifact.path / w.file for w in weights], t)
+            pages_check = asyncio.create_task(artifact.averify(files=pages)) if pages else None
+            workload = await self._restore_process(key, artifact, t, pages_check, identity_hash)
+            if pages_check is not None:
+                verified_bytes += pages_check.result().bytes
+            try:
+                if weights:
+                    await asyncio.to_thread(self._place_weights, artifact, weights, workload)
+                with t.phase("restore", "signal"):
+                    # The workload SDK reads who it is now from here (podName, podIP, hostname, env).
+                    info = {"node": self.node_name, "restoredAt": time.time(), **(identity_info or {})}
+                    await asyncio.to_thread(
+                        _write_atomic, workload.control_dir / protocol.FILE_RESTORE_COMPLETE, json.dumps(info)
+                    )
+            except BaseException:
+                await self.runtime.stop(key)
+                raise
             BYTES.labels("restore").inc(verified_bytes)
             if stats.seconds > 0:
                 THROUGHPUT.labels("restore").set(stats.bytes / stats.seconds / 1e9)
@@ -276,17 +284,41 @@ class Executor:
             raise
         return RestoreOutcome(workload, t)
 
-    async def _restore_process(self, key: str, artifact: Artifact, t: Timings) -> Workload:
+    async def _restore_process(
+        self,
+        key: str,
+        artifact: Artifact,
+        t: Timings,
+        pages_check: asyncio.Task[TreeStats] | None,
+        identity_hash: str,
+    ) -> Workload:
         extra = artifact.manifest.extra
-        with t.phase("restore", "criu_restore"):
-            try:
-                source_ctl = extra.get("control_dir")
-                workload = await self.runtime.restore(
-                    key, artifact.path / "criu", source_ctl if isinstance(source_ctl, str) else None
-                )
-            except WorkloadRuntimeError as e:
-                raise AgentError(f"CRIU restore failed: {e}") from None
         try:
+            with t.phase("restore", "criu_restore"):
+                try:
+                    source_ctl = extra.get("control_dir")
+                    workload = await self.runtime.restore(
+                        key,
+                        artifact.path / "criu",
+                        source_ctl if isinstance(source_ctl, str) else None,
+                        stopped=pages_check is not None,
+                    )
+                except WorkloadRuntimeError as e:
+                    raise AgentError(f"CRIU restore failed: {e}") from None
+        except BaseException:
+            if pages_check is not None:
+                pages_check.cancel()
+                with contextlib.suppress(BaseException):
+                    await pages_check
+            raise
+        try:
+            if pages_check is not None:
+                with t.phase("restore", "pages_wait"):
+                    try:
+                        await pages_check
+                    except (ArtifactError, ValueError) as e:
+                        raise AgentError(f"artifact {identity_hash} refused: {e}") from None
+                await self.runtime.resume(workload)
             with t.phase("restore", "cuda_restore"):
                 remap = _gpu_remap(artifact.manifest.gpus, self.gpus)
                 await self._resume_cuda(await self._checkpointed_pids(workload.pid), remap)
@@ -295,17 +327,22 @@ class Executor:
             raise
         return workload
 
-    async def _verify_weights(self, artifact: Artifact, files: set[str], t: Timings) -> TreeStats:
+    def _prefetch(self, files: list[Path], t: Timings) -> None:
         if not files:
-            return TreeStats(0, 0.0)
-        # Timed apart from the phases it overlaps; "weights_wait" is what it added to the restore.
-        started = time.monotonic()
-        try:
-            return await artifact.averify(files=sorted(files))
-        except (ArtifactError, ValueError) as e:
-            raise AgentError(f"weights of artifact {artifact.identity_hash} refused: {e}") from None
-        finally:
-            t.overlapped["weights_verify"] = round(time.monotonic() - started, 4)
+            return
+
+        def read_ahead() -> None:
+            started = time.monotonic()
+            for path in files:
+                try:
+                    warm_page_cache(path, threads=PREFETCH_THREADS)
+                except OSError as e:
+                    log.warning("weights read-ahead failed", extra={"path": str(path), "error": str(e)})
+            t.overlapped["weights_prefetch"] = round(time.monotonic() - started, 4)
+
+        task = asyncio.create_task(asyncio.to_thread(read_ahead))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _place_weights(self, artifact: Artifact, weights: list[CarriedWeights], workload: Workload) -> None:
         seen_ctl = _control_dir_seen_by_worker(self.runtime.name, workload)
@@ -408,6 +445,12 @@ def _gpu_memory_held_mib(pids: list[int]) -> int:
         log.warning("no per-process GPU memory", extra={"error": str(e)})
         return 0
     return sum(used.get(pid, 0) for pid in pids)
+
+
+def _is_pages(rel: str) -> bool:
+    # CRIU's memory contents (pages-N.img); the other images describe the tree it rebuilds.
+    name = rel.rsplit("/", 1)[-1]
+    return name.startswith("pages-") and name.endswith(".img")
 
 
 def _list(extra: dict[str, JsonValue], key: str) -> list[JsonValue]:

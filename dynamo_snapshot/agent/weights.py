@@ -5,8 +5,10 @@ A worker that uses the SDK's GpuOffload saves its weights to a file, releases th
 lists the files and the released bytes in the control directory's weights.json. At checkpoint the agent
 hard-links (or, across filesystems, copies) each file into the artifact under `weights/`, so the CRIU
 image holds process state only and the weights are sealed with the artifact's chunk digests. At restore
-the agent verifies those files while CRIU restores the process (the same pass fills the page cache the
-worker then loads from) and links them back to the path the worker recorded.
+the agent checks each file's size and header against the artifact before anything starts, reads the
+files into the page cache while CRIU restores the process, and links them back to the path the worker
+recorded; the worker's loader checks every chunk's SHA-256 as it copies it to the GPU, so no byte is
+used unverified and the restore does not wait for a separate verification pass.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ __all__ = [
     "CarriedWeights",
     "WeightsPlacementError",
     "capture_weights",
+    "check_carried",
     "gpu_memory_problem",
     "host_path",
     "place_weights",
@@ -130,6 +133,24 @@ def capture_weights(
             copy_file(src, dest)
         carried.append(CarriedWeights(entry.path, rel, entry.data_digest, entry.device))
     return carried
+
+
+def check_carried(artifact_file: Path, weights: CarriedWeights) -> None:
+    """The artifact's weights file is the one the checkpoint carried: its header names the same data
+    digest. With the sizes the artifact seals, this catches a missing, truncated or substituted file
+    before anything starts; the bytes themselves are checked against the header's chunk digests by
+    the worker's loader as it reads them (WeightRegion.load(verify=True))."""
+    try:
+        header, _ = read_header(artifact_file)
+    except FileNotFoundError:
+        raise WeightsPlacementError(f"missing file: {weights.file}") from None
+    except (OSError, WeightsFileError) as e:
+        raise WeightsPlacementError(f"{weights.file} is not the checkpoint's weights file: {e}") from None
+    if header.data_digest != weights.data_digest:
+        raise WeightsPlacementError(
+            f"{weights.file} holds other weights (data digest {header.data_digest[:16]}…; the checkpoint "
+            f"carried {weights.data_digest[:16]}…)"
+        )
 
 
 def place_weights(artifact_file: Path, target: Path, weights: CarriedWeights) -> None:

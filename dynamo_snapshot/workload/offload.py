@@ -100,11 +100,15 @@ class GpuOffload:
         *,
         load_threads: int = 16,
         load_block: int = DEFAULT_BLOCK_BYTES,
-        verify_load: bool = False,
+        load_buffers: int = 8,
+        verify_load: bool = True,
         zero_kv: bool = False,
     ) -> None:
         self.load_threads = load_threads
         self.load_block = load_block
+        self.load_buffers = load_buffers
+        # On by default: the node agent checks the file's size and header before the restore, and
+        # leaves checking the bytes to this load, which hashes each chunk as it lands (in parallel).
         self.verify_load = verify_load
         self.zero_kv = zero_kv
         self._kv: list[ReleasableCache] = []
@@ -163,7 +167,13 @@ class GpuOffload:
         while self._released_weights:
             weights, path = self._released_weights[0]
             self.report.loaded.append(
-                weights.load(path, threads=self.load_threads, block=self.load_block, verify=self.verify_load)
+                weights.load(
+                    path,
+                    threads=self.load_threads,
+                    block=self.load_block,
+                    buffers=self.load_buffers,
+                    verify=self.verify_load,
+                )
             )
             self._released_weights.pop(0)
         self.report.resume_seconds = time.monotonic() - started

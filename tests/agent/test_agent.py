@@ -84,9 +84,9 @@ async def agents(api: client.ApiClient, tmp_path: Path, criu_bin: Path) -> Async
             workloads.append((runtime, spec.key))
             return await original_launch(spec)
 
-        async def tracked_restore(key: str, *args: Any) -> Any:
+        async def tracked_restore(key: str, *args: Any, **kwargs: Any) -> Any:
             workloads.append((runtime, key))
-            return await original_restore(key, *args)
+            return await original_restore(key, *args, **kwargs)
 
         # Everything a test starts is stopped at teardown, restored trees included.
         runtime.launch = tracked_launch  # type: ignore[method-assign]

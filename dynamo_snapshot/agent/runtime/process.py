@@ -26,6 +26,7 @@ from dynamo_snapshot.agent.runtime.base import (
 )
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.criu import Criu, CriuError
+from dynamo_snapshot.cuda import process_tree
 
 # Per workload: its pid and the control dir it really uses (a restored one keeps its source's).
 _STATEFILE = ".workload.json"
@@ -33,6 +34,7 @@ _STATEFILE = ".workload.json"
 
 class ProcessRuntime:
     name = "local"
+    restores_stopped = True
 
     def __init__(self, control_root: Path, criu: Criu) -> None:
         self.control_root = control_root
@@ -80,6 +82,9 @@ class ProcessRuntime:
             await _reap(found.pid)
         shutil.rmtree(self.control_dir(key), ignore_errors=True)
 
+    async def resume(self, workload: Workload) -> None:
+        await _continue_tree(workload.pid)
+
     async def dump(self, workload: Workload, images_dir: Path) -> float:
         try:
             result = await self.criu.dump(workload.pid, images_dir)
@@ -88,7 +93,9 @@ class ProcessRuntime:
         await _reap(workload.pid)
         return result.seconds
 
-    async def restore(self, key: str, images_dir: Path, source_control_dir: str | None) -> Workload:
+    async def restore(
+        self, key: str, images_dir: Path, source_control_dir: str | None, *, stopped: bool = False
+    ) -> Workload:
         if not source_control_dir:
             raise WorkloadRuntimeError("artifact does not record the source control dir")
         ctl = Path(source_control_dir)
@@ -96,12 +103,23 @@ class ProcessRuntime:
         try:
             # Logs go beside the workload, not into the (shared, verified) artifact.
             result = await self.criu.restore(
-                images_dir, detach=True, pidfile=ctl / ".criu-restore.pid", log_dir=self.control_dir(key)
+                images_dir,
+                detach=True,
+                pidfile=ctl / ".criu-restore.pid",
+                log_dir=self.control_dir(key),
+                extra_args=("--leave-stopped",) if stopped else (),
             )
         except CriuError as e:
             raise WorkloadRuntimeError(str(e)) from None
         await asyncio.to_thread(_write_state, self.control_dir(key), result.pid, ctl)
         return Workload(key, result.pid, ctl)
+
+
+async def _continue_tree(root: int) -> None:
+    pids = await asyncio.to_thread(process_tree, root)
+    for pid in pids or [root]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
 
 
 def _prepare_restored_control_dir(ctl: Path) -> None:
