@@ -5,10 +5,9 @@ A worker that uses the SDK's GpuOffload saves its weights to a file, releases th
 lists the files and the released bytes in the control directory's weights.json. At checkpoint the agent
 hard-links (or, across filesystems, copies) each file into the artifact under `weights/`, so the CRIU
 image holds process state only and the weights are sealed with the artifact's chunk digests. At restore
-the agent checks each file's size and header against the artifact before anything starts, reads the
-files into the page cache while CRIU restores the process, and links them back to the path the worker
-recorded; the worker's loader checks every chunk's SHA-256 as it copies it to the GPU, so no byte is
-used unverified and the restore does not wait for a separate verification pass.
+the agent checks each file's size and header against the artifact before anything starts, verifies
+its chunk digests while CRIU restores the process (the same parallel read fills the page cache the
+worker then loads from), and links it back to the path the worker recorded before the worker resumes.
 """
 
 from __future__ import annotations
@@ -138,8 +137,7 @@ def capture_weights(
 def check_carried(artifact_file: Path, weights: CarriedWeights) -> None:
     """The artifact's weights file is the one the checkpoint carried: its header names the same data
     digest. With the sizes the artifact seals, this catches a missing, truncated or substituted file
-    before anything starts; the bytes themselves are checked against the header's chunk digests by
-    the worker's loader as it reads them (WeightRegion.load(verify=True))."""
+    before anything starts; the bytes are checked against the artifact's chunk digests meanwhile."""
     try:
         header, _ = read_header(artifact_file)
     except FileNotFoundError:

@@ -101,14 +101,13 @@ class GpuOffload:
         load_threads: int = 16,
         load_block: int = DEFAULT_BLOCK_BYTES,
         load_buffers: int = 8,
-        verify_load: bool = True,
+        verify_load: bool = False,
         zero_kv: bool = False,
     ) -> None:
         self.load_threads = load_threads
         self.load_block = load_block
         self.load_buffers = load_buffers
-        # On by default: the node agent checks the file's size and header before the restore, and
-        # leaves checking the bytes to this load, which hashes each chunk as it lands (in parallel).
+        # Off by default: the node agent verified the file against the artifact before the resume.
         self.verify_load = verify_load
         self.zero_kv = zero_kv
         self._kv: list[ReleasableCache] = []

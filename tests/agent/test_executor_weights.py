@@ -33,11 +33,15 @@ HASH = compute_identity_hash(IDENTITY)
 WEIGHTS = "weights/00-model.dsw"
 
 
-async def _checkpoint(tmp: Path, criu_bin: Path) -> tuple[Executor, ProcessRuntime, Path]:
+async def _checkpoint(
+    tmp: Path, criu_bin: Path, *, overlap: bool = False
+) -> tuple[Executor, ProcessRuntime, Path]:
     criu = Criu(criu_bin)
     runtime = ProcessRuntime(tmp / "node-a", criu)
     store = ArtifactStore(tmp / "store")
-    executor = Executor(runtime, store, criu, node_name="node-a", cuda=None, gpus=None)
+    executor = Executor(
+        runtime, store, criu, node_name="node-a", cuda=None, gpus=None, overlap_page_check=overlap
+    )
     env = {"PYTHONPATH": str(REPO)}
     source = await runtime.launch(WorkloadSpec("source", [sys.executable, str(WORKER)], env))
     await executor.wait_ready(source, within=60)
@@ -73,7 +77,8 @@ async def test_weights_travel_in_the_artifact_and_come_back(criu_bin: Path, tmp_
         assert await asyncio.to_thread(
             os.path.samefile, ctl / "weights" / "model.dsw", artifact.path / WEIGHTS
         )
-        assert {"verify", "criu_restore", "signal"} <= restored.timings.phases.keys()
+        assert {"verify", "criu_restore", "weights_wait", "signal"} <= restored.timings.phases.keys()
+        assert "weights_verify" in restored.timings.overlapped
     finally:
         await runtime.stop("restored")
 
@@ -88,6 +93,15 @@ def _garbage(p: Path) -> None:
     data = os.urandom(p.stat().st_size)
     p.unlink()
     p.write_bytes(data)
+
+
+def _flip_a_byte(p: Path) -> None:
+    # Corrupted in place (the artifact's own inode): header and size still right, one chunk wrong.
+    with p.open("r+b") as f:
+        f.seek(p.stat().st_size - 100)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def _other_model(p: Path) -> None:
@@ -109,8 +123,9 @@ def _other_model(p: Path) -> None:
         (_truncate, f"unexpected file size: {WEIGHTS}"),
         (_garbage, f"{WEIGHTS} is not the checkpoint's weights file"),
         (_other_model, f"{WEIGHTS} holds other weights (data digest"),
+        (_flip_a_byte, f"checksum mismatch: {WEIGHTS}"),
     ],
-    ids=["missing", "truncated", "not-weights", "other-model"],
+    ids=["missing", "truncated", "not-weights", "other-model", "flipped-byte"],
 )
 async def test_bad_weights_are_refused_before_the_worker_resumes(
     criu_bin: Path, tmp_path: Path, damage: Any, message: str
@@ -138,6 +153,29 @@ async def test_other_weights_at_the_path_are_not_overwritten(criu_bin: Path, tmp
     with pytest.raises(AgentError, match=r"holds other weights .* not overwriting it"):
         await executor.restore("restored", HASH)
     assert theirs.read_bytes() == b"somebody else's file"
+    assert not (ctl / "verify.json").exists()
+    assert await runtime.find("restored") is None
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("flip", [False, True], ids=["intact", "flipped-page"])
+async def test_pages_checked_while_criu_restores_a_stopped_tree(
+    criu_bin: Path, tmp_path: Path, flip: bool
+) -> None:
+    executor, runtime, ctl = await _checkpoint(tmp_path, criu_bin, overlap=True)
+    (pages,) = (executor.store.path_for(HASH) / "criu").glob("pages-*.img")
+    if not flip:
+        restored = await executor.restore("restored", HASH)
+        try:
+            assert (await _verdict(ctl / "verify.json"))["weights_ok"]
+            assert "pages_wait" in restored.timings.phases
+        finally:
+            await runtime.stop("restored")
+        return
+    _flip_a_byte(pages)
+    with pytest.raises(AgentError, match=r"refused: checksum mismatch: criu/pages-"):
+        await executor.restore("restored", HASH)
+    # The tree CRIU rebuilt stayed stopped and was killed: it never ran.
     assert not (ctl / "verify.json").exists()
     assert await runtime.find("restored") is None
 
