@@ -1,0 +1,490 @@
+"""The scaling policy engine: pure logic, driven with explicit timestamps (no sleeping, no cluster)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dynamo_snapshot.autoscale import (
+    Decision,
+    MetricSample,
+    MetricTarget,
+    Observation,
+    PolicyEngine,
+    PolicyParams,
+)
+
+WAITING = "vllm:num_requests_waiting"
+KV = "vllm:kv_cache_usage_perc"
+
+
+def params(**kw: Any) -> PolicyParams:
+    """Defaults made neutral so each test switches on only the behaviour it checks."""
+    base: dict[str, Any] = {
+        "min_replicas": 1,
+        "max_replicas": 50,
+        "metrics": (MetricTarget(WAITING, 10.0),),
+        "scale_down_grace_s": 0.0,
+        "panic_threshold": math.inf,
+    }
+    base.update(kw)
+    return PolicyParams(**base)
+
+
+def obs(
+    now: float,
+    current: int,
+    waiting: float | None,
+    *,
+    ready: int | None = None,
+    starting: int = 0,
+    age: float = 0.0,
+    extra: dict[str, MetricSample] | None = None,
+    restore: float | None = None,
+    ages: tuple[float, ...] = (),
+) -> Observation:
+    metrics = {WAITING: MetricSample(waiting, age)}
+    metrics.update(extra or {})
+    return Observation(
+        now=now,
+        ready=current - starting if ready is None else ready,
+        starting=starting,
+        current_desired=current,
+        metrics=metrics,
+        restore_latency_s=restore,
+        replica_ages_s=ages,
+    )
+
+
+# ------------------------------------------------------------------------------------ proportional math
+def test_scale_up_proportional_and_reason() -> None:
+    d = PolicyEngine(params()).decide(obs(0, 2, 46.0))
+    assert d.desired == 5
+    assert d.recommendation == 5
+    assert d.per_metric == {WAITING: 5}
+    assert not d.panic
+    assert not d.held
+    assert d.reason.startswith("scale up 2 -> 5: vllm:num_requests_waiting 46.0 (target 10/replica) wants 5")
+
+
+def test_exact_multiple_does_not_round_up_on_float_noise() -> None:
+    # 0.1 * 3 * 100 is 30.000000000000004 in floating point
+    d = PolicyEngine(params(tolerance=0.0)).decide(obs(0, 1, 0.1 * 3 * 100))
+    assert d.desired == 3
+
+
+@pytest.mark.parametrize(
+    ("waiting", "expected"),
+    [
+        (30.0, 3),  # exactly on target
+        (32.9, 3),  # +9.7% : inside the 10% tolerance
+        (27.1, 3),  # -9.7% : inside
+        (34.0, 4),  # +13%  : outside -> ceil(3.4)
+        (33.0, 3),  # +10%  : on the boundary counts as inside
+    ],
+)
+def test_tolerance_band_keeps_capacity(waiting: float, expected: int) -> None:
+    d = PolicyEngine(params(scale_down_window_s=0.0, scale_down_max_step=0)).decide(obs(0, 3, waiting))
+    assert d.desired == expected
+
+
+def test_tolerance_uses_capacity_including_starting() -> None:
+    # 52 waiting, capacity 2 ready + 3 starting = 5 -> ratio 1.04, inside tolerance: keep 5 (not 6)
+    d = PolicyEngine(params()).decide(obs(0, 5, 52.0, ready=2, starting=3))
+    assert d.desired == 5
+    assert d.per_metric[WAITING] == 5
+
+
+def test_max_over_metrics() -> None:
+    p = params(metrics=(MetricTarget(WAITING, 10.0), MetricTarget(KV, 0.5)))
+    d = PolicyEngine(p).decide(obs(0, 2, 25.0, extra={KV: MetricSample(3.1, 0.0)}))
+    assert d.per_metric == {WAITING: 3, KV: 7}
+    assert d.desired == 7
+    assert KV in d.reason
+
+
+def test_min_max_clamps() -> None:
+    eng = PolicyEngine(params(min_replicas=2, max_replicas=6, scale_down_window_s=0, scale_down_max_step=0))
+    up = eng.decide(obs(0, 3, 500.0))
+    assert up.desired == 6
+    assert up.recommendation == 6
+    assert up.per_metric[WAITING] == 50  # the metric's own wish is reported unclamped
+    down = eng.decide(obs(1, 6, 0.0))
+    assert down.desired == 2
+    # below min (e.g. min raised): goes up to min even with no load
+    assert PolicyEngine(params(min_replicas=3)).decide(obs(0, 1, 0.0)).desired == 3
+    # above max (e.g. max lowered): goes down to max regardless of step limits
+    assert PolicyEngine(params(max_replicas=4)).decide(obs(0, 9, 200.0)).desired == 4
+
+
+def test_zero_min_allows_scale_to_zero() -> None:
+    eng = PolicyEngine(params(min_replicas=0, scale_down_window_s=0))
+    assert eng.decide(obs(0, 1, 0.0)).desired == 0
+
+
+# ----------------------------------------------------------------------------------------- in-flight
+def test_in_flight_replicas_count_as_capacity() -> None:
+    """A burst observed for several ticks while replicas start does not keep adding replicas."""
+    eng = PolicyEngine(params())
+    first = eng.decide(obs(0, 2, 80.0, ready=2))
+    assert first.desired == 8
+    for t in range(1, 6):  # the same burst, 6 replicas restoring
+        d = eng.decide(obs(t, 8, 80.0, ready=2, starting=6))
+        assert d.desired == 8, d.reason
+    assert eng.decide(obs(6, 8, 80.0, ready=8)).desired == 8
+
+
+# --------------------------------------------------------------------------------------- stabilization
+def test_scale_down_uses_max_recommendation_in_window() -> None:
+    eng = PolicyEngine(params(scale_down_window_s=60.0, scale_down_max_step=0))
+    assert eng.decide(obs(0, 6, 60.0)).desired == 6
+    # load drops: the 60 s window still remembers 6
+    for t in (10, 30, 59):
+        d = eng.decide(obs(t, 6, 20.0))
+        assert d.desired == 6, d.reason
+        assert d.recommendation == 2
+        assert "held back" in d.reason
+    d = eng.decide(obs(61, 6, 20.0))
+    assert d.desired == 2
+    assert d.reason.startswith("scale down 6 -> 2 (stabilized over 60s)")
+
+
+def test_scale_down_goes_to_highest_recent_recommendation() -> None:
+    eng = PolicyEngine(params(scale_down_window_s=30.0, scale_down_max_step=0))
+    eng.decide(obs(0, 8, 80.0))
+    eng.decide(obs(10, 8, 50.0))
+    eng.decide(obs(20, 8, 30.0))
+    # at t=35 the window [5, 35] holds 5, 3 and now 2 -> down to 5
+    assert eng.decide(obs(35, 8, 20.0)).desired == 5
+
+
+def test_scale_up_window_uses_min_recommendation() -> None:
+    eng = PolicyEngine(params(scale_up_window_s=30.0))
+    assert eng.decide(obs(0, 2, 20.0)).desired == 2
+    d = eng.decide(obs(10, 2, 100.0))
+    assert d.desired == 2  # the window still holds 2
+    assert d.recommendation == 10
+    assert eng.decide(obs(20, 2, 60.0)).desired == 2
+    # at t=31 the window [1, 31] holds 10, 6 and 8 -> up to the lowest, 6
+    d = eng.decide(obs(31, 2, 80.0))
+    assert d.desired == 6
+    assert "stabilized over 30s" in d.reason
+
+
+def test_scale_up_immediate_by_default() -> None:
+    eng = PolicyEngine(params())
+    eng.decide(obs(0, 2, 20.0))
+    assert eng.decide(obs(2, 2, 90.0)).desired == 9
+
+
+# -------------------------------------------------------------------------------------------- rate limits
+def test_scale_down_step_limit() -> None:
+    eng = PolicyEngine(params(scale_down_window_s=60.0, scale_down_max_step=1))
+    eng.decide(obs(0, 6, 60.0))
+    d = eng.decide(obs(61, 6, 10.0))
+    assert d.desired == 5
+    assert d.reason.startswith("scale down 6 -> 5 (stabilized over 60s, at most 1 per step)")
+    assert eng.decide(obs(63, 5, 10.0)).desired == 4
+
+
+def test_scale_up_step_and_percent_limit() -> None:
+    # max(4, 100% of 2) = 4 -> 2 -> 6
+    eng = PolicyEngine(params(scale_up_max_step=4, scale_up_max_percent=100.0))
+    d = eng.decide(obs(0, 2, 300.0))
+    assert d.desired == 6
+    assert "at most +4 per step" in d.reason
+    # max(4, 100% of 10) = 10 -> 10 -> 20
+    assert eng.decide(obs(15, 10, 300.0)).desired == 20
+    # 50%: max(1, ceil(5 * 0.5)) = 3
+    eng2 = PolicyEngine(params(scale_up_max_step=1, scale_up_max_percent=50.0))
+    assert eng2.decide(obs(0, 5, 300.0)).desired == 8
+
+
+def test_scale_up_unlimited_when_step_zero() -> None:
+    assert PolicyEngine(params(scale_up_max_step=0)).decide(obs(0, 1, 400.0)).desired == 40
+
+
+# ------------------------------------------------------------------------------------------ grace period
+def test_grace_period_protects_young_replicas() -> None:
+    eng = PolicyEngine(
+        params(scale_down_window_s=0.0, scale_down_max_step=0, scale_down_grace_s=30.0, min_replicas=1)
+    )
+    # 5 replicas, only 2 older than 30 s: at most 2 can go although load wants 1
+    d = eng.decide(obs(0, 5, 5.0, ages=(100.0, 45.0, 20.0, 10.0, 1.0)))
+    assert d.desired == 3
+    assert "younger than 30s protected" in d.reason
+    # all young -> nothing removed
+    assert eng.decide(obs(1, 3, 5.0, ages=(5.0, 4.0, 3.0))).desired == 3
+    # replicas counted in current_desired without an age (not created yet) are free to remove
+    assert eng.decide(obs(2, 5, 5.0, ages=(5.0, 4.0, 3.0))).desired == 3
+
+
+def test_grace_period_default_protects() -> None:
+    p = PolicyParams(min_replicas=1, max_replicas=10, metrics=(MetricTarget(WAITING, 10.0),))
+    assert p.scale_down_grace_s == 30.0
+    eng = PolicyEngine(p)
+    eng.decide(obs(0, 4, 0.0, ages=(10.0,) * 4))
+    d = eng.decide(obs(100, 4, 0.0, ages=(29.9,) * 4))
+    assert d.desired == 4
+
+
+# ---------------------------------------------------------------------------------- missing / stale
+def test_all_metrics_missing_holds() -> None:
+    p = params(metrics=(MetricTarget(WAITING, 10.0), MetricTarget(KV, 0.5)))
+    d = PolicyEngine(p).decide(obs(0, 3, None))
+    assert d.held
+    assert d.desired == 3
+    assert d.per_metric == {WAITING: None, KV: None}
+    assert d.reason == (
+        "hold 3: metrics missing: vllm:num_requests_waiting (no data), vllm:kv_cache_usage_perc (no data)"
+    )
+
+
+def test_missing_metric_reason_names_it() -> None:
+    p = params(metrics=(MetricTarget(KV, 0.5),))
+    d = PolicyEngine(p).decide(obs(0, 3, 0.0))
+    assert d.reason == "hold 3: metrics missing: vllm:kv_cache_usage_perc (no data)"
+
+
+def test_stale_metric_is_treated_as_missing() -> None:
+    eng = PolicyEngine(params(stale_after_s=10.0, scale_down_window_s=0))
+    d = eng.decide(obs(0, 6, 0.0, age=12.5))
+    assert d.held
+    assert d.desired == 6
+    assert "stale 12.5s" in d.reason
+    # also a stale high value does not scale up
+    assert eng.decide(obs(1, 6, 500.0, age=11.0)).desired == 6
+
+
+def test_partial_missing_never_scales_down_but_can_scale_up() -> None:
+    p = params(metrics=(MetricTarget(WAITING, 10.0), MetricTarget(KV, 0.5)), scale_down_window_s=0)
+    eng = PolicyEngine(p)
+    d = eng.decide(obs(0, 6, 10.0))  # KV missing, WAITING wants 1
+    assert d.desired == 6
+    assert not d.held
+    assert "missing" in d.reason
+    d = eng.decide(obs(1, 6, 90.0))  # WAITING wants 9: allowed to go up
+    assert d.desired == 9
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    current=st.integers(1, 40),
+    values=st.lists(st.one_of(st.none(), st.floats(0, 1000, allow_nan=False)), min_size=2, max_size=2),
+    missing_idx=st.integers(0, 1),
+    stale=st.booleans(),
+)
+def test_missing_or_stale_never_scales_down(
+    current: int, values: list[float | None], missing_idx: int, stale: bool
+) -> None:
+    p = params(
+        metrics=(MetricTarget(WAITING, 10.0), MetricTarget(KV, 0.5)),
+        scale_down_window_s=0,
+        scale_down_max_step=0,
+    )
+    samples = {
+        WAITING: MetricSample(values[0], 0.0),
+        KV: MetricSample(values[1], 0.0),
+    }
+    name = (WAITING, KV)[missing_idx]
+    samples[name] = MetricSample(500.0, 60.0) if stale else MetricSample(None, 0.0)
+    o = Observation(now=0, ready=current, starting=0, current_desired=current, metrics=samples)
+    assert PolicyEngine(p).decide(o).desired >= current
+
+
+# ----------------------------------------------------------------------------------------------- panic
+def test_panic_scales_up_immediately_ignoring_window_and_rate_limit() -> None:
+    p = params(panic_threshold=2.0, scale_up_window_s=60.0, scale_up_max_step=1, scale_up_max_percent=10)
+    eng = PolicyEngine(p)
+    eng.decide(obs(0, 2, 20.0))
+    d = eng.decide(obs(1, 2, 80.0))
+    assert d.panic
+    assert d.desired == 8
+    assert d.reason.startswith("panic: demand 4.0x ready capacity, scaling 2 -> 8")
+
+
+def test_panic_never_scales_down() -> None:
+    p = params(panic_threshold=2.0, panic_window_s=6.0, scale_down_window_s=0.0, scale_down_max_step=0)
+    eng = PolicyEngine(p)
+    assert eng.decide(obs(0, 2, 80.0)).panic
+    # load gone, but still inside the panic window: no scale-down
+    for t in (1, 3, 5.9):
+        d = eng.decide(obs(t, 8, 0.0, ready=2, starting=6))
+        assert d.panic
+        assert d.desired == 8
+        assert "no scale-down while panicking" in d.reason
+    d = eng.decide(obs(6.5, 8, 0.0))
+    assert not d.panic
+    assert d.desired == 1
+
+
+def test_panic_window_extends_while_condition_holds() -> None:
+    eng = PolicyEngine(params(panic_threshold=2.0, panic_window_s=6.0, scale_down_window_s=0))
+    eng.decide(obs(0, 2, 80.0))
+    eng.decide(obs(5, 8, 80.0, ready=2, starting=6))  # still 4x ready: re-triggers until 11
+    d = eng.decide(obs(10, 8, 0.0, ready=8))
+    assert d.panic
+    assert d.desired == 8
+
+
+def test_panic_with_nothing_ready() -> None:
+    eng = PolicyEngine(params(min_replicas=0, panic_threshold=2.0, scale_up_max_step=1))
+    d = eng.decide(obs(0, 0, 35.0))
+    assert d.panic
+    assert d.desired == 4
+    assert d.reason.startswith("panic: demand with no ready capacity, scaling 0 -> 4")
+    # no demand, nothing ready: no panic
+    assert not PolicyEngine(params(min_replicas=0, panic_threshold=2.0)).decide(obs(0, 0, 0.0)).panic
+
+
+def test_below_threshold_is_not_panic() -> None:
+    eng = PolicyEngine(params(panic_threshold=2.0))
+    d = eng.decide(obs(0, 4, 70.0))  # 7 / 4 = 1.75x
+    assert not d.panic
+    assert d.desired == 7
+
+
+@settings(max_examples=150, deadline=None)
+@given(loads=st.lists(st.floats(0, 400, allow_nan=False), min_size=1, max_size=30))
+def test_panic_decisions_never_lower_the_count(loads: list[float]) -> None:
+    eng = PolicyEngine(PolicyParams(min_replicas=1, max_replicas=40, metrics=(MetricTarget(WAITING, 10.0),)))
+    current = 1
+    for i, load in enumerate(loads):
+        d = eng.decide(
+            obs(float(i), current, load, ready=max(1, current // 2), starting=current - max(1, current // 2))
+        )
+        if d.panic:
+            assert d.desired >= current
+        assert 1 <= d.desired <= 40
+        current = d.desired
+
+
+# ---------------------------------------------------------------------------------------- look-ahead
+def _ramp(eng: PolicyEngine, restore: float | None, current: int = 10) -> Decision:
+    d = None
+    for t in range(0, 6):  # waiting rises 10 per second: 50, 60, ... 100
+        d = eng.decide(obs(float(t), current, 50.0 + 10.0 * t, restore=restore))
+    assert d is not None
+    return d
+
+
+def test_look_ahead_raises_count_for_rising_metric() -> None:
+    without = _ramp(PolicyEngine(params(tolerance=0.0)), restore=None)
+    assert without.desired == 10  # 100 waiting / 10
+    with_restore = _ramp(PolicyEngine(params(tolerance=0.0)), restore=5.0)
+    # slope 10/s, 5 s ahead: 100 + 50 = 150 -> 15
+    assert with_restore.desired == 15
+    assert "rising to 150.0 in 5s" in with_restore.reason
+
+
+def test_look_ahead_uses_params_latency_and_caps_horizon() -> None:
+    # observed latency wins over params
+    assert _ramp(PolicyEngine(params(tolerance=0.0, restore_latency_s=60.0)), restore=2.0).desired == 12
+    # params restore latency when nothing observed
+    assert _ramp(PolicyEngine(params(tolerance=0.0, restore_latency_s=3.0)), restore=None).desired == 13
+    # a cold start of 300 s: horizon capped at 30 s, and the extrapolation at 2x the value
+    d = _ramp(PolicyEngine(params(tolerance=0.0, cold_start_latency_s=300.0)), restore=None)
+    assert d.desired == 20  # min(100 + 10 * 30, 2 * 100) / 10
+
+
+def test_look_ahead_never_lowers_for_falling_metric() -> None:
+    eng = PolicyEngine(params(tolerance=0.0, scale_down_window_s=0, scale_down_max_step=0))
+    d = None
+    for t in range(0, 6):
+        d = eng.decide(obs(float(t), 10, 100.0 - 10.0 * t, restore=5.0))
+    assert d is not None
+    assert d.desired == 5  # exactly the current value's count, no extrapolation downwards
+    assert "rising" not in d.reason
+
+
+def test_look_ahead_ignores_repeated_scrape() -> None:
+    """The same scrape seen on several ticks (age growing) is one sample, so it makes no slope."""
+    eng = PolicyEngine(params(tolerance=0.0))
+    d = None
+    for t in range(0, 5):
+        d = eng.decide(obs(float(t), 5, 50.0, age=float(t), restore=5.0))
+    assert d is not None
+    assert d.desired == 5
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    values=st.lists(st.floats(0, 500, allow_nan=False), min_size=1, max_size=15),
+    latency=st.floats(0.5, 200),
+)
+def test_look_ahead_never_lowers_the_recommendation(values: list[float], latency: float) -> None:
+    plain = PolicyEngine(params())
+    ahead = PolicyEngine(params())
+    for i, v in enumerate(values):
+        a = plain.decide(obs(float(i), 5, v))
+        b = ahead.decide(obs(float(i), 5, v, restore=latency))
+        assert b.recommendation >= a.recommendation
+        assert b.recommendation <= max(
+            a.recommendation, PolicyEngine(params()).decide(obs(0, 5, 2 * v)).recommendation
+        )
+
+
+# ---------------------------------------------------------------------------------------- validation
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"min_replicas": -1}, "min_replicas must be >= 0"),
+        ({"max_replicas": 0, "min_replicas": 0}, "max_replicas must be >= 1"),
+        ({"min_replicas": 5, "max_replicas": 3}, r"min_replicas \(5\) must be <= max_replicas \(3\)"),
+        ({"metrics": ()}, "at least one metric"),
+        (
+            {"metrics": (MetricTarget("a", 1.0), MetricTarget("a", 2.0))},
+            "metric names must be unique: 'a'",
+        ),
+        ({"tolerance": 1.0}, r"tolerance must be in \[0, 1\)"),
+        ({"tolerance": -0.1}, r"tolerance must be in \[0, 1\)"),
+        ({"scale_up_window_s": -1.0}, "scale_up_window_s must be >= 0"),
+        ({"scale_down_window_s": -1.0}, "scale_down_window_s must be >= 0"),
+        ({"panic_window_s": -1.0}, "panic_window_s must be >= 0"),
+        ({"scale_down_grace_s": -1.0}, "scale_down_grace_s must be >= 0"),
+        ({"stale_after_s": -1.0}, "stale_after_s must be >= 0"),
+        ({"scale_up_max_step": -1}, "scale_up_max_step must be >= 0"),
+        ({"scale_up_max_percent": 0.0}, "scale_up_max_percent must be > 0"),
+        ({"scale_down_max_step": -1}, "scale_down_max_step must be >= 0"),
+        ({"panic_threshold": 1.0}, "panic_threshold must be > 1"),
+        ({"restore_latency_s": -1.0}, "restore_latency_s must be None or >= 0"),
+        ({"cold_start_latency_s": -1.0}, "cold_start_latency_s must be None or >= 0"),
+    ],
+)
+def test_param_validation(kw: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        params(**kw)
+
+
+@pytest.mark.parametrize("target", [0.0, -1.0, math.inf, math.nan])
+def test_metric_target_validation(target: float) -> None:
+    with pytest.raises(ValueError, match="target_per_replica must be a finite number > 0"):
+        MetricTarget("m", target)
+
+
+def test_metric_name_required() -> None:
+    with pytest.raises(ValueError, match="metric name must not be empty"):
+        MetricTarget("", 1.0)
+
+
+def test_params_defaults() -> None:
+    p = PolicyParams(min_replicas=1, max_replicas=4, metrics=[MetricTarget(WAITING, 10.0)])  # type: ignore[arg-type]
+    assert p.metrics == (MetricTarget(WAITING, 10.0),)
+    assert (p.tolerance, p.scale_up_window_s, p.scale_down_window_s) == (0.1, 0.0, 60.0)
+    assert (p.scale_up_max_step, p.scale_up_max_percent, p.scale_down_max_step) == (0, 100.0, 1)
+    assert (p.scale_down_grace_s, p.panic_window_s, p.panic_threshold, p.stale_after_s) == (
+        30.0,
+        6.0,
+        2.0,
+        10.0,
+    )
+    assert (p.restore_latency_s, p.cold_start_latency_s) == (None, None)
+
+
+def test_observation_validation() -> None:
+    with pytest.raises(ValueError, match="ready must be >= 0"):
+        Observation(now=0, ready=-1, starting=0, current_desired=0, metrics={})
