@@ -1,7 +1,7 @@
 """The custom resources this project defines, in the order their CRDs are generated.
 
-A new kind (the planned scaling-policy CRD, for one) gets its own module with a ``CustomResource``
-subclass, and is listed here; ``crdgen`` then emits and checks its CRD like the others.
+A new kind gets its own module with a ``CustomResource`` subclass, and is listed here; ``crdgen`` then
+emits and checks its CRD like the others.
 """
 
 from __future__ import annotations
@@ -9,7 +9,12 @@ from __future__ import annotations
 from dynamo_snapshot.api.checkpoint import DynamoCheckpoint
 from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment
 from dynamo_snapshot.api.kube import CustomResource
+from dynamo_snapshot.api.scalingpolicy import DynamoScalingPolicy
 
 __all__ = ["CUSTOM_RESOURCES"]
 
-CUSTOM_RESOURCES: tuple[type[CustomResource], ...] = (DynamoGraphDeployment, DynamoCheckpoint)
+CUSTOM_RESOURCES: tuple[type[CustomResource], ...] = (
+    DynamoGraphDeployment,
+    DynamoCheckpoint,
+    DynamoScalingPolicy,
+)

@@ -418,6 +418,11 @@ class PolicyEngine:
             return value
         return min(value + slope * horizon, 2.0 * value)
 
+    def seed(self, now: float, current: int) -> None:
+        """Count `current` as recommended at `now`, so that a fresh engine (a new policy or spec, a
+        restarted controller) waits a whole scale-down window before it removes anything."""
+        self._remember(now, self._clamp(current))
+
     def _remember(self, now: float, recommendation: int) -> None:
         self._recommendations.append((now, recommendation))
         keep = max(self._params.scale_up_window_s, self._params.scale_down_window_s)

@@ -24,6 +24,8 @@ _OVERRIDES = (
     "restore_failure_threshold",
     "drain_timeout",
     "metrics_port",
+    "autoscale",
+    "prometheus_url",
 )
 
 
@@ -49,6 +51,13 @@ def register(sub: Any) -> None:
     p.add_argument("--restore-failure-threshold", type=int, help="failed restores that fail a checkpoint (3)")
     p.add_argument("--drain-timeout", type=float, help="seconds to finish in-flight work on SIGTERM (20)")
     p.add_argument("--metrics-port", type=int, help="Prometheus metrics port, 0 to disable (default 8080)")
+    p.add_argument(
+        "--autoscale",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the DynamoScalingPolicy autoscaler (default on)",
+    )
+    p.add_argument("--prometheus-url", help="Prometheus for policies that name none (http://prometheus:9090)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(run=run)
 

@@ -21,6 +21,7 @@ from dynamo_snapshot.controller.batching import slow_start
 from dynamo_snapshot.controller.checkpoint_reconciler import agent_verdict
 from dynamo_snapshot.controller.context import PODS_CREATED, Context, validation_message
 from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD, POD
+from dynamo_snapshot.controller.pods import pod_active, pod_ready
 from dynamo_snapshot.controller.podspec import (
     checkpoint_job_template,
     cold_start_pod,
@@ -57,20 +58,6 @@ class ServiceOutcome:
     checkpoint_ready: bool = True
 
 
-def _active(pod: Obj) -> bool:
-    return not pod["metadata"].get("deletionTimestamp") and pod.get("status", {}).get("phase") not in (
-        "Succeeded",
-        "Failed",
-    )
-
-
-def _pod_ready(pod: Obj) -> bool:
-    return any(
-        c.get("type") == "Ready" and c.get("status") == "True"
-        for c in pod.get("status", {}).get("conditions") or []
-    )
-
-
 def _mode(pod: Obj) -> str:
     return str(
         (pod["metadata"].get("labels") or {}).get(protocol.LABEL_START_MODE, protocol.StartMode.COLD.value)
@@ -79,7 +66,7 @@ def _mode(pod: Obj) -> str:
 
 def _scale_down_order(pod: Obj) -> tuple[bool, str, str]:
     # Not-ready pods first (they serve nothing yet), then the newest; name breaks ties deterministically.
-    return (_pod_ready(pod), _neg(pod["metadata"].get("creationTimestamp") or ""), pod["metadata"]["name"])
+    return (pod_ready(pod), _neg(pod["metadata"].get("creationTimestamp") or ""), pod["metadata"]["name"])
 
 
 def _neg(timestamp: str) -> str:
@@ -194,9 +181,9 @@ class DGDReconciler:
             extra = sorted(pods, key=_scale_down_order)[: count - out.desired]
             await self._delete_pods(obj, owner, extra, "ScaledDown")
 
-        pods = [p for p in ctx.pods_of(namespace, name, svc_name) if _active(p)]
+        pods = [p for p in ctx.pods_of(namespace, name, svc_name) if pod_active(p)]
         out.replicas = len(pods)
-        out.ready = sum(1 for p in pods if _pod_ready(p))
+        out.ready = sum(1 for p in pods if pod_ready(p))
         out.restored = sum(1 for p in pods if _mode(p) == protocol.StartMode.RESTORE.value)
         out.cold = out.replicas - out.restored
         return out, again
@@ -357,7 +344,7 @@ class DGDReconciler:
         return [
             p
             for p in self.ctx.pods_of(namespace, graph, owner[1])
-            if _active(p) and not self.ctx.expectations.pending_delete(owner, p["metadata"]["name"])
+            if pod_active(p) and not self.ctx.expectations.pending_delete(owner, p["metadata"]["name"])
         ]
 
     def _restore_failed(self, pod: Obj) -> bool:

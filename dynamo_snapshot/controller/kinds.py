@@ -6,6 +6,7 @@ from typing import Final
 
 from dynamo_snapshot.api.checkpoint import DynamoCheckpoint
 from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment
+from dynamo_snapshot.api.scalingpolicy import DynamoScalingPolicy
 from dynamo_snapshot.controller.runtime import NODE, POD, ResourceKind
 
 _dgd = DynamoGraphDeployment.resource
@@ -13,5 +14,7 @@ _ckpt = DynamoCheckpoint.resource
 DGD: Final = ResourceKind(_dgd.group, _dgd.version, _dgd.plural, _dgd.kind)
 CHECKPOINT: Final = ResourceKind(_ckpt.group, _ckpt.version, _ckpt.plural, _ckpt.kind)
 JOB: Final = ResourceKind("batch", "v1", "jobs", "Job")
+_dsp = DynamoScalingPolicy.resource
+SCALING_POLICY: Final = ResourceKind(_dsp.group, _dsp.version, _dsp.plural, _dsp.kind)
 
-__all__ = ["CHECKPOINT", "DGD", "JOB", "NODE", "POD"]
+__all__ = ["CHECKPOINT", "DGD", "JOB", "NODE", "POD", "SCALING_POLICY"]

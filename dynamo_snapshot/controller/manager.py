@@ -11,10 +11,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from dynamo_snapshot.api import protocol
+from dynamo_snapshot.autoscale.autoscaler import Autoscaler
 from dynamo_snapshot.controller.checkpoint_reconciler import CheckpointReconciler
 from dynamo_snapshot.controller.context import Context, Settings
 from dynamo_snapshot.controller.dgd_reconciler import DGDReconciler
-from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD, JOB, NODE, POD
+from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD, JOB, NODE, POD, SCALING_POLICY
 from dynamo_snapshot.controller.runtime import (
     DELETED,
     EventRecorder,
@@ -51,6 +52,14 @@ class ControllerConfig(BaseModel):
         default=20.0, ge=0, description="Seconds in-flight reconciles get on SIGTERM."
     )
     metrics_port: int = Field(default=8080, ge=0, le=65535, description="0 disables the metrics server.")
+    autoscale: bool = Field(default=True, description="Run the DynamoScalingPolicy autoscaler.")
+    prometheus_url: str = Field(
+        default="http://prometheus:9090",
+        description="Prometheus the autoscaler queries when a policy names none.",
+    )
+    autoscale_tick_seconds: float = Field(
+        default=0.25, gt=0, le=10, description="How often the autoscaler looks for policies that are due."
+    )
 
 
 class Controller:
@@ -79,6 +88,16 @@ class Controller:
         )
         self.dgd_reconciler = DGDReconciler(self.ctx)
         self.checkpoint_reconciler = CheckpointReconciler(self.ctx)
+        self.policies: Informer | None = None
+        self.autoscaler: Autoscaler | None = None
+        if config.autoscale:
+            self.policies = Informer(kube, SCALING_POLICY, namespace=ns)
+            self.autoscaler = Autoscaler(
+                self.ctx,
+                self.policies,
+                prometheus_url=config.prometheus_url,
+                tick_s=config.autoscale_tick_seconds,
+            )
         self.queue: WorkQueue[QueueKey] = WorkQueue(
             "controller", self._reconcile, workers=config.workers, kind_of=lambda k: k[0]
         )
@@ -87,7 +106,8 @@ class Controller:
     @property
     def informers(self) -> list[Informer]:
         c = self.ctx
-        return [c.nodes, c.jobs, c.pods, c.checkpoints, c.dgds]
+        extra = [self.policies] if self.policies is not None else []
+        return [c.nodes, c.jobs, c.pods, c.checkpoints, c.dgds, *extra]
 
     def _wire(self) -> None:
         ctx = self.ctx
@@ -161,6 +181,7 @@ class Controller:
 
     async def _lead(self, stop: asyncio.Event) -> None:
         ctx = self.ctx
+        scaling: asyncio.Task[None] | None = None
         for inf in self.informers:
             inf.start()
         try:
@@ -170,8 +191,14 @@ class Controller:
             gc.freeze()
             self.queue.start()
             self.queue.resync(self._all_keys, self.config.resync_seconds)
+            if self.autoscaler is not None:
+                scaling = asyncio.create_task(self.autoscaler.run_until(stop), name="autoscaler")
             await stop.wait()
         finally:
+            if scaling is not None:
+                # Stops between evaluations on `stop`; cancelled only when leadership is lost.
+                scaling.cancel()
+                await asyncio.gather(scaling, return_exceptions=True)
             # In-flight reconciles finish their writes; nothing new starts.
             await asyncio.shield(self.queue.shutdown(self.config.drain_timeout))
             for inf in self.informers:

@@ -1,11 +1,21 @@
 """A real, single-machine Kubernetes control plane for tests and the local demo.
 
 etcd + kube-apiserver (TLS, RBAC) + kube-scheduler + kube-controller-manager + kwok (fake GPU nodes and pod
-lifecycle), all started from the binaries `scripts/test-env.sh` builds into the cache.
+lifecycle), all started from the binaries `scripts/test-env.sh` builds into the cache; and a Prometheus
+(`LocalPrometheus`) scraping given targets every second.
 """
 
 from dynamo_snapshot.localcluster.cluster import LocalCluster, LocalClusterError
 from dynamo_snapshot.localcluster.components import Components, find_components
 from dynamo_snapshot.localcluster.nodes import gpu_node_manifest
+from dynamo_snapshot.localcluster.prometheus import LocalPrometheus, LocalPrometheusError
 
-__all__ = ["Components", "LocalCluster", "LocalClusterError", "find_components", "gpu_node_manifest"]
+__all__ = [
+    "Components",
+    "LocalCluster",
+    "LocalClusterError",
+    "LocalPrometheus",
+    "LocalPrometheusError",
+    "find_components",
+    "gpu_node_manifest",
+]

@@ -30,6 +30,7 @@ def test_rendering_is_deterministic() -> None:
     assert sorted(crdgen.render_crds()) == [
         "nvidia.com_dynamocheckpoints.yaml",
         "nvidia.com_dynamographdeployments.yaml",
+        "nvidia.com_dynamoscalingpolicies.yaml",
     ]
 
 

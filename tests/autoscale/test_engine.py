@@ -488,3 +488,32 @@ def test_params_defaults() -> None:
 def test_observation_validation() -> None:
     with pytest.raises(ValueError, match="ready must be >= 0"):
         Observation(now=0, ready=-1, starting=0, current_desired=0, metrics={})
+
+
+def test_a_seeded_engine_waits_a_whole_window_before_its_first_scale_down() -> None:
+    # A restarted controller (or a new policy) has no history: it must not scale down at once.
+    engine = PolicyEngine(
+        PolicyParams(
+            min_replicas=1,
+            max_replicas=10,
+            metrics=(MetricTarget("q", 10.0),),
+            scale_down_window_s=30.0,
+            scale_down_max_step=10,
+            scale_down_grace_s=0.0,
+        )
+    )
+
+    def obs(now: float) -> Observation:
+        return Observation(
+            now=now,
+            ready=6,
+            starting=0,
+            current_desired=6,
+            metrics={"q": MetricSample(5.0)},
+            replica_ages_s=(100.0,) * 6,
+        )
+
+    engine.seed(1000.0, 6)
+    assert engine.decide(obs(1000.0)).desired == 6
+    assert engine.decide(obs(1020.0)).desired == 6
+    assert engine.decide(obs(1031.0)).desired == 1

@@ -1,0 +1,372 @@
+"""The autoscaler: every DynamoScalingPolicy evaluated on its own interval against Prometheus, its
+decision written into the target DGD service's replicas (which the DGD reconciler turns into restore
+pods within a reconcile), and the why into the policy's status, Conditions and Events.
+
+One loop ticks every `tick_s` and evaluates the policies that are due; all queries of one tick go
+through one TickCache, so policies sharing a query cost Prometheus one request. The engines (with their
+stabilization history) live in memory: a restarted controller starts them afresh, which can only delay a
+scale-down (the windows refill), never cause one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from prometheus_client import Counter, Histogram
+from pydantic import ValidationError
+
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.scalingpolicy import DynamoScalingPolicy, DynamoScalingPolicySpec
+from dynamo_snapshot.autoscale.engine import (
+    Decision,
+    MetricSample,
+    MetricTarget,
+    Observation,
+    PolicyEngine,
+    PolicyParams,
+)
+from dynamo_snapshot.autoscale.prometheus import (
+    InvalidQuery,
+    MetricsUnavailable,
+    NoData,
+    NotOneSeries,
+    PrometheusError,
+    PrometheusSource,
+    TickCache,
+)
+from dynamo_snapshot.controller import conditions as cond
+from dynamo_snapshot.controller.context import Context, validation_message
+from dynamo_snapshot.controller.kinds import DGD, SCALING_POLICY
+from dynamo_snapshot.controller.pods import pod_active, pod_ready
+from dynamo_snapshot.controller.runtime import NORMAL, WARNING, Obj, is_not_found
+
+log = logging.getLogger(__name__)
+
+DECISIONS = Counter(
+    "dynsnap_autoscale_decisions_total", "Autoscaler decisions that changed replicas", ["direction"]
+)
+EVALUATION_SECONDS = Histogram(
+    "dynsnap_autoscale_evaluation_seconds",
+    "Time to evaluate one policy (queries included)",
+    buckets=(0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5),
+)
+
+METRICS_AVAILABLE = "MetricsAvailable"
+SCALING_ACTIVE = "ScalingActive"
+INVALID_SPEC = "InvalidSpec"
+# A status carrying nothing new is written at most this often (its numbers still move every tick).
+STATUS_REFRESH_S = 15.0
+RESTORE_SAMPLES = 10
+# An invalid spec cannot fix itself: its status is looked at again only this often (or on a new generation).
+INVALID_RECHECK_S = 10.0
+
+
+@dataclass
+class _State:
+    generation: int
+    engine: PolicyEngine | None  # None while the spec is invalid
+    next_due: float = 0.0
+    last_status: dict[str, Any] = field(default_factory=dict)
+    last_status_at: float = 0.0
+    seeded: bool = False
+
+
+class Autoscaler:
+    def __init__(
+        self,
+        ctx: Context,
+        policies: Any,
+        *,
+        prometheus_url: str,
+        tick_s: float = 0.25,
+        clock: Any = time.monotonic,
+    ) -> None:
+        self.ctx = ctx
+        self.policies = policies  # an Informer of DynamoScalingPolicies
+        self.prometheus_url = prometheus_url
+        self.tick_s = tick_s
+        self.clock = clock
+        self._states: dict[str, _State] = {}
+        self._sources: dict[tuple[str, float], PrometheusSource] = {}
+
+    async def run_until(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            started = self.clock()
+            await self.tick()
+            delay = max(0.0, self.tick_s - (self.clock() - started))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=delay)
+
+    async def tick(self) -> None:
+        now = self.clock()
+        keys = set(self.policies.keys())
+        for gone in set(self._states) - keys:
+            del self._states[gone]
+        due = [k for k in keys if self._due(k, now)]
+        if not due:
+            return
+        cache = TickCache()
+        results = await asyncio.gather(*(self.evaluate(k, cache) for k in due), return_exceptions=True)
+        for key, result in zip(due, results, strict=True):
+            if isinstance(result, BaseException):
+                log.error("autoscaler evaluation failed", extra={"policy": key, "error": repr(result)})
+
+    def _due(self, key: str, now: float) -> bool:
+        state = self._states.get(key)
+        if state is None or state.next_due <= now:
+            return True
+        obj = self.policies.get(key)
+        # A changed spec is looked at on the next tick, whatever the interval.
+        return obj is not None and int(obj["metadata"].get("generation") or 0) != state.generation
+
+    def _source(self, spec: DynamoScalingPolicySpec) -> PrometheusSource:
+        url = spec.prometheus_url or self.prometheus_url
+        key = (url, float(spec.query_timeout_seconds))
+        if key not in self._sources:
+            self._sources[key] = PrometheusSource(url, timeout_s=float(spec.query_timeout_seconds))
+        return self._sources[key]
+
+    async def evaluate(self, key: str, cache: TickCache) -> Decision | None:
+        obj = self.policies.get(key)
+        if obj is None:
+            return None
+        started = self.clock()
+        try:
+            return await self._evaluate(key, obj, cache)
+        finally:
+            EVALUATION_SECONDS.observe(self.clock() - started)
+
+    async def _evaluate(self, key: str, obj: Obj, cache: TickCache) -> Decision | None:
+        generation = int(obj["metadata"].get("generation") or 0)
+        status: dict[str, Any] = {"observedGeneration": generation}
+        conditions: list[dict[str, Any]] = list((obj.get("status") or {}).get("conditions") or [])
+        try:
+            policy = DynamoScalingPolicy.model_validate(obj)
+            params = _params(policy.spec)
+        except (ValidationError, ValueError) as e:
+            message = validation_message(e) if isinstance(e, ValidationError) else str(e)
+            state = self._states.get(key)
+            if state is None or state.generation != generation:
+                state = self._states[key] = _State(generation, None)
+            state.next_due = self.clock() + INVALID_RECHECK_S
+            await self._finish(key, obj, status, conditions, invalid=message)
+            return None
+        spec = policy.spec
+        state = self._states.get(key)
+        if state is None or state.generation != generation or state.engine is None:
+            state = self._states[key] = _State(generation, PolicyEngine(params))
+        engine = state.engine
+        assert engine is not None
+        state.next_due = self.clock() + float(spec.evaluation_interval_seconds)
+        conditions = cond.set_condition(conditions, INVALID_SPEC, False, "Valid", "spec is valid", generation)
+
+        ns = obj["metadata"]["namespace"]
+        dgd = self.ctx.dgds.get(f"{ns}/{spec.target.dgd_name}")
+        service = ((dgd or {}).get("spec") or {}).get("services", {}).get(spec.target.service_name)
+        if dgd is None or service is None:
+            what = (
+                f"DynamoGraphDeployment {spec.target.dgd_name}"
+                if dgd is None
+                else f"service {spec.target.service_name} of {spec.target.dgd_name}"
+            )
+            conditions = cond.set_condition(
+                conditions, cond.READY, False, "TargetNotFound", f"{what} does not exist", generation
+            )
+            await self._finish(key, obj, status, conditions)
+            return None
+        current = int(service.get("replicas", 1) if service.get("replicas") is not None else 1)
+        if not state.seeded:
+            # No history after a restart or a spec change: the first scale-down waits a full window.
+            engine.seed(self.clock(), current)
+            state.seeded = True
+
+        pods = [
+            p for p in self.ctx.pods_of(ns, spec.target.dgd_name, spec.target.service_name) if pod_active(p)
+        ]
+        ready = sum(1 for p in pods if pod_ready(p))
+        wall = time.time()
+        ages = tuple(wall - _created(p) for p in pods)
+        samples, problems = await self._sample(spec, cache)
+        decision = engine.decide(
+            Observation(
+                now=self.clock(),
+                ready=ready,
+                starting=len(pods) - ready,
+                current_desired=current,
+                metrics=samples,
+                restore_latency_s=_restore_latency(pods),
+                replica_ages_s=ages,
+            )
+        )
+        if problems:
+            reason, message = problems[0]
+            conditions = cond.set_condition(
+                conditions, METRICS_AVAILABLE, False, reason, "; ".join(m for _, m in problems), generation
+            )
+        else:
+            conditions = cond.set_condition(
+                conditions, METRICS_AVAILABLE, True, "MetricsAvailable", "every query returned", generation
+            )
+        status.update(
+            desiredReplicas=decision.desired,
+            readyReplicas=ready,
+            startingReplicas=len(pods) - ready,
+            lastMetrics={name: s.value for name, s in samples.items()},
+        )
+        if decision.desired != current:
+            await self._scale(obj, dgd, spec, current, decision)
+            status["lastScaleTime"] = cond.now_rfc3339()
+            current = decision.desired
+        status["currentReplicas"] = current
+        status["lastDecision"] = {
+            "time": cond.now_rfc3339(),
+            "desired": decision.desired,
+            "reason": decision.reason[:1024],
+            "panic": decision.panic,
+        }
+        conditions = cond.set_condition(
+            conditions,
+            SCALING_ACTIVE,
+            not decision.held,
+            "Holding" if decision.held else "Active",
+            decision.reason,
+            generation,
+        )
+        conditions = cond.set_condition(
+            conditions,
+            cond.READY,
+            not problems,
+            "Ready" if not problems else "MetricsUnavailable",
+            decision.reason,
+            generation,
+        )
+        await self._finish(key, obj, status, conditions)
+        return decision
+
+    async def _sample(
+        self, spec: DynamoScalingPolicySpec, cache: TickCache
+    ) -> tuple[dict[str, MetricSample], list[tuple[str, str]]]:
+        """Each metric's value, None where it could not be had (which never lowers the count)."""
+        source = self._source(spec)
+        samples: dict[str, MetricSample] = {}
+        problems: list[tuple[str, str]] = []
+        for metric in spec.metrics:
+            try:
+                value: float | None = await cache.query(source, metric.query)
+            except NoData:
+                value = None
+                problems.append(("NoData", f"{metric.name}: the query returned no data"))
+            except (InvalidQuery, NotOneSeries) as e:
+                value = None
+                problems.append(("InvalidQuery", f"{metric.name}: {e}"))
+            except MetricsUnavailable as e:
+                value = None
+                problems.append(("PrometheusUnavailable", f"{metric.name}: {e}"))
+            except PrometheusError as e:
+                value = None
+                problems.append(("QueryFailed", f"{metric.name}: {e}"))
+            samples[metric.name] = MetricSample(value, 0.0)
+        return samples, problems
+
+    async def _scale(
+        self, obj: Obj, dgd: Obj, spec: DynamoScalingPolicySpec, current: int, decision: Decision
+    ) -> None:
+        svc = spec.target.service_name
+        patch = {"spec": {"services": {svc: {"replicas": decision.desired}}}}
+        await self.ctx.kube.merge_patch(DGD, dgd["metadata"]["name"], patch, dgd["metadata"]["namespace"])
+        direction = "up" if decision.desired > current else "down"
+        DECISIONS.labels(direction).inc()
+        reason = "ScaledUp" if direction == "up" else "ScaledDown"
+        message = f"service {svc}: {current} -> {decision.desired} replicas: {decision.reason}"
+        self.ctx.recorder.record(obj, NORMAL, reason, message)
+        self.ctx.recorder.record(
+            dgd, NORMAL, reason, f"by DynamoScalingPolicy {obj['metadata']['name']}: {message}"
+        )
+        log.info("scaled", extra={"policy": obj["metadata"]["name"], "message": message})
+
+    async def _finish(
+        self,
+        key: str,
+        obj: Obj,
+        status: dict[str, Any],
+        conditions: list[dict[str, Any]],
+        *,
+        invalid: str | None = None,
+    ) -> None:
+        generation = status.get("observedGeneration")
+        if invalid is not None:
+            conditions = cond.set_condition(
+                conditions, INVALID_SPEC, True, "InvalidSpec", invalid, generation
+            )
+            conditions = cond.set_condition(conditions, cond.READY, False, "InvalidSpec", invalid, generation)
+            self.ctx.recorder.record(obj, WARNING, "InvalidSpec", invalid)
+        status["conditions"] = conditions
+        state = self._states.get(key)
+        now = self.clock()
+        comparable = {k: v for k, v in status.items() if k != "lastDecision"} | {
+            "reason": (status.get("lastDecision") or {}).get("reason")
+        }
+        if (
+            state is not None
+            and comparable == state.last_status
+            and now - state.last_status_at < STATUS_REFRESH_S
+        ):
+            return
+        try:
+            await self.ctx.kube.patch_status(
+                SCALING_POLICY, obj["metadata"]["name"], status, obj["metadata"]["namespace"]
+            )
+        except Exception as e:
+            if not is_not_found(e):
+                raise
+            return
+        if state is not None:
+            state.last_status, state.last_status_at = comparable, now
+
+
+def _params(spec: DynamoScalingPolicySpec) -> PolicyParams:
+    return PolicyParams(
+        min_replicas=spec.min_replicas,
+        max_replicas=spec.max_replicas,
+        metrics=tuple(MetricTarget(m.name, float(m.target_per_replica)) for m in spec.metrics),
+        tolerance=float(spec.tolerance),
+        scale_up_window_s=float(spec.scale_up.stabilization_window_seconds),
+        scale_down_window_s=float(spec.scale_down.stabilization_window_seconds),
+        scale_up_max_step=spec.scale_up.max_step,
+        scale_up_max_percent=float(spec.scale_up.max_percent),
+        scale_down_max_step=spec.scale_down.max_step,
+        scale_down_grace_s=float(spec.scale_down.grace_seconds),
+        panic_window_s=float(spec.panic.window_seconds),
+        panic_threshold=float(spec.panic.threshold),
+        stale_after_s=float(spec.stale_after_seconds),
+    )
+
+
+def _created(pod: Obj) -> float:
+    stamp = pod["metadata"].get("creationTimestamp")
+    if not stamp:
+        return time.time()
+    return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+
+
+def _restore_latency(pods: list[Obj]) -> float | None:
+    """Median of the restore times the node agents reported on these pods (seconds), if any."""
+    seen = []
+    for pod in pods:
+        raw = (pod["metadata"].get("annotations") or {}).get(protocol.ANNOTATION_RESTORE_TIMINGS)
+        if not raw:
+            continue
+        try:
+            phases = json.loads(raw)
+            seen.append(sum(float(v) for v in phases.values()))
+        except (ValueError, TypeError, AttributeError):
+            continue
+    return statistics.median(seen[-RESTORE_SAMPLES:]) if seen else None

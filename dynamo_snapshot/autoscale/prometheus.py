@@ -1,0 +1,215 @@
+"""Reading service-wide metric totals from Prometheus without blocking the event loop.
+
+``PrometheusSource.query_total`` runs one instant query through prometheus-api-client (synchronous,
+so in a worker thread, bounded by a timeout) and returns its single value.  Every way that can fail
+is an exception with a one-line message, so a policy's status can say exactly what is wrong:
+
+* ``MetricsUnavailable``: Prometheus cannot be reached, does not answer in time, or answers 5xx;
+* ``InvalidQuery``: Prometheus refused the query (its own error text is in the message);
+* ``NotOneSeries``: the query returned several series instead of one total;
+* ``NoData``: the query returned nothing (or NaN): a missing metric, never to be read as zero.
+
+``TickCache`` shares queries within one evaluation tick: policies that ask the same Prometheus the
+same query cost one request, even when they ask concurrently.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import json
+import math
+import re
+from typing import Any
+
+import requests
+from prometheus_api_client.exceptions import PrometheusApiClientException
+from prometheus_api_client.prometheus_connect import PrometheusConnect
+from urllib3.util.retry import Retry
+
+__all__ = [
+    "InvalidQuery",
+    "MetricsUnavailable",
+    "NoData",
+    "NotOneSeries",
+    "PrometheusError",
+    "PrometheusSource",
+    "TickCache",
+]
+
+
+class PrometheusError(RuntimeError):
+    """A query did not produce a usable value; the message is one line."""
+
+
+class MetricsUnavailable(PrometheusError):
+    """Prometheus could not be reached, did not answer within the timeout, or failed (5xx)."""
+
+
+class InvalidQuery(PrometheusError):
+    """Prometheus refused the query (400 bad_data, 422 execution error) or its result has a wrong type."""
+
+
+class NotOneSeries(PrometheusError):
+    """The query returned several series; a policy needs one total."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__(f"query returned {count} series; it must return one (wrap it in sum(...))")
+        self.count = count
+
+
+class NoData(PrometheusError):
+    """The query returned no series, or NaN: the metric is missing, which is not zero."""
+
+
+_STATUS = re.compile(r"^HTTP Status Code (\d+) \((.*)\)$", re.DOTALL)
+_ERRNO = re.compile(r"\[Errno -?\d+\] ([^'\")\]]+)")
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _http_error(error: PrometheusApiClientException) -> tuple[int | None, str]:
+    """The status code and Prometheus' own error text from the client's exception.
+
+    The client formats non-200 answers as ``HTTP Status Code 400 (b'{"status":"error",...}')``.
+    """
+    match = _STATUS.match(str(error))
+    if not match:
+        return None, _one_line(str(error))
+    status, body = int(match.group(1)), match.group(2)
+    try:
+        raw = ast.literal_eval(body)
+        text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+    except (ValueError, SyntaxError):
+        text = body
+    try:
+        document = json.loads(text)
+    except ValueError:
+        return status, _one_line(text)
+    if isinstance(document, dict) and document.get("error"):
+        kind = document.get("errorType")
+        message = str(document["error"])
+        return status, _one_line(f"{kind}: {message}" if kind else message)
+    return status, _one_line(text)
+
+
+def _connection_reason(error: requests.RequestException) -> str:
+    if isinstance(error, requests.Timeout):
+        return "timed out"
+    match = _ERRNO.search(str(error))
+    if match:
+        return match.group(1).strip().lower()
+    return _one_line(f"{type(error).__name__}: {error}", 200)
+
+
+def _single_value(result: Any) -> float:
+    """The value of an instant query's result: a scalar ``[t, "v"]`` or a vector of one sample."""
+    if isinstance(result, list) and len(result) == 2 and isinstance(result[0], int | float):
+        # A scalar (or string) result: [timestamp, "value"].
+        raw = result[1]
+    elif isinstance(result, list):
+        if not result:
+            raise NoData("query returned no data")
+        if not all(isinstance(sample, dict) and "value" in sample for sample in result):
+            # A range vector ("values"), e.g. rate's argument queried on its own.
+            raise InvalidQuery("query returned a range vector; it must return an instant vector or scalar")
+        if len(result) > 1:
+            raise NotOneSeries(len(result))
+        raw = result[0]["value"][1]
+    else:
+        raise InvalidQuery(f"unexpected query result {_one_line(repr(result), 120)}")
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise InvalidQuery(f"query returned {raw!r}, not a number") from None
+    if math.isnan(value):
+        raise NoData("query returned NaN")
+    return value
+
+
+class PrometheusSource:
+    """One Prometheus server, queried from worker threads so the event loop never blocks."""
+
+    def __init__(self, url: str, *, timeout_s: float = 2.0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        # No retries: a tick is seconds long; an unreachable Prometheus must be reported, not waited on.
+        # The client annotates timeout as int; it hands it to requests, which takes seconds as a float.
+        self._client = PrometheusConnect(
+            url=self.url,
+            retry=Retry(total=0, status_forcelist=(), raise_on_status=False),
+            timeout=timeout_s,  # type: ignore[arg-type]
+        )
+
+    def __repr__(self) -> str:
+        return f"PrometheusSource({self.url!r}, timeout_s={self.timeout_s})"
+
+    def _query(self, promql: str) -> Any:
+        try:
+            return self._client.custom_query(promql)
+        except PrometheusApiClientException as e:
+            status, text = _http_error(e)
+            if status in (400, 422):
+                raise InvalidQuery(f"prometheus refused the query: {text}") from None
+            where = f"HTTP {status}" if status is not None else "error"
+            raise MetricsUnavailable(f"prometheus at {self.url} unreachable: {where}: {text}") from None
+        except (requests.JSONDecodeError, KeyError, TypeError) as e:  # a 200 that is not Prometheus' JSON
+            detail = _one_line(f"{type(e).__name__}: {e}", 120)
+            raise MetricsUnavailable(
+                f"prometheus at {self.url} unreachable: not a Prometheus API answer ({detail})"
+            ) from None
+        except requests.RequestException as e:
+            reason = _connection_reason(e)
+            raise MetricsUnavailable(f"prometheus at {self.url} unreachable: {reason}") from None
+
+    async def query_total(self, promql: str) -> float:
+        """The single value of the instant query ``promql``; raises a ``PrometheusError`` otherwise."""
+        try:
+            result = await asyncio.wait_for(asyncio.to_thread(self._query, promql), self.timeout_s)
+        except TimeoutError:
+            raise MetricsUnavailable(
+                f"prometheus at {self.url} unreachable: no answer within {self.timeout_s:g}s"
+            ) from None
+        return _single_value(result)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _retrieve(task: asyncio.Task[float]) -> None:
+    # A shared query's failure is reported to whoever awaits it; this only silences asyncio's
+    # "exception was never retrieved" when every waiter was cancelled first.
+    if not task.cancelled():
+        task.exception()
+
+
+class TickCache:
+    """Memoizes queries for one evaluation tick: each (Prometheus, query) pair is sent once per tick.
+
+    Concurrent callers of the same query share the one request in flight, and its failure too.
+    Call ``new_tick()`` (or use a new cache) when the next tick starts.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[str, str], asyncio.Task[float]] = {}
+        self.requests = 0
+        self.hits = 0
+
+    def new_tick(self) -> None:
+        self._entries.clear()
+
+    async def query(self, source: PrometheusSource, promql: str) -> float:
+        key = (source.url, promql)
+        task = self._entries.get(key)
+        if task is None:
+            task = asyncio.ensure_future(source.query_total(promql))
+            task.add_done_callback(_retrieve)
+            self._entries[key] = task
+            self.requests += 1
+        else:
+            self.hits += 1
+        # Shielded: one caller giving up must not cancel the request the others are waiting on.
+        return await asyncio.shield(task)
