@@ -23,6 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.gpu.host import drop_caches, wait_json  # noqa: E402
 from dynamo_snapshot.agent.executor import Executor  # noqa: E402
 from dynamo_snapshot.agent.runtime import ProcessRuntime, WorkloadSpec  # noqa: E402
 from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_hash  # noqa: E402
@@ -52,19 +53,6 @@ def make_weights(work: Path, gib: float) -> Path:
     return weights
 
 
-def drop_caches() -> None:
-    subprocess.run("sync; echo 3 > /proc/sys/vm/drop_caches", shell=True, check=False)
-
-
-async def wait_file(path: Path, within: float) -> dict[str, object]:
-    deadline = time.monotonic() + within
-    while not await asyncio.to_thread(path.exists):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} did not appear within {within}s")
-        await asyncio.sleep(0.01)
-    return dict(json.loads(await asyncio.to_thread(path.read_text)))
-
-
 async def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--weights-gib", type=float, default=8.0)
@@ -89,7 +77,7 @@ async def main() -> int:
     source = await runtime.launch(WorkloadSpec("source", [sys.executable, str(WORKER), str(weights)], env))
     await executor.wait_ready(source, within=600)
     res["cold_start_s"] = round(time.time() - started, 3)
-    res["cold_timings"] = await wait_file(source.control_dir / "cold-timings.json", within=5)
+    res["cold_timings"] = await wait_json(source.control_dir / "cold-timings.json", within=5)
 
     ckpt = await executor.checkpoint(source, ident_hash, identity)
     res["checkpoint_timings"] = ckpt.timings.phases
@@ -100,7 +88,7 @@ async def main() -> int:
     await asyncio.to_thread(drop_caches)
     t0 = time.time()
     restored = await executor.restore("restored", ident_hash)
-    verify = await wait_file(restored.workload.control_dir / "verify.json", within=300)
+    verify = await wait_json(restored.workload.control_dir / "verify.json", within=300)
     res["restore_total_s"] = round(float(str(verify["verified_at"])) - t0, 3)
     res["restore_timings"] = restored.timings.phases
     res["criu_restore_s"] = restored.timings.phases.get("criu_restore")

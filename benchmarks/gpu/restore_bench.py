@@ -37,6 +37,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.gpu.host import drop_caches, wait_json  # noqa: E402
 from dynamo_snapshot.agent.executor import AgentError, Executor  # noqa: E402
 from dynamo_snapshot.agent.runtime import ProcessRuntime, WorkloadSpec  # noqa: E402
 from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_hash  # noqa: E402
@@ -50,10 +51,6 @@ MODES = {
     "decoupled": ["--release-kv", "--decouple-weights"],
 }
 GIB = 2**30
-
-
-def drop_caches() -> None:
-    subprocess.run("sync; echo 3 > /proc/sys/vm/drop_caches", shell=True, check=False)
 
 
 def storage_gbps(path: Path, gib: int = 4, threads: int = 16, block: int = 64 << 20) -> float:
@@ -118,16 +115,6 @@ async def wait_serving(port: int, within: float) -> float:
             pass
         await asyncio.sleep(0.01)
     raise TimeoutError(f"worker on port {port} did not serve within {within}s")
-
-
-async def read_json(path: Path, within: float) -> dict[str, Any]:
-    deadline = time.monotonic() + within
-    while not await asyncio.to_thread(path.exists):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} did not appear within {within}s")
-        await asyncio.sleep(0.02)
-    await asyncio.sleep(0.02)
-    return dict(json.loads(await asyncio.to_thread(path.read_text)))
 
 
 class Bench:
@@ -213,7 +200,7 @@ class Bench:
             WorkloadSpec(f"src-{mode}", self.worker_cmd(mode, port), self.env(cache, port))
         )
         await self.executor.wait_ready(source, within=self.args.ready_timeout)
-        cold = await read_json(source.control_dir / "cold-timings.json", within=10)
+        cold = await wait_json(source.control_dir / "cold-timings.json", within=10)
         rec["cold_start_s"] = round(float(cold["ready_at"]) - launched, 3)
         rec["cold_timings"] = cold
         reference = cold["selftest_tokens"]
@@ -242,7 +229,7 @@ class Bench:
             http, port, "/generate", {"prompts": cold["selftest_prompts"], "max_new_tokens": 16}
         )
         rec["output_identical"] = status == 200 and answer["tokens"] == reference
-        resume = await read_json(restored.workload.control_dir / "resume.json", within=60)
+        resume = await wait_json(restored.workload.control_dir / "resume.json", within=60)
         rec["resume"] = resume
         rec["sol_s"] = round(ckpt.artifact_bytes / (self.result["storage_gbps"] * 1e9), 3)
         rec["restore_over_sol"] = round(rec["restore_s"] / rec["sol_s"], 3)
