@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointCompatibility
 from dynamo_snapshot.controller.expectations import Expectations
+from dynamo_snapshot.controller.failover import Failover
 from dynamo_snapshot.controller.runtime import EventRecorder, Informer, Kube, Obj
 
 PODS_CREATED = Counter(
@@ -43,6 +44,7 @@ class Context:
     recorder: EventRecorder
     settings: Settings = field(default_factory=Settings)
     expectations: Expectations = field(default_factory=Expectations)
+    failover: Failover = field(default_factory=Failover)
     # Bridges informer lag right after we create a DynamoCheckpoint, so a second reconcile does not
     # look for it by hash and create another one under a different name.
     recent_checkpoints: TTLCache[tuple[str, str], str] = field(

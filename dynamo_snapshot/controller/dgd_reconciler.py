@@ -20,6 +20,7 @@ from dynamo_snapshot.controller import conditions as cond
 from dynamo_snapshot.controller.batching import slow_start
 from dynamo_snapshot.controller.checkpoint_reconciler import agent_verdict
 from dynamo_snapshot.controller.context import PODS_CREATED, Context, validation_message
+from dynamo_snapshot.controller.failover import loss_cause
 from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD, POD
 from dynamo_snapshot.controller.pods import pod_active, pod_ready
 from dynamo_snapshot.controller.podspec import (
@@ -56,6 +57,7 @@ class ServiceOutcome:
     waiting: list[str] = field(default_factory=list)  # why the service cannot make progress yet
     degraded: list[str] = field(default_factory=list)  # what is wrong right now
     checkpoint_ready: bool = True
+    retry_after: float = 0.0  # replacements held back by the failover rate limit
 
 
 def _mode(pod: Obj) -> str:
@@ -114,10 +116,13 @@ class DGDReconciler:
                 await self._release_service(obj, stale)
 
         new_status = self._status(status, outcomes, generation)
+        paced = min((o.retry_after for o in outcomes.values() if o.retry_after), default=0.0)
         wait = self._status_throttle(f"{namespace}/{name}", status, new_status)
         if wait > 0:
-            return Result(requeue_after=wait)
+            return Result(requeue_after=min(wait, paced) if paced else wait)
         await self._write_status(obj, new_status)
+        if paced:
+            return Result(requeue_after=paced)
         # Pod creations show up through the pod informer; a requeue covers writes that were refused.
         return Result(requeue=True) if requeue else None
 
@@ -152,6 +157,7 @@ class DGDReconciler:
         for pod in [p for p in self._live_pods(owner) if self._restore_failed(p)]:
             await self._replace_failed_restore(obj, dgd, svc_name, pod)
             again = True
+        await self._remove_lost(obj, owner)
         # Cache and expectations are read together, with no await in between: an informer event handled
         # during an await would otherwise move a pod out of the expectations before we count the cache.
         pods = self._live_pods(owner)
@@ -176,7 +182,15 @@ class DGDReconciler:
             # checkpointRef mode waits for its checkpoint (out.waiting says why) unless something is wrong
             # with it, in which case capacity by cold start beats none at all.
             if ready_ckpt is not None or not ref_mode or out.degraded:
-                await self._create_pods(obj, dgd, svc_name, owner, missing, ready_ckpt)
+                allowed, later = ctx.failover.allowance(owner, missing)
+                if allowed:
+                    await self._create_pods(obj, dgd, svc_name, owner, allowed, ready_ckpt)
+                    ctx.failover.replaced(owner, allowed)
+                if later:
+                    out.retry_after = later
+                    out.degraded.append(
+                        f"service {svc_name}: {missing - allowed} replacement(s) paced by the rate limit"
+                    )
         elif count > out.desired:
             extra = sorted(pods, key=_scale_down_order)[: count - out.desired]
             await self._delete_pods(obj, owner, extra, "ScaledDown")
@@ -388,13 +402,44 @@ class DGDReconciler:
             obj, NORMAL, "ScaledUp", f"service {svc_name}: created {count} worker pod(s) {how}"
         )
 
-    async def _delete_pods(self, obj: Obj, owner: tuple[str, str], pods: list[Obj], reason: str) -> None:
+    async def _remove_lost(self, obj: Obj, owner: tuple[str, str]) -> None:
+        """Stop counting workers that failed, crash-loop or sit on a dead node, and delete them (at once:
+        a pod on a dead node would otherwise stay Terminating until the node comes back)."""
+        ctx = self.ctx
+        namespace, graph = owner[0].split("/", 1)
+        lost = []
+        for pod in ctx.pods_of(namespace, graph, owner[1]):
+            pname = pod["metadata"]["name"]
+            if ctx.expectations.pending_delete(owner, pname):
+                continue
+            node_name = (pod.get("spec") or {}).get("nodeName")
+            cause = loss_cause(pod, ctx.nodes.get(node_name) if node_name else None)
+            if cause is None:
+                continue
+            if ctx.failover.observe(owner, pname, cause):
+                ctx.recorder.record(
+                    obj,
+                    WARNING,
+                    "WorkerLost",
+                    f"service {owner[1]}: pod {pname} lost ({cause}, node {node_name or '-'}); replacing it",
+                )
+            lost.append(pod)
+        if lost:
+            await self._delete_pods(obj, owner, lost, "LostWorkerRemoved", force=True)
+
+    async def _delete_pods(
+        self, obj: Obj, owner: tuple[str, str], pods: list[Obj], reason: str, *, force: bool = False
+    ) -> None:
         for pod in pods:
             pname = pod["metadata"]["name"]
             self.ctx.expectations.expect_delete(owner, pname)
             try:
                 await self.ctx.kube.delete(
-                    POD, pname, pod["metadata"]["namespace"], uid=pod["metadata"].get("uid")
+                    POD,
+                    pname,
+                    pod["metadata"]["namespace"],
+                    uid=pod["metadata"].get("uid"),
+                    grace_period_seconds=0 if force else None,
                 )
             except Exception as e:
                 if not is_not_found(e):

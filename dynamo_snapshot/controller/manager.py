@@ -15,9 +15,11 @@ from dynamo_snapshot.autoscale.autoscaler import Autoscaler
 from dynamo_snapshot.controller.checkpoint_reconciler import CheckpointReconciler
 from dynamo_snapshot.controller.context import Context, Settings
 from dynamo_snapshot.controller.dgd_reconciler import DGDReconciler
+from dynamo_snapshot.controller.failover import node_healthy
 from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD, JOB, NODE, POD, SCALING_POLICY
 from dynamo_snapshot.controller.runtime import (
     DELETED,
+    WARNING,
     EventRecorder,
     Informer,
     Kube,
@@ -135,6 +137,10 @@ class Controller:
             graph, service = labels.get(protocol.LABEL_GRAPH), labels.get(protocol.LABEL_SERVICE)
             if graph and service:
                 owner = (f"{meta['namespace']}/{graph}", service)
+                if _deletion_began(etype, obj, old) and not ctx.expectations.pending_delete(
+                    owner, meta["name"]
+                ):
+                    self._deleted_unexpectedly(owner, obj)
                 ctx.expectations.observed(owner, meta["name"], deleted=etype == DELETED)
                 self.queue.add((DGD_KEY, owner[0]))
             if labels.get(protocol.LABEL_CHECKPOINT_SOURCE) == protocol.TRUE and labels.get(
@@ -152,12 +158,35 @@ class Controller:
         async def on_node(etype: str, obj: Obj, old: Obj | None) -> None:
             if old is None or etype == DELETED or _node_shape(old) != _node_shape(obj):
                 ctx.compatible_node_cache.clear()
+            gone = etype == DELETED or not node_healthy(obj)
+            if old is not None and gone and (etype == DELETED or node_healthy(old)):
+                # The node just went bad: every DGD with a worker there looks at its losses now.
+                name = obj["metadata"]["name"]
+                for pod in ctx.pods.list():
+                    labels = pod["metadata"].get("labels") or {}
+                    if (pod.get("spec") or {}).get("nodeName") == name and labels.get(protocol.LABEL_GRAPH):
+                        self.queue.add(
+                            (DGD_KEY, f"{pod['metadata']['namespace']}/{labels[protocol.LABEL_GRAPH]}")
+                        )
 
         ctx.dgds.add_handler(on_dgd)
         ctx.checkpoints.add_handler(on_checkpoint)
         ctx.pods.add_handler(on_pod)
         ctx.jobs.add_handler(on_job)
         ctx.nodes.add_handler(on_node)
+
+    def _deleted_unexpectedly(self, owner: tuple[str, str], pod: Obj) -> None:
+        """A worker pod deleted by someone else (a user, an eviction, node cleanup): a loss, unless its
+        DGD is going away (the garbage collector deletes the pods of a deleted DGD)."""
+        dgd = self.ctx.dgds.get(owner[0])
+        finished = (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+        if dgd is None or dgd["metadata"].get("deletionTimestamp") or finished:
+            return
+        name = pod["metadata"]["name"]
+        if self.ctx.failover.observe(owner, name, "pod-deleted"):
+            self.ctx.recorder.record(
+                dgd, WARNING, "WorkerLost", f"service {owner[1]}: pod {name} was deleted; replacing it"
+            )
 
     async def _reconcile(self, key: QueueKey) -> Result | None:
         kind, obj_key = key
@@ -209,6 +238,15 @@ class Controller:
         # Informer.keys() is a method returning the cache keys, not a dict view.
         keys: list[QueueKey] = [(CHECKPOINT_KEY, k) for k in self.ctx.checkpoints.keys()]  # noqa: SIM118
         return keys + [(DGD_KEY, k) for k in self.ctx.dgds.keys()]  # noqa: SIM118
+
+
+def _deletion_began(etype: str, pod: Obj, old: Obj | None) -> bool:
+    """This event is the first sign of the pod's deletion: graceful (deletionTimestamp appears) or not."""
+    if etype == DELETED:
+        return not pod["metadata"].get("deletionTimestamp")
+    return bool(pod["metadata"].get("deletionTimestamp")) and not (old or {}).get("metadata", {}).get(
+        "deletionTimestamp"
+    )
 
 
 def _dgd_uses(dgd: Obj, ckpt_name: str, ckpt: Obj) -> bool:

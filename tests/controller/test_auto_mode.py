@@ -179,6 +179,14 @@ async def test_no_compatible_node_starts_cold_and_says_why(
     harness: Harness, gpu_node: Callable[..., dict[str, Any]]
 ) -> None:
     h = harness
+
+    async def no_h200_left() -> bool:
+        # Nodes are cluster-wide: wait until earlier tests' H200 nodes are really gone.
+        nodes, _ = await h.kube.list_all(NODE, None)
+        products = [(n["metadata"].get("labels") or {}).get(protocol.LABEL_GPU_PRODUCT) for n in nodes]
+        return "NVIDIA-H200" not in products
+
+    await eventually(no_h200_left)
     source = gpu_node(product="NVIDIA-H200", gpus=8)["metadata"]["name"]
     gpu_node(product="NVIDIA-L40S", gpus=8)
     await h.apply_dgd(dgd_manifest("nocompat", replicas=1))

@@ -101,9 +101,10 @@ async def test_load_scales_up_by_restore_and_down_after_the_window(
 
     pods = await eventually(four_pods, within=20, interval=0.1)
     took = time.monotonic() - crossed
-    # Prometheus scrapes every 1 s and the policy evaluates every 1 s: the pods exist well within
-    # scrape + one interval + a reconcile (generous for a shared 2-core machine).
-    assert took < 6, f"restore pods took {took:.1f}s after the metric crossed"
+    # Prometheus scrapes every 1 s and the policy evaluates every 1 s: the pods exist within scrape +
+    # one interval + a reconcile; the bound is loose because this 2-core machine runs the whole
+    # control plane and Prometheus beside the test (benchmarks/autoscale_crossing.py measures it).
+    assert took < 8, f"restore pods took {took:.1f}s after the metric crossed"
     modes = sorted(p["metadata"]["labels"].get(protocol.LABEL_START_MODE) for p in pods)
     assert modes.count(protocol.StartMode.RESTORE.value) >= 3, modes
     assert await _replicas(h) == 4
