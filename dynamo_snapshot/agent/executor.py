@@ -2,9 +2,10 @@
 store. Kubernetes-free: the watcher turns pods into calls here and results into annotations.
 
 Checkpoint: wait for `ready-for-checkpoint` → lock and checkpoint CUDA in every CUDA process of the tree
-→ CRIU dump → manifest → atomic publish. Restore: verify the artifact (checksums, format, GPU
-compatibility) before anything starts → CRIU restore → CUDA restore (GPU UUIDs remapped) and unlock →
-`restore-complete`. A failure leaves nothing half-running.
+→ CRIU dump → carry the worker's weights files (weights.json) → manifest → atomic publish. Restore:
+verify the artifact's process images, the weights files' sizes and headers, GPU compatibility and free
+GPU memory before anything starts → CRIU restore and CUDA restore (GPU UUIDs remapped) while the weights'
+chunk digests are checked → weights linked back → `restore-complete`. A failure leaves nothing running.
 """
 
 from __future__ import annotations
