@@ -23,6 +23,7 @@ from dynamo_snapshot.controller.runtime import DELETED, POD, Informer, Kube, Obj
 
 log = logging.getLogger(__name__)
 MAIN = "main"
+RETRY_BASE_S, RETRY_CAP_S = 1.0, 60.0
 S = protocol.SnapshotStatus
 
 
@@ -55,6 +56,9 @@ class NodeAgent:
         self.pods = Informer(kube, POD, field_selector=f"spec.nodeName={settings.node_name}")
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[None]] = set()
+        # Pods whose restore this process marked running: a retry after an unexpected error resumes
+        # them, where a "running" left by an earlier agent process means that process died mid-restore.
+        self._restoring: set[str] = set()
         self.pods.add_handler(self._on_pod)
 
     async def run_until(self, stop: asyncio.Event) -> None:
@@ -85,21 +89,44 @@ class NodeAgent:
 
     # ------------------------------------------------------------------ per pod
     async def _handle(self, pod: Obj) -> None:
+        """Dispatch the pod, retrying with backoff on unexpected errors (a transient apiserver error,
+        say): checkpoints and restores report their own failures, anything else would otherwise leave
+        the pod unhandled until the agent restarts. Each retry reads the pod afresh."""
+        attempt = 0
+        while True:
+            try:
+                await self._dispatch(pod)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                attempt += 1
+                delay = min(RETRY_CAP_S, RETRY_BASE_S * 2 ** (attempt - 1))
+                log.exception(
+                    "pod handling failed; retrying",
+                    extra={"pod": workload_key(pod), "attempt": attempt, "retry_in_s": delay},
+                )
+                await asyncio.sleep(delay)
+                latest = self.pods.get(f"{pod['metadata']['namespace']}/{pod['metadata']['name']}")
+                if (
+                    latest is None
+                    or latest["metadata"].get("uid") != pod["metadata"].get("uid")
+                    or latest["metadata"].get("deletionTimestamp")
+                ):
+                    return
+                pod = latest
+
+    async def _dispatch(self, pod: Obj) -> None:
         labels = pod["metadata"].get("labels") or {}
-        try:
-            if labels.get(protocol.LABEL_RESTORE_TARGET) == protocol.TRUE:
-                await self._restore(pod)
-            elif labels.get(protocol.LABEL_CHECKPOINT_SOURCE) == protocol.TRUE:
-                await self._checkpoint(pod)
-            elif (
-                self.settings.launch_workloads
-                and labels.get(protocol.LABEL_MANAGED_BY) == protocol.MANAGED_BY_VALUE
-            ):
-                await self._ensure_running(pod)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("pod handling failed", extra={"pod": workload_key(pod)})
+        if labels.get(protocol.LABEL_RESTORE_TARGET) == protocol.TRUE:
+            await self._restore(pod)
+        elif labels.get(protocol.LABEL_CHECKPOINT_SOURCE) == protocol.TRUE:
+            await self._checkpoint(pod)
+        elif (
+            self.settings.launch_workloads
+            and labels.get(protocol.LABEL_MANAGED_BY) == protocol.MANAGED_BY_VALUE
+        ):
+            await self._ensure_running(pod)
 
     async def _ensure_running(self, pod: Obj) -> Workload:
         key = workload_key(pod)
@@ -165,7 +192,10 @@ class NodeAgent:
         if state is not None and state.terminal:
             return  # a restored workload outlives an agent restart; a failed one was cleaned up
         key = workload_key(pod)
-        if state is S.RUNNING:
+        if state is S.RUNNING and pod["metadata"]["uid"] in self._restoring:
+            # Our own attempt, cut short by an unexpected error: clear what it left and try again.
+            await self.runtime.stop(key)
+        elif state is S.RUNNING:
             await self.runtime.stop(key)
             await self._report(
                 pod,
@@ -183,6 +213,7 @@ class NodeAgent:
             S.RUNNING,
             "restoring",
         )
+        self._restoring.add(pod["metadata"]["uid"])
         try:
             outcome = await self.executor.restore(
                 key,

@@ -301,3 +301,34 @@ async def test_pods_of_other_nodes_are_never_touched(
         k.startswith("nvidia.com/snapshot-") and k != protocol.ANNOTATION_TARGET_CONTAINERS for k in ann
     )
     assert [p["metadata"]["name"] for p in agent.agent.pods.list()] == ["local"]
+
+
+async def test_an_unexpected_error_is_retried(
+    api: client.ApiClient, namespace: str, gpu_node: Callable[..., Obj], agents: Callable[..., Any]
+) -> None:
+    kube = Kube(api)
+    node_a, node_b = (gpu_node()["metadata"]["name"] for _ in range(2))
+    await agents(node_a)
+    b = await agents(node_b)
+    await kube.create(POD, pod("source", node_a, SOURCE), namespace)
+    await _checkpointed(kube, namespace, "source")
+
+    # The first restore attempt hits something the agent does not expect (say, the apiserver timing
+    # out while it reads the pod): it must not be the end of that pod.
+    real = b.agent.executor.restore
+    calls = 0
+
+    async def flaky(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("transient: connection reset by peer")
+        return await real(*args, **kwargs)
+
+    b.agent.executor.restore = flaky  # type: ignore[method-assign]
+    await kube.create(POD, pod("restored", node_b, TARGET), namespace)
+    await eventually(
+        lambda: _status(kube, namespace, "restored", protocol.ANNOTATION_RESTORE_STATUS, "completed"),
+        within=60,
+    )
+    assert calls == 2
