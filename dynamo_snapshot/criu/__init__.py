@@ -7,8 +7,8 @@
                     file_locks=True, link_remap=True, tcp_established=False, shell_job=False,
                     ghost_limit=None, extra_args=()) -> DumpResult(seconds, log_path, image_bytes)
     await criu.restore(images_dir, *, log_dir=None, pidfile=None, detach=True, restore_sibling=False,
-                       ext_unix_sk=True, file_locks=True, tcp_established=False, shell_job=False,
-                       extra_args=()) -> RestoreResult(pid, seconds, log_path)
+                       leave_stopped=False, ext_unix_sk=True, file_locks=True, tcp_established=False,
+                       shell_job=False, extra_args=()) -> RestoreResult(pid, seconds, log_path)
 
 Every failure is a ``CriuError`` whose text quotes the relevant lines of CRIU's -v4 log.
 ``dump_argv``/``restore_argv`` build the command lines as pure functions.

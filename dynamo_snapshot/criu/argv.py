@@ -85,6 +85,7 @@ def restore_argv(
     log_file: str = "restore.log",
     detach: bool = True,
     restore_sibling: bool = False,
+    leave_stopped: bool = False,
     ext_unix_sk: bool = True,
     file_locks: bool = True,
     tcp_established: bool = False,
@@ -92,6 +93,7 @@ def restore_argv(
     extra_args: Sequence[str] = (),
 ) -> list[str]:
     """Arguments after the binary for ``criu restore``; ``pidfile`` receives the restored root's pid.
+    With ``leave_stopped`` every restored task stays stopped (SIGSTOP) until someone sends SIGCONT.
 
     ``ext_unix_sk``, ``file_locks``, ``tcp_established`` and ``shell_job`` must match the dump.
     """
@@ -110,4 +112,6 @@ def restore_argv(
         argv.append("--restore-detached")
     if restore_sibling:
         argv.append("--restore-sibling")
+    if leave_stopped:
+        argv.append("--leave-stopped")
     return [*argv, *extra_args]

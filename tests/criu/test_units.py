@@ -98,10 +98,14 @@ def test_restore_argv() -> None:
     assert argv[argv.index("-o") + 1] == "restore.log"
     assert "--restore-detached" in argv
     assert "--restore-sibling" not in argv
-    argv = restore_argv(Path("/img"), Path("/p"), detach=False, restore_sibling=True, tcp_established=True)
+    assert "--leave-stopped" not in argv
+    argv = restore_argv(
+        Path("/img"), Path("/p"), detach=False, restore_sibling=True, tcp_established=True, leave_stopped=True
+    )
     assert "--restore-detached" not in argv
     assert "--restore-sibling" in argv
     assert "--tcp-established" in argv
+    assert "--leave-stopped" in argv
 
 
 def test_relative_paths_become_absolute() -> None:

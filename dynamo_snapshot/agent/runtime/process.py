@@ -107,7 +107,7 @@ class ProcessRuntime:
                 detach=True,
                 pidfile=ctl / ".criu-restore.pid",
                 log_dir=self.control_dir(key),
-                extra_args=("--leave-stopped",) if stopped else (),
+                leave_stopped=stopped,
             )
         except CriuError as e:
             raise WorkloadRuntimeError(str(e)) from None
