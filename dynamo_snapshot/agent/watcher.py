@@ -76,6 +76,7 @@ class NodeAgent:
         if pod["spec"].get("nodeName") != self.settings.node_name:
             return  # never touch another node's pod, whatever the watch delivers
         if etype == DELETED or pod["metadata"].get("deletionTimestamp"):
+            self._restoring.discard(uid)
             task = self._tasks.pop(uid, None)
             if task is not None:
                 task.cancel()

@@ -114,15 +114,12 @@ async def test_workers_of_a_lost_node_come_back_elsewhere(
     lost = await h.events("WorkerLost")
     assert any(cause in e["message"] for e in lost), [e["message"] for e in lost]
 
-    async def degraded_cleared() -> bool:
-        dgd = await h.dgd("fo")
-        conds = {c["type"]: c for c in (dgd.get("status") or {}).get("conditions") or []}
-        return (
-            conds.get("Degraded", {}).get("status") != "True"
-            and (dgd.get("status") or {}).get("services", {}) is not None
-        )
+    async def caught_up() -> bool:
+        # Status reports the service whole again: every replica back and ready.
+        svc = ((await h.dgd("fo")).get("status") or {}).get("services", {}).get("VllmWorker") or {}
+        return svc.get("replicas") == 4 and svc.get("readyReplicas") == 4
 
-    await eventually(degraded_cleared, within=30)
+    await eventually(caught_up, within=30)
 
 
 async def test_twenty_workers_on_a_dead_node_come_back_paced(harness: Harness, gpu_node: NodeFactory) -> None:
