@@ -139,6 +139,13 @@ class Failover:
         later = 0.0 if granted == paced else max(bucket.wait_for_one(), self.cluster.wait_for_one(), 0.05)
         return granted + (missing - paced), later
 
+    def forget(self, dgd_key: str) -> None:
+        """The DGD is gone: its losses will never be replaced."""
+        for owner in [o for o in self.pending if o[0] == dgd_key]:
+            del self.pending[owner]
+        for owner in [o for o in self.services if o[0] == dgd_key]:
+            del self.services[owner]
+
     def replaced(self, owner: tuple[str, str], count: int) -> None:
         """`count` replacement pods now exist: the oldest losses are done."""
         lost = self.pending.get(owner)

@@ -120,6 +120,7 @@ class Controller:
                 ctx.dgd_seen_at.pop(key, None)
                 ctx.status_written_over.pop(key, None)
                 ctx.status_written_at.pop(key, None)
+                ctx.failover.forget(key)
                 return
             ctx.mark_dgd_seen(key)
             self.queue.add((DGD_KEY, key))
