@@ -163,6 +163,6 @@ else
 fi
 go_install helm "$HELM_VERSION" helm.sh/helm/v3/cmd/helm "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
 
-"$BIN/criu" --version | head -n1 | sed 's/^/[test-env] /'
-"$BIN/etcd" --version | head -n1 | sed 's/^/[test-env] /'
+"$BIN/criu" --version | sed -n 1p | sed 's/^/[test-env] /'
+"$BIN/etcd" --version | sed -n 1p | sed 's/^/[test-env] /'
 say "components ready in $BIN"
