@@ -95,7 +95,7 @@ else
   with_trixie build_criu || die "could not download the criu $CRIU_DEB_VERSION source from Debian trixie"
   d=$SRC/criu-$CRIU_DEB_VERSION
   tar -C "$d" -xf "$d"/criu_*.orig.tar.*
-  top=$(find "$d" -mindepth 1 -maxdepth 1 -type d -name 'criu-*' | head -n1)
+  top=$(find "$d" -mindepth 1 -maxdepth 1 -type d -name 'criu-*' | sed -n 1p)
   say "building criu in $top (about 2 min on 2 cores)"
   make -C "$top" -j"$(nproc)" criu > "$d/build.log" 2>&1 || { tail -n 20 "$d/build.log" >&2; die "criu build failed: see $d/build.log"; }
   cp "$top/criu/criu" "$BIN/criu"
