@@ -188,9 +188,11 @@ async def test_no_compatible_node_starts_cold_and_says_why(
 
     await eventually(no_h200_left)
     source = gpu_node(product="NVIDIA-H200", gpus=8)["metadata"]["name"]
-    gpu_node(product="NVIDIA-L40S", gpus=8)
     await h.apply_dgd(dgd_manifest("nocompat", replicas=1))
     await _ready_checkpoint(h)
+    # Only now the other product: the checkpoint must have been taken on the H200 (with both nodes
+    # there from the start, the scheduler could put the checkpoint job on the L40S).
+    gpu_node(product="NVIDIA-L40S", gpus=8)
     await h.kube.delete(NODE, source)
     await h.scale("nocompat", 2)
     pods = await eventually(lambda: _n(h, "nocompat", 2))
