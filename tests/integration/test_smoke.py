@@ -149,12 +149,17 @@ STATEFUL_PROCESS = r"""
 import hashlib, os, sys, time
 d = sys.argv[1]
 state = bytearray(os.urandom(32 << 20))          # 32 MiB of state that exists only in memory
-with open(os.path.join(d, "before"), "w") as f:
-    f.write(hashlib.sha256(state).hexdigest())
+
+def publish(name, text):
+    # Written whole then renamed: the test must never read a file that exists but is still empty.
+    with open(os.path.join(d, name + ".tmp"), "w") as f:
+        f.write(text)
+    os.rename(os.path.join(d, name + ".tmp"), os.path.join(d, name))
+
+publish("before", hashlib.sha256(state).hexdigest())
 while not os.path.exists(os.path.join(d, "go")):
     time.sleep(0.02)
-with open(os.path.join(d, "after"), "w") as f:
-    f.write(f"{hashlib.sha256(state).hexdigest()} {os.getpid()}")
+publish("after", f"{hashlib.sha256(state).hexdigest()} {os.getpid()}")
 """
 
 
@@ -163,7 +168,6 @@ def _wait_file(path: Path, timeout: float = 30) -> str:
     while not path.exists():
         assert time.monotonic() < deadline, f"{path} never appeared"
         time.sleep(0.02)
-    time.sleep(0.05)
     return path.read_text()
 
 
