@@ -2,7 +2,9 @@
 the pod's annotations (per container, as the controller reads them).
 
 In local mode (no kubelet on the node, e.g. kwok nodes in the demo and tests) the agent also starts the
-pod's main container itself through its runtime, and stops it when the pod goes away.
+pod's main container itself through its runtime, and stops it when the pod goes away. A worker the agent
+started or restored is watched while its pod exists: when it dies, the pod is annotated so the controller
+replaces it (no kubelet would report the terminated container).
 """
 
 from __future__ import annotations
@@ -12,10 +14,15 @@ import contextlib
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 from dynamo_snapshot.agent.executor import AgentError, Executor
-from dynamo_snapshot.agent.runtime.base import Runtime, Workload, WorkloadRuntimeError, WorkloadSpec
+from dynamo_snapshot.agent.runtime.base import (
+    Runtime,
+    Workload,
+    WorkloadRuntimeError,
+    WorkloadSpec,
+    wait_exit,
+)
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.identity import CheckpointIdentity
 from dynamo_snapshot.controller.kinds import CHECKPOINT
@@ -39,8 +46,12 @@ def workload_key(pod: Obj) -> str:
     return f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}"
 
 
+def _annotation(pod: Obj, key: str) -> str | None:
+    return (pod["metadata"].get("annotations") or {}).get(protocol.per_container(key, MAIN))
+
+
 def _status(pod: Obj, key: str) -> S | None:
-    raw = (pod["metadata"].get("annotations") or {}).get(protocol.per_container(key, MAIN))
+    raw = _annotation(pod, key)
     try:
         return S.parse(raw) if raw else None
     except ValueError:
@@ -126,8 +137,21 @@ class NodeAgent:
         elif (
             self.settings.launch_workloads
             and labels.get(protocol.LABEL_MANAGED_BY) == protocol.MANAGED_BY_VALUE
+            and _annotation(pod, protocol.ANNOTATION_WORKLOAD_EXITED) is None
         ):
-            await self._ensure_running(pod)
+            # A worker that died is reported, not restarted: the controller replaces the whole pod.
+            await self._supervise(pod, await self._ensure_running(pod))
+
+    async def _supervise(self, pod: Obj, workload: Workload) -> None:
+        """Wait for the worker to die and say so on its pod. Cancelled (before the agent stops the
+        worker) when the pod is deleted, so a scale-down is never reported as a failure."""
+        await wait_exit(workload.pid)
+        await self._report_exit(pod, f"worker process {workload.pid} exited")
+
+    async def _report_exit(self, pod: Obj, message: str) -> None:
+        log.warning("worker gone", extra={"pod": workload_key(pod), "detail": message})
+        key = protocol.per_container(protocol.ANNOTATION_WORKLOAD_EXITED, MAIN)
+        await self._annotate(pod, {key: message})
 
     async def _ensure_running(self, pod: Obj) -> Workload:
         key = workload_key(pod)
@@ -190,9 +214,18 @@ class NodeAgent:
 
     async def _restore(self, pod: Obj) -> None:
         state = _status(pod, protocol.ANNOTATION_RESTORE_STATUS)
-        if state is not None and state.terminal:
-            return  # a restored workload outlives an agent restart; a failed one was cleaned up
         key = workload_key(pod)
+        if state is S.COMPLETED:
+            # A restored workload outlives an agent restart: watch it again, or report it gone.
+            if _annotation(pod, protocol.ANNOTATION_WORKLOAD_EXITED) is None:
+                found = await self.runtime.find(key)
+                if found is not None:
+                    await self._supervise(pod, found)
+                else:
+                    await self._report_exit(pod, "restored worker gone while the node agent was down")
+            return
+        if state is S.FAILED:
+            return  # a failed restore was cleaned up when it failed
         if state is S.RUNNING and pod["metadata"]["uid"] in self._restoring:
             # Our own attempt, cut short by an unexpected error: clear what it left and try again.
             await self.runtime.stop(key)
@@ -249,6 +282,7 @@ class NodeAgent:
                 or str(outcome.workload.pid),
             },
         )
+        await self._supervise(pod, outcome.workload)
 
     async def _identity(self, pod: Obj) -> CheckpointIdentity | None:
         # The DynamoCheckpoint named by the pod's checkpoint-id label carries the identity; the artifact
@@ -273,11 +307,15 @@ class NodeAgent:
         message: str,
         extra: dict[str, str] | None = None,
     ) -> None:
-        ann: dict[str, Any] = {
+        ann: dict[str, str] = {
             protocol.per_container(status_key, MAIN): state.value,
             protocol.per_container(message_key, MAIN): message[:4000],
             **(extra or {}),
         }
+        await self._annotate(pod, ann)
+        log.info("reported", extra={"pod": workload_key(pod), "status": state.value, "detail": message})
+
+    async def _annotate(self, pod: Obj, ann: dict[str, str]) -> None:
         try:
             await self.kube.merge_patch(
                 POD, pod["metadata"]["name"], {"metadata": {"annotations": ann}}, pod["metadata"]["namespace"]
@@ -285,7 +323,6 @@ class NodeAgent:
         except Exception as e:
             if not is_not_found(e):
                 raise
-        log.info("reported", extra={"pod": workload_key(pod), "status": state.value, "message": message})
 
 
 def _spec(pod: Obj, key: str) -> WorkloadSpec:
@@ -298,4 +335,18 @@ def _spec(pod: Obj, key: str) -> WorkloadSpec:
         raise AgentError("local mode needs the main container's command: images are not run here")
     env = {e["name"]: str(e.get("value", "")) for e in main.get("env") or [] if "value" in e}
     env.update(POD_NAME=pod["metadata"]["name"], POD_NAMESPACE=pod["metadata"]["namespace"])
-    return WorkloadSpec(key=key, command=[str(c) for c in command], env=env, workdir=main.get("workingDir"))
+    labels = pod["metadata"].get("labels") or {}
+    snapshot = protocol.TRUE in (
+        labels.get(protocol.LABEL_CHECKPOINT_SOURCE),
+        labels.get(protocol.LABEL_RESTORE_TARGET),
+    )
+    if not snapshot:
+        for name in protocol.ENV_CONTROL_DIRS:
+            env.pop(name, None)
+    return WorkloadSpec(
+        key=key,
+        command=[str(c) for c in command],
+        env=env,
+        workdir=main.get("workingDir"),
+        snapshot=snapshot,
+    )

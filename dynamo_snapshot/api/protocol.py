@@ -14,6 +14,7 @@ from enum import StrEnum
 from typing import Final
 
 __all__ = [
+    "ANNOTATION_AVOID_NODES",
     "ANNOTATION_CHECKPOINT_LOCATION",
     "ANNOTATION_CHECKPOINT_MESSAGE",
     "ANNOTATION_CHECKPOINT_STATUS",
@@ -26,6 +27,7 @@ __all__ = [
     "ANNOTATION_RESTORE_STATUS",
     "ANNOTATION_RESTORE_TIMINGS",
     "ANNOTATION_TARGET_CONTAINERS",
+    "ANNOTATION_WORKLOAD_EXITED",
     "API_GROUP",
     "API_VERSION",
     "ARTIFACT_WEIGHTS_DIR",
@@ -111,6 +113,13 @@ ANNOTATION_RESTORE_TIMINGS: Final = "nvidia.com/snapshot-restore-timings"
 ANNOTATION_REPLACES: Final = "snapshot.nvidia.com/replaces"
 # The container ID a restore went into, so a restarted container is not mistaken for a restored one.
 ANNOTATION_RESTORE_CONTAINER_ID: Final = "nvidia.com/snapshot-restore-container-id"
+# Per container (per_container(...)): set by the node agent when a worker process it started or restored
+# is gone while its pod still exists — what a kubelet reports as a terminated container, for workers no
+# kubelet watches. The value says what the agent saw. The controller treats the pod as lost.
+ANNOTATION_WORKLOAD_EXITED: Final = "nvidia.com/snapshot-workload-exited"
+# On a restore pod that retries a failed restore: comma-separated nodes where this restore already
+# failed; the pod's node affinity keeps it off them, and a further failure adds its node.
+ANNOTATION_AVOID_NODES: Final = "snapshot.nvidia.com/avoid-nodes"
 
 
 class SnapshotStatus(StrEnum):

@@ -290,7 +290,7 @@ class Autoscaler:
         self.ctx.recorder.record(
             dgd, NORMAL, reason, f"by DynamoScalingPolicy {obj['metadata']['name']}: {message}"
         )
-        log.info("scaled", extra={"policy": obj["metadata"]["name"], "message": message})
+        log.info("scaled", extra={"policy": obj["metadata"]["name"], "detail": message})
 
     async def _finish(
         self,

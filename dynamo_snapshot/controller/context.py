@@ -30,6 +30,7 @@ SCALE_TO_POD = Histogram(
 @dataclass
 class Settings:
     restore_failure_threshold: int = 3
+    restore_node_attempts: int = 2  # nodes one replica's restore is tried on before it starts cold
     field_manager: str = "dynamo-snapshot-controller"
 
 
@@ -96,6 +97,13 @@ class Context:
         count = sum(1 for n in self.nodes.list() if node_fits(n, compat))
         self.compatible_node_cache[key] = count
         return count
+
+    def other_compatible_node(self, compat: CheckpointCompatibility | None, exclude: set[str]) -> bool:
+        """Whether a Ready node outside `exclude` fits the checkpoint."""
+        return any(
+            n["metadata"]["name"] not in exclude and (node_fits(n, compat) if compat else node_ready(n))
+            for n in self.nodes.list()
+        )
 
     def mark_dgd_seen(self, key: str) -> None:
         self.dgd_seen_at[key] = time.monotonic()

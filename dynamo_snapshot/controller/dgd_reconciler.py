@@ -26,6 +26,7 @@ from dynamo_snapshot.controller.pods import pod_active, pod_ready
 from dynamo_snapshot.controller.podspec import (
     checkpoint_job_template,
     cold_start_pod,
+    keep_off_nodes,
     owner_reference,
     restore_pod,
 )
@@ -155,7 +156,7 @@ class DGDReconciler:
         owner = (f"{namespace}/{name}", svc_name)
         again = False
         for pod in [p for p in self._live_pods(owner) if self._restore_failed(p)]:
-            await self._replace_failed_restore(obj, dgd, svc_name, pod)
+            await self._replace_failed_restore(obj, dgd, svc_name, pod, ready_ckpt)
             again = True
         await self._remove_lost(obj, owner)
         # Cache and expectations are read together, with no await in between: an informer event handled
@@ -182,10 +183,11 @@ class DGDReconciler:
             # checkpointRef mode waits for its checkpoint (out.waiting says why) unless something is wrong
             # with it, in which case capacity by cold start beats none at all.
             if ready_ckpt is not None or not ref_mode or out.degraded:
-                allowed, later = ctx.failover.allowance(owner, missing)
+                allowed, later = ctx.failover.allowance(owner, missing, out.desired)
                 if allowed:
-                    await self._create_pods(obj, dgd, svc_name, owner, allowed, ready_ckpt)
-                    ctx.failover.replaced(owner, allowed)
+                    await self._create_pods(
+                        obj, dgd, svc_name, owner, allowed, ready_ckpt, ctx.failover.avoid_nodes(owner)
+                    )
                 if later:
                     out.retry_after = later
                     out.degraded.append(
@@ -197,7 +199,12 @@ class DGDReconciler:
 
         pods = [p for p in ctx.pods_of(namespace, name, svc_name) if pod_active(p)]
         out.replicas = len(pods)
-        out.ready = sum(1 for p in pods if pod_ready(p))
+        ready = {p["metadata"]["name"] for p in pods if pod_ready(p)}
+        out.ready = len(ready)
+        ctx.failover.track_ready(owner, ready, {p["metadata"]["name"] for p in pods})
+        recovering = ctx.failover.degraded(owner)
+        if recovering:
+            out.degraded.append(recovering)
         out.restored = sum(1 for p in pods if _mode(p) == protocol.StartMode.RESTORE.value)
         out.cold = out.replicas - out.restored
         return out, again
@@ -377,9 +384,12 @@ class DGDReconciler:
         owner: tuple[str, str],
         count: int,
         ckpt: DynamoCheckpoint | None,
+        avoid: list[str],
     ) -> None:
+        """Create `count` worker pods, preferably off the `avoid` nodes."""
         ctx = self.ctx
         mode = protocol.StartMode.RESTORE if ckpt is not None else protocol.StartMode.COLD
+        created: list[str] = []
 
         async def create_one() -> None:
             pod = (
@@ -387,6 +397,7 @@ class DGDReconciler:
                 if ckpt is not None
                 else cold_start_pod(obj, dgd, svc_name)
             )
+            keep_off_nodes(pod["spec"], avoid, required=False)
             ctx.expectations.expect_create(owner, pod["metadata"]["name"])
             try:
                 await ctx.kube.create(POD, pod)
@@ -394,8 +405,13 @@ class DGDReconciler:
                 ctx.expectations.observed(owner, pod["metadata"]["name"])
                 raise
             PODS_CREATED.labels(mode.value).inc()
+            created.append(pod["metadata"]["name"])
 
-        await slow_start(create_one, count)
+        try:
+            await slow_start(create_one, count)
+        finally:
+            # Every pod created replaces a pending loss first, also when a later create failed.
+            ctx.failover.replaced(owner, created)
         ctx.observe_scale_latency(owner[0], count)
         how = f"by restore from {ckpt.metadata.name}" if ckpt is not None else "by cold start"
         ctx.recorder.record(
@@ -416,7 +432,7 @@ class DGDReconciler:
             cause = loss_cause(pod, ctx.nodes.get(node_name) if node_name else None)
             if cause is None:
                 continue
-            if ctx.failover.observe(owner, pname, cause):
+            if ctx.failover.observe(owner, pname, cause, node_name):
                 ctx.recorder.record(
                     obj,
                     WARNING,
@@ -450,25 +466,52 @@ class DGDReconciler:
         )
 
     async def _replace_failed_restore(
-        self, obj: Obj, dgd: DynamoGraphDeployment, svc_name: str, pod: Obj
+        self,
+        obj: Obj,
+        dgd: DynamoGraphDeployment,
+        svc_name: str,
+        pod: Obj,
+        ckpt: DynamoCheckpoint | None,
     ) -> None:
-        """Swap a pod whose restore failed for a cold start, and count the failure against the checkpoint.
+        """Swap a pod whose restore failed for a restore on another node (while the checkpoint is Ready,
+        a compatible node it has not failed on exists, and the replica has attempts left), else for a
+        cold start; count the failure against the checkpoint.
 
         Every step is idempotent (deterministic replacement name, set-like failure list), so a controller
         killed half-way finishes the swap on its next run without doubling anything.
         """
         ctx = self.ctx
         pname, ns = pod["metadata"]["name"], pod["metadata"]["namespace"]
+        annotations = pod["metadata"].get("annotations") or {}
         _, message = agent_verdict(
             pod, protocol.ANNOTATION_RESTORE_STATUS, protocol.ANNOTATION_RESTORE_MESSAGE
         )
-        ckpt_name = (pod["metadata"].get("annotations") or {}).get(protocol.ANNOTATION_RESTORE_FROM, "")
-        replacement = cold_start_pod(obj, dgd, svc_name, name=f"{pname}-cold"[:63], replaces=pname)
+        ckpt_name = annotations.get(protocol.ANNOTATION_RESTORE_FROM, "")
+        node = (pod.get("spec") or {}).get("nodeName") or ""
+        failed_on = sorted(
+            {n for n in annotations.get(protocol.ANNOTATION_AVOID_NODES, "").split(",") if n} | {node} - {""}
+        )
+        compat = ckpt.status.compatibility if ckpt is not None and ckpt.status else None
+        retry = (
+            ckpt is not None
+            and len(failed_on) < ctx.settings.restore_node_attempts
+            and ctx.other_compatible_node(compat, set(failed_on))
+        )
+        if ckpt is not None and retry:
+            replacement = restore_pod(obj, dgd, svc_name, ckpt, name=f"{pname}-r"[:63])
+            keep_off_nodes(replacement["spec"], failed_on, required=True)
+            replacement["metadata"]["annotations"].update(
+                {protocol.ANNOTATION_REPLACES: pname, protocol.ANNOTATION_AVOID_NODES: ",".join(failed_on)}
+            )
+            mode, then = protocol.StartMode.RESTORE, "retrying the restore on another node as pod"
+        else:
+            replacement = cold_start_pod(obj, dgd, svc_name, name=f"{pname}-cold"[:63], replaces=pname)
+            mode, then = protocol.StartMode.COLD, "replaced by cold-start pod"
         owner = (f"{ns}/{obj['metadata']['name']}", svc_name)
         ctx.expectations.expect_create(owner, replacement["metadata"]["name"])
         try:
             await ctx.kube.create(POD, replacement)
-            PODS_CREATED.labels(protocol.StartMode.COLD.value).inc()
+            PODS_CREATED.labels(mode.value).inc()
         except Exception as e:
             if not is_already_exists(e):
                 ctx.expectations.observed(owner, replacement["metadata"]["name"])
@@ -480,8 +523,8 @@ class DGDReconciler:
             obj,
             WARNING,
             "RestoreFailed",
-            f"service {svc_name}: restore of pod {pname} from {ckpt_name or '?'} failed "
-            f"({message or 'no reason given'}); replaced by cold-start pod {replacement['metadata']['name']}",
+            f"service {svc_name}: restore of pod {pname} from {ckpt_name or '?'} on node {node or '?'} "
+            f"failed ({message or 'no reason given'}); {then} {replacement['metadata']['name']}",
         )
 
     async def _record_restore_failure(self, namespace: str, ckpt_name: str, pod_name: str) -> None:

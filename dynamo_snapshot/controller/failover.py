@@ -16,13 +16,21 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Counter, Histogram
 
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.controller.podspec import MAIN_CONTAINER
 from dynamo_snapshot.controller.runtime import Obj
 
 FAILURES = Counter("dynsnap_worker_failures_total", "Worker losses detected, by cause", ["cause"])
+_LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 OBSERVED_TO_CREATED = Histogram(
     "dynsnap_failover_observed_to_created_seconds",
     "From a worker loss being observed to its replacement pod existing",
-    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+    buckets=_LATENCY_BUCKETS,
+)
+OBSERVED_TO_READY = Histogram(
+    "dynsnap_failover_observed_to_ready_seconds",
+    "From a worker loss being observed to its replacement pod being Ready",
+    buckets=_LATENCY_BUCKETS,
 )
 
 CRASH_LOOP_RESTARTS = 3
@@ -54,6 +62,9 @@ def crash_looping(pod: Obj) -> bool:
 
 def loss_cause(pod: Obj, node: Obj | None) -> str | None:
     """Why a (not deleted by us) pod no longer counts as a worker; None while it does."""
+    annotations = pod.get("metadata", {}).get("annotations") or {}
+    if annotations.get(protocol.per_container(protocol.ANNOTATION_WORKLOAD_EXITED, MAIN_CONTAINER)):
+        return "process-exited"  # reported by the node agent where no kubelet watches the worker
     phase = (pod.get("status") or {}).get("phase")
     if phase == "Failed":
         reason = (pod.get("status") or {}).get("reason") or ""
@@ -79,26 +90,38 @@ class TokenBucket:
         if self.tokens < 0:
             self.tokens = self.burst
 
-    def take(self, want: int, now: float | None = None) -> int:
-        """Up to `want` tokens, as many as there are."""
+    def take(self, want: int, now: float | None = None, keep: float = 0.0) -> int:
+        """Up to `want` tokens, as many as there are beyond `keep` (held back for others)."""
         now = time.monotonic() if now is None else now
         self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
         self.stamp = now
-        got = min(want, int(self.tokens))
+        got = max(0, min(want, int(self.tokens - keep)))
         self.tokens -= got
         return got
 
-    def wait_for_one(self) -> float:
-        """Seconds until one token is there."""
-        return 0.0 if self.tokens >= 1 else (1 - self.tokens) / self.rate
+    def wait_for(self, tokens: float) -> float:
+        """Seconds until `tokens` tokens are there (as far as the burst allows)."""
+        need = min(tokens, self.burst)
+        return 0.0 if self.tokens >= need else (need - self.tokens) / self.rate
+
+
+@dataclass
+class Loss:
+    seen: float  # monotonic time the loss was observed
+    node: str | None
 
 
 @dataclass
 class Failover:
-    """What the controller remembers about losses between their detection and their replacement.
+    """What the controller remembers about losses between their detection and their replacement being
+    Ready.
+
+    When the cluster bucket cannot serve every service with losses, the service furthest below its
+    desired count (then the one that lost a worker first) goes first: tokens the services ranked above
+    still wait for are held back from the ones below.
 
     Memory only: after a restart the losses are simply missing replicas again, which the level-triggered
-    reconcile replaces (unpaced for that one pass, and without the latency sample)."""
+    reconcile replaces (unpaced for that one pass, and without the latency samples)."""
 
     cluster_rate: float = 10.0
     cluster_burst: float = 10.0
@@ -106,21 +129,31 @@ class Failover:
     service_burst: float = 5.0
     cluster: TokenBucket = field(init=False)
     services: dict[tuple[str, str], TokenBucket] = field(default_factory=dict)
-    # owner -> pod names lost and when the loss was observed (monotonic)
-    pending: dict[tuple[str, str], dict[str, float]] = field(default_factory=lambda: defaultdict(dict))
+    # owner -> lost pod name -> the loss, until a replacement exists
+    pending: dict[tuple[str, str], dict[str, Loss]] = field(default_factory=lambda: defaultdict(dict))
+    # owner -> replacement pod name -> when the loss it replaces was observed, until that pod is Ready
+    recovering: dict[tuple[str, str], dict[str, float]] = field(default_factory=lambda: defaultdict(dict))
+    # owner -> fraction of its desired replicas lost and not yet replaced (for the ordering)
+    deficit: dict[tuple[str, str], float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.cluster = TokenBucket(self.cluster_rate, self.cluster_burst)
 
-    def observe(self, owner: tuple[str, str], pod_name: str, cause: str) -> bool:
+    def observe(self, owner: tuple[str, str], pod_name: str, cause: str, node: str | None = None) -> bool:
         """Note a loss; False when it was noted already (the same pod seen again)."""
         if pod_name in self.pending[owner]:
             return False
-        self.pending[owner][pod_name] = time.monotonic()
+        self.pending[owner][pod_name] = Loss(time.monotonic(), node)
         FAILURES.labels(cause).inc()
         return True
 
-    def allowance(self, owner: tuple[str, str], missing: int) -> tuple[int, float]:
+    def avoid_nodes(self, owner: tuple[str, str]) -> list[str]:
+        """Nodes the service's pending losses happened on: its replacements prefer other nodes."""
+        return sorted({loss.node for loss in self.pending.get(owner, {}).values() if loss.node})
+
+    def allowance(
+        self, owner: tuple[str, str], missing: int, desired: int | None = None
+    ) -> tuple[int, float]:
         """How many of `missing` new pods may be created now, and when to look again if not all.
 
         Only replacements are paced: pods beyond the service's pending losses (a scale-up) are not.
@@ -129,31 +162,73 @@ class Failover:
         if losses == 0:
             return missing, 0.0
         paced = min(missing, losses)
+        self.deficit[owner] = losses / max(desired or losses, 1)
         bucket = self.services.get(owner)
         if bucket is None:
             bucket = self.services[owner] = TokenBucket(self.service_rate, self.service_burst)
         now = time.monotonic()
+        held_back = self._wanted_before(owner)
         got = bucket.take(paced, now)
-        granted = self.cluster.take(got, now)
+        granted = self.cluster.take(got, now, keep=held_back)
         bucket.tokens += got - granted  # give back what the cluster bucket refused
-        later = 0.0 if granted == paced else max(bucket.wait_for_one(), self.cluster.wait_for_one(), 0.05)
+        later = (
+            0.0 if granted == paced else max(bucket.wait_for(1), self.cluster.wait_for(held_back + 1), 0.05)
+        )
         return granted + (missing - paced), later
+
+    def _rank(self, owner: tuple[str, str]) -> tuple[float, float]:
+        first = min((loss.seen for loss in self.pending.get(owner, {}).values()), default=0.0)
+        return (-self.deficit.get(owner, 0.0), first)
+
+    def _wanted_before(self, owner: tuple[str, str]) -> int:
+        """Replacements still owed to services that go before `owner`."""
+        mine = self._rank(owner)
+        return sum(
+            len(lost) for o, lost in self.pending.items() if o != owner and lost and self._rank(o) < mine
+        )
 
     def forget(self, dgd_key: str) -> None:
         """The DGD is gone: its losses will never be replaced."""
-        for owner in [o for o in self.pending if o[0] == dgd_key]:
-            del self.pending[owner]
-        for owner in [o for o in self.services if o[0] == dgd_key]:
-            del self.services[owner]
+        for table in (self.pending, self.services, self.recovering, self.deficit):
+            for owner in [o for o in table if o[0] == dgd_key]:
+                del table[owner]
 
-    def replaced(self, owner: tuple[str, str], count: int) -> None:
-        """`count` replacement pods now exist: the oldest losses are done."""
+    def replaced(self, owner: tuple[str, str], new_pods: list[str]) -> None:
+        """These replacement pods now exist: the oldest losses are done, and the new pods are watched
+        until Ready."""
         lost = self.pending.get(owner)
         if not lost:
             return
         now = time.monotonic()
-        for name, seen in sorted(lost.items(), key=lambda kv: kv[1])[:count]:
-            OBSERVED_TO_CREATED.observe(now - seen)
+        oldest = sorted(lost.items(), key=lambda kv: kv[1].seen)
+        for (name, loss), new_pod in zip(oldest, new_pods, strict=False):
+            OBSERVED_TO_CREATED.observe(now - loss.seen)
+            self.recovering[owner][new_pod] = loss.seen
             del lost[name]
         if not lost:
             self.pending.pop(owner, None)
+            self.deficit.pop(owner, None)
+
+    def track_ready(self, owner: tuple[str, str], ready: set[str], existing: set[str]) -> None:
+        """Record replacements that became Ready; forget those that no longer exist."""
+        watching = self.recovering.get(owner)
+        if not watching:
+            return
+        now = time.monotonic()
+        for name in list(watching):
+            if name in ready:
+                OBSERVED_TO_READY.observe(now - watching.pop(name))
+            elif name not in existing:
+                del watching[name]
+        if not watching:
+            self.recovering.pop(owner, None)
+
+    def degraded(self, owner: tuple[str, str]) -> str | None:
+        """Why the service is below what it should be because of losses, or None."""
+        lost, starting = len(self.pending.get(owner, {})), len(self.recovering.get(owner, {}))
+        if not lost and not starting:
+            return None
+        return (
+            f"service {owner[1]}: recovering from lost workers "
+            f"({lost} not yet replaced, {starting} replacement(s) not Ready yet)"
+        )

@@ -50,6 +50,12 @@ class ControllerConfig(BaseModel):
     restore_failure_threshold: int = Field(
         default=3, ge=1, description="Failed restores that fail a checkpoint."
     )
+    restore_node_attempts: int = Field(
+        default=2,
+        ge=1,
+        le=10,
+        description="Different nodes one replica's restore is tried on before it starts cold.",
+    )
     drain_timeout: float = Field(
         default=20.0, ge=0, description="Seconds in-flight reconciles get on SIGTERM."
     )
@@ -86,7 +92,10 @@ class Controller:
             jobs=Informer(kube, JOB, namespace=ns, label_selector=managed),
             nodes=Informer(kube, NODE),
             recorder=EventRecorder(kube, "dynamo-snapshot-controller"),
-            settings=Settings(restore_failure_threshold=config.restore_failure_threshold),
+            settings=Settings(
+                restore_failure_threshold=config.restore_failure_threshold,
+                restore_node_attempts=config.restore_node_attempts,
+            ),
         )
         self.dgd_reconciler = DGDReconciler(self.ctx)
         self.checkpoint_reconciler = CheckpointReconciler(self.ctx)

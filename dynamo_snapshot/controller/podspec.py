@@ -201,6 +201,26 @@ def _add_required_affinity(spec: Obj, exprs: list[Obj]) -> None:
         term.setdefault("matchExpressions", []).extend(copy.deepcopy(exprs))
 
 
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+
+
+def keep_off_nodes(spec: Obj, nodes: list[str], *, required: bool) -> None:
+    """Keep a pod off `nodes`: always (a node where its restore failed) or by preference (nodes that
+    just lost workers, which may be failing in ways the node's status does not show yet)."""
+    if not nodes:
+        return
+    expr = {"key": HOSTNAME_LABEL, "operator": "NotIn", "values": sorted(nodes)}
+    if required:
+        _add_required_affinity(spec, [expr])
+        return
+    preferred = (
+        spec.setdefault("affinity", {})
+        .setdefault("nodeAffinity", {})
+        .setdefault("preferredDuringSchedulingIgnoredDuringExecution", [])
+    )
+    preferred.append({"weight": 100, "preference": {"matchExpressions": [expr]}})
+
+
 def restore_pod(
     dgd_obj: Obj,
     dgd: DynamoGraphDeployment,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import signal
 import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -18,6 +20,7 @@ from kubernetes_asyncio import client
 
 from dynamo_snapshot.agent.executor import Executor
 from dynamo_snapshot.agent.runtime import ProcessRuntime, RuncRuntime, Runtime
+from dynamo_snapshot.agent.runtime.base import pid_running
 from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.artifact import ArtifactStore, GpuInfo
@@ -332,3 +335,90 @@ async def test_an_unexpected_error_is_retried(
         within=60,
     )
     assert calls == 2
+
+
+EXITED = protocol.per_container(protocol.ANNOTATION_WORKLOAD_EXITED, "main")
+
+
+async def _workload(kube: Kube, runtime: Runtime, ns: str, name: str) -> Any:
+    uid = (await kube.get(POD, name, ns))["metadata"]["uid"]
+    return await runtime.find(f"{ns}_{name}_{uid[:8]}")
+
+
+async def test_a_killed_restored_worker_is_reported(
+    api: client.ApiClient, namespace: str, gpu_node: Callable[..., Obj], agents: Callable[..., Any]
+) -> None:
+    kube = Kube(api)
+    node_a, node_b = (gpu_node()["metadata"]["name"] for _ in range(2))
+    await agents(node_a)
+    b = await agents(node_b)
+    await kube.create(POD, pod("source", node_a, SOURCE), namespace)
+    await _checkpointed(kube, namespace, "source")
+    await kube.create(POD, pod("restored", node_b, TARGET), namespace)
+    await eventually(
+        lambda: _status(kube, namespace, "restored", protocol.ANNOTATION_RESTORE_STATUS, "completed"),
+        within=60,
+    )
+    workload = await _workload(kube, b.runtime, namespace, "restored")
+    assert workload is not None
+    await asyncio.sleep(0.5)
+    assert EXITED not in await _annotations(kube, namespace, "restored"), "reported while still alive"
+
+    os.kill(workload.pid, signal.SIGKILL)
+    ann = await eventually(
+        lambda: _annotations_with(kube, namespace, "restored", EXITED), within=15, interval=0.05
+    )
+    assert str(workload.pid) in ann[EXITED]
+
+
+async def test_a_launched_worker_that_dies_is_reported_not_restarted(
+    api: client.ApiClient, namespace: str, gpu_node: Callable[..., Obj], agents: Callable[..., Any]
+) -> None:
+    kube = Kube(api)
+    node = gpu_node()["metadata"]["name"]
+    a = await agents(node)
+    await kube.create(POD, _plain_pod("cold", node), namespace)
+    first = await eventually(lambda: _workload(kube, a.runtime, namespace, "cold"), within=30)
+    os.kill(first.pid, signal.SIGKILL)
+    await eventually(lambda: _annotations_with(kube, namespace, "cold", EXITED), within=15, interval=0.05)
+    await asyncio.sleep(1.0)
+    assert await _workload(kube, a.runtime, namespace, "cold") is None, "the agent relaunched a dead worker"
+
+
+async def test_a_deleted_pods_worker_is_stopped_without_a_failure_report(
+    api: client.ApiClient, namespace: str, gpu_node: Callable[..., Obj], agents: Callable[..., Any]
+) -> None:
+    kube = Kube(api)
+    node = gpu_node()["metadata"]["name"]
+    a = await agents(node)
+    held = _plain_pod("leaving", node)
+    held["metadata"]["finalizers"] = ["tests.dynamo-snapshot.dev/hold"]  # keep it readable after delete
+    await kube.create(POD, held, namespace)
+    worker = await eventually(lambda: _workload(kube, a.runtime, namespace, "leaving"), within=30)
+    await kube.delete(POD, "leaving", namespace)
+
+    async def stopped() -> bool:
+        return not pid_running(worker.pid)
+
+    await eventually(stopped, within=15)
+    await asyncio.sleep(0.5)
+    try:
+        assert EXITED not in await _annotations(kube, namespace, "leaving"), "a scale-down reported as a loss"
+    finally:
+        await kube.merge_patch(POD, "leaving", {"metadata": {"finalizers": None}}, namespace)
+
+
+def _plain_pod(name: str, node: str) -> Obj:
+    """A cold-start worker (no snapshot labels): it gets no control dir, and just serves."""
+    plain = pod(name, node, {})
+    plain["spec"]["containers"][0]["command"] = [
+        sys.executable,
+        "-c",
+        "import os, time; assert not os.environ.get('SNAPSHOT_CONTROL_DIR'); time.sleep(300)",
+    ]
+    return plain
+
+
+async def _annotations_with(kube: Kube, ns: str, name: str, key: str) -> dict[str, str] | None:
+    ann = await _annotations(kube, ns, name)
+    return ann if key in ann else None

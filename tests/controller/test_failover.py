@@ -74,6 +74,35 @@ async def test_deleted_pod_is_replaced_by_restore(harness: Harness, gpu_node: No
     assert any(name in e["message"] and "was deleted" in e["message"] for e in lost), lost
 
 
+async def test_a_dead_worker_process_is_replaced_on_another_node(
+    harness: Harness, gpu_node: NodeFactory
+) -> None:
+    h = harness
+    pods = await _restored_service(h, gpu_node, 3)
+    victim = next(p for p in pods if _mode(p) == protocol.StartMode.RESTORE.value)
+    name, node = victim["metadata"]["name"], victim["spec"]["nodeName"]
+    # What the node agent writes when the worker process it restored dies (tests/agent covers that part).
+    exited = protocol.per_container(protocol.ANNOTATION_WORKLOAD_EXITED, "main")
+    await h.kube.merge_patch(
+        POD, name, {"metadata": {"annotations": {exited: "worker process 4242 exited"}}}, h.namespace
+    )
+    after = await _replaced(h, {name}, 3, avoid=None)
+    new = [p for p in after if p["metadata"]["name"] not in {q["metadata"]["name"] for q in pods}]
+    assert [_mode(p) for p in new] == [protocol.StartMode.RESTORE.value]
+    assert new[0]["spec"]["nodeName"] != node, "the replacement went back to the node that just lost it"
+    preferred = new[0]["spec"]["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert preferred[0]["preference"]["matchExpressions"][0]["values"] == [node]
+    lost = await h.events("WorkerLost")
+    assert any(name in e["message"] and "process-exited" in e["message"] for e in lost), lost
+
+    async def whole_again() -> bool:
+        dgd = await h.dgd("fo")
+        degraded = next(c for c in dgd["status"]["conditions"] if c["type"] == "Degraded")
+        return degraded["status"] == "False"
+
+    await eventually(whole_again, within=30)
+
+
 async def _fail_node(h: Harness, node: str) -> None:
     """Take a kwok node away from kwok (no more heartbeats) and report it NotReady, as a dead kubelet's
     node looks once the node controller notices."""

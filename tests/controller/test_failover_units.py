@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from dynamo_snapshot.api import protocol
 from dynamo_snapshot.controller.failover import Failover, TokenBucket, loss_cause, node_healthy
+from dynamo_snapshot.controller.podspec import keep_off_nodes
 
 
 def test_token_bucket_paces_after_its_burst() -> None:
@@ -21,7 +23,7 @@ def test_only_replacements_are_paced_and_forgotten_with_their_dgd() -> None:
     allowed, later = fo.allowance(owner, 6)  # 4 replacements + 2 scale-up pods
     assert allowed == 2 + 2
     assert later > 0
-    fo.replaced(owner, 2)
+    fo.replaced(owner, ["r0", "r1"])
     assert len(fo.pending[owner]) == 2
     fo.forget("ns/a")
     assert owner not in fo.pending
@@ -41,3 +43,60 @@ def test_loss_causes() -> None:
     assert loss_cause({**pod, "status": {"phase": "Failed", "reason": "Evicted"}}, ready) == "evicted"
     looping = {**pod, "status": {"phase": "Running", "containerStatuses": [{"restartCount": 5}]}}
     assert loss_cause(looping, ready) == "crash-loop"
+
+    exited = {
+        **pod,
+        "metadata": {
+            "name": "p",
+            "annotations": {
+                protocol.per_container(protocol.ANNOTATION_WORKLOAD_EXITED, "main"): "worker process 7 exited"
+            },
+        },
+    }
+    assert loss_cause(exited, ready) == "process-exited"
+
+
+def test_the_service_furthest_below_desired_is_replaced_first() -> None:
+    fo = Failover(cluster_rate=0.001, cluster_burst=4.0, service_rate=100.0, service_burst=100.0)
+    small, big = ("ns/a", "svc"), ("ns/b", "svc")
+    for i in range(2):
+        fo.observe(small, f"a{i}", "node-deleted", "n1")  # 2 of 10 lost
+    for i in range(3):
+        fo.observe(big, f"b{i}", "node-deleted", "n1")  # 3 of 4 lost
+    fo.allowance(big, 3, desired=4)  # b's reconcile states its deficit (and takes 3 of the 4 tokens)
+    fo.replaced(big, ["rb0", "rb1"])  # ... of which only 2 pods got created
+    # a asks next: one token is left, but b (75% -> still 1 of 4 lost) goes before a (20%).
+    allowed, later = fo.allowance(small, 2, desired=10)
+    assert allowed == 0
+    assert later > 0
+    fo.replaced(big, ["rb2"])
+    allowed, _ = fo.allowance(small, 2, desired=10)
+    assert allowed == 1  # b is whole again: a gets the last token
+
+
+def test_replacements_are_followed_until_ready_and_the_service_is_degraded_meanwhile() -> None:
+    fo = Failover()
+    owner = ("ns/a", "svc")
+    assert fo.degraded(owner) is None
+    fo.observe(owner, "p0", "process-exited", "n1")
+    fo.observe(owner, "p1", "process-exited", "n2")
+    assert fo.avoid_nodes(owner) == ["n1", "n2"]
+    assert "2 not yet replaced" in (fo.degraded(owner) or "")
+    fo.replaced(owner, ["r0", "r1"])
+    assert fo.avoid_nodes(owner) == []
+    assert "2 replacement(s) not Ready" in (fo.degraded(owner) or "")
+    fo.track_ready(owner, ready={"r0"}, existing={"r0"})  # r1 was deleted meanwhile: stop following it
+    assert fo.degraded(owner) is None
+
+
+def test_keep_off_nodes_required_and_preferred() -> None:
+    spec: dict[str, object] = {}
+    keep_off_nodes(spec, ["n2", "n1"], required=True)
+    keep_off_nodes(spec, ["n3"], required=False)
+    affinity = spec["affinity"]["nodeAffinity"]  # type: ignore[index]
+    [term] = affinity["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert term["matchExpressions"] == [
+        {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["n1", "n2"]}
+    ]
+    [pref] = affinity["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert pref["preference"]["matchExpressions"][0]["values"] == ["n3"]

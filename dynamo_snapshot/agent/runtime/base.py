@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,9 @@ class WorkloadSpec:
     command: list[str]
     env: dict[str, str] = field(default_factory=dict)
     workdir: str | None = None
+    # A checkpoint source or restore target: the worker is told where its control dir is. Others are
+    # not, as a worker that finds one waits for a restore a cold start never gets.
+    snapshot: bool = True
 
 
 @dataclass(frozen=True)
@@ -88,3 +92,28 @@ def pid_running(pid: int) -> bool:
         return False
     # The state letter follows the command name, which is in parentheses and may contain any byte.
     return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in (b"Z", b"X")
+
+
+async def wait_exit(pid: int) -> None:
+    """Return once `pid` has terminated (a zombie counts as terminated).
+
+    A pidfd turns readable when its process exits, so this waits on the event loop without polling, and
+    works for processes that are not the agent's children (a CRIU-restored tree, a runc container's init).
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    loop = asyncio.get_running_loop()
+    exited: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not exited.done():
+            exited.set_result(None)
+
+    loop.add_reader(fd, readable)
+    try:
+        await exited
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)

@@ -39,12 +39,19 @@ class RuncRuntime:
         criu_binary: Path,
         runc_binary: str = "runc",
         host_binds: Sequence[str] = DEFAULT_HOST_BINDS,
+        writable_binds: Sequence[str] = (),
     ) -> None:
         self.state_root = state_root  # bundles live here; runc's own state under state_root/runc
         self.control_root = control_root
         self.criu_binary = criu_binary
         self.runc = runc_binary
         self.host_binds = _outermost([os.path.realpath(b) for b in host_binds if os.path.isdir(b)])
+        # Read-write host directories (say, where workers register themselves); outside the read-only
+        # binds, as CRIU does not restore a bind nested in another.
+        self.writable_binds = [os.path.realpath(b) for b in writable_binds]
+        for w in self.writable_binds:
+            if any(w == b or w.startswith(b.rstrip("/") + "/") for b in self.host_binds):
+                raise ValueError(f"writable bind {w} lies inside a read-only bind")
 
     def control_dir(self, key: str) -> Path:
         return self.control_root / key
@@ -94,7 +101,11 @@ class RuncRuntime:
     def _config(self, spec: WorkloadSpec | None) -> dict[str, Any]:
         assert spec is not None
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/root", **spec.env}
-        env.update({name: protocol.CONTROL_MOUNT_PATH for name in protocol.ENV_CONTROL_DIRS})
+        for name in protocol.ENV_CONTROL_DIRS:
+            if spec.snapshot:
+                env[name] = protocol.CONTROL_MOUNT_PATH
+            else:
+                env.pop(name, None)
         # stdout/stderr go to the container's own /tmp (a tmpfs CRIU carries along): a host file would be
         # an fd CRIU cannot place in the container's mount namespace.
         shell = 'exec "$@" >>/tmp/worker.log 2>&1'
@@ -129,6 +140,10 @@ class RuncRuntime:
         mounts += [
             {"destination": b, "type": "bind", "source": b, "options": ["rbind", "ro"]}
             for b in self.host_binds
+        ]
+        mounts += [
+            {"destination": b, "type": "bind", "source": b, "options": ["rbind", "rw"]}
+            for b in self.writable_binds
         ]
         return {
             "ociVersion": "1.0.2",
