@@ -1,69 +1,116 @@
-"""`dynamo-snapshot demo`: the local, one-machine experience.
+"""`dynamo-snapshot demo`: the whole story on one machine, with real parts and real measurements.
 
-Today it brings up the real local control plane with the CRDs and fake GPU nodes and tells you how to use
-it; the full Auto-mode story (cold start, checkpoint, scale-up and failover by restore) is built on top of
-this by the controller and agent.
+It starts the local control plane (etcd, kube-apiserver, scheduler, controller-manager, kwok with fake
+H200 nodes), Prometheus, the controller and one node agent per node (workers in runc containers, CRIU
+checkpoint/restore), applies a DynamoGraphDeployment in Auto mode running the CPU reference worker, then:
+cold start and checkpoint, load-driven scale-up by restore, a killed worker replaced by restore, and the
+scale-down. It ends with a table of measured times, `summary.json` and a PNG of load and replicas, and
+cleans up after itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import shutil
 import signal
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
-from dynamo_snapshot.api import crdgen
-from dynamo_snapshot.localcluster import LocalCluster, LocalClusterError
-from dynamo_snapshot.localcluster.cluster import ClusterOptions
+from dynamo_snapshot.cli.demo.report import plot, table
+from dynamo_snapshot.cli.demo.scenario import Profile, Scenario
+from dynamo_snapshot.cli.demo.stack import DemoError, Stack
+from dynamo_snapshot.cli.logs import setup_logging
+from dynamo_snapshot.criu import CriuError
+from dynamo_snapshot.localcluster import LocalClusterError
 from dynamo_snapshot.localcluster.components import ComponentsMissingError
+from dynamo_snapshot.localcluster.prometheus import LocalPrometheusError
+
+EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+_FAILURES = (DemoError, LocalClusterError, ComponentsMissingError, LocalPrometheusError, CriuError)
 
 
 def register(sub: Any) -> None:
-    p: argparse.ArgumentParser = sub.add_parser("demo", help="run the local demo on this machine")
-    p.add_argument("--workdir", type=Path, help="where cluster state and logs go (default: a temp dir)")
+    p: argparse.ArgumentParser = sub.add_parser(
+        "demo",
+        help="run the local demo: cold start, checkpoint, scale-up and failover by restore",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+    )
+    p.add_argument("--out", type=Path, default=Path("demo-results"), help="where summary.json and the PNG go")
+    p.add_argument("--workdir", type=Path, help="cluster state, artifacts and logs (default: a temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the workdir (logs, artifacts) afterwards")
     p.add_argument("--apiserver-port", type=int, help="fixed kube-apiserver port (default: a free one)")
-    p.add_argument("--gpu-nodes", type=int, default=2, help="fake GPU nodes to create (default 2)")
-    p.add_argument("--no-wait", action="store_true", help="tear down right after set-up (for scripts)")
+    p.add_argument("--gpu-nodes", type=int, default=3, help="fake GPU nodes, one node agent each (default 3)")
+    p.add_argument("--quick", action="store_true", help="a smaller worker and a shorter story (tests, CI)")
+    p.add_argument(
+        "--setup-only",
+        action="store_true",
+        help="only bring up the control plane, CRDs and nodes, print how to reach them, and stop",
+    )
+    p.add_argument("--hold", action="store_true", help="after the story, keep everything up until Ctrl-C")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dynamo-snapshot-demo-"))
-    cluster = LocalCluster(workdir, options=ClusterOptions(apiserver_port=args.apiserver_port))
+    own_workdir = args.workdir is None
+    # Not under /tmp: the workers' registration directory is bind-mounted into their containers, whose
+    # /tmp is a tmpfs of their own.
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dynamo-snapshot-demo-", dir="/var/tmp"))
     try:
-        with console.status("starting the local control plane") as status:
-            cluster.start(progress=lambda m: status.update(m))
-            crd_names = []
-            for name, text in sorted(crdgen.render_crds().items()):
-                applied = cluster.kubectl("apply", "--server-side", "-f", "-", "-o", "name", input=text)
-                crd_names += applied.stdout.split()
-                console.log(f"installed {name}")
-            cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", *crd_names)
-            for i in range(args.gpu_nodes):
-                cluster.add_gpu_node(f"gpu-node-{i}")
-        console.print(f"[green]ready[/] control plane at {cluster.server}, {args.gpu_nodes} fake H200 nodes")
-        console.print(f"  export KUBECONFIG={cluster.kubeconfig}")
-        console.print(f"  export PATH={cluster.components.bin_dir}:$PATH")
-        console.print("  kubectl get nodes -L nvidia.com/gpu.product; kubectl get dgd,dckpt -A")
-        console.print(f"  logs: {workdir / 'logs'}")
-        if not args.no_wait:
-            console.print("Press Ctrl-C to stop and clean up.")
-            _wait_for_signal()
-    except (LocalClusterError, ComponentsMissingError) as e:
-        console.print(f"[red]demo failed:[/] {e}")
-        return 1
+        return asyncio.run(_main(args, console, workdir))
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]")
+        return EXIT_INTERRUPTED
     finally:
-        cluster.stop()
-    return 0
+        if own_workdir and not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+        elif args.keep:
+            console.print(f"workdir kept: {workdir}")
 
 
-def _wait_for_signal() -> None:
-    stop = threading.Event()
+async def _main(args: argparse.Namespace, console: Console, workdir: Path) -> int:
+    args.out.mkdir(parents=True, exist_ok=True)
+    setup_logging("info", path=args.out / "components.jsonl")  # controller and agents
+    stack = Stack(workdir, nodes=args.gpu_nodes, apiserver_port=args.apiserver_port, say=console.log)
+    try:
+        if args.setup_only:
+            await stack.start_cluster()
+            assert stack.cluster is not None
+            console.print(
+                f"[green]ready[/] control plane at {stack.cluster.server}, {args.gpu_nodes} fake H200 nodes"
+            )
+            console.print(f"  export KUBECONFIG={stack.cluster.kubeconfig}")
+            console.print(f"  export PATH={stack.cluster.components.bin_dir}:$PATH")
+            return EXIT_OK
+        await stack.start()
+        scenario = Scenario(stack, Profile.quick() if args.quick else Profile(), console.log)
+        results = await scenario.run()
+        (args.out / "summary.json").write_text(json.dumps(scenario.summary(), indent=1))
+        console.print(table(results))
+        why_not = plot(scenario.timeline, args.out / "demo.png")
+        console.print(why_not or f"plot: {args.out / 'demo.png'}")
+        console.print(f"summary: {args.out / 'summary.json'}")
+        if args.hold:
+            assert stack.cluster is not None
+            console.print(f"holding; KUBECONFIG={stack.cluster.kubeconfig}; Ctrl-C to clean up")
+            await _wait_for_signal()
+        return EXIT_OK
+    except _FAILURES as e:
+        console.print(f"[red]demo failed:[/] {e}")
+        return EXIT_FAILED
+    finally:
+        with console.status("cleaning up"):
+            await stack.stop()
+
+
+async def _wait_for_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

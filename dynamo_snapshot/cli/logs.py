@@ -6,6 +6,7 @@ import json
 import logging
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
@@ -25,8 +26,9 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
-def setup_logging(level: str = "info") -> None:
-    handler = logging.StreamHandler(sys.stderr)
+def setup_logging(level: str = "info", path: Path | None = None) -> None:
+    """JSON lines to stderr, or to `path` (the demo keeps its console for the story)."""
+    handler: logging.Handler = logging.FileHandler(path) if path else logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
     logging.Formatter.converter = time.gmtime
     root = logging.getLogger()

@@ -74,7 +74,7 @@ def test_demo_reports_missing_components_in_one_line(tmp_path: Path) -> None:
             "-m",
             "dynamo_snapshot.cli.main",
             "demo",
-            "--no-wait",
+            "--setup-only",
             "--workdir",
             str(tmp_path / "w"),
         ],
@@ -97,7 +97,7 @@ def test_demo_brings_up_cluster_with_crds_and_gpu_nodes(tmp_path: Path) -> None:
             "-m",
             "dynamo_snapshot.cli.main",
             "demo",
-            "--no-wait",
+            "--setup-only",
             "--gpu-nodes",
             "1",
             "--workdir",
@@ -111,4 +111,4 @@ def test_demo_brings_up_cluster_with_crds_and_gpu_nodes(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "ready" in proc.stderr
     assert "1 fake H200 nodes" in proc.stderr
-    assert "nvidia.com_dynamocheckpoints.yaml" in proc.stderr
+    assert "CRDs installed" in proc.stderr

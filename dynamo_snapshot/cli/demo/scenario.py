@@ -1,0 +1,346 @@
+"""The demo's story, step by step, with every time measured as it happens: a DGD in Auto mode cold-starts
+its first worker while its checkpoint is taken, load makes a DynamoScalingPolicy scale it up by restore,
+a killed worker is replaced by restore, and the load going away scales it back down."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, TypeVar
+
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.cli.demo.stack import CPU_WORKER, NAMESPACE, DemoError, Stack, worker_env
+from dynamo_snapshot.cli.demo.traffic import Load, Sample, Timeline
+from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD, SCALING_POLICY
+from dynamo_snapshot.controller.runtime import POD, ApiError, Kube, Obj, is_not_found
+
+GRAPH, SERVICE = "demo", "CpuWorker"
+SELECTOR = f"{protocol.LABEL_GRAPH}={GRAPH}"
+T = TypeVar("T")
+
+
+@dataclass
+class Profile:
+    """How big and how long: the default shows the story at a readable pace, `quick` is for tests."""
+
+    weights_mib: int = 256
+    compile_rounds: int = 8_000_000
+    peak_rps: float = 60.0
+    low_rps: float = 4.0
+    max_replicas: int = 4
+    scale_down_window_s: int = 20
+    show_scale_down: bool = True
+    settle_s: float = 10.0  # load kept on after the failover, to show the service whole again
+
+    @classmethod
+    def quick(cls) -> Profile:
+        return cls(
+            weights_mib=64,
+            compile_rounds=1_000_000,
+            peak_rps=40.0,
+            max_replicas=3,
+            show_scale_down=False,
+            settle_s=3.0,
+        )
+
+
+@dataclass
+class PodRecord:
+    name: str
+    mode: str
+    seen: float
+    node: str | None = None
+    serving: float | None = None
+    gone: float | None = None
+    restore_timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def startup_s(self) -> float | None:
+        return None if self.serving is None else self.serving - self.seen
+
+
+@dataclass
+class Results:
+    cold_start_s: float | None = None
+    checkpoint_s: float | None = None
+    artifact_mib: float | None = None
+    restore_s: list[float] = field(default_factory=list)
+    restore_phases: dict[str, float] = field(default_factory=dict)
+    failover_s: float | None = None
+    scaled_to: int | None = None
+    scaled_down_to: int | None = None
+    requests_ok: int = 0
+    requests_failed: int = 0
+
+
+def dgd_manifest(profile: Profile, endpoint_dir: str) -> Obj:
+    env = {
+        **worker_env(),
+        "WORKER_ENDPOINT_DIR": endpoint_dir,
+        "WORKER_WEIGHTS_MIB": str(profile.weights_mib),
+        "WORKER_COMPILE_ROUNDS": str(profile.compile_rounds),
+    }
+    return {
+        "apiVersion": f"{protocol.API_GROUP}/{protocol.API_VERSION}",
+        "kind": "DynamoGraphDeployment",
+        "metadata": {"name": GRAPH},
+        "spec": {
+            "backendFramework": "vllm",
+            "services": {
+                SERVICE: {
+                    "componentType": "worker",
+                    "replicas": 1,
+                    "resources": {"limits": {"gpu": "1"}},
+                    "extraPodSpec": {
+                        "mainContainer": {
+                            "image": "local/cpu-reference-worker:demo",
+                            "command": [sys.executable, str(CPU_WORKER)],
+                            "env": [{"name": k, "value": v} for k, v in env.items()],
+                        }
+                    },
+                    "checkpoint": {
+                        "enabled": True,
+                        "mode": "Auto",
+                        "identity": {"model": "cpu-reference", "backendFramework": "vllm"},
+                    },
+                }
+            },
+        },
+    }
+
+
+def policy_manifest(profile: Profile) -> Obj:
+    return {
+        "apiVersion": f"{protocol.API_GROUP}/{protocol.API_VERSION}",
+        "kind": "DynamoScalingPolicy",
+        "metadata": {"name": "demo-queue"},
+        "spec": {
+            "target": {"dgdName": GRAPH, "serviceName": SERVICE},
+            "minReplicas": 1,
+            "maxReplicas": profile.max_replicas,
+            "metrics": [
+                {"name": "waiting", "query": "sum(vllm:num_requests_waiting)", "targetPerReplica": 4}
+            ],
+            "evaluationIntervalSeconds": 1,
+            "scaleDown": {
+                "stabilizationWindowSeconds": profile.scale_down_window_s,
+                "graceSeconds": 0,
+                "maxStep": profile.max_replicas,
+            },
+        },
+    }
+
+
+class Scenario:
+    def __init__(self, stack: Stack, profile: Profile, say: Callable[[str], None]) -> None:
+        self.stack = stack
+        self.profile = profile
+        self.say = say
+        assert stack.kube is not None
+        self.kube: Kube = stack.kube
+        self.pods: dict[str, PodRecord] = {}
+        self.timeline = Timeline()
+        self.results = Results()
+        self.load = Load(self._serving_endpoints)
+        self.desired = 0
+        self._watcher: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ watching
+    def _serving_endpoints(self) -> list[Any]:
+        live = {r.name for r in self.pods.values() if r.serving is not None and r.gone is None}
+        return [e for name, e in sorted(self.stack.endpoints().items()) if name in live]
+
+    async def _watch(self) -> None:
+        next_sample = 0.0
+        while True:
+            now = self.timeline.now()
+            items, _ = await self.kube.list_all(POD, NAMESPACE, label_selector=SELECTOR)
+            names = set()
+            for pod in items:
+                name = pod["metadata"]["name"]
+                if pod["metadata"].get("deletionTimestamp"):
+                    continue
+                names.add(name)
+                rec = self.pods.get(name)
+                if rec is None:
+                    mode = pod["metadata"]["labels"].get(protocol.LABEL_START_MODE, "?")
+                    rec = self.pods[name] = PodRecord(name, mode, now)
+                rec.node = (pod.get("spec") or {}).get("nodeName")
+                timings = (pod["metadata"].get("annotations") or {}).get(protocol.ANNOTATION_RESTORE_TIMINGS)
+                if timings and not rec.restore_timings:
+                    rec.restore_timings = {k: float(v) for k, v in json.loads(timings).items()}
+            for rec in self.pods.values():
+                if rec.gone is None and rec.name not in names:
+                    rec.gone = now
+                    self.stack.forget_endpoint(rec.name)
+            await self._check_serving()
+            if now >= next_sample:
+                try:
+                    dgd = await self.kube.get(DGD, GRAPH, NAMESPACE)
+                    self.desired = int(dgd["spec"]["services"][SERVICE].get("replicas") or 0)
+                except ApiError as e:
+                    if not is_not_found(e):  # not created yet
+                        raise
+                serving = sum(1 for r in self.pods.values() if r.serving is not None and r.gone is None)
+                self.timeline.samples.append(
+                    Sample(now, self.load.rps, self.load.in_flight, self.desired, serving)
+                )
+                next_sample = now + 0.5
+            await asyncio.sleep(0.1)
+
+    async def _check_serving(self) -> None:
+        endpoints = self.stack.endpoints()
+        waiting = [
+            r for r in self.pods.values() if r.serving is None and r.gone is None and r.name in endpoints
+        ]
+        if not waiting:
+            return
+        healthy = await asyncio.gather(*(asyncio.to_thread(endpoints[r.name].healthy) for r in waiting))
+        now = self.timeline.now()
+        for rec, ok in zip(waiting, healthy, strict=True):
+            if ok:
+                rec.serving = now
+                self.say(f"  pod {rec.name} ({rec.mode}) serving after {rec.startup_s:.2f}s on {rec.node}")
+
+    async def _until(self, what: str, check: Callable[[], Awaitable[T | None]], within: float) -> T:
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            if self._watcher is not None and self._watcher.done():
+                self._watcher.result()  # raises what stopped it
+                raise DemoError("the demo's pod watcher stopped")
+            got = await check()
+            if got is not None and got is not False:
+                return got
+            await asyncio.sleep(0.2)
+        raise DemoError(f"timed out after {within:.0f}s waiting for {what}")
+
+    # ------------------------------------------------------------------ the story
+    async def run(self) -> Results:
+        watcher = self._watcher = asyncio.create_task(self._watch())
+        self.load.start()
+        try:
+            await self._cold_start_and_checkpoint()
+            await self._scale_up_by_restore()
+            await self._failover()
+            if self.profile.show_scale_down:
+                await self._scale_down()
+        finally:
+            self.load.stop()
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+        self.results.requests_ok, self.results.requests_failed = self.load.ok, self.load.failed
+        return self.results
+
+    async def _cold_start_and_checkpoint(self) -> None:
+        self.say(
+            "[1/4] DynamoGraphDeployment in Auto mode: the first worker starts cold, the checkpoint is taken"
+        )
+        self.timeline.mark("DGD applied")
+        applied = self.timeline.now()
+        await self.kube.create(DGD, dgd_manifest(self.profile, str(self.stack.endpoint_dir)), NAMESPACE)
+
+        async def cold_serving() -> PodRecord | None:
+            return next((r for r in self.pods.values() if r.mode == "cold" and r.serving is not None), None)
+
+        cold = await self._until("the cold-started worker to serve", cold_serving, 300)
+        self.results.cold_start_s = cold.startup_s
+        self.timeline.mark("cold worker serving")
+
+        async def checkpoint_ready() -> Obj | None:
+            items, _ = await self.kube.list_all(CHECKPOINT, NAMESPACE)
+            ready = [c for c in items if (c.get("status") or {}).get("phase") == "Ready"]
+            failed = [c for c in items if (c.get("status") or {}).get("phase") == "Failed"]
+            if failed:
+                raise DemoError(f"checkpoint failed: {failed[0]['status'].get('message')}")
+            return ready[0] if ready else None
+
+        ckpt = await self._until("the checkpoint to be Ready", checkpoint_ready, 300)
+        self.results.checkpoint_s = self.timeline.now() - applied
+        self.timeline.mark("checkpoint Ready")
+        artifact = self.stack.workdir / "artifacts" / ckpt["status"]["identityHash"]
+        size = sum(p.stat().st_size for p in artifact.rglob("*") if p.is_file())
+        self.results.artifact_mib = size / 2**20
+        self.say(
+            f"  checkpoint {ckpt['metadata']['name']} Ready {self.results.checkpoint_s:.1f}s after the DGD "
+            f"was applied ({self.results.artifact_mib:.0f} MiB artifact)"
+        )
+
+    async def _scale_up_by_restore(self) -> None:
+        p = self.profile
+        self.say(
+            f"[2/4] load at {p.peak_rps:.0f} req/s, a DynamoScalingPolicy on the queue: scale-up by restore"
+        )
+        await self.kube.create(SCALING_POLICY, policy_manifest(p), NAMESPACE)
+        self.load.rps = p.peak_rps
+        self.timeline.mark("load up")
+
+        async def scaled() -> list[PodRecord] | None:
+            restored = [r for r in self.pods.values() if r.mode == "restore" and r.serving is not None]
+            return restored if self.desired >= 2 and len(restored) >= self.desired - 1 else None
+
+        restored = await self._until("restored replicas to serve", scaled, 180)
+        self.results.scaled_to = self.desired
+        self.results.restore_s = [r.startup_s for r in restored if r.startup_s is not None]
+        phases: dict[str, list[float]] = {}
+        for r in restored:
+            for k, v in r.restore_timings.items():
+                phases.setdefault(k, []).append(v)
+        self.results.restore_phases = {k: statistics.median(v) for k, v in phases.items()}
+        self.timeline.mark(f"scaled to {self.desired}")
+
+    async def _failover(self) -> None:
+        self.say("[3/4] a restored worker's process is killed: the replacement is restored too")
+        victim = next(r for r in self.pods.values() if r.mode == "restore" and r.serving and r.gone is None)
+        pod = await self.kube.get(POD, victim.name, NAMESPACE)
+        pid = await self.stack.worker_pid(pod)
+        if pid is None:
+            raise DemoError(f"could not find the process of pod {victim.name}")
+        before = set(self.pods)
+        killed = self.timeline.now()
+        self.stack.forget_endpoint(victim.name)
+        os.kill(pid, signal.SIGKILL)
+        self.timeline.mark(f"killed {victim.name}")
+        self.say(f"  killed pid {pid} of {victim.name} on {victim.node}")
+
+        async def replaced() -> PodRecord | None:
+            return next(
+                (r for n, r in self.pods.items() if n not in before and r.mode == "restore" and r.serving),
+                None,
+            )
+
+        new = await self._until("the replacement worker to serve", replaced, 120)
+        assert new.serving is not None
+        self.results.failover_s = new.serving - killed
+        self.timeline.mark("replacement serving")
+        await asyncio.sleep(self.profile.settle_s)
+        self.say(
+            f"  {new.name} restored on {new.node}, serving {self.results.failover_s:.2f}s after the kill"
+        )
+
+    async def _scale_down(self) -> None:
+        self.say(f"[4/4] load drops to {self.profile.low_rps:.0f} req/s: the policy scales back down")
+        self.load.rps = self.profile.low_rps
+        self.timeline.mark("load down")
+        peak = self.desired
+
+        async def down() -> int | None:
+            return self.desired if self.desired < peak else None
+
+        window = self.profile.scale_down_window_s
+        self.results.scaled_down_to = await self._until("the scale-down", down, window + 60)
+        self.timeline.mark(f"scaled to {self.results.scaled_down_to}")
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "results": asdict(self.results),
+            "pods": [asdict(r) for r in self.pods.values()],
+            "timeline": [asdict(s) for s in self.timeline.samples],
+            "marks": self.timeline.marks,
+        }

@@ -1,0 +1,193 @@
+"""Everything the demo runs, on one machine: the local control plane with fake GPU nodes, Prometheus,
+the controller, one node agent per node (runc containers, so several restored replicas of one checkpoint
+fit on one host), and the reference worker's registrations (who serves where)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import sys
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dynamo_snapshot.agent.executor import Executor
+from dynamo_snapshot.agent.runtime import RuncRuntime
+from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent, workload_key
+from dynamo_snapshot.api import crdgen
+from dynamo_snapshot.artifact import ArtifactStore
+from dynamo_snapshot.controller.manager import Controller, ControllerConfig
+from dynamo_snapshot.controller.runtime import Kube, Obj, load_client
+from dynamo_snapshot.criu import Criu
+from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot.localcluster.cluster import ClusterOptions
+from dynamo_snapshot.localcluster.prometheus import LocalPrometheus
+
+NAMESPACE = "demo"
+REPO = Path(__file__).resolve().parents[3]
+CPU_WORKER = REPO / "examples" / "reference_worker" / "cpu_worker.py"
+GPU_WORKER = REPO / "examples" / "reference_worker" / "worker.py"
+
+
+class DemoError(RuntimeError):
+    """A one-line reason the demo cannot go on."""
+
+
+@dataclass
+class Endpoint:
+    pod: str
+    address: str  # host:port
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.address}/health", timeout=1) as r:
+                return bool(r.status == 200)
+        except OSError:
+            return False
+
+
+@dataclass
+class Stack:
+    workdir: Path
+    nodes: int = 3
+    apiserver_port: int | None = None
+    say: Callable[[str], None] = print
+    cluster: LocalCluster | None = None
+    prometheus: LocalPrometheus | None = None
+    kube: Kube | None = None
+    runtimes: dict[str, RuncRuntime] = field(default_factory=dict)
+    _api: Any = None
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def endpoint_dir(self) -> Path:
+        return self.workdir / "endpoints"
+
+    # ------------------------------------------------------------------ start / stop
+    async def start_cluster(self) -> None:
+        self.cluster = LocalCluster(
+            self.workdir / "cluster", options=ClusterOptions(apiserver_port=self.apiserver_port)
+        )
+        await asyncio.to_thread(self.cluster.start, progress=self.say)
+        await asyncio.to_thread(self._install)
+
+    async def start(self) -> None:
+        """The cluster, then Prometheus, the controller and the agents."""
+        if shutil.which("runc") is None:
+            raise DemoError("runc is missing: run scripts/test-env.sh (it installs the Debian package)")
+        if not CPU_WORKER.exists():
+            raise DemoError(f"{CPU_WORKER} is missing: run the demo from a checkout of the repository")
+        criu = Criu(None)
+        await criu.require()
+        self.endpoint_dir.mkdir(parents=True, exist_ok=True)
+        await self.start_cluster()
+        assert self.cluster is not None
+        self.prometheus = LocalPrometheus([], workdir=self.workdir / "prometheus", scrape_interval_s=0.5)
+        await asyncio.to_thread(self.prometheus.start)
+        self.say(f"prometheus at {self.prometheus.url}")
+        self._api = await load_client(str(self.cluster.kubeconfig))
+        self.kube = Kube(self._api, field_manager="dynamo-snapshot-demo")
+        config = ControllerConfig(
+            leader_elect=False,
+            metrics_port=0,
+            resync_seconds=30,
+            prometheus_url=self.prometheus.url,
+        )
+        controller = Controller(Kube(self._api, field_manager="dynamo-snapshot-controller"), config)
+        self._tasks.append(asyncio.create_task(controller.run_until(self._stop), name="controller"))
+        store = ArtifactStore(self.workdir / "artifacts")  # shared by all nodes, like a RWX volume
+        binds = ["/usr", "/etc", "/opt", sys.prefix, sys.base_prefix, str(REPO)]
+        for i in range(self.nodes):
+            node = f"gpu-node-{i}"
+            base = self.workdir / "nodes" / node
+            runtime = RuncRuntime(
+                base / "state",
+                base / "control",
+                criu_binary=criu.binary,
+                host_binds=binds,
+                writable_binds=[str(self.endpoint_dir)],
+            )
+            self.runtimes[node] = runtime
+            executor = Executor(runtime, store, criu, node_name=node)
+            agent = NodeAgent(
+                Kube(self._api, field_manager="dynamo-snapshot-agent"),
+                executor,
+                runtime,
+                AgentSettings(node_name=node, launch_workloads=True, ready_timeout=600),
+            )
+            self._tasks.append(asyncio.create_task(agent.run_until(self._stop), name=f"agent-{node}"))
+        self._tasks.append(asyncio.create_task(self._scrape_workers(), name="discovery"))
+        self.say(f"controller and {self.nodes} node agents (runc) running")
+
+    def _install(self) -> None:
+        assert self.cluster is not None
+        names = []
+        for _, text in sorted(crdgen.render_crds().items()):
+            names += self.cluster.kubectl(
+                "apply", "--server-side", "-f", "-", "-o", "name", input=text
+            ).stdout.split()
+        self.cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", *names)
+        for i in range(self.nodes):
+            self.cluster.add_gpu_node(f"gpu-node-{i}")
+        self.cluster.kubectl("create", "namespace", NAMESPACE)
+        self.say(f"CRDs installed, {self.nodes} fake H200 nodes, namespace {NAMESPACE}")
+
+    async def stop(self) -> None:
+        self._stop.set()
+        for task in self._tasks:
+            if task.get_name() == "discovery":
+                task.cancel()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*self._tasks, return_exceptions=True), timeout=30)
+        for runtime in self.runtimes.values():
+            for ctl in sorted(runtime.control_root.glob("*")) if runtime.control_root.exists() else []:
+                with contextlib.suppress(Exception):
+                    await runtime.stop(ctl.name)
+        if self._api is not None:
+            await self._api.close()
+        if self.prometheus is not None:
+            await asyncio.to_thread(self.prometheus.stop)
+        if self.cluster is not None:
+            await asyncio.to_thread(self.cluster.stop)
+
+    # ------------------------------------------------------------------ workers
+    def endpoints(self) -> dict[str, Endpoint]:
+        """Workers that registered (cpu_worker writes <pod>.json once it listens)."""
+        found: dict[str, Endpoint] = {}
+        for path in self.endpoint_dir.glob("*.json"):
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                data = json.loads(path.read_text())
+                found[path.stem] = Endpoint(path.stem, f"{data['host']}:{data['port']}")
+        return found
+
+    async def _scrape_workers(self) -> None:
+        """Point Prometheus at the workers that registered (the demo's service discovery)."""
+        assert self.prometheus is not None
+        current: list[str] = []
+        while True:
+            wanted = sorted(e.address for e in self.endpoints().values())
+            if wanted != current:
+                await asyncio.to_thread(self.prometheus.set_targets, wanted)
+                current = wanted
+            await asyncio.sleep(0.5)
+
+    def forget_endpoint(self, pod: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            (self.endpoint_dir / f"{pod}.json").unlink()
+
+    async def worker_pid(self, pod: Obj) -> int | None:
+        runtime = self.runtimes.get((pod.get("spec") or {}).get("nodeName") or "")
+        if runtime is None:
+            return None
+        workload = await runtime.find(workload_key(pod))
+        return workload.pid if workload is not None else None
+
+
+def worker_env() -> dict[str, str]:
+    return {"PYTHONPATH": str(REPO), "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
