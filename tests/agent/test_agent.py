@@ -306,15 +306,29 @@ async def test_pods_of_other_nodes_are_never_touched(
     assert [p["metadata"]["name"] for p in agent.agent.pods.list()] == ["local"]
 
 
+async def _checkpoint_then_second_node(
+    kube: Kube, namespace: str, gpu_node: Callable[..., Obj], agents: Callable[..., Any]
+) -> AgentHandle:
+    """Two nodes with agents; a source pod checkpointed on the first. Returns the second's agent."""
+    node_a, node_b = (gpu_node()["metadata"]["name"] for _ in range(2))
+    await agents(node_a)
+    b: AgentHandle = await agents(node_b)
+    await kube.create(POD, pod("source", node_a, SOURCE), namespace)
+    await _checkpointed(kube, namespace, "source")
+    return b
+
+
+async def _restored(kube: Kube, namespace: str, name: str) -> None:
+    await eventually(
+        lambda: _status(kube, namespace, name, protocol.ANNOTATION_RESTORE_STATUS, "completed"), within=60
+    )
+
+
 async def test_an_unexpected_error_is_retried(
     api: client.ApiClient, namespace: str, gpu_node: Callable[..., Obj], agents: Callable[..., Any]
 ) -> None:
     kube = Kube(api)
-    node_a, node_b = (gpu_node()["metadata"]["name"] for _ in range(2))
-    await agents(node_a)
-    b = await agents(node_b)
-    await kube.create(POD, pod("source", node_a, SOURCE), namespace)
-    await _checkpointed(kube, namespace, "source")
+    b = await _checkpoint_then_second_node(kube, namespace, gpu_node, agents)
 
     # The first restore attempt hits something the agent does not expect (say, the apiserver timing
     # out while it reads the pod): it must not be the end of that pod.
@@ -329,11 +343,8 @@ async def test_an_unexpected_error_is_retried(
         return await real(*args, **kwargs)
 
     b.agent.executor.restore = flaky  # type: ignore[method-assign]
-    await kube.create(POD, pod("restored", node_b, TARGET), namespace)
-    await eventually(
-        lambda: _status(kube, namespace, "restored", protocol.ANNOTATION_RESTORE_STATUS, "completed"),
-        within=60,
-    )
+    await kube.create(POD, pod("restored", b.node, TARGET), namespace)
+    await _restored(kube, namespace, "restored")
     assert calls == 2
 
 
@@ -349,16 +360,9 @@ async def test_a_killed_restored_worker_is_reported(
     api: client.ApiClient, namespace: str, gpu_node: Callable[..., Obj], agents: Callable[..., Any]
 ) -> None:
     kube = Kube(api)
-    node_a, node_b = (gpu_node()["metadata"]["name"] for _ in range(2))
-    await agents(node_a)
-    b = await agents(node_b)
-    await kube.create(POD, pod("source", node_a, SOURCE), namespace)
-    await _checkpointed(kube, namespace, "source")
-    await kube.create(POD, pod("restored", node_b, TARGET), namespace)
-    await eventually(
-        lambda: _status(kube, namespace, "restored", protocol.ANNOTATION_RESTORE_STATUS, "completed"),
-        within=60,
-    )
+    b = await _checkpoint_then_second_node(kube, namespace, gpu_node, agents)
+    await kube.create(POD, pod("restored", b.node, TARGET), namespace)
+    await _restored(kube, namespace, "restored")
     workload = await _workload(kube, b.runtime, namespace, "restored")
     assert workload is not None
     await asyncio.sleep(0.5)
