@@ -16,6 +16,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dynamo-snapshot",
         description="Start GPU inference replicas in seconds by restoring a checkpointed worker.",
+        epilog=(
+            "first steps:\n"
+            "  dynamo-snapshot demo                 the whole story on this machine (as root)\n"
+            "  dynamo-snapshot identity dgd.yaml    the checkpoint identity hash of each service\n"
+            "  dynamo-snapshot COMMAND --help       what a command does and its flags\n"
+            "\nexit codes: 0 done, 1 failed (one line says why), 2 bad usage, 130 interrupted"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"dynamo-snapshot {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
