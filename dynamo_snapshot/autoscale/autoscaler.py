@@ -98,12 +98,18 @@ class Autoscaler:
         self._sources: dict[tuple[str, float], PrometheusSource] = {}
 
     async def run_until(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            started = self.clock()
-            await self.tick()
-            delay = max(0.0, self.tick_s - (self.clock() - started))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=delay)
+        try:
+            while not stop.is_set():
+                started = self.clock()
+                await self.tick()
+                delay = max(0.0, self.tick_s - (self.clock() - started))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=delay)
+        finally:
+            # Their HTTP sessions' pooled connections; a new leader term opens fresh ones.
+            for source in self._sources.values():
+                source.close()
+            self._sources.clear()
 
     async def tick(self) -> None:
         now = self.clock()
