@@ -3,18 +3,21 @@
     criu = Criu()                                   # explicit path, $DYNSNAP_CRIU, the cache, PATH
     await criu.require(min=(4, 0)) -> CriuVersion   # CriuError("CRIU 3.17 is too old: ...")
     await criu.check() -> str                       # "Looks good." or CriuError
-    await criu.dump(pid, images_dir, *, log_dir=None, leave_running=False, ext_unix_sk=True,
-                    file_locks=True, link_remap=True, tcp_established=False, shell_job=False,
-                    ghost_limit=None, extra_args=()) -> DumpResult(seconds, log_path, image_bytes)
+    await criu.dump(pid, images_dir, *, log_dir=None, leave_running=False, options=TreeOptions(),
+                    link_remap=True, ghost_limit=None, extra_args=())
+        -> DumpResult(seconds, log_path, image_bytes)
     await criu.restore(images_dir, *, log_dir=None, pidfile=None, detach=True, restore_sibling=False,
-                       leave_stopped=False, ext_unix_sk=True, file_locks=True, tcp_established=False,
-                       shell_job=False, extra_args=()) -> RestoreResult(pid, seconds, log_path)
+                       leave_stopped=False, options=TreeOptions(), extra_args=())
+        -> RestoreResult(pid, seconds, log_path)
+
+TreeOptions (unix sockets, file locks, TCP, shell job) is one value for both: a restore must repeat the
+dump's choices.
 
 Every failure is a ``CriuError`` whose text quotes the relevant lines of CRIU's -v4 log.
 ``dump_argv``/``restore_argv`` build the command lines as pure functions.
 """
 
-from dynamo_snapshot.criu.argv import dump_argv, restore_argv
+from dynamo_snapshot.criu.argv import TreeOptions, dump_argv, restore_argv
 from dynamo_snapshot.criu.errors import CriuError
 from dynamo_snapshot.criu.runner import ENV_CRIU, MIN_VERSION, Criu, DumpResult, RestoreResult, find_criu
 from dynamo_snapshot.criu.version import CriuVersion
@@ -27,6 +30,7 @@ __all__ = [
     "CriuVersion",
     "DumpResult",
     "RestoreResult",
+    "TreeOptions",
     "dump_argv",
     "find_criu",
     "restore_argv",

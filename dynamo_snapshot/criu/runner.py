@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dynamo_snapshot.criu.argv import dump_argv, restore_argv
+from dynamo_snapshot.criu.argv import DEFAULT_TREE_OPTIONS, TreeOptions, dump_argv, restore_argv
 from dynamo_snapshot.criu.errors import CriuError, log_excerpt, summary_line
 from dynamo_snapshot.criu.version import CriuVersion
 from dynamo_snapshot.localcluster.components import cache_dir
@@ -168,11 +168,8 @@ class Criu:
         *,
         log_dir: Path | None = None,
         leave_running: bool = False,
-        ext_unix_sk: bool = True,
-        file_locks: bool = True,
+        options: TreeOptions = DEFAULT_TREE_OPTIONS,
         link_remap: bool = True,
-        tcp_established: bool = False,
-        shell_job: bool = False,
         ghost_limit: int | None = None,
         extra_args: Sequence[str] = (),
     ) -> DumpResult:
@@ -190,11 +187,8 @@ class Criu:
             work_dir=work_dir,
             log_file=log_path.name,
             leave_running=leave_running,
-            ext_unix_sk=ext_unix_sk,
-            file_locks=file_locks,
+            options=options,
             link_remap=link_remap,
-            tcp_established=tcp_established,
-            shell_job=shell_job,
             ghost_limit=ghost_limit,
             extra_args=extra_args,
         )
@@ -215,10 +209,7 @@ class Criu:
         detach: bool = True,
         restore_sibling: bool = False,
         leave_stopped: bool = False,
-        ext_unix_sk: bool = True,
-        file_locks: bool = True,
-        tcp_established: bool = False,
-        shell_job: bool = False,
+        options: TreeOptions = DEFAULT_TREE_OPTIONS,
         extra_args: Sequence[str] = (),
     ) -> RestoreResult:
         """Restore the tree dumped in ``images_dir``; it comes back with its original pids.
@@ -239,10 +230,7 @@ class Criu:
             detach=detach,
             restore_sibling=restore_sibling,
             leave_stopped=leave_stopped,
-            ext_unix_sk=ext_unix_sk,
-            file_locks=file_locks,
-            tcp_established=tcp_established,
-            shell_job=shell_job,
+            options=options,
             extra_args=extra_args,
         )
         started = time.monotonic()

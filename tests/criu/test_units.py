@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dynamo_snapshot.criu import Criu, CriuError, CriuVersion, dump_argv, restore_argv
+from dynamo_snapshot.criu import Criu, CriuError, CriuVersion, TreeOptions, dump_argv, restore_argv
 from dynamo_snapshot.criu.errors import log_excerpt, summary_line
 
 DUMP_LOG = """\
@@ -67,11 +67,8 @@ def test_dump_argv_options() -> None:
         Path("/img"),
         work_dir=Path("/logs"),
         leave_running=True,
-        ext_unix_sk=False,
-        file_locks=False,
+        options=TreeOptions(ext_unix_sk=False, file_locks=False, tcp_established=True, shell_job=True),
         link_remap=False,
-        tcp_established=True,
-        shell_job=True,
         ghost_limit=64 << 20,
         extra_args=("--manage-cgroups", "ignore"),
     )
@@ -100,7 +97,12 @@ def test_restore_argv() -> None:
     assert "--restore-sibling" not in argv
     assert "--leave-stopped" not in argv
     argv = restore_argv(
-        Path("/img"), Path("/p"), detach=False, restore_sibling=True, tcp_established=True, leave_stopped=True
+        Path("/img"),
+        Path("/p"),
+        detach=False,
+        restore_sibling=True,
+        options=TreeOptions(tcp_established=True),
+        leave_stopped=True,
     )
     assert "--restore-detached" not in argv
     assert "--restore-sibling" in argv
