@@ -17,6 +17,7 @@ from dynamo_snapshot.agent.runtime import ProcessRuntime, RuncRuntime, Runtime
 from dynamo_snapshot.agent.runtime.runc import DEFAULT_HOST_BINDS
 from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent
 from dynamo_snapshot.artifact import ArtifactStore
+from dynamo_snapshot.cli.health import start_health_server
 from dynamo_snapshot.cli.service import load_settings, run_service
 from dynamo_snapshot.controller.runtime import Kube, load_client
 from dynamo_snapshot.criu import Criu
@@ -35,6 +36,7 @@ class AgentConfig(BaseModel):
     launch_workloads: bool = Field(default=False, description="local/dev nodes: start pods' main containers")
     ready_timeout_seconds: float = Field(default=3600, gt=0)
     metrics_port: int = Field(default=9090, ge=0, le=65535)
+    health_port: int = Field(default=8082, ge=0, le=65535, description="/healthz and /readyz; 0 disables")
     criu: Path | None = None
     host_binds: list[str] = Field(
         default_factory=lambda: list(DEFAULT_HOST_BINDS),
@@ -51,6 +53,7 @@ _FLAGS = (
     "launch_workloads",
     "ready_timeout_seconds",
     "metrics_port",
+    "health_port",
     "criu",
 )
 
@@ -76,6 +79,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--ready-timeout-seconds", type=float, help="how long a worker may take to get ready")
     p.add_argument("--metrics-port", type=int, help="Prometheus metrics port, 0 disables (default 9090)")
+    p.add_argument("--health-port", type=int, help="/healthz and /readyz port, 0 disables (default 8082)")
     p.add_argument("--criu", type=Path, help="criu binary (default: $DYNSNAP_CRIU, cache, PATH)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(run=run)
@@ -108,10 +112,30 @@ def run(args: argparse.Namespace) -> int:
     )
 
 
+def readiness(agent: NodeAgent) -> str | None:
+    """None once the agent sees every pod of its node; before that it could miss a restore target."""
+    if agent.pods.has_synced.is_set():
+        return None
+    return f"pods of node {agent.settings.node_name} not listed yet"
+
+
 async def _main(config: AgentConfig, kubeconfig: str | None, stop: asyncio.Event) -> None:
-    await Criu(config.criu).require()
-    if config.metrics_port:
-        start_http_server(config.metrics_port)
-    api_client = await load_client(kubeconfig)
-    async with api_client:
-        await build(config, Kube(api_client, field_manager="dynamo-snapshot-agent")).run_until(stop)
+    holder: list[NodeAgent] = []
+
+    def ready() -> str | None:
+        return readiness(holder[0]) if holder else "starting"
+
+    # First, so that a slow start (CRIU check, API server) reads as not ready rather than not alive.
+    health = await start_health_server(config.health_port, ready=ready)
+    try:
+        await Criu(config.criu).require()
+        if config.metrics_port:
+            start_http_server(config.metrics_port)
+        api_client = await load_client(kubeconfig)
+        async with api_client:
+            agent = build(config, Kube(api_client, field_manager="dynamo-snapshot-agent"))
+            holder.append(agent)
+            await agent.run_until(stop)
+    finally:
+        if health is not None:
+            await health.close()

@@ -7,13 +7,24 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import start_http_server
+from prometheus_client import REGISTRY, start_http_server
+from pydantic import Field
 
+from dynamo_snapshot.cli.health import start_health_server
 from dynamo_snapshot.cli.service import load_settings, run_service
 from dynamo_snapshot.controller.manager import Controller, ControllerConfig
 from dynamo_snapshot.controller.runtime import Kube, load_client
 
-# flag dest -> ControllerConfig field
+
+class ControllerCommandConfig(ControllerConfig):
+    """ControllerConfig plus what only the process needs (the health endpoints); same YAML file."""
+
+    health_port: int = Field(
+        default=8081, ge=0, le=65535, description="/healthz and /readyz; 0 disables them."
+    )
+
+
+# flag dest -> ControllerCommandConfig field
 _OVERRIDES = (
     "namespace",
     "workers",
@@ -26,6 +37,7 @@ _OVERRIDES = (
     "metrics_port",
     "autoscale",
     "prometheus_url",
+    "health_port",
 )
 
 
@@ -58,6 +70,7 @@ def register(sub: Any) -> None:
         help="run the DynamoScalingPolicy autoscaler (default on)",
     )
     p.add_argument("--prometheus-url", help="Prometheus for policies that name none (http://prometheus:9090)")
+    p.add_argument("--health-port", type=int, help="/healthz and /readyz port, 0 to disable (default 8081)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(run=run)
 
@@ -66,15 +79,41 @@ def run(args: argparse.Namespace) -> int:
     return run_service(
         "controller",
         args,
-        lambda: load_settings(ControllerConfig, args.config, args, _OVERRIDES),
+        lambda: load_settings(ControllerCommandConfig, args.config, args, _OVERRIDES),
         lambda config, stop: _main(config, args.kubeconfig, stop),
     )
 
 
-async def _main(config: ControllerConfig, kubeconfig: str | None, stop: asyncio.Event) -> None:
+def readiness(controller: Controller, config: ControllerConfig) -> str | None:
+    """None when ready: a standby replica is (it can take over), the leader once its caches are synced.
+
+    A standby must count as ready, or a rolling update of a leader-elected Deployment would wait forever
+    for a new pod that cannot lead while the old one holds the Lease.
+    """
+    if config.leader_elect:
+        lease = f"{config.lease_namespace}/{config.lease_name}"
+        # The documented leader gauge is the one public view of the elector, which run_until keeps private.
+        if not REGISTRY.get_sample_value("dynsnap_leader_is_leader", {"lease": lease}):
+            return None
+    waiting = [inf.kind.kind for inf in controller.informers if not inf.has_synced.is_set()]
+    return f"leading; informer caches not synced yet: {', '.join(waiting)}" if waiting else None
+
+
+async def _main(config: ControllerCommandConfig, kubeconfig: str | None, stop: asyncio.Event) -> None:
     if config.metrics_port:
         start_http_server(config.metrics_port)
-    api_client = await load_client(kubeconfig)
-    async with api_client:
-        controller = Controller(Kube(api_client, field_manager="dynamo-snapshot-controller"), config)
-        await controller.run_until(stop)
+    holder: list[Controller] = []
+
+    def ready() -> str | None:
+        return readiness(holder[0], config) if holder else "connecting to the API server"
+
+    health = await start_health_server(config.health_port, ready=ready)
+    try:
+        api_client = await load_client(kubeconfig)
+        async with api_client:
+            controller = Controller(Kube(api_client, field_manager="dynamo-snapshot-controller"), config)
+            holder.append(controller)
+            await controller.run_until(stop)
+    finally:
+        if health is not None:
+            await health.close()

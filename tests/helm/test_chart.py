@@ -1,0 +1,351 @@
+"""The Helm chart rendered by the real helm binary: lint, the objects each value set produces, the schema's
+refusals, and drift against the code it deploys (CRDs, config models, RBAC, the agent's annotations)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+import dynamo_snapshot
+from dynamo_snapshot.agent import watcher
+from dynamo_snapshot.api import crdgen, protocol
+from dynamo_snapshot.cli.agent_cmd import AgentConfig
+from dynamo_snapshot.cli.controller_cmd import ControllerCommandConfig
+from tests.helm.chart import CHART, REPO, Obj, kinds, lint, one, render, rule_triples, template
+
+PVC_ON = {"artifacts": {"persistence": {"enabled": True, "storageClass": "nfs-rwx", "size": "2Ti"}}}
+SERVICE_MONITOR_ON = {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kps"}}}}
+RUNTIME_LOCAL = {"agent": {"runtime": "local", "launchWorkloads": True}}
+WATCH_ONE = {"controller": {"watchNamespace": "team-a", "autoscale": False}}
+MINIMAL = {
+    "rbac": {"create": False},
+    "serviceAccount": {
+        "controller": {"create": False, "name": "own-controller"},
+        "agent": {"create": False, "name": "own-agent"},
+    },
+    "agent": {"admissionPolicy": {"enabled": False}, "seccompProfile": {"install": False}, "metricsPort": 0},
+    "controller": {"metricsPort": 0, "leaderElect": False},
+}
+VALUE_SETS = {
+    "defaults": None,
+    "pvc": PVC_ON,
+    "service-monitor": SERVICE_MONITOR_ON,
+    "runtime-local": RUNTIME_LOCAL,
+    "watch-one-namespace": WATCH_ONE,
+    "minimal": MINIMAL,
+}
+
+
+def _config(objs: list[Obj], component: str) -> dict[str, Any]:
+    cm = one(objs, "ConfigMap", f"-{component}")
+    data = yaml.safe_load(cm["data"]["config.yaml"])
+    assert isinstance(data, dict)
+    return data
+
+
+def _container(workload: Obj, name: str) -> Obj:
+    pod = workload["spec"]["template"]["spec"]
+    return next(c for c in pod["containers"] + pod.get("initContainers", []) if c["name"] == name)
+
+
+# --------------------------------------------------------------------------- lint and versions
+
+
+@pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
+def test_lint_is_clean(values: dict[str, Any] | None) -> None:
+    proc = lint(values)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[WARNING]" not in proc.stdout, proc.stdout
+    assert "[ERROR]" not in proc.stdout, proc.stdout
+
+
+def test_chart_metadata_follows_the_package() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["apiVersion"] == "v2"
+    assert chart["version"] == "0.1.0"
+    assert chart["appVersion"] == dynamo_snapshot.__version__
+
+
+def test_chart_crds_are_the_generated_crds() -> None:
+    """helm/dynamo-snapshot/crds/ holds copies of crds/ (itself generated from the models): same files,
+    same bytes. After `python -m dynamo_snapshot.api.crdgen`, copy crds/*.yaml here."""
+    chart_crds = {p.name: p.read_bytes() for p in (CHART / "crds").glob("*.yaml")}
+    repo_crds = {p.name: p.read_bytes() for p in (REPO / "crds").glob("*.yaml")}
+    assert sorted(chart_crds) == sorted(repo_crds), "the chart's crds/ and crds/ name different files"
+    stale = [name for name in repo_crds if chart_crds[name] != repo_crds[name]]
+    assert not stale, f"helm/dynamo-snapshot/crds/ differs from crds/ in {stale}: cp crds/*.yaml there"
+    rendered = crdgen.render_crds()
+    assert sorted(rendered) == sorted(chart_crds)
+    assert all(chart_crds[n].decode() == text for n, text in rendered.items())
+
+
+# --------------------------------------------------------------------------- defaults
+
+
+def test_defaults_render_every_component_and_nothing_optional() -> None:
+    objs = render()
+    assert kinds(objs) == sorted(
+        ["ServiceAccount"] * 2
+        + ["ConfigMap"] * 3
+        + ["ClusterRole"] * 3
+        + ["ClusterRoleBinding"] * 3
+        + ["Role", "RoleBinding", "Service", "Service", "DaemonSet", "Deployment"]
+        + ["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+    )
+    for o in objs:
+        assert o["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
+        # The controller's informers select worker pods by managed-by=dynamo-snapshot: never ours.
+        assert o["metadata"]["labels"]["app.kubernetes.io/managed-by"] != protocol.MANAGED_BY_VALUE
+
+
+def test_controller_deployment() -> None:
+    objs = render(release="rel", namespace="snap-system")
+    deploy = one(objs, "Deployment", "-controller")
+    pod = deploy["spec"]["template"]["spec"]
+    c = _container(deploy, "controller")
+    assert c["command"] == ["dynamo-snapshot", "controller", "--config", "/etc/dynamo-snapshot/config.yaml"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"metrics": 8080, "health": 8081}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
+    assert set(c["resources"]) == {"requests", "limits"}
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["serviceAccountName"] == "rel-dynamo-snapshot-controller"
+    mount = next(m for m in c["volumeMounts"] if m["mountPath"] == "/etc/dynamo-snapshot")
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["configMap"]["name"] == one(objs, "ConfigMap", "-controller")["metadata"]["name"]
+    assert "checksum/config" in deploy["spec"]["template"]["metadata"]["annotations"]
+
+    # The rendered file is read by the real settings model, which refuses unknown keys.
+    config = ControllerCommandConfig.model_validate(_config(objs, "controller"))
+    assert config.leader_elect is True
+    assert (config.lease_name, config.lease_namespace) == ("dynamo-snapshot-controller", "snap-system")
+    assert config.namespace is None
+    assert (config.metrics_port, config.health_port) == (8080, 8081)
+
+
+def test_agent_daemonset(monkeypatch: pytest.MonkeyPatch) -> None:
+    objs = render()
+    ds = one(objs, "DaemonSet", "-agent")
+    pod = ds["spec"]["template"]["spec"]
+    agent = _container(ds, "agent")
+    assert pod["hostPID"] is True
+    assert agent["securityContext"]["privileged"] is True
+    assert pod["nodeSelector"] == {protocol.LABEL_GPU_PRESENT: "true"}
+    assert agent["command"] == ["dynamo-snapshot", "agent", "--config", "/etc/dynamo-snapshot/config.yaml"]
+    env = {e["name"]: e for e in agent["env"]}
+    assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    ports = {p["name"]: p["containerPort"] for p in agent["ports"]}
+    assert ports == {"metrics": 9090, "health": 8082}
+    assert agent["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert agent["readinessProbe"]["httpGet"]["path"] == "/readyz"
+
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounted = {m["mountPath"]: volumes[m["name"]] for m in agent["volumeMounts"]}
+    for path in (
+        "/run/containerd",
+        "/run/runc",
+        "/var/lib/dynamo-snapshot/artifacts",
+        "/var/lib/dynamo-snapshot/control",
+        "/var/lib/dynamo-snapshot/runtime",
+    ):
+        assert mounted[path]["hostPath"]["path"] == path, path
+
+    monkeypatch.setenv("NODE_NAME", "gpu-0")
+    config = AgentConfig.model_validate(_config(objs, "agent"))
+    assert config.runtime == "runc"
+    assert (config.metrics_port, config.health_port) == (9090, 8082)
+    assert str(config.artifact_root) == "/var/lib/dynamo-snapshot/artifacts"
+    assert str(config.control_root) in mounted
+    assert str(config.state_root) in mounted
+
+
+def test_seccomp_profile_is_installed_for_workloads() -> None:
+    objs = render()
+    cm = one(objs, "ConfigMap", "-seccomp")
+    profile = json.loads(cm["data"]["dynamo-snapshot-no-io-uring.json"])
+    assert profile == {
+        "defaultAction": "SCMP_ACT_ALLOW",
+        "syscalls": [
+            {
+                "names": ["io_uring_setup", "io_uring_enter", "io_uring_register"],
+                "action": "SCMP_ACT_ERRNO",
+                "errnoRet": 38,
+            }
+        ],
+    }
+    ds = one(objs, "DaemonSet", "-agent")
+    pod = ds["spec"]["template"]["spec"]
+    init = _container(ds, "install-seccomp-profile")
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: volumes[m["name"]] for m in init["volumeMounts"]}
+    assert mounts["/profile"]["configMap"]["name"] == cm["metadata"]["name"]
+    assert mounts["/host-seccomp"]["hostPath"]["path"] == "/var/lib/kubelet/seccomp"
+    script = init["command"][-1]
+    assert script.rstrip().endswith("/host-seccomp/profiles/dynamo-snapshot-no-io-uring.json"), (
+        "the profile must land at <kubelet root>/seccomp/profiles/<file>, where Localhost profiles are read"
+    )
+    assert "mv -f" in script
+
+
+# --------------------------------------------------------------------------- optional parts
+
+
+def test_pvc_toggle() -> None:
+    assert not [o for o in render() if o["kind"] == "PersistentVolumeClaim"]
+    objs = render(PVC_ON)
+    pvc = one(objs, "PersistentVolumeClaim")
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert pvc["spec"]["storageClassName"] == "nfs-rwx"
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "2Ti"
+    pod = one(objs, "DaemonSet")["spec"]["template"]["spec"]
+    artifacts = next(v for v in pod["volumes"] if v["name"] == "artifacts")
+    assert artifacts == {"name": "artifacts", "persistentVolumeClaim": {"claimName": pvc["metadata"]["name"]}}
+
+    existing = render({"artifacts": {"persistence": {"enabled": True, "existingClaim": "shared-store"}}})
+    assert not [o for o in existing if o["kind"] == "PersistentVolumeClaim"]
+    pod = one(existing, "DaemonSet")["spec"]["template"]["spec"]
+    claim = next(v for v in pod["volumes"] if v["name"] == "artifacts")["persistentVolumeClaim"]
+    assert claim["claimName"] == "shared-store"
+
+
+def test_service_monitor_toggle() -> None:
+    assert not [o for o in render() if o["kind"] == "ServiceMonitor"]
+    objs = render(SERVICE_MONITOR_ON)
+    monitors = [o for o in objs if o["kind"] == "ServiceMonitor"]
+    assert len(monitors) == 2
+    services = [o for o in objs if o["kind"] == "Service"]
+    for sm in monitors:
+        assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+        assert sm["metadata"]["labels"]["release"] == "kps"
+        assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+        selected = [
+            s
+            for s in services
+            if sm["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
+        ]
+        assert len(selected) == 1, "each ServiceMonitor selects exactly one metrics Service"
+        assert selected[0]["spec"]["ports"][0]["name"] == "metrics"
+
+
+def test_runtime_local() -> None:
+    objs = render(RUNTIME_LOCAL)
+    data = _config(objs, "agent")
+    assert (data["runtime"], data["launchWorkloads"]) == ("local", True)
+    pod = one(objs, "DaemonSet")["spec"]["template"]["spec"]
+    paths = {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    assert not paths & {"/run/containerd", "/run/runc"}, "the local runtime runs no containers"
+
+
+def test_minimal_values_leave_out_rbac_policy_profile_and_metrics() -> None:
+    objs = render(MINIMAL)
+    assert kinds(objs) == ["ConfigMap", "ConfigMap", "DaemonSet", "Deployment"]
+    ds = one(objs, "DaemonSet")
+    assert ds["spec"]["template"]["spec"]["serviceAccountName"] == "own-agent"
+    assert "initContainers" not in ds["spec"]["template"]["spec"]
+    assert [p["name"] for p in _container(ds, "agent")["ports"]] == ["health"]
+
+
+def test_schema_rejects_bad_values_with_a_clear_message() -> None:
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"agent": {"runtime": "docker"}}, "at '/agent/runtime': value must be one of 'runc', 'local'"),
+        ({"controler": {"replicas": 2}}, "additional properties 'controler' not allowed"),
+        ({"controller": {"workers": "eight"}}, "at '/controller/workers': got string, want integer"),
+        ({"controller": {"healthPort": 0}}, "at '/controller/healthPort'"),
+        ({"agent": {"seccompProfile": {"errno": "EPERM"}}}, "at '/agent/seccompProfile/errno'"),
+        ({"artifacts": {"persistence": {"sizee": "1Ti"}}}, "additional properties 'sizee' not allowed"),
+    ]
+    for values, message in cases:
+        proc = template(values)
+        assert proc.returncode != 0, f"{values} was accepted"
+        assert "values don't meet the specifications of the schema" in proc.stderr, proc.stderr
+        assert message in proc.stderr, proc.stderr
+
+
+# --------------------------------------------------------------------------- RBAC, rendered
+
+
+def test_controller_rbac_is_exactly_what_the_code_calls() -> None:
+    """The calls in dynamo_snapshot/controller, controller/runtime and autoscale, verb for verb."""
+    objs = render()
+    rules = rule_triples(one(objs, "ClusterRole", "-controller"))
+    ours = "nvidia.com"
+    expected = {("", "pods", "*", v) for v in ("list", "watch", "create", "delete")} | {
+        ("batch", "jobs", "*", v) for v in ("list", "watch", "create", "delete")
+    }
+    expected |= {("", "events", "*", "create"), ("", "events", "*", "patch")}
+    expected |= {(ours, "dynamographdeployments", "*", v) for v in ("list", "watch", "patch")}
+    expected |= {(ours, "dynamographdeployments/status", "*", "update")}
+    expected |= {(ours, "dynamocheckpoints", "*", v) for v in ("get", "list", "watch", "create", "patch")}
+    expected |= {(ours, "dynamocheckpoints/status", "*", "patch")}
+    expected |= {
+        (ours, f"{r}/finalizers", "*", "update") for r in ("dynamographdeployments", "dynamocheckpoints")
+    }
+    expected |= {(ours, "dynamoscalingpolicies", "*", v) for v in ("list", "watch")}
+    expected |= {(ours, "dynamoscalingpolicies/status", "*", "patch")}
+    assert rules == expected
+    assert rule_triples(one(objs, "ClusterRole", "-controller-nodes")) == {
+        ("", "nodes", "*", "list"),
+        ("", "nodes", "*", "watch"),
+    }
+    lease = one(objs, "Role", "-leader-election")
+    assert lease["metadata"]["namespace"] == "ns1"
+    assert rule_triples(lease) == {
+        ("coordination.k8s.io", "leases", "*", "create"),
+        ("coordination.k8s.io", "leases", "dynamo-snapshot-controller", "get"),
+        ("coordination.k8s.io", "leases", "dynamo-snapshot-controller", "update"),
+    }
+
+
+def test_controller_rbac_follows_autoscale_and_watch_namespace() -> None:
+    objs = render(WATCH_ONE)
+    rules = rule_triples(one(objs, "ClusterRole", "-controller"))
+    assert not {r for r in rules if r[1].startswith("dynamoscalingpolicies")}
+    assert ("nvidia.com", "dynamographdeployments", "*", "patch") not in rules
+    binding = one(objs, "RoleBinding", "-controller")
+    assert binding["metadata"]["namespace"] == "team-a"
+    assert binding["roleRef"]["name"].endswith("-controller")
+    cluster_bindings = [o["roleRef"]["name"] for o in objs if o["kind"] == "ClusterRoleBinding"]
+    assert sorted(cluster_bindings) == ["t-dynamo-snapshot-agent", "t-dynamo-snapshot-controller-nodes"]
+    assert _config(objs, "controller")["namespace"] == "team-a"
+
+
+def test_agent_rbac_is_list_watch_patch_pods_and_get_checkpoints() -> None:
+    objs = render()
+    assert rule_triples(one(objs, "ClusterRole", "-agent")) == {
+        ("", "pods", "*", "list"),
+        ("", "pods", "*", "watch"),
+        ("", "pods", "*", "patch"),
+        ("nvidia.com", "dynamocheckpoints", "*", "get"),
+    }
+
+
+def test_admission_policy_allows_every_annotation_the_agent_writes() -> None:
+    """The policy's prefixes must cover each annotation key the agent's code writes, or its reports would
+    be refused in a real cluster."""
+    prefixes = yaml.safe_load((CHART / "values.yaml").read_text())["agent"]["admissionPolicy"][
+        "annotationPrefixes"
+    ]
+    agent_dir = Path(watcher.__file__).parent
+    used = {
+        name
+        for path in agent_dir.rglob("*.py")
+        for name in re.findall(r"protocol\.(ANNOTATION_[A-Z_]+)", path.read_text())
+    }
+    assert used, "found no annotations in the agent's code: the scan is broken"
+    for name in sorted(used):
+        key = getattr(protocol, name)
+        assert any(key.startswith(p) for p in prefixes), f"{name}={key!r} is outside {prefixes}"
+
+    policy = one(render(release="r", namespace="snap"), "ValidatingAdmissionPolicy")
+    (condition,) = policy["spec"]["matchConditions"]
+    assert (
+        condition["expression"]
+        == 'request.userInfo.username == "system:serviceaccount:snap:r-dynamo-snapshot-agent"'
+    )

@@ -1,0 +1,584 @@
+"""The chart against the real local apiserver: its manifests pass server-side validation, its RBAC is as
+narrow as claimed (kubectl auth can-i as the service accounts), the agent's ValidatingAdmissionPolicy
+holds with real pod-bound tokens, and the controller and agent run on exactly these permissions."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot.localcluster.cluster import free_port
+from tests.helm.chart import CHART, REPO, Obj, helm, one, render, render_text
+
+pytestmark = pytest.mark.cluster
+
+CLI = [sys.executable, "-m", "dynamo_snapshot.cli.main"]
+AUTO_DGD = REPO / "tests" / "api" / "manifests" / "dgd-vllm-snapshot-auto.yaml"
+CLUSTER_SCOPED = {
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
+}
+RBAC_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+
+
+def _wait(cond: Callable[[], Any], within: float = 30.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {within}s waiting for {what}")
+
+
+def _release() -> str:
+    # Cluster-scoped objects are named by release: unique per test, as the cluster is shared.
+    return f"t{uuid.uuid4().hex[:6]}"
+
+
+@dataclass
+class Installed:
+    """Chart objects applied for real; cluster-scoped ones are deleted by the fixture."""
+
+    cluster: LocalCluster
+    namespace: str
+    release: str
+    objs: list[Obj]
+
+    def sa(self, component: str) -> str:
+        return f"{self.release}-dynamo-snapshot-{component}"
+
+    def user(self, component: str) -> str:
+        return f"system:serviceaccount:{self.namespace}:{self.sa(component)}"
+
+
+@pytest.fixture
+def install(cluster: LocalCluster, namespace: str) -> Iterator[Callable[..., Installed]]:
+    applied: list[Obj] = []
+
+    def apply(values: Obj | None = None, *, only: set[str] = RBAC_KINDS) -> Installed:
+        release = _release()
+        objs = [o for o in render(values, release=release, namespace=namespace) if o["kind"] in only]
+        text = "\n---\n".join(yaml.safe_dump(o) for o in objs)
+        cluster.kubectl("apply", "--server-side", "-f", "-", input=text)
+        applied.extend(o for o in objs if o["kind"] in CLUSTER_SCOPED)
+        return Installed(cluster, namespace, release, objs)
+
+    yield apply
+    for o in applied:
+        cluster.kubectl(
+            "delete", o["kind"], o["metadata"]["name"], "--ignore-not-found", "--wait=false", check=False
+        )
+
+
+def _token(cluster: LocalCluster, namespace: str, sa: str, bound_pod: str | None = None) -> str:
+    args = ["create", "token", sa, "-n", namespace, "--duration=1h"]
+    if bound_pod:
+        args += ["--bound-object-kind", "Pod", "--bound-object-name", bound_pod]
+    return cluster.kubectl(*args).stdout.strip()
+
+
+def _kubeconfig_for(cluster: LocalCluster, token: str, path: Path) -> Path:
+    admin = json.loads(cluster.kubeconfig.read_text())
+    path.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": admin["clusters"],
+                "users": [{"name": "sa", "user": {"token": token}}],
+                "contexts": [{"name": "sa", "context": {"cluster": "local", "user": "sa"}}],
+                "current-context": "sa",
+            }
+        )
+    )
+    return path
+
+
+def _ca(cluster: LocalCluster) -> str:
+    return str(json.loads(cluster.kubeconfig.read_text())["clusters"][0]["cluster"]["certificate-authority"])
+
+
+def _http(url: str, context: ssl.SSLContext | None = None, **kw: Any) -> tuple[int, str]:
+    req = urllib.request.Request(url, **kw)
+    try:
+        with urllib.request.urlopen(req, timeout=10, context=context) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except (urllib.error.URLError, OSError) as e:
+        return 0, str(e)
+
+
+# --------------------------------------------------------------------------- server-side validation
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        None,
+        {"artifacts": {"persistence": {"enabled": True, "storageClass": "rwx"}}},
+        {"agent": {"runtime": "local"}, "controller": {"autoscale": False}},
+    ],
+    ids=["defaults", "pvc", "runtime-local"],
+)
+def test_rendered_manifests_pass_server_side_dry_run(
+    cluster: LocalCluster, namespace: str, crds: list[str], values: Obj | None
+) -> None:
+    # The ServiceMonitor CRD is not installed here; its rendering is checked in test_chart.py.
+    text = render_text(values, release=_release(), namespace=namespace)
+    out = cluster.kubectl("apply", "--server-side", "--dry-run=server", "-f", "-", input=text)
+    assert out.stdout.count("serverside-applied (server dry run)") == len(
+        [d for d in yaml.safe_load_all(text) if d]
+    ), out.stdout
+    crd_out = cluster.kubectl(
+        "apply", "--server-side", "--force-conflicts", "--dry-run=server", "-f", str(CHART / "crds")
+    )
+    assert crd_out.stdout.count("customresourcedefinition") == 3, crd_out.stdout
+
+
+def test_notes_explain_the_seccomp_profile_and_the_policy(cluster: LocalCluster) -> None:
+    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
+    args = ["install", "notes", str(CHART), "--namespace", "snap", "--dry-run=client"]
+    notes = helm(*args, env=env)
+    assert notes.returncode == 0, notes.stderr
+    assert "type: Localhost" in notes.stdout
+    assert "localhostProfile: profiles/dynamo-snapshot-no-io-uring.json" in notes.stdout
+    assert "ValidatingAdmissionPolicy notes-dynamo-snapshot-agent-pod-updates" in notes.stdout
+    off = helm(*args, "--set", "agent.admissionPolicy.enabled=false", env=env)
+    assert "WARNING: agent.admissionPolicy.enabled is false" in off.stdout
+
+
+# --------------------------------------------------------------------------- RBAC
+
+
+def _can(cluster: LocalCluster, user: str, namespace: str, verb: str, resource: str, *extra: str) -> bool:
+    out = cluster.kubectl(
+        "auth", "can-i", verb, resource, f"--as={user}", "-n", namespace, *extra, check=False
+    )
+    answer = out.stdout.strip()
+    assert answer in ("yes", "no"), f"can-i {verb} {resource}: {out.stdout} {out.stderr}"
+    return answer == "yes"
+
+
+def test_rbac_is_as_narrow_as_claimed(
+    cluster: LocalCluster, install: Callable[..., Installed], crds: list[str]
+) -> None:
+    inst = install()
+    ns, agent, ctrl = inst.namespace, inst.user("agent"), inst.user("controller")
+    can = lambda user, verb, res, *x: _can(cluster, user, ns, verb, res, *x)  # noqa: E731
+
+    allowed = [
+        (agent, "list", "pods"),
+        (agent, "watch", "pods"),
+        (agent, "patch", "pods"),
+        (agent, "get", "dynamocheckpoints.nvidia.com"),
+        (ctrl, "create", "pods"),
+        (ctrl, "delete", "pods"),
+        (ctrl, "list", "pods"),
+        (ctrl, "create", "jobs.batch"),
+        (ctrl, "delete", "jobs.batch"),
+        (ctrl, "list", "nodes"),
+        (ctrl, "watch", "nodes"),
+        (ctrl, "create", "events"),
+        (ctrl, "patch", "events"),
+        (ctrl, "create", "dynamocheckpoints.nvidia.com"),
+        (ctrl, "patch", "dynamocheckpoints.nvidia.com"),
+        (ctrl, "patch", "dynamocheckpoints.nvidia.com", "--subresource=status"),
+        (ctrl, "update", "dynamographdeployments.nvidia.com", "--subresource=status"),
+        (ctrl, "patch", "dynamographdeployments.nvidia.com"),
+        (ctrl, "watch", "dynamoscalingpolicies.nvidia.com"),
+        (ctrl, "patch", "dynamoscalingpolicies.nvidia.com", "--subresource=status"),
+        (ctrl, "create", "leases.coordination.k8s.io"),
+        (ctrl, "update", "leases.coordination.k8s.io/dynamo-snapshot-controller"),
+    ]
+    denied = [
+        (agent, "create", "pods"),
+        (agent, "delete", "pods"),
+        (agent, "update", "pods"),
+        (agent, "get", "pods"),
+        (agent, "patch", "pods", "--subresource=status"),
+        (agent, "create", "pods", "--subresource=exec"),
+        (agent, "create", "pods", "--subresource=eviction"),
+        (agent, "get", "secrets"),
+        (agent, "list", "secrets"),
+        (agent, "patch", "nodes"),
+        (agent, "get", "nodes"),
+        (agent, "list", "dynamocheckpoints.nvidia.com"),
+        (agent, "patch", "dynamocheckpoints.nvidia.com"),
+        (agent, "create", "events"),
+        (agent, "get", "configmaps"),
+        (ctrl, "get", "secrets"),
+        (ctrl, "list", "secrets"),
+        (ctrl, "patch", "nodes"),
+        (ctrl, "delete", "nodes"),
+        (ctrl, "patch", "pods"),
+        (ctrl, "update", "pods"),
+        (ctrl, "create", "pods", "--subresource=exec"),
+        (ctrl, "patch", "pods", "--subresource=status"),
+        (ctrl, "create", "deployments.apps"),
+        (ctrl, "get", "configmaps"),
+        (ctrl, "delete", "dynamographdeployments.nvidia.com"),
+        (ctrl, "delete", "dynamocheckpoints.nvidia.com"),
+        (ctrl, "update", "leases.coordination.k8s.io/kube-scheduler"),
+        (ctrl, "delete", "leases.coordination.k8s.io/dynamo-snapshot-controller"),
+        (ctrl, "create", "clusterroles.rbac.authorization.k8s.io"),
+        (ctrl, "impersonate", "serviceaccounts"),
+    ]
+    # One kubectl per question: asked in parallel, the matrix takes a second instead of several.
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        granted = list(pool.map(lambda q: can(*q), allowed + denied))
+    wrong = [
+        (q[0].rsplit(":", 1)[1], *q[1:])
+        for q, g in zip(allowed, granted[: len(allowed)], strict=True)
+        if not g
+    ]
+    wrong += [
+        (q[0].rsplit(":", 1)[1], *q[1:], "ALLOWED")
+        for q, g in zip(denied, granted[len(allowed) :], strict=True)
+        if g
+    ]
+    assert not wrong, f"RBAC differs from the claim: {wrong}"
+    # Leader election is granted in the lease namespace only.
+    assert not _can(cluster, ctrl, "default", "create", "leases.coordination.k8s.io")
+
+
+def test_watch_namespace_limits_the_controller_to_it(
+    cluster: LocalCluster, namespace: str, install: Callable[..., Installed], crds: list[str]
+) -> None:
+    inst = install({"controller": {"watchNamespace": namespace}})
+    ctrl = inst.user("controller")
+    assert _can(cluster, ctrl, namespace, "create", "pods")
+    assert not _can(cluster, ctrl, "default", "create", "pods")
+    assert not _can(cluster, ctrl, "default", "list", "dynamographdeployments.nvidia.com")
+    assert _can(cluster, ctrl, "default", "list", "nodes"), "nodes are read cluster-wide all the same"
+
+
+# --------------------------------------------------------------------------- the agent's admission policy
+
+POLICY_KINDS = RBAC_KINDS | {"ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"}
+
+
+@dataclass
+class AgentNodes:
+    inst: Installed
+    nodes: list[str]
+    agent_pods: dict[str, str]  # node -> the agent DaemonSet's pod there
+    workers: dict[str, str]  # node -> a worker pod there
+
+    def token(self, node: str | None) -> str:
+        """A token of the agent's service account, bound to its pod on `node` (None: not bound)."""
+        bound = self.agent_pods[node] if node else None
+        return _token(self.inst.cluster, self.inst.namespace, self.inst.sa("agent"), bound)
+
+
+@pytest.fixture
+def agent_nodes(
+    cluster: LocalCluster,
+    install: Callable[..., Installed],
+    gpu_node: Callable[..., Obj],
+    crds: list[str],
+) -> AgentNodes:
+    """The chart's agent DaemonSet, RBAC and policy applied for real, on two fresh GPU nodes; one
+    worker pod on each. kwok runs the DaemonSet's pods, so tokens can be bound to them."""
+    # The DaemonSet keeps to these two nodes, off the GPU nodes of tests that run after this one.
+    only_here = {"dynamo-snapshot.test/agent-nodes": uuid.uuid4().hex[:8]}
+    nodes = [gpu_node(labels=only_here)["metadata"]["name"] for _ in range(2)]
+    selector = {protocol.LABEL_GPU_PRESENT: "true", **only_here}
+    inst = install({"agent": {"nodeSelector": selector}}, only=POLICY_KINDS | {"DaemonSet", "ConfigMap"})
+    ns = inst.namespace
+    ds = one(inst.objs, "DaemonSet")["metadata"]["name"]
+
+    def agent_pods() -> dict[str, str]:
+        out = cluster.kubectl(
+            "get", "pods", "-n", ns, "-l", "app.kubernetes.io/component=agent", "-o", "json"
+        )
+        pods = {
+            p["spec"].get("nodeName"): p["metadata"]["name"]
+            for p in json.loads(out.stdout)["items"]
+            if p["metadata"]["name"].startswith(ds)
+        }
+        return pods if all(n in pods for n in nodes) else {}
+
+    pods = _wait(agent_pods, what="the agent DaemonSet's pods on both GPU nodes")
+    workers = {}
+    for i, node in enumerate(nodes):
+        name = f"worker-{i}"
+        cluster.apply(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": name,
+                    "namespace": ns,
+                    "labels": {"app": "worker"},
+                    "annotations": {protocol.ANNOTATION_RESTORE_FROM: "some-checkpoint"},
+                },
+                "spec": {"nodeName": node, "containers": [{"name": "main", "image": "worker"}]},
+            }
+        )
+        workers[node] = name
+    return AgentNodes(inst, nodes, pods, workers)
+
+
+def _patch(
+    cluster: LocalCluster,
+    token: str,
+    namespace: str,
+    pod: str,
+    body: Any,
+    *,
+    subresource: str = "",
+    content_type: str = "application/merge-patch+json",
+) -> tuple[int, str]:
+    """One PATCH as the token's user, as the agent sends it (no GET first, unlike kubectl patch)."""
+    url = f"{cluster.server}/api/v1/namespaces/{namespace}/pods/{pod}" + (
+        f"/{subresource}" if subresource else ""
+    )
+    ctx = ssl.create_default_context(cafile=_ca(cluster))
+    status, text = _http(
+        url,
+        ctx,
+        data=json.dumps(body).encode(),
+        method="PATCH",
+        headers={"Authorization": f"Bearer {token}", "Content-Type": content_type},
+    )
+    if status == 200:
+        return status, ""
+    return status, str(json.loads(text).get("message", text))
+
+
+def test_agent_may_only_annotate_pods_of_its_own_node(cluster: LocalCluster, agent_nodes: AgentNodes) -> None:
+    a, b = agent_nodes.nodes
+    ns = agent_nodes.inst.namespace
+    token = agent_nodes.token(a)
+    mine, theirs = agent_nodes.workers[a], agent_nodes.workers[b]
+    status_key = "nvidia.com/snapshot-restore-status.main"
+
+    def ann(values: dict[str, str | None]) -> Obj:
+        return {"metadata": {"annotations": values}}
+
+    # The policy takes effect once the apiserver has loaded it: poll with a change it must refuse.
+    _wait(
+        # A fresh value each time: a change the apiserver let through before the policy was loaded
+        # would make a repeat of it a no-op, which the policy rightly allows.
+        lambda: _patch(cluster, token, ns, mine, {"metadata": {"labels": {"x": uuid.uuid4().hex}}})[0] == 403,
+        what="the ValidatingAdmissionPolicy to be enforced",
+    )
+
+    ok = _patch(cluster, token, ns, mine, ann({status_key: "running"}))
+    assert ok == (200, ""), ok
+    assert _patch(cluster, token, ns, mine, ann({status_key: None})) == (200, ""), "removing its own is fine"
+
+    merge, json_patch = "application/merge-patch+json", "application/json-patch+json"
+    own_only = "the node agent may change only a pod's annotations"
+    refused: list[tuple[str, str, Any, str, str]] = [
+        ("another node's pod", theirs, ann({status_key: "running"}), merge, f"agent of node {a} may only"),
+        ("a label", mine, {"metadata": {"labels": {"x": "changed"}}}, merge, own_only),
+        ("the spec", mine, {"spec": {"activeDeadlineSeconds": 5}}, merge, own_only),
+        ("a finalizer", mine, {"metadata": {"finalizers": ["example.com/hold"]}}, merge, own_only),
+        (
+            "a controller annotation",
+            mine,
+            ann({protocol.ANNOTATION_RESTORE_FROM: "another-checkpoint"}),
+            merge,
+            "may change only annotations starting with nvidia.com/snapshot-, not nvidia.com/restore-from",
+        ),
+        (
+            "removing a controller annotation",
+            mine,
+            [{"op": "remove", "path": "/metadata/annotations/nvidia.com~1restore-from"}],
+            json_patch,
+            "not nvidia.com/restore-from",
+        ),
+    ]
+    for what, pod, body, ctype, message in refused:
+        status, text = _patch(cluster, token, ns, pod, body, content_type=ctype)
+        assert (status, message in text) == (403, True), f"{what}: {status} {text}"
+
+    # A token not bound to a pod carries no node: no pod update at all.
+    status, text = _patch(cluster, agent_nodes.token(None), ns, mine, ann({status_key: "x"}))
+    assert (status, "token bound to its pod" in text) == (403, True), text
+
+    # Subresources are covered even where RBAC were widened to them.
+    cluster.kubectl("create", "role", "widen", "-n", ns, "--verb=patch", "--resource=pods/status")
+    cluster.kubectl(
+        "create",
+        "rolebinding",
+        "widen",
+        "-n",
+        ns,
+        "--role=widen",
+        f"--serviceaccount={ns}:{agent_nodes.inst.sa('agent')}",
+    )
+    _wait(
+        lambda: (
+            "cannot patch"
+            not in _patch(cluster, token, ns, mine, {"status": {"message": "x"}}, subresource="status")[1]
+        ),
+        what="the widened RBAC",
+    )
+    status, text = _patch(cluster, token, ns, mine, {"status": {"message": "x"}}, subresource="status")
+    assert (status, own_only in text) == (403, True), text
+
+    # Everyone else is untouched by the policy.
+    cluster.kubectl("label", "pod", mine, "-n", ns, "x=by-admin", "--overwrite")
+
+
+# --------------------------------------------------------------------------- the processes, as their SAs
+
+
+def _wait_ready(port: int, proc: subprocess.Popen[bytes], log: Path, within: float = 60) -> None:
+    def ready() -> bool:
+        assert proc.poll() is None, f"exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
+        return _http(f"http://127.0.0.1:{port}/readyz")[0] == 200
+
+    _wait(ready, within, "/readyz to answer 200")
+    assert _http(f"http://127.0.0.1:{port}/healthz") == (200, "ok\n")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+
+
+@contextlib.contextmanager
+def _explained_by(log: Path) -> Iterator[None]:
+    """A failed wait says why the process did not get there: its log (an RBAC denial shows as 403)."""
+    try:
+        yield
+    except AssertionError as e:
+        raise AssertionError(f"{e}\nprocess log:\n{log.read_text()[-4000:]}") from None
+    text = log.read_text()
+    assert "forbidden" not in text.lower(), text[-4000:]
+
+
+def test_controller_runs_on_its_rbac_alone(
+    cluster: LocalCluster,
+    namespace: str,
+    install: Callable[..., Installed],
+    crds: list[str],
+    tmp_path: Path,
+) -> None:
+    """The rendered config and RBAC, as the controller's service account: leader election, informer
+    sync, and Auto mode's writes (checkpoint, Job, worker pod, DGD status, Events) all go through."""
+    inst = install({"controller": {"watchNamespace": namespace}}, only=RBAC_KINDS | {"ConfigMap"})
+    config = tmp_path / "config.yaml"
+    config.write_text(one(inst.objs, "ConfigMap", "-controller")["data"]["config.yaml"])
+    token = _token(cluster, namespace, inst.sa("controller"))
+    kubeconfig = _kubeconfig_for(cluster, token, tmp_path / "kubeconfig")
+    port, log = free_port(), tmp_path / "controller.log"
+    args = ["controller", "--config", str(config), "--kubeconfig", str(kubeconfig)]
+    args += ["--metrics-port", "0", "--health-port", str(port)]
+    with log.open("w") as out:
+        proc = subprocess.Popen([*CLI, *args], stdout=out, stderr=out)
+    try:
+        with _explained_by(log):
+            _wait_ready(port, proc, log)
+            lease = cluster.kubectl(
+                "get", "lease", "dynamo-snapshot-controller", "-n", namespace, "-o", "json"
+            )
+            assert json.loads(lease.stdout)["spec"]["holderIdentity"]
+
+            cluster.kubectl("apply", "-n", namespace, "-f", str(AUTO_DGD))
+
+            def get(kind: str, *selector: str) -> list[Obj]:
+                out = cluster.kubectl("get", kind, "-n", namespace, *selector, "-o", "json")
+                return list(json.loads(out.stdout)["items"])
+
+            ckpts = _wait(
+                lambda: [c for c in get("dynamocheckpoints") if c.get("status")],
+                what="a checkpoint with status",
+            )
+            assert ckpts[0]["status"]["phase"] in ("Creating", "Pending"), ckpts[0]["status"]
+            _wait(lambda: get("jobs"), what="the checkpoint Job")
+            _wait(
+                lambda: get("pods", "-l", f"{protocol.LABEL_MANAGED_BY}={protocol.MANAGED_BY_VALUE}"),
+                what="a worker pod",
+            )
+            _wait(
+                lambda: (get("dynamographdeployments")[0].get("status") or {}).get("observedGeneration"),
+                what="the DGD's status",
+            )
+            _wait(
+                lambda: [e for e in get("events") if e.get("reason") == "CheckpointCreated"],
+                what="the CheckpointCreated Event",
+            )
+    finally:
+        rc = _stop(proc)
+    assert rc == 0, log.read_text()[-3000:]
+
+
+@pytest.mark.criu
+def test_agent_runs_and_reports_through_the_policy(
+    cluster: LocalCluster, agent_nodes: AgentNodes, criu_bin: Path, tmp_path: Path
+) -> None:
+    """The agent process as its service account, with a token bound to its DaemonSet pod (what the
+    kubelet mounts): it lists its node's pods and its annotation reports pass the admission policy."""
+    a, b = agent_nodes.nodes
+    ns = agent_nodes.inst.namespace
+    config = tmp_path / "config.yaml"
+    rendered = yaml.safe_load(one(agent_nodes.inst.objs, "ConfigMap", "-agent")["data"]["config.yaml"])
+    roots = {k: str(tmp_path / k) for k in ("artifactRoot", "controlRoot", "stateRoot")}
+    config.write_text(yaml.safe_dump({**rendered, **roots, "runtime": "local"}))
+    kubeconfig = _kubeconfig_for(cluster, agent_nodes.token(a), tmp_path / "kubeconfig")
+    port, log = free_port(), tmp_path / "agent.log"
+    args = ["agent", "--config", str(config), "--kubeconfig", str(kubeconfig), "--node-name", a]
+    args += ["--metrics-port", "0", "--health-port", str(port), "--criu", str(criu_bin)]
+    # A restore target on each node, from a checkpoint that does not exist: the agent on node a reports
+    # the failed restore in annotations; the pod on node b is not its business.
+    labels = {
+        protocol.LABEL_RESTORE_TARGET: protocol.TRUE,
+        protocol.LABEL_CHECKPOINT_HASH: "00000000deadbeef",
+    }
+    for node in (a, b):
+        cluster.apply(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": f"restore-{node}", "namespace": ns, "labels": labels},
+                "spec": {"nodeName": node, "containers": [{"name": "main", "image": "worker"}]},
+            }
+        )
+    with log.open("w") as out:
+        proc = subprocess.Popen([*CLI, *args], stdout=out, stderr=out)
+    try:
+        with _explained_by(log):
+            _wait_ready(port, proc, log)
+            key = protocol.per_container(protocol.ANNOTATION_RESTORE_STATUS, "main")
+
+            def status(pod: str) -> str:
+                out = cluster.kubectl("get", "pod", pod, "-n", ns, "-o", "json")
+                return str((json.loads(out.stdout)["metadata"].get("annotations") or {}).get(key, ""))
+
+            _wait(lambda: status(f"restore-{a}") == "failed", what="the agent's report on its node's pod")
+            assert status(f"restore-{b}") == "", "the agent touched another node's pod"
+    finally:
+        rc = _stop(proc)
+    assert rc == 0, log.read_text()[-3000:]
