@@ -33,6 +33,7 @@ _OVERRIDES = (
     "lease_name",
     "lease_namespace",
     "restore_failure_threshold",
+    "restore_node_attempts",
     "drain_timeout",
     "metrics_port",
     "autoscale",
@@ -61,6 +62,11 @@ def register(sub: Any) -> None:
     p.add_argument("--lease-name", help="Lease name (default dynamo-snapshot-controller)")
     p.add_argument("--lease-namespace", help="Lease namespace (default: default)")
     p.add_argument("--restore-failure-threshold", type=int, help="failed restores that fail a checkpoint (3)")
+    p.add_argument(
+        "--restore-node-attempts",
+        type=int,
+        help="nodes one replica's restore is tried on before cold start (2)",
+    )
     p.add_argument("--drain-timeout", type=float, help="seconds to finish in-flight work on SIGTERM (20)")
     p.add_argument("--metrics-port", type=int, help="Prometheus metrics port, 0 to disable (default 8080)")
     p.add_argument(
