@@ -91,7 +91,12 @@ class NodeAgent:
             task = self._tasks.pop(uid, None)
             if task is not None:
                 task.cancel()
-            if self.settings.launch_workloads:
+            restored = (pod["metadata"].get("labels") or {}).get(
+                protocol.LABEL_RESTORE_TARGET
+            ) == protocol.TRUE
+            if self.settings.launch_workloads or restored:
+                # Whatever this agent started or restored goes with its pod (a kubelet stops only the
+                # containers it started itself).
                 stopping = asyncio.create_task(self.runtime.stop(workload_key(pod)))
                 self._background.add(stopping)
                 stopping.add_done_callback(self._background.discard)

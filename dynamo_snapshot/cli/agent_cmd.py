@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from prometheus_client import start_http_server
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from dynamo_snapshot.agent.executor import Executor
@@ -17,7 +17,7 @@ from dynamo_snapshot.agent.runtime import ProcessRuntime, RuncRuntime, Runtime
 from dynamo_snapshot.agent.runtime.runc import DEFAULT_HOST_BINDS
 from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent
 from dynamo_snapshot.artifact import ArtifactStore
-from dynamo_snapshot.cli.health import start_health_server
+from dynamo_snapshot.cli.health import distinct_ports, start_health_server
 from dynamo_snapshot.cli.service import load_settings, run_service
 from dynamo_snapshot.controller.runtime import Kube, load_client
 from dynamo_snapshot.criu import Criu
@@ -42,6 +42,11 @@ class AgentConfig(BaseModel):
         default_factory=lambda: list(DEFAULT_HOST_BINDS),
         description="runc + launchWorkloads: host directories containers see read-only",
     )
+
+    @model_validator(mode="after")
+    def _ports(self) -> AgentConfig:
+        distinct_ports(self.metrics_port, self.health_port)
+        return self
 
 
 _FLAGS = (

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client import REGISTRY, start_http_server
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from dynamo_snapshot.cli.health import start_health_server
+from dynamo_snapshot.cli.health import distinct_ports, start_health_server
 from dynamo_snapshot.cli.service import load_settings, run_service
 from dynamo_snapshot.controller.manager import Controller, ControllerConfig
 from dynamo_snapshot.controller.runtime import Kube, load_client
@@ -22,6 +22,11 @@ class ControllerCommandConfig(ControllerConfig):
     health_port: int = Field(
         default=8081, ge=0, le=65535, description="/healthz and /readyz; 0 disables them."
     )
+
+    @model_validator(mode="after")
+    def _ports(self) -> ControllerCommandConfig:
+        distinct_ports(self.metrics_port, self.health_port)
+        return self
 
 
 # flag dest -> ControllerCommandConfig field

@@ -125,6 +125,13 @@ class HealthServer:
                 await writer.wait_closed()
 
 
+def distinct_ports(metrics_port: int, health_port: int) -> None:
+    """Refuse one port for both servers: the second bind would fail, or the probes would be answered by
+    the metrics server (200 on any path) and pass however the process is doing."""
+    if metrics_port and metrics_port == health_port:
+        raise ValueError(f"metricsPort and healthPort are both {metrics_port}: give them different ports")
+
+
 def _request_line(head: bytes) -> tuple[str, str, bool]:
     """(method, path without query, well-formed?) from the request head."""
     line = head.split(b"\r\n", 1)[0].decode("latin-1")

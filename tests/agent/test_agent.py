@@ -66,7 +66,9 @@ async def agents(api: client.ApiClient, tmp_path: Path, criu_bin: Path) -> Async
     started: list[AgentHandle] = []
     workloads: list[tuple[Runtime, str]] = []
 
-    async def start(node: str, runtime_kind: str = "local", gpus: GpuInfo | None = None) -> AgentHandle:
+    async def start(
+        node: str, runtime_kind: str = "local", gpus: GpuInfo | None = None, launch: bool = True
+    ) -> AgentHandle:
         criu = Criu(criu_bin)
         base = tmp_path / f"node-{node}"
         runtime: Runtime
@@ -77,7 +79,8 @@ async def agents(api: client.ApiClient, tmp_path: Path, criu_bin: Path) -> Async
         else:
             runtime = ProcessRuntime(base / "control", criu)
         executor = Executor(runtime, ArtifactStore(store_root), criu, node_name=node, cuda=None, gpus=gpus)
-        agent = NodeAgent(kube, executor, runtime, AgentSettings(node_name=node, ready_timeout=60))
+        settings = AgentSettings(node_name=node, ready_timeout=60, launch_workloads=launch)
+        agent = NodeAgent(kube, executor, runtime, settings)
         stop = asyncio.Event()
         handle = AgentHandle(node, agent, runtime, stop, asyncio.create_task(agent.run_until(stop)))
         started.append(handle)
@@ -426,3 +429,26 @@ def _plain_pod(name: str, node: str) -> Obj:
 async def _annotations_with(kube: Kube, ns: str, name: str, key: str) -> dict[str, str] | None:
     ann = await _annotations(kube, ns, name)
     return ann if key in ann else None
+
+
+async def test_a_restored_worker_goes_with_its_pod_on_a_kubelet_node(
+    api: client.ApiClient, namespace: str, gpu_node: Callable[..., Obj], agents: Callable[..., Any]
+) -> None:
+    # Where a kubelet runs the pods (no --launch-workloads) it stops only what it started: the worker
+    # the agent restored is the agent's to stop when the pod goes (a scale-down must free the GPU).
+    kube = Kube(api)
+    node_a, node_b = (gpu_node()["metadata"]["name"] for _ in range(2))
+    await agents(node_a)
+    b = await agents(node_b, launch=False)
+    await kube.create(POD, pod("source", node_a, SOURCE), namespace)
+    await _checkpointed(kube, namespace, "source")
+    await kube.create(POD, pod("restored", node_b, TARGET), namespace)
+    await _restored(kube, namespace, "restored")
+    worker = await _workload(kube, b.runtime, namespace, "restored")
+    assert worker is not None
+    await kube.delete(POD, "restored", namespace)
+
+    async def stopped() -> bool:
+        return not pid_running(worker.pid)
+
+    await eventually(stopped, within=15)

@@ -13,8 +13,11 @@ from pathlib import Path
 import pytest
 import yaml
 from kubernetes_asyncio import client
+from pydantic import ValidationError
 
 from dynamo_snapshot.cli import agent_cmd, controller_cmd
+from dynamo_snapshot.cli.agent_cmd import AgentConfig
+from dynamo_snapshot.cli.controller_cmd import ControllerCommandConfig
 from dynamo_snapshot.cli.health import HealthServer, start_health_server
 from dynamo_snapshot.cli.main import build_parser
 from dynamo_snapshot.cli.service import load_settings
@@ -213,3 +216,13 @@ def test_shipped_config_files_carry_the_health_ports() -> None:
     assert controller_cmd.ControllerCommandConfig.model_validate(ctrl).health_port == 8081
     agent = yaml.safe_load((REPO / "agent" / "config.yaml").read_text())
     assert agent_cmd.AgentConfig.model_validate({**agent, "nodeName": "n"}).health_port == 8082
+
+
+def test_one_port_for_metrics_and_health_is_refused() -> None:
+    for make in (
+        lambda: AgentConfig(node_name="n", metrics_port=9100, health_port=9100),
+        lambda: ControllerCommandConfig(metrics_port=9100, health_port=9100),
+    ):
+        with pytest.raises(ValidationError, match="give them different ports"):
+            make()
+    AgentConfig(node_name="n", metrics_port=0, health_port=0)  # both off is fine
