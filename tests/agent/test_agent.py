@@ -310,12 +310,16 @@ async def test_pods_of_other_nodes_are_never_touched(
 
 
 async def _checkpoint_then_second_node(
-    kube: Kube, namespace: str, gpu_node: Callable[..., Obj], agents: Callable[..., Any]
+    kube: Kube,
+    namespace: str,
+    gpu_node: Callable[..., Obj],
+    agents: Callable[..., Any],
+    launch: bool = True,
 ) -> AgentHandle:
     """Two nodes with agents; a source pod checkpointed on the first. Returns the second's agent."""
     node_a, node_b = (gpu_node()["metadata"]["name"] for _ in range(2))
     await agents(node_a)
-    b: AgentHandle = await agents(node_b)
+    b: AgentHandle = await agents(node_b, launch=launch)
     await kube.create(POD, pod("source", node_a, SOURCE), namespace)
     await _checkpointed(kube, namespace, "source")
     return b
@@ -437,12 +441,8 @@ async def test_a_restored_worker_goes_with_its_pod_on_a_kubelet_node(
     # Where a kubelet runs the pods (no --launch-workloads) it stops only what it started: the worker
     # the agent restored is the agent's to stop when the pod goes (a scale-down must free the GPU).
     kube = Kube(api)
-    node_a, node_b = (gpu_node()["metadata"]["name"] for _ in range(2))
-    await agents(node_a)
-    b = await agents(node_b, launch=False)
-    await kube.create(POD, pod("source", node_a, SOURCE), namespace)
-    await _checkpointed(kube, namespace, "source")
-    await kube.create(POD, pod("restored", node_b, TARGET), namespace)
+    b = await _checkpoint_then_second_node(kube, namespace, gpu_node, agents, launch=False)
+    await kube.create(POD, pod("restored", b.node, TARGET), namespace)
     await _restored(kube, namespace, "restored")
     worker = await _workload(kube, b.runtime, namespace, "restored")
     assert worker is not None
