@@ -39,6 +39,7 @@ _OVERRIDES = (
     "lease_namespace",
     "restore_failure_threshold",
     "restore_node_attempts",
+    "restore_pending_timeout_seconds",
     "drain_timeout",
     "metrics_port",
     "autoscale",
@@ -71,6 +72,11 @@ def register(sub: Any) -> None:
         "--restore-node-attempts",
         type=int,
         help="nodes one replica's restore is tried on before cold start (2)",
+    )
+    p.add_argument(
+        "--restore-pending-timeout-seconds",
+        type=float,
+        help="seconds a restore pod may stay unschedulable before a cold start replaces it (120)",
     )
     p.add_argument("--drain-timeout", type=float, help="seconds to finish in-flight work on SIGTERM (20)")
     p.add_argument("--metrics-port", type=int, help="Prometheus metrics port, 0 to disable (default 8080)")

@@ -31,6 +31,7 @@ SCALE_TO_POD = Histogram(
 class Settings:
     restore_failure_threshold: int = 3
     restore_node_attempts: int = 2  # nodes one replica's restore is tried on before it starts cold
+    restore_pending_timeout: float = 120.0  # seconds a restore pod may stay unschedulable
     field_manager: str = "dynamo-snapshot-controller"
 
 

@@ -22,7 +22,7 @@ from dynamo_snapshot.controller.checkpoint_reconciler import agent_verdict
 from dynamo_snapshot.controller.context import PODS_CREATED, Context, validation_message
 from dynamo_snapshot.controller.failover import loss_cause
 from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD, POD
-from dynamo_snapshot.controller.pods import pod_active, pod_ready
+from dynamo_snapshot.controller.pods import pod_active, pod_ready, unschedulable
 from dynamo_snapshot.controller.podspec import (
     checkpoint_job_template,
     cold_start_pod,
@@ -58,7 +58,7 @@ class ServiceOutcome:
     waiting: list[str] = field(default_factory=list)  # why the service cannot make progress yet
     degraded: list[str] = field(default_factory=list)  # what is wrong right now
     checkpoint_ready: bool = True
-    retry_after: float = 0.0  # replacements held back by the failover rate limit
+    retry_after: float = 0.0  # look again after this long: paced replacements, a pending restore's timeout
 
 
 def _mode(pod: Obj) -> str:
@@ -158,6 +158,16 @@ class DGDReconciler:
         for pod in [p for p in self._live_pods(owner) if self._restore_failed(p)]:
             await self._replace_failed_restore(obj, dgd, svc_name, pod, ready_ckpt)
             again = True
+        for pod in self._live_pods(owner):
+            stuck = unschedulable(pod) if _mode(pod) == protocol.StartMode.RESTORE.value else None
+            if stuck is None:
+                continue
+            left = ctx.settings.restore_pending_timeout - stuck[0]
+            if left <= 0:
+                await self._replace_unschedulable_restore(obj, dgd, svc_name, pod, *stuck)
+                again = True
+            else:
+                out.retry_after = min(out.retry_after or left, left)
         await self._remove_lost(obj, owner)
         # Cache and expectations are read together, with no await in between: an informer event handled
         # during an await would otherwise move a pod out of the expectations before we count the cache.
@@ -189,7 +199,7 @@ class DGDReconciler:
                         obj, dgd, svc_name, owner, allowed, ready_ckpt, ctx.failover.avoid_nodes(owner)
                     )
                 if later:
-                    out.retry_after = later
+                    out.retry_after = min(out.retry_after or later, later)
                     out.degraded.append(
                         f"service {svc_name}: {missing - allowed} replacement(s) paced by the rate limit"
                     )
@@ -508,14 +518,7 @@ class DGDReconciler:
             replacement = cold_start_pod(obj, dgd, svc_name, name=f"{pname}-cold"[:63], replaces=pname)
             mode, then = protocol.StartMode.COLD, "replaced by cold-start pod"
         owner = (f"{ns}/{obj['metadata']['name']}", svc_name)
-        ctx.expectations.expect_create(owner, replacement["metadata"]["name"])
-        try:
-            await ctx.kube.create(POD, replacement)
-            PODS_CREATED.labels(mode.value).inc()
-        except Exception as e:
-            if not is_already_exists(e):
-                ctx.expectations.observed(owner, replacement["metadata"]["name"])
-                raise
+        await self._create_replacement(owner, replacement, mode)
         if ckpt_name:
             await self._record_restore_failure(ns, ckpt_name, pname)
         await self._delete_pods(obj, owner, [pod], "RestoreReplaced")
@@ -526,6 +529,38 @@ class DGDReconciler:
             f"service {svc_name}: restore of pod {pname} from {ckpt_name or '?'} on node {node or '?'} "
             f"failed ({message or 'no reason given'}); {then} {replacement['metadata']['name']}",
         )
+
+    async def _replace_unschedulable_restore(
+        self, obj: Obj, dgd: DynamoGraphDeployment, svc_name: str, pod: Obj, waited: float, why: str
+    ) -> None:
+        """A restore pod no node can take (its compatibility or avoid-node affinity, or GPUs all taken
+        where it fits) would hold a replica slot for ever: a cold start, which fits anywhere the service
+        fits, replaces it. Not a restore failure: the checkpoint is not blamed."""
+        pname = pod["metadata"]["name"]
+        owner = (f"{pod['metadata']['namespace']}/{obj['metadata']['name']}", svc_name)
+        replacement = cold_start_pod(obj, dgd, svc_name, name=f"{pname}-cold"[:63], replaces=pname)
+        await self._create_replacement(owner, replacement, protocol.StartMode.COLD)
+        await self._delete_pods(obj, owner, [pod], "RestoreReplaced")
+        self.ctx.recorder.record(
+            obj,
+            WARNING,
+            "RestoreUnschedulable",
+            f"service {svc_name}: restore pod {pname} could not be scheduled for {waited:.0f}s "
+            f"({why or 'no reason given'}); replaced by cold-start pod {replacement['metadata']['name']}",
+        )
+
+    async def _create_replacement(self, owner: tuple[str, str], pod: Obj, mode: protocol.StartMode) -> None:
+        """Create a pod with a deterministic name; one that exists already (an earlier, interrupted
+        attempt) counts as created."""
+        ctx = self.ctx
+        ctx.expectations.expect_create(owner, pod["metadata"]["name"])
+        try:
+            await ctx.kube.create(POD, pod)
+            PODS_CREATED.labels(mode.value).inc()
+        except Exception as e:
+            if not is_already_exists(e):
+                ctx.expectations.observed(owner, pod["metadata"]["name"])
+                raise
 
     async def _record_restore_failure(self, namespace: str, ckpt_name: str, pod_name: str) -> None:
         kube = self.ctx.kube

@@ -56,6 +56,11 @@ class ControllerConfig(BaseModel):
         le=10,
         description="Different nodes one replica's restore is tried on before it starts cold.",
     )
+    restore_pending_timeout_seconds: float = Field(
+        default=120.0,
+        gt=0,
+        description="Seconds a restore pod may stay unschedulable before a cold start replaces it.",
+    )
     drain_timeout: float = Field(
         default=20.0, ge=0, description="Seconds in-flight reconciles get on SIGTERM."
     )
@@ -95,6 +100,7 @@ class Controller:
             settings=Settings(
                 restore_failure_threshold=config.restore_failure_threshold,
                 restore_node_attempts=config.restore_node_attempts,
+                restore_pending_timeout=config.restore_pending_timeout_seconds,
             ),
         )
         self.dgd_reconciler = DGDReconciler(self.ctx)

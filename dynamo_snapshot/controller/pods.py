@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from dynamo_snapshot.controller.runtime import Obj
 
 
@@ -18,3 +20,23 @@ def pod_ready(pod: Obj) -> bool:
         c.get("type") == "Ready" and c.get("status") == "True"
         for c in pod.get("status", {}).get("conditions") or []
     )
+
+
+def unschedulable(pod: Obj, now: datetime | None = None) -> tuple[float, str] | None:
+    """For a pod the scheduler cannot place: for how many seconds, and the scheduler's message."""
+    status = pod.get("status") or {}
+    if status.get("phase") != "Pending":
+        return None
+    for c in status.get("conditions") or []:
+        if (
+            c.get("type") == "PodScheduled"
+            and c.get("status") == "False"
+            and c.get("reason") == "Unschedulable"
+        ):
+            try:
+                since = datetime.strptime(c.get("lastTransitionTime") or "", "%Y-%m-%dT%H:%M:%SZ")
+            except ValueError:
+                return 0.0, str(c.get("message") or "")
+            elapsed = ((now or datetime.now(UTC)) - since.replace(tzinfo=UTC)).total_seconds()
+            return max(0.0, elapsed), str(c.get("message") or "")
+    return None

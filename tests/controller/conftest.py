@@ -170,10 +170,18 @@ async def eventually(check: Callable[[], Awaitable[Any]], within: float = 30.0, 
 
 
 @pytest.fixture
-async def harness(api: client.ApiClient, namespace: str, crds: list[str]) -> AsyncIterator[Harness]:
+async def harness(
+    api: client.ApiClient, namespace: str, crds: list[str], request: pytest.FixtureRequest
+) -> AsyncIterator[Harness]:
+    """The controller against the real control plane; indirect parametrization overrides its config."""
     kube = Kube(api, field_manager="tests")
     config = ControllerConfig(
-        namespace=namespace, leader_elect=False, resync_seconds=5, metrics_port=0, drain_timeout=5
+        namespace=namespace,
+        leader_elect=False,
+        resync_seconds=5,
+        metrics_port=0,
+        drain_timeout=5,
+        **getattr(request, "param", {}),
     )
     state: dict[str, Any] = {}
 

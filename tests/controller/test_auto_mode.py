@@ -246,3 +246,34 @@ async def test_no_compatible_node_starts_cold_and_says_why(
     c = await eventually(degraded)
     assert "no Ready node matches checkpoint" in c["message"]
     assert "NVIDIA-H200" in c["message"]
+
+
+@pytest.mark.parametrize("harness", [{"restore_pending_timeout_seconds": 3}], indirect=True)
+async def test_an_unschedulable_restore_pod_is_replaced_by_a_cold_start(
+    harness: Harness, gpu_node: Callable[..., dict[str, Any]]
+) -> None:
+    h = harness
+    # The only H200 node has 2 GPUs: the first worker and the checkpoint Job fill it.
+    gpu_node(product="NVIDIA-H200", gpus=2)
+    await h.apply_dgd(dgd_manifest("stuck", replicas=1))
+    await _ready_checkpoint(h)
+    # Restores must go to an H200; a third replica finds none free. Capacity arrives elsewhere (an
+    # L40S, where only a cold start may run).
+    await h.scale("stuck", 3)
+    l40s = gpu_node(product="NVIDIA-L40S", gpus=8)["metadata"]["name"]
+
+    async def placed() -> list[dict[str, Any]] | None:
+        pods = await h.pods("stuck")
+        ok = len(pods) == 3 and all(p["spec"].get("nodeName") for p in pods)
+        return pods if ok else None
+
+    pods = await eventually(placed, within=60)
+    replacements = [p for p in pods if protocol.ANNOTATION_REPLACES in p["metadata"].get("annotations", {})]
+    assert replacements, [p["metadata"]["name"] for p in pods]
+    assert all(_mode(p) == "cold" and p["metadata"]["name"].endswith("-cold") for p in replacements)
+    assert any(p["spec"]["nodeName"] == l40s for p in replacements)
+    events = await h.events("RestoreUnschedulable")
+    assert events
+    assert "could not be scheduled" in events[0]["message"]
+    ckpt = await h.kube.get(CHECKPOINT, HASH, h.namespace)
+    assert not ckpt["status"].get("failedRestores"), "an unschedulable restore is not the checkpoint's fault"

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.controller.failover import Failover, TokenBucket, loss_cause, node_healthy
+from dynamo_snapshot.controller.pods import unschedulable
 from dynamo_snapshot.controller.podspec import keep_off_nodes
 
 
@@ -100,3 +103,20 @@ def test_keep_off_nodes_required_and_preferred() -> None:
     ]
     [pref] = affinity["preferredDuringSchedulingIgnoredDuringExecution"]
     assert pref["preference"]["matchExpressions"][0]["values"] == ["n3"]
+
+
+def test_unschedulable_says_for_how_long_and_why() -> None:
+    now = datetime(2026, 11, 29, 12, 0, 30, tzinfo=UTC)
+    cond = {
+        "type": "PodScheduled",
+        "status": "False",
+        "reason": "Unschedulable",
+        "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
+        "lastTransitionTime": "2026-11-29T12:00:00Z",
+    }
+    pending = {"status": {"phase": "Pending", "conditions": [cond]}}
+    assert unschedulable(pending, now) == (30.0, cond["message"])
+    assert unschedulable({"status": {"phase": "Running", "conditions": [cond]}}, now) is None
+    assert unschedulable({"status": {"phase": "Pending"}}, now) is None  # not looked at by the scheduler yet
+    gated = {"status": {"phase": "Pending", "conditions": [{**cond, "reason": "SchedulingGated"}]}}
+    assert unschedulable(gated, now) is None
