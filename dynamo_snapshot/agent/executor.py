@@ -46,6 +46,7 @@ from dynamo_snapshot.artifact import (
     ArtifactWriter,
     GpuInfo,
     TreeStats,
+    VerifiedFiles,
 )
 from dynamo_snapshot.criu import Criu
 from dynamo_snapshot.cuda import (
@@ -123,6 +124,7 @@ class Executor:
         gpus: GpuInfo | None = None,
         cuda_lock_timeout_ms: int = 10_000,
         overlap_page_check: bool = False,
+        verify_cache_s: float = 3600.0,
     ) -> None:
         self.runtime = runtime
         self.store = store
@@ -135,6 +137,9 @@ class Executor:
         # in parallel was slower than checking them first (at full parallel read speed) and letting
         # CRIU read them from the page cache.
         self.overlap_page_check = overlap_page_check
+        # Restores 2..N of one checkpoint on this node skip hashing files verified unchanged (0: never).
+        self.verified = VerifiedFiles(ttl_s=verify_cache_s) if verify_cache_s > 0 else None
+        self._verifying: dict[str, asyncio.Lock] = {}
 
     # ------------------------------------------------------------------ checkpoint
     async def wait_ready(self, workload: Workload, within: float) -> None:
@@ -249,9 +254,14 @@ class Executor:
                 overlap = self.overlap_page_check and self.runtime.restores_stopped
                 pages = [f for f in process_files if _is_pages(f)] if overlap else []
                 try:
-                    stats = await artifact.averify(
-                        expect_hash=identity_hash, files=[f for f in process_files if f not in pages]
-                    )
+                    # Concurrent restores of one artifact wait for the first one's hashing and then
+                    # find its files verified, instead of all reading the same bytes at once.
+                    async with self._verifying.setdefault(str(artifact.path), asyncio.Lock()):
+                        stats = await artifact.averify(
+                            expect_hash=identity_hash,
+                            files=[f for f in process_files if f not in pages],
+                            verified=self.verified,
+                        )
                     verified_bytes = stats.bytes
                 except (ArtifactError, ValueError) as e:
                     raise AgentError(f"artifact {identity_hash} refused: {e}") from None
@@ -268,7 +278,9 @@ class Executor:
                 if weights
                 else None
             )
-            pages_check = asyncio.create_task(artifact.averify(files=pages)) if pages else None
+            pages_check = (
+                asyncio.create_task(artifact.averify(files=pages, verified=self.verified)) if pages else None
+            )
             try:
                 workload = await self._restore_process(key, artifact, t, pages_check, identity_hash)
                 if pages_check is not None:
@@ -349,7 +361,9 @@ class Executor:
         # Timed apart from the phases it overlaps; "weights_wait" is what it added to the restore.
         started = time.monotonic()
         try:
-            return await artifact.averify(files=files)
+            # Linking the weights into a worker's control dir changes their status-change time, so
+            # the cache rarely spares this check; it stays correct either way.
+            return await artifact.averify(files=files, verified=self.verified)
         except (ArtifactError, ValueError) as e:
             raise AgentError(f"weights of artifact {artifact.identity_hash} refused: {e}") from None
         finally:

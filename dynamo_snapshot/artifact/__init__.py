@@ -52,6 +52,7 @@ from dynamo_snapshot.artifact.manifest import (
 )
 from dynamo_snapshot.artifact.reader import Artifact, verify_files
 from dynamo_snapshot.artifact.store import ArtifactStore
+from dynamo_snapshot.artifact.verified import VerifiedFiles
 from dynamo_snapshot.artifact.writer import ArtifactWriter, PublishResult, fetch
 
 __all__ = [
@@ -72,6 +73,7 @@ __all__ = [
     "Manifest",
     "PublishResult",
     "TreeStats",
+    "VerifiedFiles",
     "acopy_file",
     "acopy_tree",
     "ahash_files",

@@ -20,6 +20,7 @@ from dynamo_snapshot.artifact.manifest import (
     Manifest,
     validate_identity_hash,
 )
+from dynamo_snapshot.artifact.verified import VerifiedFiles
 
 __all__ = ["Artifact", "verify_files"]
 
@@ -59,13 +60,15 @@ class Artifact:
         expect_hash: str | None = None,
         parallel: int = HASH_PARALLEL,
         files: Collection[str] | None = None,
+        verified: VerifiedFiles | None = None,
     ) -> TreeStats:
         """Raise ``ArtifactError`` listing every missing, resized or altered file; else the read stats.
 
         ``files`` limits the check to those relative paths (None: every file of the manifest), e.g. the
         weights a loader is about to read.  Sizes are checked before anything is hashed, so a truncated
         file is reported as that, and cheaply.  Files not named in the manifest are ignored: CRIU never
-        reads them.
+        reads them.  With ``verified``, files it knows unchanged since they were hashed are not hashed
+        again, and the ones hashed now are added to it once all of them passed.
         """
         started = time.monotonic()
         problems: list[str] = []
@@ -75,9 +78,13 @@ class Artifact:
             )
         entries = self._select(files, problems)
         present = check_sizes(self.path, entries, problems)
+        if verified is not None:
+            present = [f for f in present if not verified.known(self.path, f)]
         stats = hash_entries(self.path, present, problems, parallel=parallel) if check_checksums else None
         if problems:
             raise ArtifactError(problems)
+        if verified is not None and stats is not None:
+            verified.remember(self.path, present)
         if stats is None:
             return TreeStats(bytes=0, seconds=time.monotonic() - started)
         return TreeStats(bytes=stats.bytes, seconds=time.monotonic() - started, files=stats.files)
@@ -89,6 +96,7 @@ class Artifact:
         expect_hash: str | None = None,
         parallel: int = HASH_PARALLEL,
         files: Collection[str] | None = None,
+        verified: VerifiedFiles | None = None,
     ) -> TreeStats:
         """``verify`` in a worker thread, so the event loop keeps serving."""
         check = functools.partial(
@@ -97,6 +105,7 @@ class Artifact:
             expect_hash=expect_hash,
             parallel=parallel,
             files=files,
+            verified=verified,
         )
         return await asyncio.to_thread(check)
 

@@ -35,6 +35,11 @@ class AgentConfig(BaseModel):
     runtime: Literal["local", "runc"] = "runc"
     launch_workloads: bool = Field(default=False, description="local/dev nodes: start pods' main containers")
     ready_timeout_seconds: float = Field(default=3600, gt=0)
+    verify_cache_seconds: float = Field(
+        default=3600,
+        ge=0,
+        description="files verified unchanged this recently are not hashed again; 0 hashes every time",
+    )
     metrics_port: int = Field(default=9090, ge=0, le=65535)
     health_port: int = Field(default=8082, ge=0, le=65535, description="/healthz and /readyz; 0 disables")
     criu: Path | None = None
@@ -57,6 +62,7 @@ _FLAGS = (
     "runtime",
     "launch_workloads",
     "ready_timeout_seconds",
+    "verify_cache_seconds",
     "metrics_port",
     "health_port",
     "criu",
@@ -83,6 +89,11 @@ def register(sub: Any) -> None:
         help="start pods' main containers here (nodes without a kubelet: demo, kwok)",
     )
     p.add_argument("--ready-timeout-seconds", type=float, help="how long a worker may take to get ready")
+    p.add_argument(
+        "--verify-cache-seconds",
+        type=float,
+        help="skip re-hashing artifact files verified unchanged this recently (3600; 0: hash every restore)",
+    )
     p.add_argument("--metrics-port", type=int, help="Prometheus metrics port, 0 disables (default 9090)")
     p.add_argument("--health-port", type=int, help="/healthz and /readyz port, 0 disables (default 8082)")
     p.add_argument("--criu", type=Path, help="criu binary (default: $DYNSNAP_CRIU, cache, PATH)")
@@ -99,7 +110,13 @@ def build(config: AgentConfig, kube: Kube) -> NodeAgent:
         )
     else:
         runtime = ProcessRuntime(config.control_root, criu)
-    executor = Executor(runtime, ArtifactStore(config.artifact_root), criu, node_name=config.node_name)
+    executor = Executor(
+        runtime,
+        ArtifactStore(config.artifact_root),
+        criu,
+        node_name=config.node_name,
+        verify_cache_s=config.verify_cache_seconds,
+    )
     settings = AgentSettings(
         node_name=config.node_name,
         launch_workloads=config.launch_workloads,
