@@ -153,6 +153,19 @@ class Harness:
         items, _ = await self.kube.list_all(EVENT, self.namespace)
         return [e for e in items if e.get("reason") == reason]
 
+    async def event(self, reason: str, *words: str, within: float = 15.0) -> Obj:
+        """The first Event of `reason` whose message has all `words`; Events are written in the
+        background, so this waits for them."""
+
+        async def find() -> Obj | None:
+            return next(
+                (e for e in await self.events(reason) if all(w in (e.get("message") or "") for w in words)),
+                None,
+            )
+
+        found: Obj = await eventually(find, within=within)
+        return found
+
 
 async def eventually(check: Callable[[], Awaitable[Any]], within: float = 30.0, interval: float = 0.2) -> Any:
     """Poll `check` until it returns a truthy value; fail with its last value or error."""

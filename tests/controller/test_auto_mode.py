@@ -167,9 +167,7 @@ async def test_failed_restores_fall_back_to_cold_start_and_fail_the_checkpoint(
     # already Failed by then: 3 to 6 failures, never fewer than the threshold.
     assert 3 <= len(ckpt["status"]["failedRestores"]) <= 6
     assert "restores from this checkpoint failed" in ckpt["status"]["message"]
-    events = await h.events("RestoreFailed")
-    assert events
-    assert "checksum mismatch (test)" in events[0]["message"]
+    await h.event("RestoreFailed", "checksum mismatch (test)")
 
 
 async def test_a_restore_failing_on_one_node_is_retried_on_another(
@@ -205,8 +203,7 @@ async def test_a_restore_failing_on_one_node_is_retried_on_another(
         {"key": "kubernetes.io/hostname", "operator": "NotIn", "values": bad_node} in t["matchExpressions"]
         for t in terms["nodeSelectorTerms"]
     )
-    events = await eventually(lambda: h.events("RestoreFailed"), within=15)
-    assert any("retrying the restore on another node" in e["message"] for e in events)
+    await h.event("RestoreFailed", "retrying the restore on another node")
     ckpt = await h.kube.get(CHECKPOINT, HASH, h.namespace)
     assert ckpt["status"]["phase"] == "Ready"  # one failure is below the threshold
 
@@ -272,8 +269,6 @@ async def test_an_unschedulable_restore_pod_is_replaced_by_a_cold_start(
     assert replacements, [p["metadata"]["name"] for p in pods]
     assert all(_mode(p) == "cold" and p["metadata"]["name"].endswith("-cold") for p in replacements)
     assert any(p["spec"]["nodeName"] == l40s for p in replacements)
-    # Events are written by the recorder in the background: wait for it.
-    events = await eventually(lambda: h.events("RestoreUnschedulable"), within=15)
-    assert "could not be scheduled" in events[0]["message"]
+    await h.event("RestoreUnschedulable", "could not be scheduled")
     ckpt = await h.kube.get(CHECKPOINT, HASH, h.namespace)
     assert not ckpt["status"].get("failedRestores"), "an unschedulable restore is not the checkpoint's fault"
