@@ -5,6 +5,7 @@ a killed worker is replaced by restore, and the load going away scales it back d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -336,6 +337,17 @@ class Scenario:
         window = self.profile.scale_down_window_s
         self.results.scaled_down_to = await self._until("the scale-down", down, window + 60)
         self.timeline.mark(f"scaled to {self.results.scaled_down_to}")
+
+        # The policy may step down more than once; show where it settles (minReplicas is 1), briefly.
+        async def settled() -> int | None:
+            return self.desired if self.desired <= 1 else None
+
+        with contextlib.suppress(DemoError):  # not there in time: the table says where it stood
+            await self._until("the scale-down to settle", settled, window + 15)
+        if self.desired != self.results.scaled_down_to:
+            self.results.scaled_down_to = self.desired
+            self.timeline.mark(f"scaled to {self.desired}")
+        await asyncio.sleep(3)  # the replicas going away, on the plot
 
     def summary(self) -> dict[str, Any]:
         return {
