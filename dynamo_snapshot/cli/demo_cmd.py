@@ -61,6 +61,11 @@ def run(args: argparse.Namespace) -> int:
     # Not under /tmp: the workers' registration directory is bind-mounted into their containers, whose
     # /tmp is a tmpfs of their own.
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dynamo-snapshot-demo-", dir="/var/tmp"))
+    if not args.setup_only and Path("/dev/nvidiactl").exists():
+        console.print(
+            "[yellow]note:[/] this machine has an NVIDIA GPU, but the demo runs the CPU reference worker "
+            "(the GPU one is not wired into the demo yet); GPU restore numbers: BENCHMARKS.md"
+        )
     try:
         return asyncio.run(_main(args, console, workdir))
     except KeyboardInterrupt:
