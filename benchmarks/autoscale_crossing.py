@@ -32,7 +32,6 @@ from benchmarks.controller_scale import (  # noqa: E402
     SERVICE,
     checkpoint_manifest,
     dgd_manifest,
-    install_crds,
     latency_stats,
     make_client,
     ready_status,
@@ -148,7 +147,7 @@ def main() -> int:
     prom = LocalPrometheus([exporter.address], workdir=work / "prometheus")
     try:
         cluster.start()
-        install_crds(cluster)
+        cluster.install_crds()
         prom.start()
         prom.wait_targets_up()
         samples = asyncio.run(bench(cluster, prom, exporter, args))

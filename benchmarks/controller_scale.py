@@ -535,14 +535,6 @@ async def make_client(kubeconfig: Path) -> k8s_client.ApiClient:
     return k8s_client.ApiClient(cfg)
 
 
-def install_crds(cluster: LocalCluster) -> None:
-    names: list[str] = []
-    for f in sorted((REPO / "crds").glob("*.yaml")):
-        out = cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(f), "-o", "name")
-        names += out.stdout.split()
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", *names)
-
-
 async def populate(kube: Kube, args: argparse.Namespace, namespaces: list[str], nodes: int) -> dict[str, Any]:
     t0 = time.monotonic()
     await bounded(16, [kube.create(NAMESPACE, {"metadata": {"name": ns}}) for ns in namespaces])
@@ -980,7 +972,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         t = time.monotonic()
         cluster.start(progress=say)
-        install_crds(cluster)
+        cluster.install_crds()
         say(f"control plane + CRDs up in {time.monotonic() - t:.1f}s")
         result = asyncio.run(bench(cluster, args, nodes, workdir))
     finally:

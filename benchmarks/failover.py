@@ -30,7 +30,6 @@ from benchmarks.controller_scale import (  # noqa: E402
     GPU_PRODUCT,
     checkpoint_manifest,
     dgd_manifest,
-    install_crds,
     latency_stats,
     make_client,
     ready_status,
@@ -148,7 +147,7 @@ def main() -> int:
     cluster = LocalCluster(work / "cluster")
     try:
         cluster.start()
-        install_crds(cluster)
+        cluster.install_crds()
         result = asyncio.run(bench(cluster, args.samples))
     finally:
         cluster.stop()

@@ -18,6 +18,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
+from dynamo_snapshot.api import crdgen
 from dynamo_snapshot.localcluster.components import Components, find_components
 from dynamo_snapshot.localcluster.nodes import KWOK_NODE_ANNOTATION, KWOK_NODE_VALUE, gpu_node_manifest
 from dynamo_snapshot.localcluster.pki import Pki, PkiError, make_pki
@@ -262,6 +263,18 @@ class LocalCluster:
         text = manifest if isinstance(manifest, str) else json.dumps(manifest)
         ns = ["-n", namespace] if namespace else []
         return self.kubectl("apply", *ns, "-f", "-", input=text).stdout
+
+    def install_crds(self) -> list[str]:
+        """Apply this project's CRDs (generated from the models, as crds/ holds them) and wait until the
+        apiserver serves them; returns their names as kubectl prints them."""
+        names: list[str] = []
+        for _, text in sorted(crdgen.render_crds().items()):
+            out = self.kubectl(
+                "apply", "--server-side", "--force-conflicts", "-f", "-", "-o", "name", input=text
+            )
+            names += out.stdout.split()
+        self.kubectl("wait", "--for=condition=Established", "--timeout=60s", *names)
+        return names
 
     def add_gpu_node(self, name: str, **kwargs: Any) -> dict[str, Any]:
         manifest = gpu_node_manifest(name, **kwargs)

@@ -19,7 +19,6 @@ from typing import Any
 from dynamo_snapshot.agent.executor import Executor
 from dynamo_snapshot.agent.runtime import RuncRuntime
 from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent, workload_key
-from dynamo_snapshot.api import crdgen
 from dynamo_snapshot.artifact import ArtifactStore
 from dynamo_snapshot.controller.manager import Controller, ControllerConfig
 from dynamo_snapshot.controller.runtime import Kube, Obj, load_client
@@ -127,12 +126,7 @@ class Stack:
 
     def _install(self) -> None:
         assert self.cluster is not None
-        names = []
-        for _, text in sorted(crdgen.render_crds().items()):
-            names += self.cluster.kubectl(
-                "apply", "--server-side", "-f", "-", "-o", "name", input=text
-            ).stdout.split()
-        self.cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", *names)
+        self.cluster.install_crds()
         for i in range(self.nodes):
             self.cluster.add_gpu_node(f"gpu-node-{i}")
         self.cluster.kubectl("create", "namespace", NAMESPACE)
