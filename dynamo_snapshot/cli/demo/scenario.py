@@ -14,10 +14,11 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.cli.demo.stack import CPU_WORKER, NAMESPACE, DemoError, Stack, worker_env
+from dynamo_snapshot.cli.demo.stack import CPU_WORKER, NAMESPACE, DemoError, Endpoint, Stack, worker_env
 from dynamo_snapshot.cli.demo.traffic import Load, Sample, Timeline
 from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD, SCALING_POLICY
 from dynamo_snapshot.controller.runtime import POD, ApiError, Kube, Obj, is_not_found
@@ -149,15 +150,13 @@ class Scenario:
         self.pods: dict[str, PodRecord] = {}
         self.timeline = Timeline()
         self.results = Results()
-        self.load = Load(self._serving_endpoints)
+        # What the load generator's thread sends to; replaced whole by the watcher, never mutated.
+        self.serving: list[Endpoint] = []
+        self.load = Load(lambda: self.serving)
         self.desired = 0
         self._watcher: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ watching
-    def _serving_endpoints(self) -> list[Any]:
-        live = {r.name for r in self.pods.values() if r.serving is not None and r.gone is None}
-        return [e for name, e in sorted(self.stack.endpoints().items()) if name in live]
-
     async def _watch(self) -> None:
         next_sample = 0.0
         while True:
@@ -197,7 +196,9 @@ class Scenario:
             await asyncio.sleep(0.1)
 
     async def _check_serving(self) -> None:
-        endpoints = self.stack.endpoints()
+        endpoints = self.stack.workers
+        live = {r.name for r in self.pods.values() if r.serving is not None and r.gone is None}
+        self.serving = [e for name, e in sorted(endpoints.items()) if name in live]
         waiting = [
             r for r in self.pods.values() if r.serving is None and r.gone is None and r.name in endpoints
         ]
@@ -266,8 +267,7 @@ class Scenario:
         self.results.checkpoint_s = self.timeline.now() - applied
         self.timeline.mark("checkpoint Ready")
         artifact = self.stack.workdir / "artifacts" / ckpt["status"]["identityHash"]
-        size = sum(p.stat().st_size for p in artifact.rglob("*") if p.is_file())
-        self.results.artifact_mib = size / 2**20
+        self.results.artifact_mib = await asyncio.to_thread(_tree_bytes, artifact) / 2**20
         self.say(
             f"  checkpoint {ckpt['metadata']['name']} Ready {self.results.checkpoint_s:.1f}s after the DGD "
             f"was applied ({self.results.artifact_mib:.0f} MiB artifact)"
@@ -356,3 +356,7 @@ class Scenario:
             "timeline": [asdict(s) for s in self.timeline.samples],
             "marks": self.timeline.marks,
         }
+
+
+def _tree_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())

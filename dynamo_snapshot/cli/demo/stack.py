@@ -60,6 +60,8 @@ class Stack:
     prometheus: LocalPrometheus | None = None
     kube: Kube | None = None
     runtimes: dict[str, RuncRuntime] = field(default_factory=dict)
+    # pod -> where it serves: the registration directory as last read (by the discovery task, 5x a second)
+    workers: dict[str, Endpoint] = field(default_factory=dict)
     _api: Any = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
@@ -121,7 +123,7 @@ class Stack:
                 AgentSettings(node_name=node, launch_workloads=True, ready_timeout=600),
             )
             self._tasks.append(asyncio.create_task(agent.run_until(self._stop), name=f"agent-{node}"))
-        self._tasks.append(asyncio.create_task(self._scrape_workers(), name="discovery"))
+        self._tasks.append(asyncio.create_task(self._discover(), name="discovery"))
         self.say(f"controller and {self.nodes} node agents (runc) running")
 
     def _install(self) -> None:
@@ -151,7 +153,7 @@ class Stack:
             await asyncio.to_thread(self.cluster.stop)
 
     # ------------------------------------------------------------------ workers
-    def endpoints(self) -> dict[str, Endpoint]:
+    def _read_registrations(self) -> dict[str, Endpoint]:
         """Workers that registered (cpu_worker writes <pod>.json once it listens)."""
         found: dict[str, Endpoint] = {}
         for path in self.endpoint_dir.glob("*.json"):
@@ -160,18 +162,20 @@ class Stack:
                 found[path.stem] = Endpoint(path.stem, f"{data['host']}:{data['port']}")
         return found
 
-    async def _scrape_workers(self) -> None:
-        """Point Prometheus at the workers that registered (the demo's service discovery)."""
+    async def _discover(self) -> None:
+        """The demo's service discovery: keep `workers` current and Prometheus scraping them."""
         assert self.prometheus is not None
         current: list[str] = []
         while True:
-            wanted = sorted(e.address for e in self.endpoints().values())
+            self.workers = await asyncio.to_thread(self._read_registrations)
+            wanted = sorted(e.address for e in self.workers.values())
             if wanted != current:
                 await asyncio.to_thread(self.prometheus.set_targets, wanted)
                 current = wanted
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.2)
 
     def forget_endpoint(self, pod: str) -> None:
+        self.workers.pop(pod, None)
         with contextlib.suppress(FileNotFoundError):
             (self.endpoint_dir / f"{pod}.json").unlink()
 
