@@ -133,8 +133,8 @@ class Failover:
     pending: dict[tuple[str, str], dict[str, Loss]] = field(default_factory=lambda: defaultdict(dict))
     # owner -> replacement pod name -> when the loss it replaces was observed, until that pod is Ready
     recovering: dict[tuple[str, str], dict[str, float]] = field(default_factory=lambda: defaultdict(dict))
-    # owner -> fraction of its desired replicas lost and not yet replaced (for the ordering)
-    deficit: dict[tuple[str, str], float] = field(default_factory=dict)
+    # owner -> its desired replicas, as its last reconcile said (for the ordering)
+    desired: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.cluster = TokenBucket(self.cluster_rate, self.cluster_burst)
@@ -162,7 +162,8 @@ class Failover:
         if losses == 0:
             return missing, 0.0
         paced = min(missing, losses)
-        self.deficit[owner] = losses / max(desired or losses, 1)
+        if desired:
+            self.desired[owner] = desired
         bucket = self.services.get(owner)
         if bucket is None:
             bucket = self.services[owner] = TokenBucket(self.service_rate, self.service_burst)
@@ -177,8 +178,11 @@ class Failover:
         return granted + (missing - paced), later
 
     def _rank(self, owner: tuple[str, str]) -> tuple[float, float]:
-        first = min((loss.seen for loss in self.pending.get(owner, {}).values()), default=0.0)
-        return (-self.deficit.get(owner, 0.0), first)
+        lost = self.pending.get(owner, {})
+        first = min((loss.seen for loss in lost.values()), default=0.0)
+        # The fraction of the desired replicas lost and not replaced; unknown until its reconcile asks.
+        deficit = len(lost) / self.desired[owner] if owner in self.desired else 0.0
+        return (-deficit, first)
 
     def _wanted_before(self, owner: tuple[str, str]) -> int:
         """Replacements still owed to services that go before `owner`."""
@@ -189,7 +193,7 @@ class Failover:
 
     def forget(self, dgd_key: str) -> None:
         """The DGD is gone: its losses will never be replaced."""
-        for table in (self.pending, self.services, self.recovering, self.deficit):
+        for table in (self.pending, self.services, self.recovering, self.desired):
             for owner in [o for o in table if o[0] == dgd_key]:
                 del table[owner]
 
@@ -207,7 +211,6 @@ class Failover:
             del lost[name]
         if not lost:
             self.pending.pop(owner, None)
-            self.deficit.pop(owner, None)
 
     def track_ready(self, owner: tuple[str, str], ready: set[str], existing: set[str]) -> None:
         """Record replacements that became Ready; forget those that no longer exist."""

@@ -66,9 +66,9 @@ def test_the_service_furthest_below_desired_is_replaced_first() -> None:
         fo.observe(small, f"a{i}", "node-deleted", "n1")  # 2 of 10 lost
     for i in range(3):
         fo.observe(big, f"b{i}", "node-deleted", "n1")  # 3 of 4 lost
-    fo.allowance(big, 3, desired=4)  # b's reconcile states its deficit (and takes 3 of the 4 tokens)
+    fo.allowance(big, 3, desired=4)  # b's reconcile states its desired count (and takes 3 of 4 tokens)
     fo.replaced(big, ["rb0", "rb1"])  # ... of which only 2 pods got created
-    # a asks next: one token is left, but b (75% -> still 1 of 4 lost) goes before a (20%).
+    # a asks next: one token is left, but b (now 1 of 4 lost: 25%) still goes before a (2 of 10: 20%).
     allowed, later = fo.allowance(small, 2, desired=10)
     assert allowed == 0
     assert later > 0
