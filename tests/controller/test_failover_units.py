@@ -120,3 +120,15 @@ def test_unschedulable_says_for_how_long_and_why() -> None:
     assert unschedulable({"status": {"phase": "Pending"}}, now) is None  # not looked at by the scheduler yet
     gated = {"status": {"phase": "Pending", "conditions": [{**cond, "reason": "SchedulingGated"}]}}
     assert unschedulable(gated, now) is None
+
+
+def test_the_order_follows_the_losses_still_pending() -> None:
+    fo = Failover(cluster_rate=0.001, cluster_burst=4.0, service_rate=100.0, service_burst=100.0)
+    small, big = ("ns/a", "svc"), ("ns/b", "svc")
+    for i in range(3):
+        fo.observe(small, f"a{i}", "node-deleted", "n1")  # 3 of 10 lost: 30%
+        fo.observe(big, f"b{i}", "node-deleted", "n1")  # 3 of 4 lost: 75%
+    fo.allowance(big, 3, desired=4)  # takes 3 of the 4 tokens
+    fo.replaced(big, ["rb0", "rb1"])  # b is down to 1 of 4 lost: 25%, now behind a
+    allowed, _ = fo.allowance(small, 3, desired=10)
+    assert allowed == 1  # the last token goes to a, nothing is held back for b
