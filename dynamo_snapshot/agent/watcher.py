@@ -345,9 +345,6 @@ def _spec(pod: Obj, key: str) -> WorkloadSpec:
         labels.get(protocol.LABEL_CHECKPOINT_SOURCE),
         labels.get(protocol.LABEL_RESTORE_TARGET),
     )
-    if not snapshot:
-        for name in protocol.ENV_CONTROL_DIRS:
-            env.pop(name, None)
     return WorkloadSpec(
         key=key,
         command=[str(c) for c in command],

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from dynamo_snapshot.api import protocol
+
 
 @dataclass(frozen=True)
 class WorkloadSpec:
@@ -20,6 +22,15 @@ class WorkloadSpec:
     # A checkpoint source or restore target: the worker is told where its control dir is. Others are
     # not, as a worker that finds one waits for a restore a cold start never gets.
     snapshot: bool = True
+
+
+def worker_env(spec: WorkloadSpec, control_dir: str) -> dict[str, str]:
+    """The pod's environment as the worker gets it: the control-dir variables point at `control_dir`
+    (where the runtime puts it) for snapshot pods, and are absent for others."""
+    env = {k: v for k, v in spec.env.items() if k not in protocol.ENV_CONTROL_DIRS}
+    if spec.snapshot:
+        env.update({name: control_dir for name in protocol.ENV_CONTROL_DIRS})
+    return env
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from dynamo_snapshot.agent.runtime.base import (
     WorkloadSpec,
     pid_alive,
     pid_running,
+    worker_env,
 )
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.criu import Criu, CriuError
@@ -51,7 +52,7 @@ class ProcessRuntime:
             proc = await asyncio.create_subprocess_exec(
                 *spec.command,
                 # The worker finds its control dir through the env; here that is a host directory.
-                env={**os.environ, **spec.env, **_control_env(spec, str(ctl))},
+                env={**os.environ, **worker_env(spec, str(ctl))},
                 cwd=spec.workdir,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log,
@@ -113,10 +114,6 @@ class ProcessRuntime:
             raise WorkloadRuntimeError(str(e)) from None
         await asyncio.to_thread(_write_state, self.control_dir(key), result.pid, ctl)
         return Workload(key, result.pid, ctl)
-
-
-def _control_env(spec: WorkloadSpec, path: str) -> dict[str, str]:
-    return {name: path for name in protocol.ENV_CONTROL_DIRS} if spec.snapshot else {}
 
 
 async def _continue_tree(root: int) -> None:

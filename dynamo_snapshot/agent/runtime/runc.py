@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dynamo_snapshot.agent.runtime.base import Workload, WorkloadRuntimeError, WorkloadSpec
+from dynamo_snapshot.agent.runtime.base import Workload, WorkloadRuntimeError, WorkloadSpec, worker_env
 from dynamo_snapshot.api import protocol
 
 # Host directories a container the agent launches itself (local mode) sees read-only: the system's
@@ -100,12 +100,11 @@ class RuncRuntime:
 
     def _config(self, spec: WorkloadSpec | None) -> dict[str, Any]:
         assert spec is not None
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/root", **spec.env}
-        for name in protocol.ENV_CONTROL_DIRS:
-            if spec.snapshot:
-                env[name] = protocol.CONTROL_MOUNT_PATH
-            else:
-                env.pop(name, None)
+        env = {
+            "PATH": "/usr/local/bin:/usr/bin:/bin",
+            "HOME": "/root",
+            **worker_env(spec, protocol.CONTROL_MOUNT_PATH),
+        }
         # stdout/stderr go to the container's own /tmp (a tmpfs CRIU carries along): a host file would be
         # an fd CRIU cannot place in the container's mount namespace.
         shell = 'exec "$@" >>/tmp/worker.log 2>&1'

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.cli.demo.stack import CPU_WORKER, NAMESPACE, DemoError, Endpoint, Stack, worker_env
+from dynamo_snapshot.cli.demo.stack import CPU_WORKER, NAMESPACE, DemoError, Endpoint, Stack, repo_env
 from dynamo_snapshot.cli.demo.traffic import Load, Sample, Timeline
 from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD, SCALING_POLICY
 from dynamo_snapshot.controller.runtime import POD, ApiError, Kube, Obj, is_not_found
@@ -84,7 +84,7 @@ class Results:
 
 def dgd_manifest(profile: Profile, endpoint_dir: str) -> Obj:
     env = {
-        **worker_env(),
+        **repo_env(),
         "WORKER_ENDPOINT_DIR": endpoint_dir,
         "WORKER_WEIGHTS_MIB": str(profile.weights_mib),
         "WORKER_COMPILE_ROUNDS": str(profile.compile_rounds),

@@ -187,5 +187,5 @@ class Stack:
         return workload.pid if workload is not None else None
 
 
-def worker_env() -> dict[str, str]:
+def repo_env() -> dict[str, str]:
     return {"PYTHONPATH": str(REPO), "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
