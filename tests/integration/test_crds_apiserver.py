@@ -24,6 +24,7 @@ from dynamo_snapshot.api.protocol import API_GROUP, API_VERSION
 from dynamo_snapshot.api.resources import CUSTOM_RESOURCES
 from dynamo_snapshot.localcluster import LocalCluster
 from tests.api.examples import MANIFEST_DIR, MANIFEST_FILES, load_manifest
+from tests.integration.apply import apply, refused
 
 pytestmark = pytest.mark.cluster
 
@@ -55,17 +56,6 @@ async def _read(api: client.ApiClient, namespace: str, manifest: dict[str, Any])
         API_GROUP, API_VERSION, namespace, plural, manifest["metadata"]["name"]
     )
     return stored
-
-
-def _apply(cluster: LocalCluster, namespace: str, manifest: dict[str, Any]) -> None:
-    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
-
-
-def _refused(cluster: LocalCluster, namespace: str, manifest: dict[str, Any]) -> str:
-    """Apply ``manifest``, expecting the apiserver to refuse it; returns kubectl's error output."""
-    proc = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest), check=False)
-    assert proc.returncode != 0, f"the apiserver accepted {json.dumps(manifest)}:\n{proc.stdout}"
-    return proc.stderr
 
 
 def _checkpoint(name: str, **identity: Any) -> dict[str, Any]:
@@ -116,7 +106,7 @@ async def test_server_defaults_do_not_change_the_identity_hash(
     cluster: LocalCluster, crds: list[str], api: client.ApiClient, namespace: str
 ) -> None:
     manifest = _checkpoint("defaults")
-    _apply(cluster, namespace, manifest)
+    apply(cluster, namespace, manifest)
     stored = await _read(api, namespace, manifest)
     identity = stored["spec"]["identity"]
     assert (identity["tensorParallelSize"], identity["pipelineParallelSize"]) == (1, 1)
@@ -136,7 +126,7 @@ def test_unknown_backend_framework_is_refused(cluster: LocalCluster, crds: list[
     manifest = _checkpoint("bad-backend", backendFramework="tensorflow")
     with pytest.raises(ValidationError, match="backendFramework"):
         DynamoCheckpoint.model_validate(manifest)
-    error = _refused(cluster, namespace, manifest)
+    error = refused(cluster, namespace, manifest)
     assert "spec.identity.backendFramework" in error
     assert "tensorflow" in error
 
@@ -149,7 +139,7 @@ def test_unknown_backend_framework_in_a_service_is_refused(
     )
     with pytest.raises(ValidationError, match="backendFramework"):
         DynamoGraphDeployment.model_validate(manifest)
-    error = _refused(cluster, namespace, manifest)
+    error = refused(cluster, namespace, manifest)
     assert "checkpoint.identity.backendFramework" in error
     assert "onnx" in error
 
@@ -161,7 +151,7 @@ def test_non_positive_tensor_parallel_size_is_refused(
     manifest = _checkpoint(f"tp{size}".replace("-", "minus"), tensorParallelSize=size)
     with pytest.raises(ValidationError, match="tensorParallelSize"):
         DynamoCheckpoint.model_validate(manifest)
-    error = _refused(cluster, namespace, manifest)
+    error = refused(cluster, namespace, manifest)
     assert "spec.identity.tensorParallelSize" in error
     assert "greater than or equal to 1" in error
 
@@ -170,17 +160,17 @@ async def test_identity_is_immutable(
     cluster: LocalCluster, crds: list[str], api: client.ApiClient, namespace: str
 ) -> None:
     manifest = _checkpoint("immutable", dtype="bfloat16")
-    _apply(cluster, namespace, manifest)
+    apply(cluster, namespace, manifest)
 
     changed = copy.deepcopy(manifest)
     changed["spec"]["identity"]["model"] = "Qwen/Qwen3-8B"
-    error = _refused(cluster, namespace, changed)
+    error = refused(cluster, namespace, changed)
     assert "spec.identity" in error
     assert IDENTITY_IMMUTABLE_MESSAGE in error
 
     added = copy.deepcopy(manifest)
     added["spec"]["identity"]["maxModelLen"] = 4096
-    assert IDENTITY_IMMUTABLE_MESSAGE in _refused(cluster, namespace, added)
+    assert IDENTITY_IMMUTABLE_MESSAGE in refused(cluster, namespace, added)
 
     stored = await _read(api, namespace, manifest)
     assert stored["spec"]["identity"]["model"] == "Qwen/Qwen3-0.6B"
@@ -188,7 +178,7 @@ async def test_identity_is_immutable(
     # Only the identity is frozen: the Job settings may still change.
     retimed = copy.deepcopy(manifest)
     retimed["spec"]["job"]["activeDeadlineSeconds"] = 7200
-    _apply(cluster, namespace, retimed)
+    apply(cluster, namespace, retimed)
     assert (await _read(api, namespace, manifest))["spec"]["job"]["activeDeadlineSeconds"] == 7200
 
 
@@ -198,7 +188,7 @@ def test_enabled_checkpoint_without_ref_or_identity_is_refused(
     manifest = _graph("no-source", {"enabled": True, "mode": "Auto"})
     with pytest.raises(ValidationError, match="checkpointRef"):
         DynamoGraphDeployment.model_validate(manifest)
-    error = _refused(cluster, namespace, manifest)
+    error = refused(cluster, namespace, manifest)
     assert "checkpoint" in error
     assert CHECKPOINT_NEEDS_SOURCE_MESSAGE in error
 
@@ -211,13 +201,13 @@ def test_manual_checkpoint_without_ref_is_refused(
     )
     with pytest.raises(ValidationError, match="Manual"):
         DynamoGraphDeployment.model_validate(manifest)
-    assert MANUAL_NEEDS_REF_MESSAGE in _refused(cluster, namespace, manifest)
+    assert MANUAL_NEEDS_REF_MESSAGE in refused(cluster, namespace, manifest)
 
 
 def test_disabled_checkpoint_needs_nothing(cluster: LocalCluster, crds: list[str], namespace: str) -> None:
     manifest = _graph("disabled", {"enabled": False})
     DynamoGraphDeployment.model_validate(manifest)
-    _apply(cluster, namespace, manifest)
+    apply(cluster, namespace, manifest)
 
 
 # --- kubectl get ---------------------------------------------------------------------------------

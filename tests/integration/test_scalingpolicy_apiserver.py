@@ -21,6 +21,7 @@ from dynamo_snapshot.api.scalingpolicy import (
     DynamoScalingPolicy,
 )
 from dynamo_snapshot.localcluster import LocalCluster
+from tests.integration.apply import apply, refused
 
 pytestmark = pytest.mark.cluster
 
@@ -46,16 +47,6 @@ def _policy(name: str, **spec: Any) -> dict[str, Any]:
     }
 
 
-def _apply(cluster: LocalCluster, namespace: str, manifest: dict[str, Any]) -> None:
-    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
-
-
-def _refused(cluster: LocalCluster, namespace: str, manifest: dict[str, Any]) -> str:
-    proc = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest), check=False)
-    assert proc.returncode != 0, f"the apiserver accepted {json.dumps(manifest)}:\n{proc.stdout}"
-    return proc.stderr
-
-
 async def _read(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
     stored: dict[str, Any] = await client.CustomObjectsApi(api).get_namespaced_custom_object(
         API_GROUP, API_VERSION, namespace, PLURAL, name
@@ -68,7 +59,7 @@ async def test_valid_policy_applies_with_defaults(
 ) -> None:
     manifest = _policy("decode")
     DynamoScalingPolicy.model_validate(manifest)
-    _apply(cluster, namespace, manifest)
+    apply(cluster, namespace, manifest)
 
     stored = await _read(api, namespace, "decode")
     model = DynamoScalingPolicy.model_validate(stored)
@@ -117,7 +108,7 @@ def test_min_above_max_is_refused(cluster: LocalCluster, crds: list[str], namesp
     manifest = _policy("min-max", minReplicas=5, maxReplicas=4)
     with pytest.raises(ValidationError, match=MIN_EXCEEDS_MAX_MESSAGE):
         DynamoScalingPolicy.model_validate(manifest)
-    error = _refused(cluster, namespace, manifest)
+    error = refused(cluster, namespace, manifest)
     assert MIN_EXCEEDS_MAX_MESSAGE in error
     assert "spec.minReplicas" in error
 
@@ -130,7 +121,7 @@ def test_non_positive_target_per_replica_is_refused(
     manifest["spec"]["metrics"][1]["targetPerReplica"] = target
     with pytest.raises(ValidationError, match=TARGET_PER_REPLICA_MESSAGE):
         DynamoScalingPolicy.model_validate(manifest)
-    error = _refused(cluster, namespace, manifest)
+    error = refused(cluster, namespace, manifest)
     assert TARGET_PER_REPLICA_MESSAGE in error
     assert "spec.metrics[1].targetPerReplica" in error
 
@@ -140,7 +131,7 @@ def test_duplicate_metric_names_are_refused(cluster: LocalCluster, crds: list[st
     manifest["spec"]["metrics"][1]["name"] = "waiting"
     with pytest.raises(ValidationError, match=DUPLICATE_METRIC_NAMES_MESSAGE):
         DynamoScalingPolicy.model_validate(manifest)
-    error = _refused(cluster, namespace, manifest)
+    error = refused(cluster, namespace, manifest)
     assert DUPLICATE_METRIC_NAMES_MESSAGE in error
     assert "spec.metrics" in error
 
@@ -151,7 +142,7 @@ def test_empty_query_is_refused(cluster: LocalCluster, crds: list[str], namespac
     manifest["spec"]["metrics"][0]["query"] = query
     with pytest.raises(ValidationError, match="query"):
         DynamoScalingPolicy.model_validate(manifest)
-    error = _refused(cluster, namespace, manifest)
+    error = refused(cluster, namespace, manifest)
     assert "spec.metrics[0].query" in error
     assert ("at least 1 chars long" if not query else "should match") in error
 
@@ -176,7 +167,7 @@ def test_other_bad_specs_are_refused(
     manifest = _policy("bad", **spec)
     with pytest.raises(ValidationError):
         DynamoScalingPolicy.model_validate(manifest)
-    error = _refused(cluster, namespace, manifest)
+    error = refused(cluster, namespace, manifest)
     assert field in error
     assert reason in error
 
@@ -184,5 +175,5 @@ def test_other_bad_specs_are_refused(
 def test_unknown_field_is_refused_by_kubectl(cluster: LocalCluster, crds: list[str], namespace: str) -> None:
     manifest = _policy("typo")
     manifest["spec"]["maxReplica"] = 3
-    error = _refused(cluster, namespace, copy.deepcopy(manifest))
+    error = refused(cluster, namespace, copy.deepcopy(manifest))
     assert "maxReplica" in error
