@@ -95,9 +95,11 @@ async def _main(args: argparse.Namespace, console: Console, workdir: Path) -> in
         await stack.start()
         scenario = Scenario(stack, Profile.quick() if args.quick else Profile(), console.log)
         results = await scenario.run()
-        (args.out / "summary.json").write_text(json.dumps(scenario.summary(), indent=1))
+        # Off the event loop: the controller and the agents are still running.
+        summary = json.dumps(scenario.summary(), indent=1)
+        await asyncio.to_thread((args.out / "summary.json").write_text, summary)
         console.print(table(results))
-        why_not = plot(scenario.timeline, args.out / "demo.png")
+        why_not = await asyncio.to_thread(plot, scenario.timeline, args.out / "demo.png")
         console.print(why_not or f"plot: {args.out / 'demo.png'}")
         console.print(f"summary: {args.out / 'summary.json'}")
         if args.hold:
