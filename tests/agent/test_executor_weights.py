@@ -180,6 +180,30 @@ async def test_pages_checked_while_criu_restores_a_stopped_tree(
     assert await runtime.find("restored") is None
 
 
+@pytest.mark.criu
+async def test_a_second_restore_skips_checked_files_but_not_changed_ones(
+    criu_bin: Path, tmp_path: Path
+) -> None:
+    executor, runtime, ctl = await _checkpoint(tmp_path, criu_bin)
+    await executor.restore("first", HASH)
+    try:
+        assert (await _verdict(ctl / "verify.json"))["weights_ok"]
+    finally:
+        await runtime.stop("first")
+    artifact = executor.store.open(HASH)
+    process = [f for f in artifact.manifest.files if not f.path.startswith("weights/")]
+    assert executor.verified is not None
+    assert all(executor.verified.known(artifact.path, f) for f in process), (
+        "the first restore's check was not kept"
+    )
+    # Changed in place after that check: the next restore on this node must hash it again and refuse.
+    (pages,) = (artifact.path / "criu").glob("pages-*.img")
+    _flip_a_byte(pages)
+    with pytest.raises(AgentError, match=r"refused: checksum mismatch: criu/pages-"):
+        await executor.restore("second", HASH)
+    assert await runtime.find("second") is None
+
+
 def test_host_paths() -> None:
     host_ctl = Path("/var/lib/agent/pod-1")
     assert host_path(
