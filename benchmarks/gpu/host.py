@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
+import threading
 import time
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 
@@ -23,3 +26,60 @@ async def wait_json(path: Path, within: float) -> dict[str, Any]:
             raise TimeoutError(f"{path} did not appear within {within}s")
         await asyncio.sleep(0.01)
     return dict(json.loads(await asyncio.to_thread(path.read_text)))
+
+
+# Whole disks only (a partition's reads are counted in its disk's too).
+_DISK = re.compile(r"^(nvme\d+n\d+|[sv]d[a-z]+|xvd[a-z]+)$")
+
+
+def _disk_read_bytes() -> int:
+    total = 0
+    for line in Path("/proc/diskstats").read_text().splitlines():
+        f = line.split()
+        if len(f) > 5 and _DISK.match(f[2]):
+            total += int(f[5]) * 512  # sectors read
+    return total
+
+
+def _major_faults() -> int:
+    for line in Path("/proc/vmstat").read_text().splitlines():
+        if line.startswith("pgmajfault "):
+            return int(line.split()[1])
+    return 0
+
+
+class IoSampler:
+    """Disk bytes read and major page faults, machine-wide, every `period` seconds while in the `with`:
+    which phase of a restore reads the disk, and how much beyond the artifact it reads."""
+
+    def __init__(self, period: float = 0.05) -> None:
+        self.period = period
+        self.samples: list[tuple[float, int, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        self.samples.append((time.time(), _disk_read_bytes(), _major_faults()))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self._sample()
+
+    def __enter__(self) -> IoSampler:
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def timeline(self, since: float) -> list[list[float]]:
+        """[seconds since `since`, MB read so far, major faults so far], every sample."""
+        if not self.samples:
+            return []
+        _, b0, f0 = self.samples[0]
+        return [[round(t - since, 3), round((b - b0) / 1e6, 1), f - f0] for t, b, f in self.samples]

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import os
 import shutil
@@ -37,11 +38,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.gpu.host import drop_caches, wait_json  # noqa: E402
+from benchmarks.gpu.host import IoSampler, drop_caches, wait_json  # noqa: E402
 from dynamo_snapshot.agent.executor import AgentError, Executor  # noqa: E402
 from dynamo_snapshot.agent.runtime import ProcessRuntime, WorkloadSpec  # noqa: E402
 from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_hash  # noqa: E402
-from dynamo_snapshot.artifact import ArtifactStore  # noqa: E402
+from dynamo_snapshot.artifact import ArtifactStore, VerifiedFiles  # noqa: E402
 from dynamo_snapshot.criu import Criu  # noqa: E402
 
 WORKER = REPO / "examples" / "reference_worker" / "worker.py"
@@ -89,6 +90,15 @@ def storage_gbps(path: Path, gib: int = 4, threads: int = 16, block: int = 64 <<
     with ThreadPoolExecutor(threads) as pool:
         total = sum(pool.map(reader, range(threads)))
     return total / (time.monotonic() - started) / 1e9
+
+
+def host_facts() -> dict[str, str]:
+    """What changes how fast memory comes back: the kernel, transparent huge pages, the CPU count."""
+    facts = {"kernel": os.uname().release, "cpus": str(os.cpu_count())}
+    for name in ("enabled", "defrag"):
+        p = Path("/sys/kernel/mm/transparent_hugepage") / name
+        facts[f"thp_{name}"] = p.read_text().strip() if p.exists() else "absent"
+    return facts
 
 
 def http(port: int, path: str, body: dict[str, Any] | None = None, timeout: float = 60) -> tuple[int, Any]:
@@ -185,6 +195,7 @@ class Bench:
         self.result["model_bytes"] = sum(f.stat().st_size for f in files)
         gbps = await asyncio.to_thread(storage_gbps, self.work / "calibration.bin", self.args.calib_gib)
         self.result["storage_gbps"] = round(gbps, 3)
+        self.result["host"] = host_facts()
         self.save()
 
     async def run_mode(self, mode: str, cache: Path, port: int) -> None:
@@ -203,7 +214,6 @@ class Bench:
         cold = await wait_json(source.control_dir / "cold-timings.json", within=10)
         rec["cold_start_s"] = round(float(cold["ready_at"]) - launched, 3)
         rec["cold_timings"] = cold
-        reference = cold["selftest_tokens"]
         self.save()
 
         ckpt = await self.executor.checkpoint(source, ident_hash, ident)
@@ -213,33 +223,98 @@ class Bench:
         manifest = self.store.open(ident_hash).manifest
         rec["artifact_files"] = {f.path: f.size for f in manifest.files if f.size > 64 << 20}
         rec["gpu_memory"] = manifest.extra.get("gpuMemory")
+        memory_report = source.control_dir / "checkpoint-memory.json"
+        if memory_report.exists():
+            rec["checkpoint_memory"] = json.loads(memory_report.read_text())
         self.save()
         shutil.rmtree(source.control_dir, ignore_errors=True)  # a new node: nothing of the source left
 
-        await asyncio.to_thread(drop_caches)
-        t0 = time.time()
-        restored = await self.executor.restore(f"restored-{mode}", ident_hash)
-        t_agent = time.time()
-        serving = await wait_serving(port, within=self.args.serve_timeout)
-        rec["restore_s"] = round(serving - t0, 3)
-        rec["restore_agent_s"] = round(t_agent - t0, 3)
-        rec["restore_phases"] = restored.timings.phases
-        rec["restore_overlapped"] = restored.timings.overlapped
-        status, answer = await asyncio.to_thread(
-            http, port, "/generate", {"prompts": cold["selftest_prompts"], "max_new_tokens": 16}
-        )
-        rec["output_identical"] = status == 200 and answer["tokens"] == reference
-        resume = await wait_json(restored.workload.control_dir / "resume.json", within=60)
-        rec["resume"] = resume
         rec["sol_s"] = round(ckpt.artifact_bytes / (self.result["storage_gbps"] * 1e9), 3)
+        rec.update(await self.timed_restore(f"restored-{mode}", ident_hash, port, cold))
         rec["restore_over_sol"] = round(rec["restore_s"] / rec["sol_s"], 3)
         self.save()
+        if mode == "decoupled" and self.args.diagnostics:
+            rec["diagnostics"] = await self.diagnostics(f"restored-{mode}", ident_hash, port, cold)
+            self.save()
         if mode == "decoupled" and self.args.bad_inputs:
             rec["bad_inputs"] = await self.bad_inputs(f"restored-{mode}", ident_hash)
         await self.runtime.stop(f"restored-{mode}")
         if mode != "decoupled" or not self.args.keep_artifacts:
             await asyncio.to_thread(shutil.rmtree, self.store.path_for(ident_hash), True)
         self.save()
+
+    async def timed_restore(
+        self, key: str, ident_hash: str, port: int, cold: dict[str, Any], *, drop: bool = True
+    ) -> dict[str, Any]:
+        """One restore, from the agent's call to the worker answering /health, and its /generate answer
+        compared with the cold-started worker's; the disk reads during it sampled."""
+        rec: dict[str, Any] = {}
+        # Restores of one artifact share the source's control dir: the worker's last answer must go.
+        source_ctl = self.store.open(ident_hash).manifest.extra["control_dir"]
+        assert isinstance(source_ctl, str)
+        (Path(source_ctl) / "resume.json").unlink(missing_ok=True)
+        if drop:
+            await asyncio.to_thread(drop_caches)
+        t0 = time.time()
+        with IoSampler() as io:
+            restored = await self.executor.restore(key, ident_hash)
+            t_agent = time.time()
+            serving = await wait_serving(port, within=self.args.serve_timeout)
+        rec["restore_s"] = round(serving - t0, 3)
+        rec["restore_agent_s"] = round(t_agent - t0, 3)
+        rec["restore_phases"] = restored.timings.phases
+        rec["restore_overlapped"] = restored.timings.overlapped
+        timeline = io.timeline(t0)
+        rec["disk_read_mb"] = timeline[-1][1] if timeline else None
+        rec["io_timeline"] = timeline
+        status, answer = await asyncio.to_thread(
+            http, port, "/generate", {"prompts": cold["selftest_prompts"], "max_new_tokens": 16}
+        )
+        rec["output_identical"] = status == 200 and answer["tokens"] == cold["selftest_tokens"]
+        resume = await wait_json(restored.workload.control_dir / "resume.json", within=60)
+        rec["resume"] = resume
+        rec["resumed_after_s"] = round(float(resume["resumed_at"]) - t0, 3)
+        self.keep_criu_log(key)
+        return rec
+
+    def keep_criu_log(self, key: str) -> None:
+        """CRIU's restore log (timestamped, -v4) and stats, gzipped under OUT/criu-logs/."""
+        d = self.runtime.control_dir(key)
+        dest = self.args.out / "criu-logs"
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in ("restore.log", "stats-restore"):
+            src = d / name
+            if src.exists():
+                with gzip.open(dest / f"{self.args.size}-{key}-{name}.gz", "wb") as f:
+                    f.write(src.read_bytes())
+
+    async def diagnostics(self, key: str, ident_hash: str, port: int, cold: dict[str, Any]) -> dict[str, Any]:
+        """Other restores of the same artifact: the second one on a node (page cache and verify cache
+        warm), and two other places for the weights check (before CRIU; beside it with 4 threads)."""
+        out: dict[str, Any] = {}
+        ex = self.executor
+        variants = [
+            ("warm_node", {}, False),
+            ("weights_first", {"weights_first": True}, True),
+            ("weights_4_threads", {"weights_check_parallel": 4}, True),
+        ]
+        for name, knobs, drop in variants:
+            await self.runtime.stop(key)
+            key = f"{key.split('+')[0]}+{name}"
+            saved = (ex.weights_first, ex.weights_check_parallel, ex.verified)
+            if drop:
+                ex.verified = VerifiedFiles(ttl_s=3600)  # a node that has not checked this artifact yet
+            for attr, value in knobs.items():
+                setattr(ex, attr, value)
+            try:
+                out[name] = await self.timed_restore(key, ident_hash, port, cold, drop=drop)
+            except Exception:
+                out[name] = {"error": traceback.format_exc()[-2000:]}
+            finally:
+                ex.weights_first, ex.weights_check_parallel, ex.verified = saved
+            self.save()
+        await self.runtime.stop(key)
+        return out
 
     async def bad_inputs(self, running_key: str, ident_hash: str) -> dict[str, str]:
         """A restore onto a GPU without room, and from a truncated weights file: both refused."""
@@ -293,6 +368,12 @@ async def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--ready-timeout", type=float, default=400)
     ap.add_argument("--no-bad-inputs", dest="bad_inputs", action="store_false")
+    ap.add_argument(
+        "--no-diagnostics",
+        dest="diagnostics",
+        action="store_false",
+        help="skip the decoupled mode's extra restores (second on the node, other weights-check places)",
+    )
     ap.add_argument("--keep-artifacts", action="store_true")
     ap.add_argument("--serve-timeout", type=float, default=120, help="restore to serving, at most")
     ap.add_argument("--calib-gib", type=int, default=4, help="size of the bandwidth calibration file")

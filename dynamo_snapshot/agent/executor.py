@@ -40,6 +40,7 @@ from dynamo_snapshot.agent.weights import (
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.identity import CheckpointIdentity
 from dynamo_snapshot.artifact import (
+    HASH_PARALLEL,
     Artifact,
     ArtifactError,
     ArtifactStore,
@@ -125,6 +126,8 @@ class Executor:
         cuda_lock_timeout_ms: int = 10_000,
         overlap_page_check: bool = False,
         verify_cache_s: float = 3600.0,
+        weights_first: bool = False,
+        weights_check_parallel: int | None = None,
     ) -> None:
         self.runtime = runtime
         self.store = store
@@ -139,6 +142,11 @@ class Executor:
         self.overlap_page_check = overlap_page_check
         # Restores 2..N of one checkpoint on this node skip hashing files verified unchanged (0: never).
         self.verified = VerifiedFiles(ttl_s=verify_cache_s) if verify_cache_s > 0 else None
+        # Where the weights' chunk digests are checked: beside CRIU (default: the disk reads them while
+        # CRIU works from the page cache) or before it, with the process images (CRIU then has the disk
+        # to itself for whatever it reads besides the images), and with how many threads.
+        self.weights_first = weights_first
+        self.weights_check_parallel = weights_check_parallel or HASH_PARALLEL
         self._verifying: dict[str, asyncio.Lock] = {}
 
     # ------------------------------------------------------------------ checkpoint
@@ -248,6 +256,7 @@ class Executor:
                 await self._check_gpu_memory(artifact.manifest.extra, artifact.manifest.gpus)
                 weight_files = {w.file for w in weights}
                 process_files = [f.path for f in artifact.manifest.files if f.path not in weight_files]
+                checked_first = sorted(weight_files) if self.weights_first else []
                 # The memory pages are most of the bytes. Where the runtime can hold the restored tree
                 # stopped, they are checked while CRIU restores them and the tree runs only once they
                 # passed; everything else (the metadata CRIU acts on) is checked before CRIU starts.
@@ -259,7 +268,7 @@ class Executor:
                     async with self._verifying.setdefault(str(artifact.path), asyncio.Lock()):
                         stats = await artifact.averify(
                             expect_hash=identity_hash,
-                            files=[f for f in process_files if f not in pages],
+                            files=[f for f in process_files if f not in pages] + checked_first,
                             verified=self.verified,
                         )
                     verified_bytes = stats.bytes
@@ -275,7 +284,7 @@ class Executor:
             # cache the worker loads them from once it resumes, which it does only after this passed.
             weights_check = (
                 asyncio.create_task(self._verify_weights(artifact, sorted(weight_files), t))
-                if weights
+                if weights and not self.weights_first
                 else None
             )
             pages_check = (
@@ -289,6 +298,7 @@ class Executor:
                     if weights_check is not None:
                         with t.phase("restore", "weights_wait"):
                             verified_bytes += (await weights_check).bytes
+                    if weights:
                         await asyncio.to_thread(self._place_weights, artifact, weights, workload)
                     with t.phase("restore", "signal"):
                         # The workload SDK reads who it is now from here (podName, podIP, hostname, env).
@@ -363,7 +373,9 @@ class Executor:
         try:
             # Linking the weights into a worker's control dir changes their status-change time, so
             # the cache rarely spares this check; it stays correct either way.
-            return await artifact.averify(files=files, verified=self.verified)
+            return await artifact.averify(
+                files=files, verified=self.verified, parallel=self.weights_check_parallel
+            )
         except (ArtifactError, ValueError) as e:
             raise AgentError(f"weights of artifact {artifact.identity_hash} refused: {e}") from None
         finally:

@@ -83,6 +83,7 @@ WEIGHTS_FILE_NAME = "model.safetensors"
 DEFAULT_MODELS_ROOT = Path("/tmp/reference-worker-models")
 COLD_TIMINGS_FILE = "cold-timings.json"
 RESUME_FILE = "resume.json"
+CHECKPOINT_MEMORY_FILE = "checkpoint-memory.json"
 SELFTEST_NEW_TOKENS = 16
 MAX_BODY_BYTES = 16 << 20
 # Every KV tensor is this many positions long at least: the self-test's prompts and new tokens fit.
@@ -90,8 +91,11 @@ MIN_SEQ = 64
 
 # ---- model presets ---------------------------------------------------------------------------------
 
-# Few, wide layers for the big sizes: the weights reach the size while compile time stays bounded.
-# intermediate_size was solved for bf16 weights of about the nominal size (GiB).
+# The decoder shapes of the published Qwen3 models, so that compile time (which grows with the number
+# of layers torch.compile traces) is what an engine serving such a model pays: 1g has Qwen3-0.6B's 28
+# layers (with a 32k vocabulary and an untied head: 0.95 GiB), 4g is Qwen3-1.7B, 8g Qwen3-4B and 16g
+# Qwen3-8B (151,936-token vocabulary, untied heads, so that every tensor is stored once).
+_QWEN3_VOCAB = 151936
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(
         vocab_size=2048,
@@ -104,37 +108,37 @@ PRESETS: dict[str, dict[str, int]] = {
     ),
     "1g": dict(
         vocab_size=32768,
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=8,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
         num_attention_heads=16,
         num_key_value_heads=8,
         head_dim=128,
     ),
     "4g": dict(
-        vocab_size=32768,
-        hidden_size=4096,
-        intermediate_size=15616,
-        num_hidden_layers=8,
-        num_attention_heads=32,
+        vocab_size=_QWEN3_VOCAB,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
         num_key_value_heads=8,
         head_dim=128,
     ),
     "8g": dict(
-        vocab_size=32768,
-        hidden_size=5120,
-        intermediate_size=21760,
-        num_hidden_layers=10,
-        num_attention_heads=40,
+        vocab_size=_QWEN3_VOCAB,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
         num_key_value_heads=8,
         head_dim=128,
     ),
     "16g": dict(
-        vocab_size=32768,
-        hidden_size=8192,
-        intermediate_size=26624,
-        num_hidden_layers=10,
-        num_attention_heads=64,
+        vocab_size=_QWEN3_VOCAB,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
         num_key_value_heads=8,
         head_dim=128,
     ),
@@ -509,6 +513,58 @@ def child_pids() -> list[int]:
             with contextlib.suppress(OSError):
                 pids.update(int(p) for p in (task / "children").read_text().split())
     return sorted(pids)
+
+
+_SMAPS_TOTALS = {"Rss": "rss_kib", "Anonymous": "anonymous_kib", "Private_Dirty": "private_dirty_kib"}
+
+
+def host_memory_report(top: int = 12) -> dict[str, Any]:
+    """What CRIU will copy of this process: its anonymous and private dirty memory, by mapping name
+    (the largest first), from /proc/self/smaps. Linux only; empty elsewhere."""
+    by_name: dict[str, int] = {}
+    totals = {"rss_kib": 0, "anonymous_kib": 0, "private_dirty_kib": 0, "mappings": 0}
+    name = ""
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return {}
+    for line in lines:
+        key, _, rest = line.partition(":")
+        if not rest or " " in key:  # a mapping's header line: "start-end perms offset dev inode [name]"
+            fields = line.split(None, 5)
+            name = fields[5].strip() if len(fields) > 5 else "[anon]"
+            totals["mappings"] += 1
+            continue
+        if key in _SMAPS_TOTALS:
+            kib = int(rest.split()[0])
+            totals[_SMAPS_TOTALS[key]] += kib
+            if key == "Private_Dirty":
+                by_name[name] = by_name.get(name, 0) + kib
+    largest = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+    return {**totals, "private_dirty_by_mapping_kib": dict(largest)}
+
+
+def gpu_memory_report(device: torch.device) -> dict[str, Any]:
+    """torch's share of the GPU memory this process holds, and what the GPU has free: the rest of the
+    process's NVML figure is the CUDA context's own."""
+    if device.type != "cuda":
+        return {}
+    free, total = torch.cuda.mem_get_info(device)
+    stats = torch.cuda.memory_stats(device)
+    report: dict[str, Any] = {
+        "torch_allocated_bytes": torch.cuda.memory_allocated(device),
+        "torch_reserved_bytes": torch.cuda.memory_reserved(device),
+        "torch_segments": stats.get("segment.all.current", 0),
+        "gpu_free_bytes": free,
+        "gpu_total_bytes": total,
+    }
+    with contextlib.suppress(OSError, AttributeError):
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        for limit, label in ((0, "stack_size"), (1, "printf_fifo_size"), (2, "malloc_heap_size")):
+            value = ctypes.c_size_t()
+            if libcuda.cuCtxGetLimit(ctypes.byref(value), limit) == 0:
+                report[f"limit_{label}"] = value.value
+    return report
 
 
 # ---- the engine ------------------------------------------------------------------------------------
@@ -1214,6 +1270,12 @@ def checkpoint(
         children = child_pids()
         if children:
             log.warning("child processes at checkpoint time (CRIU dumps them too): %s", children)
+        # What the checkpoint will hold, for anyone sizing artifacts (the benchmark reports it).
+        with contextlib.suppress(OSError, RuntimeError):
+            write_json_atomic(
+                handshake.control_dir / CHECKPOINT_MEMORY_FILE,
+                {"host": host_memory_report(), "gpu": gpu_memory_report(engine.device), "children": children},
+            )
         log.info("signalling ready for checkpoint in %s", handshake.control_dir)
         try:
             info = handshake.checkpoint_and_wait()

@@ -122,8 +122,8 @@ def test_preset_sizes(size: str) -> None:
     nominal = rw.NOMINAL_BYTES[size]
     assert 0.85 * nominal <= nbytes <= 1.15 * nominal, (size, nbytes / 2**30)
     if size != "tiny":
-        # Few wide layers: compile time stays bounded.
-        assert config.num_hidden_layers <= 16
+        # Real models' depth: what torch.compile traces, and so the cold start, is an engine's.
+        assert config.num_hidden_layers >= 28
         assert config.num_attention_heads % config.num_key_value_heads == 0
 
 
