@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gzip
 import json
 import os
@@ -298,9 +299,10 @@ class Bench:
             ("weights_first", {"weights_first": True}, True),
             ("weights_4_threads", {"weights_check_parallel": 4}, True),
         ]
+        base = key
         for name, knobs, drop in variants:
-            await self.runtime.stop(key)
-            key = f"{key.split('+')[0]}+{name}"
+            await self.stop_and_wait(key)
+            key = f"{base}-{name}"
             saved = (ex.weights_first, ex.weights_check_parallel, ex.verified)
             if drop:
                 ex.verified = VerifiedFiles(ttl_s=3600)  # a node that has not checked this artifact yet
@@ -313,8 +315,21 @@ class Bench:
             finally:
                 ex.weights_first, ex.weights_check_parallel, ex.verified = saved
             self.save()
-        await self.runtime.stop(key)
+        await self.stop_and_wait(key)
         return out
+
+    async def stop_and_wait(self, key: str, within: float = 15) -> None:
+        """Stop a restored worker and wait until its pid is free again (a zombie keeps it): the next
+        restore of the same checkpoint needs that very pid."""
+        found = await self.runtime.find(key)
+        await self.runtime.stop(key)
+        deadline = time.monotonic() + within
+        while found is not None and time.monotonic() < deadline:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(found.pid, os.WNOHANG)  # noqa: ASYNC222 - WNOHANG never blocks
+            if not os.path.exists(f"/proc/{found.pid}"):  # noqa: ASYNC240 - procfs, no disk
+                return
+            await asyncio.sleep(0.05)
 
     async def bad_inputs(self, running_key: str, ident_hash: str) -> dict[str, str]:
         """A restore onto a GPU without room, and from a truncated weights file: both refused."""
