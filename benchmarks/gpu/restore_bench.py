@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import gzip
 import json
 import os
@@ -41,6 +42,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.gpu.host import IoSampler, drop_caches, wait_json  # noqa: E402
 from dynamo_snapshot.agent.executor import AgentError, Executor  # noqa: E402
+from dynamo_snapshot.agent.prefetch import PREFETCH_FILE, read_plan  # noqa: E402
 from dynamo_snapshot.agent.runtime import ProcessRuntime, WorkloadSpec  # noqa: E402
 from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_hash  # noqa: E402
 from dynamo_snapshot.artifact import ArtifactStore, VerifiedFiles  # noqa: E402
@@ -224,6 +226,10 @@ class Bench:
         manifest = self.store.open(ident_hash).manifest
         rec["artifact_files"] = {f.path: f.size for f in manifest.files if f.size > 64 << 20}
         rec["gpu_memory"] = manifest.extra.get("gpuMemory")
+        plan = self.store.open(ident_hash).path / PREFETCH_FILE
+        if plan.exists():
+            p = read_plan(plan)
+            rec["prefetch_plan"] = {"files": len(p.files), "bytes": p.bytes, "unresolved": p.unresolved}
         memory_report = source.control_dir / "checkpoint-memory.json"
         if memory_report.exists():
             rec["checkpoint_memory"] = json.loads(memory_report.read_text())
@@ -265,6 +271,8 @@ class Bench:
         rec["restore_agent_s"] = round(t_agent - t0, 3)
         rec["restore_phases"] = restored.timings.phases
         rec["restore_overlapped"] = restored.timings.overlapped
+        if restored.prefetch is not None:
+            rec["prefetch"] = dataclasses.asdict(restored.prefetch)
         timeline = io.timeline(t0)
         rec["disk_read_mb"] = timeline[-1][1] if timeline else None
         rec["io_timeline"] = timeline
@@ -291,19 +299,18 @@ class Bench:
 
     async def diagnostics(self, key: str, ident_hash: str, port: int, cold: dict[str, Any]) -> dict[str, Any]:
         """Other restores of the same artifact: the second one on a node (page cache and verify cache
-        warm), and two other places for the weights check (before CRIU; beside it with 4 threads)."""
+        warm), and one without reading the node's files ahead (what the prefetch gains)."""
         out: dict[str, Any] = {}
         ex = self.executor
         variants = [
             ("warm_node", {}, False),
-            ("weights_first", {"weights_first": True}, True),
-            ("weights_4_threads", {"weights_check_parallel": 4}, True),
+            ("no_prefetch", {"prefetch_node_files": False}, True),
         ]
         base = key
         for name, knobs, drop in variants:
             await self.stop_and_wait(key)
             key = f"{base}-{name}"
-            saved = (ex.weights_first, ex.weights_check_parallel, ex.verified)
+            saved = (ex.prefetch_node_files, ex.verified)
             if drop:
                 ex.verified = VerifiedFiles(ttl_s=3600)  # a node that has not checked this artifact yet
             for attr, value in knobs.items():
@@ -313,7 +320,7 @@ class Bench:
             except Exception:
                 out[name] = {"error": traceback.format_exc()[-2000:]}
             finally:
-                ex.weights_first, ex.weights_check_parallel, ex.verified = saved
+                ex.prefetch_node_files, ex.verified = saved
             self.save()
         await self.stop_and_wait(key)
         return out

@@ -26,6 +26,14 @@ from prometheus_client import Counter, Gauge, Histogram
 from pydantic import JsonValue
 
 from dynamo_snapshot import __version__
+from dynamo_snapshot.agent.prefetch import (
+    PREFETCH_FILE,
+    PrefetchStats,
+    plan_for_tree,
+    prefetch,
+    read_plan,
+    write_plan,
+)
 from dynamo_snapshot.agent.runtime.base import Runtime, Workload, WorkloadRuntimeError, pid_alive
 from dynamo_snapshot.agent.weights import (
     CarriedWeights,
@@ -40,7 +48,6 @@ from dynamo_snapshot.agent.weights import (
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.identity import CheckpointIdentity
 from dynamo_snapshot.artifact import (
-    HASH_PARALLEL,
     Artifact,
     ArtifactError,
     ArtifactStore,
@@ -111,6 +118,7 @@ class CheckpointOutcome:
 class RestoreOutcome:
     workload: Workload
     timings: Timings
+    prefetch: PrefetchStats | None = None
 
 
 class Executor:
@@ -126,8 +134,7 @@ class Executor:
         cuda_lock_timeout_ms: int = 10_000,
         overlap_page_check: bool = False,
         verify_cache_s: float = 3600.0,
-        weights_first: bool = False,
-        weights_check_parallel: int | None = None,
+        prefetch_node_files: bool = True,
     ) -> None:
         self.runtime = runtime
         self.store = store
@@ -142,11 +149,8 @@ class Executor:
         self.overlap_page_check = overlap_page_check
         # Restores 2..N of one checkpoint on this node skip hashing files verified unchanged (0: never).
         self.verified = VerifiedFiles(ttl_s=verify_cache_s) if verify_cache_s > 0 else None
-        # Where the weights' chunk digests are checked: beside CRIU (default: the disk reads them while
-        # CRIU works from the page cache) or before it, with the process images (CRIU then has the disk
-        # to itself for whatever it reads besides the images), and with how many threads.
-        self.weights_first = weights_first
-        self.weights_check_parallel = weights_check_parallel or HASH_PARALLEL
+        # Record the node files the worker maps at checkpoint; read them ahead at restore.
+        self.prefetch_node_files = prefetch_node_files
         self._verifying: dict[str, asyncio.Lock] = {}
 
     # ------------------------------------------------------------------ checkpoint
@@ -180,6 +184,9 @@ class Executor:
         held_mib = await asyncio.to_thread(_gpu_memory_held_mib, cuda_pids)
         writer = ArtifactWriter(self.store, identity_hash)
         try:
+            if self.prefetch_node_files:
+                with t.phase("checkpoint", "prefetch_plan"):
+                    await asyncio.to_thread(_record_prefetch_plan, workload.pid, writer.directory)
             with t.phase("checkpoint", "cuda_checkpoint"):
                 await self._suspend_cuda(cuda_pids)
             images = writer.directory / "criu"
@@ -243,6 +250,7 @@ class Executor:
         self, key: str, identity_hash: str, *, identity_info: dict[str, Any] | None = None
     ) -> RestoreOutcome:
         t = Timings()
+        prefetching: asyncio.Task[PrefetchStats] | None = None
         try:
             with t.phase("restore", "verify"):
                 try:
@@ -254,9 +262,9 @@ class Executor:
                 if problems:
                     raise AgentError("incompatible node: " + "; ".join(problems))
                 await self._check_gpu_memory(artifact.manifest.extra, artifact.manifest.gpus)
+                prefetching = await self._start_prefetch(artifact)
                 weight_files = {w.file for w in weights}
                 process_files = [f.path for f in artifact.manifest.files if f.path not in weight_files]
-                checked_first = sorted(weight_files) if self.weights_first else []
                 # The memory pages are most of the bytes. Where the runtime can hold the restored tree
                 # stopped, they are checked while CRIU restores them and the tree runs only once they
                 # passed; everything else (the metadata CRIU acts on) is checked before CRIU starts.
@@ -268,7 +276,7 @@ class Executor:
                     async with self._verifying.setdefault(str(artifact.path), asyncio.Lock()):
                         stats = await artifact.averify(
                             expect_hash=identity_hash,
-                            files=[f for f in process_files if f not in pages] + checked_first,
+                            files=[f for f in process_files if f not in pages],
                             verified=self.verified,
                         )
                     verified_bytes = stats.bytes
@@ -284,7 +292,7 @@ class Executor:
             # cache the worker loads them from once it resumes, which it does only after this passed.
             weights_check = (
                 asyncio.create_task(self._verify_weights(artifact, sorted(weight_files), t))
-                if weights and not self.weights_first
+                if weights
                 else None
             )
             pages_check = (
@@ -319,10 +327,26 @@ class Executor:
             BYTES.labels("restore").inc(verified_bytes)
             if stats.seconds > 0:
                 THROUGHPUT.labels("restore").set(stats.bytes / stats.seconds / 1e9)
+            prefetched = await _prefetch_result(prefetching)
         except BaseException:
             FAILURES.labels("restore").inc()
+            with contextlib.suppress(BaseException):
+                await _prefetch_result(prefetching)  # its thread ends on its own; just collect it
             raise
-        return RestoreOutcome(workload, t)
+        return RestoreOutcome(workload, t, prefetched)
+
+    async def _start_prefetch(self, artifact: Artifact) -> asyncio.Task[PrefetchStats] | None:
+        """Start reading the node files the checkpoint's plan names; None without a (valid) plan."""
+        if not self.prefetch_node_files or not any(f.path == PREFETCH_FILE for f in artifact.manifest.files):
+            return None
+        try:
+            await artifact.averify(files=[PREFETCH_FILE], verified=self.verified)
+            plan = await asyncio.to_thread(read_plan, artifact.file_path(PREFETCH_FILE))
+        except (ArtifactError, ValueError, OSError) as e:
+            # Only a hint: the full check below refuses the artifact if the plan was tampered with.
+            log.warning("prefetch plan unusable", extra={"error": str(e)})
+            return None
+        return asyncio.create_task(asyncio.to_thread(prefetch, plan))
 
     async def _restore_process(
         self,
@@ -373,9 +397,7 @@ class Executor:
         try:
             # Linking the weights into a worker's control dir changes their status-change time, so
             # the cache rarely spares this check; it stays correct either way.
-            return await artifact.averify(
-                files=files, verified=self.verified, parallel=self.weights_check_parallel
-            )
+            return await artifact.averify(files=files, verified=self.verified)
         except (ArtifactError, ValueError) as e:
             raise AgentError(f"weights of artifact {artifact.identity_hash} refused: {e}") from None
         finally:
@@ -482,6 +504,30 @@ def _gpu_memory_held_mib(pids: list[int]) -> int:
         log.warning("no per-process GPU memory", extra={"error": str(e)})
         return 0
     return sum(used.get(pid, 0) for pid in pids)
+
+
+def _record_prefetch_plan(root_pid: int, directory: Path) -> None:
+    """The tree's mapped node files into the artifact; a checkpoint never fails for want of it."""
+    try:
+        plan = plan_for_tree(process_tree(root_pid) or [root_pid])
+        write_plan(plan, directory)
+    except (OSError, ValueError) as e:
+        log.warning("no prefetch plan", extra={"pid": root_pid, "error": str(e)})
+        return
+    log.info(
+        "prefetch plan recorded",
+        extra={"files": len(plan.files), "bytes": plan.bytes, "unresolved": plan.unresolved},
+    )
+
+
+async def _prefetch_result(task: asyncio.Task[PrefetchStats] | None) -> PrefetchStats | None:
+    if task is None:
+        return None
+    try:
+        return await task
+    except OSError as e:
+        log.warning("prefetch failed", extra={"error": str(e)})
+        return None
 
 
 def _is_pages(rel: str) -> bool:

@@ -40,6 +40,10 @@ class AgentConfig(BaseModel):
         ge=0,
         description="files verified unchanged this recently are not hashed again; 0 hashes every time",
     )
+    prefetch_node_files: bool = Field(
+        default=True,
+        description="record the node files a worker maps at checkpoint; read them ahead at restore",
+    )
     metrics_port: int = Field(default=9090, ge=0, le=65535)
     health_port: int = Field(default=8082, ge=0, le=65535, description="/healthz and /readyz; 0 disables")
     criu: Path | None = None
@@ -63,6 +67,7 @@ _FLAGS = (
     "launch_workloads",
     "ready_timeout_seconds",
     "verify_cache_seconds",
+    "prefetch_node_files",
     "metrics_port",
     "health_port",
     "criu",
@@ -94,6 +99,12 @@ def register(sub: Any) -> None:
         type=float,
         help="skip re-hashing artifact files verified unchanged this recently (3600; 0: hash every restore)",
     )
+    p.add_argument(
+        "--prefetch-node-files",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="read ahead, at restore, the node files the worker had mapped at checkpoint (default on)",
+    )
     p.add_argument("--metrics-port", type=int, help="Prometheus metrics port, 0 disables (default 9090)")
     p.add_argument("--health-port", type=int, help="/healthz and /readyz port, 0 disables (default 8082)")
     p.add_argument("--criu", type=Path, help="criu binary (default: $DYNSNAP_CRIU, cache, PATH)")
@@ -116,6 +127,7 @@ def build(config: AgentConfig, kube: Kube) -> NodeAgent:
         criu,
         node_name=config.node_name,
         verify_cache_s=config.verify_cache_seconds,
+        prefetch_node_files=config.prefetch_node_files,
     )
     settings = AgentSettings(
         node_name=config.node_name,

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from dynamo_snapshot.agent.executor import AgentError, Executor
+from dynamo_snapshot.agent.prefetch import PREFETCH_FILE, read_plan
 from dynamo_snapshot.agent.runtime import ProcessRuntime, WorkloadSpec
 from dynamo_snapshot.agent.runtime.base import pid_running
 from dynamo_snapshot.agent.weights import WeightsPlacementError, gpu_memory_problem, host_path
@@ -79,6 +80,13 @@ async def test_weights_travel_in_the_artifact_and_come_back(criu_bin: Path, tmp_
         )
         assert {"verify", "criu_restore", "weights_wait", "signal"} <= restored.timings.phases.keys()
         assert "weights_verify" in restored.timings.overlapped
+        # The node files the worker mapped (python, its libraries) were read ahead, none skipped.
+        plan = read_plan(artifact.path / PREFETCH_FILE)
+        assert any(Path(f.path).name.startswith(("python", "libpython")) for f in plan.files)
+        assert restored.prefetch is not None
+        assert restored.prefetch.files == len(plan.files)
+        assert restored.prefetch.bytes == plan.bytes
+        assert restored.prefetch.skipped == 0
     finally:
         await runtime.stop("restored")
 
