@@ -14,22 +14,25 @@ from typing import Any
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 GIB = 2**30
-# (size, mode) -> the raw run whose restore it reports. Runs 1 and 3 are of the restore path as it is
-# now; run 2 overlapped the page check with CRIU and left the weights check to the worker's load
-# (slower on both counts, since reverted), so only its cold starts and its 8g plain/kv modes are used.
+# The reference worker with the Qwen3 model depths (session 5). Run 4 is before the node-file prefetch
+# (its diagnostics tried the weights check before CRIU and with 4 threads), runs 5 and 6 are with it;
+# run 6 (decoupled only, plus CRIU's own files read ahead) met a slower disk (1.35 and 1.61 GB/s).
+# Runs 1-3 (benchmarks/results/gpu-restore/run{1,2,3}-*.json) are of the earlier 8/10-layer presets,
+# a different worker, and are reported apart in BENCHMARKS.md.
 RUNS = {
-    "run1-1g": "d64b9a1",
-    "run2-1g": "4282475",
-    "run2-8g": "4282475",
-    "run3-8g": "ca4645b",
+    "run4-1g": "fd112b3",
+    "run5-1g": "7aa6fa4",
+    "run6-1g": "fac0af6",
+    "run5-8g": "7aa6fa4",
+    "run6-8g": "fac0af6",
 }
 PICK = {
-    ("1g", "plain"): "run1-1g",
-    ("1g", "kv"): "run1-1g",
-    ("1g", "decoupled"): "run1-1g",
-    ("8g", "plain"): "run2-8g",
-    ("8g", "kv"): "run2-8g",
-    ("8g", "decoupled"): "run3-8g",
+    ("1g", "plain"): "run5-1g",
+    ("1g", "kv"): "run5-1g",
+    ("1g", "decoupled"): "run5-1g",
+    ("8g", "plain"): "run5-8g",
+    ("8g", "kv"): "run5-8g",
+    ("8g", "decoupled"): "run5-8g",
 }
 
 
@@ -70,6 +73,13 @@ def main() -> None:
                 "run": run_name,
                 "commit": RUNS[run_name],
                 "cold_start_samples": {"empty_cache": empty, "warm_cache": warm},
+                "disk_read_gb": round(rec["disk_read_mb"] / 1e3, 2),
+                "prefetch_bytes": (rec.get("prefetch") or {}).get("bytes"),
+                "restore_samples": [
+                    r["modes"][mode]["restore_s"]
+                    for r in same_size
+                    if "restore_s" in r["modes"].get(mode, {})
+                ],
             }
         )
     out = RESULTS / "gpu-restore.json"
