@@ -3,8 +3,8 @@
 A restored process comes back with its anonymous memory from the CRIU image, but its code and
 read-only data stay in the node's files (python, libtorch, libcuda, the CUDA libraries): CRIU re-maps
 them, copies the dirty private pages over them (which reads the file page first), and the worker's
-first steps after the resume fault the rest in, one synchronous read at a time. On the H200 that
-was ~0.8 GB of serial page faults, a quarter of a 1 GiB worker's restore.
+first steps after the resume fault the rest in, one synchronous read at a time. On the H200 a restore
+read ~0.8 GB beyond its artifact that way, late (after the verification) and slowly.
 
 At checkpoint time the agent records which pages of which mapped files the frozen tree has in its
 page tables (``/proc/PID/pagemap``, present bit), as byte ranges per file with the file's size and
