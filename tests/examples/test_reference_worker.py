@@ -244,3 +244,16 @@ def test_http_bad_body_is_400(server: str, body: bytes, needle: str) -> None:
 
 def test_http_unknown_path_is_404(server: str) -> None:
     assert _request(f"{server}/nope")[0] == 404
+
+
+def test_host_memory_report_counts_this_process() -> None:
+    before = rw.host_memory_report()
+    grown = b"\x01" * (64 << 20)  # 64 MiB of anonymous memory, every page written
+    report = rw.host_memory_report(top=3)
+    assert report["anonymous_kib"] - before["anonymous_kib"] >= 60 << 10
+    assert report["private_dirty_kib"] >= report["anonymous_kib"] // 2
+    assert report["rss_kib"] >= report["anonymous_kib"]
+    assert len(report["private_dirty_by_mapping_kib"]) <= 3
+    assert report["mappings"] > 10
+    del grown
+    assert rw.gpu_memory_report(torch.device("cpu")) == {}
