@@ -96,11 +96,17 @@ def storage_gbps(path: Path, gib: int = 4, threads: int = 16, block: int = 64 <<
 
 
 def host_facts() -> dict[str, str]:
-    """What changes how fast memory comes back: the kernel, transparent huge pages, the CPU count."""
+    """What changes how fast a restore goes: the kernel, transparent huge pages, CPUs, the disk queues."""
     facts = {"kernel": os.uname().release, "cpus": str(os.cpu_count())}
     for name in ("enabled", "defrag"):
         p = Path("/sys/kernel/mm/transparent_hugepage") / name
         facts[f"thp_{name}"] = p.read_text().strip() if p.exists() else "absent"
+    # How the disk orders a restore's small synchronous reads against the bulk verification reads.
+    for queue in sorted(Path("/sys/block").glob("*/queue")):
+        if not queue.parent.name.startswith(("loop", "ram", "zram")):
+            for knob in ("scheduler", "nr_requests", "read_ahead_kb"):
+                with contextlib.suppress(OSError):
+                    facts[f"{queue.parent.name}_{knob}"] = (queue / knob).read_text().strip()
     return facts
 
 
