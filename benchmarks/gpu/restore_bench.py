@@ -305,18 +305,20 @@ class Bench:
 
     async def diagnostics(self, key: str, ident_hash: str, port: int, cold: dict[str, Any]) -> dict[str, Any]:
         """Other restores of the same artifact: the second one on a node (page cache and verify cache
-        warm), and one without reading the node's files ahead (what the prefetch gains)."""
+        warm), one without reading the node's files ahead (what the prefetch gains), and one with the
+        weights check at idle I/O priority (whether CRIU's phase then stops waiting for it)."""
         out: dict[str, Any] = {}
         ex = self.executor
         variants = [
             ("warm_node", {}, False),
             ("no_prefetch", {"prefetch_node_files": False}, True),
+            ("weights_idle_io", {"weights_check_idle_io": True}, True),
         ]
         base = key
         for name, knobs, drop in variants:
             await self.stop_and_wait(key)
             key = f"{base}-{name}"
-            saved = (ex.prefetch_node_files, ex.verified)
+            saved = (ex.prefetch_node_files, ex.weights_check_idle_io, ex.verified)
             if drop:
                 ex.verified = VerifiedFiles(ttl_s=3600)  # a node that has not checked this artifact yet
             for attr, value in knobs.items():
@@ -326,7 +328,7 @@ class Bench:
             except Exception:
                 out[name] = {"error": traceback.format_exc()[-2000:]}
             finally:
-                ex.prefetch_node_files, ex.verified = saved
+                ex.prefetch_node_files, ex.weights_check_idle_io, ex.verified = saved
             self.save()
         await self.stop_and_wait(key)
         return out

@@ -136,6 +136,7 @@ class Executor:
         overlap_page_check: bool = False,
         verify_cache_s: float = 3600.0,
         prefetch_node_files: bool = True,
+        weights_check_idle_io: bool = False,
     ) -> None:
         self.runtime = runtime
         self.store = store
@@ -152,6 +153,9 @@ class Executor:
         self.verified = VerifiedFiles(ttl_s=verify_cache_s) if verify_cache_s > 0 else None
         # Record the node files the worker maps at checkpoint; read them ahead at restore.
         self.prefetch_node_files = prefetch_node_files
+        # Experimental, off until measured on the H200 (BENCHMARKS.md, "CRIU phase outlasts CRIU"): the
+        # weights check beside CRIU at idle I/O priority, so CRIU's own start-up reads go first.
+        self.weights_check_idle_io = weights_check_idle_io
         self._verifying: dict[str, asyncio.Lock] = {}
 
     # ------------------------------------------------------------------ checkpoint
@@ -411,7 +415,9 @@ class Executor:
         try:
             # Linking the weights into a worker's control dir changes their status-change time, so
             # the cache rarely spares this check; it stays correct either way.
-            return await artifact.averify(files=files, verified=self.verified)
+            return await artifact.averify(
+                files=files, verified=self.verified, idle_io=self.weights_check_idle_io
+            )
         except (ArtifactError, ValueError) as e:
             raise AgentError(f"weights of artifact {artifact.identity_hash} refused: {e}") from None
         finally:

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import NamedTuple, ParamSpec, Protocol, TypeVar
 
+from dynamo_snapshot.artifact.ioprio import IDLE, set_thread_ioprio
+
 __all__ = [
     "ALIGN",
     "BLOCK_SIZE",
@@ -433,14 +435,15 @@ def hash_files(
     block_size: int = HASH_BLOCK_SIZE,
     direct: bool = False,
     fsync: bool = False,
+    idle_io: bool = False,
 ) -> list[FileDigests]:
     """Hash (and copy) every piece of every job on one pool of ``parallel`` threads; one result per job.
 
     Each piece is read by its own task with ``pread`` into that thread's buffer, so one huge file
     keeps every thread busy.  Buffered reads by default (see ``sha256_file``); ``direct`` is for
     copies that must not evict the page cache.  ``fsync`` makes each destination durable, or each
-    source when a job has none (CRIU does not fsync its images).  The first I/O error cancels the
-    pieces not yet started and is raised.
+    source when a job has none (CRIU does not fsync its images).  ``idle_io`` reads at the idle I/O
+    priority (see ``ioprio``).  The first I/O error cancels the pieces not yet started and is raised.
     """
     if block_size <= 0 or block_size % ALIGN:
         raise ValueError(f"block_size must be a positive multiple of {ALIGN}")
@@ -459,7 +462,11 @@ def hash_files(
         ),
         key=lambda p: -p[3],
     )
-    with ThreadPoolExecutor(max_workers=max(1, parallel), thread_name_prefix="artifact-hash") as pool:
+    with ThreadPoolExecutor(
+        max_workers=max(1, parallel),
+        thread_name_prefix="artifact-hash",
+        initializer=(lambda: set_thread_ioprio(IDLE)) if idle_io else None,
+    ) as pool:
         try:
             futures = {(i, k): pool.submit(task, jobs[i], offset, length) for i, k, offset, length in pieces}
             done = {key: future.result() for key, future in futures.items()}

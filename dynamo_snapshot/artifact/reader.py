@@ -61,6 +61,7 @@ class Artifact:
         parallel: int = HASH_PARALLEL,
         files: Collection[str] | None = None,
         verified: VerifiedFiles | None = None,
+        idle_io: bool = False,
     ) -> TreeStats:
         """Raise ``ArtifactError`` listing every missing, resized or altered file; else the read stats.
 
@@ -68,7 +69,8 @@ class Artifact:
         weights a loader is about to read.  Sizes are checked before anything is hashed, so a truncated
         file is reported as that, and cheaply.  Files not named in the manifest are ignored: CRIU never
         reads them.  With ``verified``, files it knows unchanged since they were hashed are not hashed
-        again, and the ones hashed now are added to it once all of them passed.
+        again, and the ones hashed now are added to it once all of them passed. ``idle_io`` reads at the
+        idle I/O priority, for a check that must not delay other programs' reads.
         """
         started = time.monotonic()
         problems: list[str] = []
@@ -80,7 +82,11 @@ class Artifact:
         present = check_sizes(self.path, entries, problems)
         if verified is not None:
             present = [f for f in present if not verified.known(self.path, f)]
-        stats = hash_entries(self.path, present, problems, parallel=parallel) if check_checksums else None
+        stats = (
+            hash_entries(self.path, present, problems, parallel=parallel, idle_io=idle_io)
+            if check_checksums
+            else None
+        )
         if problems:
             raise ArtifactError(problems)
         if verified is not None and stats is not None:
@@ -97,6 +103,7 @@ class Artifact:
         parallel: int = HASH_PARALLEL,
         files: Collection[str] | None = None,
         verified: VerifiedFiles | None = None,
+        idle_io: bool = False,
     ) -> TreeStats:
         """``verify`` in a worker thread, so the event loop keeps serving."""
         check = functools.partial(
@@ -106,6 +113,7 @@ class Artifact:
             parallel=parallel,
             files=files,
             verified=verified,
+            idle_io=idle_io,
         )
         return await asyncio.to_thread(check)
 
@@ -146,6 +154,7 @@ def hash_entries(
     copy_to: Path | None = None,
     direct: bool = False,
     fsync: bool = False,
+    idle_io: bool = False,
 ) -> TreeStats:
     """Hash the files of ``entries`` (copying them under ``copy_to``); mismatches go to ``problems``."""
     started = time.monotonic()
@@ -158,7 +167,7 @@ def hash_entries(
         )
         for f in entries
     ]
-    results = hash_files(jobs, parallel=parallel, direct=direct, fsync=fsync)
+    results = hash_files(jobs, parallel=parallel, direct=direct, fsync=fsync, idle_io=idle_io)
     problems += [p for f, r in zip(entries, results, strict=True) if (p := _digest_problem(f, r)) is not None]
     return TreeStats(
         bytes=sum(r.stats.bytes for r in results),
