@@ -36,6 +36,9 @@ PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 # Runs of present pages closer than this are read as one range: a few extra pages cost less than
 # another request, and the plan stays short.
 MERGE_GAP = 128 << 10
+# A plan reads at most this much: a worker that maps a huge file (a dataset, a model it reads through
+# mmap) must not turn every restore into reading all of it. Largest files are left out first.
+MAX_PLAN_BYTES = 8 << 30
 # Mappings that are not files on the node's disk.
 _NOT_FILES = ("/dev/", "/proc/", "/sys/", "/memfd:", "/SYSV", "/dmabuf")
 _PRESENT_RUN = re.compile(rb"1+")
@@ -60,10 +63,12 @@ class PrefetchPlan(BaseModel):
     # Mapped files the plan leaves out because the node's path is not the worker's (a container
     # image's own root filesystem): counted so that an empty plan explains itself.
     unresolved: int = 0
+    # Bytes of mapped files left out to keep the plan under MAX_PLAN_BYTES.
+    omittedBytes: int = 0
 
     @property
     def bytes(self) -> int:
-        return sum(length for f in self.files for _, length in f.ranges)
+        return sum(map(_plan_bytes, self.files))
 
 
 @dataclass(frozen=True)
@@ -126,8 +131,9 @@ def _merge(ranges: list[tuple[int, int]], gap: int = MERGE_GAP) -> list[tuple[in
     return merged
 
 
-def plan_for_tree(pids: Iterable[int]) -> PrefetchPlan:
-    """The file pages the processes ``pids`` have mapped (root only: pagemap of another process)."""
+def plan_for_tree(pids: Iterable[int], *, max_bytes: int = MAX_PLAN_BYTES) -> PrefetchPlan:
+    """The file pages the processes ``pids`` have mapped (root only: pagemap of another process), at
+    most ``max_bytes`` of them (the largest files are dropped first)."""
     ranges: dict[str, list[tuple[int, int]]] = {}
     unresolved: set[str] = set()
     for pid in pids:
@@ -160,7 +166,18 @@ def plan_for_tree(pids: Iterable[int]) -> PrefetchPlan:
             continue
         clipped = [(off, min(length, st.st_size - off)) for off, length in _merge(found) if off < st.st_size]
         files.append(PrefetchFile(path=path, size=st.st_size, mtimeNs=st.st_mtime_ns, ranges=clipped))
-    return PrefetchPlan(files=files, unresolved=len(unresolved))
+    omitted = 0
+    by_size = sorted(files, key=_plan_bytes)
+    while by_size and sum(map(_plan_bytes, by_size)) > max_bytes:
+        omitted += _plan_bytes(by_size.pop())
+    kept = {f.path for f in by_size}
+    return PrefetchPlan(
+        files=[f for f in files if f.path in kept], unresolved=len(unresolved), omittedBytes=omitted
+    )
+
+
+def _plan_bytes(entry: PrefetchFile) -> int:
+    return sum(length for _, length in entry.ranges)
 
 
 def write_plan(plan: PrefetchPlan, directory: Path) -> Path:
@@ -196,7 +213,7 @@ def prefetch(plan: PrefetchPlan, *, parallel: int = 8) -> PrefetchStats:
     """Start reading the plan's ranges into the page cache (the kernel finishes them asynchronously)."""
     started = time.monotonic()
     # Largest files first, so that one big library does not start last.
-    entries = sorted(plan.files, key=lambda f: -sum(length for _, length in f.ranges))
+    entries = sorted(plan.files, key=_plan_bytes, reverse=True)
     with ThreadPoolExecutor(max_workers=max(1, parallel), thread_name_prefix="prefetch") as pool:
         asked = list(pool.map(_advise, entries))
     return PrefetchStats(

@@ -113,3 +113,20 @@ def test_read_whole_reads_files_and_counts_missing_ones(tmp_path: Path) -> None:
     tool.write_bytes(b"\x7fELF" + b"\0" * (3 << 20))
     stats = read_whole([tool, tmp_path / "libgone.so"])
     assert (stats.files, stats.bytes, stats.skipped) == (1, 4 + (3 << 20), 1)
+
+
+def test_plan_leaves_out_the_largest_files_beyond_its_cap(tmp_path: Path) -> None:
+    data = tmp_path / "dataset.bin"
+    data.write_bytes(os.urandom(4096 * PAGE))
+    child = _mapping_child(data, list(range(4096)))  # every page of it mapped: 16 MiB
+    try:
+        full = plan_for_tree([child.pid])
+        capped = plan_for_tree([child.pid], max_bytes=full.bytes - 1)
+    finally:
+        child.kill()
+        child.wait()
+    assert max(full.files, key=lambda f: sum(n for _, n in f.ranges)).path == str(data)
+    assert str(data) not in {f.path for f in capped.files}
+    assert capped.bytes <= full.bytes - 1
+    assert capped.omittedBytes + capped.bytes == full.bytes
+    assert full.omittedBytes == 0
