@@ -83,3 +83,16 @@ class IoSampler:
             return []
         _, b0, f0 = self.samples[0]
         return [[round(t - since, 3), round((b - b0) / 1e6, 1), f - f0] for t, b, f in self.samples]
+
+
+def zero_page_fraction(path: Path, page: int = 4096) -> float:
+    """How much of a file is all-zero pages: what punching holes into a CRIU pages image would save."""
+    zero_page = bytes(page)
+    total = zero = 0
+    with path.open("rb") as f:
+        while block := f.read(64 << 20):
+            for i in range(0, len(block), page):
+                part = block[i : i + page]
+                total += 1
+                zero += part == zero_page[: len(part)]
+    return zero / total if total else 0.0

@@ -40,7 +40,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.gpu.host import IoSampler, drop_caches, wait_json  # noqa: E402
+from benchmarks.gpu.host import IoSampler, drop_caches, wait_json, zero_page_fraction  # noqa: E402
 from dynamo_snapshot.agent.executor import AgentError, Executor  # noqa: E402
 from dynamo_snapshot.agent.prefetch import PREFETCH_FILE, read_plan  # noqa: E402
 from dynamo_snapshot.agent.runtime import ProcessRuntime, WorkloadSpec  # noqa: E402
@@ -236,6 +236,11 @@ class Bench:
         if plan.exists():
             p = read_plan(plan)
             rec["prefetch_plan"] = {"files": len(p.files), "bytes": p.bytes, "unresolved": p.unresolved}
+        if mode != "plain":  # the plain image is mostly the GPU's copy of weights and KV cache
+            pages = sorted((self.store.open(ident_hash).path / "criu").glob("pages-*.img"))
+            rec["pages_zero_fraction"] = {
+                p.name: round(await asyncio.to_thread(zero_page_fraction, p), 4) for p in pages
+            }
         memory_report = source.control_dir / "checkpoint-memory.json"
         if memory_report.exists():
             rec["checkpoint_memory"] = json.loads(memory_report.read_text())
