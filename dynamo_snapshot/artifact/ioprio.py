@@ -6,8 +6,8 @@ Elsewhere (not Linux, unknown architecture, refused) the calls report False and 
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
+import sys
 import threading
 
 __all__ = ["BEST_EFFORT_DEFAULT", "IDLE", "get_thread_ioprio", "set_thread_ioprio"]
@@ -24,7 +24,7 @@ _SYSCALLS = {"x86_64": (251, 252), "aarch64": (30, 31)}
 
 def _syscall(which: int, *args: int) -> int:
     nums = _SYSCALLS.get(platform.machine())
-    if nums is None or not hasattr(os, "sched_getaffinity"):
+    if nums is None or sys.platform != "linux":
         return -1
     libc = ctypes.CDLL(None, use_errno=True)
     return int(libc.syscall(nums[which], *(ctypes.c_long(a) for a in args)))
