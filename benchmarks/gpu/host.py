@@ -96,3 +96,38 @@ def zero_page_fraction(path: Path, page: int = 4096) -> float:
                 total += 1
                 zero += part == zero_page[: len(part)]
     return zero / total if total else 0.0
+
+
+class FileWatch:
+    """When a file first appears (polled every `period` s) and when it was last written: for CRIU's
+    log, when CRIU had started up and when it was done, against the agent's own phase times."""
+
+    def __init__(self, path: Path, period: float = 0.005) -> None:
+        self.path = path
+        self.period = period
+        self.first_seen: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while self.first_seen is None and not self._stop.is_set():
+            if self.path.exists():
+                self.first_seen = time.time()
+                return
+            self._stop.wait(self.period)
+
+    def __enter__(self) -> FileWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def last_written(self) -> float | None:
+        try:
+            return self.path.stat().st_mtime_ns / 1e9
+        except OSError:
+            return None
