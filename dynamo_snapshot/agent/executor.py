@@ -82,6 +82,13 @@ PHASE_SECONDS = Histogram(
 BYTES = Counter("dynsnap_agent_artifact_bytes_total", "Artifact bytes written or verified", ["op"])
 FAILURES = Counter("dynsnap_agent_failures_total", "Failed checkpoints/restores", ["op"])
 THROUGHPUT = Gauge("dynsnap_agent_io_gbps", "Artifact read/hash throughput of the last operation", ["op"])
+PREFETCH_BYTES = Counter(
+    "dynsnap_agent_prefetch_bytes_total", "Node-file bytes restores asked the kernel to read ahead"
+)
+PREFETCH_SKIPPED = Counter(
+    "dynsnap_agent_prefetch_skipped_files_total",
+    "Files of a prefetch plan missing or changed on this node (not read ahead)",
+)
 
 
 class AgentError(Exception):
@@ -544,10 +551,13 @@ async def _prefetch_result(task: asyncio.Task[PrefetchStats] | None) -> Prefetch
     if task is None:
         return None
     try:
-        return await task
+        stats = await task
     except OSError as e:
         log.warning("prefetch failed", extra={"error": str(e)})
         return None
+    PREFETCH_BYTES.inc(stats.bytes)
+    PREFETCH_SKIPPED.inc(stats.skipped)
+    return stats
 
 
 def _is_pages(rel: str) -> bool:

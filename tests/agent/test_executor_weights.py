@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from dynamo_snapshot.agent.executor import AgentError, Executor
 from dynamo_snapshot.agent.prefetch import PREFETCH_FILE, read_plan
@@ -70,6 +71,7 @@ async def test_weights_travel_in_the_artifact_and_come_back(criu_bin: Path, tmp_
     images = sum(p.stat().st_size for p in (artifact.path / "criu").iterdir())
     assert images < 64 << 20
 
+    prefetched_before = REGISTRY.get_sample_value("dynsnap_agent_prefetch_bytes_total") or 0.0
     restored = await executor.restore("restored", HASH)
     try:
         verdict = await _verdict(ctl / "verify.json")
@@ -87,6 +89,8 @@ async def test_weights_travel_in_the_artifact_and_come_back(criu_bin: Path, tmp_
         assert restored.prefetch.files == len(plan.files)
         assert restored.prefetch.bytes == plan.bytes
         assert restored.prefetch.skipped == 0
+        prefetched = REGISTRY.get_sample_value("dynsnap_agent_prefetch_bytes_total")
+        assert prefetched == prefetched_before + plan.bytes
     finally:
         await runtime.stop("restored")
 
