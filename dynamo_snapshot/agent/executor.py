@@ -32,6 +32,7 @@ from dynamo_snapshot.agent.prefetch import (
     plan_for_tree,
     prefetch,
     read_plan,
+    read_whole,
     write_plan,
 )
 from dynamo_snapshot.agent.runtime.base import Runtime, Workload, WorkloadRuntimeError, pid_alive
@@ -56,7 +57,7 @@ from dynamo_snapshot.artifact import (
     TreeStats,
     VerifiedFiles,
 )
-from dynamo_snapshot.criu import Criu
+from dynamo_snapshot.criu import Criu, CriuError
 from dynamo_snapshot.cuda import (
     CudaCheckpointer,
     CudaError,
@@ -273,6 +274,7 @@ class Executor:
                 if problems:
                     raise AgentError("incompatible node: " + "; ".join(problems))
                 await self._check_gpu_memory(artifact.manifest.extra, artifact.manifest.gpus)
+                await self._read_tools()
                 prefetching = await self._start_prefetch(artifact)
                 weight_files = {w.file for w in weights}
                 process_files = [f.path for f in artifact.manifest.files if f.path not in weight_files]
@@ -345,6 +347,18 @@ class Executor:
                 await _prefetch_result(prefetching)  # its thread ends on its own; just collect it
             raise
         return RestoreOutcome(workload, t, prefetched)
+
+    async def _read_tools(self) -> None:
+        """CRIU's (and the runtime's) own files into the page cache before the bulk reads begin."""
+        if not self.prefetch_node_files:
+            return
+        try:
+            files = [*await self.criu.files(), *self.runtime.tool_files()]
+        except (CriuError, OSError) as e:
+            log.warning("cannot list CRIU's files to read ahead", extra={"error": str(e)})
+            return
+        stats = await asyncio.to_thread(read_whole, files)
+        log.debug("tools read ahead", extra={"files": stats.files, "bytes": stats.bytes, "s": stats.seconds})
 
     async def _start_prefetch(self, artifact: Artifact) -> asyncio.Task[PrefetchStats] | None:
         """Start reading the node files the checkpoint's plan names; None without a (valid) plan."""

@@ -18,6 +18,7 @@ from dynamo_snapshot.agent.prefetch import (
     plan_for_tree,
     prefetch,
     read_plan,
+    read_whole,
     write_plan,
 )
 
@@ -105,6 +106,13 @@ def test_prefetch_reads_matching_files_and_skips_changed_or_missing_ones(tmp_pat
     stats = prefetch(plan)
     assert (stats.files, stats.bytes, stats.skipped) == (1, 16 * PAGE, 2)
     assert 0 <= stats.seconds <= time.monotonic() - started
+
+
+def test_read_whole_reads_files_and_counts_missing_ones(tmp_path: Path) -> None:
+    tool = tmp_path / "criu"
+    tool.write_bytes(b"\x7fELF" + b"\0" * (3 << 20))
+    stats = read_whole([tool, tmp_path / "libgone.so"])
+    assert (stats.files, stats.bytes, stats.skipped) == (1, 4 + (3 << 20), 1)
 
 
 def test_plan_leaves_out_the_largest_files_beyond_its_cap(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""CRIU version parsing, command lines and log excerpts: no CRIU needed."""
+"""CRIU version parsing, command lines, log excerpts and the files a run reads: no CRIU needed (but for
+one test marked criu)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 
 from dynamo_snapshot.criu import Criu, CriuError, CriuVersion, TreeOptions, dump_argv, restore_argv
 from dynamo_snapshot.criu.errors import log_excerpt, summary_line
+from dynamo_snapshot.criu.runner import parse_ldd
 
 DUMP_LOG = """\
 (00.000000) Version: 4.1.1 (gitid 0)
@@ -176,3 +178,44 @@ async def test_missing_binary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 async def test_env_binary_is_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DYNSNAP_CRIU", os.fspath(_fake_criu(tmp_path, "Version: 4.9")))
     assert await Criu().version() == CriuVersion(4, 9)
+
+
+def test_parse_ldd_keeps_resolved_paths_only() -> None:
+    out = (
+        "\tlinux-vdso.so.1 (0x00007ffd4f9e5000)\n"
+        "\tlibprotobuf-c.so.1 => /lib/x86_64-linux-gnu/libprotobuf-c.so.1 (0x00007f1e2a000000)\n"
+        "\tlibnl-3.so.200 => not found\n"
+        "\t/lib64/ld-linux-x86-64.so.2 (0x00007f1e2a400000)\n"
+    )
+    assert parse_ldd(out) == [
+        Path("/lib/x86_64-linux-gnu/libprotobuf-c.so.1"),
+        Path("/lib64/ld-linux-x86-64.so.2"),
+    ]
+
+
+async def test_files_of_a_wrapper_script_are_its_bundle(tmp_path: Path) -> None:
+    bundle = tmp_path / "bundle"
+    (bundle / "lib").mkdir(parents=True)
+    wrapper = bundle / "criu-wrapper.sh"
+    wrapper.write_text('#!/bin/sh\nexec "$(dirname "$0")/criu" "$@"\n')
+    wrapper.chmod(0o755)
+    (bundle / "criu").write_bytes(b"\x7fELF")
+    (bundle / "lib" / "libprotobuf-c.so.1").write_bytes(b"x")
+    assert sorted(await Criu(wrapper).files()) == sorted(
+        [wrapper, bundle / "criu", bundle / "lib" / "libprotobuf-c.so.1"]
+    )
+
+
+@pytest.mark.criu
+async def test_files_of_a_real_criu_are_the_binary_and_its_libraries(criu_bin: Path) -> None:
+    files = await Criu(criu_bin).files()
+    _check_real_criu_files(criu_bin, files)
+
+
+def _check_real_criu_files(criu_bin: Path, files: list[Path]) -> None:
+    assert all(f.is_file() for f in files)
+    if criu_bin.read_bytes()[:2] == b"#!":  # a bundle: its own directory
+        assert all(f.is_relative_to(criu_bin.parent) for f in files)
+    else:
+        assert files[0] == criu_bin
+        assert any(f.name.startswith("libprotobuf-c") for f in files), files

@@ -82,6 +82,10 @@ class Runtime(Protocol):
         """Let a tree restored with stopped=True run."""
         ...
 
+    def tool_files(self) -> list[Path]:
+        """Programs a restore runs besides CRIU (runc): read ahead of the restore's bulk I/O."""
+        ...
+
 
 def pid_alive(pid: int) -> bool:
     """Whether `pid` exists (a zombie counts until it is reaped)."""

@@ -86,6 +86,9 @@ class ProcessRuntime:
     async def resume(self, workload: Workload) -> None:
         await _continue_tree(workload.pid)
 
+    def tool_files(self) -> list[Path]:
+        return []  # CRIU only, which the executor reads ahead itself
+
     async def dump(self, workload: Workload, images_dir: Path) -> float:
         try:
             result = await self.criu.dump(workload.pid, images_dir)

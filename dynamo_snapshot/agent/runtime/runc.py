@@ -56,6 +56,10 @@ class RuncRuntime:
     def control_dir(self, key: str) -> Path:
         return self.control_root / key
 
+    def tool_files(self) -> list[Path]:
+        found = shutil.which(self.runc)
+        return [Path(found)] if found else []
+
     def _bundle(self, key: str) -> Path:
         return self.state_root / "bundles" / key
 
