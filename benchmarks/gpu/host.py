@@ -10,7 +10,7 @@ import threading
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 
 def drop_caches() -> None:
@@ -48,25 +48,24 @@ def _major_faults() -> int:
     return 0
 
 
-class IoSampler:
-    """Disk bytes read and major page faults, machine-wide, every `period` seconds while in the `with`:
-    which phase of a restore reads the disk, and how much beyond the artifact it reads."""
+class _Poller:
+    """A daemon thread that calls `_poll()` every `period` seconds while in the `with`, until it
+    returns True."""
 
-    def __init__(self, period: float = 0.05) -> None:
+    def __init__(self, period: float) -> None:
         self.period = period
-        self.samples: list[tuple[float, int, int]] = []
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread = threading.Thread(target=self._loop, daemon=True)
 
-    def _sample(self) -> None:
-        self.samples.append((time.time(), _disk_read_bytes(), _major_faults()))
+    def _poll(self) -> bool:
+        raise NotImplementedError
 
-    def _run(self) -> None:
+    def _loop(self) -> None:
         while not self._stop.wait(self.period):
-            self._sample()
+            if self._poll():
+                return
 
-    def __enter__(self) -> IoSampler:
-        self._sample()
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
@@ -75,7 +74,29 @@ class IoSampler:
     ) -> None:
         self._stop.set()
         self._thread.join()
-        self._sample()
+
+
+class IoSampler(_Poller):
+    """Disk bytes read and major page faults, machine-wide, every `period` seconds while in the `with`:
+    which phase of a restore reads the disk, and how much beyond the artifact it reads."""
+
+    def __init__(self, period: float = 0.05) -> None:
+        super().__init__(period)
+        self.samples: list[tuple[float, int, int]] = []
+
+    def _poll(self) -> bool:
+        self.samples.append((time.time(), _disk_read_bytes(), _major_faults()))
+        return False
+
+    def __enter__(self) -> Self:
+        self._poll()
+        return super().__enter__()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        super().__exit__(exc_type, exc, tb)
+        self._poll()
 
     def timeline(self, since: float) -> list[list[float]]:
         """[seconds since `since`, MB read so far, major faults so far], every sample."""
@@ -98,36 +119,36 @@ def zero_page_fraction(path: Path, page: int = 4096) -> float:
     return zero / total if total else 0.0
 
 
-class FileWatch:
+class FileWatch(_Poller):
     """When a file first appears (polled every `period` s) and when it was last written: for CRIU's
     log, when CRIU had started up and when it was done, against the agent's own phase times."""
 
     def __init__(self, path: Path, period: float = 0.005) -> None:
+        super().__init__(period)
         self.path = path
-        self.period = period
         self.first_seen: float | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self) -> None:
-        while self.first_seen is None and not self._stop.is_set():
-            if self.path.exists():
-                self.first_seen = time.time()
-                return
-            self._stop.wait(self.period)
-
-    def __enter__(self) -> FileWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self._stop.set()
-        self._thread.join()
+    def _poll(self) -> bool:
+        if self.path.exists():
+            self.first_seen = time.time()
+        return self.first_seen is not None
 
     def last_written(self) -> float | None:
         try:
             return self.path.stat().st_mtime_ns / 1e9
         except OSError:
             return None
+
+
+def criu_log_times(watch: FileWatch, t0: float, phases: dict[str, float]) -> dict[str, float | None]:
+    """Where the agent's CRIU phase went: until CRIU opened its log (exec, loading, options), CRIU's
+    logged work, and after its last log line (exit, pidfile, the agent noticing). Seconds; the phase
+    start is taken as t0 + the verify phase."""
+    start = t0 + phases.get("verify", 0.0)
+    end = start + phases.get("criu_restore", 0.0)
+    opened, last = watch.first_seen, watch.last_written()
+    return {
+        "before_log_s": round(opened - start, 3) if opened else None,
+        "logged_s": round(last - opened, 3) if opened and last else None,
+        "after_log_s": round(end - last, 3) if last else None,
+    }

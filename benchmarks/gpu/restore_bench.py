@@ -40,7 +40,14 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.gpu.host import FileWatch, IoSampler, drop_caches, wait_json, zero_page_fraction  # noqa: E402
+from benchmarks.gpu.host import (  # noqa: E402
+    FileWatch,
+    IoSampler,
+    criu_log_times,
+    drop_caches,
+    wait_json,
+    zero_page_fraction,
+)
 from dynamo_snapshot.agent.executor import AgentError, Executor  # noqa: E402
 from dynamo_snapshot.agent.prefetch import PREFETCH_FILE, read_plan  # noqa: E402
 from dynamo_snapshot.agent.runtime import ProcessRuntime, WorkloadSpec  # noqa: E402
@@ -108,20 +115,6 @@ def host_facts() -> dict[str, str]:
                 with contextlib.suppress(OSError):
                     facts[f"{queue.parent.name}_{knob}"] = (queue / knob).read_text().strip()
     return facts
-
-
-def criu_log_times(watch: FileWatch, t0: float, phases: dict[str, float]) -> dict[str, float | None]:
-    """Where the agent's CRIU phase went: until CRIU opened its log (exec, loading, options), CRIU's
-    logged work, and after its last log line (exit, pidfile, the agent noticing). Seconds; the phase
-    start is taken as t0 + the verify phase."""
-    start = t0 + phases.get("verify", 0.0)
-    end = start + phases.get("criu_restore", 0.0)
-    opened, last = watch.first_seen, watch.last_written()
-    return {
-        "before_log_s": round(opened - start, 3) if opened else None,
-        "logged_s": round(last - opened, 3) if opened and last else None,
-        "after_log_s": round(end - last, 3) if last else None,
-    }
 
 
 def http(port: int, path: str, body: dict[str, Any] | None = None, timeout: float = 60) -> tuple[int, Any]:

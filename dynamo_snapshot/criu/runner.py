@@ -157,9 +157,8 @@ class Criu:
     async def files(self) -> list[Path]:
         """The files a CRIU run reads besides its images: the binary and its shared libraries (the
         bundle's directory where the binary is a wrapper script). A restore reads them before its bulk
-        I/O, so that CRIU's start-up reads do not queue behind it (on a 2-core test machine a contended
-        start of the bundle's CRIU went from 0.16 s to 0.04 s; on the H200 it did not change the CRIU
-        phase, see BENCHMARKS.md)."""
+        I/O, so that CRIU's start-up reads do not queue behind it (benchmarks/criu_phase.py: CRIU's
+        start-up behind a 2 GiB weights check 0.35-0.49 s without, 0.01 s with)."""
         if self._files is None:
             binary = self.binary
             with open(binary, "rb") as f:  # noqa: ASYNC230 - two bytes of a local file
