@@ -17,7 +17,6 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 from prometheus_client import Counter, Histogram
@@ -360,7 +359,7 @@ def _created(pod: Obj) -> float:
     stamp = pod["metadata"].get("creationTimestamp")
     if not stamp:
         return time.time()
-    return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+    return cond.parse_rfc3339(stamp).timestamp()
 
 
 def _restore_latency(pods: list[Obj]) -> float | None:

@@ -11,8 +11,16 @@ PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
 
 
+_RFC3339 = "%Y-%m-%dT%H:%M:%SZ"  # metav1.Time on the wire: seconds, UTC
+
+
 def now_rfc3339() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime(_RFC3339)
+
+
+def parse_rfc3339(stamp: str) -> datetime:
+    """A metav1.Time as an aware UTC datetime; ValueError when it is not one."""
+    return datetime.strptime(stamp, _RFC3339).replace(tzinfo=UTC)
 
 
 def set_condition(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+from dynamo_snapshot.controller.conditions import parse_rfc3339
 from dynamo_snapshot.controller.runtime import Obj
 
 
@@ -34,9 +35,9 @@ def unschedulable(pod: Obj, now: datetime | None = None) -> tuple[float, str] | 
             and c.get("reason") == "Unschedulable"
         ):
             try:
-                since = datetime.strptime(c.get("lastTransitionTime") or "", "%Y-%m-%dT%H:%M:%SZ")
+                since = parse_rfc3339(c.get("lastTransitionTime") or "")
             except ValueError:
                 return 0.0, str(c.get("message") or "")
-            elapsed = ((now or datetime.now(UTC)) - since.replace(tzinfo=UTC)).total_seconds()
+            elapsed = ((now or datetime.now(UTC)) - since).total_seconds()
             return max(0.0, elapsed), str(c.get("message") or "")
     return None
