@@ -102,6 +102,17 @@ class ServiceCheckpointConfig(KubeModel):
             raise ValueError(CHECKPOINT_NEEDS_SOURCE_MESSAGE)
         return self
 
+    @property
+    def auto_identity(self) -> CheckpointIdentity | None:
+        """The identity the controller finds or creates a DynamoCheckpoint for (Auto mode), else None.
+
+        None when checkpointing is off, when checkpointRef is set (the named checkpoint is used and the
+        identity is ignored), or in Manual mode.
+        """
+        if not self.enabled or self.checkpoint_ref or self.mode is not CheckpointMode.AUTO:
+            return None
+        return self.identity
+
 
 class ResourceItem(KubeModel):
     """Quantities as strings, as Dynamo declares them (e.g. gpu: "1")."""

@@ -85,10 +85,12 @@ def _dgd_hashes(dgd: DynamoGraphDeployment, service: str | None) -> list[str]:
         raise IdentityInputError(
             f"no service {service!r} (services: {', '.join(sorted(services)) or 'none'})"
         )
+    # As the controller decides: a service with a checkpointRef restores from that checkpoint, whatever
+    # identity it also names.
     found = {
-        name: compute_identity_hash(svc.checkpoint.identity)
+        name: compute_identity_hash(identity)
         for name, svc in services.items()
-        if svc.checkpoint is not None and svc.checkpoint.enabled and svc.checkpoint.identity is not None
+        if svc.checkpoint is not None and (identity := svc.checkpoint.auto_identity) is not None
     }
     if service is not None:
         if service not in found:

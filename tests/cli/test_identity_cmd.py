@@ -60,6 +60,25 @@ def test_a_dgd_prints_each_auto_service_and_one_service_alone() -> None:
     assert alone.stdout.strip() == digest
 
 
+def test_a_service_with_a_checkpoint_ref_has_no_hash_even_with_an_identity(tmp_path: Path) -> None:
+    """The controller restores such a service from the named checkpoint and ignores its identity."""
+    dgd = yaml.safe_load(DGD.read_text())
+    services = dgd["spec"]["services"]
+    pinned = yaml.safe_load(yaml.safe_dump(services["VllmDecodeWorker"]))
+    pinned["checkpoint"]["checkpointRef"] = "pinned-checkpoint"
+    services["PinnedWorker"] = pinned
+    path = tmp_path / "dgd.yaml"
+    path.write_text(yaml.safe_dump(dgd))
+
+    proc = _cli(str(path))
+    assert proc.returncode == 0, proc.stderr
+    assert [line.split()[0] for line in proc.stdout.splitlines()] == ["VllmDecodeWorker"]
+    alone = _cli(str(path), "--service", "PinnedWorker")
+    assert alone.returncode == 1
+    assert alone.stdout == ""
+    assert "has no checkpoint identity" in alone.stderr
+
+
 def test_a_checkpoint_from_stdin_matches_its_identity() -> None:
     identity = yaml.safe_load(DGD.read_text())["spec"]["services"]["VllmDecodeWorker"]["checkpoint"][
         "identity"
