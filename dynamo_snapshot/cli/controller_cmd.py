@@ -7,7 +7,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import REGISTRY, start_http_server
+from prometheus_client import start_http_server
 from pydantic import Field, model_validator
 
 from dynamo_snapshot.cli.health import distinct_ports, start_health_server
@@ -101,28 +101,13 @@ def run(args: argparse.Namespace) -> int:
     )
 
 
-def readiness(controller: Controller, config: ControllerConfig) -> str | None:
-    """None when ready: a standby replica is (it can take over), the leader once its caches are synced.
-
-    A standby must count as ready, or a rolling update of a leader-elected Deployment would wait forever
-    for a new pod that cannot lead while the old one holds the Lease.
-    """
-    if config.leader_elect:
-        lease = f"{config.lease_namespace}/{config.lease_name}"
-        # The documented leader gauge is the one public view of the elector, which run_until keeps private.
-        if not REGISTRY.get_sample_value("dynsnap_leader_is_leader", {"lease": lease}):
-            return None
-    waiting = [inf.kind.kind for inf in controller.informers if not inf.has_synced.is_set()]
-    return f"leading; informer caches not synced yet: {', '.join(waiting)}" if waiting else None
-
-
 async def _main(config: ControllerCommandConfig, kubeconfig: str | None, stop: asyncio.Event) -> None:
     if config.metrics_port:
         start_http_server(config.metrics_port)
     holder: list[Controller] = []
 
     def ready() -> str | None:
-        return readiness(holder[0], config) if holder else "connecting to the API server"
+        return holder[0].readiness() if holder else "connecting to the API server"
 
     health = await start_health_server(config.health_port, ready=ready)
     try:

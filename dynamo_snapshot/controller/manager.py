@@ -118,7 +118,30 @@ class Controller:
         self.queue: WorkQueue[QueueKey] = WorkQueue(
             "controller", self._reconcile, workers=config.workers, kind_of=lambda k: k[0]
         )
+        # None without leader election: then this replica leads from the start.
+        self.elector: LeaderElector | None = (
+            LeaderElector(kube, name=config.lease_name, namespace=config.lease_namespace)
+            if config.leader_elect
+            else None
+        )
         self._wire()
+
+    @property
+    def leading(self) -> bool:
+        """Whether this replica does the work: always without leader election, else while it holds the
+        Lease."""
+        return self.elector is None or self.elector.is_leader
+
+    def readiness(self) -> str | None:
+        """None when ready: a standby replica is (it can take over), the leader once its caches are synced.
+
+        A standby must count as ready, or a rolling update of a leader-elected Deployment would wait forever
+        for a new pod that cannot lead while the old one holds the Lease.
+        """
+        if not self.leading:
+            return None
+        waiting = [inf.kind.kind for inf in self.informers if not inf.has_synced.is_set()]
+        return f"leading; informer caches not synced yet: {', '.join(waiting)}" if waiting else None
 
     @property
     def informers(self) -> list[Informer]:
@@ -212,11 +235,10 @@ class Controller:
 
     async def run_until(self, stop: asyncio.Event) -> None:
         """Run (as leader, when leader election is on) until `stop` is set, then drain and return."""
-        if not self.config.leader_elect:
+        if self.elector is None:
             await self._lead(stop)
             return
-        elector = LeaderElector(self.kube, name=self.config.lease_name, namespace=self.config.lease_namespace)
-        leading = asyncio.create_task(elector.run(lambda: self._lead(stop)))
+        leading = asyncio.create_task(self.elector.run(lambda: self._lead(stop)))
         stopped = asyncio.create_task(stop.wait())
         await asyncio.wait({leading, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if not leading.done():

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from unittest.mock import AsyncMock
 
 import pytest
 import yaml
@@ -23,7 +24,6 @@ from dynamo_snapshot.cli.main import build_parser
 from dynamo_snapshot.cli.service import load_settings
 from dynamo_snapshot.controller.manager import Controller
 from dynamo_snapshot.controller.runtime import Kube
-from dynamo_snapshot.controller.runtime.leader import IS_LEADER
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -151,29 +151,36 @@ async def kube() -> AsyncIterator[Kube]:
         yield Kube(api)
 
 
-async def test_controller_is_ready_as_standby_and_as_leader_once_synced(kube: Kube) -> None:
+async def test_controller_is_ready_as_standby_and_as_leader_once_synced(
+    kube: Kube, monkeypatch: pytest.MonkeyPatch
+) -> None:
     config = controller_cmd.ControllerCommandConfig(lease_name="ready-test", lease_namespace="ns")
     controller = Controller(kube, config)
-    gauge = IS_LEADER.labels("ns/ready-test")
-    gauge.set(0)
-    assert controller_cmd.readiness(controller, config) is None, "a standby is ready: it can take over"
+    # A second replica of the same lease in this process: its readiness is its own elector's, not a
+    # process-wide view of the lease.
+    standby = Controller(kube, config)
+    assert controller.elector is not None
+    assert controller.readiness() is None, "a standby is ready: it can take over"
 
-    gauge.set(1)
-    reason = controller_cmd.readiness(controller, config)
+    # The elector wins the Lease (the API server's answer stubbed) and says so through is_leader.
+    monkeypatch.setattr(controller.elector, "try_acquire_or_renew", AsyncMock(return_value=True))
+    await controller.elector.acquire()
+    reason = controller.readiness()
     assert reason is not None
     assert "not synced" in reason
     assert "DynamoGraphDeployment" in reason
+    assert standby.readiness() is None, "the other replica is still a standby"
     for inf in controller.informers:
         inf.has_synced.set()
-    assert controller_cmd.readiness(controller, config) is None
-    gauge.set(0)
+    assert controller.readiness() is None
 
     solo = controller_cmd.ControllerCommandConfig(leader_elect=False)
     alone = Controller(kube, solo)
-    assert controller_cmd.readiness(alone, solo) is not None, "without election it leads from the start"
+    assert alone.elector is None
+    assert alone.readiness() is not None, "without election it leads from the start"
     for inf in alone.informers:
         inf.has_synced.set()
-    assert controller_cmd.readiness(alone, solo) is None
+    assert alone.readiness() is None
 
 
 async def test_agent_is_ready_once_its_pods_are_listed(kube: Kube, tmp_path: Path) -> None:
