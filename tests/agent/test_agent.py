@@ -21,7 +21,7 @@ from kubernetes_asyncio import client
 from dynamo_snapshot.agent.executor import Executor
 from dynamo_snapshot.agent.runtime import ProcessRuntime, RuncRuntime, Runtime
 from dynamo_snapshot.agent.runtime.base import pid_running
-from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent
+from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent, workload_key
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.artifact import ArtifactStore, GpuInfo
 from dynamo_snapshot.controller.runtime import POD, Kube, Obj
@@ -201,8 +201,7 @@ async def test_checkpoint_on_one_node_restore_on_another(
             within=60,
         )
         assert "criu_restore" in json.loads(ann[protocol.ANNOTATION_RESTORE_TIMINGS])
-        uid = (await kube.get(POD, name, namespace))["metadata"]["uid"]
-        workload = await b.runtime.find(f"{namespace}_{name}_{uid[:8]}")
+        workload = await _workload(kube, b.runtime, namespace, name)
         assert workload is not None
         verify = await _verified(workload.control_dir / "verify.json")
         assert verify["digest_after"] == verify["digest_before"], "memory changed across checkpoint/restore"
@@ -233,8 +232,7 @@ async def test_flipped_byte_refuses_restore(
     message = ann[protocol.per_container(protocol.ANNOTATION_RESTORE_MESSAGE, "main")]
     assert "checksum mismatch" in message
     assert victim.name in message
-    uid = (await kube.get(POD, "restored", namespace))["metadata"]["uid"]
-    assert await b.runtime.find(f"{namespace}_restored_{uid[:8]}") is None, "nothing may be left running"
+    assert await _workload(kube, b.runtime, namespace, "restored") is None, "nothing may be left running"
 
 
 async def test_incompatible_gpu_is_refused_naming_both(
@@ -359,8 +357,11 @@ EXITED = protocol.per_container(protocol.ANNOTATION_WORKLOAD_EXITED, "main")
 
 
 async def _workload(kube: Kube, runtime: Runtime, ns: str, name: str) -> Any:
-    uid = (await kube.get(POD, name, ns))["metadata"]["uid"]
-    return await runtime.find(f"{ns}_{name}_{uid[:8]}")
+    return await runtime.find(workload_key(await kube.get(POD, name, ns)))
+
+
+async def _stopped(pid: int) -> bool:
+    return not pid_running(pid)
 
 
 async def test_a_killed_restored_worker_is_reported(
@@ -407,11 +408,7 @@ async def test_a_deleted_pods_worker_is_stopped_without_a_failure_report(
     await kube.create(POD, held, namespace)
     worker = await eventually(lambda: _workload(kube, a.runtime, namespace, "leaving"), within=30)
     await kube.delete(POD, "leaving", namespace)
-
-    async def stopped() -> bool:
-        return not pid_running(worker.pid)
-
-    await eventually(stopped, within=15)
+    await eventually(lambda: _stopped(worker.pid), within=15)
     await asyncio.sleep(0.5)
     try:
         assert EXITED not in await _annotations(kube, namespace, "leaving"), "a scale-down reported as a loss"
@@ -447,8 +444,4 @@ async def test_a_restored_worker_goes_with_its_pod_on_a_kubelet_node(
     worker = await _workload(kube, b.runtime, namespace, "restored")
     assert worker is not None
     await kube.delete(POD, "restored", namespace)
-
-    async def stopped() -> bool:
-        return not pid_running(worker.pid)
-
-    await eventually(stopped, within=15)
+    await eventually(lambda: _stopped(worker.pid), within=15)
