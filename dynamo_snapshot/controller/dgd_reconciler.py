@@ -110,9 +110,11 @@ class DGDReconciler:
             outcome, again = await self._reconcile_service(obj, dgd, svc_name, svc, status)
             outcomes[svc_name] = outcome
             requeue = requeue or again
-        for stale in {
-            p["metadata"]["labels"][protocol.LABEL_SERVICE] for p in ctx.pods_of(namespace, name)
-        } - set(outcomes):
+        # A removed service may have pods left, or only losses remembered (all its pods were lost).
+        known = {p["metadata"]["labels"][protocol.LABEL_SERVICE] for p in ctx.pods_of(namespace, name)} | {
+            owner[1] for owner in ctx.failover.owners(key)
+        }
+        for stale in known - set(outcomes):
             if stale not in services:
                 await self._release_service(obj, stale)
 
@@ -186,13 +188,17 @@ class DGDReconciler:
                 f"gpus>={compat.gpu_count if compat else '?'}); new replicas start cold"
             )
             ready_ckpt = None
+        # checkpointRef mode waits for its checkpoint (out.waiting says why) unless something is wrong
+        # with it, in which case capacity by cold start beats none at all.
+        creates = ready_ckpt is not None or not ref_mode or bool(out.degraded)
+        # Losses are owed only as far as this pass creates pods: the rest (absorbed by a scale-down, or of
+        # a service that waits) would keep the service Degraded and hold back others' tokens for ever.
+        ctx.failover.settle(owner, out.desired - count if creates else 0)
         if count < out.desired:
             missing = out.desired - count
             if out.degraded:
                 ctx.recorder.record(obj, WARNING, "NoCompatibleNode", out.degraded[-1])
-            # checkpointRef mode waits for its checkpoint (out.waiting says why) unless something is wrong
-            # with it, in which case capacity by cold start beats none at all.
-            if ready_ckpt is not None or not ref_mode or out.degraded:
+            if creates:
                 allowed, later = ctx.failover.allowance(owner, missing, out.desired)
                 if allowed:
                     await self._create_pods(
@@ -596,6 +602,7 @@ class DGDReconciler:
     async def _release_service(self, obj: Obj, svc_name: str) -> None:
         """Checkpointing turned off, or the service removed: our pods for it go, nothing else does."""
         ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        self.ctx.failover.forget_service((f"{ns}/{name}", svc_name))
         pods = [p for p in self.ctx.pods_of(ns, name, svc_name) if not p["metadata"].get("deletionTimestamp")]
         if pods:
             await self._delete_pods(obj, (f"{ns}/{name}", svc_name), pods, "ServiceReleased")

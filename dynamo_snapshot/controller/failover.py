@@ -193,9 +193,37 @@ class Failover:
 
     def forget(self, dgd_key: str) -> None:
         """The DGD is gone: its losses will never be replaced."""
-        for table in (self.pending, self.services, self.recovering, self.desired):
-            for owner in [o for o in table if o[0] == dgd_key]:
-                del table[owner]
+        for owner in self.owners(dgd_key):
+            self.forget_service(owner)
+
+    def forget_service(self, owner: tuple[str, str]) -> None:
+        """The service was removed or stopped checkpointing: it owes and follows nothing any more."""
+        self.pending.pop(owner, None)
+        self.services.pop(owner, None)
+        self.recovering.pop(owner, None)
+        self.desired.pop(owner, None)
+
+    def owners(self, dgd_key: str) -> set[tuple[str, str]]:
+        """The services of a DGD this remembers anything about."""
+        tables = (self.pending, self.services, self.recovering, self.desired)
+        return {o for table in tables for o in table if o[0] == dgd_key}
+
+    def settle(self, owner: tuple[str, str], owed: int) -> None:
+        """Keep no more losses pending than the `owed` replicas the service will still create.
+
+        Only `replaced` retires a loss otherwise, and it runs only when pods are created: losses a
+        scale-down absorbed (or that a service waiting for its checkpoint does not replace) would keep the
+        service Degraded and hold back other services' tokens for ever. The newest losses go: the oldest
+        marks when the service first fell short, which its rank and its latency samples are measured from.
+        """
+        lost = self.pending.get(owner)
+        if not lost or len(lost) <= max(0, owed):
+            return
+        oldest = sorted(lost.items(), key=lambda kv: kv[1].seen)
+        for name, _ in oldest[max(0, owed) :]:
+            del lost[name]
+        if not lost:
+            self.pending.pop(owner, None)
 
     def replaced(self, owner: tuple[str, str], new_pods: list[str]) -> None:
         """These replacement pods now exist: the oldest losses are done, and the new pods are watched

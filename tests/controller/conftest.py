@@ -124,6 +124,7 @@ class Harness:
     agent: AgentDouble
     start_controller: Callable[[], Awaitable[None]]
     kill_controller: Callable[[], Awaitable[None]]
+    controller: Callable[[], Controller]  # the one running now (a restart makes a new one)
 
     async def apply_dgd(self, manifest: Obj) -> Obj:
         return await self.kube.create(DGD, manifest, self.namespace)
@@ -215,7 +216,7 @@ async def harness(
     agent_task = asyncio.create_task(agent.run())
     await start()
     try:
-        yield Harness(kube, namespace, agent, start, kill)
+        yield Harness(kube, namespace, agent, start, kill, lambda: state["ctrl"])
     finally:
         if "stop" in state:
             state["stop"].set()

@@ -101,6 +101,37 @@ async def test_a_dead_worker_process_is_replaced_on_another_node(
     await eventually(whole_again, within=30)
 
 
+async def test_losses_a_scale_down_absorbs_leave_the_service_healthy(
+    harness: Harness, gpu_node: NodeFactory
+) -> None:
+    h = harness
+    pods = await _restored_service(h, gpu_node, 4)
+    # One replacement at once and then hardly any: the other losses stay unreplaced.
+    failover = h.controller().ctx.failover
+    failover.service_rate, failover.service_burst = 0.001, 1.0
+    gone = [p["metadata"]["name"] for p in pods[:3]]
+    for name in gone:
+        await h.kube.delete(POD, name, h.namespace)
+
+    async def paced() -> bool:
+        dgd = await h.dgd("fo")
+        degraded = next(c for c in dgd["status"]["conditions"] if c["type"] == "Degraded")
+        return "2 not yet replaced" in degraded["message"]
+
+    await eventually(paced, within=30)
+    # The survivor and the one replacement are all the service needs now: nothing is owed any more.
+    await h.scale("fo", 2)
+
+    async def healthy() -> bool:
+        dgd = await h.dgd("fo")
+        degraded = next(c for c in dgd["status"]["conditions"] if c["type"] == "Degraded")
+        svc = dgd["status"]["services"]["VllmWorker"]
+        return bool(degraded["status"] == "False" and svc["readyReplicas"] == 2)
+
+    await eventually(healthy, within=30)
+    assert len(await h.pods("fo")) == 2
+
+
 async def _fail_node(h: Harness, node: str) -> None:
     """Take a kwok node away from kwok (no more heartbeats) and report it NotReady, as a dead kubelet's
     node looks once the node controller notices."""

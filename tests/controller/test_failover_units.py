@@ -132,3 +132,56 @@ def test_the_order_follows_the_losses_still_pending() -> None:
     fo.replaced(big, ["rb0", "rb1"])  # b is down to 1 of 4 lost: 25%, now behind a
     allowed, _ = fo.allowance(small, 3, desired=10)
     assert allowed == 1  # the last token goes to a, nothing is held back for b
+
+
+def test_losses_a_scale_down_absorbed_hold_back_no_other_service() -> None:
+    fo = Failover(cluster_rate=0.001, cluster_burst=4.0, service_rate=100.0, service_burst=100.0)
+    a, b = ("ns/a", "svc"), ("ns/b", "svc")
+    for i in range(10):
+        fo.observe(a, f"a{i}", "node-deleted", "n1")  # all 10 of a's workers lost
+    assert fo.allowance(a, 2, desired=10) == (2, 0.0)  # a asks for 2 (takes 2 of the 4 tokens)
+    fo.replaced(a, ["ra0", "ra1"])  # 8 of 10 still lost: 80%
+    fo.observe(b, "b0", "node-deleted", "n1")  # 1 of 4 lost: 25%, behind a
+    allowed, later = fo.allowance(b, 1, desired=4)
+    assert allowed == 0  # the 2 tokens left are held for a
+    assert later > 0
+    fo.settle(a, 0)  # a was scaled down to the 2 pods it has: it is owed nothing any more
+    assert _pending(fo, a) == []
+    assert fo.allowance(b, 1, desired=4) == (1, 0.0)
+
+
+def test_a_scale_down_drops_the_newest_losses_and_clears_degraded() -> None:
+    fo = Failover()
+    owner, other = ("ns/a", "svc"), ("ns/a", "other")
+    for i in range(3):
+        fo.observe(owner, f"p{i}", "pod-failed", f"n{i}")
+    fo.observe(other, "q0", "pod-failed", "n9")
+    fo.settle(owner, 5)  # more replicas missing than lost: every loss is still owed
+    assert _pending(fo, owner) == ["p0", "p1", "p2"]
+    fo.settle(owner, 1)  # scaled down by two
+    # The oldest stays: the service has been short since then.
+    assert _pending(fo, owner) == ["p0"]
+    assert fo.avoid_nodes(owner) == ["n0"]
+    assert "1 not yet replaced" in (fo.degraded(owner) or "")
+    fo.settle(owner, 0)
+    assert fo.degraded(owner) is None
+    assert fo.owners("ns/a") == {other}  # the other service's loss is untouched
+
+
+def test_a_released_service_is_forgotten_alone() -> None:
+    fo = Failover()
+    owner, other = ("ns/a", "svc"), ("ns/a", "other")
+    fo.observe(owner, "p0", "pod-failed")
+    fo.observe(other, "q0", "pod-failed")
+    fo.allowance(owner, 1, desired=2)
+    fo.replaced(owner, ["r0"])
+    fo.observe(owner, "p1", "pod-failed")
+    fo.forget_service(owner)
+    assert fo.degraded(owner) is None
+    assert fo.owners("ns/a") == {other}
+    assert fo.allowance(owner, 3) == (3, 0.0)
+    assert "1 not yet replaced" in (fo.degraded(other) or "")
+
+
+def _pending(fo: Failover, owner: tuple[str, str]) -> list[str]:
+    return sorted(fo.pending.get(owner, {}))
