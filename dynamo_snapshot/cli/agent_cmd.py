@@ -17,7 +17,7 @@ from dynamo_snapshot.agent.runtime import ProcessRuntime, RuncRuntime, Runtime
 from dynamo_snapshot.agent.runtime.runc import DEFAULT_HOST_BINDS
 from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent
 from dynamo_snapshot.artifact import ArtifactStore
-from dynamo_snapshot.cli.health import distinct_ports, start_health_server
+from dynamo_snapshot.cli.health import distinct_ports, health_endpoints
 from dynamo_snapshot.cli.service import load_settings, run_service
 from dynamo_snapshot.controller.runtime import Kube, load_client
 from dynamo_snapshot.criu import Criu
@@ -154,22 +154,13 @@ def readiness(agent: NodeAgent) -> str | None:
 
 
 async def _main(config: AgentConfig, kubeconfig: str | None, stop: asyncio.Event) -> None:
-    holder: list[NodeAgent] = []
-
-    def ready() -> str | None:
-        return readiness(holder[0]) if holder else "starting"
-
     # First, so that a slow start (CRIU check, API server) reads as not ready rather than not alive.
-    health = await start_health_server(config.health_port, ready=ready)
-    try:
+    async with health_endpoints(config.health_port, starting="starting") as health:
         await Criu(config.criu).require()
         if config.metrics_port:
             start_http_server(config.metrics_port)
         api_client = await load_client(kubeconfig)
         async with api_client:
             agent = build(config, Kube(api_client, field_manager="dynamo-snapshot-agent"))
-            holder.append(agent)
+            health.use(lambda: readiness(agent))
             await agent.run_until(stop)
-    finally:
-        if health is not None:
-            await health.close()

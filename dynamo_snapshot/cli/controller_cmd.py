@@ -10,7 +10,7 @@ from typing import Any
 from prometheus_client import start_http_server
 from pydantic import Field, model_validator
 
-from dynamo_snapshot.cli.health import distinct_ports, start_health_server
+from dynamo_snapshot.cli.health import distinct_ports, health_endpoints
 from dynamo_snapshot.cli.service import load_settings, run_service
 from dynamo_snapshot.controller.manager import Controller, ControllerConfig
 from dynamo_snapshot.controller.runtime import Kube, load_client
@@ -104,18 +104,9 @@ def run(args: argparse.Namespace) -> int:
 async def _main(config: ControllerCommandConfig, kubeconfig: str | None, stop: asyncio.Event) -> None:
     if config.metrics_port:
         start_http_server(config.metrics_port)
-    holder: list[Controller] = []
-
-    def ready() -> str | None:
-        return holder[0].readiness() if holder else "connecting to the API server"
-
-    health = await start_health_server(config.health_port, ready=ready)
-    try:
+    async with health_endpoints(config.health_port, starting="connecting to the API server") as health:
         api_client = await load_client(kubeconfig)
         async with api_client:
             controller = Controller(Kube(api_client, field_manager="dynamo-snapshot-controller"), config)
-            holder.append(controller)
+            health.use(controller.readiness)
             await controller.run_until(stop)
-    finally:
-        if health is not None:
-            await health.close()

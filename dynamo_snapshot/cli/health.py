@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 from typing import Final
 
@@ -141,9 +141,7 @@ def _request_line(head: bytes) -> tuple[str, str, bool]:
     return parts[0], parts[1].split("?", 1)[0], True
 
 
-async def start_health_server(
-    port: int, *, live: Check | None = None, ready: Check | None = None
-) -> HealthServer | None:
+async def start_health_server(port: int, *, ready: Check | None = None) -> HealthServer | None:
     """Start the endpoints on `port`, or None when `port` is 0 (disabled) or cannot be bound.
 
     A port that is taken is logged, not fatal: the probes then fail and say so where it matters (the pod's
@@ -153,7 +151,7 @@ async def start_health_server(
         return None
     # Every interface first; IPv4 alone where the pod's IPv6 is switched off and `::` cannot be bound.
     for host in (None, "0.0.0.0"):
-        server = HealthServer(port, host=host, live=live, ready=ready)
+        server = HealthServer(port, host=host, ready=ready)
         try:
             await server.start()
             break
@@ -164,3 +162,31 @@ async def start_health_server(
         return None
     log.info("health endpoints listening", extra={"port": port, "paths": ["/healthz", "/readyz"]})
     return server
+
+
+class Readiness:
+    """The `/readyz` check of a service whose object is built after its endpoints start: `starting` until
+    `use` names the real check."""
+
+    def __init__(self, starting: str) -> None:
+        self._check: Check = lambda: starting
+
+    def use(self, check: Check) -> None:
+        self._check = check
+
+    def __call__(self) -> str | None:
+        return self._check()
+
+
+@contextlib.asynccontextmanager
+async def health_endpoints(port: int, *, starting: str) -> AsyncIterator[Readiness]:
+    """Serve `/healthz` and `/readyz` on `port` for the duration of the block (nothing when `port` is 0,
+    or when it cannot be bound; see `start_health_server`). `/readyz` answers `starting` until the block
+    hands the service's check to the `Readiness` it gets."""
+    readiness = Readiness(starting)
+    server = await start_health_server(port, ready=readiness)
+    try:
+        yield readiness
+    finally:
+        if server is not None:
+            await server.close()

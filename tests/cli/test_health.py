@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from dynamo_snapshot.cli import agent_cmd, controller_cmd
 from dynamo_snapshot.cli.agent_cmd import AgentConfig
 from dynamo_snapshot.cli.controller_cmd import ControllerCommandConfig
-from dynamo_snapshot.cli.health import HealthServer, start_health_server
+from dynamo_snapshot.cli.health import HealthServer, health_endpoints, start_health_server
 from dynamo_snapshot.cli.main import build_parser
 from dynamo_snapshot.cli.service import load_settings
 from dynamo_snapshot.controller.manager import Controller
@@ -139,6 +139,45 @@ async def test_start_health_server_disabled_or_port_taken() -> None:
         assert (await get(srv.port, "/healthz"))[:2] == (200, "ok\n")
     finally:
         await srv.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        return int(s.getsockname()[1])
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+async def test_health_endpoints_serve_the_block_and_take_the_check_once_built() -> None:
+    port = _free_port()
+    async with health_endpoints(port, starting="connecting") as health:
+        assert (await get(port, "/healthz"))[:2] == (200, "ok\n")
+        assert (await get(port, "/readyz"))[:2] == (503, "connecting\n")
+        problem: list[str | None] = ["caches not synced"]
+        health.use(lambda: problem[0])
+        assert (await get(port, "/readyz"))[:2] == (503, "caches not synced\n")
+        problem[0] = None
+        assert (await get(port, "/readyz"))[:2] == (200, "ok\n")
+    assert not _listening(port), "the endpoints close with the block"
+
+    async def failing_service() -> None:
+        async with health_endpoints(port, starting="starting"):
+            assert _listening(port)
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        await failing_service()
+    assert not _listening(port), "closed on the way out of a failing block too"
+
+
+async def test_health_endpoints_disabled_by_port_0() -> None:
+    async with health_endpoints(0, starting="starting") as health:
+        health.use(lambda: None)
+        assert health() is None
 
 
 # --------------------------------------------------------------------------- readiness of the commands
