@@ -257,10 +257,13 @@ def test_health_port_is_a_setting_and_a_flag(tmp_path: Path) -> None:
 
 
 def test_shipped_config_files_carry_the_health_ports() -> None:
-    """controller/config.yaml and agent/config.yaml are what the images run with."""
+    """controller/config.yaml and agent/config.yaml are what the images run with: the keys themselves, as
+    the models' defaults would hide a missing line."""
     ctrl = yaml.safe_load((REPO / "controller" / "config.yaml").read_text())
+    assert ctrl["healthPort"] == 8081
     assert controller_cmd.ControllerCommandConfig.model_validate(ctrl).health_port == 8081
     agent = yaml.safe_load((REPO / "agent" / "config.yaml").read_text())
+    assert agent["healthPort"] == 8082
     assert agent_cmd.AgentConfig.model_validate({**agent, "nodeName": "n"}).health_port == 8082
 
 

@@ -166,6 +166,35 @@ def test_agent_daemonset(monkeypatch: pytest.MonkeyPatch) -> None:
     assert str(config.state_root) in mounted
 
 
+@pytest.mark.parametrize(
+    ("component", "kind", "container", "model"),
+    [
+        ("controller", "Deployment", "controller", ControllerCommandConfig),
+        ("agent", "DaemonSet", "agent", AgentConfig),
+    ],
+)
+def test_health_port_follows_the_value(
+    component: str,
+    kind: str,
+    container: str,
+    model: type[ControllerCommandConfig] | type[AgentConfig],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A port other than the defaults (which the settings models share) must reach the process's config,
+    the container's port and both probes."""
+    objs = render({component: {"healthPort": 9443}})
+    data = _config(objs, component)
+    assert data["healthPort"] == 9443
+    monkeypatch.setenv("NODE_NAME", "gpu-0")
+    assert model.model_validate(data).health_port == 9443
+    c = _container(one(objs, kind, f"-{component}"), container)
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports["health"] == 9443
+    for probe in ("livenessProbe", "readinessProbe"):
+        port = c[probe]["httpGet"]["port"]
+        assert ports.get(port, port) == 9443, f"{probe} port {port!r}"
+
+
 def test_seccomp_profile_is_installed_for_workloads() -> None:
     objs = render()
     cm = one(objs, "ConfigMap", "-seccomp")
