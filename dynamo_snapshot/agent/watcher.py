@@ -46,6 +46,10 @@ def workload_key(pod: Obj) -> str:
     return f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}"
 
 
+def _backoff(attempt: int) -> float:
+    return min(RETRY_CAP_S, RETRY_BASE_S * 2.0 ** (attempt - 1))
+
+
 def _annotation(pod: Obj, key: str) -> str | None:
     return (pod["metadata"].get("annotations") or {}).get(protocol.per_container(key, MAIN))
 
@@ -108,7 +112,9 @@ class NodeAgent:
     async def _handle(self, pod: Obj) -> None:
         """Dispatch the pod, retrying with backoff on unexpected errors (a transient apiserver error,
         say): checkpoints and restores report their own failures, anything else would otherwise leave
-        the pod unhandled until the agent restarts. Each retry reads the pod afresh."""
+        the pod unhandled until the agent restarts. Each retry reads the pod afresh and dispatches it
+        from the start, so every step up to supervision must be safe to repeat; supervision retries its
+        own report (_report_exit), as a repeat would find the worker gone and not yet reported."""
         attempt = 0
         while True:
             try:
@@ -118,7 +124,7 @@ class NodeAgent:
                 raise
             except Exception:
                 attempt += 1
-                delay = min(RETRY_CAP_S, RETRY_BASE_S * 2 ** (attempt - 1))
+                delay = _backoff(attempt)
                 log.exception(
                     "pod handling failed; retrying",
                     extra={"pod": workload_key(pod), "attempt": attempt, "retry_in_s": delay},
@@ -154,9 +160,25 @@ class NodeAgent:
         await self._report_exit(pod, f"worker process {workload.pid} exited")
 
     async def _report_exit(self, pod: Obj, message: str) -> None:
+        """Say on the pod that its worker is gone, retrying until that is written. Never raises: an
+        error that reached _handle would dispatch the pod again, and with no exit on the pod yet a
+        launched worker would be launched anew and a restored one reported with the wrong cause. The
+        retries end when the pod goes: its deletion cancels this task, and a 404 ends _annotate."""
         log.warning("worker gone", extra={"pod": workload_key(pod), "detail": message})
         key = protocol.per_container(protocol.ANNOTATION_WORKLOAD_EXITED, MAIN)
-        await self._annotate(pod, {key: message})
+        attempt = 0
+        while True:
+            try:
+                await self._annotate(pod, {key: message})
+                return
+            except Exception:
+                attempt += 1
+                delay = _backoff(attempt)
+                log.exception(
+                    "reporting the worker's exit failed; retrying",
+                    extra={"pod": workload_key(pod), "attempt": attempt, "retry_in_s": delay},
+                )
+                await asyncio.sleep(delay)
 
     async def _ensure_running(self, pod: Obj) -> Workload:
         key = workload_key(pod)
@@ -231,19 +253,19 @@ class NodeAgent:
             return
         if state is S.FAILED:
             return  # a failed restore was cleaned up when it failed
-        if state is S.RUNNING and pod["metadata"]["uid"] in self._restoring:
-            # Our own attempt, cut short by an unexpected error: clear what it left and try again.
+        if state is S.RUNNING:
+            # A restore was cut short: clear what it left. Our own attempt (an unexpected error) is
+            # tried again below; one of an earlier agent process, which died mid-restore, has failed.
             await self.runtime.stop(key)
-        elif state is S.RUNNING:
-            await self.runtime.stop(key)
-            await self._report(
-                pod,
-                protocol.ANNOTATION_RESTORE_STATUS,
-                protocol.ANNOTATION_RESTORE_MESSAGE,
-                S.FAILED,
-                "node agent restarted during the restore; the partial restore was removed",
-            )
-            return
+            if pod["metadata"]["uid"] not in self._restoring:
+                await self._report(
+                    pod,
+                    protocol.ANNOTATION_RESTORE_STATUS,
+                    protocol.ANNOTATION_RESTORE_MESSAGE,
+                    S.FAILED,
+                    "node agent restarted during the restore; the partial restore was removed",
+                )
+                return
         identity_hash = (pod["metadata"].get("labels") or {}).get(protocol.LABEL_CHECKPOINT_HASH, "")
         await self._report(
             pod,

@@ -24,7 +24,7 @@ from dynamo_snapshot.agent.runtime.base import pid_running
 from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent, workload_key
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.artifact import ArtifactStore, GpuInfo
-from dynamo_snapshot.controller.runtime import POD, Kube, Obj
+from dynamo_snapshot.controller.runtime import POD, ApiError, Kube, Obj
 from dynamo_snapshot.criu import Criu
 from tests.controller.conftest import eventually
 
@@ -395,6 +395,41 @@ async def test_a_launched_worker_that_dies_is_reported_not_restarted(
     await eventually(lambda: _annotations_with(kube, namespace, "cold", EXITED), within=15, interval=0.05)
     await asyncio.sleep(1.0)
     assert await _workload(kube, a.runtime, namespace, "cold") is None, "the agent relaunched a dead worker"
+
+
+async def test_a_failed_exit_report_is_retried_without_relaunching_the_worker(
+    api: client.ApiClient, namespace: str, gpu_node: Callable[..., Obj], agents: Callable[..., Any]
+) -> None:
+    kube = Kube(api)
+    node = gpu_node()["metadata"]["name"]
+    a = await agents(node)
+    real_patch, real_launch = a.agent.kube.merge_patch, a.runtime.launch
+    refused: list[str] = []
+    launched: list[str] = []
+
+    async def flaky_patch(kind: Any, name: str, patch: Obj, *args: Any, **kwargs: Any) -> Any:
+        # The apiserver turns down the first report of the exit (not a 404: the pod is still there).
+        if EXITED in (patch["metadata"].get("annotations") or {}) and not refused:
+            refused.append(name)
+            raise ApiError(503, "ServiceUnavailable", "transient: etcd leader changed")
+        return await real_patch(kind, name, patch, *args, **kwargs)
+
+    async def counted_launch(spec: Any) -> Any:
+        launched.append(spec.key)
+        return await real_launch(spec)
+
+    a.agent.kube.merge_patch = flaky_patch  # type: ignore[method-assign]
+    a.runtime.launch = counted_launch  # type: ignore[method-assign]
+    await kube.create(POD, _plain_pod("cold", node), namespace)
+    first = await eventually(lambda: _workload(kube, a.runtime, namespace, "cold"), within=30)
+    os.kill(first.pid, signal.SIGKILL)
+    ann = await eventually(
+        lambda: _annotations_with(kube, namespace, "cold", EXITED), within=15, interval=0.05
+    )
+    assert refused == ["cold"]
+    assert str(first.pid) in ann[EXITED]
+    assert len(launched) == 1, "the agent relaunched a dead worker"
+    assert await _workload(kube, a.runtime, namespace, "cold") is None
 
 
 async def test_a_deleted_pods_worker_is_stopped_without_a_failure_report(
