@@ -49,9 +49,15 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--setup-only",
         action="store_true",
-        help="only bring up the control plane, CRDs and nodes, print how to reach them, and stop",
+        help="only bring up the control plane, CRDs and nodes, check they work, and clean up again; "
+        "with --hold, keep them up and print how to reach them",
     )
-    p.add_argument("--hold", action="store_true", help="after the story, keep everything up until Ctrl-C")
+    p.add_argument(
+        "--hold",
+        action="store_true",
+        help="after the story (or the setup, with --setup-only) keep everything up, print the "
+        "KUBECONFIG and PATH to reach it, and clean up on Ctrl-C or SIGTERM",
+    )
     p.set_defaults(run=run)
 
 
@@ -89,8 +95,11 @@ async def _main(args: argparse.Namespace, console: Console, workdir: Path) -> in
             console.print(
                 f"[green]ready[/] control plane at {stack.cluster.server}, {args.gpu_nodes} fake H200 nodes"
             )
-            console.print(f"  export KUBECONFIG={stack.cluster.kubeconfig}")
-            console.print(f"  export PATH={stack.cluster.components.bin_dir}:$PATH")
+            if args.hold:
+                await _hold(stack, console)
+            else:
+                # Its kubeconfig goes with it: paths printed now would name nothing by the time they are used.
+                console.print("cleaning it up again; add --hold to keep it up and get its KUBECONFIG")
             return EXIT_OK
         await stack.start()
         scenario = Scenario(stack, Profile.quick() if args.quick else Profile(), console.log)
@@ -103,9 +112,7 @@ async def _main(args: argparse.Namespace, console: Console, workdir: Path) -> in
         console.print(why_not or f"plot: {args.out / 'demo.png'}")
         console.print(f"summary: {args.out / 'summary.json'}")
         if args.hold:
-            assert stack.cluster is not None
-            console.print(f"holding; KUBECONFIG={stack.cluster.kubeconfig}; Ctrl-C to clean up")
-            await _wait_for_signal()
+            await _hold(stack, console)
         return EXIT_OK
     except _FAILURES as e:
         console.print(f"[red]demo failed:[/] {e}")
@@ -115,9 +122,23 @@ async def _main(args: argparse.Namespace, console: Console, workdir: Path) -> in
             await stack.stop()
 
 
+async def _hold(stack: Stack, console: Console) -> None:
+    """Print how to reach the running stack, then keep it up until SIGINT or SIGTERM."""
+    assert stack.cluster is not None
+    console.print(f"  export KUBECONFIG={stack.cluster.kubeconfig}")
+    console.print(f"  export PATH={stack.cluster.components.bin_dir}:$PATH")
+    console.print("holding; Ctrl-C to clean up")
+    await _wait_for_signal()
+
+
 async def _wait_for_signal() -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for sig in signals:
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    try:
+        await stop.wait()
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
