@@ -217,7 +217,10 @@ class DGDReconciler:
         out.replicas = len(pods)
         ready = {p["metadata"]["name"] for p in pods if pod_ready(p)}
         out.ready = len(ready)
-        ctx.failover.track_ready(owner, ready, {p["metadata"]["name"] for p in pods})
+        # A replacement just created is usually not in the pod cache yet: it still exists, and must stay
+        # followed until Ready, or its observed-to-ready sample is lost.
+        names = {p["metadata"]["name"] for p in pods}
+        ctx.failover.track_ready(owner, ready, names | ctx.expectations.pending_creates(owner, names))
         recovering = ctx.failover.degraded(owner)
         if recovering:
             out.degraded.append(recovering)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.controller.runtime import NODE, POD, Obj
@@ -99,6 +100,11 @@ async def test_a_dead_worker_process_is_replaced_on_another_node(
         return degraded["status"] == "False"
 
     await eventually(whole_again, within=30)
+
+
+def _observed_to_ready_samples() -> float:
+    # The controller runs in this process, so its metrics are in the default registry.
+    return REGISTRY.get_sample_value("dynsnap_failover_observed_to_ready_seconds_count") or 0.0
 
 
 async def test_losses_a_scale_down_absorbs_leave_the_service_healthy(
@@ -211,6 +217,7 @@ async def test_twenty_workers_on_a_dead_node_come_back_paced(harness: Harness, g
             await asyncio.sleep(0.05)
 
     tracker = asyncio.create_task(track())
+    samples_before = _observed_to_ready_samples()
     try:
         await asyncio.sleep(0.3)
         started = time.monotonic()
@@ -225,6 +232,15 @@ async def test_twenty_workers_on_a_dead_node_come_back_paced(harness: Harness, g
     # 5 per second per service (burst 5): not all at once, and all of them within a few seconds.
     assert created[-1] - created[0] >= 2.0, created
     assert sum(1 for t in created if t - created[0] < 0.5) <= 8, created
+
+    async def all_followed_to_ready() -> float:
+        # Replacements created in one batch are mostly not in the pod cache yet when their reconcile
+        # looks: each must still be followed until Ready and give its sample.
+        got = _observed_to_ready_samples() - samples_before
+        assert got >= 20, f"{got:.0f} of 20 replacements gave an observed-to-ready sample"
+        return got
+
+    assert await eventually(all_followed_to_ready, within=30) == 20
 
 
 async def test_controller_restarted_during_failover_converges_exactly(
