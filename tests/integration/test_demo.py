@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from dynamo_snapshot.cli.demo.stack import CPU_WORKER
 
 pytestmark = [pytest.mark.cluster, pytest.mark.criu]
 
@@ -44,6 +47,7 @@ def test_demo_tells_the_whole_story_with_measured_numbers(tmp_path: Path) -> Non
     assert modes == {"cold", "restore"}
     assert any(s["serving"] >= 2 for s in summary["timeline"])
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # It cleaned up after itself: no worker left running.
-    leftovers = subprocess.run(["pgrep", "-f", "cpu_worker.py"], capture_output=True, text=True)
+    # It cleaned up after itself: no worker left running. Only the demo's worker, by its full path:
+    # tests/agent/cpu_worker.py workers of other tests may be running.
+    leftovers = subprocess.run(["pgrep", "-f", re.escape(str(CPU_WORKER))], capture_output=True, text=True)
     assert leftovers.stdout.strip() == "", leftovers.stdout
