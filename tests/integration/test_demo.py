@@ -6,21 +6,43 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from dynamo_snapshot.artifact import ArtifactStore
 from dynamo_snapshot.cli.demo.stack import CPU_WORKER
 
 pytestmark = [pytest.mark.cluster, pytest.mark.criu]
 
 
-def test_demo_tells_the_whole_story_with_measured_numbers(tmp_path: Path) -> None:
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    """A workdir the demo keeps (it is ours), not under /tmp, as the demo's own (see demo_cmd)."""
+    path = Path(tempfile.mkdtemp(prefix="test-demo-", dir="/var/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_demo_tells_the_whole_story_with_measured_numbers(tmp_path: Path, workdir: Path) -> None:
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "dynamo_snapshot.cli.main", "demo", "--quick", "--out", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "dynamo_snapshot.cli.main",
+            "demo",
+            "--quick",
+            "--out",
+            str(out),
+            "--workdir",
+            str(workdir),
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -36,6 +58,11 @@ def test_demo_tells_the_whole_story_with_measured_numbers(tmp_path: Path) -> Non
     assert r["cold_start_s"] > 0
     assert r["checkpoint_s"] > 0
     assert r["artifact_mib"] > 0
+    # The size the artifact's manifest states (the store is kept with a --workdir of our own).
+    store = ArtifactStore(workdir / "artifacts")
+    [published] = store.list()
+    manifest = store.open(published).manifest
+    assert r["artifact_mib"] == manifest.total_bytes / 2**20
     assert len(r["restore_s"]) >= 1
     assert max(r["restore_s"]) < r["cold_start_s"], "a restore was not faster than the cold start"
     assert "criu_restore" in r["restore_phases"]

@@ -14,7 +14,6 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 from dynamo_snapshot.api import protocol
@@ -266,8 +265,8 @@ class Scenario:
         ckpt = await self._until("the checkpoint to be Ready", checkpoint_ready, 300)
         self.results.checkpoint_s = self.timeline.now() - applied
         self.timeline.mark("checkpoint Ready")
-        artifact = self.stack.workdir / "artifacts" / ckpt["status"]["identityHash"]
-        self.results.artifact_mib = await asyncio.to_thread(_tree_bytes, artifact) / 2**20
+        artifact = await asyncio.to_thread(self.stack.artifacts.open, ckpt["status"]["identityHash"])
+        self.results.artifact_mib = artifact.manifest.total_bytes / 2**20
         self.say(
             f"  checkpoint {ckpt['metadata']['name']} Ready {self.results.checkpoint_s:.1f}s after the DGD "
             f"was applied ({self.results.artifact_mib:.0f} MiB artifact)"
@@ -356,7 +355,3 @@ class Scenario:
             "timeline": [asdict(s) for s in self.timeline.samples],
             "marks": self.timeline.marks,
         }
-
-
-def _tree_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())

@@ -62,9 +62,14 @@ class Stack:
     runtimes: dict[str, RuncRuntime] = field(default_factory=dict)
     # pod -> where it serves: the registration directory as last read (by the discovery task, 5x a second)
     workers: dict[str, Endpoint] = field(default_factory=dict)
+    # Shared by all nodes, like a RWX volume.
+    artifacts: ArtifactStore = field(init=False)
     _api: Any = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.artifacts = ArtifactStore(self.workdir / "artifacts")
 
     @property
     def endpoint_dir(self) -> Path:
@@ -102,7 +107,6 @@ class Stack:
         )
         controller = Controller(Kube(self._api, field_manager="dynamo-snapshot-controller"), config)
         self._tasks.append(asyncio.create_task(controller.run_until(self._stop), name="controller"))
-        store = ArtifactStore(self.workdir / "artifacts")  # shared by all nodes, like a RWX volume
         binds = ["/usr", "/etc", "/opt", sys.prefix, sys.base_prefix, str(REPO)]
         for i in range(self.nodes):
             node = f"gpu-node-{i}"
@@ -115,7 +119,7 @@ class Stack:
                 writable_binds=[str(self.endpoint_dir)],
             )
             self.runtimes[node] = runtime
-            executor = Executor(runtime, store, criu, node_name=node)
+            executor = Executor(runtime, self.artifacts, criu, node_name=node)
             agent = NodeAgent(
                 Kube(self._api, field_manager="dynamo-snapshot-agent"),
                 executor,
