@@ -81,6 +81,7 @@ async def test_a_dead_worker_process_is_replaced_on_another_node(
     pods = await _restored_service(h, gpu_node, 3)
     victim = next(p for p in pods if _mode(p) == protocol.StartMode.RESTORE.value)
     name, node = victim["metadata"]["name"], victim["spec"]["nodeName"]
+    samples_before = _observed_to_ready_samples()
     # What the node agent writes when the worker process it restored dies (tests/agent covers that part).
     exited = protocol.per_container(protocol.ANNOTATION_WORKLOAD_EXITED, "main")
     await h.kube.merge_patch(
@@ -97,9 +98,11 @@ async def test_a_dead_worker_process_is_replaced_on_another_node(
     async def whole_again() -> bool:
         dgd = await h.dgd("fo")
         degraded = next(c for c in dgd["status"]["conditions"] if c["type"] == "Degraded")
-        return degraded["status"] == "False"
+        return bool(degraded["status"] == "False")
 
     await eventually(whole_again, within=30)
+    # Whole again because the replacement became Ready, not because it was dropped from tracking.
+    assert _observed_to_ready_samples() == samples_before + 1
 
 
 def _observed_to_ready_samples() -> float:
