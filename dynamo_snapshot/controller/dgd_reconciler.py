@@ -517,11 +517,9 @@ class DGDReconciler:
             and ctx.other_compatible_node(compat, set(failed_on))
         )
         if ckpt is not None and retry:
-            replacement = restore_pod(obj, dgd, svc_name, ckpt, name=f"{pname}-r"[:63])
+            replacement = restore_pod(obj, dgd, svc_name, ckpt, name=f"{pname}-r"[:63], replaces=pname)
             keep_off_nodes(replacement["spec"], failed_on, required=True)
-            replacement["metadata"]["annotations"].update(
-                {protocol.ANNOTATION_REPLACES: pname, protocol.ANNOTATION_AVOID_NODES: ",".join(failed_on)}
-            )
+            replacement["metadata"]["annotations"][protocol.ANNOTATION_AVOID_NODES] = ",".join(failed_on)
             mode, then = protocol.StartMode.RESTORE, "retrying the restore on another node as pod"
         else:
             replacement = cold_start_pod(obj, dgd, svc_name, name=f"{pname}-cold"[:63], replaces=pname)

@@ -228,8 +228,9 @@ def restore_pod(
     ckpt: DynamoCheckpoint,
     *,
     name: str | None = None,
+    replaces: str | None = None,
 ) -> Obj:
-    pod = cold_start_pod(dgd_obj, dgd, service_name, name=name)
+    pod = cold_start_pod(dgd_obj, dgd, service_name, name=name, replaces=replaces)
     pod["spec"] = worker_pod_spec(dgd, service_name, snapshot_control=True)
     status = ckpt.status
     labels = pod["metadata"]["labels"]
