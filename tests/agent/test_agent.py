@@ -20,7 +20,7 @@ from kubernetes_asyncio import client
 
 from dynamo_snapshot.agent.executor import Executor
 from dynamo_snapshot.agent.runtime import ProcessRuntime, RuncRuntime, Runtime
-from dynamo_snapshot.agent.runtime.base import pid_running
+from dynamo_snapshot.agent.runtime.base import pid_alive, pid_running
 from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent, workload_key
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.artifact import ArtifactStore, GpuInfo
@@ -364,6 +364,10 @@ async def _stopped(pid: int) -> bool:
     return not pid_running(pid)
 
 
+async def _reaped(pid: int) -> bool:
+    return not pid_alive(pid)
+
+
 async def test_a_killed_restored_worker_is_reported(
     api: client.ApiClient, namespace: str, gpu_node: Callable[..., Obj], agents: Callable[..., Any]
 ) -> None:
@@ -393,8 +397,56 @@ async def test_a_launched_worker_that_dies_is_reported_not_restarted(
     first = await eventually(lambda: _workload(kube, a.runtime, namespace, "cold"), within=30)
     os.kill(first.pid, signal.SIGKILL)
     await eventually(lambda: _annotations_with(kube, namespace, "cold", EXITED), within=15, interval=0.05)
+    # One agent process never dispatches a pod twice (its task lasts as long as the pod), so only a new
+    # process, which reads the exit from the pod, shows that a dead worker is left to the controller.
+    await a.shutdown()
+    await kube.create(POD, _plain_pod("late", node), namespace)
+    again = await agents(node)
+    # Positive control: the new agent launches the pod created while none ran.
+    await eventually(lambda: _workload(kube, again.runtime, namespace, "late"), within=30)
     await asyncio.sleep(1.0)
-    assert await _workload(kube, a.runtime, namespace, "cold") is None, "the agent relaunched a dead worker"
+    assert await _workload(kube, again.runtime, namespace, "cold") is None, (
+        "the agent relaunched a dead worker"
+    )
+
+
+@pytest.mark.parametrize("killed", ["after_the_restart", "while_the_agent_is_down"])
+async def test_a_restored_worker_is_watched_across_an_agent_restart(
+    api: client.ApiClient,
+    namespace: str,
+    gpu_node: Callable[..., Obj],
+    agents: Callable[..., Any],
+    killed: str,
+) -> None:
+    kube = Kube(api)
+    b = await _checkpoint_then_second_node(kube, namespace, gpu_node, agents)
+    await kube.create(POD, pod("restored", b.node, TARGET), namespace)
+    await _restored(kube, namespace, "restored")
+    worker = await _workload(kube, b.runtime, namespace, "restored")
+    assert worker is not None
+    await b.shutdown()  # the restored worker outlives its agent
+    if killed == "while_the_agent_is_down":
+        os.kill(worker.pid, signal.SIGKILL)
+        # Until init reaps the restored root (its parent since CRIU detached), the runtime still finds
+        # it, a zombie counting as alive, and the new agent would report its exit as seen.
+        await eventually(lambda: _reaped(worker.pid), within=15)
+    again = await agents(b.node)
+    if killed == "after_the_restart":
+        await eventually(lambda: _listed(again, "restored"), within=15)
+        await asyncio.sleep(0.5)  # time to find the worker again
+        assert EXITED not in await _annotations(kube, namespace, "restored"), "reported while still alive"
+        os.kill(worker.pid, signal.SIGKILL)
+    ann = await eventually(
+        lambda: _annotations_with(kube, namespace, "restored", EXITED), within=15, interval=0.05
+    )
+    if killed == "after_the_restart":
+        assert str(worker.pid) in ann[EXITED], "the new agent watched the worker it found"
+    else:
+        assert "gone while the node agent was down" in ann[EXITED]
+
+
+async def _listed(handle: AgentHandle, name: str) -> bool:
+    return name in [p["metadata"]["name"] for p in handle.agent.pods.list()]
 
 
 async def test_a_failed_exit_report_is_retried_without_relaunching_the_worker(
