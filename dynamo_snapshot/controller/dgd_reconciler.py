@@ -158,7 +158,7 @@ class DGDReconciler:
         owner = (f"{namespace}/{name}", svc_name)
         again = False
         for pod in [p for p in self._live_pods(owner) if self._restore_failed(p)]:
-            await self._replace_failed_restore(obj, dgd, svc_name, pod, ready_ckpt)
+            await self._replace_failed_restore(obj, dgd, owner, pod, ready_ckpt)
             again = True
         for pod in self._live_pods(owner):
             stuck = unschedulable(pod) if _mode(pod) == protocol.StartMode.RESTORE.value else None
@@ -166,7 +166,7 @@ class DGDReconciler:
                 continue
             left = ctx.settings.restore_pending_timeout - stuck[0]
             if left <= 0:
-                await self._replace_unschedulable_restore(obj, dgd, svc_name, pod, *stuck)
+                await self._replace_unschedulable_restore(obj, dgd, owner, pod, *stuck)
                 again = True
             else:
                 out.retry_after = min(out.retry_after or left, left)
@@ -488,7 +488,7 @@ class DGDReconciler:
         self,
         obj: Obj,
         dgd: DynamoGraphDeployment,
-        svc_name: str,
+        owner: tuple[str, str],
         pod: Obj,
         ckpt: DynamoCheckpoint | None,
     ) -> None:
@@ -500,7 +500,7 @@ class DGDReconciler:
         killed half-way finishes the swap on its next run without doubling anything.
         """
         ctx = self.ctx
-        pname, ns = pod["metadata"]["name"], pod["metadata"]["namespace"]
+        pname = pod["metadata"]["name"]
         annotations = pod["metadata"].get("annotations") or {}
         _, message = agent_verdict(
             pod, protocol.ANNOTATION_RESTORE_STATUS, protocol.ANNOTATION_RESTORE_MESSAGE
@@ -511,49 +511,70 @@ class DGDReconciler:
             {n for n in annotations.get(protocol.ANNOTATION_AVOID_NODES, "").split(",") if n} | {node} - {""}
         )
         compat = ckpt.status.compatibility if ckpt is not None and ckpt.status else None
-        retry = (
+        retry = None
+        if (
             ckpt is not None
             and len(failed_on) < ctx.settings.restore_node_attempts
             and ctx.other_compatible_node(compat, set(failed_on))
-        )
-        if ckpt is not None and retry:
-            replacement = restore_pod(obj, dgd, svc_name, ckpt, name=f"{pname}-r"[:63], replaces=pname)
-            keep_off_nodes(replacement["spec"], failed_on, required=True)
-            replacement["metadata"]["annotations"][protocol.ANNOTATION_AVOID_NODES] = ",".join(failed_on)
-            mode, then = protocol.StartMode.RESTORE, "retrying the restore on another node as pod"
-        else:
-            replacement = cold_start_pod(obj, dgd, svc_name, name=f"{pname}-cold"[:63], replaces=pname)
-            mode, then = protocol.StartMode.COLD, "replaced by cold-start pod"
-        owner = (f"{ns}/{obj['metadata']['name']}", svc_name)
-        await self._create_replacement(owner, replacement, mode)
+        ):
+            retry = restore_pod(obj, dgd, owner[1], ckpt, name=f"{pname}-r"[:63], replaces=pname)
+            keep_off_nodes(retry["spec"], failed_on, required=True)
+            retry["metadata"]["annotations"][protocol.ANNOTATION_AVOID_NODES] = ",".join(failed_on)
         if ckpt_name:
-            await self._record_restore_failure(ns, ckpt_name, pname)
-        await self._delete_pods(obj, owner, [pod], "RestoreReplaced")
-        ctx.recorder.record(
+            # Before the swap deletes the pod: a controller killed in between sees the failed pod again
+            # on its next run and records it then (the failure list is a set).
+            await self._record_restore_failure(pod["metadata"]["namespace"], ckpt_name, pname)
+        await self._swap_restore(
             obj,
-            WARNING,
+            dgd,
+            owner,
+            pod,
             "RestoreFailed",
-            f"service {svc_name}: restore of pod {pname} from {ckpt_name or '?'} on node {node or '?'} "
-            f"failed ({message or 'no reason given'}); {then} {replacement['metadata']['name']}",
+            f"service {owner[1]}: restore of pod {pname} from {ckpt_name or '?'} on node {node or '?'} "
+            f"failed ({message or 'no reason given'})",
+            retry,
         )
 
     async def _replace_unschedulable_restore(
-        self, obj: Obj, dgd: DynamoGraphDeployment, svc_name: str, pod: Obj, waited: float, why: str
+        self, obj: Obj, dgd: DynamoGraphDeployment, owner: tuple[str, str], pod: Obj, waited: float, why: str
     ) -> None:
         """A restore pod no node can take (its compatibility or avoid-node affinity, or GPUs all taken
         where it fits) would hold a replica slot for ever: a cold start, which fits anywhere the service
         fits, replaces it. Not a restore failure: the checkpoint is not blamed."""
+        await self._swap_restore(
+            obj,
+            dgd,
+            owner,
+            pod,
+            "RestoreUnschedulable",
+            f"service {owner[1]}: restore pod {pod['metadata']['name']} could not be scheduled for "
+            f"{waited:.0f}s ({why or 'no reason given'})",
+        )
+
+    async def _swap_restore(
+        self,
+        obj: Obj,
+        dgd: DynamoGraphDeployment,
+        owner: tuple[str, str],
+        pod: Obj,
+        reason: str,
+        what_happened: str,
+        retry: Obj | None = None,
+    ) -> None:
+        """Replace restore pod `pod` by `retry` (a restore elsewhere), else by a cold start, then delete it.
+
+        The replacement exists before the pod goes, so the replica is never missing from the count, and is
+        named after the pod, so a controller killed half-way finds it (see `_create_replacement`) instead
+        of creating a second one.
+        """
         pname = pod["metadata"]["name"]
-        owner = (f"{pod['metadata']['namespace']}/{obj['metadata']['name']}", svc_name)
-        replacement = cold_start_pod(obj, dgd, svc_name, name=f"{pname}-cold"[:63], replaces=pname)
-        await self._create_replacement(owner, replacement, protocol.StartMode.COLD)
+        replacement = retry or cold_start_pod(obj, dgd, owner[1], name=f"{pname}-cold"[:63], replaces=pname)
+        mode = protocol.StartMode.RESTORE if retry else protocol.StartMode.COLD
+        then = "retrying the restore on another node as pod" if retry else "replaced by cold-start pod"
+        await self._create_replacement(owner, replacement, mode)
         await self._delete_pods(obj, owner, [pod], "RestoreReplaced")
         self.ctx.recorder.record(
-            obj,
-            WARNING,
-            "RestoreUnschedulable",
-            f"service {svc_name}: restore pod {pname} could not be scheduled for {waited:.0f}s "
-            f"({why or 'no reason given'}); replaced by cold-start pod {replacement['metadata']['name']}",
+            obj, WARNING, reason, f"{what_happened}; {then} {replacement['metadata']['name']}"
         )
 
     async def _create_replacement(self, owner: tuple[str, str], pod: Obj, mode: protocol.StartMode) -> None:
