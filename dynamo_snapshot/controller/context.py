@@ -4,7 +4,7 @@ and the settings. Reads go to the caches (level-triggered, never to memory that 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from cachetools import TTLCache
@@ -89,22 +89,26 @@ class Context:
 
     def compatible_nodes(self, compat: CheckpointCompatibility | None) -> int:
         """Ready, schedulable nodes whose GPUs fit the checkpoint."""
-        if compat is None:
-            return len(self.nodes)
-        key = (compat.gpu_product or "", compat.cuda_driver_major or "", compat.gpu_count or 0)
+        # A checkpoint that states no requirement fits the same nodes as one whose fields are all empty.
+        key = (
+            (compat.gpu_product or "", compat.cuda_driver_major or "", compat.gpu_count or 0)
+            if compat is not None
+            else ("", "", 0)
+        )
         cached = self.compatible_node_cache.get(key)
         if cached is not None:
             return cached
-        count = sum(1 for n in self.nodes.list() if node_fits(n, compat))
+        count = sum(1 for _ in self._fitting(compat))
         self.compatible_node_cache[key] = count
         return count
 
     def other_compatible_node(self, compat: CheckpointCompatibility | None, exclude: set[str]) -> bool:
         """Whether a Ready node outside `exclude` fits the checkpoint."""
-        return any(
-            n["metadata"]["name"] not in exclude and (node_fits(n, compat) if compat else node_ready(n))
-            for n in self.nodes.list()
-        )
+        return any(n["metadata"]["name"] not in exclude for n in self._fitting(compat))
+
+    def _fitting(self, compat: CheckpointCompatibility | None) -> Iterator[Obj]:
+        # The one node filter both questions share, so they cannot disagree about which nodes count.
+        return (n for n in self.nodes.list() if node_fits(n, compat))
 
     def mark_dgd_seen(self, key: str) -> None:
         self.dgd_seen_at[key] = time.monotonic()
@@ -124,9 +128,12 @@ def node_ready(node: Obj) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
 
 
-def node_fits(node: Obj, compat: CheckpointCompatibility) -> bool:
+def node_fits(node: Obj, compat: CheckpointCompatibility | None) -> bool:
+    """A Ready, schedulable node with the GPUs the checkpoint needs (any, where it states none)."""
     if not node_ready(node):
         return False
+    if compat is None:
+        return True
     labels = node["metadata"].get("labels", {})
     if compat.gpu_product and labels.get(protocol.LABEL_GPU_PRODUCT) != compat.gpu_product:
         return False

@@ -1,0 +1,57 @@
+"""Node questions the reconcilers ask the context: pure logic over the node cache."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.checkpoint import CheckpointCompatibility
+from dynamo_snapshot.controller.context import Context
+from dynamo_snapshot.controller.runtime import Obj
+
+
+class _Nodes:
+    """The part of the node informer the node questions read."""
+
+    def __init__(self, nodes: list[Obj]) -> None:
+        self.nodes = nodes
+
+    def list(self) -> list[Obj]:
+        return list(self.nodes)
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+
+def _node(name: str, product: str, *, ready: bool = True, cordoned: bool = False) -> Obj:
+    return {
+        "metadata": {"name": name, "labels": {protocol.LABEL_GPU_PRODUCT: product}},
+        "spec": {"unschedulable": True} if cordoned else {},
+        "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+    }
+
+
+def _context(nodes: list[Obj]) -> Context:
+    unused = cast(Any, None)  # the node questions touch nothing else
+    return Context(unused, unused, unused, unused, unused, cast(Any, _Nodes(nodes)), unused)
+
+
+def test_both_node_questions_count_only_ready_schedulable_nodes() -> None:
+    ctx = _context(
+        [
+            _node("a", "NVIDIA-H200"),
+            _node("b", "NVIDIA-H200", ready=False),
+            _node("c", "NVIDIA-L40S"),
+            _node("d", "NVIDIA-H200", cordoned=True),
+        ]
+    )
+    h200 = CheckpointCompatibility(gpu_product="NVIDIA-H200")
+    # A checkpoint that states no requirement fits any Ready node, but only those.
+    assert ctx.compatible_nodes(None) == 2
+    assert ctx.other_compatible_node(None, {"a"})
+    assert not ctx.other_compatible_node(None, {"a", "c"})
+    assert ctx.compatible_nodes(h200) == 1
+    assert ctx.other_compatible_node(h200, set())
+    assert not ctx.other_compatible_node(h200, {"a"})
+    for compat in (None, h200, CheckpointCompatibility(gpu_product="NVIDIA-A100")):
+        assert ctx.other_compatible_node(compat, set()) == (ctx.compatible_nodes(compat) > 0)
