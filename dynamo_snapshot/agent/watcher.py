@@ -26,7 +26,7 @@ from dynamo_snapshot.agent.runtime.base import (
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.identity import CheckpointIdentity
 from dynamo_snapshot.controller.kinds import CHECKPOINT
-from dynamo_snapshot.controller.runtime import DELETED, POD, Informer, Kube, Obj, is_not_found
+from dynamo_snapshot.controller.runtime import DELETED, POD, Informer, Kube, Obj, is_not_found, object_key
 
 log = logging.getLogger(__name__)
 MAIN = "main"
@@ -130,7 +130,7 @@ class NodeAgent:
                     extra={"pod": workload_key(pod), "attempt": attempt, "retry_in_s": delay},
                 )
                 await asyncio.sleep(delay)
-                latest = self.pods.get(f"{pod['metadata']['namespace']}/{pod['metadata']['name']}")
+                latest = self.pods.get(object_key(pod))
                 if (
                     latest is None
                     or latest["metadata"].get("uid") != pod["metadata"].get("uid")
@@ -151,7 +151,7 @@ class NodeAgent:
             and _annotation(pod, protocol.ANNOTATION_WORKLOAD_EXITED) is None
         ):
             # A worker that died is reported, not restarted: the controller replaces the whole pod.
-            await self._supervise(pod, await self._ensure_running(pod))
+            await self._supervise(pod, await self._ensure_running(pod, snapshot=False))
 
     async def _supervise(self, pod: Obj, workload: Workload) -> None:
         """Wait for the worker to die and say so on its pod. Cancelled (before the agent stops the
@@ -180,14 +180,14 @@ class NodeAgent:
                 )
                 await asyncio.sleep(delay)
 
-    async def _ensure_running(self, pod: Obj) -> Workload:
+    async def _ensure_running(self, pod: Obj, *, snapshot: bool) -> Workload:
         key = workload_key(pod)
         found = await self.runtime.find(key)
         if found is not None:
             return found
         if not self.settings.launch_workloads:
             raise AgentError(f"no running container found for {key}")
-        return await self.runtime.launch(_spec(pod, key))
+        return await self.runtime.launch(_spec(pod, key, snapshot=snapshot))
 
     async def _checkpoint(self, pod: Obj) -> None:
         state = _status(pod, protocol.ANNOTATION_CHECKPOINT_STATUS)
@@ -207,7 +207,7 @@ class NodeAgent:
         labels = pod["metadata"]["labels"]
         identity_hash = labels.get(protocol.LABEL_CHECKPOINT_HASH, "")
         try:
-            workload = await self._ensure_running(pod)
+            workload = await self._ensure_running(pod, snapshot=True)
             await self.executor.wait_ready(workload, within=self.settings.ready_timeout)
             await self._report(
                 pod,
@@ -352,7 +352,9 @@ class NodeAgent:
                 raise
 
 
-def _spec(pod: Obj, key: str) -> WorkloadSpec:
+def _spec(pod: Obj, key: str, *, snapshot: bool) -> WorkloadSpec:
+    """The pod's main container, to launch. The caller says whether it is a checkpoint source, the only
+    launched worker told where its control dir is (a restore target is restored, never launched)."""
     containers = pod["spec"].get("containers") or []
     main = next((c for c in containers if c.get("name") == MAIN), containers[0] if containers else None)
     if main is None:
@@ -362,11 +364,6 @@ def _spec(pod: Obj, key: str) -> WorkloadSpec:
         raise AgentError("local mode needs the main container's command: images are not run here")
     env = {e["name"]: str(e.get("value", "")) for e in main.get("env") or [] if "value" in e}
     env.update(POD_NAME=pod["metadata"]["name"], POD_NAMESPACE=pod["metadata"]["namespace"])
-    labels = pod["metadata"].get("labels") or {}
-    snapshot = protocol.TRUE in (
-        labels.get(protocol.LABEL_CHECKPOINT_SOURCE),
-        labels.get(protocol.LABEL_RESTORE_TARGET),
-    )
     return WorkloadSpec(
         key=key,
         command=[str(c) for c in command],
