@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointPhase, DynamoCheckpoint
-from dynamo_snapshot.api.graphdeployment import CheckpointMode, DGDState, DynamoGraphDeployment, ServiceSpec
+from dynamo_snapshot.api.graphdeployment import DGDState, DynamoGraphDeployment, ServiceSpec
 from dynamo_snapshot.api.identity import compute_identity_hash
 from dynamo_snapshot.controller import conditions as cond
 from dynamo_snapshot.controller.batching import slow_start
@@ -256,10 +256,11 @@ class DGDReconciler:
                 out.checkpoint = {"checkpointName": cfg.checkpoint_ref, "ready": False}
                 return None, None
         else:
-            if cfg.mode is not CheckpointMode.AUTO or cfg.identity is None:
+            identity = cfg.auto_identity
+            if identity is None:
                 out.checkpoint_ready = False
                 return None, None
-            identity_hash = compute_identity_hash(cfg.identity)
+            identity_hash = compute_identity_hash(identity)
             if previous.get("identityHash") and previous["identityHash"] != identity_hash:
                 ctx.recorder.record(
                     obj,
