@@ -26,7 +26,15 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.gpu.host import FileWatch, criu_log_times, drop_caches  # noqa: E402
+from benchmarks.gpu.host import (  # noqa: E402
+    FileWatch,
+    IoSampler,
+    LoopLag,
+    criu_log_times,
+    drop_caches,
+    host_facts,
+    log_gaps,
+)
 from dynamo_snapshot.agent.executor import Executor  # noqa: E402
 from dynamo_snapshot.agent.runtime import ProcessRuntime, WorkloadSpec  # noqa: E402
 from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_hash  # noqa: E402
@@ -36,7 +44,16 @@ from dynamo_snapshot.criu import Criu  # noqa: E402
 WORKER = REPO / "tests" / "agent" / "weights_worker.py"
 
 
-async def one(work: Path, weights_mib: int, prefetch: bool) -> dict[str, Any]:
+# Knobs of the weights check beside CRIU, by name (--variants).
+VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "idle_io": {"weights_check_idle_io": True},
+    "p8": {"weights_check_parallel": 8},
+    "p4": {"weights_check_parallel": 4},
+}
+
+
+async def one(work: Path, weights_mib: int, prefetch: bool, variant: str = "default") -> dict[str, Any]:
     identity = CheckpointIdentity.model_validate(
         {"model": f"bench/criu-phase-{weights_mib}", "backendFramework": "vllm"}
     )
@@ -51,6 +68,7 @@ async def one(work: Path, weights_mib: int, prefetch: bool) -> dict[str, Any]:
         cuda=None,
         gpus=None,
         prefetch_node_files=prefetch,
+        **VARIANTS[variant],
     )
     env = {"PYTHONPATH": str(REPO), "WORKER_WEIGHTS_MIB": str(weights_mib)}
     source = await runtime.launch(WorkloadSpec("source", [sys.executable, str(WORKER)], env))
@@ -59,13 +77,20 @@ async def one(work: Path, weights_mib: int, prefetch: bool) -> dict[str, Any]:
     shutil.rmtree(source.control_dir)  # a new node
     await asyncio.to_thread(drop_caches)
     t0 = time.time()
-    with FileWatch(runtime.control_dir("restored") / "restore.log") as watch:
-        restored = await executor.restore("restored", ident_hash)
+    log = runtime.control_dir("restored") / "restore.log"
+    with FileWatch(log) as watch, IoSampler(0.1) as io:
+        async with LoopLag() as lag:
+            restored = await executor.restore("restored", ident_hash)
     split = criu_log_times(watch, t0, restored.timings.phases)  # before stop() removes the log
+    gaps = log_gaps(log)
     await runtime.stop("restored")
     return {
         "weights_mib": weights_mib,
         "read_ahead": prefetch,
+        "variant": variant,
+        "loop_lag": lag.to_dict(),
+        "criu_log_gaps": gaps,
+        "io_timeline": io.timeline(t0),
         "phases": restored.timings.phases,
         "weights_verify_s": restored.timings.overlapped.get("weights_verify"),
         "criu_phase_split": split,
@@ -77,13 +102,28 @@ async def main() -> None:
     ap.add_argument("--weights-mib", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", type=Path)
+    ap.add_argument(
+        "--variants",
+        default="default",
+        help=f"weights-check knobs to compare, comma-separated, from {sorted(VARIANTS)}",
+    )
+    ap.add_argument("--no-small", dest="small", action="store_false", help="skip the 3 MiB reference")
+    ap.add_argument("--no-read-ahead-off", dest="read_ahead_off", action="store_false")
+    ap.add_argument("--work", type=Path, default=None, help="where artifacts go (default: the temp dir)")
     args = ap.parse_args()
-    results = []
+    variants = args.variants.split(",")
+    if unknown := set(variants) - set(VARIANTS):
+        ap.error(f"unknown variants: {sorted(unknown)}")
+    results: list[dict[str, Any]] = []
+    sizes = [args.weights_mib, 3] if args.small else [args.weights_mib]
     for _ in range(args.repeat):
-        for mib in (args.weights_mib, 3):
-            for prefetch in (True, False):
-                with tempfile.TemporaryDirectory(prefix="criu-phase-") as work:
-                    results.append(await one(Path(work), mib, prefetch))
+        for mib in sizes:
+            for prefetch in (True, False) if args.read_ahead_off else (True,):
+                for variant in variants if mib == args.weights_mib else ["default"]:
+                    with tempfile.TemporaryDirectory(prefix="criu-phase-", dir=args.work) as work:
+                        results.append(await one(Path(work), mib, prefetch, variant))
+                        print(json.dumps({k: results[-1][k] for k in ("weights_mib", "variant", "phases")}))
+    results.insert(0, {"host": host_facts()})
     text = json.dumps(results, indent=1)
     print(text)
     if args.out:

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
+import itertools
 import json
+import os
 import re
 import subprocess
 import threading
 import time
+import zlib
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -38,6 +43,15 @@ def _disk_read_bytes() -> int:
         f = line.split()
         if len(f) > 5 and _DISK.match(f[2]):
             total += int(f[5]) * 512  # sectors read
+    return total
+
+
+def _disk_inflight_reads() -> int:
+    total = 0
+    for inflight in Path("/sys/block").glob("*/inflight"):
+        if _DISK.match(inflight.parent.name):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                total += int(inflight.read_text().split()[0])
     return total
 
 
@@ -82,10 +96,10 @@ class IoSampler(_Poller):
 
     def __init__(self, period: float = 0.05) -> None:
         super().__init__(period)
-        self.samples: list[tuple[float, int, int]] = []
+        self.samples: list[tuple[float, int, int, int]] = []
 
     def _poll(self) -> bool:
-        self.samples.append((time.time(), _disk_read_bytes(), _major_faults()))
+        self.samples.append((time.time(), _disk_read_bytes(), _major_faults(), _disk_inflight_reads()))
         return False
 
     def __enter__(self) -> Self:
@@ -99,24 +113,51 @@ class IoSampler(_Poller):
         self._poll()
 
     def timeline(self, since: float) -> list[list[float]]:
-        """[seconds since `since`, MB read so far, major faults so far], every sample."""
+        """[seconds since `since`, MB read so far, major faults so far, disk reads in flight], every
+        sample: the last says how deep the queue a small synchronous read waits behind is."""
         if not self.samples:
             return []
-        _, b0, f0 = self.samples[0]
-        return [[round(t - since, 3), round((b - b0) / 1e6, 1), f - f0] for t, b, f in self.samples]
+        _, b0, f0, _ = self.samples[0]
+        return [[round(t - since, 3), round((b - b0) / 1e6, 1), f - f0, q] for t, b, f, q in self.samples]
 
 
-def zero_page_fraction(path: Path, page: int = 4096) -> float:
-    """How much of a file is all-zero pages: what punching holes into a CRIU pages image would save."""
+def page_stats(path: Path, page: int = 4096, sample_every: int = 8) -> dict[str, float]:
+    """How much of a CRIU pages image is all-zero pages (what punching holes would save) and how well
+    the rest compresses (zlib level 1 over every `sample_every`-th 1 MiB of non-zero pages)."""
     zero_page = bytes(page)
     total = zero = 0
+    raw = packed = 0
     with path.open("rb") as f:
-        while block := f.read(64 << 20):
+        for n, block in enumerate(iter(lambda: f.read(1 << 20), b"")):
+            nonzero = bytearray()
             for i in range(0, len(block), page):
                 part = block[i : i + page]
                 total += 1
-                zero += part == zero_page[: len(part)]
-    return zero / total if total else 0.0
+                if part == zero_page[: len(part)]:
+                    zero += 1
+                else:
+                    nonzero += part
+            if n % sample_every == 0 and nonzero:
+                raw += len(nonzero)
+                packed += len(zlib.compress(nonzero, 1))
+    return {
+        "zero_fraction": round(zero / total, 4) if total else 0.0,
+        "nonzero_zlib1_ratio": round(raw / packed, 3) if packed else 0.0,
+    }
+
+
+_LOG_LINE = re.compile(r"^\((\d+\.\d+)\)\s?(.*)$")
+
+
+def log_gaps(log: Path, top: int = 8) -> list[list[Any]]:
+    """The longest waits inside CRIU's own log: [seconds before the line, the line], longest first."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    stamped = [(float(m.group(1)), m.group(2)) for line in lines if (m := _LOG_LINE.match(line))]
+    gaps = [[round(b[0] - a[0], 4), b[1][:160]] for a, b in itertools.pairwise(stamped)]
+    return sorted(gaps, key=lambda g: -g[0])[:top]
 
 
 class FileWatch(_Poller):
@@ -152,3 +193,66 @@ def criu_log_times(watch: FileWatch, t0: float, phases: dict[str, float]) -> dic
         "logged_s": round(last - opened, 3) if opened and last else None,
         "after_log_s": round(end - last, 3) if last else None,
     }
+
+
+class LoopLag:
+    """How late the event loop wakes a 5 ms sleep while in the `async with`: a starved loop (the GIL,
+    a blocking call) delays every phase boundary the agent measures, CRIU's end among them."""
+
+    def __init__(self, period: float = 0.005) -> None:
+        self.period = period
+        self.worst = 0.0
+        self.total_late = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            before = loop.time()
+            await asyncio.sleep(self.period)
+            late = loop.time() - before - self.period
+            self.worst = max(self.worst, late)
+            self.total_late += max(0.0, late)
+
+    async def __aenter__(self) -> Self:
+        self._task = asyncio.create_task(self._run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def to_dict(self) -> dict[str, float]:
+        return {"worst_s": round(self.worst, 4), "total_late_s": round(self.total_late, 3)}
+
+
+def host_facts() -> dict[str, str]:
+    """What changes how fast a restore goes: the kernel, transparent huge pages, CPUs (and whether
+    SHA-256 has instructions of its own), one core's SHA-256 speed, the disk queues."""
+    facts = {"kernel": os.uname().release, "cpus": str(os.cpu_count())}
+    with contextlib.suppress(OSError):
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        model = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
+        facts["cpu_model"] = model.group(1) if model else "?"
+        flags = re.search(r"^flags\s*:\s*(.+)$", cpuinfo, re.M)
+        facts["sha_ni"] = str(bool(flags and " sha_ni" in f" {flags.group(1)} "))
+    block = bytes(64 << 20)
+    started = time.monotonic()
+    hashlib.sha256(block).digest()
+    facts["sha256_gbps_one_core"] = f"{len(block) / (time.monotonic() - started) / 1e9:.2f}"
+    for name in ("enabled", "defrag"):
+        p = Path("/sys/kernel/mm/transparent_hugepage") / name
+        facts[f"thp_{name}"] = p.read_text().strip() if p.exists() else "absent"
+    # How the disk orders a restore's small synchronous reads against the bulk verification reads.
+    for queue in sorted(Path("/sys/block").glob("*/queue")):
+        if not queue.parent.name.startswith(("loop", "ram", "zram")):
+            for knob in ("scheduler", "nr_requests", "read_ahead_kb", "max_sectors_kb", "rotational"):
+                with contextlib.suppress(OSError):
+                    facts[f"{queue.parent.name}_{knob}"] = (queue / knob).read_text().strip()
+    with contextlib.suppress(OSError):
+        facts["mounts"] = " | ".join(
+            line for line in Path("/proc/mounts").read_text().splitlines() if line.startswith("/dev/")
+        )
+    return facts

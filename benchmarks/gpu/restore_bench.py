@@ -43,10 +43,13 @@ sys.path.insert(0, str(REPO))
 from benchmarks.gpu.host import (  # noqa: E402
     FileWatch,
     IoSampler,
+    LoopLag,
     criu_log_times,
     drop_caches,
+    host_facts,
+    log_gaps,
+    page_stats,
     wait_json,
-    zero_page_fraction,
 )
 from dynamo_snapshot.agent.executor import AgentError, Executor  # noqa: E402
 from dynamo_snapshot.agent.prefetch import PREFETCH_FILE, read_plan  # noqa: E402
@@ -100,21 +103,6 @@ def storage_gbps(path: Path, gib: int = 4, threads: int = 16, block: int = 64 <<
     with ThreadPoolExecutor(threads) as pool:
         total = sum(pool.map(reader, range(threads)))
     return total / (time.monotonic() - started) / 1e9
-
-
-def host_facts() -> dict[str, str]:
-    """What changes how fast a restore goes: the kernel, transparent huge pages, CPUs, the disk queues."""
-    facts = {"kernel": os.uname().release, "cpus": str(os.cpu_count())}
-    for name in ("enabled", "defrag"):
-        p = Path("/sys/kernel/mm/transparent_hugepage") / name
-        facts[f"thp_{name}"] = p.read_text().strip() if p.exists() else "absent"
-    # How the disk orders a restore's small synchronous reads against the bulk verification reads.
-    for queue in sorted(Path("/sys/block").glob("*/queue")):
-        if not queue.parent.name.startswith(("loop", "ram", "zram")):
-            for knob in ("scheduler", "nr_requests", "read_ahead_kb"):
-                with contextlib.suppress(OSError):
-                    facts[f"{queue.parent.name}_{knob}"] = (queue / knob).read_text().strip()
-    return facts
 
 
 def http(port: int, path: str, body: dict[str, Any] | None = None, timeout: float = 60) -> tuple[int, Any]:
@@ -245,9 +233,7 @@ class Bench:
             rec["prefetch_plan"] = {"files": len(p.files), "bytes": p.bytes, "unresolved": p.unresolved}
         if mode != "plain":  # the plain image is mostly the GPU's copy of weights and KV cache
             pages = sorted((self.store.open(ident_hash).path / "criu").glob("pages-*.img"))
-            rec["pages_zero_fraction"] = {
-                p.name: round(await asyncio.to_thread(zero_page_fraction, p), 4) for p in pages
-            }
+            rec["pages_stats"] = {p.name: await asyncio.to_thread(page_stats, p) for p in pages}
         memory_report = source.control_dir / "checkpoint-memory.json"
         if memory_report.exists():
             rec["checkpoint_memory"] = json.loads(memory_report.read_text())
@@ -283,10 +269,13 @@ class Bench:
         t0 = time.time()
         criu_log = FileWatch(self.runtime.control_dir(key) / "restore.log")
         with IoSampler() as io, criu_log:
-            restored = await self.executor.restore(key, ident_hash)
+            async with LoopLag() as lag:
+                restored = await self.executor.restore(key, ident_hash)
             t_agent = time.time()
             serving = await wait_serving(port, within=self.args.serve_timeout)
         rec["criu_log_times"] = criu_log_times(criu_log, t0, restored.timings.phases)
+        rec["criu_log_gaps"] = log_gaps(self.runtime.control_dir(key) / "restore.log")
+        rec["loop_lag"] = lag.to_dict()
         rec["restore_s"] = round(serving - t0, 3)
         rec["restore_agent_s"] = round(t_agent - t0, 3)
         rec["restore_phases"] = restored.timings.phases

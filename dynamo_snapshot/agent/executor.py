@@ -49,6 +49,7 @@ from dynamo_snapshot.agent.weights import (
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.identity import CheckpointIdentity
 from dynamo_snapshot.artifact import (
+    HASH_PARALLEL,
     Artifact,
     ArtifactError,
     ArtifactStore,
@@ -144,6 +145,7 @@ class Executor:
         verify_cache_s: float = 3600.0,
         prefetch_node_files: bool = True,
         weights_check_idle_io: bool = False,
+        weights_check_parallel: int | None = None,
     ) -> None:
         self.runtime = runtime
         self.store = store
@@ -163,6 +165,8 @@ class Executor:
         # Experimental, off until measured on the H200 (BENCHMARKS.md, "CRIU phase outlasts CRIU"): the
         # weights check beside CRIU at idle I/O priority, so CRIU's own start-up reads go first.
         self.weights_check_idle_io = weights_check_idle_io
+        # Threads of the weights check beside CRIU (None: the artifact default, twice the cores).
+        self.weights_check_parallel = weights_check_parallel
         self._verifying: dict[str, asyncio.Lock] = {}
 
     # ------------------------------------------------------------------ checkpoint
@@ -423,7 +427,10 @@ class Executor:
             # Linking the weights into a worker's control dir changes their status-change time, so
             # the cache rarely spares this check; it stays correct either way.
             return await artifact.averify(
-                files=files, verified=self.verified, idle_io=self.weights_check_idle_io
+                files=files,
+                verified=self.verified,
+                idle_io=self.weights_check_idle_io,
+                parallel=self.weights_check_parallel or HASH_PARALLEL,
             )
         except (ArtifactError, ValueError) as e:
             raise AgentError(f"weights of artifact {artifact.identity_hash} refused: {e}") from None
