@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -70,7 +71,8 @@ async def one(work: Path, weights_mib: int, prefetch: bool, variant: str = "defa
         prefetch_node_files=prefetch,
         **VARIANTS[variant],
     )
-    env = {"PYTHONPATH": str(REPO), "WORKER_WEIGHTS_MIB": str(weights_mib)}
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {"PYTHONPATH": path, "WORKER_WEIGHTS_MIB": str(weights_mib)}
     source = await runtime.launch(WorkloadSpec("source", [sys.executable, str(WORKER)], env))
     await executor.wait_ready(source, within=120)
     await executor.checkpoint(source, ident_hash, identity)
