@@ -57,6 +57,7 @@ from dynamo_snapshot.artifact import (
     GpuInfo,
     TreeStats,
     VerifiedFiles,
+    warm_up_hashing,
 )
 from dynamo_snapshot.criu import Criu, CriuError
 from dynamo_snapshot.cuda import (
@@ -168,6 +169,8 @@ class Executor:
         # Threads of the weights check beside CRIU (None: the artifact default, twice the cores).
         self.weights_check_parallel = weights_check_parallel
         self._verifying: dict[str, asyncio.Lock] = {}
+        # Big files are hashed in a helper process (see artifact.isolated); start it before it is needed.
+        warm_up_hashing()
 
     # ------------------------------------------------------------------ checkpoint
     async def wait_ready(self, workload: Workload, within: float) -> None:

@@ -22,7 +22,8 @@ A file larger than ``DEFAULT_CHUNK_BYTES`` (64 MiB) is sealed as one SHA-256 per
 
 Large-file helpers (``dynamo_snapshot.artifact.io``): ``copy_file``, ``copy_tree``, ``sha256_file``,
 ``hash_files`` (per-chunk digests of ``HashJob``s on one pool) and their ``a``-prefixed async forms,
-reporting ``IoStats``/``TreeStats`` (bytes, seconds, gbps).
+reporting ``IoStats``/``TreeStats`` (bytes, seconds, gbps). Verifying and sealing hash big files in a
+helper process (``dynamo_snapshot.artifact.isolated``; ``warm_up_hashing`` starts one ahead of time).
 """
 
 from dynamo_snapshot.artifact.errors import ArtifactError, ArtifactNotFoundError
@@ -42,6 +43,7 @@ from dynamo_snapshot.artifact.io import (
     hash_files,
     sha256_file,
 )
+from dynamo_snapshot.artifact.isolated import warm_up as warm_up_hashing
 from dynamo_snapshot.artifact.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -85,4 +87,5 @@ __all__ = [
     "sha256_file",
     "validate_identity_hash",
     "verify_files",
+    "warm_up_hashing",
 ]

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dynamo_snapshot.artifact.errors import ArtifactError, ArtifactNotFoundError
-from dynamo_snapshot.artifact.io import HASH_PARALLEL, FileDigests, HashJob, TreeStats, hash_files
+from dynamo_snapshot.artifact.io import HASH_PARALLEL, FileDigests, HashJob, TreeStats
+from dynamo_snapshot.artifact.isolated import hash_files_isolated
 from dynamo_snapshot.artifact.manifest import (
     MANIFEST_NAME,
     FileEntry,
@@ -167,7 +168,7 @@ def hash_entries(
         )
         for f in entries
     ]
-    results = hash_files(jobs, parallel=parallel, direct=direct, fsync=fsync, idle_io=idle_io)
+    results = hash_files_isolated(jobs, parallel=parallel, direct=direct, fsync=fsync, idle_io=idle_io)
     problems += [p for f, r in zip(entries, results, strict=True) if (p := _digest_problem(f, r)) is not None]
     return TreeStats(
         bytes=sum(r.stats.bytes for r in results),

@@ -32,8 +32,8 @@ from dynamo_snapshot.artifact.io import (
     FileDigests,
     HashJob,
     TreeStats,
-    hash_files,
 )
+from dynamo_snapshot.artifact.isolated import hash_files_isolated
 from dynamo_snapshot.artifact.manifest import MANIFEST_NAME, FileEntry, GpuInfo, Manifest
 from dynamo_snapshot.artifact.reader import Artifact, check_sizes, hash_entries
 from dynamo_snapshot.artifact.store import ArtifactStore, fsync_dir
@@ -178,7 +178,7 @@ class ArtifactWriter:
         rels = _staged_files(self.directory)
         jobs = [_job(self.directory / rel, chunk_bytes) for rel in rels]
         # fsync: CRIU does not fsync its images; the rename must not become durable before the data does.
-        hashed = hash_files(jobs, parallel=parallel, fsync=True)
+        hashed = hash_files_isolated(jobs, parallel=parallel, fsync=True)
         changed = [
             f"file changed while hashing: {rel} (was {got.job.size} bytes, read {got.stats.bytes})"
             for rel, got in zip(rels, hashed, strict=True)
