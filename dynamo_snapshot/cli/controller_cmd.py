@@ -12,7 +12,8 @@ from pydantic import Field, model_validator
 
 from dynamo_snapshot.cli.health import distinct_ports, health_endpoints
 from dynamo_snapshot.cli.service import load_settings, run_service
-from dynamo_snapshot.controller.manager import Controller, ControllerConfig
+from dynamo_snapshot.controller.config import CONTROLLER_NAME, ControllerConfig
+from dynamo_snapshot.controller.manager import Controller
 from dynamo_snapshot.controller.runtime import Kube, load_client
 
 
@@ -48,6 +49,12 @@ _OVERRIDES = (
 )
 
 
+def _default(setting: str) -> Any:
+    # Flags default to None (only a given flag overrides the file), so the help quotes the model's default
+    # rather than a copy that could drift from it.
+    return ControllerCommandConfig.model_fields[setting].default
+
+
 def register(sub: Any) -> None:
     p: argparse.ArgumentParser = sub.add_parser(
         "controller",
@@ -57,39 +64,69 @@ def register(sub: Any) -> None:
     p.add_argument("--config", type=Path, help="YAML file of settings (see controller/config.yaml)")
     p.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config, in-cluster)")
     p.add_argument("--namespace", help="watch only this namespace (default: all)")
-    p.add_argument("--workers", type=int, help="objects reconciled in parallel (default 8)")
-    p.add_argument("--resync-seconds", type=float, help="full re-reconcile period (default 300)")
+    p.add_argument(
+        "--workers", type=int, help=f"objects reconciled in parallel (default {_default('workers')})"
+    )
+    p.add_argument(
+        "--resync-seconds",
+        type=float,
+        help=f"full re-reconcile period (default {_default('resync_seconds'):g})",
+    )
     p.add_argument(
         "--leader-elect",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="hold a Lease so only one replica acts (default on)",
+        help=f"hold a Lease so only one replica acts (default {_on(_default('leader_elect'))})",
     )
-    p.add_argument("--lease-name", help="Lease name (default dynamo-snapshot-controller)")
-    p.add_argument("--lease-namespace", help="Lease namespace (default: default)")
-    p.add_argument("--restore-failure-threshold", type=int, help="failed restores that fail a checkpoint (3)")
+    p.add_argument("--lease-name", help=f"Lease name (default {_default('lease_name')})")
+    p.add_argument("--lease-namespace", help=f"Lease namespace (default: {_default('lease_namespace')})")
+    p.add_argument(
+        "--restore-failure-threshold",
+        type=int,
+        help=f"failed restores that fail a checkpoint ({_default('restore_failure_threshold')})",
+    )
     p.add_argument(
         "--restore-node-attempts",
         type=int,
-        help="nodes one replica's restore is tried on before cold start (2)",
+        help="nodes one replica's restore is tried on before cold start "
+        f"({_default('restore_node_attempts')})",
     )
     p.add_argument(
         "--restore-pending-timeout-seconds",
         type=float,
-        help="seconds a restore pod may stay unschedulable before a cold start replaces it (120)",
+        help="seconds a restore pod may stay unschedulable before a cold start replaces it "
+        f"({_default('restore_pending_timeout_seconds'):g})",
     )
-    p.add_argument("--drain-timeout", type=float, help="seconds to finish in-flight work on SIGTERM (20)")
-    p.add_argument("--metrics-port", type=int, help="Prometheus metrics port, 0 to disable (default 8080)")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        help=f"seconds to finish in-flight work on SIGTERM ({_default('drain_timeout'):g})",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help=f"Prometheus metrics port, 0 to disable (default {_default('metrics_port')})",
+    )
     p.add_argument(
         "--autoscale",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="run the DynamoScalingPolicy autoscaler (default on)",
+        help=f"run the DynamoScalingPolicy autoscaler (default {_on(_default('autoscale'))})",
     )
-    p.add_argument("--prometheus-url", help="Prometheus for policies that name none (http://prometheus:9090)")
-    p.add_argument("--health-port", type=int, help="/healthz and /readyz port, 0 to disable (default 8081)")
+    p.add_argument(
+        "--prometheus-url", help=f"Prometheus for policies that name none ({_default('prometheus_url')})"
+    )
+    p.add_argument(
+        "--health-port",
+        type=int,
+        help=f"/healthz and /readyz port, 0 to disable (default {_default('health_port')})",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(run=run)
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -107,6 +144,6 @@ async def _main(config: ControllerCommandConfig, kubeconfig: str | None, stop: a
     async with health_endpoints(config.health_port, starting="connecting to the API server") as health:
         api_client = await load_client(kubeconfig)
         async with api_client:
-            controller = Controller(Kube(api_client, field_manager="dynamo-snapshot-controller"), config)
+            controller = Controller(Kube(api_client, field_manager=CONTROLLER_NAME), config)
             health.use(controller.readiness)
             await controller.run_until(stop)

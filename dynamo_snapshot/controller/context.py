@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointCompatibility
+from dynamo_snapshot.controller.config import ControllerConfig
 from dynamo_snapshot.controller.expectations import Expectations
 from dynamo_snapshot.controller.failover import Failover
 from dynamo_snapshot.controller.runtime import EventRecorder, Informer, Kube, Obj
@@ -28,14 +29,6 @@ SCALE_TO_POD = Histogram(
 
 
 @dataclass
-class Settings:
-    restore_failure_threshold: int = 3
-    restore_node_attempts: int = 2  # nodes one replica's restore is tried on before it starts cold
-    restore_pending_timeout: float = 120.0  # seconds a restore pod may stay unschedulable
-    field_manager: str = "dynamo-snapshot-controller"
-
-
-@dataclass
 class Context:
     kube: Kube
     dgds: Informer
@@ -44,7 +37,8 @@ class Context:
     jobs: Informer
     nodes: Informer
     recorder: EventRecorder
-    settings: Settings = field(default_factory=Settings)
+    # The process's own config, not a copy: what the reconcilers read is what the file and flags said.
+    settings: ControllerConfig = field(default_factory=ControllerConfig)
     expectations: Expectations = field(default_factory=Expectations)
     failover: Failover = field(default_factory=Failover)
     # Bridges informer lag right after we create a DynamoCheckpoint, so a second reconcile does not

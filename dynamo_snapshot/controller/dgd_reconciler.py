@@ -164,7 +164,7 @@ class DGDReconciler:
             stuck = unschedulable(pod) if _mode(pod) == protocol.StartMode.RESTORE.value else None
             if stuck is None:
                 continue
-            left = ctx.settings.restore_pending_timeout - stuck[0]
+            left = ctx.settings.restore_pending_timeout_seconds - stuck[0]
             if left <= 0:
                 await self._replace_unschedulable_restore(obj, dgd, owner, pod, *stuck)
                 again = True

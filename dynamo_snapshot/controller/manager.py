@@ -7,13 +7,11 @@ import asyncio
 import gc
 import logging
 
-from pydantic import BaseModel, ConfigDict, Field
-from pydantic.alias_generators import to_camel
-
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.autoscale.autoscaler import Autoscaler
 from dynamo_snapshot.controller.checkpoint_reconciler import CheckpointReconciler
-from dynamo_snapshot.controller.context import Context, Settings
+from dynamo_snapshot.controller.config import CONTROLLER_NAME, ControllerConfig
+from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.controller.dgd_reconciler import DGDReconciler
 from dynamo_snapshot.controller.failover import node_healthy
 from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD, JOB, NODE, POD, SCALING_POLICY
@@ -30,49 +28,13 @@ from dynamo_snapshot.controller.runtime import (
     object_key,
 )
 
+# ControllerConfig lives in controller.config (Context reads it too); callers keep importing it from here.
+__all__ = ["Controller", "ControllerConfig"]
+
 log = logging.getLogger(__name__)
 
 DGD_KEY, CHECKPOINT_KEY = "DynamoGraphDeployment", "DynamoCheckpoint"
 QueueKey = tuple[str, str]
-
-
-class ControllerConfig(BaseModel):
-    """Settings of one controller process (controller/config.yaml, overridden by flags)."""
-
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
-
-    namespace: str | None = Field(default=None, description="Watch one namespace; None watches all.")
-    workers: int = Field(default=8, ge=1, le=256, description="Objects reconciled in parallel.")
-    resync_seconds: float = Field(default=300.0, gt=0, description="Period of the full re-reconcile.")
-    leader_elect: bool = True
-    lease_name: str = "dynamo-snapshot-controller"
-    lease_namespace: str = "default"
-    restore_failure_threshold: int = Field(
-        default=3, ge=1, description="Failed restores that fail a checkpoint."
-    )
-    restore_node_attempts: int = Field(
-        default=2,
-        ge=1,
-        le=10,
-        description="Different nodes one replica's restore is tried on before it starts cold.",
-    )
-    restore_pending_timeout_seconds: float = Field(
-        default=120.0,
-        gt=0,
-        description="Seconds a restore pod may stay unschedulable before a cold start replaces it.",
-    )
-    drain_timeout: float = Field(
-        default=20.0, ge=0, description="Seconds in-flight reconciles get on SIGTERM."
-    )
-    metrics_port: int = Field(default=8080, ge=0, le=65535, description="0 disables the metrics server.")
-    autoscale: bool = Field(default=True, description="Run the DynamoScalingPolicy autoscaler.")
-    prometheus_url: str = Field(
-        default="http://prometheus:9090",
-        description="Prometheus the autoscaler queries when a policy names none.",
-    )
-    autoscale_tick_seconds: float = Field(
-        default=0.25, gt=0, le=10, description="How often the autoscaler looks for policies that are due."
-    )
 
 
 class Controller:
@@ -96,12 +58,8 @@ class Controller:
             ),
             jobs=Informer(kube, JOB, namespace=ns, label_selector=managed),
             nodes=Informer(kube, NODE),
-            recorder=EventRecorder(kube, "dynamo-snapshot-controller"),
-            settings=Settings(
-                restore_failure_threshold=config.restore_failure_threshold,
-                restore_node_attempts=config.restore_node_attempts,
-                restore_pending_timeout=config.restore_pending_timeout_seconds,
-            ),
+            recorder=EventRecorder(kube, CONTROLLER_NAME),
+            settings=config,
         )
         self.dgd_reconciler = DGDReconciler(self.ctx)
         self.checkpoint_reconciler = CheckpointReconciler(self.ctx)
