@@ -5,7 +5,10 @@ Checkpoint: wait for `ready-for-checkpoint` → lock and checkpoint CUDA in ever
 → CRIU dump → carry the worker's weights files (weights.json) → manifest → atomic publish. Restore:
 verify the artifact's process images, the weights files' sizes and headers, GPU compatibility and free
 GPU memory before anything starts → CRIU restore and CUDA restore (GPU UUIDs remapped) while the weights'
-chunk digests are checked → weights linked back → `restore-complete`. A failure leaves nothing running.
+chunk digests are checked → weights linked back → `restore-complete` → `weights-verified`. A worker whose
+SDK waits for `weights-verified` gets `restore-complete` as soon as its process is back, so it loads its
+weights while the check still reads them; any other gets it only after the check. A failure leaves
+nothing running.
 """
 
 from __future__ import annotations
@@ -238,6 +241,10 @@ class Executor:
                         "cuda_pids": list(cuda_pids),
                         "weights": [w.to_json() for w in carried],
                         "gpuMemory": {"heldMiB": held_mib, "releasedMiB": released_mib},
+                        # The worker waits for weights-verified: a restore may signal it before then.
+                        "weightsEarlyLoad": bool(carried)
+                        and offload is not None
+                        and offload.waits_for_weights_check,
                     },
                 )
         except BaseException:
@@ -309,12 +316,14 @@ class Executor:
                 except (ArtifactError, ValueError, WeightsPlacementError) as e:
                     raise AgentError(f"weights of artifact {identity_hash} refused: {e}") from None
             # The weights are checked while CRIU restores the process: the same read fills the page
-            # cache the worker loads them from once it resumes, which it does only after this passed.
+            # cache the worker loads them from. A worker that waits for weights-verified is told to
+            # resume (and load) before the check ends; any other only once it passed.
             weights_check = (
                 asyncio.create_task(self._verify_weights(artifact, sorted(weight_files), t))
                 if weights
                 else None
             )
+            early = weights_check is not None and artifact.manifest.extra.get("weightsEarlyLoad") is True
             pages_check = (
                 asyncio.create_task(artifact.averify(files=pages, verified=self.verified)) if pages else None
             )
@@ -322,22 +331,42 @@ class Executor:
                 workload = await self._restore_process(key, artifact, t, pages_check, identity_hash)
                 if pages_check is not None:
                     verified_bytes += pages_check.result().bytes
+                verdict = workload.control_dir / protocol.FILE_WEIGHTS_VERIFIED
                 try:
-                    if weights_check is not None:
+                    # Left by an earlier restore into this control dir; the worker is still waiting
+                    # for restore-complete, so it cannot have read it.
+                    verdict.unlink(missing_ok=True)
+                    if weights_check is not None and (not early or weights_check.done()):
                         with t.phase("restore", "weights_wait"):
                             verified_bytes += (await weights_check).bytes
+                        weights_check = None
+                        if early:
+                            await asyncio.to_thread(_write_atomic, verdict, "{}")
                     if weights:
                         await asyncio.to_thread(self._place_weights, artifact, weights, workload)
                     with t.phase("restore", "signal"):
                         # The workload SDK reads who it is now from here (podName, podIP, hostname, env).
-                        info = {"node": self.node_name, "restoredAt": time.time(), **(identity_info or {})}
+                        info: dict[str, Any] = {
+                            "node": self.node_name,
+                            "restoredAt": time.time(),
+                            **(identity_info or {}),
+                        }
+                        if weights_check is not None:
+                            info[protocol.RESTORE_WEIGHTS_CHECK] = protocol.WEIGHTS_CHECK_PENDING
                         await asyncio.to_thread(
                             _write_atomic,
                             workload.control_dir / protocol.FILE_RESTORE_COMPLETE,
                             json.dumps(info),
                         )
+                    if weights_check is not None:
+                        with t.phase("restore", "weights_wait"):
+                            verified_bytes += (await weights_check).bytes
+                        await asyncio.to_thread(_write_atomic, verdict, "{}")
                 except BaseException:
                     await self.runtime.stop(key)
+                    # A worker restored here later must not find this restore's go-ahead.
+                    with contextlib.suppress(OSError):
+                        (workload.control_dir / protocol.FILE_RESTORE_COMPLETE).unlink(missing_ok=True)
                     raise
             finally:
                 if weights_check is not None and not weights_check.done():

@@ -40,6 +40,7 @@ __all__ = [
     "FILE_RESTORE_COMPLETE",
     "FILE_SNAPSHOT_COMPLETE",
     "FILE_WEIGHTS_MANIFEST",
+    "FILE_WEIGHTS_VERIFIED",
     "FINALIZER",
     "LABEL_CHECKPOINT_HASH",
     "LABEL_CHECKPOINT_ID",
@@ -56,7 +57,9 @@ __all__ = [
     "MANAGED_BY_VALUE",
     "PROTOCOL_VERSION",
     "RESOURCE_GPU",
+    "RESTORE_WEIGHTS_CHECK",
     "TRUE",
+    "WEIGHTS_CHECK_PENDING",
     "SnapshotStatus",
     "StartMode",
     "per_container",
@@ -178,6 +181,14 @@ FILE_SNAPSHOT_COMPLETE: Final = "snapshot-complete"
 # Written by the workload SDK before ready-for-checkpoint when it took GPU memory out of the checkpoint:
 # the weights files to carry in the artifact, and the bytes it maps again after a restore.
 FILE_WEIGHTS_MANIFEST: Final = "weights.json"
+# Written by the agent once the weights files it carried passed their checksums. A workload whose
+# weights manifest says it waits for this (`waits_for_weights_check`) may get restore-complete while the
+# check still runs, marked {RESTORE_WEIGHTS_CHECK: WEIGHTS_CHECK_PENDING}: it may load its weights then
+# (its reads and the agent's share the page cache) but must not serve before this file exists. A
+# failed check ends with the agent stopping the workload instead.
+FILE_WEIGHTS_VERIFIED: Final = "weights-verified"
+RESTORE_WEIGHTS_CHECK: Final = "weightsCheck"
+WEIGHTS_CHECK_PENDING: Final = "pending"
 # Inside an artifact: where the agent keeps the weights files the manifest above named.
 ARTIFACT_WEIGHTS_DIR: Final = "weights"
 

@@ -38,8 +38,10 @@ from dynamo_snapshot.workload.weights import (
     pack_module,
     read_offload_manifest,
     read_weights_manifest,
+    wait_for_weights_verified,
     warm_page_cache,
     warm_weights,
+    weights_check_pending,
 )
 
 __all__ = [
@@ -73,6 +75,8 @@ __all__ = [
     "pack_module",
     "read_offload_manifest",
     "read_weights_manifest",
+    "wait_for_weights_verified",
     "warm_page_cache",
     "warm_weights",
+    "weights_check_pending",
 ]

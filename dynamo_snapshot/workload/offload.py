@@ -5,7 +5,10 @@ the file holds these bytes already), the weights and the KV caches are released,
 has almost nothing to copy, and the control directory's weights.json names the files and the bytes
 released per GPU. After the
 agent restored the process (restore-complete), or dumped it and let it run on (snapshot-complete), the
-KV caches are mapped again and the weights read back from their files.
+KV caches are mapped again and the weights read back from their files. When the agent is still
+checking the weights it carried (restore-complete says so), they are read through the page cache the
+agent's check fills, and the hook returns, so the worker serves, only once the agent wrote
+weights-verified.
 
     handshake = SnapshotHandshake.from_env()
     handshake.register_kv_cache(kv)
@@ -27,6 +30,8 @@ from dynamo_snapshot.workload.weights import (
     DEFAULT_BLOCK_BYTES,
     LoadResult,
     SaveResult,
+    wait_for_weights_verified,
+    weights_check_pending,
     write_weights_manifest,
 )
 
@@ -80,6 +85,8 @@ class OffloadReport:
     reacquired_bytes: int = 0
     loaded: list[LoadResult] = field(default_factory=list)
     resume_seconds: float = 0.0
+    # Waiting, after the loads, for the agent's verdict on the weights it was still checking.
+    weights_check_wait_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -89,6 +96,7 @@ class OffloadReport:
             "reacquired_bytes": self.reacquired_bytes,
             "loaded": [r.to_dict() for r in self.loaded],
             "resume_seconds": round(self.resume_seconds, 4),
+            "weights_check_wait_seconds": round(self.weights_check_wait_seconds, 4),
         }
 
 
@@ -103,6 +111,7 @@ class GpuOffload:
         load_buffers: int = 8,
         verify_load: bool = False,
         zero_kv: bool = False,
+        weights_check_timeout: float = 600.0,
     ) -> None:
         self.load_threads = load_threads
         self.load_block = load_block
@@ -110,6 +119,7 @@ class GpuOffload:
         # Off by default: the node agent verified the file against the artifact before the resume.
         self.verify_load = verify_load
         self.zero_kv = zero_kv
+        self.weights_check_timeout = weights_check_timeout
         self._kv: list[ReleasableCache] = []
         self._weights: list[tuple[SavableWeights, Path]] = []
         self._released_kv: list[ReleasableCache] = []
@@ -147,6 +157,7 @@ class GpuOffload:
             handshake.control_dir,
             [s.manifest_entry(w.device) for s, (w, _) in zip(report.saved, self._weights, strict=True)],
             released,
+            waits_for_weights_check=True,  # on_resume waits for the verdict before the worker serves
         )
         report.checkpoint_seconds = time.monotonic() - started
         self.report = report
@@ -159,6 +170,9 @@ class GpuOffload:
     def on_resume(self, handshake: SnapshotHandshake, info: RestoreInfo | None) -> None:
         """Reacquire what before_checkpoint released (also after a failed before_checkpoint)."""
         started = time.monotonic()
+        # The agent may still be reading the weights to check them: read them through the page cache
+        # too (O_DIRECT would read from the disk what the agent's reads just brought in).
+        pending = info is not None and weights_check_pending(info.content)
         # KV first: it is only a mapping, and holding it early keeps its memory from other users.
         while self._released_kv:
             cache = self._released_kv.pop(0)
@@ -172,9 +186,14 @@ class GpuOffload:
                     block=self.load_block,
                     buffers=self.load_buffers,
                     verify=self.verify_load,
+                    direct=False if pending else None,
                 )
             )
             self._released_weights.pop(0)
+        if pending:
+            self.report.weights_check_wait_seconds = wait_for_weights_verified(
+                handshake.control_dir, timeout=self.weights_check_timeout
+            )
         self.report.resume_seconds = time.monotonic() - started
         loads = ", ".join(f"{r.bytes / 2**30:.2f} GiB at {r.gbps:.1f} GB/s" for r in self.report.loaded)
         log.info(

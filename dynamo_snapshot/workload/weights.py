@@ -51,7 +51,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Final, Protocol
 
-from dynamo_snapshot.api.protocol import FILE_WEIGHTS_MANIFEST
+from dynamo_snapshot.api.protocol import (
+    FILE_WEIGHTS_MANIFEST,
+    FILE_WEIGHTS_VERIFIED,
+    RESTORE_WEIGHTS_CHECK,
+    WEIGHTS_CHECK_PENDING,
+)
 from dynamo_snapshot.workload.gpu_memory import (
     KIND_WEIGHTS,
     RegionPool,
@@ -89,8 +94,10 @@ __all__ = [
     "read_header",
     "read_offload_manifest",
     "read_weights_manifest",
+    "wait_for_weights_verified",
     "warm_page_cache",
     "warm_weights",
+    "weights_check_pending",
     "write_weights_manifest",
 ]
 
@@ -674,10 +681,17 @@ class OffloadManifest:
 
     files: list[WeightsFile] = field(default_factory=list)
     released_bytes: dict[int, int] = field(default_factory=dict)
+    # The worker waits for FILE_WEIGHTS_VERIFIED before it serves, so the agent may let it load the
+    # weights while it still checks them (absent in manifests of older SDKs: False).
+    waits_for_weights_check: bool = False
 
 
 def write_weights_manifest(
-    control_dir: Path | str, files: Sequence[WeightsFile], released_bytes: Mapping[int, int] | None = None
+    control_dir: Path | str,
+    files: Sequence[WeightsFile],
+    released_bytes: Mapping[int, int] | None = None,
+    *,
+    waits_for_weights_check: bool = False,
 ) -> Path:
     """Write FILE_WEIGHTS_MANIFEST into the control directory (atomically); its path."""
     path = Path(control_dir) / FILE_WEIGHTS_MANIFEST
@@ -685,6 +699,7 @@ def write_weights_manifest(
         "version": _MANIFEST_VERSION,
         "files": [asdict(f) for f in files],
         "released_bytes": {str(d): int(n) for d, n in sorted((released_bytes or {}).items())},
+        "waits_for_weights_check": waits_for_weights_check,
     }
     _write_atomic(path, json.dumps(doc, sort_keys=True, indent=1).encode())
     return path
@@ -723,7 +738,30 @@ def read_offload_manifest(control_dir: Path | str) -> OffloadManifest | None:
         raise ValueError(f"{path}: bad released_bytes {released!r}") from None
     if any(d < 0 or n < 0 for d, n in released_bytes.items()):
         raise ValueError(f"{path}: negative released_bytes {released!r}")
-    return OffloadManifest(out, released_bytes)
+    waits = doc.get("waits_for_weights_check", False)
+    if not isinstance(waits, bool):
+        raise ValueError(f"{path}: waits_for_weights_check must be true or false, not {waits!r}")
+    return OffloadManifest(out, released_bytes, waits)
+
+
+def weights_check_pending(content: Any) -> bool:
+    """Whether restore-complete's content says the agent is still checking the weights."""
+    return isinstance(content, Mapping) and content.get(RESTORE_WEIGHTS_CHECK) == WEIGHTS_CHECK_PENDING
+
+
+def wait_for_weights_verified(
+    control_dir: Path | str, *, timeout: float = 600.0, poll: float = 0.005
+) -> float:
+    """Block until the agent wrote FILE_WEIGHTS_VERIFIED; the seconds waited. TimeoutError after
+    `timeout` s: the agent died or gave up, and a worker must not serve weights nobody checked."""
+    path = Path(control_dir) / FILE_WEIGHTS_VERIFIED
+    started = time.monotonic()
+    while not path.exists():
+        waited = time.monotonic() - started
+        if waited > timeout:
+            raise TimeoutError(f"the node agent did not confirm the weights within {timeout:.0f}s ({path})")
+        time.sleep(poll)
+    return time.monotonic() - started
 
 
 def read_weights_manifest(control_dir: Path | str) -> list[WeightsFile]:

@@ -1,6 +1,8 @@
 """Decoupled weights through the agent's Executor with real CRIU: the worker's weights file travels in
 the artifact (not in the CRIU image) and is put back where the worker looks; a missing, truncated or
-substituted weights file, or other weights in the way, is refused before the worker resumes."""
+substituted weights file, or other weights in the way, is refused before the worker resumes; damage
+only the checksums find is refused before the worker uses the weights (a worker that waits for the
+agent's verdict resumes while they are checked)."""
 
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ WEIGHTS = "weights/00-model.dsw"
 
 
 async def _checkpoint(
-    tmp: Path, criu_bin: Path, *, overlap: bool = False
+    tmp: Path, criu_bin: Path, *, overlap: bool = False, waits_for_check: bool = True
 ) -> tuple[Executor, ProcessRuntime, Path]:
     criu = Criu(criu_bin)
     runtime = ProcessRuntime(tmp / "node-a", criu)
@@ -44,7 +46,7 @@ async def _checkpoint(
     executor = Executor(
         runtime, store, criu, node_name="node-a", cuda=None, gpus=None, overlap_page_check=overlap
     )
-    env = {"PYTHONPATH": str(REPO)}
+    env = {"PYTHONPATH": str(REPO), "WORKER_WAITS_FOR_CHECK": "1" if waits_for_check else "0"}
     source = await runtime.launch(WorkloadSpec("source", [sys.executable, str(WORKER)], env))
     await executor.wait_ready(source, within=60)
     await executor.checkpoint(source, HASH, IDENTITY)
@@ -92,6 +94,92 @@ async def test_weights_travel_in_the_artifact_and_come_back(criu_bin: Path, tmp_
         prefetched = REGISTRY.get_sample_value("dynsnap_agent_prefetch_bytes_total")
         assert prefetched == prefetched_before + plan.bytes
     finally:
+        await runtime.stop("restored")
+
+
+def _hold_weights_check(executor: Executor) -> asyncio.Event:
+    """Keep the agent's weights check from starting until the returned event is set, as a big file
+    on a slow disk would."""
+    release = asyncio.Event()
+    check = executor._verify_weights
+
+    async def held(*args: Any, **kwargs: Any) -> Any:
+        await release.wait()
+        return await check(*args, **kwargs)
+
+    executor._verify_weights = held  # type: ignore[method-assign]
+    return release
+
+
+async def _appears(path: Path, within: float = 30) -> None:
+    deadline = time.monotonic() + within
+    while not await asyncio.to_thread(path.exists):
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.criu
+async def test_a_worker_that_waits_for_the_verdict_resumes_before_the_check_ends(
+    criu_bin: Path, tmp_path: Path
+) -> None:
+    executor, runtime, ctl = await _checkpoint(tmp_path, criu_bin)
+    assert executor.store.open(HASH).manifest.extra["weightsEarlyLoad"] is True
+    release = _hold_weights_check(executor)
+    restoring = asyncio.create_task(executor.restore("restored", HASH))
+    try:
+        # Resumed and told the check is pending: it may load now, but it waits for the verdict.
+        await _appears(ctl / "loading-before-verdict")
+        info = json.loads((ctl / "restore-complete").read_text())
+        assert info["weightsCheck"] == "pending"
+        await asyncio.sleep(0.3)
+        assert not (ctl / "verify.json").exists()
+        assert not (ctl / "weights-verified").exists()
+        release.set()
+        restored = await restoring
+        assert (ctl / "weights-verified").exists()
+        assert (await _verdict(ctl / "verify.json"))["weights_ok"]
+        assert "weights_wait" in restored.timings.phases
+    finally:
+        release.set()
+        await asyncio.gather(restoring, return_exceptions=True)
+        await runtime.stop("restored")
+
+
+@pytest.mark.criu
+async def test_a_bad_verdict_after_the_early_resume_stops_the_worker(criu_bin: Path, tmp_path: Path) -> None:
+    executor, runtime, ctl = await _checkpoint(tmp_path, criu_bin)
+    _flip_a_byte(executor.store.path_for(HASH) / WEIGHTS)
+    release = _hold_weights_check(executor)
+    restoring = asyncio.create_task(executor.restore("restored", HASH))
+    await _appears(ctl / "loading-before-verdict")
+    release.set()
+    with pytest.raises(AgentError, match=rf"weights of artifact .* refused: .*checksum mismatch: {WEIGHTS}"):
+        await restoring
+    # It never got the verdict, so it never used the weights; it is gone, and so is its go-ahead.
+    assert await runtime.find("restored") is None
+    assert not (ctl / "verify.json").exists()
+    assert not (ctl / "weights-verified").exists()
+    assert not (ctl / "restore-complete").exists()
+
+
+@pytest.mark.criu
+async def test_a_worker_of_an_older_sdk_resumes_only_after_the_check(criu_bin: Path, tmp_path: Path) -> None:
+    executor, runtime, ctl = await _checkpoint(tmp_path, criu_bin, waits_for_check=False)
+    assert executor.store.open(HASH).manifest.extra["weightsEarlyLoad"] is False
+    release = _hold_weights_check(executor)
+    restoring = asyncio.create_task(executor.restore("restored", HASH))
+    try:
+        await asyncio.sleep(1.0)  # CRIU is done with this small worker by now; the check is held
+        assert not (ctl / "restore-complete").exists()
+        release.set()
+        await restoring
+        info = json.loads((ctl / "restore-complete").read_text())
+        assert "weightsCheck" not in info
+        assert (await _verdict(ctl / "verify.json"))["weights_ok"]
+        assert not (ctl / "loading-before-verdict").exists()
+    finally:
+        release.set()
+        await asyncio.gather(restoring, return_exceptions=True)
         await runtime.stop("restored")
 
 

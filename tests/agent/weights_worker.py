@@ -17,6 +17,8 @@ from dynamo_snapshot.workload.weights import (
     data_digest,
     plan_layout,
     read_header,
+    wait_for_weights_verified,
+    weights_check_pending,
     write_weights_manifest,
 )
 
@@ -43,10 +45,15 @@ write_weights_manifest(
     handshake.control_dir,
     [WeightsFile(str(path), len(content), whole, header.data_digest, 0)],
     {0: nbytes},
+    # As GpuOffload does: this worker waits for the agent's verdict before it uses the weights.
+    waits_for_weights_check=os.environ.get("WORKER_WAITS_FOR_CHECK", "1") == "1",
 )
 del data, content  # released: from here on only the file holds the weights
 handshake.signal_ready()
 info = handshake.wait_for_restore()
+if weights_check_pending(info.content):
+    (handshake.control_dir / "loading-before-verdict").touch()  # tests look for this
+    wait_for_weights_verified(handshake.control_dir, timeout=120)
 got = path.read_bytes()
 read_back, _ = read_header(path)
 verdict = {

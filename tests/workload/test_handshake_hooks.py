@@ -18,6 +18,7 @@ from dynamo_snapshot.api.protocol import (
     FILE_READY_FOR_CHECKPOINT,
     FILE_RESTORE_COMPLETE,
     FILE_SNAPSHOT_COMPLETE,
+    FILE_WEIGHTS_VERIFIED,
 )
 from dynamo_snapshot.cuda import CudaError
 from dynamo_snapshot.workload import (
@@ -220,6 +221,30 @@ def test_gpu_offload_releases_before_ready_and_restores_after(cu: FakeDriver, tm
     assert not h.gpu_offload.report.saved[0].written
     assert weights_file.stat().st_mtime_ns == mtime
     assert bytes(cu.memory(weights.region.ptr)[: len(payload)]) == payload
+
+
+def test_gpu_offload_waits_for_the_agents_verdict_before_the_worker_serves(
+    cu: FakeDriver, tmp_path: Path
+) -> None:
+    ctl = tmp_path / "control"
+    ctl.mkdir()
+    weights = WeightRegion(driver=cu, engine=FakeEngine, pool=RegionPool())
+    weights.allocate([("w", "uint8", (1 << 20,), 1 << 20)])
+    h = SnapshotHandshake(ctl)
+    h.register_weights(weights, tmp_path / "model.dsw")
+    h.signal_ready()
+    assert read_offload_manifest(ctl).waits_for_weights_check  # type: ignore[union-attr]
+    # The agent resumed the worker while it still checks the weights, and says so.
+    (ctl / FILE_RESTORE_COMPLETE).write_text('{"podName": "restored", "weightsCheck": "pending"}')
+    later(ctl / FILE_WEIGHTS_VERIFIED, "{}", delay=0.3)
+    started = time.monotonic()
+    info = h.wait_for_restore(poll_interval=0.02, timeout=10)
+    assert info.restored
+    assert time.monotonic() - started >= 0.3  # the wait ended only with the verdict
+    report = h.gpu_offload.report
+    assert report.weights_check_wait_seconds > 0
+    (loaded,) = report.loaded
+    assert not loaded.direct  # read through the page cache the agent's check fills
 
 
 def test_gpu_offload_failure_before_ready_takes_everything_back(cu: FakeDriver, tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import json
 import os
 import random
 import struct
+import threading
 from pathlib import Path
 
 import pytest
@@ -393,12 +394,19 @@ def test_weights_manifest_round_trip(tmp_path: Path) -> None:
             }
         ],
         "released_bytes": {"0": 2 << 30},
+        "waits_for_weights_check": False,
     }
     assert read_weights_manifest(tmp_path) == files
     assert read_offload_manifest(tmp_path) == OffloadManifest(files, {0: 2 << 30})
     # Version 1 (no released_bytes) still reads.
     path.write_text(json.dumps({"version": 1, "files": doc["files"]}))
     assert read_offload_manifest(tmp_path) == OffloadManifest(files, {})
+    # Written by an SDK that waits for the agent's verdict on the weights; absent means it does not.
+    w.write_weights_manifest(tmp_path, files, {0: 1}, waits_for_weights_check=True)
+    assert read_offload_manifest(tmp_path) == OffloadManifest(files, {0: 1}, waits_for_weights_check=True)
+    path.write_text('{"version": 2, "files": [], "waits_for_weights_check": "yes"}')
+    with pytest.raises(ValueError, match="waits_for_weights_check must be true or false"):
+        read_offload_manifest(tmp_path)
     path.write_text('{"version": 2, "files": [], "released_bytes": {"0": -1}}')
     with pytest.raises(ValueError, match="negative released_bytes"):
         read_offload_manifest(tmp_path)
@@ -411,6 +419,17 @@ def test_weights_manifest_round_trip(tmp_path: Path) -> None:
     path.write_text('{"version": 1, "files": [{"path": "/x"}]}')
     with pytest.raises(ValueError, match="bad entry"):
         read_weights_manifest(tmp_path)
+
+
+def test_waiting_for_the_weights_verdict(tmp_path: Path) -> None:
+    assert w.weights_check_pending({"weightsCheck": "pending", "podName": "p"})
+    assert not w.weights_check_pending({"podName": "p"})
+    assert not w.weights_check_pending("pending")
+    assert not w.weights_check_pending(None)
+    with pytest.raises(TimeoutError, match="did not confirm the weights"):
+        w.wait_for_weights_verified(tmp_path, timeout=0.05)
+    threading.Timer(0.2, (tmp_path / "weights-verified").write_text, args=("{}",)).start()
+    assert 0.1 < w.wait_for_weights_verified(tmp_path, timeout=10) < 10
 
 
 def test_warm_page_cache_reads_the_whole_file(tmp_path: Path) -> None:
