@@ -20,7 +20,7 @@ from kubernetes_asyncio import client
 
 from dynamo_snapshot.agent.executor import Executor
 from dynamo_snapshot.agent.runtime import ProcessRuntime, RuncRuntime, Runtime
-from dynamo_snapshot.agent.runtime.base import pid_alive, pid_running
+from dynamo_snapshot.agent.runtime.base import pid_running
 from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent, workload_key
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.artifact import ArtifactStore, GpuInfo
@@ -364,10 +364,6 @@ async def _stopped(pid: int) -> bool:
     return not pid_running(pid)
 
 
-async def _reaped(pid: int) -> bool:
-    return not pid_alive(pid)
-
-
 async def test_a_killed_restored_worker_is_reported(
     api: client.ApiClient, namespace: str, gpu_node: Callable[..., Obj], agents: Callable[..., Any]
 ) -> None:
@@ -427,9 +423,9 @@ async def test_a_restored_worker_is_watched_across_an_agent_restart(
     await b.shutdown()  # the restored worker outlives its agent
     if killed == "while_the_agent_is_down":
         os.kill(worker.pid, signal.SIGKILL)
-        # Until init reaps the restored root (its parent since CRIU detached), the runtime still finds
-        # it, a zombie counting as alive, and the new agent would report its exit as seen.
-        await eventually(lambda: _reaped(worker.pid), within=15)
+        # Dead, if not yet reaped by init (its parent since CRIU detached): the runtime must not find a
+        # zombie, or the new agent would report the exit as seen.
+        await eventually(lambda: _stopped(worker.pid), within=15)
     again = await agents(b.node)
     if killed == "after_the_restart":
         await eventually(lambda: _listed(again, "restored"), within=15)

@@ -6,7 +6,7 @@ import asyncio
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from dynamo_snapshot.api import protocol
 
@@ -98,15 +98,33 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def pid_running(pid: int) -> bool:
-    """Whether `pid` exists and is not a zombie (a restored tree's parent may never reap it)."""
+class ProcStat(NamedTuple):
+    state: str  # "R", "S", "Z" (a zombie), ...
+    start_time: int  # clock ticks after boot
+
+
+def proc_stat(pid: int) -> ProcStat | None:
+    """The state and start time of `pid` (/proc/PID/stat fields 3 and 22); None when there is none.
+
+    Once a process is reaped its pid can go to another one, which started later: the pid and the start
+    time together name one process."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except (FileNotFoundError, ProcessLookupError):
+        return None
+    # The fields after the command name, which is in parentheses and may contain any byte.
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    return ProcStat(fields[0].decode(), int(fields[19]))
+
+
+def pid_running(pid: int, start_time: int | None = None) -> bool:
+    """Whether `pid` exists and is not a zombie (a restored tree's parent may never reap it). Given the
+    start time it had when recorded, also whether it is still that process and not a later one."""
+    stat = proc_stat(pid)
+    if stat is None or stat.state in ("Z", "X"):
         return False
-    # The state letter follows the command name, which is in parentheses and may contain any byte.
-    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in (b"Z", b"X")
+    return start_time is None or stat.start_time == start_time
 
 
 async def wait_exit(pid: int) -> None:

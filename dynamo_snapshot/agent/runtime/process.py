@@ -15,22 +15,31 @@ import os
 import shutil
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from dynamo_snapshot.agent.runtime.base import (
     Workload,
     WorkloadRuntimeError,
     WorkloadSpec,
-    pid_alive,
     pid_running,
+    proc_stat,
     worker_env,
 )
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.criu import Criu, CriuError
 from dynamo_snapshot.cuda import process_tree
 
-# Per workload: its pid and the control dir it really uses (a restored one keeps its source's).
+# Per workload: its pid, its start time and the control dir it really uses (a restored one keeps its
+# source's).
 _STATEFILE = ".workload.json"
+
+
+@dataclass(frozen=True)
+class _State:
+    pid: int
+    control_dir: Path
+    start_time: int | None  # None in statefiles of agents that did not record it
 
 
 class ProcessRuntime:
@@ -68,19 +77,21 @@ class ProcessRuntime:
         return Workload(spec.key, proc.pid, ctl)
 
     async def find(self, key: str) -> Workload | None:
-        try:
-            state = json.loads((self.control_dir(key) / _STATEFILE).read_text())
-            pid, ctl = int(state["pid"]), Path(state["control_dir"])
-        except (OSError, ValueError, KeyError):
+        state = _read_state(self.control_dir(key))
+        # A zombie has exited; a pid that started at another time is a later process that reuses it.
+        if state is None or not pid_running(state.pid, state.start_time):
             return None
-        return Workload(key, pid, ctl) if pid_alive(pid) else None
+        return Workload(key, state.pid, state.control_dir)
 
     async def stop(self, key: str) -> None:
-        found = await self.find(key)
-        if found is not None:
+        state = _read_state(self.control_dir(key))
+        stat = None if state is None else proc_stat(state.pid)
+        # The group goes even where its root is a zombie already (its children may live on), but never
+        # the group of a later process that got the pid.
+        if state is not None and stat is not None and state.start_time in (None, stat.start_time):
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(found.pid, signal.SIGKILL)
-            await _reap(found.pid)
+                os.killpg(state.pid, signal.SIGKILL)
+            await _reap(state.pid)
         shutil.rmtree(self.control_dir(key), ignore_errors=True)
 
     async def resume(self, workload: Workload) -> None:
@@ -136,7 +147,27 @@ def _prepare_restored_control_dir(ctl: Path) -> None:
 
 def _write_state(own_dir: Path, pid: int, control_dir: Path) -> None:
     own_dir.mkdir(parents=True, exist_ok=True)
-    (own_dir / _STATEFILE).write_text(json.dumps({"pid": pid, "control_dir": str(control_dir)}))
+    path = own_dir / _STATEFILE
+    stat = proc_stat(pid)
+    if stat is None:
+        # Gone and reaped already: there is nothing to find again, and a statefile would name whatever
+        # gets the pid next.
+        path.unlink(missing_ok=True)
+        return
+    path.write_text(json.dumps({"pid": pid, "control_dir": str(control_dir), "start_time": stat.start_time}))
+
+
+def _read_state(own_dir: Path) -> _State | None:
+    try:
+        state = json.loads((own_dir / _STATEFILE).read_text())
+        start_time = state.get("start_time")
+        return _State(
+            int(state["pid"]),
+            Path(state["control_dir"]),
+            None if start_time is None else int(start_time),
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 async def _reap(pid: int, within: float = 5.0) -> None:
