@@ -113,8 +113,10 @@ class NodeAgent:
         """Dispatch the pod, retrying with backoff on unexpected errors (a transient apiserver error,
         say): checkpoints and restores report their own failures, anything else would otherwise leave
         the pod unhandled until the agent restarts. Each retry reads the pod afresh and dispatches it
-        from the start, so every step up to supervision must be safe to repeat; supervision retries its
-        own report (_report_exit), as a repeat would find the worker gone and not yet reported."""
+        from the start, so every step up to supervision must be safe to repeat. The reports a repeat
+        would get wrong are retried where they are made (_annotate_until_written): a finished restore,
+        which a repeat would find still running and restore anew, and a worker's exit, which a repeat
+        would find gone and not yet reported."""
         attempt = 0
         while True:
             try:
@@ -160,25 +162,12 @@ class NodeAgent:
         await self._report_exit(pod, f"worker process {workload.pid} exited")
 
     async def _report_exit(self, pod: Obj, message: str) -> None:
-        """Say on the pod that its worker is gone, retrying until that is written. Never raises: an
-        error that reached _handle would dispatch the pod again, and with no exit on the pod yet a
-        launched worker would be launched anew and a restored one reported with the wrong cause. The
-        retries end when the pod goes: its deletion cancels this task, and a 404 ends _annotate."""
+        """Say on the pod that its worker is gone. Never raises: an error that reached _handle would
+        dispatch the pod again, and with no exit on the pod yet a launched worker would be launched anew
+        and a restored one reported with the wrong cause."""
         log.warning("worker gone", extra={"pod": workload_key(pod), "detail": message})
         key = protocol.per_container(protocol.ANNOTATION_WORKLOAD_EXITED, MAIN)
-        attempt = 0
-        while True:
-            try:
-                await self._annotate(pod, {key: message})
-                return
-            except Exception:
-                attempt += 1
-                delay = _backoff(attempt)
-                log.exception(
-                    "reporting the worker's exit failed; retrying",
-                    extra={"pod": workload_key(pod), "attempt": attempt, "retry_in_s": delay},
-                )
-                await asyncio.sleep(delay)
+        await self._annotate_until_written(pod, {key: message}, "workload exit")
 
     async def _ensure_running(self, pod: Obj, *, snapshot: bool) -> Workload:
         key = workload_key(pod)
@@ -297,6 +286,8 @@ class NodeAgent:
                 pod, protocol.ANNOTATION_RESTORE_STATUS, protocol.ANNOTATION_RESTORE_MESSAGE, S.FAILED, str(e)
             )
             return
+        # Retried here, never raised: _handle would dispatch the pod again, find the restore still
+        # running and tear the healthy restored worker down to restore it anew.
         await self._report(
             pod,
             protocol.ANNOTATION_RESTORE_STATUS,
@@ -308,6 +299,7 @@ class NodeAgent:
                 protocol.ANNOTATION_RESTORE_CONTAINER_ID: outcome.workload.container_id
                 or str(outcome.workload.pid),
             },
+            until_written=True,
         )
         await self._supervise(pod, outcome.workload)
 
@@ -333,14 +325,37 @@ class NodeAgent:
         state: S,
         message: str,
         extra: dict[str, str] | None = None,
+        *,
+        until_written: bool = False,
     ) -> None:
         ann: dict[str, str] = {
             protocol.per_container(status_key, MAIN): state.value,
             protocol.per_container(message_key, MAIN): message[:4000],
             **(extra or {}),
         }
-        await self._annotate(pod, ann)
+        if until_written:
+            await self._annotate_until_written(pod, ann, f"{status_key} {state.value}")
+        else:
+            await self._annotate(pod, ann)
         log.info("reported", extra={"pod": workload_key(pod), "status": state.value, "detail": message})
+
+    async def _annotate_until_written(self, pod: Obj, ann: dict[str, str], what: str) -> None:
+        """Write `ann` on the pod, retrying with backoff until it is written. Never raises, for reports
+        that a dispatch of the pod anew must not stand in for. The retries end when the pod goes: its
+        deletion cancels this task, and a 404 ends _annotate."""
+        attempt = 0
+        while True:
+            try:
+                await self._annotate(pod, ann)
+                return
+            except Exception:
+                attempt += 1
+                delay = _backoff(attempt)
+                log.exception(
+                    "writing the pod's annotations failed; retrying",
+                    extra={"pod": workload_key(pod), "what": what, "attempt": attempt, "retry_in_s": delay},
+                )
+                await asyncio.sleep(delay)
 
     async def _annotate(self, pod: Obj, ann: dict[str, str]) -> None:
         try:

@@ -480,6 +480,41 @@ async def test_a_failed_exit_report_is_retried_without_relaunching_the_worker(
     assert await _workload(kube, a.runtime, namespace, "cold") is None
 
 
+RESTORE_STATUS = protocol.per_container(protocol.ANNOTATION_RESTORE_STATUS, "main")
+
+
+async def test_a_failed_restore_report_is_retried_leaving_the_restored_worker_running(
+    api: client.ApiClient, namespace: str, gpu_node: Callable[..., Obj], agents: Callable[..., Any]
+) -> None:
+    kube = Kube(api)
+    b = await _checkpoint_then_second_node(kube, namespace, gpu_node, agents)
+    real_patch, real_restore = b.agent.kube.merge_patch, b.agent.executor.restore
+    refused: list[str] = []
+    restores: list[str] = []
+
+    async def flaky_patch(kind: Any, name: str, patch: Obj, *args: Any, **kwargs: Any) -> Any:
+        # The apiserver turns down the first report of the finished restore.
+        if (patch["metadata"].get("annotations") or {}).get(RESTORE_STATUS) == "completed" and not refused:
+            refused.append(name)
+            raise ApiError(503, "ServiceUnavailable", "transient: etcd leader changed")
+        return await real_patch(kind, name, patch, *args, **kwargs)
+
+    async def counted_restore(key: str, *args: Any, **kwargs: Any) -> Any:
+        restores.append(key)
+        return await real_restore(key, *args, **kwargs)
+
+    b.agent.kube.merge_patch = flaky_patch  # type: ignore[method-assign]
+    b.agent.executor.restore = counted_restore  # type: ignore[method-assign]
+    await kube.create(POD, pod("restored", b.node, TARGET), namespace)
+    await _restored(kube, namespace, "restored")
+    assert refused == ["restored"]
+    assert len(restores) == 1, "the healthy restored worker was torn down and restored anew"
+    worker = await _workload(kube, b.runtime, namespace, "restored")
+    assert worker is not None
+    await asyncio.sleep(0.5)
+    assert EXITED not in await _annotations(kube, namespace, "restored"), "the restored worker is gone"
+
+
 async def test_a_deleted_pods_worker_is_stopped_without_a_failure_report(
     api: client.ApiClient, namespace: str, gpu_node: Callable[..., Obj], agents: Callable[..., Any]
 ) -> None:
