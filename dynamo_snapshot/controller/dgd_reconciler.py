@@ -191,9 +191,10 @@ class DGDReconciler:
         # checkpointRef mode waits for its checkpoint (out.waiting says why) unless something is wrong
         # with it, in which case capacity by cold start beats none at all.
         creates = ready_ckpt is not None or not ref_mode or bool(out.degraded)
-        # Losses are owed only as far as this pass creates pods: the rest (absorbed by a scale-down, or of
-        # a service that waits) would keep the service Degraded and hold back others' tokens for ever.
-        ctx.failover.settle(owner, out.desired - count if creates else 0)
+        # Losses are owed only as far as the service is short: the rest (absorbed by a scale-down) would
+        # keep it Degraded and hold back others' tokens for ever. A service that waits keeps its losses, so
+        # that once its checkpoint is Ready their replacements are paced like any other failover.
+        ctx.failover.settle(owner, out.desired - count, waiting=not creates)
         if count < out.desired:
             missing = out.desired - count
             if out.degraded:
@@ -223,7 +224,8 @@ class DGDReconciler:
         ctx.failover.track_ready(owner, ready, names | ctx.expectations.pending_creates(owner, names))
         recovering = ctx.failover.degraded(owner)
         if recovering:
-            out.degraded.append(recovering)
+            # Replacements held back by the wait for the checkpoint are waiting, not a fault of their own.
+            (out.waiting if ctx.failover.held_back(owner) else out.degraded).append(recovering)
         out.restored = sum(1 for p in pods if _mode(p) == protocol.StartMode.RESTORE.value)
         out.cold = out.replicas - out.restored
         return out, again

@@ -120,6 +120,10 @@ class Failover:
     desired count (then the one that lost a worker first) goes first: tokens the services ranked above
     still wait for are held back from the ones below.
 
+    A service that cannot create pods yet (checkpointRef mode, its checkpoint not Ready) keeps its losses
+    while it waits, so their replacements are paced once it can; until then they hold back no other
+    service's tokens.
+
     Memory only: after a restart the losses are simply missing replicas again, which the level-triggered
     reconcile replaces (unpaced for that one pass, and without the latency samples)."""
 
@@ -135,6 +139,8 @@ class Failover:
     recovering: dict[tuple[str, str], dict[str, float]] = field(default_factory=lambda: defaultdict(dict))
     # owner -> its desired replicas, as its last reconcile said (for the ordering)
     desired: dict[tuple[str, str], int] = field(default_factory=dict)
+    # services whose last reconcile could not create pods: their losses wait, and are owed no tokens yet
+    waiting: set[tuple[str, str]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.cluster = TokenBucket(self.cluster_rate, self.cluster_burst)
@@ -188,7 +194,9 @@ class Failover:
         """Replacements still owed to services that go before `owner`."""
         mine = self._rank(owner)
         return sum(
-            len(lost) for o, lost in self.pending.items() if o != owner and lost and self._rank(o) < mine
+            len(lost)
+            for o, lost in self.pending.items()
+            if o != owner and lost and o not in self.waiting and self._rank(o) < mine
         )
 
     def forget(self, dgd_key: str) -> None:
@@ -202,20 +210,27 @@ class Failover:
         self.services.pop(owner, None)
         self.recovering.pop(owner, None)
         self.desired.pop(owner, None)
+        self.waiting.discard(owner)
 
     def owners(self, dgd_key: str) -> set[tuple[str, str]]:
         """The services of a DGD this remembers anything about."""
-        tables = (self.pending, self.services, self.recovering, self.desired)
+        tables = (self.pending, self.services, self.recovering, self.desired, self.waiting)
         return {o for table in tables for o in table if o[0] == dgd_key}
 
-    def settle(self, owner: tuple[str, str], owed: int) -> None:
-        """Keep no more losses pending than the `owed` replicas the service will still create.
+    def settle(self, owner: tuple[str, str], owed: int, *, waiting: bool = False) -> None:
+        """Keep no more losses pending than the `owed` replicas the service is short of; say whether it
+        can create them now or `waiting` (for its checkpoint) it cannot yet.
 
         Only `replaced` retires a loss otherwise, and it runs only when pods are created: losses a
-        scale-down absorbed (or that a service waiting for its checkpoint does not replace) would keep the
-        service Degraded and hold back other services' tokens for ever. The newest losses go: the oldest
-        marks when the service first fell short, which its rank and its latency samples are measured from.
+        scale-down absorbed would keep the service Degraded and hold back other services' tokens for ever.
+        The newest losses go: the oldest marks when the service first fell short, which its rank and its
+        latency samples are measured from. A waiting service's losses stay (dropping them would let its
+        replacements through unpaced, as a scale-up, once it can create pods), but hold back no tokens.
         """
+        if waiting:
+            self.waiting.add(owner)
+        else:
+            self.waiting.discard(owner)
         lost = self.pending.get(owner)
         if not lost or len(lost) <= max(0, owed):
             return
@@ -259,7 +274,12 @@ class Failover:
         lost, starting = len(self.pending.get(owner, {})), len(self.recovering.get(owner, {}))
         if not lost and not starting:
             return None
-        return (
+        why = (
             f"service {owner[1]}: recovering from lost workers "
             f"({lost} not yet replaced, {starting} replacement(s) not Ready yet)"
         )
+        return f"{why}; replacements wait for its checkpoint" if self.held_back(owner) else why
+
+    def held_back(self, owner: tuple[str, str]) -> bool:
+        """Whether the service owes replacements that it cannot create yet (it waits for its checkpoint)."""
+        return owner in self.waiting and bool(self.pending.get(owner))

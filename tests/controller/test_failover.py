@@ -14,6 +14,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from dynamo_snapshot.api import protocol
+from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD
 from dynamo_snapshot.controller.runtime import NODE, POD, Obj
 from dynamo_snapshot.localcluster.nodes import KWOK_NODE_ANNOTATION
 from tests.controller.conftest import Harness, dgd_manifest, eventually
@@ -139,6 +140,78 @@ async def test_losses_a_scale_down_absorbs_leave_the_service_healthy(
 
     await eventually(healthy, within=30)
     assert len(await h.pods("fo")) == 2
+
+
+async def test_losses_while_a_checkpoint_ref_waits_are_replaced_paced_once_it_is_ready(
+    harness: Harness, gpu_node: NodeFactory
+) -> None:
+    h = harness
+    for _ in range(3):
+        gpu_node(product="NVIDIA-H200", gpus=8, driver_major=580, pods=18)
+    # An Auto-mode DGD takes the checkpoint that the checkpointRef service first restores from.
+    await h.apply_dgd(dgd_manifest("seed", replicas=1))
+
+    async def seeded() -> Obj | None:
+        items = await h.checkpoints()
+        return items[0] if items and (items[0].get("status") or {}).get("phase") == "Ready" else None
+
+    seed = await eventually(seeded, within=60)
+    await h.apply_dgd(dgd_manifest("fo", replicas=3, checkpoint_ref=seed["metadata"]["name"]))
+
+    async def running() -> list[Obj]:
+        pods = await h.pods("fo")
+        return pods if len(pods) == 3 and all((p.get("spec") or {}).get("nodeName") for p in pods) else []
+
+    pods = await eventually(running, within=60)
+    # The service is pointed at a checkpoint that does not exist yet: it waits, its workers keep running.
+    ref = {"spec": {"services": {"VllmWorker": {"checkpoint": {"checkpointRef": "later"}}}}}
+    await h.kube.merge_patch(DGD, "fo", ref, h.namespace)
+
+    async def condition(type_: str, *words: str) -> Obj | None:
+        conds = ((await h.dgd("fo")).get("status") or {}).get("conditions") or []
+        found = next((c for c in conds if c["type"] == type_), None)
+        return found if found and all(w in found["message"] for w in words) else None
+
+    await eventually(lambda: condition("CheckpointReady", "later", "not found"))
+    # One replacement at once and then hardly any: pacing shows as replacements still owed.
+    failover = h.controller().ctx.failover
+    failover.service_rate, failover.service_burst = 0.001, 1.0
+
+    # Two workers lost while the service waits: one deleted by someone else, one whose process died.
+    await h.kube.delete(POD, pods[0]["metadata"]["name"], h.namespace)
+    exited = protocol.per_container(protocol.ANNOTATION_WORKLOAD_EXITED, "main")
+    died = {"metadata": {"annotations": {exited: "worker process 4242 exited"}}}
+    await h.kube.merge_patch(POD, pods[1]["metadata"]["name"], died, h.namespace)
+    # Remembered as owed (not dropped because the service cannot replace them yet), and reported as
+    # waiting for the checkpoint rather than as a fault.
+    await eventually(lambda: condition("CheckpointReady", "2 not yet replaced", "wait for its checkpoint"))
+    assert await condition("Degraded", "no problem detected")
+    await asyncio.sleep(1.0)
+    assert len(await h.pods("fo")) == 1, "a waiting service created pods"
+
+    # The checkpoint appears (a copy of the seed's, as a user pre-warms one) and becomes Ready.
+    later = {"apiVersion": seed["apiVersion"], "kind": seed["kind"], "metadata": {"name": "later"}}
+    await h.kube.create(CHECKPOINT, {**later, "spec": seed["spec"]}, h.namespace)
+
+    # The replacements go through the failover pacing: one now, the other still owed.
+    async def paced() -> list[Obj]:
+        pods = await h.pods("fo")
+        return pods if len(pods) == 2 and await condition("Degraded", "1 not yet replaced") else []
+
+    after = await eventually(paced, within=60)
+    new = [p for p in after if p["metadata"]["name"] not in {q["metadata"]["name"] for q in pods}]
+    assert [p["metadata"]["annotations"][protocol.ANNOTATION_RESTORE_FROM] for p in new] == ["later"]
+    await asyncio.sleep(1.0)
+    assert len(await h.pods("fo")) == 2, "the second replacement was not paced"
+
+    # Once the pace allows, the last one follows (the resync looks again).
+    failover.services[(f"{h.namespace}/fo", "VllmWorker")].rate = 100.0
+
+    async def whole() -> bool:
+        svc = ((await h.dgd("fo")).get("status") or {}).get("services", {}).get("VllmWorker") or {}
+        return svc.get("readyReplicas") == 3 and bool(await condition("Degraded", "no problem detected"))
+
+    await eventually(whole, within=30)
 
 
 async def _fail_node(h: Harness, node: str) -> None:

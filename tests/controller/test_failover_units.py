@@ -168,6 +168,35 @@ def test_a_scale_down_drops_the_newest_losses_and_clears_degraded() -> None:
     assert fo.owners("ns/a") == {other}  # the other service's loss is untouched
 
 
+def test_losses_of_a_waiting_service_are_kept_hold_back_nothing_and_are_paced_later() -> None:
+    fo = Failover(cluster_rate=0.001, cluster_burst=4.0, service_rate=0.001, service_burst=2.0)
+    a, b = ("ns/a", "svc"), ("ns/b", "svc")
+    fo.observe(a, "a0", "pod-failed", "n1")
+    assert fo.allowance(a, 1, desired=4) == (1, 0.0)  # replaced while a's checkpoint was Ready
+    fo.replaced(a, ["ra0"])
+    for i in range(1, 4):
+        fo.observe(a, f"a{i}", "pod-failed", "n1")  # 3 of 4 lost while a waits for its checkpoint
+    fo.settle(a, 3, waiting=True)
+    assert _pending(fo, a) == ["a1", "a2", "a3"]
+    assert fo.held_back(a)
+    assert "wait for its checkpoint" in (fo.degraded(a) or "")
+    # a ranks first (75% lost), but cannot use tokens now: none are held back from b for it.
+    fo.observe(b, "b0", "pod-failed", "n1")
+    assert fo.allowance(b, 1, desired=10) == (1, 0.0)
+    fo.replaced(b, ["rb0"])
+    # The checkpoint is Ready: a's replacements are paced like any other (1 token left in its bucket).
+    fo.settle(a, 3)
+    assert not fo.held_back(a)
+    allowed, later = fo.allowance(a, 3, desired=4)
+    assert allowed == 1
+    assert later > 0
+    fo.replaced(a, ["ra1"])
+    assert fo.avoid_nodes(a) == ["n1"]
+    assert "2 not yet replaced" in (fo.degraded(a) or "")
+    fo.forget_service(a)
+    assert fo.owners("ns/a") == set()
+
+
 def test_a_released_service_is_forgotten_alone() -> None:
     fo = Failover()
     owner, other = ("ns/a", "svc"), ("ns/a", "other")
