@@ -26,12 +26,24 @@ from dynamo_snapshot.agent.runtime.base import (
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.identity import CheckpointIdentity
 from dynamo_snapshot.controller.kinds import CHECKPOINT
-from dynamo_snapshot.controller.runtime import DELETED, POD, Informer, Kube, Obj, is_not_found, object_key
+from dynamo_snapshot.controller.runtime import (
+    DELETED,
+    POD,
+    ApiError,
+    Informer,
+    Kube,
+    Obj,
+    is_not_found,
+    object_key,
+)
 
 log = logging.getLogger(__name__)
 MAIN = "main"
 RETRY_BASE_S, RETRY_CAP_S = 1.0, 60.0
 S = protocol.SnapshotStatus
+# Answers in 4xx that a retry can change: credentials since refreshed (401), a timeout (408), a
+# conflict (409), throttling (429).
+_RETRYABLE_4XX = frozenset({401, 408, 409, 429})
 
 
 @dataclass
@@ -48,6 +60,12 @@ def workload_key(pod: Obj) -> str:
 
 def _backoff(attempt: int) -> float:
     return min(RETRY_CAP_S, RETRY_BASE_S * 2.0 ** (attempt - 1))
+
+
+def _permanent(err: ApiError) -> bool:
+    """Whether no retry can change the apiserver's answer: the agent may not write the pod (403), the
+    pod is gone (404), the patch is invalid (422), say. 5xx, throttling and connection errors pass."""
+    return 400 <= err.status < 500 and err.status not in _RETRYABLE_4XX
 
 
 def _annotation(pod: Obj, key: str) -> str | None:
@@ -334,21 +352,37 @@ class NodeAgent:
             **(extra or {}),
         }
         if until_written:
-            await self._annotate_until_written(pod, ann, f"{status_key} {state.value}")
+            if not await self._annotate_until_written(pod, ann, f"{status_key} {state.value}"):
+                return
         else:
             await self._annotate(pod, ann)
         log.info("reported", extra={"pod": workload_key(pod), "status": state.value, "detail": message})
 
-    async def _annotate_until_written(self, pod: Obj, ann: dict[str, str], what: str) -> None:
-        """Write `ann` on the pod, retrying with backoff until it is written. Never raises, for reports
-        that a dispatch of the pod anew must not stand in for. The retries end when the pod goes: its
-        deletion cancels this task, and a 404 ends _annotate."""
+    async def _annotate_until_written(self, pod: Obj, ann: dict[str, str], what: str) -> bool:
+        """Write `ann` on the pod, retrying transient errors with backoff; True once written. Never
+        raises, for reports that a dispatch of the pod anew must not stand in for. An answer no retry
+        changes (_permanent; a 404 for a pod deleted meanwhile among them) is logged and gives up: False.
+        A deleted pod's task is cancelled besides."""
         attempt = 0
         while True:
             try:
-                await self._annotate(pod, ann)
-                return
-            except Exception:
+                await self._patch(pod, ann)
+                return True
+            except Exception as e:
+                if isinstance(e, ApiError) and _permanent(e):
+                    log.log(
+                        logging.WARNING if is_not_found(e) else logging.ERROR,
+                        "giving up on the pod's annotations: the apiserver refused them for good",
+                        extra={
+                            "pod": workload_key(pod),
+                            "what": what,
+                            "attempt": attempt + 1,
+                            "http_status": e.status,
+                            "reason": e.reason,
+                            "detail": e.message,
+                        },
+                    )
+                    return False
                 attempt += 1
                 delay = _backoff(attempt)
                 log.exception(
@@ -358,13 +392,17 @@ class NodeAgent:
                 await asyncio.sleep(delay)
 
     async def _annotate(self, pod: Obj, ann: dict[str, str]) -> None:
+        """Write `ann` on the pod; a pod gone already is no error."""
         try:
-            await self.kube.merge_patch(
-                POD, pod["metadata"]["name"], {"metadata": {"annotations": ann}}, pod["metadata"]["namespace"]
-            )
+            await self._patch(pod, ann)
         except Exception as e:
             if not is_not_found(e):
                 raise
+
+    async def _patch(self, pod: Obj, ann: dict[str, str]) -> None:
+        await self.kube.merge_patch(
+            POD, pod["metadata"]["name"], {"metadata": {"annotations": ann}}, pod["metadata"]["namespace"]
+        )
 
 
 def _spec(pod: Obj, key: str, *, snapshot: bool) -> WorkloadSpec:

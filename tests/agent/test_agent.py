@@ -480,6 +480,93 @@ async def test_a_failed_exit_report_is_retried_without_relaunching_the_worker(
     assert await _workload(kube, a.runtime, namespace, "cold") is None
 
 
+async def _exit_report_refused(
+    kube: Kube,
+    namespace: str,
+    gpu_node: Callable[..., Obj],
+    agents: Callable[..., Any],
+    errors: list[Exception],
+) -> tuple[list[str], int]:
+    """A launched worker killed while the apiserver answers the report of its exit with `errors`, one
+    per attempt, then takes it. Returns the pods whose report was refused, and the worker's pid."""
+    node = gpu_node()["metadata"]["name"]
+    a = await agents(node)
+    real_patch = a.agent.kube.merge_patch
+    refused: list[str] = []
+
+    async def refusing_patch(kind: Any, name: str, patch: Obj, *args: Any, **kwargs: Any) -> Any:
+        if EXITED in (patch["metadata"].get("annotations") or {}) and len(refused) < len(errors):
+            refused.append(name)
+            raise errors[len(refused) - 1]
+        return await real_patch(kind, name, patch, *args, **kwargs)
+
+    a.agent.kube.merge_patch = refusing_patch  # type: ignore[method-assign]
+    await kube.create(POD, _plain_pod("cold", node), namespace)
+    worker = await eventually(lambda: _workload(kube, a.runtime, namespace, "cold"), within=30)
+    os.kill(worker.pid, signal.SIGKILL)
+    return refused, worker.pid
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        ApiError(403, "Forbidden", 'pods "cold" is forbidden: User "agent" cannot patch resource "pods"'),
+        ApiError(404, "NotFound", 'pods "cold" not found'),
+        ApiError(422, "Invalid", 'Pod "cold" is invalid: metadata.annotations: Too long'),
+    ],
+    ids=lambda e: str(e.status),
+)
+async def test_an_exit_report_refused_for_good_is_given_up(
+    api: client.ApiClient,
+    namespace: str,
+    gpu_node: Callable[..., Obj],
+    agents: Callable[..., Any],
+    caplog: pytest.LogCaptureFixture,
+    error: ApiError,
+) -> None:
+    kube = Kube(api)
+    # Refused however often it is tried: only the first attempt may be made.
+    refused, _ = await _exit_report_refused(kube, namespace, gpu_node, agents, [error] * 10)
+
+    async def given_up() -> list[Any]:
+        return [r for r in caplog.records if r.getMessage().startswith("giving up on the pod's annotations")]
+
+    [record] = await eventually(given_up, within=15, interval=0.05)
+    assert (record.pod, record.http_status, record.reason) == (  # type: ignore[attr-defined]
+        workload_key(await kube.get(POD, "cold", namespace)),
+        error.status,
+        error.reason,
+    )
+    await asyncio.sleep(1.5)  # past the first retry's backoff (1 s)
+    assert refused == ["cold"], "a permanent error was retried"
+    assert EXITED not in await _annotations(kube, namespace, "cold")
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        ApiError(429, "TooManyRequests", "the server has received too many requests"),
+        ApiError(500, "InternalError", "etcdserver: request timed out"),
+        ConnectionResetError(104, "Connection reset by peer"),
+    ],
+    ids=["429", "500", "connection-reset"],
+)
+async def test_an_exit_report_is_retried_through_transient_errors(
+    api: client.ApiClient,
+    namespace: str,
+    gpu_node: Callable[..., Obj],
+    agents: Callable[..., Any],
+    error: Exception,
+) -> None:
+    kube = Kube(api)
+    refused, pid = await _exit_report_refused(kube, namespace, gpu_node, agents, [error, error])
+    ann = await eventually(
+        lambda: _annotations_with(kube, namespace, "cold", EXITED), within=15, interval=0.05
+    )
+    assert refused == ["cold", "cold"]
+    assert str(pid) in ann[EXITED]
+
+
 RESTORE_STATUS = protocol.per_container(protocol.ANNOTATION_RESTORE_STATUS, "main")
 
 
