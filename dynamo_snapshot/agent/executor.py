@@ -38,7 +38,7 @@ from dynamo_snapshot.agent.prefetch import (
     read_whole,
     write_plan,
 )
-from dynamo_snapshot.agent.runtime.base import Runtime, Workload, WorkloadRuntimeError, pid_alive
+from dynamo_snapshot.agent.runtime.base import Runtime, Workload, WorkloadRuntimeError, pid_running
 from dynamo_snapshot.agent.weights import (
     CarriedWeights,
     WeightsPlacementError,
@@ -63,6 +63,7 @@ from dynamo_snapshot.artifact import (
     warm_up_hashing,
 )
 from dynamo_snapshot.criu import Criu, CriuError
+from dynamo_snapshot.criu.sparse import ImageFormatError, SparseStats, drop_zero_pages
 from dynamo_snapshot.cuda import (
     CudaCheckpointer,
     CudaError,
@@ -89,6 +90,10 @@ FAILURES = Counter("dynsnap_agent_failures_total", "Failed checkpoints/restores"
 THROUGHPUT = Gauge("dynsnap_agent_io_gbps", "Artifact read/hash throughput of the last operation", ["op"])
 PREFETCH_BYTES = Counter(
     "dynsnap_agent_prefetch_bytes_total", "Node-file bytes restores asked the kernel to read ahead"
+)
+ZERO_PAGES_DROPPED = Counter(
+    "dynsnap_agent_zero_page_bytes_dropped_total",
+    "Bytes of all-zero anonymous pages left out of checkpoints' CRIU images",
 )
 PREFETCH_SKIPPED = Counter(
     "dynsnap_agent_prefetch_skipped_files_total",
@@ -150,6 +155,7 @@ class Executor:
         prefetch_node_files: bool = True,
         weights_check_idle_io: bool = False,
         weights_check_parallel: int | None = None,
+        drop_zero_pages: bool = True,
     ) -> None:
         self.runtime = runtime
         self.store = store
@@ -169,6 +175,8 @@ class Executor:
         # Experimental, off until measured on the H200 (BENCHMARKS.md, "CRIU phase outlasts CRIU"): the
         # weights check beside CRIU at idle I/O priority, so CRIU's own start-up reads go first.
         self.weights_check_idle_io = weights_check_idle_io
+        # Leave the zero pages of anonymous memory out of the CRIU images (see criu.sparse).
+        self.drop_zero_pages = drop_zero_pages
         # Threads of the weights check beside CRIU (None: the artifact default, twice the cores).
         self.weights_check_parallel = weights_check_parallel
         self._verifying: dict[str, asyncio.Lock] = {}
@@ -181,7 +189,7 @@ class Executor:
         sentinel = workload.control_dir / protocol.FILE_READY_FOR_CHECKPOINT
         deadline = time.monotonic() + within
         while not sentinel.exists():
-            if not pid_alive(workload.pid):
+            if not pid_running(workload.pid):  # a zombie has exited too
                 raise AgentError(
                     f"worker (pid {workload.pid}) exited before writing {protocol.FILE_READY_FOR_CHECKPOINT}"
                 )
@@ -220,6 +228,10 @@ class Executor:
                     # CRIU left the tree running: give it its GPU back so the worker carries on.
                     await self._resume_cuda(cuda_pids, {}, best_effort=True)
                     raise AgentError(f"CRIU dump failed: {e}") from None
+            sparse: SparseStats | None = None
+            if self.drop_zero_pages:
+                with t.phase("checkpoint", "drop_zero_pages"):
+                    sparse = await asyncio.to_thread(_drop_zero_pages, images)
             carried: list[CarriedWeights] = []
             if offload is not None and offload.files:
                 with t.phase("checkpoint", "weights_capture"):
@@ -242,6 +254,7 @@ class Executor:
                         "weights": [w.to_json() for w in carried],
                         "gpuMemory": {"heldMiB": held_mib, "releasedMiB": released_mib},
                         # The worker waits for weights-verified: a restore may signal it before then.
+                        "zeroPagesDropped": sparse.pages_dropped if sparse is not None else 0,
                         "weightsEarlyLoad": bool(carried)
                         and offload is not None
                         and offload.waits_for_weights_check,
@@ -558,6 +571,26 @@ def _local_gpus() -> GpuInfo | None:
         log.warning("no GPU inventory", extra={"error": str(e)})
         return None
     return GpuInfo.model_validate(dataclasses.asdict(gpus))
+
+
+def _drop_zero_pages(images: Path) -> SparseStats | None:
+    """criu.sparse.drop_zero_pages, logged; None (the images as CRIU wrote them) if it cannot read them."""
+    try:
+        stats = drop_zero_pages(images)
+    except (OSError, ImageFormatError) as e:
+        log.warning("zero pages kept: cannot read the CRIU images", extra={"error": str(e)})
+        return None
+    ZERO_PAGES_DROPPED.inc(stats.bytes_dropped)
+    log.info(
+        "zero pages dropped from the CRIU images",
+        extra={
+            "bytes": stats.bytes_dropped,
+            "of_bytes": stats.pages_before * 4096,
+            "seconds": round(stats.seconds, 3),
+            "processes_left_alone": stats.skipped,
+        },
+    )
+    return stats
 
 
 def _gpu_memory_held_mib(pids: list[int]) -> int:

@@ -44,6 +44,10 @@ class AgentConfig(BaseModel):
         default=True,
         description="record the node files a worker maps at checkpoint; read them ahead at restore",
     )
+    drop_zero_pages: bool = Field(
+        default=True,
+        description="leave the all-zero pages of anonymous memory out of checkpoints' CRIU images",
+    )
     metrics_port: int = Field(default=9090, ge=0, le=65535)
     health_port: int = Field(default=8082, ge=0, le=65535, description="/healthz and /readyz; 0 disables")
     criu: Path | None = None
@@ -68,6 +72,7 @@ _FLAGS = (
     "ready_timeout_seconds",
     "verify_cache_seconds",
     "prefetch_node_files",
+    "drop_zero_pages",
     "metrics_port",
     "health_port",
     "criu",
@@ -105,6 +110,12 @@ def register(sub: Any) -> None:
         default=None,
         help="read ahead, at restore, the node files the worker had mapped at checkpoint (default on)",
     )
+    p.add_argument(
+        "--drop-zero-pages",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="leave all-zero anonymous pages out of checkpoints' CRIU images (default on)",
+    )
     p.add_argument("--metrics-port", type=int, help="Prometheus metrics port, 0 disables (default 9090)")
     p.add_argument("--health-port", type=int, help="/healthz and /readyz port, 0 disables (default 8082)")
     p.add_argument("--criu", type=Path, help="criu binary (default: $DYNSNAP_CRIU, cache, PATH)")
@@ -128,6 +139,7 @@ def build(config: AgentConfig, kube: Kube) -> NodeAgent:
         node_name=config.node_name,
         verify_cache_s=config.verify_cache_seconds,
         prefetch_node_files=config.prefetch_node_files,
+        drop_zero_pages=config.drop_zero_pages,
     )
     settings = AgentSettings(
         node_name=config.node_name,

@@ -1,0 +1,143 @@
+"""Zero pages dropped from a real CRIU dump come back as zeros, and only where that is so: anonymous
+memory yes, also a forked child's zeroed copy-on-write page, which CRIU would otherwise restore from the
+parent's; a private file mapping's zeroed page no (a missing page there shows the file's bytes)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import struct
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dynamo_snapshot.criu import Criu
+from dynamo_snapshot.criu.sparse import PAGE, ImageFormatError, drop_zero_pages
+
+# Root: 512 anonymous pages, even ones random, odd ones written with zeros, and 256 more never touched;
+# a private mapping of a file of non-zero bytes with its second page overwritten by zeros. Child
+# (forked after the parent filled a 64-page anonymous region with non-zero bytes): zeros over its
+# first page, a copy-on-write page its parent still holds non-zero. Each writes the SHA-256 of what
+# it holds before the dump and again after the restore.
+WORKER = r"""
+import hashlib, mmap, os, sys, time
+d, P = sys.argv[1], mmap.PAGESIZE
+anon = mmap.mmap(-1, 768 * P, flags=mmap.MAP_PRIVATE)  # mmap's default is shared
+for i in range(512):
+    anon[i * P:(i + 1) * P] = os.urandom(P) if i % 2 == 0 else bytes(P)
+path = os.path.join(d, "file")
+with open(path, "wb") as f:
+    f.write(b"\xab" * (4 * P))
+fd = os.open(path, os.O_RDWR)
+private = mmap.mmap(fd, 4 * P, flags=mmap.MAP_PRIVATE)
+private[P:2 * P] = bytes(P)
+inherited = mmap.mmap(-1, 64 * P, flags=mmap.MAP_PRIVATE)
+inherited[:] = b"\xcd" * (64 * P)
+
+def digest(*maps):
+    h = hashlib.sha256()
+    for m in maps:
+        h.update(m[:])
+    return h.hexdigest()
+
+def report(name, text):
+    with open(os.path.join(d, name + ".tmp"), "w") as f:
+        f.write(text)
+    os.rename(os.path.join(d, name + ".tmp"), os.path.join(d, name))
+
+if os.fork() == 0:
+    inherited[:P] = bytes(P)
+    role, maps = "child", (inherited,)
+else:
+    role, maps = "parent", (anon, private, inherited)
+report("before-" + role, digest(*maps))
+report("pid-" + role, str(os.getpid()))
+while not os.path.exists(os.path.join(d, "go")):
+    time.sleep(0.02)
+report("after-" + role, digest(*maps))
+while True:
+    time.sleep(1)
+"""
+
+
+def _poll(path: Path, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+    return path.read_text()
+
+
+def _pages_bytes(images: Path) -> int:
+    return sum(p.stat().st_size for p in images.glob("pages-*.img"))
+
+
+@pytest.mark.criu
+async def test_dropped_zero_pages_restore_as_zeros_and_only_where_safe(
+    criu_bin: Path, tmp_path: Path
+) -> None:
+    work, images = tmp_path / "work", tmp_path / "images"
+    work.mkdir()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", WORKER, str(work), stdin=asyncio.subprocess.DEVNULL, start_new_session=True
+    )
+    restored_pid = None
+    try:
+        before = {
+            role: await asyncio.to_thread(_poll, work / f"before-{role}") for role in ("parent", "child")
+        }
+        criu = Criu(criu_bin)
+        child = int(await asyncio.to_thread(_poll, work / "pid-child"))
+        await criu.dump(proc.pid, images)
+        await proc.wait()
+        # The child was ours only through the worker: whoever inherited it reaps it, soon.
+        deadline = time.monotonic() + 30
+        while await asyncio.to_thread(os.path.exists, f"/proc/{child}"):
+            assert time.monotonic() < deadline, "the dumped child never went away"
+            await asyncio.sleep(0.02)
+        size_before = _pages_bytes(images)
+
+        stats = await asyncio.to_thread(drop_zero_pages, images)
+        assert stats.skipped == {}
+        # The root's 256 zero-written pages at least (Python's own heap has some more), never the
+        # untouched ones, which CRIU does not dump, nor the private file page; the child's one.
+        assert stats.pages_dropped >= 257
+        assert _pages_bytes(images) == size_before - stats.bytes_dropped
+        assert stats.processes[proc.pid] >= 256
+        assert stats.processes[child] >= 1
+        # Done once, there is nothing left to drop.
+        assert drop_zero_pages(images).pages_dropped == 0
+
+        restored = await criu.restore(images, log_dir=tmp_path / "logs")
+        restored_pid = restored.pid
+        (work / "go").touch()
+        for role in ("parent", "child"):
+            assert await asyncio.to_thread(_poll, work / f"after-{role}") == before[role], role
+    finally:
+        for pid in {proc.pid, restored_pid} - {None}:
+            assert pid is not None
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+
+
+def test_unreadable_images_are_refused_or_left_alone(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        drop_zero_pages(tmp_path)
+    (tmp_path / "pstree.img").write_bytes(b"not an image")
+    with pytest.raises(ImageFormatError, match="magic"):
+        drop_zero_pages(tmp_path)
+    # A process whose mm image is missing keeps its images as they are.
+    pstree_entry = bytes([0x08, 42, 0x10, 0])  # pid 42, ppid 0
+    (tmp_path / "pstree.img").write_bytes(
+        struct.pack("<II", 0x54564319, 0x50273030) + struct.pack("<I", len(pstree_entry)) + pstree_entry
+    )
+    pages = tmp_path / "pages-1.img"
+    pages.write_bytes(bytes(PAGE))
+    stats = drop_zero_pages(tmp_path)
+    assert stats.pages_dropped == 0
+    assert "mm-42.img" in stats.skipped[42]
+    assert pages.read_bytes() == bytes(PAGE)
