@@ -227,6 +227,8 @@ class Bench:
         manifest = self.store.open(ident_hash).manifest
         rec["artifact_files"] = {f.path: f.size for f in manifest.files if f.size > 64 << 20}
         rec["gpu_memory"] = manifest.extra.get("gpuMemory")
+        dropped = manifest.extra.get("zeroPagesDropped")
+        rec["zero_pages_dropped_bytes"] = dropped * 4096 if isinstance(dropped, int) else None
         plan = self.store.open(ident_hash).path / PREFETCH_FILE
         if plan.exists():
             p = read_plan(plan)
