@@ -18,21 +18,25 @@ GIB = 2**30
 # (its diagnostics tried the weights check before CRIU and with 4 threads), runs 5 and 6 are with it;
 # run 6 (decoupled only, plus CRIU's own files read ahead) met a slower disk (1.35 and 1.61 GB/s).
 # Runs 1-3 (benchmarks/results/gpu-restore/run{1,2,3}-*.json) are of the earlier 8/10-layer presets,
-# a different worker, and are reported apart in BENCHMARKS.md.
+# a different worker, and are reported apart in BENCHMARKS.md. Session 6: run 7 (1g) hashes in a helper
+# process and signals a waiting worker before the weights check ends; run 8 adds the zero-page drop.
 RUNS = {
     "run4-1g": "fd112b3",
     "run5-1g": "7aa6fa4",
     "run6-1g": "fac0af6",
     "run5-8g": "7aa6fa4",
     "run6-8g": "fac0af6",
+    "run7-1g": "1d644b4",
+    "run8-1g": "6f414f9",
+    "run8-8g": "6f414f9",
 }
 PICK = {
-    ("1g", "plain"): "run5-1g",
-    ("1g", "kv"): "run5-1g",
-    ("1g", "decoupled"): "run5-1g",
-    ("8g", "plain"): "run5-8g",
-    ("8g", "kv"): "run5-8g",
-    ("8g", "decoupled"): "run5-8g",
+    ("1g", "plain"): "run8-1g",
+    ("1g", "kv"): "run8-1g",
+    ("1g", "decoupled"): "run8-1g",
+    ("8g", "plain"): "run8-8g",
+    ("8g", "kv"): "run8-8g",
+    ("8g", "decoupled"): "run8-8g",
 }
 
 
