@@ -5,8 +5,7 @@
 # Arguments go to criu_phase.py. Results land in $OUT/criu-phase-h200.json.
 set -uo pipefail
 : "${OUT:?OUT must be set (the device tool sets it)}"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD DYNSNAP_CRIU=$PWD/.criu-bundle/criu-wrapper.sh
+. benchmarks/gpu/device_env.sh
 [ $# -eq 0 ] && set -- --weights-mib 8192 --repeat 2 --variants default,idle_io,p8 --no-read-ahead-off
 timeout 560 python3 benchmarks/criu_phase.py --out "$OUT/criu-phase-h200.json" "$@" > "$OUT/criu-phase.log" 2>&1
 echo "rc=$?"

@@ -9,8 +9,7 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do sizes+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
 [ ${#sizes[@]} -eq 0 ] && sizes=(1g)
 : "${OUT:?OUT must be set (the device tool sets it)}"
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>/dev/null
-export PYTHONPATH=/tmp/site:$PWD DYNSNAP_CRIU=$PWD/.criu-bundle/criu-wrapper.sh
+. benchmarks/gpu/device_env.sh
 for size in "${sizes[@]}"; do
     extra=("$@")
     [ "$size" != 1g ] && extra+=(--no-bad-inputs)

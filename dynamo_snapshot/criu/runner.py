@@ -7,7 +7,6 @@ import contextlib
 import os
 import re
 import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -73,9 +72,11 @@ async def _run(binary: Path, op: str, argv: Sequence[str]) -> tuple[int, str]:
     """Run CRIU to completion and return its exit status and combined stdout/stderr.
 
     Output goes to an anonymous file, not a pipe: a restored process tree could inherit a pipe end
-    and keep it open long after CRIU exits, and waiting for EOF would then hang.
+    and keep it open long after CRIU exits, and waiting for EOF would then hang. A memfd, not a file
+    under /tmp: creating one touches no filesystem, so it cannot wait behind a restore's bulk reads
+    (this runs on the event loop).
     """
-    with tempfile.TemporaryFile() as out:
+    with open(os.memfd_create("criu-output", os.MFD_CLOEXEC), "w+b") as out:  # noqa: ASYNC230 - memory
         try:
             proc = await asyncio.create_subprocess_exec(
                 str(binary), *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out
@@ -145,6 +146,27 @@ def _bundle_files(directory: Path) -> list[Path]:
     return files
 
 
+def shebang_interpreter(first_line: bytes) -> Path | None:
+    """The program a script's ``#!`` line names, if it exists (``#!/usr/bin/env X`` names env)."""
+    words = first_line[2:].decode(errors="replace").split()
+    if not words:
+        return None
+    path = Path(words[0])
+    return path if path.is_absolute() and path.is_file() else None
+
+
+async def _with_libraries(program: Path) -> list[Path]:
+    found = [program]
+    ldd = shutil.which("ldd")
+    if ldd is not None:
+        proc = await asyncio.create_subprocess_exec(
+            ldd, str(program), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
+        )
+        out, _ = await proc.communicate()
+        found += parse_ldd(out.decode(errors="replace"))
+    return found
+
+
 class Criu:
     """One CRIU binary; every operation runs it as a subprocess without blocking the event loop."""
 
@@ -155,26 +177,21 @@ class Criu:
         self._files: list[Path] | None = None
 
     async def files(self) -> list[Path]:
-        """The files a CRIU run reads besides its images: the binary and its shared libraries (the
-        bundle's directory where the binary is a wrapper script). A restore reads them before its bulk
-        I/O, so that CRIU's start-up reads do not queue behind it (benchmarks/criu_phase.py: CRIU's
-        start-up behind a 2 GiB weights check 0.35-0.49 s without, 0.01 s with)."""
+        """The files a CRIU run reads besides its images: the binary and its shared libraries (where the
+        binary is a wrapper script: its interpreter and that one's libraries, and the bundle's
+        directory). A restore reads them before its bulk I/O, so that CRIU's start-up reads do not queue
+        behind it (benchmarks/criu_phase.py: CRIU's start-up behind a 2 GiB weights check 0.35-0.49 s
+        without, 0.01 s with)."""
         if self._files is None:
             binary = self.binary
-            with open(binary, "rb") as f:  # noqa: ASYNC230 - two bytes of a local file
-                script = f.read(2) == b"#!"
-            if script:
-                self._files = await asyncio.to_thread(_bundle_files, binary.parent)
+            with open(binary, "rb") as f:  # noqa: ASYNC230 - the first line of a local file
+                first = f.readline(256)
+            if first.startswith(b"#!"):
+                interpreter = shebang_interpreter(first)
+                found = await _with_libraries(interpreter) if interpreter is not None else []
+                self._files = found + await asyncio.to_thread(_bundle_files, binary.parent)
             else:
-                found = [binary]
-                ldd = shutil.which("ldd")
-                if ldd is not None:
-                    proc = await asyncio.create_subprocess_exec(
-                        ldd, str(binary), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
-                    )
-                    out, _ = await proc.communicate()
-                    found += parse_ldd(out.decode(errors="replace"))
-                self._files = found
+                self._files = await _with_libraries(binary)
         return self._files
 
     @property

@@ -10,7 +10,7 @@ import pytest
 
 from dynamo_snapshot.criu import Criu, CriuError, CriuVersion, TreeOptions, dump_argv, restore_argv
 from dynamo_snapshot.criu.errors import log_excerpt, summary_line
-from dynamo_snapshot.criu.runner import parse_ldd
+from dynamo_snapshot.criu.runner import parse_ldd, shebang_interpreter
 
 DUMP_LOG = """\
 (00.000000) Version: 4.1.1 (gitid 0)
@@ -193,7 +193,7 @@ def test_parse_ldd_keeps_resolved_paths_only() -> None:
     ]
 
 
-async def test_files_of_a_wrapper_script_are_its_bundle(tmp_path: Path) -> None:
+async def test_files_of_a_wrapper_script_are_its_interpreter_and_its_bundle(tmp_path: Path) -> None:
     bundle = tmp_path / "bundle"
     (bundle / "lib").mkdir(parents=True)
     wrapper = bundle / "criu-wrapper.sh"
@@ -201,9 +201,21 @@ async def test_files_of_a_wrapper_script_are_its_bundle(tmp_path: Path) -> None:
     wrapper.chmod(0o755)
     (bundle / "criu").write_bytes(b"\x7fELF")
     (bundle / "lib" / "libprotobuf-c.so.1").write_bytes(b"x")
-    assert sorted(await Criu(wrapper).files()) == sorted(
+    files = await Criu(wrapper).files()
+    # /bin/sh first (exec'd before anything of the bundle), with its libraries; then the bundle.
+    assert files[0] == Path("/bin/sh")
+    assert any(f.name.startswith("libc.so") for f in files)
+    assert sorted(f for f in files if f.is_relative_to(bundle)) == sorted(
         [wrapper, bundle / "criu", bundle / "lib" / "libprotobuf-c.so.1"]
     )
+
+
+def test_shebang_interpreter() -> None:
+    assert shebang_interpreter(b"#!/bin/sh\n") == Path("/bin/sh")
+    assert shebang_interpreter(b"#! /bin/sh -e\n") == Path("/bin/sh")
+    assert shebang_interpreter(b"#!sh\n") is None  # not a path the kernel would run
+    assert shebang_interpreter(b"#!/nonexistent/shell\n") is None
+    assert shebang_interpreter(b"#!\n") is None
 
 
 @pytest.mark.criu
@@ -214,8 +226,8 @@ async def test_files_of_a_real_criu_are_the_binary_and_its_libraries(criu_bin: P
 
 def _check_real_criu_files(criu_bin: Path, files: list[Path]) -> None:
     assert all(f.is_file() for f in files)
-    if criu_bin.read_bytes()[:2] == b"#!":  # a bundle: its own directory
-        assert all(f.is_relative_to(criu_bin.parent) for f in files)
+    if criu_bin.read_bytes()[:2] == b"#!":  # a bundle: its interpreter, then its own directory
+        assert any(f.is_relative_to(criu_bin.parent) for f in files)
     else:
         assert files[0] == criu_bin
         assert any(f.name.startswith("libprotobuf-c") for f in files), files
