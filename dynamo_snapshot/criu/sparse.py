@@ -44,6 +44,7 @@ _PE_LAZY = 1 << 1
 _PE_PRESENT = 1 << 2
 # Pages read and written per step.
 _BATCH_PAGES = 256
+_ZERO_BATCH = bytes(_BATCH_PAGES * PAGE)
 
 
 class ImageFormatError(ValueError):
@@ -234,6 +235,18 @@ def _sparsify_process(images: Path, pid: int, droppable: list[tuple[int, int]]) 
                     base = vaddr + first * PAGE
                     # A page may go only if it lies in a droppable VMA; an entry may span VMAs.
                     whole = _inside(droppable, base, base + count * PAGE)
+                    # Fast paths, at memcmp speed: a batch all zeros (a KV cache, GPU state), or one
+                    # holding no zero page at all, need no look at each page.
+                    if whole and block == _ZERO_BATCH[: len(block)]:
+                        dropped += count
+                        if run_len:
+                            new_entries.append(_entry(run_start, run_len, flags))
+                        run_start, run_len = base + count * PAGE, 0
+                        continue
+                    if block.find(_ZERO) < 0:
+                        dst.write(block)
+                        run_len += count
+                        continue
                     kept_from = 0  # start (page index in block) of the kept pages not yet written
                     for i in range(count):
                         addr = base + i * PAGE
