@@ -11,8 +11,7 @@ import os
 import signal
 import statistics
 import sys
-import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
@@ -20,7 +19,7 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.cli.demo.stack import CPU_WORKER, NAMESPACE, DemoError, Endpoint, Stack, repo_env
 from dynamo_snapshot.cli.demo.traffic import Load, Sample, Timeline
 from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD, SCALING_POLICY
-from dynamo_snapshot.controller.runtime import POD, ApiError, Kube, Obj, is_not_found
+from dynamo_snapshot.controller.runtime import DELETED, POD, Informer, Kube, Obj
 
 GRAPH, SERVICE = "demo", "CpuWorker"
 SELECTOR = f"{protocol.LABEL_GRAPH}={GRAPH}"
@@ -139,6 +138,22 @@ def policy_manifest(profile: Profile) -> Obj:
     }
 
 
+class Changes:
+    """Tells waiters that something the story waits on changed: a watch event, a worker now serving, the
+    follower task ending. A waiter takes `next()` before it checks, so a change that lands between its
+    check and its wait still wakes it."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def next(self) -> asyncio.Event:
+        return self._event
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+
 class Scenario:
     def __init__(self, stack: Stack, profile: Profile, say: Callable[[str], None]) -> None:
         self.stack = stack
@@ -149,44 +164,62 @@ class Scenario:
         self.pods: dict[str, PodRecord] = {}
         self.timeline = Timeline()
         self.results = Results()
-        # What the load generator's thread sends to; replaced whole by the watcher, never mutated.
+        # What the load generator's thread sends to; replaced whole by the follower, never mutated.
         self.serving: list[Endpoint] = []
         self.load = Load(lambda: self.serving)
         self.desired = 0
-        self._watcher: asyncio.Task[None] | None = None
+        self._changes = Changes()
+        self._pod_watch = Informer(self.kube, POD, namespace=NAMESPACE, label_selector=SELECTOR)
+        self._dgd_watch = Informer(
+            self.kube, DGD, namespace=NAMESPACE, field_selector=f"metadata.name={GRAPH}"
+        )
+        self._checkpoint_watch = Informer(self.kube, CHECKPOINT, namespace=NAMESPACE)
+        self._pod_watch.add_handler(self._on_pod)
+        self._dgd_watch.add_handler(self._on_dgd)
+        self._checkpoint_watch.add_handler(self._on_checkpoint)
+        self._follower: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ watching
-    async def _watch(self) -> None:
+    @property
+    def _watches(self) -> tuple[Informer, ...]:
+        return (self._pod_watch, self._dgd_watch, self._checkpoint_watch)
+
+    async def _on_pod(self, etype: str, pod: Obj, old: Obj | None) -> None:
+        now = self.timeline.now()
+        meta = pod["metadata"]
+        name = meta["name"]
+        rec = self.pods.get(name)
+        # A pod being deleted no longer serves the story, whatever its finalizers still hold it for.
+        if etype == DELETED or meta.get("deletionTimestamp"):
+            if rec is not None and rec.gone is None:
+                rec.gone = now
+                self.stack.forget_endpoint(name)
+        else:
+            if rec is None:
+                mode = meta["labels"].get(protocol.LABEL_START_MODE, "?")
+                rec = self.pods[name] = PodRecord(name, mode, now)
+            rec.node = (pod.get("spec") or {}).get("nodeName")
+            timings = (meta.get("annotations") or {}).get(protocol.ANNOTATION_RESTORE_TIMINGS)
+            if timings and not rec.restore_timings:
+                rec.restore_timings = {k: float(v) for k, v in json.loads(timings).items()}
+        self._changes.notify()
+
+    async def _on_dgd(self, etype: str, dgd: Obj, old: Obj | None) -> None:
+        if etype != DELETED:
+            self.desired = int(dgd["spec"]["services"][SERVICE].get("replicas") or 0)
+            self._changes.notify()
+
+    async def _on_checkpoint(self, etype: str, ckpt: Obj, old: Obj | None) -> None:
+        self._changes.notify()
+
+    async def _follow(self) -> None:
+        """What no watch reports: which registered workers answer their health check, and the samples of
+        the timeline's plot."""
         next_sample = 0.0
         while True:
             now = self.timeline.now()
-            items, _ = await self.kube.list_all(POD, NAMESPACE, label_selector=SELECTOR)
-            names = set()
-            for pod in items:
-                name = pod["metadata"]["name"]
-                if pod["metadata"].get("deletionTimestamp"):
-                    continue
-                names.add(name)
-                rec = self.pods.get(name)
-                if rec is None:
-                    mode = pod["metadata"]["labels"].get(protocol.LABEL_START_MODE, "?")
-                    rec = self.pods[name] = PodRecord(name, mode, now)
-                rec.node = (pod.get("spec") or {}).get("nodeName")
-                timings = (pod["metadata"].get("annotations") or {}).get(protocol.ANNOTATION_RESTORE_TIMINGS)
-                if timings and not rec.restore_timings:
-                    rec.restore_timings = {k: float(v) for k, v in json.loads(timings).items()}
-            for rec in self.pods.values():
-                if rec.gone is None and rec.name not in names:
-                    rec.gone = now
-                    self.stack.forget_endpoint(rec.name)
             await self._check_serving()
             if now >= next_sample:
-                try:
-                    dgd = await self.kube.get(DGD, GRAPH, NAMESPACE)
-                    self.desired = int(dgd["spec"]["services"][SERVICE].get("replicas") or 0)
-                except ApiError as e:
-                    if not is_not_found(e):  # not created yet
-                        raise
                 serving = sum(1 for r in self.pods.values() if r.serving is not None and r.gone is None)
                 self.timeline.samples.append(
                     Sample(now, self.load.rps, self.load.in_flight, self.desired, serving)
@@ -209,24 +242,51 @@ class Scenario:
             if ok:
                 rec.serving = now
                 self.say(f"  pod {rec.name} ({rec.mode}) serving after {rec.startup_s:.2f}s on {rec.node}")
+                self._changes.notify()
 
-    async def _until(self, what: str, check: Callable[[], Awaitable[T | None]], within: float) -> T:
-        deadline = time.monotonic() + within
-        while time.monotonic() < deadline:
-            if self._watcher is not None and self._watcher.done():
-                self._watcher.result()  # raises what stopped it
-                raise DemoError("the demo's pod watcher stopped")
-            got = await check()
-            if got is not None and got is not False:
-                return got
-            await asyncio.sleep(0.2)
-        raise DemoError(f"timed out after {within:.0f}s waiting for {what}")
+    async def _start_watching(self, within: float = 30) -> None:
+        for watch in self._watches:
+            watch.start()
+        # Synced before the DGD is applied, so that its pods' times start at their ADDED events.
+        try:
+            async with asyncio.timeout(within):
+                for watch in self._watches:
+                    await watch.wait_synced()
+        except TimeoutError:
+            raise DemoError(
+                f"timed out after {within:.0f}s listing the demo's pods, DGDs and checkpoints"
+            ) from None
+        self._follower = asyncio.create_task(self._follow(), name="demo-follower")
+        self._follower.add_done_callback(lambda _: self._changes.notify())
+
+    async def _stop_watching(self) -> None:
+        if self._follower is not None:
+            self._follower.cancel()
+            await asyncio.gather(self._follower, return_exceptions=True)
+        for watch in self._watches:
+            await watch.stop()
+
+    async def _until(self, what: str, check: Callable[[], T | None], within: float) -> T:
+        """`check`'s first answer other than None, checked again at every change rather than on a timer."""
+        try:
+            async with asyncio.timeout(within):
+                while True:
+                    changed = self._changes.next()
+                    if self._follower is not None and self._follower.done():
+                        self._follower.result()  # raises what stopped it
+                        raise DemoError("the demo's follower task stopped")
+                    got = check()
+                    if got is not None:
+                        return got
+                    await changed.wait()
+        except TimeoutError:
+            raise DemoError(f"timed out after {within:.0f}s waiting for {what}") from None
 
     # ------------------------------------------------------------------ the story
     async def run(self) -> Results:
-        watcher = self._watcher = asyncio.create_task(self._watch())
         self.load.start()
         try:
+            await self._start_watching()
             await self._cold_start_and_checkpoint()
             await self._scale_up_by_restore()
             await self._failover()
@@ -234,8 +294,7 @@ class Scenario:
                 await self._scale_down()
         finally:
             self.load.stop()
-            watcher.cancel()
-            await asyncio.gather(watcher, return_exceptions=True)
+            await self._stop_watching()
         self.results.requests_ok, self.results.requests_failed = self.load.ok, self.load.failed
         return self.results
 
@@ -247,15 +306,15 @@ class Scenario:
         applied = self.timeline.now()
         await self.kube.create(DGD, dgd_manifest(self.profile, str(self.stack.endpoint_dir)), NAMESPACE)
 
-        async def cold_serving() -> PodRecord | None:
+        def cold_serving() -> PodRecord | None:
             return next((r for r in self.pods.values() if r.mode == "cold" and r.serving is not None), None)
 
         cold = await self._until("the cold-started worker to serve", cold_serving, 300)
         self.results.cold_start_s = cold.startup_s
         self.timeline.mark("cold worker serving")
 
-        async def checkpoint_ready() -> Obj | None:
-            items, _ = await self.kube.list_all(CHECKPOINT, NAMESPACE)
+        def checkpoint_ready() -> Obj | None:
+            items = self._checkpoint_watch.list()
             ready = [c for c in items if (c.get("status") or {}).get("phase") == "Ready"]
             failed = [c for c in items if (c.get("status") or {}).get("phase") == "Failed"]
             if failed:
@@ -281,7 +340,7 @@ class Scenario:
         self.load.rps = p.peak_rps
         self.timeline.mark("load up")
 
-        async def scaled() -> list[PodRecord] | None:
+        def scaled() -> list[PodRecord] | None:
             restored = [r for r in self.pods.values() if r.mode == "restore" and r.serving is not None]
             return restored if self.desired >= 2 and len(restored) >= self.desired - 1 else None
 
@@ -298,7 +357,9 @@ class Scenario:
     async def _failover(self) -> None:
         self.say("[3/4] a restored worker's process is killed: the replacement is restored too")
         victim = next(r for r in self.pods.values() if r.mode == "restore" and r.serving and r.gone is None)
-        pod = await self.kube.get(POD, victim.name, NAMESPACE)
+        pod = self._pod_watch.get(f"{NAMESPACE}/{victim.name}")
+        if pod is None:
+            raise DemoError(f"pod {victim.name} is gone")
         pid = await self.stack.worker_pid(pod)
         if pid is None:
             raise DemoError(f"could not find the process of pod {victim.name}")
@@ -309,7 +370,7 @@ class Scenario:
         self.timeline.mark(f"killed {victim.name}")
         self.say(f"  killed pid {pid} of {victim.name} on {victim.node}")
 
-        async def replaced() -> PodRecord | None:
+        def replaced() -> PodRecord | None:
             return next(
                 (r for n, r in self.pods.items() if n not in before and r.mode == "restore" and r.serving),
                 None,
@@ -330,7 +391,7 @@ class Scenario:
         self.timeline.mark("load down")
         peak = self.desired
 
-        async def down() -> int | None:
+        def down() -> int | None:
             return self.desired if self.desired < peak else None
 
         window = self.profile.scale_down_window_s
@@ -338,7 +399,7 @@ class Scenario:
         self.timeline.mark(f"scaled to {self.results.scaled_down_to}")
 
         # The policy may step down more than once; show where it settles (minReplicas is 1), briefly.
-        async def settled() -> int | None:
+        def settled() -> int | None:
             return self.desired if self.desired <= 1 else None
 
         with contextlib.suppress(DemoError):  # not there in time: the table says where it stood
