@@ -22,6 +22,8 @@ from dynamo_snapshot.cli.service import load_settings, run_service
 from dynamo_snapshot.controller.runtime import Kube, load_client
 from dynamo_snapshot.criu import Criu
 
+FIELD_MANAGER = "dynamo-snapshot-agent"
+
 
 class AgentConfig(BaseModel):
     """agent/config.yaml; flags override it."""
@@ -54,6 +56,10 @@ class AgentConfig(BaseModel):
     host_binds: list[str] = Field(
         default_factory=lambda: list(DEFAULT_HOST_BINDS),
         description="runc + launchWorkloads: host directories containers see read-only",
+    )
+    writable_binds: list[str] = Field(
+        default_factory=list,
+        description="runc + launchWorkloads: host directories containers may write (outside hostBinds)",
     )
 
     @model_validator(mode="after")
@@ -128,7 +134,11 @@ def build(config: AgentConfig, kube: Kube) -> NodeAgent:
     runtime: Runtime
     if config.runtime == "runc":
         runtime = RuncRuntime(
-            config.state_root, config.control_root, criu_binary=criu.binary, host_binds=config.host_binds
+            config.state_root,
+            config.control_root,
+            criu_binary=criu.binary,
+            host_binds=config.host_binds,
+            writable_binds=config.writable_binds,
         )
     else:
         runtime = ProcessRuntime(config.control_root, criu)
@@ -173,6 +183,6 @@ async def _main(config: AgentConfig, kubeconfig: str | None, stop: asyncio.Event
             start_http_server(config.metrics_port)
         api_client = await load_client(kubeconfig)
         async with api_client:
-            agent = build(config, Kube(api_client, field_manager="dynamo-snapshot-agent"))
+            agent = build(config, Kube(api_client, field_manager=FIELD_MANAGER))
             health.use(lambda: readiness(agent))
             await agent.run_until(stop)

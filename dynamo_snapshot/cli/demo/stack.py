@@ -1,6 +1,7 @@
 """Everything the demo runs, on one machine: the local control plane with fake GPU nodes, Prometheus,
 the controller, one node agent per node (runc containers, so several restored replicas of one checkpoint
-fit on one host), and the reference worker's registrations (who serves where)."""
+fit on one host; built from an AgentConfig as `dynamo-snapshot agent` builds its own), and the reference
+worker's registrations (who serves where)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dynamo_snapshot.agent.executor import Executor
-from dynamo_snapshot.agent.runtime import RuncRuntime
-from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent, workload_key
+from dynamo_snapshot.agent.watcher import NodeAgent, workload_key
 from dynamo_snapshot.artifact import ArtifactStore
+from dynamo_snapshot.cli import agent_cmd
+from dynamo_snapshot.cli.agent_cmd import AgentConfig
 from dynamo_snapshot.controller.manager import Controller, ControllerConfig
 from dynamo_snapshot.controller.runtime import Kube, Obj, load_client
 from dynamo_snapshot.criu import Criu
@@ -59,7 +60,7 @@ class Stack:
     cluster: LocalCluster | None = None
     prometheus: LocalPrometheus | None = None
     kube: Kube | None = None
-    runtimes: dict[str, RuncRuntime] = field(default_factory=dict)
+    agents: dict[str, NodeAgent] = field(default_factory=dict)
     # pod -> where it serves: the registration directory as last read (by the discovery task, 5x a second)
     workers: dict[str, Endpoint] = field(default_factory=dict)
     # Shared by all nodes, like a RWX volume.
@@ -107,28 +108,32 @@ class Stack:
         )
         controller = Controller(Kube(self._api, field_manager="dynamo-snapshot-controller"), config)
         self._tasks.append(asyncio.create_task(controller.run_until(self._stop), name="controller"))
-        binds = ["/usr", "/etc", "/opt", sys.prefix, sys.base_prefix, str(REPO)]
         for i in range(self.nodes):
             node = f"gpu-node-{i}"
-            base = self.workdir / "nodes" / node
-            runtime = RuncRuntime(
-                base / "state",
-                base / "control",
-                criu_binary=criu.binary,
-                host_binds=binds,
-                writable_binds=[str(self.endpoint_dir)],
-            )
-            self.runtimes[node] = runtime
-            executor = Executor(runtime, self.artifacts, criu, node_name=node)
-            agent = NodeAgent(
-                Kube(self._api, field_manager="dynamo-snapshot-agent"),
-                executor,
-                runtime,
-                AgentSettings(node_name=node, launch_workloads=True, ready_timeout=600),
-            )
+            kube = Kube(self._api, field_manager=agent_cmd.FIELD_MANAGER)
+            agent = self.agents[node] = agent_cmd.build(self.agent_config(node), kube)
             self._tasks.append(asyncio.create_task(agent.run_until(self._stop), name=f"agent-{node}"))
         self._tasks.append(asyncio.create_task(self._discover(), name="discovery"))
         self.say(f"controller and {self.nodes} node agents (runc) running")
+
+    def agent_config(self, node: str) -> AgentConfig:
+        """What agent/config.yaml would say on this node: no kubelet, so the agent starts the workers."""
+        base = self.workdir / "nodes" / node
+        return AgentConfig(
+            node_name=node,
+            artifact_root=self.artifacts.root,
+            control_root=base / "control",
+            state_root=base / "state",
+            runtime="runc",
+            launch_workloads=True,
+            ready_timeout_seconds=600,
+            # The workers run this checkout's Python; they register themselves where the demo looks.
+            host_binds=["/usr", "/etc", "/opt", sys.prefix, sys.base_prefix, str(REPO)],
+            writable_binds=[str(self.endpoint_dir)],
+            # build() starts no servers: those are the `agent` command's, one process per node.
+            metrics_port=0,
+            health_port=0,
+        )
 
     def _install(self) -> None:
         assert self.cluster is not None
@@ -145,10 +150,10 @@ class Stack:
                 task.cancel()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.gather(*self._tasks, return_exceptions=True), timeout=30)
-        for runtime in self.runtimes.values():
-            for ctl in sorted(runtime.control_root.glob("*")) if runtime.control_root.exists() else []:
+        for node, agent in self.agents.items():
+            for key in await asyncio.to_thread(_workload_keys, self.agent_config(node).control_root):
                 with contextlib.suppress(Exception):
-                    await runtime.stop(ctl.name)
+                    await agent.runtime.stop(key)
         if self._api is not None:
             await self._api.close()
         if self.prometheus is not None:
@@ -184,11 +189,16 @@ class Stack:
             (self.endpoint_dir / f"{pod}.json").unlink()
 
     async def worker_pid(self, pod: Obj) -> int | None:
-        runtime = self.runtimes.get((pod.get("spec") or {}).get("nodeName") or "")
-        if runtime is None:
+        agent = self.agents.get((pod.get("spec") or {}).get("nodeName") or "")
+        if agent is None:
             return None
-        workload = await runtime.find(workload_key(pod))
+        workload = await agent.runtime.find(workload_key(pod))
         return workload.pid if workload is not None else None
+
+
+def _workload_keys(control_root: Path) -> list[str]:
+    """The workloads an agent left behind: each has a control directory named by its key."""
+    return sorted(p.name for p in control_root.glob("*")) if control_root.exists() else []
 
 
 def repo_env() -> dict[str, str]:
