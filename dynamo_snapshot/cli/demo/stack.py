@@ -21,6 +21,7 @@ from dynamo_snapshot.agent.watcher import NodeAgent, workload_key
 from dynamo_snapshot.artifact import ArtifactStore
 from dynamo_snapshot.cli import agent_cmd
 from dynamo_snapshot.cli.agent_cmd import AgentConfig
+from dynamo_snapshot.controller.config import CONTROLLER_NAME
 from dynamo_snapshot.controller.manager import Controller, ControllerConfig
 from dynamo_snapshot.controller.runtime import Kube, Obj, load_client
 from dynamo_snapshot.criu import Criu
@@ -106,7 +107,7 @@ class Stack:
             resync_seconds=30,
             prometheus_url=self.prometheus.url,
         )
-        controller = Controller(Kube(self._api, field_manager="dynamo-snapshot-controller"), config)
+        controller = Controller(Kube(self._api, field_manager=CONTROLLER_NAME), config)
         self._tasks.append(asyncio.create_task(controller.run_until(self._stop), name="controller"))
         for i in range(self.nodes):
             node = f"gpu-node-{i}"
