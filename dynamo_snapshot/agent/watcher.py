@@ -25,6 +25,7 @@ from dynamo_snapshot.agent.runtime.base import (
 )
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.identity import CheckpointIdentity
+from dynamo_snapshot.artifact import Artifact, ArtifactError
 from dynamo_snapshot.controller.kinds import CHECKPOINT
 from dynamo_snapshot.controller.runtime import (
     DELETED,
@@ -133,8 +134,9 @@ class NodeAgent:
         the pod unhandled until the agent restarts. Each retry reads the pod afresh and dispatches it
         from the start, so every step up to supervision must be safe to repeat. The reports a repeat
         would get wrong are retried where they are made (_annotate_until_written): a finished restore,
-        which a repeat would find still running and restore anew, and a worker's exit, which a repeat
-        would find gone and not yet reported."""
+        which a repeat would find still running and restore anew, a worker's exit, which a repeat would
+        find gone and not yet reported, and a published checkpoint, which a repeat would find still
+        running (it then reads the outcome from the store, as after an agent restart)."""
         attempt = 0
         while True:
             try:
@@ -200,8 +202,25 @@ class NodeAgent:
         state = _status(pod, protocol.ANNOTATION_CHECKPOINT_STATUS)
         if state is not None and state.terminal:
             return
+        labels = pod["metadata"]["labels"]
+        identity_hash = labels.get(protocol.LABEL_CHECKPOINT_HASH, "")
         if state is S.RUNNING:
-            # A previous agent died mid-checkpoint; its unpublished temp dir never became an artifact.
+            # A checkpoint cut short (an agent that died, or a report of ours that never landed): the
+            # store says how it ended. Publishing is the last step, so an artifact for this identity is
+            # the checkpoint taken, and only its report was lost.
+            artifact = await self._published(identity_hash)
+            if artifact is not None:
+                size = sum(f.size for f in artifact.manifest.files)
+                timings = artifact.manifest.timings
+                await self._report_checkpointed(
+                    pod,
+                    str(artifact.path),
+                    timings,
+                    f"checkpointed {size} bytes in {sum(timings.values()):.2f}s "
+                    "(found published when the pod was handled again)",
+                )
+                return
+            # Nothing published: the staging left behind never became an artifact.
             await asyncio.to_thread(self.executor.store.gc_partial)
             await self._report(
                 pod,
@@ -211,8 +230,6 @@ class NodeAgent:
                 "node agent restarted during the checkpoint; nothing was published",
             )
             return
-        labels = pod["metadata"]["labels"]
-        identity_hash = labels.get(protocol.LABEL_CHECKPOINT_HASH, "")
         try:
             workload = await self._ensure_running(pod, snapshot=True)
             await self.executor.wait_ready(workload, within=self.settings.ready_timeout)
@@ -233,18 +250,44 @@ class NodeAgent:
                 str(e),
             )
             return
+        await self._report_checkpointed(
+            pod,
+            outcome.location,
+            outcome.timings.phases,
+            f"checkpointed {outcome.artifact_bytes} bytes in {outcome.timings.total():.2f}s",
+        )
+
+    async def _report_checkpointed(
+        self, pod: Obj, location: str, timings: dict[str, float], message: str
+    ) -> None:
+        # Retried here, never raised: the outcome is in hand, where a dispatch anew would find the
+        # checkpoint still running and have to read it back from the store.
         await self._report(
             pod,
             protocol.ANNOTATION_CHECKPOINT_STATUS,
             protocol.ANNOTATION_CHECKPOINT_MESSAGE,
             S.COMPLETED,
-            f"checkpointed {outcome.artifact_bytes} bytes in {outcome.timings.total():.2f}s",
+            message,
             extra={
-                protocol.ANNOTATION_CHECKPOINT_LOCATION: outcome.location,
+                protocol.ANNOTATION_CHECKPOINT_LOCATION: location,
                 protocol.ANNOTATION_CHECKPOINT_STORAGE_TYPE: "pvc",
-                protocol.ANNOTATION_CHECKPOINT_TIMINGS: json.dumps(outcome.timings.phases),
+                protocol.ANNOTATION_CHECKPOINT_TIMINGS: json.dumps(timings),
             },
+            until_written=True,
         )
+
+    async def _published(self, identity_hash: str) -> Artifact | None:
+        """The artifact published for `identity_hash`, or None where there is none to use."""
+
+        def find() -> Artifact | None:
+            try:
+                return self.executor.store.open(identity_hash)
+            except (ArtifactError, ValueError):
+                # No artifact, an unreadable manifest or a label that is no hash: nothing a restore
+                # could use, so the checkpoint did not succeed.
+                return None
+
+        return await asyncio.to_thread(find)
 
     async def _restore(self, pod: Obj) -> None:
         state = _status(pod, protocol.ANNOTATION_RESTORE_STATUS)

@@ -602,6 +602,92 @@ async def test_a_failed_restore_report_is_retried_leaving_the_restored_worker_ru
     assert EXITED not in await _annotations(kube, namespace, "restored"), "the restored worker is gone"
 
 
+CHECKPOINT_STATUS = protocol.per_container(protocol.ANNOTATION_CHECKPOINT_STATUS, "main")
+CHECKPOINT_MESSAGE = protocol.per_container(protocol.ANNOTATION_CHECKPOINT_MESSAGE, "main")
+
+
+def _reports_checkpoint_completed(patch: Obj) -> bool:
+    return (patch["metadata"].get("annotations") or {}).get(CHECKPOINT_STATUS) == "completed"
+
+
+async def test_a_failed_checkpoint_report_is_retried_not_reported_as_a_failure(
+    api: client.ApiClient,
+    namespace: str,
+    gpu_node: Callable[..., Obj],
+    agents: Callable[..., Any],
+    tmp_path: Path,
+) -> None:
+    kube = Kube(api)
+    node = gpu_node()["metadata"]["name"]
+    a = await agents(node)
+    real_patch, real_checkpoint = a.agent.kube.merge_patch, a.agent.executor.checkpoint
+    refused: list[str] = []
+    checkpoints: list[str] = []
+
+    async def flaky_patch(kind: Any, name: str, patch: Obj, *args: Any, **kwargs: Any) -> Any:
+        # The apiserver turns down the first report of the published checkpoint.
+        if _reports_checkpoint_completed(patch) and not refused:
+            refused.append(name)
+            raise ApiError(503, "ServiceUnavailable", "transient: etcd leader changed")
+        return await real_patch(kind, name, patch, *args, **kwargs)
+
+    async def counted_checkpoint(workload: Any, identity_hash: str, *args: Any, **kwargs: Any) -> Any:
+        checkpoints.append(identity_hash)
+        return await real_checkpoint(workload, identity_hash, *args, **kwargs)
+
+    a.agent.kube.merge_patch = flaky_patch  # type: ignore[method-assign]
+    a.agent.executor.checkpoint = counted_checkpoint  # type: ignore[method-assign]
+    await kube.create(POD, pod("source", node, SOURCE), namespace)
+    ann = await _checkpointed(kube, namespace, "source")
+    assert refused == ["source"]
+    assert checkpoints == [HASH]
+    assert ann[protocol.ANNOTATION_CHECKPOINT_LOCATION].endswith(HASH)
+    assert ArtifactStore(tmp_path / "artifacts").exists(HASH)
+    await asyncio.sleep(1.5)  # past a re-dispatch's backoff (1 s): the report must stay completed
+    assert (await _annotations(kube, namespace, "source"))[CHECKPOINT_STATUS] == "completed"
+
+
+async def test_a_checkpoint_published_by_an_agent_killed_before_its_report_is_reported_completed(
+    api: client.ApiClient,
+    namespace: str,
+    gpu_node: Callable[..., Obj],
+    agents: Callable[..., Any],
+    tmp_path: Path,
+) -> None:
+    kube = Kube(api)
+    node = gpu_node()["metadata"]["name"]
+    first = await agents(node)
+    real_patch = first.agent.kube.merge_patch
+    held: list[str] = []
+
+    async def hanging_patch(kind: Any, name: str, patch: Obj, *args: Any, **kwargs: Any) -> Any:
+        # The first report of the published checkpoint never reaches the apiserver: the agent dies
+        # while it is on its way.
+        if _reports_checkpoint_completed(patch) and not held:
+            held.append(name)
+            await asyncio.Event().wait()
+        return await real_patch(kind, name, patch, *args, **kwargs)
+
+    first.agent.kube.merge_patch = hanging_patch  # type: ignore[method-assign]
+    await kube.create(POD, pod("source", node, SOURCE), namespace)
+
+    async def report_held() -> bool:
+        return bool(held)
+
+    await eventually(report_held, within=60)
+    await first.shutdown(abrupt=True)
+    store = ArtifactStore(tmp_path / "artifacts")
+    assert store.exists(HASH)
+    ann = await _annotations(kube, namespace, "source")
+    assert ann[CHECKPOINT_STATUS] == "running"
+
+    await agents(node)
+    ann = await _checkpointed(kube, namespace, "source")
+    assert ann[protocol.ANNOTATION_CHECKPOINT_LOCATION] == str(store.path_for(HASH))
+    assert "criu_dump" in json.loads(ann[protocol.ANNOTATION_CHECKPOINT_TIMINGS])
+    assert "nothing was published" not in ann[CHECKPOINT_MESSAGE]
+
+
 async def test_a_deleted_pods_worker_is_stopped_without_a_failure_report(
     api: client.ApiClient, namespace: str, gpu_node: Callable[..., Obj], agents: Callable[..., Any]
 ) -> None:
