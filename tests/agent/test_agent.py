@@ -575,23 +575,8 @@ async def test_a_failed_restore_report_is_retried_leaving_the_restored_worker_ru
 ) -> None:
     kube = Kube(api)
     b = await _checkpoint_then_second_node(kube, namespace, gpu_node, agents)
-    real_patch, real_restore = b.agent.kube.merge_patch, b.agent.executor.restore
-    refused: list[str] = []
-    restores: list[str] = []
-
-    async def flaky_patch(kind: Any, name: str, patch: Obj, *args: Any, **kwargs: Any) -> Any:
-        # The apiserver turns down the first report of the finished restore.
-        if (patch["metadata"].get("annotations") or {}).get(RESTORE_STATUS) == "completed" and not refused:
-            refused.append(name)
-            raise ApiError(503, "ServiceUnavailable", "transient: etcd leader changed")
-        return await real_patch(kind, name, patch, *args, **kwargs)
-
-    async def counted_restore(key: str, *args: Any, **kwargs: Any) -> Any:
-        restores.append(key)
-        return await real_restore(key, *args, **kwargs)
-
-    b.agent.kube.merge_patch = flaky_patch  # type: ignore[method-assign]
-    b.agent.executor.restore = counted_restore  # type: ignore[method-assign]
+    refused = _refuse_first_completed(b, RESTORE_STATUS)  # the finished restore's report
+    restores = _count_calls(b.agent.executor, "restore")
     await kube.create(POD, pod("restored", b.node, TARGET), namespace)
     await _restored(kube, namespace, "restored")
     assert refused == ["restored"]
@@ -606,8 +591,37 @@ CHECKPOINT_STATUS = protocol.per_container(protocol.ANNOTATION_CHECKPOINT_STATUS
 CHECKPOINT_MESSAGE = protocol.per_container(protocol.ANNOTATION_CHECKPOINT_MESSAGE, "main")
 
 
-def _reports_checkpoint_completed(patch: Obj) -> bool:
-    return (patch["metadata"].get("annotations") or {}).get(CHECKPOINT_STATUS) == "completed"
+def _reports_completed(patch: Obj, key: str) -> bool:
+    return (patch["metadata"].get("annotations") or {}).get(key) == "completed"
+
+
+def _refuse_first_completed(handle: AgentHandle, key: str) -> list[str]:
+    """The apiserver turns down, once, the agent's patch that sets `key` to completed; the names of the
+    pods it was refused for."""
+    real_patch = handle.agent.kube.merge_patch
+    refused: list[str] = []
+
+    async def flaky_patch(kind: Any, name: str, patch: Obj, *args: Any, **kwargs: Any) -> Any:
+        if _reports_completed(patch, key) and not refused:
+            refused.append(name)
+            raise ApiError(503, "ServiceUnavailable", "transient: etcd leader changed")
+        return await real_patch(kind, name, patch, *args, **kwargs)
+
+    handle.agent.kube.merge_patch = flaky_patch  # type: ignore[method-assign]
+    return refused
+
+
+def _count_calls(obj: Any, method: str) -> list[tuple[Any, ...]]:
+    """Every call of obj.method from now on, by its positional arguments."""
+    real = getattr(obj, method)
+    calls: list[tuple[Any, ...]] = []
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        return await real(*args, **kwargs)
+
+    setattr(obj, method, counted)
+    return calls
 
 
 async def test_a_failed_checkpoint_report_is_retried_not_reported_as_a_failure(
@@ -620,27 +634,12 @@ async def test_a_failed_checkpoint_report_is_retried_not_reported_as_a_failure(
     kube = Kube(api)
     node = gpu_node()["metadata"]["name"]
     a = await agents(node)
-    real_patch, real_checkpoint = a.agent.kube.merge_patch, a.agent.executor.checkpoint
-    refused: list[str] = []
-    checkpoints: list[str] = []
-
-    async def flaky_patch(kind: Any, name: str, patch: Obj, *args: Any, **kwargs: Any) -> Any:
-        # The apiserver turns down the first report of the published checkpoint.
-        if _reports_checkpoint_completed(patch) and not refused:
-            refused.append(name)
-            raise ApiError(503, "ServiceUnavailable", "transient: etcd leader changed")
-        return await real_patch(kind, name, patch, *args, **kwargs)
-
-    async def counted_checkpoint(workload: Any, identity_hash: str, *args: Any, **kwargs: Any) -> Any:
-        checkpoints.append(identity_hash)
-        return await real_checkpoint(workload, identity_hash, *args, **kwargs)
-
-    a.agent.kube.merge_patch = flaky_patch  # type: ignore[method-assign]
-    a.agent.executor.checkpoint = counted_checkpoint  # type: ignore[method-assign]
+    refused = _refuse_first_completed(a, CHECKPOINT_STATUS)  # the published checkpoint's report
+    checkpoints = _count_calls(a.agent.executor, "checkpoint")
     await kube.create(POD, pod("source", node, SOURCE), namespace)
     ann = await _checkpointed(kube, namespace, "source")
     assert refused == ["source"]
-    assert checkpoints == [HASH]
+    assert [identity_hash for _, identity_hash, *_ in checkpoints] == [HASH]
     assert ann[protocol.ANNOTATION_CHECKPOINT_LOCATION].endswith(HASH)
     assert ArtifactStore(tmp_path / "artifacts").exists(HASH)
     await asyncio.sleep(1.5)  # past a re-dispatch's backoff (1 s): the report must stay completed
@@ -663,7 +662,7 @@ async def test_a_checkpoint_published_by_an_agent_killed_before_its_report_is_re
     async def hanging_patch(kind: Any, name: str, patch: Obj, *args: Any, **kwargs: Any) -> Any:
         # The first report of the published checkpoint never reaches the apiserver: the agent dies
         # while it is on its way.
-        if _reports_checkpoint_completed(patch) and not held:
+        if _reports_completed(patch, CHECKPOINT_STATUS) and not held:
             held.append(name)
             await asyncio.Event().wait()
         return await real_patch(kind, name, patch, *args, **kwargs)
