@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["ImageFormatError", "SparseStats", "drop_zero_pages"]
+__all__ = ["PAGE", "ImageFormatError", "SparseStats", "drop_zero_pages"]
 
 PAGE = 4096
 _ZERO = bytes(PAGE)

@@ -116,7 +116,8 @@ class GpuOffload:
         self.load_threads = load_threads
         self.load_block = load_block
         self.load_buffers = load_buffers
-        # Off by default: the node agent verified the file against the artifact before the resume.
+        # Off by default: the node agent checks the file against the artifact, and the worker serves
+        # only after that check passed (before restore-complete, or weights-verified after it).
         self.verify_load = verify_load
         self.zero_kv = zero_kv
         self.weights_check_timeout = weights_check_timeout
