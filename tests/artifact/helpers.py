@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 from pathlib import Path
+
+import pytest
 
 from dynamo_snapshot.api.identity import CheckpointIdentity
 from dynamo_snapshot.artifact import (
@@ -60,3 +64,15 @@ async def publish(
             timings={"dump": 1.5},
             extra={"runtime": "process"},
         )
+
+
+def refuse_direct_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """O_DIRECT accepted at open but each read of such a file refused (EINVAL), as some filesystems do."""
+    real_preadv = os.preadv
+
+    def refuse_direct(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", refuse_direct)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import hashlib
 import json
 import os
@@ -24,7 +22,7 @@ from dynamo_snapshot.artifact import (
 )
 from dynamo_snapshot.artifact import io as io_module
 
-from .helpers import HASH, publish, stage
+from .helpers import HASH, publish, refuse_direct_reads, stage
 
 CHUNK = 4096 * 4
 PAGES = "criu/pages-1.img"
@@ -268,14 +266,7 @@ def test_hash_files_at_chunk_boundaries(tmp_path: Path, size: int, direct: bool)
 def test_hash_files_copy_falls_back_when_requests_refuse_o_direct(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_preadv = os.preadv
-
-    def refuse_direct(fd: int, buffers: list[memoryview], offset: int) -> int:
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_preadv(fd, buffers, offset)
-
-    monkeypatch.setattr(os, "preadv", refuse_direct)
+    refuse_direct_reads(monkeypatch)
     data = os.urandom(3 * CHUNK + 5)
     (tmp_path / "src").write_bytes(data)
     [got] = hash_files([HashJob(tmp_path / "src", len(data), CHUNK, tmp_path / "dst")], direct=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import os
 from pathlib import Path
@@ -11,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from dynamo_snapshot.artifact.io import acopy_tree, asha256_file, copy_file, copy_tree, sha256_file
+
+from .helpers import refuse_direct_reads
 
 MIB = 1 << 20
 SMALL_BLOCK = 64 * 1024
@@ -105,14 +106,7 @@ def test_fallback_when_open_refuses_o_direct(tmp_path: Path, monkeypatch: pytest
 
 def test_fallback_when_reads_refuse_o_direct(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Accepted at open, refused per request: the copy starts over buffered.
-    real_preadv = os.preadv
-
-    def refuse_direct(fd: int, buffers: list[memoryview], offset: int) -> int:
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_preadv(fd, buffers, offset)
-
-    monkeypatch.setattr(os, "preadv", refuse_direct)
+    refuse_direct_reads(monkeypatch)
     expected = write_pattern(tmp_path / "src", 3 * MIB + 1)
     copied = copy_file(tmp_path / "src", tmp_path / "dst", sha256=True, block_size=MIB)
     assert copied.direct is False
