@@ -13,15 +13,43 @@ import yaml
 
 import dynamo_snapshot
 from dynamo_snapshot.agent import watcher
+from dynamo_snapshot.agent.runtime.runc import DEFAULT_HOST_BINDS
 from dynamo_snapshot.api import crdgen, protocol
 from dynamo_snapshot.cli.agent_cmd import AgentConfig
 from dynamo_snapshot.cli.controller_cmd import ControllerCommandConfig
-from tests.helm.chart import CHART, REPO, Obj, kinds, lint, one, render, rule_triples, template
+from tests.helm.chart import (
+    CHART,
+    REPO,
+    Obj,
+    kinds,
+    lint,
+    one,
+    render,
+    render_text,
+    rule_triples,
+    template,
+)
 
 PVC_ON = {"artifacts": {"persistence": {"enabled": True, "storageClass": "nfs-rwx", "size": "2Ti"}}}
 SERVICE_MONITOR_ON = {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kps"}}}}
 RUNTIME_LOCAL = {"agent": {"runtime": "local", "launchWorkloads": True}}
 WATCH_ONE = {"controller": {"watchNamespace": "team-a", "autoscale": False}}
+# Paths a volume name cannot simply be made of: capitals, underscores, spaces, one readable part for two
+# paths (a_b, a-b), none at all, more than 63 characters, dotted components.
+HOST_BINDS = [
+    "/srv/models",
+    "/home/dev/Checkout_v2",
+    "/data/a_b",
+    "/data/a-b",
+    "/___",
+    "/mnt/" + "x" * 80,
+    "/mnt/.hidden/..odd/...",
+]
+WRITABLE_BINDS = ["/srv/endpoints", "/scratch/run #1: w"]
+LAUNCH_WITH_BINDS = {
+    "agent": {"launchWorkloads": True, "hostBinds": HOST_BINDS, "writableBinds": WRITABLE_BINDS}
+}
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 MINIMAL = {
     "rbac": {"create": False},
     "serviceAccount": {
@@ -38,6 +66,7 @@ VALUE_SETS = {
     "runtime-local": RUNTIME_LOCAL,
     "watch-one-namespace": WATCH_ONE,
     "minimal": MINIMAL,
+    "launch-with-binds": LAUNCH_WITH_BINDS,
 }
 
 
@@ -272,6 +301,122 @@ def test_runtime_local() -> None:
     assert not paths & {"/run/containerd", "/run/runc"}, "the local runtime runs no containers"
 
 
+def _agent_mounts(objs: list[Obj]) -> dict[str, tuple[Obj, Obj]]:
+    """The agent container's mounts by path: (volumeMount, volume)."""
+    ds = one(objs, "DaemonSet", "-agent")
+    volumes = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
+    mounts = _container(ds, "agent")["volumeMounts"]
+    assert len({m["mountPath"] for m in mounts}) == len(mounts), "two mounts at one path"
+    return {m["mountPath"]: (m, volumes[m["name"]]) for m in mounts}
+
+
+def test_launched_workloads_get_their_binds_mounted_in_the_agent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """runc binds the workers' directories from the agent's own mount namespace: each must be mounted there,
+    from the host, at the same path; read-only ones read-only."""
+    objs = render(LAUNCH_WITH_BINDS)
+    pod = one(objs, "DaemonSet", "-agent")["spec"]["template"]["spec"]
+    names = [v["name"] for v in pod["volumes"]]
+    assert len(set(names)) == len(names), names
+    for name in names:
+        assert DNS_LABEL.match(name), f"{name!r} is not a DNS-1123 label of at most 63 characters"
+
+    mounts = _agent_mounts(objs)
+    defaults = _agent_mounts(render())
+    assert set(mounts) == set(defaults) | set(HOST_BINDS) | set(WRITABLE_BINDS)
+    for path in HOST_BINDS:
+        mount, volume = mounts[path]
+        assert mount.get("readOnly") is True, path
+        assert volume["hostPath"] == {"path": path, "type": "Directory"}, path
+        assert volume["name"].startswith("bind-ro-")
+    for path in WRITABLE_BINDS:
+        mount, volume = mounts[path]
+        assert mount.get("readOnly", False) is False, path
+        assert volume["hostPath"] == {"path": path, "type": "DirectoryOrCreate"}, path
+        assert volume["name"].startswith("bind-rw-")
+    assert mounts["/srv/models"][1]["name"].startswith("bind-ro-srv-models-"), "names read as their path"
+
+    # A name comes from its path alone: reordering the lists renames no volume.
+    reordered = render(
+        {
+            "agent": {
+                "launchWorkloads": True,
+                "hostBinds": HOST_BINDS[::-1],
+                "writableBinds": WRITABLE_BINDS[::-1],
+            }
+        }
+    )
+    again = _agent_mounts(reordered)
+    assert {p: v["name"] for p, (_, v) in again.items()} == {p: v["name"] for p, (_, v) in mounts.items()}
+
+    # The agent is told the same: the image's system directories, then the host's.
+    monkeypatch.setenv("NODE_NAME", "gpu-0")
+    config = AgentConfig.model_validate(_config(objs, "agent"))
+    assert config.host_binds == [*DEFAULT_HOST_BINDS, *HOST_BINDS]
+    assert config.writable_binds == WRITABLE_BINDS
+
+
+def test_binds_are_mounted_only_for_launched_runc_workloads(monkeypatch: pytest.MonkeyPatch) -> None:
+    binds = {"hostBinds": HOST_BINDS, "writableBinds": WRITABLE_BINDS}
+    for values, without in [
+        ({"agent": binds}, None),
+        ({"agent": {**binds, "runtime": "local", "launchWorkloads": True}}, RUNTIME_LOCAL),
+    ]:
+        objs, plain = render(values), render(without)
+        assert _agent_mounts(objs) == _agent_mounts(plain), values
+        ds, plain_ds = one(objs, "DaemonSet", "-agent"), one(plain, "DaemonSet", "-agent")
+        assert ds["spec"]["template"]["spec"]["volumes"] == plain_ds["spec"]["template"]["spec"]["volumes"]
+    # Empty lists render as the chart always has: no hostBinds key (the agent's default), nothing mounted.
+    launch = {"agent": {"launchWorkloads": True}}
+    empty = {"agent": {"launchWorkloads": True, "hostBinds": [], "writableBinds": []}}
+    assert render_text(empty) == render_text(launch)
+    data = _config(render(), "agent")
+    assert "hostBinds" not in data
+    monkeypatch.setenv("NODE_NAME", "gpu-0")
+    assert AgentConfig.model_validate(data).host_binds == list(DEFAULT_HOST_BINDS)
+
+
+def test_bind_and_mount_paths_the_agent_cannot_use_are_refused() -> None:
+    launch: dict[str, Any] = {"launchWorkloads": True}
+    cases: list[tuple[dict[str, Any], str]] = [
+        (
+            {**launch, "hostBinds": ["/usr/local/cuda"]},
+            "agent.hostBinds: /usr/local/cuda would hide the agent container's own /usr",
+        ),
+        (
+            {"writableBinds": ["/etc/workers"]},
+            "agent.writableBinds: /etc/workers would hide the agent container's own /etc",
+        ),
+        (
+            {**launch, "hostBinds": ["/run"]},
+            "agent.hostBinds: /run would hide the agent container's own /run",
+        ),
+        (
+            {**launch, "hostBinds": ["/srv"], "writableBinds": ["/srv/endpoints"]},
+            "agent.writableBinds: /srv/endpoints is or lies inside the read-only bind /srv",
+        ),
+        (
+            {**launch, "hostBinds": ["/srv/x"], "writableBinds": ["/srv/x"]},
+            "agent.writableBinds: /srv/x is or lies inside the read-only bind /srv/x",
+        ),
+        (
+            {**launch, "hostBinds": ["/var/lib/dynamo-snapshot/control"]},
+            "agent.controlRoot and agent.hostBinds both mount /var/lib/dynamo-snapshot/control in the agent",
+        ),
+        (
+            {**launch, "writableBinds": ["/run/runc"]},
+            "agent.runtimeHostPaths and agent.writableBinds both mount /run/runc in the agent",
+        ),
+        (
+            {"stateRoot": "/var/lib/dynamo-snapshot/control/"},
+            "agent.controlRoot and agent.stateRoot both mount /var/lib/dynamo-snapshot/control in the agent",
+        ),
+    ]
+    for agent, message in cases:
+        proc = template({"agent": agent})
+        assert proc.returncode != 0, f"{agent} was accepted"
+        assert message in proc.stderr, proc.stderr
+
+
 def test_minimal_values_leave_out_rbac_policy_profile_and_metrics() -> None:
     objs = render(MINIMAL)
     assert kinds(objs) == ["ConfigMap", "ConfigMap", "DaemonSet", "Deployment"]
@@ -289,6 +434,12 @@ def test_schema_rejects_bad_values_with_a_clear_message() -> None:
         ({"controller": {"healthPort": 0}}, "at '/controller/healthPort'"),
         ({"agent": {"seccompProfile": {"errno": "EPERM"}}}, "at '/agent/seccompProfile/errno'"),
         ({"artifacts": {"persistence": {"sizee": "1Ti"}}}, "additional properties 'sizee' not allowed"),
+        ({"agent": {"hostBinds": ["models"]}}, "at '/agent/hostBinds/0': 'models' does not match pattern"),
+        ({"agent": {"writableBinds": ["/srv/x/"]}}, "at '/agent/writableBinds/0': '/srv/x/' does not match"),
+        ({"agent": {"hostBinds": ["/srv/../etc"]}}, "at '/agent/hostBinds/0': '/srv/../etc' does not match"),
+        ({"agent": {"hostBinds": ["//srv"]}}, "at '/agent/hostBinds/0': '//srv' does not match"),
+        ({"agent": {"hostBinds": ["/"]}}, "at '/agent/hostBinds/0': '/' does not match"),
+        ({"agent": {"writableBinds": ["/a", "/a"]}}, "at '/agent/writableBinds': items at 0 and 1 are equal"),
     ]
     for values, message in cases:
         proc = template(values)

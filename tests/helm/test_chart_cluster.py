@@ -140,8 +140,16 @@ def _http(url: str, context: ssl.SSLContext | None = None, **kw: Any) -> tuple[i
         None,
         {"artifacts": {"persistence": {"enabled": True, "storageClass": "rwx"}}},
         {"agent": {"runtime": "local"}, "controller": {"autoscale": False}},
+        # The bind volumes' names, paths and types, as the API server judges them.
+        {
+            "agent": {
+                "launchWorkloads": True,
+                "hostBinds": ["/srv/models", "/home/dev/Checkout_v2", "/mnt/" + "x" * 80],
+                "writableBinds": ["/srv/endpoints"],
+            }
+        },
     ],
-    ids=["defaults", "pvc", "runtime-local"],
+    ids=["defaults", "pvc", "runtime-local", "launch-with-binds"],
 )
 def test_rendered_manifests_pass_server_side_dry_run(
     cluster: LocalCluster, namespace: str, crds: list[str], values: Obj | None

@@ -69,3 +69,98 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "dynamo-snapshot.seccompProfilePath" -}}
 {{- printf "profiles/%s" .Values.agent.seccompProfile.fileName -}}
 {{- end -}}
+
+{{/*
+What the workers the agent launches itself (runc + launchWorkloads) see read-only besides agent.hostBinds:
+the agent image's own system directories (DEFAULT_HOST_BINDS in dynamo_snapshot/agent/runtime/runc.py).
+*/}}
+{{- define "dynamo-snapshot.imageBinds" -}}
+["/usr","/etc","/opt"]
+{{- end -}}
+
+{{/*
+A bind's volume name, from its path alone (a reordered list renames nothing): a DNS-1123 label of at most
+7 + 1 + 40 + 1 + 8 = 57 characters. The hash of the exact path keeps apart paths whose readable part is
+the same once lowercased, stripped of other characters or cut short.
+*/}}
+{{- define "dynamo-snapshot.bindVolumeName" -}}
+{{- $slug := regexReplaceAll "[^a-z0-9]+" (lower .path) "-" | trimAll "-" | trunc 40 | trimSuffix "-" -}}
+{{- $hash := sha256sum .path | trunc 8 -}}
+{{- if $slug -}}
+{{- printf "%s-%s-%s" .prefix $slug $hash -}}
+{{- else -}}
+{{- printf "%s-%s" .prefix $hash -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+agent.hostBinds and agent.writableBinds as the DaemonSet mounts them (a JSON list of {name, path,
+readOnly}; empty unless runc + launchWorkloads, the only case where the agent binds them), after the checks
+the schema cannot express (it has already made each path absolute, normalized and unique in its list):
+- no path at or under a system directory of the agent image: the mount would hide the agent's own files
+  (and the workers see the image's /usr, /etc and /opt anyway);
+- no writable bind at or under a read-only one (the agent refuses to start: CRIU does not restore a bind
+  nested in another);
+- no two agent mounts at one path (the API server refuses the pod).
+*/}}
+{{- define "dynamo-snapshot.agentBinds" -}}
+{{- $a := .Values.agent -}}
+{{- $under := list "/usr" "/etc" "/opt" "/bin" "/sbin" "/lib" "/lib32" "/lib64" "/libx32" "/proc" "/sys" "/dev" -}}
+{{- $exact := list "/run" "/var" -}}
+{{- $readOnly := concat (include "dynamo-snapshot.imageBinds" . | fromJsonArray) $a.hostBinds -}}
+{{- range $key, $paths := dict "hostBinds" $a.hostBinds "writableBinds" $a.writableBinds -}}
+{{- range $paths -}}
+{{- $p := . -}}
+{{- range $under -}}
+{{- if or (eq $p .) (hasPrefix (printf "%s/" .) $p) -}}
+{{- fail (printf "agent.%s: %s would hide the agent container's own %s; bind a directory outside it" $key $p .) -}}
+{{- end -}}
+{{- end -}}
+{{- if has $p $exact -}}
+{{- fail (printf "agent.%s: %s would hide the agent container's own %s; bind a directory below it" $key $p $p) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- range $w := $a.writableBinds -}}
+{{- range $readOnly -}}
+{{- if or (eq $w .) (hasPrefix (printf "%s/" .) $w) -}}
+{{- fail (printf "agent.writableBinds: %s is or lies inside the read-only bind %s (the agent would refuse to start)" $w .) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- $binds := list -}}
+{{- if and $a.launchWorkloads (eq $a.runtime "runc") -}}
+{{- range $a.hostBinds -}}
+{{- $binds = append $binds (dict "name" (include "dynamo-snapshot.bindVolumeName" (dict "prefix" "bind-ro" "path" .)) "path" . "readOnly" true) -}}
+{{- end -}}
+{{- range $a.writableBinds -}}
+{{- $binds = append $binds (dict "name" (include "dynamo-snapshot.bindVolumeName" (dict "prefix" "bind-rw" "path" .)) "path" . "readOnly" false) -}}
+{{- end -}}
+{{- end -}}
+{{- /* Every mount of the agent container, by cleaned path. */ -}}
+{{- $mounts := dict -}}
+{{- $fixed := list (list "/etc/dynamo-snapshot" "the agent's config") (list .Values.artifacts.mountPath "artifacts.mountPath") (list $a.controlRoot "agent.controlRoot") (list $a.stateRoot "agent.stateRoot") -}}
+{{- if eq $a.runtime "runc" -}}
+{{- range $a.runtimeHostPaths -}}
+{{- $fixed = append $fixed (list . "agent.runtimeHostPaths") -}}
+{{- end -}}
+{{- end -}}
+{{- range $binds -}}
+{{- $fixed = append $fixed (list .path (ternary "agent.hostBinds" "agent.writableBinds" .readOnly)) -}}
+{{- end -}}
+{{- range $fixed -}}
+{{- $path := clean (index . 0) -}}
+{{- if hasKey $mounts $path -}}
+{{- fail (printf "%s and %s both mount %s in the agent" (get $mounts $path) (index . 1) $path) -}}
+{{- end -}}
+{{- $_ := set $mounts $path (index . 1) -}}
+{{- end -}}
+{{- $names := dict -}}
+{{- range $binds -}}
+{{- if hasKey $names .name -}}
+{{- fail (printf "agent binds %s and %s got one volume name %s" (get $names .name) .path .name) -}}
+{{- end -}}
+{{- $_ := set $names .name .path -}}
+{{- end -}}
+{{- toJson $binds -}}
+{{- end -}}
