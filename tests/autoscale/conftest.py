@@ -10,13 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from dynamo_snapshot.localcluster import LocalPrometheus, LocalPrometheusError
-from dynamo_snapshot.localcluster.components import ComponentsMissingError
+from dynamo_snapshot.localcluster import LocalPrometheus
 from tests.autoscale.exporter import FakeVllmExporter
-
-
-def _fail(msg: str) -> None:
-    pytest.fail(msg, pytrace=False)
+from tests.helpers.prometheus import local_prometheus
 
 
 @pytest.fixture(scope="module")
@@ -32,17 +28,9 @@ def exporters() -> Iterator[list[FakeVllmExporter]]:
 def prometheus(
     exporters: list[FakeVllmExporter], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalPrometheus]:
-    server = LocalPrometheus(
-        [exporter.address for exporter in exporters], workdir=tmp_path_factory.mktemp("prometheus")
-    )
-    try:
-        server.start()
-        server.wait_targets_up()
-    except (ComponentsMissingError, LocalPrometheusError) as e:
-        server.stop()
-        _fail(f"local prometheus: {e}")
-    yield server
-    server.stop()
+    targets = [exporter.address for exporter in exporters]
+    with local_prometheus(targets, tmp_path_factory.mktemp("prometheus")) as server:
+        yield server
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """A tiny stand-in for vLLM workers' /metrics: settable gauges named like vLLM's, one ``pod`` label each.
 
-Each ``FakeVllmExporter`` is its own HTTP server (in a daemon thread, on a free loopback port) with its
+Each ``FakeVllmExporter`` is its own HTTP server (a tests.helpers.stub_server.StubServer) with its
 own prometheus_client registry, so several can run side by side, like several worker pods.
 
 It always answers in the classic text format: prometheus_client 0.26's OpenMetrics output (what
@@ -10,11 +10,11 @@ so Prometheus would store vllm_num_requests_waiting instead of vLLM's vllm:num_r
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge, generate_latest
+
+from tests.helpers.stub_server import StubServer
 
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
@@ -37,29 +37,12 @@ class FakeVllmExporter:
             name: Gauge(name, help_text, ["pod", "model_name"], registry=self.registry)
             for name, help_text in _HELP.items()
         }
-        registry = self.registry
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                body = generate_latest(registry)
-                self.send_response(200)
-                self.send_header("Content-Type", CONTENT_TYPE_LATEST)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-        self.port = int(self._server.server_address[1])
+        self._server = StubServer(lambda: (200, CONTENT_TYPE_LATEST, generate_latest(self.registry)))
+        self.port = self._server.port
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return self._server.address
 
     def set(self, metric: str, value: float, pod: str | None = None) -> None:
         """Set ``metric`` for ``pod`` (the exporter's first pod when omitted)."""
@@ -79,6 +62,4 @@ class FakeVllmExporter:
             gauge.clear()
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
+        self._server.stop()

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import time
 import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TypeVar
 
@@ -27,6 +25,7 @@ from dynamo_snapshot.autoscale.prometheus import (
 from dynamo_snapshot.localcluster import LocalPrometheus
 from dynamo_snapshot.localcluster.components import ComponentsMissingError
 from tests.autoscale.exporter import KV_CACHE, RUNNING, WAITING, FakeVllmExporter
+from tests.helpers.stub_server import Response, StubServer
 
 T = TypeVar("T")
 
@@ -231,32 +230,19 @@ async def test_hung_prometheus_times_out_without_blocking_the_loop(silent_server
     assert max(gaps) < 0.2, "the event loop was blocked"
 
 
-class _Failing(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        body = b'{"status":"error","errorType":"unavailable","error":"TSDB not ready"}'
-        self.send_response(503)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
+def _tsdb_not_ready() -> Response:
+    return 503, "application/json", b'{"status":"error","errorType":"unavailable","error":"TSDB not ready"}'
 
 
 async def test_server_error_is_unavailable() -> None:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Failing)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    src = PrometheusSource(url, timeout_s=2.0)
-    try:
-        with pytest.raises(MetricsUnavailable) as caught:
-            await src.query_total("1")
-    finally:
-        server.shutdown()
-        server.server_close()
-        src.close()
+    with StubServer(_tsdb_not_ready) as server:
+        url = server.url
+        src = PrometheusSource(url, timeout_s=2.0)
+        try:
+            with pytest.raises(MetricsUnavailable) as caught:
+                await src.query_total("1")
+        finally:
+            src.close()
     assert str(caught.value) == f"prometheus at {url} unreachable: HTTP 503: unavailable: TSDB not ready"
 
 

@@ -20,6 +20,7 @@ from dynamo_snapshot.controller.runtime import Obj
 from dynamo_snapshot.localcluster import LocalPrometheus
 from tests.autoscale.exporter import FakeVllmExporter
 from tests.controller.conftest import Harness, dgd_manifest, eventually
+from tests.helpers.prometheus import local_prometheus
 
 pytestmark = pytest.mark.cluster
 
@@ -41,11 +42,8 @@ def exporter() -> Iterator[FakeVllmExporter]:
 
 @pytest.fixture
 def prometheus(exporter: FakeVllmExporter, tmp_path: Any) -> Iterator[LocalPrometheus]:
-    server = LocalPrometheus([exporter.address], workdir=tmp_path / "prometheus")
-    server.start()
-    server.wait_targets_up()
-    yield server
-    server.stop()
+    with local_prometheus([exporter.address], tmp_path / "prometheus") as server:
+        yield server
 
 
 def policy(name: str, url: str, *, query: str = f"sum({WAITING})", **spec: Any) -> Obj:
