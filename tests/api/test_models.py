@@ -23,10 +23,8 @@ from dynamo_snapshot.api.graphdeployment import (
 from dynamo_snapshot.api.identity import BackendFramework, CheckpointIdentity, compute_identity_hash
 from dynamo_snapshot.api.kube import CustomResource
 from dynamo_snapshot.api.protocol import LABEL_CHECKPOINT_HASH
-from dynamo_snapshot.api.resources import CUSTOM_RESOURCES
 from tests.api.examples import MANIFEST_DIR, load_manifest
-
-MODELS: dict[str, type[CustomResource]] = {resource.resource.kind: resource for resource in CUSTOM_RESOURCES}
+from tests.api.helpers import MODELS
 
 
 def _validate(manifest: dict[str, Any]) -> CustomResource:

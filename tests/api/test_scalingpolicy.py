@@ -10,7 +10,6 @@ from pydantic import ValidationError
 
 from dynamo_snapshot.api.crdgen import build_crd
 from dynamo_snapshot.api.kube import ConditionStatus
-from dynamo_snapshot.api.protocol import API_GROUP, API_VERSION
 from dynamo_snapshot.api.resources import CUSTOM_RESOURCES
 from dynamo_snapshot.api.scalingpolicy import (
     DUPLICATE_METRIC_NAMES_MESSAGE,
@@ -21,23 +20,7 @@ from dynamo_snapshot.api.scalingpolicy import (
     DynamoScalingPolicy,
     ScalingConditionType,
 )
-
-WAITING = 'sum(vllm:num_requests_waiting{namespace="ns"})'
-
-
-def policy(**spec: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "target": {"dgdName": "llama", "serviceName": "VllmDecodeWorker"},
-        "maxReplicas": 8,
-        "metrics": [{"name": "waiting", "query": WAITING, "targetPerReplica": 4}],
-    }
-    body.update(spec)
-    return {
-        "apiVersion": f"{API_GROUP}/{API_VERSION}",
-        "kind": "DynamoScalingPolicy",
-        "metadata": {"name": "llama-decode", "namespace": "ns"},
-        "spec": body,
-    }
+from tests.api.helpers import WAITING, scaling_policy
 
 
 def _crd_spec() -> dict[str, Any]:
@@ -47,7 +30,7 @@ def _crd_spec() -> dict[str, Any]:
 
 
 def test_defaults() -> None:
-    spec = DynamoScalingPolicy.model_validate(policy()).spec
+    spec = DynamoScalingPolicy.model_validate(scaling_policy()).spec
     assert spec.min_replicas == 1
     assert spec.evaluation_interval_seconds == 2
     assert spec.tolerance == 0.1
@@ -75,7 +58,7 @@ def test_defaults() -> None:
 def test_crd_defaults_match_the_model() -> None:
     """The apiserver fills in the same defaults pydantic does, nested objects included."""
     crd = _crd_spec()["properties"]
-    model = DynamoScalingPolicy.model_validate(policy()).spec.model_dump(by_alias=True)
+    model = DynamoScalingPolicy.model_validate(scaling_policy()).spec.model_dump(by_alias=True)
     for key in ("minReplicas", "evaluationIntervalSeconds", "tolerance", "staleAfterSeconds"):
         assert crd[key]["default"] == model[key], key
     assert crd["queryTimeoutSeconds"]["default"] == model["queryTimeoutSeconds"]
@@ -90,20 +73,22 @@ def test_crd_defaults_match_the_model() -> None:
 
 def test_min_above_max_is_rejected() -> None:
     with pytest.raises(ValidationError, match=MIN_EXCEEDS_MAX_MESSAGE):
-        DynamoScalingPolicy.model_validate(policy(minReplicas=5, maxReplicas=4))
-    DynamoScalingPolicy.model_validate(policy(minReplicas=4, maxReplicas=4))
-    DynamoScalingPolicy.model_validate(policy(minReplicas=0, maxReplicas=1))
+        DynamoScalingPolicy.model_validate(scaling_policy(minReplicas=5, maxReplicas=4))
+    DynamoScalingPolicy.model_validate(scaling_policy(minReplicas=4, maxReplicas=4))
+    DynamoScalingPolicy.model_validate(scaling_policy(minReplicas=0, maxReplicas=1))
 
 
 @pytest.mark.parametrize("target", [0, -1, 0.0])
 def test_non_positive_target_is_rejected(target: float) -> None:
-    bad = policy(metrics=[{"name": "waiting", "query": WAITING, "targetPerReplica": target}])
+    bad = scaling_policy(metrics=[{"name": "waiting", "query": WAITING, "targetPerReplica": target}])
     with pytest.raises(ValidationError, match=TARGET_PER_REPLICA_MESSAGE):
         DynamoScalingPolicy.model_validate(bad)
 
 
 def test_fractional_target_is_fine() -> None:
-    spec = policy(metrics=[{"name": "kv", "query": "avg(vllm:kv_cache_usage_perc)", "targetPerReplica": 0.7}])
+    spec = scaling_policy(
+        metrics=[{"name": "kv", "query": "avg(vllm:kv_cache_usage_perc)", "targetPerReplica": 0.7}]
+    )
     assert DynamoScalingPolicy.model_validate(spec).spec.metrics[0].target_per_replica == 0.7
 
 
@@ -114,8 +99,8 @@ def test_duplicate_metric_names_are_rejected() -> None:
         {"name": "waiting", "query": "sum(other)", "targetPerReplica": 1},
     ]
     with pytest.raises(ValidationError, match=f"{DUPLICATE_METRIC_NAMES_MESSAGE}: waiting"):
-        DynamoScalingPolicy.model_validate(policy(metrics=metrics))
-    DynamoScalingPolicy.model_validate(policy(metrics=metrics[:2]))
+        DynamoScalingPolicy.model_validate(scaling_policy(metrics=metrics))
+    DynamoScalingPolicy.model_validate(scaling_policy(metrics=metrics[:2]))
 
 
 @pytest.mark.parametrize(
@@ -146,19 +131,20 @@ def test_duplicate_metric_names_are_rejected() -> None:
 )
 def test_bad_specs_are_rejected(spec: dict[str, Any], match: str) -> None:
     with pytest.raises(ValidationError, match=match):
-        DynamoScalingPolicy.model_validate(policy(**spec))
+        DynamoScalingPolicy.model_validate(scaling_policy(**spec))
 
 
 def test_missing_required_fields() -> None:
     for key in ("target", "maxReplicas", "metrics"):
-        body = policy()
+        body = scaling_policy()
         del body["spec"][key]
         with pytest.raises(ValidationError, match=key):
             DynamoScalingPolicy.model_validate(body)
 
 
 def test_round_trip_with_status() -> None:
-    body = policy(
+    body = scaling_policy(
+        namespace="ns",
         minReplicas=0,
         tolerance=0,
         scaleUp={"stabilizationWindowSeconds": 5, "maxStep": 4, "maxPercent": 200},
@@ -204,7 +190,7 @@ def test_round_trip_with_status() -> None:
 
 def test_unknown_spec_keys_are_dropped_not_kept() -> None:
     """The CRD prunes (and kubectl refuses) unknown keys; a newer policy still parses."""
-    body = policy(futureKnob=1)
+    body = scaling_policy(futureKnob=1)
     body["spec"]["target"]["typo"] = "x"
     assert "futureKnob" not in DynamoScalingPolicy.model_validate(body).to_dict()["spec"]
     spec = _crd_spec()

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import http.server
 import json
 import re
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,17 +26,17 @@ from typing import Any
 
 import pytest
 import yaml
-from pydantic import ValidationError
 
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.identity import compute_identity_hash
-from dynamo_snapshot.api.kube import CustomResource
-from dynamo_snapshot.api.resources import CUSTOM_RESOURCES
 from dynamo_snapshot.api.scalingpolicy import TARGET_PER_REPLICA_MESSAGE
 from dynamo_snapshot.autoscale.prometheus import NoData, PrometheusError, PrometheusSource
 from dynamo_snapshot.controller.podspec import MAIN_CONTAINER, new_pod_name, pod_name_prefix
-from dynamo_snapshot.localcluster import LocalCluster, LocalPrometheus, LocalPrometheusError
-from dynamo_snapshot.localcluster.components import ComponentsMissingError
+from dynamo_snapshot.localcluster import LocalCluster, LocalPrometheus
+from tests.api.helpers import MODELS, lost
+from tests.helpers.prometheus import local_prometheus
+from tests.helpers.stub_server import StubServer
+from tests.integration.apply import refused, refused_by_both, server_dry_run
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
@@ -47,7 +45,6 @@ FRAMEWORKS = ("vllm", "sglang", "trtllm")
 # The namespace examples/README.md applies the examples to, and the one the policies' queries name.
 NAMESPACE = "dynamo-inference"
 
-MODELS: dict[str, type[CustomResource]] = {r.resource.kind: r for r in CUSTOM_RESOURCES}
 DGD, CKPT, POLICY = "DynamoGraphDeployment", "DynamoCheckpoint", "DynamoScalingPolicy"
 
 # How each framework's Dynamo worker spells the identity's fields on its command line.
@@ -102,19 +99,6 @@ def _all(kind: str, directory: Path | None = None) -> list[tuple[Path, dict[str,
         for doc in _documents(path)
         if doc.get("kind") == kind
     ]
-
-
-def _lost(given: Any, kept: Any, path: str = "") -> list[str]:
-    """Everything in ``given`` that ``kept`` lacks or changed; additions (defaults) are fine."""
-    if isinstance(given, dict):
-        if not isinstance(kept, dict):
-            return [f"{path}: became {kept!r}"]
-        return [lost for key, value in given.items() for lost in _lost(value, kept.get(key), f"{path}.{key}")]
-    if isinstance(given, list):
-        if not isinstance(kept, list) or len(kept) != len(given):
-            return [f"{path}: became {kept!r}"]
-        return [lost for i, item in enumerate(given) for lost in _lost(item, kept[i], f"{path}[{i}]")]
-    return [] if given == kept else [f"{path}: {given!r} became {kept!r}"]
 
 
 def _checkpointed_services(dgd: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -187,7 +171,7 @@ def test_validates_with_its_model_and_loses_nothing(path: Path) -> None:
         assert "namespace" not in doc["metadata"], f"{path}: remove metadata.namespace"
         model = MODELS[doc["kind"]].model_validate(doc)
         # DynamoScalingPolicy drops keys it does not know: a typo in an example would vanish here.
-        assert _lost(doc, model.to_dict()) == []
+        assert lost(doc, model.to_dict()) == []
 
 
 def test_identity_hash_labels_are_the_identity_hashes() -> None:
@@ -299,38 +283,12 @@ def test_policies_target_a_checkpointed_service_and_select_its_pods() -> None:
 # --- the real apiserver ----------------------------------------------------------------------------
 
 
-def _dry_run(cluster: LocalCluster, namespace: str, manifest: dict[str, Any]) -> Any:
-    return cluster.kubectl(
-        "apply",
-        "--server-side",
-        "--dry-run=server",
-        "-n",
-        namespace,
-        "-f",
-        "-",
-        "-o",
-        "json",
-        input=json.dumps(manifest),
-        check=False,
-    )
-
-
-def _refused(cluster: LocalCluster, namespace: str, manifest: dict[str, Any]) -> str:
-    proc = _dry_run(cluster, namespace, manifest)
-    assert proc.returncode != 0, f"the apiserver accepted {json.dumps(manifest)}"
-    text: str = proc.stderr
-    return text
-
-
 @pytest.mark.cluster
 @pytest.mark.parametrize("path", MANIFEST_FILES, ids=IDS)
 def test_applies_with_server_side_dry_run(
     cluster: LocalCluster, crds: list[str], namespace: str, path: Path
 ) -> None:
-    out = cluster.kubectl(
-        "apply", "--server-side", "--dry-run=server", "-n", namespace, "-f", str(path), "-o", "json"
-    ).stdout
-    answer = json.loads(out)
+    answer = json.loads(server_dry_run(cluster, namespace, path, check=True).stdout)
     stored_by_name = {
         item["metadata"]["name"]: item for item in (answer["items"] if answer["kind"] == "List" else [answer])
     }
@@ -338,7 +296,7 @@ def test_applies_with_server_side_dry_run(
         stored = stored_by_name[doc["metadata"]["name"]]
         assert stored["metadata"]["namespace"] == namespace
         # The apiserver kept every field (only defaults added), and the result is still a valid object.
-        assert _lost(doc["spec"], stored["spec"]) == []
+        assert lost(doc["spec"], stored["spec"]) == []
         MODELS[doc["kind"]].model_validate(stored)
         # A dry run: nothing was stored.
         plural = MODELS[doc["kind"]].resource.crd_name
@@ -386,22 +344,18 @@ def test_broken_dgd_is_refused_naming_the_field(
 
     negative = copy.deepcopy(dgd)
     negative["spec"]["services"][svc]["replicas"] = -1
-    with pytest.raises(ValidationError, match="replicas"):
-        MODELS[DGD].model_validate(negative)
-    error = _refused(cluster, namespace, negative)
+    error = refused_by_both(cluster, namespace, negative, "replicas", dry_run=True)
     assert f"spec.services.{svc}.replicas" in error
     assert "greater than or equal to 0" in error
 
     bad_mode = copy.deepcopy(dgd)
     bad_mode["spec"]["services"][svc]["checkpoint"]["mode"] = "Sometimes"
-    with pytest.raises(ValidationError, match="mode"):
-        MODELS[DGD].model_validate(bad_mode)
-    error = _refused(cluster, namespace, bad_mode)
+    error = refused_by_both(cluster, namespace, bad_mode, "mode", dry_run=True)
     assert f"spec.services.{svc}.checkpoint.mode" in error
     assert '"Sometimes"' in error
 
     # The unbroken file still applies: what failed above is the one field changed.
-    assert _dry_run(cluster, namespace, dgd).returncode == 0
+    assert server_dry_run(cluster, namespace, dgd).returncode == 0
 
 
 @pytest.mark.cluster
@@ -412,15 +366,13 @@ def test_broken_checkpoint_is_refused_naming_the_field(
     [ckpt] = _documents(path)
     broken = copy.deepcopy(ckpt)
     broken["spec"]["identity"]["backendFramework"] = "tensorflow"
-    with pytest.raises(ValidationError, match="backendFramework"):
-        MODELS[CKPT].model_validate(broken)
-    error = _refused(cluster, namespace, broken)
+    error = refused_by_both(cluster, namespace, broken, "backendFramework", dry_run=True)
     assert "spec.identity.backendFramework" in error
     assert "tensorflow" in error
 
     no_deadline = copy.deepcopy(ckpt)
     no_deadline["spec"]["job"]["activeDeadlineSeconds"] = 0
-    error = _refused(cluster, namespace, no_deadline)
+    error = refused(cluster, namespace, no_deadline, dry_run=True)
     assert "spec.job.activeDeadlineSeconds" in error
 
 
@@ -432,9 +384,7 @@ def test_broken_policy_is_refused_naming_the_field(
     [policy] = _documents(path)
     zero = copy.deepcopy(policy)
     zero["spec"]["metrics"][0]["targetPerReplica"] = 0
-    with pytest.raises(ValidationError, match=TARGET_PER_REPLICA_MESSAGE):
-        MODELS[POLICY].model_validate(zero)
-    error = _refused(cluster, namespace, zero)
+    error = refused_by_both(cluster, namespace, zero, TARGET_PER_REPLICA_MESSAGE, dry_run=True)
     assert "spec.metrics[0].targetPerReplica" in error
     assert TARGET_PER_REPLICA_MESSAGE in error
 
@@ -442,7 +392,7 @@ def test_broken_policy_is_refused_naming_the_field(
     # apiserver's strict field validation refuses it.
     typo = copy.deepcopy(policy)
     typo["spec"]["maxReplica"] = typo["spec"].pop("maxReplicas")
-    error = _refused(cluster, namespace, typo)
+    error = refused(cluster, namespace, typo, dry_run=True)
     assert "maxReplica" in error
 
 
@@ -491,25 +441,8 @@ class _Exposition:
                 self.gauges[(metric, ns, pod)] = (i + 1) * 0.25 if ns == NAMESPACE else 1000.0
         self.histograms = sorted(histogram_names)
         self.started = time.monotonic()
-        exposition = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                body = exposition.render().encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-        self.address = f"127.0.0.1:{self._server.server_address[1]}"
+        self._server = StubServer(lambda: (200, "text/plain; version=0.0.4", self.render().encode()))
+        self.address = self._server.address
 
     def render(self) -> str:
         lines: list[str] = []
@@ -546,9 +479,7 @@ class _Exposition:
         return sum(self.gauges[(found.group(1), ns, pod)] for ns, pod in self.matching(query))
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
+        self._server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -562,15 +493,8 @@ def exposition() -> Iterator[_Exposition]:
 def prometheus(
     exposition: _Exposition, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalPrometheus]:
-    server = LocalPrometheus([exposition.address], workdir=tmp_path_factory.mktemp("prometheus"))
-    try:
-        server.start()
-        server.wait_targets_up()
-    except (ComponentsMissingError, LocalPrometheusError) as e:
-        server.stop()
-        pytest.fail(f"local prometheus: {e}", pytrace=False)
-    yield server
-    server.stop()
+    with local_prometheus([exposition.address], tmp_path_factory.mktemp("prometheus")) as server:
+        yield server
 
 
 async def _settled(source: PrometheusSource, query: str, within: float = 15.0) -> float:

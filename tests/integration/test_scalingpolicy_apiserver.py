@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 from kubernetes_asyncio import client
-from pydantic import ValidationError
 
 from dynamo_snapshot.api.protocol import API_GROUP, API_VERSION
 from dynamo_snapshot.api.scalingpolicy import (
@@ -21,30 +20,12 @@ from dynamo_snapshot.api.scalingpolicy import (
     DynamoScalingPolicy,
 )
 from dynamo_snapshot.localcluster import LocalCluster
-from tests.integration.apply import apply, refused
+from tests.api.helpers import scaling_policy
+from tests.integration.apply import refused, refused_by_both
 
 pytestmark = pytest.mark.cluster
 
 PLURAL = DynamoScalingPolicy.resource.plural
-WAITING = 'sum(vllm:num_requests_waiting{namespace="ns"})'
-
-
-def _policy(name: str, **spec: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "target": {"dgdName": "llama", "serviceName": "VllmDecodeWorker"},
-        "maxReplicas": 8,
-        "metrics": [
-            {"name": "waiting", "query": WAITING, "targetPerReplica": 4},
-            {"name": "kv-cache", "query": "avg(vllm:kv_cache_usage_perc)", "targetPerReplica": 0.75},
-        ],
-    }
-    body.update(spec)
-    return {
-        "apiVersion": f"{API_GROUP}/{API_VERSION}",
-        "kind": "DynamoScalingPolicy",
-        "metadata": {"name": name},
-        "spec": body,
-    }
 
 
 async def _read(api: client.ApiClient, namespace: str, name: str) -> dict[str, Any]:
@@ -57,9 +38,9 @@ async def _read(api: client.ApiClient, namespace: str, name: str) -> dict[str, A
 async def test_valid_policy_applies_with_defaults(
     cluster: LocalCluster, crds: list[str], api: client.ApiClient, namespace: str
 ) -> None:
-    manifest = _policy("decode")
+    manifest = scaling_policy("decode")
     DynamoScalingPolicy.model_validate(manifest)
-    apply(cluster, namespace, manifest)
+    cluster.apply(manifest, namespace)
 
     stored = await _read(api, namespace, "decode")
     model = DynamoScalingPolicy.model_validate(stored)
@@ -105,10 +86,8 @@ async def test_valid_policy_applies_with_defaults(
 
 
 def test_min_above_max_is_refused(cluster: LocalCluster, crds: list[str], namespace: str) -> None:
-    manifest = _policy("min-max", minReplicas=5, maxReplicas=4)
-    with pytest.raises(ValidationError, match=MIN_EXCEEDS_MAX_MESSAGE):
-        DynamoScalingPolicy.model_validate(manifest)
-    error = refused(cluster, namespace, manifest)
+    manifest = scaling_policy("min-max", minReplicas=5, maxReplicas=4)
+    error = refused_by_both(cluster, namespace, manifest, MIN_EXCEEDS_MAX_MESSAGE)
     assert MIN_EXCEEDS_MAX_MESSAGE in error
     assert "spec.minReplicas" in error
 
@@ -117,32 +96,26 @@ def test_min_above_max_is_refused(cluster: LocalCluster, crds: list[str], namesp
 def test_non_positive_target_per_replica_is_refused(
     cluster: LocalCluster, crds: list[str], namespace: str, target: float
 ) -> None:
-    manifest = _policy("zero-target")
+    manifest = scaling_policy("zero-target")
     manifest["spec"]["metrics"][1]["targetPerReplica"] = target
-    with pytest.raises(ValidationError, match=TARGET_PER_REPLICA_MESSAGE):
-        DynamoScalingPolicy.model_validate(manifest)
-    error = refused(cluster, namespace, manifest)
+    error = refused_by_both(cluster, namespace, manifest, TARGET_PER_REPLICA_MESSAGE)
     assert TARGET_PER_REPLICA_MESSAGE in error
     assert "spec.metrics[1].targetPerReplica" in error
 
 
 def test_duplicate_metric_names_are_refused(cluster: LocalCluster, crds: list[str], namespace: str) -> None:
-    manifest = _policy("duplicates")
+    manifest = scaling_policy("duplicates")
     manifest["spec"]["metrics"][1]["name"] = "waiting"
-    with pytest.raises(ValidationError, match=DUPLICATE_METRIC_NAMES_MESSAGE):
-        DynamoScalingPolicy.model_validate(manifest)
-    error = refused(cluster, namespace, manifest)
+    error = refused_by_both(cluster, namespace, manifest, DUPLICATE_METRIC_NAMES_MESSAGE)
     assert DUPLICATE_METRIC_NAMES_MESSAGE in error
     assert "spec.metrics" in error
 
 
 @pytest.mark.parametrize("query", ["", "  "])
 def test_empty_query_is_refused(cluster: LocalCluster, crds: list[str], namespace: str, query: str) -> None:
-    manifest = _policy("empty-query")
+    manifest = scaling_policy("empty-query")
     manifest["spec"]["metrics"][0]["query"] = query
-    with pytest.raises(ValidationError, match="query"):
-        DynamoScalingPolicy.model_validate(manifest)
-    error = refused(cluster, namespace, manifest)
+    error = refused_by_both(cluster, namespace, manifest, "query")
     assert "spec.metrics[0].query" in error
     assert ("at least 1 chars long" if not query else "should match") in error
 
@@ -164,16 +137,14 @@ def test_empty_query_is_refused(cluster: LocalCluster, crds: list[str], namespac
 def test_other_bad_specs_are_refused(
     cluster: LocalCluster, crds: list[str], namespace: str, spec: dict[str, Any], field: str, reason: str
 ) -> None:
-    manifest = _policy("bad", **spec)
-    with pytest.raises(ValidationError):
-        DynamoScalingPolicy.model_validate(manifest)
-    error = refused(cluster, namespace, manifest)
+    manifest = scaling_policy("bad", **spec)
+    error = refused_by_both(cluster, namespace, manifest)
     assert field in error
     assert reason in error
 
 
 def test_unknown_field_is_refused_by_kubectl(cluster: LocalCluster, crds: list[str], namespace: str) -> None:
-    manifest = _policy("typo")
+    manifest = scaling_policy("typo")
     manifest["spec"]["maxReplica"] = 3
     error = refused(cluster, namespace, copy.deepcopy(manifest))
     assert "maxReplica" in error
