@@ -7,24 +7,16 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.cli import run_cli
+from tests.helpers.polling import wait_file
+
 pytestmark = pytest.mark.criu
-CLI = [sys.executable, "-m", "dynamo_snapshot.cli.main"]
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "agent" / "cpu_worker.py"
-
-
-def _wait(path: Path, within: float = 30) -> str:
-    deadline = time.monotonic() + within
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} did not appear"
-        time.sleep(0.05)
-    time.sleep(0.05)
-    return path.read_text()
 
 
 def test_checkpoint_restore_inspect_round_trip(criu_bin: Path, tmp_path: Path) -> None:
@@ -46,14 +38,18 @@ def test_checkpoint_restore_inspect_round_trip(criu_bin: Path, tmp_path: Path) -
         start_new_session=True,
     )
     try:
-        _wait(control / "ready-for-checkpoint")
+        wait_file(control / "ready-for-checkpoint", settle=0.05)
         identity = tmp_path / "identity.yaml"
         identity.write_text("model: Qwen/Qwen3-0.6B\nbackendFramework: sglang\n")
-        done = subprocess.run(
-            [*CLI, "checkpoint", "--pid", str(worker.pid), "--out", str(store), "--identity", str(identity)],
+        done = run_cli(
+            "checkpoint",
+            "--pid",
+            str(worker.pid),
+            "--out",
+            str(store),
+            "--identity",
+            str(identity),
             env=env,
-            capture_output=True,
-            text=True,
             timeout=120,
         )
         assert done.returncode == 0, done.stderr
@@ -61,22 +57,18 @@ def test_checkpoint_restore_inspect_round_trip(criu_bin: Path, tmp_path: Path) -
         assert artifact.parent == store
         worker.wait(timeout=10)  # the dump stopped it
 
-        shown = subprocess.run(
-            [*CLI, "inspect", str(artifact), "--verify"], capture_output=True, text=True, timeout=60
-        )
+        shown = run_cli("inspect", str(artifact), "--verify")
         assert shown.returncode == 0, shown.stderr
         manifest = json.loads(shown.stdout)
         assert manifest["identity"]["backendFramework"] == "sglang"
         assert "verified" in shown.stderr
 
-        restored = subprocess.run(
-            [*CLI, "restore", str(artifact)], env=env, capture_output=True, text=True, timeout=120
-        )
+        restored = run_cli("restore", str(artifact), env=env, timeout=120)
         assert restored.returncode == 0, restored.stderr
         pid = int(restored.stdout.strip().splitlines()[-1])
         assert pid == worker.pid, "CRIU restores the original pid"
         try:
-            verdict = json.loads(_wait(control / "verify.json"))
+            verdict = json.loads(wait_file(control / "verify.json", settle=0.05))
         finally:
             os.kill(pid, signal.SIGKILL)
         assert verdict["digest_after"] == verdict["digest_before"]
@@ -86,13 +78,11 @@ def test_checkpoint_restore_inspect_round_trip(criu_bin: Path, tmp_path: Path) -
 
 
 def test_bad_inputs_exit_1_with_one_line(tmp_path: Path) -> None:
-    missing = subprocess.run(
-        [*CLI, "inspect", str(tmp_path / "nope")], capture_output=True, text=True, timeout=60
-    )
+    missing = run_cli("inspect", str(tmp_path / "nope"))
     assert missing.returncode == 1
     assert "Traceback" not in missing.stderr
     bad_hash = tmp_path / "not-a-hash"
     bad_hash.mkdir()
-    refused = subprocess.run([*CLI, "restore", str(bad_hash)], capture_output=True, text=True, timeout=60)
+    refused = run_cli("restore", str(bad_hash))
     assert refused.returncode == 1
     assert "identity hash" in refused.stderr

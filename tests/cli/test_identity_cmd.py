@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+from tests.helpers.cli import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 VECTORS = json.loads((REPO / "tests" / "api" / "go_identity_vectors.json").read_text())["vectors"]
@@ -18,13 +19,7 @@ DGD = REPO / "tests" / "api" / "manifests" / "dgd-vllm-snapshot-auto.yaml"
 
 
 def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "dynamo_snapshot.cli.main", "identity", *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return run_cli("identity", *args, input=stdin)
 
 
 def _plain(identity: dict[str, object]) -> dict[str, object] | None:

@@ -7,22 +7,20 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from dynamo_snapshot.localcluster import LocalCluster
-
-CMD = [sys.executable, "-m", "dynamo_snapshot.cli.main", "controller"]
+from tests.helpers.cli import CLI, run_cli
+from tests.helpers.polling import wait_for
 
 
 def test_invalid_config_is_one_line_and_exit_2(tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text("workers: 0\n")
-    proc = subprocess.run([*CMD, "--config", str(cfg)], capture_output=True, text=True, timeout=30)
+    proc = run_cli("controller", "--config", str(cfg), timeout=30)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "controller: invalid config: ('workers',): Input should be greater than or equal to 1"
@@ -36,25 +34,17 @@ def _holder(cluster: LocalCluster, namespace: str) -> str:
     return str(json.loads(out.stdout)["spec"].get("holderIdentity", "")) if out.returncode == 0 else ""
 
 
-def _wait(cond: Callable[[], bool], within: float = 30.0) -> None:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.2)
-    raise AssertionError("condition not met in time")
-
-
 @pytest.mark.cluster
 def test_two_replicas_one_leader_and_handover_on_sigterm(
     cluster: LocalCluster, namespace: str, crds: list[str], tmp_path: Path
 ) -> None:
     env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
-    args = [*CMD, "--namespace", namespace, "--lease-namespace", namespace, "--metrics-port", "0"]
+    args = [*CLI, "controller", "--namespace", namespace, "--lease-namespace", namespace]
+    args += ["--metrics-port", "0"]
     logs = [(tmp_path / f"c{i}.log").open("w") for i in range(2)]
     procs = [subprocess.Popen(args, env=env, stdout=logs[i], stderr=logs[i]) for i in range(2)]
     try:
-        _wait(lambda: _holder(cluster, namespace) != "")
+        wait_for(lambda: _holder(cluster, namespace) != "", what="a leader")
         first = _holder(cluster, namespace)
         time.sleep(3)
         assert _holder(cluster, namespace) == first, "leadership must be stable while the leader is healthy"
@@ -64,9 +54,9 @@ def test_two_replicas_one_leader_and_handover_on_sigterm(
         leader.send_signal(signal.SIGTERM)
         assert leader.wait(timeout=30) == 0, "SIGTERM drains and exits cleanly"
         # The leader releases the Lease on the way out, so the other takes over without waiting it out.
-        _wait(lambda: _holder(cluster, namespace) not in ("", first), within=20)
+        wait_for(lambda: _holder(cluster, namespace) not in ("", first), 20, "the other replica to lead")
         follower = next(p for p in procs if p is not leader)
-        _wait(lambda: _leads(tmp_path, procs.index(follower)), within=20)
+        wait_for(lambda: _leads(tmp_path, procs.index(follower)), 20, "the new leader to sync its caches")
     finally:
         for p in procs:
             if p.poll() is None:

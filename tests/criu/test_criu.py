@@ -7,12 +7,12 @@ import contextlib
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from dynamo_snapshot.criu import Criu, CriuError, CriuVersion
+from tests.helpers.polling import wait_file
 
 pytestmark = pytest.mark.criu
 
@@ -33,11 +33,8 @@ os.rename(os.path.join(d, "after.tmp"), os.path.join(d, "after"))
 
 
 def _poll_file(path: Path, timeout: float = 60) -> str:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.02)
-    return path.read_text()
+    # tests/criu/test_sparse.py imports this name.
+    return wait_file(path, within=timeout)
 
 
 async def _wait_file(path: Path) -> str:

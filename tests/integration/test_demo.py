@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ import pytest
 
 from dynamo_snapshot.artifact import ArtifactStore
 from dynamo_snapshot.cli.demo.stack import CPU_WORKER
+from tests.helpers.cli import run_cli
 
 pytestmark = [pytest.mark.cluster, pytest.mark.criu]
 
@@ -31,20 +31,13 @@ def workdir() -> Iterator[Path]:
 
 def test_demo_tells_the_whole_story_with_measured_numbers(tmp_path: Path, workdir: Path) -> None:
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dynamo_snapshot.cli.main",
-            "demo",
-            "--quick",
-            "--out",
-            str(out),
-            "--workdir",
-            str(workdir),
-        ],
-        capture_output=True,
-        text=True,
+    proc = run_cli(
+        "demo",
+        "--quick",
+        "--out",
+        str(out),
+        "--workdir",
+        str(workdir),
         timeout=600,
         env={**os.environ, "COLUMNS": "200"},
     )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import pytest
 from dynamo_snapshot.localcluster import LocalCluster, LocalClusterError
 from dynamo_snapshot.localcluster.cluster import ClusterOptions, ensure_port_free
 from dynamo_snapshot.localcluster.components import ComponentsMissingError, find_components
+from tests.helpers.cli import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -68,21 +68,7 @@ def test_setup_script_refuses_non_root_in_one_line() -> None:
 
 def test_demo_reports_missing_components_in_one_line(tmp_path: Path) -> None:
     env = {**os.environ, "DYNSNAP_CACHE": str(tmp_path / "empty-cache"), "COLUMNS": "300"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dynamo_snapshot.cli.main",
-            "demo",
-            "--setup-only",
-            "--workdir",
-            str(tmp_path / "w"),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+    proc = run_cli("demo", "--setup-only", "--workdir", str(tmp_path / "w"), timeout=60, env=env)
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     assert "demo failed: missing in" in proc.stderr
@@ -91,20 +77,13 @@ def test_demo_reports_missing_components_in_one_line(tmp_path: Path) -> None:
 
 @pytest.mark.cluster
 def test_demo_brings_up_cluster_with_crds_and_gpu_nodes(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dynamo_snapshot.cli.main",
-            "demo",
-            "--setup-only",
-            "--gpu-nodes",
-            "1",
-            "--workdir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
+    proc = run_cli(
+        "demo",
+        "--setup-only",
+        "--gpu-nodes",
+        "1",
+        "--workdir",
+        str(tmp_path),
         timeout=240,
         env={**os.environ, "COLUMNS": "300"},
     )

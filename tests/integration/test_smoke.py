@@ -16,6 +16,7 @@ import pytest
 from kubernetes_asyncio import client, watch
 
 from dynamo_snapshot.localcluster import LocalCluster
+from tests.helpers.polling import wait_file
 
 SMOKE_CRD = """
 apiVersion: apiextensions.k8s.io/v1
@@ -163,14 +164,6 @@ publish("after", f"{hashlib.sha256(state).hexdigest()} {os.getpid()}")
 """
 
 
-def _wait_file(path: Path, timeout: float = 30) -> str:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.02)
-    return path.read_text()
-
-
 @pytest.mark.criu
 def test_criu_dump_restore_keeps_memory(criu_bin: Path, tmp_path: Path) -> None:
     version = subprocess.run([str(criu_bin), "--version"], capture_output=True, text=True, check=True).stdout
@@ -188,7 +181,7 @@ def test_criu_dump_restore_keeps_memory(criu_bin: Path, tmp_path: Path) -> None:
         stderr=log,
         start_new_session=True,
     )
-    before = _wait_file(work / "before")
+    before = wait_file(work / "before")
     flags = ["--file-locks", "--ext-unix-sk", "--link-remap"]
     dump = subprocess.run(
         [str(criu_bin), "dump", "-t", str(proc.pid), "-D", str(images), "-o", "dump.log", *flags],
@@ -205,6 +198,6 @@ def test_criu_dump_restore_keeps_memory(criu_bin: Path, tmp_path: Path) -> None:
     )
     assert restore.returncode == 0, (images / "restore.log").read_text()[-2000:]
     (work / "go").write_text(uuid.uuid4().hex)
-    after_digest, after_pid = _wait_file(work / "after").split()
+    after_digest, after_pid = wait_file(work / "after").split()
     assert after_digest == before
     assert int(after_pid) == proc.pid

@@ -1,0 +1,32 @@
+"""Blocking waits for what another process or thread makes happen: a file appearing, a condition."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def wait_for(cond: Callable[[], T], within: float = 30.0, what: str = "condition", every: float = 0.2) -> T:
+    """Poll ``cond`` until it returns something truthy, and return that; fail naming ``what``."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {within}s waiting for {what}")
+
+
+def wait_file(path: Path, within: float = 30.0, settle: float = 0.0) -> str:
+    """``path``'s text once it exists (after ``settle`` more seconds, for a writer that does not write
+    the file whole and rename it); fails if it does not appear within ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+    time.sleep(settle)
+    return path.read_text()
