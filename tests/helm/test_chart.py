@@ -17,6 +17,7 @@ from dynamo_snapshot.agent.runtime.runc import DEFAULT_HOST_BINDS
 from dynamo_snapshot.api import crdgen, protocol
 from dynamo_snapshot.cli.agent_cmd import AgentConfig
 from dynamo_snapshot.cli.controller_cmd import ControllerCommandConfig
+from tests.helm import rbac
 from tests.helm.chart import (
     CHART,
     REPO,
@@ -454,33 +455,11 @@ def test_schema_rejects_bad_values_with_a_clear_message() -> None:
 def test_controller_rbac_is_exactly_what_the_code_calls() -> None:
     """The calls in dynamo_snapshot/controller, controller/runtime and autoscale, verb for verb."""
     objs = render()
-    rules = rule_triples(one(objs, "ClusterRole", "-controller"))
-    ours = "nvidia.com"
-    expected = {("", "pods", "*", v) for v in ("list", "watch", "create", "delete")} | {
-        ("batch", "jobs", "*", v) for v in ("list", "watch", "create", "delete")
-    }
-    expected |= {("", "events", "*", "create"), ("", "events", "*", "patch")}
-    expected |= {(ours, "dynamographdeployments", "*", v) for v in ("list", "watch", "patch")}
-    expected |= {(ours, "dynamographdeployments/status", "*", "update")}
-    expected |= {(ours, "dynamocheckpoints", "*", v) for v in ("get", "list", "watch", "create", "patch")}
-    expected |= {(ours, "dynamocheckpoints/status", "*", "patch")}
-    expected |= {
-        (ours, f"{r}/finalizers", "*", "update") for r in ("dynamographdeployments", "dynamocheckpoints")
-    }
-    expected |= {(ours, "dynamoscalingpolicies", "*", v) for v in ("list", "watch")}
-    expected |= {(ours, "dynamoscalingpolicies/status", "*", "patch")}
-    assert rules == expected
-    assert rule_triples(one(objs, "ClusterRole", "-controller-nodes")) == {
-        ("", "nodes", "*", "list"),
-        ("", "nodes", "*", "watch"),
-    }
+    assert rule_triples(one(objs, "ClusterRole", "-controller")) == rbac.CONTROLLER
+    assert rule_triples(one(objs, "ClusterRole", "-controller-nodes")) == rbac.CONTROLLER_NODES
     lease = one(objs, "Role", "-leader-election")
     assert lease["metadata"]["namespace"] == "ns1"
-    assert rule_triples(lease) == {
-        ("coordination.k8s.io", "leases", "*", "create"),
-        ("coordination.k8s.io", "leases", "dynamo-snapshot-controller", "get"),
-        ("coordination.k8s.io", "leases", "dynamo-snapshot-controller", "update"),
-    }
+    assert rule_triples(lease) == rbac.LEADER_ELECTION
 
 
 def test_controller_rbac_follows_autoscale_and_watch_namespace() -> None:
@@ -498,12 +477,7 @@ def test_controller_rbac_follows_autoscale_and_watch_namespace() -> None:
 
 def test_agent_rbac_is_list_watch_patch_pods_and_get_checkpoints() -> None:
     objs = render()
-    assert rule_triples(one(objs, "ClusterRole", "-agent")) == {
-        ("", "pods", "*", "list"),
-        ("", "pods", "*", "watch"),
-        ("", "pods", "*", "patch"),
-        ("nvidia.com", "dynamocheckpoints", "*", "get"),
-    }
+    assert rule_triples(one(objs, "ClusterRole", "-agent")) == rbac.AGENT
 
 
 def test_admission_policy_allows_every_annotation_the_agent_writes() -> None:

@@ -10,8 +10,6 @@ import os
 import signal
 import ssl
 import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -27,11 +25,13 @@ import yaml
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.localcluster import LocalCluster
 from dynamo_snapshot.localcluster.cluster import free_port
+from tests.helm import rbac
 from tests.helm.chart import CHART, REPO, Obj, helm, one, render, render_text
+from tests.helpers.cli import CLI
+from tests.helpers.polling import wait_for
 
 pytestmark = pytest.mark.cluster
 
-CLI = [sys.executable, "-m", "dynamo_snapshot.cli.main"]
 AUTO_DGD = REPO / "tests" / "api" / "manifests" / "dgd-vllm-snapshot-auto.yaml"
 CLUSTER_SCOPED = {
     "ClusterRole",
@@ -40,16 +40,6 @@ CLUSTER_SCOPED = {
     "ValidatingAdmissionPolicyBinding",
 }
 RBAC_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
-
-
-def _wait(cond: Callable[[], Any], within: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {within}s waiting for {what}")
 
 
 def _release() -> str:
@@ -197,30 +187,11 @@ def test_rbac_is_as_narrow_as_claimed(
     ns, agent, ctrl = inst.namespace, inst.user("agent"), inst.user("controller")
     can = lambda user, verb, res, *x: _can(cluster, user, ns, verb, res, *x)  # noqa: E731
 
-    allowed = [
-        (agent, "list", "pods"),
-        (agent, "watch", "pods"),
-        (agent, "patch", "pods"),
-        (agent, "get", "dynamocheckpoints.nvidia.com"),
-        (ctrl, "create", "pods"),
-        (ctrl, "delete", "pods"),
-        (ctrl, "list", "pods"),
-        (ctrl, "create", "jobs.batch"),
-        (ctrl, "delete", "jobs.batch"),
-        (ctrl, "list", "nodes"),
-        (ctrl, "watch", "nodes"),
-        (ctrl, "create", "events"),
-        (ctrl, "patch", "events"),
-        (ctrl, "create", "dynamocheckpoints.nvidia.com"),
-        (ctrl, "patch", "dynamocheckpoints.nvidia.com"),
-        (ctrl, "patch", "dynamocheckpoints.nvidia.com", "--subresource=status"),
-        (ctrl, "update", "dynamographdeployments.nvidia.com", "--subresource=status"),
-        (ctrl, "patch", "dynamographdeployments.nvidia.com"),
-        (ctrl, "watch", "dynamoscalingpolicies.nvidia.com"),
-        (ctrl, "patch", "dynamoscalingpolicies.nvidia.com", "--subresource=status"),
-        (ctrl, "create", "leases.coordination.k8s.io"),
-        (ctrl, "update", "leases.coordination.k8s.io/dynamo-snapshot-controller"),
-    ]
+    # Everything the chart grants (test_chart.py checks the rendered Roles grant exactly this) ...
+    allowed = [(agent, *rbac.can_i(g)) for g in sorted(rbac.AGENT)]
+    controller = rbac.CONTROLLER | rbac.CONTROLLER_NODES | rbac.LEADER_ELECTION
+    allowed += [(ctrl, *rbac.can_i(g)) for g in sorted(controller)]
+    # ... and none of what it must not.
     denied = [
         (agent, "create", "pods"),
         (agent, "delete", "pods"),
@@ -301,6 +272,16 @@ class AgentNodes:
         return _token(self.inst.cluster, self.inst.namespace, self.inst.sa("agent"), bound)
 
 
+def _pod(name: str, namespace: str, node: str, **metadata: Any) -> Obj:
+    """A worker pod bound to ``node`` (kwok runs it); ``metadata``: its labels, annotations."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, **metadata},
+        "spec": {"nodeName": node, "containers": [{"name": "main", "image": "worker"}]},
+    }
+
+
 @pytest.fixture
 def agent_nodes(
     cluster: LocalCluster,
@@ -329,23 +310,12 @@ def agent_nodes(
         }
         return pods if all(n in pods for n in nodes) else {}
 
-    pods = _wait(agent_pods, what="the agent DaemonSet's pods on both GPU nodes")
+    pods = wait_for(agent_pods, what="the agent DaemonSet's pods on both GPU nodes")
     workers = {}
     for i, node in enumerate(nodes):
         name = f"worker-{i}"
-        cluster.apply(
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {
-                    "name": name,
-                    "namespace": ns,
-                    "labels": {"app": "worker"},
-                    "annotations": {protocol.ANNOTATION_RESTORE_FROM: "some-checkpoint"},
-                },
-                "spec": {"nodeName": node, "containers": [{"name": "main", "image": "worker"}]},
-            }
-        )
+        annotations = {protocol.ANNOTATION_RESTORE_FROM: "some-checkpoint"}
+        cluster.apply(_pod(name, ns, node, labels={"app": "worker"}, annotations=annotations))
         workers[node] = name
     return AgentNodes(inst, nodes, pods, workers)
 
@@ -388,7 +358,7 @@ def test_agent_may_only_annotate_pods_of_its_own_node(cluster: LocalCluster, age
         return {"metadata": {"annotations": values}}
 
     # The policy takes effect once the apiserver has loaded it: poll with a change it must refuse.
-    _wait(
+    wait_for(
         # A fresh value each time: a change the apiserver let through before the policy was loaded
         # would make a repeat of it a no-op, which the policy rightly allows.
         lambda: _patch(cluster, token, ns, mine, {"metadata": {"labels": {"x": uuid.uuid4().hex}}})[0] == 403,
@@ -440,7 +410,7 @@ def test_agent_may_only_annotate_pods_of_its_own_node(cluster: LocalCluster, age
         "--role=widen",
         f"--serviceaccount={ns}:{agent_nodes.inst.sa('agent')}",
     )
-    _wait(
+    wait_for(
         lambda: (
             "cannot patch"
             not in _patch(cluster, token, ns, mine, {"status": {"message": "x"}}, subresource="status")[1]
@@ -462,7 +432,7 @@ def _wait_ready(port: int, proc: subprocess.Popen[bytes], log: Path, within: flo
         assert proc.poll() is None, f"exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
         return _http(f"http://127.0.0.1:{port}/readyz")[0] == 200
 
-    _wait(ready, within, "/readyz to answer 200")
+    wait_for(ready, within, "/readyz to answer 200")
     assert _http(f"http://127.0.0.1:{port}/healthz") == (200, "ok\n")
 
 
@@ -520,21 +490,21 @@ def test_controller_runs_on_its_rbac_alone(
                 out = cluster.kubectl("get", kind, "-n", namespace, *selector, "-o", "json")
                 return list(json.loads(out.stdout)["items"])
 
-            ckpts = _wait(
+            ckpts = wait_for(
                 lambda: [c for c in get("dynamocheckpoints") if c.get("status")],
                 what="a checkpoint with status",
             )
             assert ckpts[0]["status"]["phase"] in ("Creating", "Pending"), ckpts[0]["status"]
-            _wait(lambda: get("jobs"), what="the checkpoint Job")
-            _wait(
+            wait_for(lambda: get("jobs"), what="the checkpoint Job")
+            wait_for(
                 lambda: get("pods", "-l", f"{protocol.LABEL_MANAGED_BY}={protocol.MANAGED_BY_VALUE}"),
                 what="a worker pod",
             )
-            _wait(
+            wait_for(
                 lambda: (get("dynamographdeployments")[0].get("status") or {}).get("observedGeneration"),
                 what="the DGD's status",
             )
-            _wait(
+            wait_for(
                 lambda: [e for e in get("events") if e.get("reason") == "CheckpointCreated"],
                 what="the CheckpointCreated Event",
             )
@@ -566,14 +536,7 @@ def test_agent_runs_and_reports_through_the_policy(
         protocol.LABEL_CHECKPOINT_HASH: "00000000deadbeef",
     }
     for node in (a, b):
-        cluster.apply(
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {"name": f"restore-{node}", "namespace": ns, "labels": labels},
-                "spec": {"nodeName": node, "containers": [{"name": "main", "image": "worker"}]},
-            }
-        )
+        cluster.apply(_pod(f"restore-{node}", ns, node, labels=labels))
     with log.open("w") as out:
         proc = subprocess.Popen([*CLI, *args], stdout=out, stderr=out)
     try:
@@ -585,7 +548,7 @@ def test_agent_runs_and_reports_through_the_policy(
                 out = cluster.kubectl("get", "pod", pod, "-n", ns, "-o", "json")
                 return str((json.loads(out.stdout)["metadata"].get("annotations") or {}).get(key, ""))
 
-            _wait(lambda: status(f"restore-{a}") == "failed", what="the agent's report on its node's pod")
+            wait_for(lambda: status(f"restore-{a}") == "failed", what="the agent's report on its node's pod")
             assert status(f"restore-{b}") == "", "the agent touched another node's pod"
     finally:
         rc = _stop(proc)

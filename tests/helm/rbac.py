@@ -1,0 +1,50 @@
+"""What the chart's RBAC grants with its defaults, stated once as (apiGroup, resource, resourceName or "*",
+verb): test_chart.py checks the rendered Roles grant exactly this, test_chart_cluster.py asks the real
+apiserver (kubectl auth can-i, as the service accounts) whether each of it is allowed."""
+
+from __future__ import annotations
+
+Grant = tuple[str, str, str, str]
+
+OURS = "nvidia.com"
+LEASE_NAME = "dynamo-snapshot-controller"
+
+# The controller's ClusterRole: the calls in dynamo_snapshot/controller, controller/runtime and autoscale.
+CONTROLLER: set[Grant] = (
+    {("", "pods", "*", v) for v in ("list", "watch", "create", "delete")}
+    | {("batch", "jobs", "*", v) for v in ("list", "watch", "create", "delete")}
+    | {("", "events", "*", "create"), ("", "events", "*", "patch")}
+    | {(OURS, "dynamographdeployments", "*", v) for v in ("list", "watch", "patch")}
+    | {(OURS, "dynamographdeployments/status", "*", "update")}
+    | {(OURS, "dynamocheckpoints", "*", v) for v in ("get", "list", "watch", "create", "patch")}
+    | {(OURS, "dynamocheckpoints/status", "*", "patch")}
+    | {(OURS, f"{r}/finalizers", "*", "update") for r in ("dynamographdeployments", "dynamocheckpoints")}
+    | {(OURS, "dynamoscalingpolicies", "*", v) for v in ("list", "watch")}
+    | {(OURS, "dynamoscalingpolicies/status", "*", "patch")}
+)
+# The controller's second ClusterRole, bound cluster-wide even when one namespace is watched.
+CONTROLLER_NODES: set[Grant] = {("", "nodes", "*", "list"), ("", "nodes", "*", "watch")}
+# The leader-election Role, in the release's namespace.
+LEADER_ELECTION: set[Grant] = {
+    ("coordination.k8s.io", "leases", "*", "create"),
+    ("coordination.k8s.io", "leases", LEASE_NAME, "get"),
+    ("coordination.k8s.io", "leases", LEASE_NAME, "update"),
+}
+# The agent's ClusterRole.
+AGENT: set[Grant] = {
+    ("", "pods", "*", "list"),
+    ("", "pods", "*", "watch"),
+    ("", "pods", "*", "patch"),
+    (OURS, "dynamocheckpoints", "*", "get"),
+}
+
+
+def can_i(grant: Grant) -> tuple[str, ...]:
+    """The `kubectl auth can-i` arguments that ask for ``grant``: VERB RESOURCE[.GROUP][/NAME], and
+    --subresource=S for a subresource."""
+    group, resource, name, verb = grant
+    resource, _, subresource = resource.partition("/")
+    target = f"{resource}.{group}" if group else resource
+    if name != "*":
+        target += f"/{name}"
+    return (verb, target, *([f"--subresource={subresource}"] if subresource else []))
