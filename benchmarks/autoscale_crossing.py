@@ -27,21 +27,17 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.controller_scale import (  # noqa: E402
-    DRIVER_MAJOR,
-    GPU_PRODUCT,
     SERVICE,
-    checkpoint_manifest,
-    dgd_manifest,
+    bench_pods,
     latency_stats,
     make_client,
-    ready_status,
+    seed_bench_graph,
 )
-from dynamo_snapshot.api import protocol  # noqa: E402
 from dynamo_snapshot.autoscale.prometheus import PrometheusError, PrometheusSource  # noqa: E402
-from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD, SCALING_POLICY  # noqa: E402
+from dynamo_snapshot.controller.kinds import SCALING_POLICY  # noqa: E402
 from dynamo_snapshot.controller.manager import Controller, ControllerConfig  # noqa: E402
-from dynamo_snapshot.controller.runtime import NAMESPACE, NODE, POD, Kube  # noqa: E402
-from dynamo_snapshot.localcluster import LocalCluster, LocalPrometheus, gpu_node_manifest  # noqa: E402
+from dynamo_snapshot.controller.runtime import Kube  # noqa: E402
+from dynamo_snapshot.localcluster import LocalCluster, LocalPrometheus  # noqa: E402
 from tests.autoscale.exporter import FakeVllmExporter  # noqa: E402
 
 NS = "autoscale-bench"
@@ -70,8 +66,7 @@ def policy(url: str, max_replicas: int, interval: float) -> dict[str, Any]:
 
 
 async def pod_count(kube: Kube) -> int:
-    pods, _ = await kube.list_all(POD, NS, label_selector=f"{protocol.LABEL_GRAPH}=bench")
-    return sum(1 for p in pods if not p["metadata"].get("deletionTimestamp"))
+    return len(await bench_pods(kube, NS))
 
 
 async def until(check: Any, within: float, every: float = 0.02) -> float:
@@ -87,17 +82,7 @@ async def bench(cluster: LocalCluster, prom: LocalPrometheus, exporter: FakeVllm
     api = await make_client(cluster.kubeconfig)
     async with api:
         kube = Kube(api, field_manager="bench")
-        await kube.create(NAMESPACE, {"metadata": {"name": NS}})
-        for i in range(2):
-            await kube.create(
-                NODE,
-                gpu_node_manifest(
-                    f"kwok-gpu-{i}", product=GPU_PRODUCT, gpus=32, driver_major=DRIVER_MAJOR, pods=64
-                ),
-            )
-        await kube.create(CHECKPOINT, checkpoint_manifest("prewarmed"), NS)
-        await kube.patch_status(CHECKPOINT, "prewarmed", ready_status(), NS)
-        await kube.create(DGD, dgd_manifest("bench", 1, "prewarmed"), NS)
+        await seed_bench_graph(kube, NS, nodes=2, gpus=32, pods=64, replicas=1)
         exporter.set(WAITING, 0)
         await kube.create(SCALING_POLICY, policy(prom.url, args.samples + 2, args.interval), NS)
 

@@ -129,6 +129,26 @@ def ready_status() -> Obj:
     }
 
 
+async def seed_bench_graph(kube: Kube, ns: str, *, nodes: int, gpus: int, pods: int, replicas: int) -> None:
+    """Namespace ``ns``, ``nodes`` kwok GPU nodes, a Ready pre-warmed checkpoint and the DGD "bench" of
+    ``replicas`` workers restoring from it: the set-up of the failover and crossing benchmarks."""
+    await kube.create(NAMESPACE, {"metadata": {"name": ns}})
+    for i in range(nodes):
+        node = gpu_node_manifest(
+            f"kwok-gpu-{i}", product=GPU_PRODUCT, gpus=gpus, driver_major=DRIVER_MAJOR, pods=pods
+        )
+        await kube.create(NODE, node)
+    await kube.create(CHECKPOINT, checkpoint_manifest("prewarmed"), ns)
+    await kube.patch_status(CHECKPOINT, "prewarmed", ready_status(), ns)
+    await kube.create(DGD, dgd_manifest("bench", replicas, "prewarmed"), ns)
+
+
+async def bench_pods(kube: Kube, ns: str) -> list[Obj]:
+    """The DGD "bench"'s worker pods, those being deleted left out."""
+    items, _ = await kube.list_all(POD, ns, label_selector=f"{protocol.LABEL_GRAPH}=bench")
+    return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+
+
 # ---------------------------------------------------------------------------------------------- processes
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 

@@ -26,27 +26,17 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.controller_scale import (  # noqa: E402
-    DRIVER_MAJOR,
-    GPU_PRODUCT,
-    checkpoint_manifest,
-    dgd_manifest,
+    bench_pods,
     latency_stats,
     make_client,
-    ready_status,
+    seed_bench_graph,
 )
-from dynamo_snapshot.api import protocol  # noqa: E402
-from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD  # noqa: E402
 from dynamo_snapshot.controller.manager import Controller, ControllerConfig  # noqa: E402
-from dynamo_snapshot.controller.runtime import NAMESPACE, NODE, POD, Kube, Obj  # noqa: E402
-from dynamo_snapshot.localcluster import LocalCluster, gpu_node_manifest  # noqa: E402
+from dynamo_snapshot.controller.runtime import NODE, POD, Kube, Obj  # noqa: E402
+from dynamo_snapshot.localcluster import LocalCluster  # noqa: E402
 
 NS = "failover-bench"
 REPLICAS = 10
-
-
-async def pods(kube: Kube) -> list[Obj]:
-    items, _ = await kube.list_all(POD, NS, label_selector=f"{protocol.LABEL_GRAPH}=bench")
-    return [p for p in items if not p["metadata"].get("deletionTimestamp")]
 
 
 def ready(pod: Obj) -> bool:
@@ -63,7 +53,7 @@ async def replacements(kube: Kube, before: set[str], lost: int, t0: float) -> tu
     deadline = t0 + 60
     while time.monotonic() < deadline and (len(created) < lost or len(readied) < lost):
         now = time.monotonic()
-        for p in await pods(kube):
+        for p in await bench_pods(kube, NS):
             name = p["metadata"]["name"]
             if name in before:
                 continue
@@ -78,7 +68,7 @@ async def replacements(kube: Kube, before: set[str], lost: int, t0: float) -> tu
 
 async def full(kube: Kube) -> list[Obj]:
     while True:
-        current = await pods(kube)
+        current = await bench_pods(kube, NS)
         if len(current) == REPLICAS and all(ready(p) and p["spec"].get("nodeName") for p in current):
             return current
         await asyncio.sleep(0.05)
@@ -88,17 +78,7 @@ async def bench(cluster: LocalCluster, samples: int) -> dict[str, Any]:
     api = await make_client(cluster.kubeconfig)
     async with api:
         kube = Kube(api, field_manager="bench")
-        await kube.create(NAMESPACE, {"metadata": {"name": NS}})
-        for i in range(4):
-            await kube.create(
-                NODE,
-                gpu_node_manifest(
-                    f"kwok-gpu-{i}", product=GPU_PRODUCT, gpus=16, driver_major=DRIVER_MAJOR, pods=30
-                ),
-            )
-        await kube.create(CHECKPOINT, checkpoint_manifest("prewarmed"), NS)
-        await kube.patch_status(CHECKPOINT, "prewarmed", ready_status(), NS)
-        await kube.create(DGD, dgd_manifest("bench", REPLICAS, "prewarmed"), NS)
+        await seed_bench_graph(kube, NS, nodes=4, gpus=16, pods=30, replicas=REPLICAS)
         stop = asyncio.Event()
         controller = Controller(kube, ControllerConfig(namespace=NS, leader_elect=False, metrics_port=0))
         task = asyncio.create_task(controller.run_until(stop))
