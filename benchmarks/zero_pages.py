@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 
 from dynamo_snapshot.criu import Criu  # noqa: E402
 from dynamo_snapshot.criu.sparse import drop_zero_pages  # noqa: E402
-from tests.criu.test_criu import _poll_file  # noqa: E402
+from tests.helpers.polling import wait_file  # noqa: E402
 
 WORKER = r"""
 import hashlib, mmap, os, sys, time
@@ -66,7 +66,7 @@ async def main() -> None:
         )
         restored = None
         try:
-            before = await asyncio.to_thread(_poll_file, work / "before", 300)
+            before = await asyncio.to_thread(wait_file, work / "before", 300)
             criu = Criu()
             await criu.dump(proc.pid, images)
             await proc.wait()
@@ -75,7 +75,7 @@ async def main() -> None:
             seconds = time.monotonic() - started
             restored = await criu.restore(images, log_dir=Path(tmp) / "logs")
             (work / "go").touch()
-            after = await asyncio.to_thread(_poll_file, work / "after", 300)
+            after = await asyncio.to_thread(wait_file, work / "after", 300)
         finally:
             for pid in {proc.pid, restored.pid if restored else None} - {None}:
                 assert pid is not None

@@ -32,13 +32,8 @@ os.rename(os.path.join(d, "after.tmp"), os.path.join(d, "after"))
 """
 
 
-def _poll_file(path: Path, timeout: float = 60) -> str:
-    # tests/criu/test_sparse.py imports this name.
-    return wait_file(path, within=timeout)
-
-
 async def _wait_file(path: Path) -> str:
-    return await asyncio.to_thread(_poll_file, path)
+    return await asyncio.to_thread(wait_file, path, 60)
 
 
 def _free_pid() -> int:

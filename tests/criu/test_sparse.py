@@ -17,7 +17,7 @@ import pytest
 
 from dynamo_snapshot.criu import Criu
 from dynamo_snapshot.criu.sparse import PAGE, ImageFormatError, drop_zero_pages
-from tests.criu.test_criu import _poll_file
+from tests.helpers.polling import wait_file
 
 # Root: 512 anonymous pages, even ones random, odd ones written with zeros, and 256 more never touched;
 # 600 pages written with zeros;
@@ -84,10 +84,10 @@ async def test_dropped_zero_pages_restore_as_zeros_and_only_where_safe(
     restored_pid = None
     try:
         before = {
-            role: await asyncio.to_thread(_poll_file, work / f"before-{role}") for role in ("parent", "child")
+            role: await asyncio.to_thread(wait_file, work / f"before-{role}") for role in ("parent", "child")
         }
         criu = Criu(criu_bin)
-        child = int(await asyncio.to_thread(_poll_file, work / "pid-child"))
+        child = int(await asyncio.to_thread(wait_file, work / "pid-child"))
         await criu.dump(proc.pid, images)
         await proc.wait()
         # The child was ours only through the worker: whoever inherited it reaps it, soon.
@@ -112,7 +112,7 @@ async def test_dropped_zero_pages_restore_as_zeros_and_only_where_safe(
         restored_pid = restored.pid
         (work / "go").touch()
         for role in ("parent", "child"):
-            assert await asyncio.to_thread(_poll_file, work / f"after-{role}") == before[role], role
+            assert await asyncio.to_thread(wait_file, work / f"after-{role}") == before[role], role
     finally:
         for pid in {proc.pid, restored_pid} - {None}:
             assert pid is not None
