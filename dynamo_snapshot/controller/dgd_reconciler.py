@@ -459,7 +459,8 @@ class DGDReconciler:
                     obj,
                     WARNING,
                     "WorkerLost",
-                    f"service {owner[1]}: pod {pname} lost ({cause}, node {node_name or '-'}); replacing it",
+                    f"service {owner[1]}: pod {pname} lost ({cause}, node {node_name or '-'}); "
+                    f"{ctx.failover.replacing(owner)}",
                 )
             lost.append(pod)
         if lost:

@@ -280,6 +280,12 @@ class Failover:
         )
         return f"{why}; replacements wait for its checkpoint" if self.held_back(owner) else why
 
+    def replacing(self, owner: tuple[str, str]) -> str:
+        """How a WorkerLost event ends: what happens next about the loss."""
+        if owner in self.waiting:
+            return "its replacement waits for the service's checkpoint"
+        return "replacing it"
+
     def held_back(self, owner: tuple[str, str]) -> bool:
         """Whether the service owes replacements that it cannot create yet (it waits for its checkpoint)."""
         return owner in self.waiting and bool(self.pending.get(owner))

@@ -182,7 +182,10 @@ class Controller:
         name = pod["metadata"]["name"]
         if self.ctx.failover.observe(owner, name, "pod-deleted"):
             self.ctx.recorder.record(
-                dgd, WARNING, "WorkerLost", f"service {owner[1]}: pod {name} was deleted; replacing it"
+                dgd,
+                WARNING,
+                "WorkerLost",
+                f"service {owner[1]}: pod {name} was deleted; {self.ctx.failover.replacing(owner)}",
             )
 
     async def _reconcile(self, key: QueueKey) -> Result | None:

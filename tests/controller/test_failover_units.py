@@ -180,6 +180,8 @@ def test_losses_of_a_waiting_service_are_kept_hold_back_nothing_and_are_paced_la
     assert _pending(fo, a) == ["a1", "a2", "a3"]
     assert fo.held_back(a)
     assert "wait for its checkpoint" in (fo.degraded(a) or "")
+    assert fo.replacing(a) == "its replacement waits for the service's checkpoint"
+    assert fo.replacing(b) == "replacing it"
     # a ranks first (75% lost), but cannot use tokens now: none are held back from b for it.
     fo.observe(b, "b0", "pod-failed", "n1")
     assert fo.allowance(b, 1, desired=10) == (1, 0.0)
@@ -187,6 +189,7 @@ def test_losses_of_a_waiting_service_are_kept_hold_back_nothing_and_are_paced_la
     # The checkpoint is Ready: a's replacements are paced like any other (1 token left in its bucket).
     fo.settle(a, 3)
     assert not fo.held_back(a)
+    assert fo.replacing(a) == "replacing it"
     allowed, later = fo.allowance(a, 3, desired=4)
     assert allowed == 1
     assert later > 0
