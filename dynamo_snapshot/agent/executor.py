@@ -19,6 +19,7 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -231,7 +232,7 @@ class Executor:
             sparse: SparseStats | None = None
             if self.drop_zero_pages:
                 with t.phase("checkpoint", "drop_zero_pages"):
-                    sparse = await asyncio.to_thread(_drop_zero_pages, images)
+                    sparse = await _drop_zero_pages(images)
             carried: list[CarriedWeights] = []
             if offload is not None and offload.files:
                 with t.phase("checkpoint", "weights_capture"):
@@ -574,13 +575,24 @@ def _local_gpus() -> GpuInfo | None:
     return GpuInfo.model_validate(dataclasses.asdict(gpus))
 
 
-def _drop_zero_pages(images: Path) -> SparseStats | None:
-    """criu.sparse.drop_zero_pages, logged; None (the images as CRIU wrote them) if it cannot read them."""
+async def _drop_zero_pages(images: Path) -> SparseStats | None:
+    """criu.sparse.drop_zero_pages in a thread, logged; None (the images as CRIU wrote them) if it cannot
+    read them. Cancelled, it stops within a batch of pages and returns only then, so the caller's
+    clean-up never races the rewrite."""
+    stop = threading.Event()
+    rewrite = asyncio.ensure_future(asyncio.to_thread(drop_zero_pages, images, stop))
     try:
-        stats = drop_zero_pages(images)
+        stats = await asyncio.shield(rewrite)
+    except asyncio.CancelledError:
+        stop.set()
+        with contextlib.suppress(BaseException):
+            await rewrite
+        raise
     except (OSError, ImageFormatError) as e:
         log.warning("zero pages kept: cannot read the CRIU images", extra={"error": str(e)})
         return None
+    if stats.skipped:
+        log.warning("zero pages kept for some processes", extra={"processes": stats.skipped})
     ZERO_PAGES_DROPPED.inc(stats.bytes_dropped)
     log.info(
         "zero pages dropped from the CRIU images",
@@ -588,7 +600,6 @@ def _drop_zero_pages(images: Path) -> SparseStats | None:
             "bytes": stats.bytes_dropped,
             "of_bytes": stats.pages_before * PAGE,
             "seconds": round(stats.seconds, 3),
-            "processes_left_alone": stats.skipped,
         },
     )
     return stats

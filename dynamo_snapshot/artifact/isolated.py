@@ -16,9 +16,11 @@ copies locks in whatever state they are in); ``warm_up`` starts one ahead of the
 from __future__ import annotations
 
 import atexit
+import logging
 import multiprocessing
 import os
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -27,6 +29,8 @@ from typing import Any
 from dynamo_snapshot.artifact.io import HASH_PARALLEL, FileDigests, HashJob, hash_files
 
 __all__ = ["ISOLATE_MIN_BYTES", "hash_files_isolated", "helper_pid", "shutdown", "warm_up"]
+
+log = logging.getLogger(__name__)
 
 # Below this the jobs are hashed in the caller's threads: a few hundred milliseconds of hashing do not
 # starve anything, and a cold helper costs about that to start.
@@ -38,11 +42,28 @@ _lock = threading.Lock()
 _pool: ProcessPoolExecutor | None = None
 
 
+def _exit_with(parent: int) -> None:
+    """In each helper: exit once the process that started it is gone. A helper waits on a pipe its
+    pool's own queue keeps open, so an agent killed outright would otherwise leave it behind forever."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def _get_pool() -> ProcessPoolExecutor:
     global _pool
     with _lock:
         if _pool is None:
-            _pool = ProcessPoolExecutor(max_workers=_HELPERS, mp_context=multiprocessing.get_context("spawn"))
+            _pool = ProcessPoolExecutor(
+                max_workers=_HELPERS,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_exit_with,
+                initargs=(os.getpid(),),
+            )
         return _pool
 
 
@@ -54,14 +75,26 @@ def _drop_pool(broken: ProcessPoolExecutor) -> None:
     broken.shutdown(wait=False, cancel_futures=True)
 
 
+def _helper_died(pool: ProcessPoolExecutor | None) -> None:
+    # Killed, or out of memory: the next call gets a fresh pool; this one hashes in the caller.
+    log.warning("a hashing helper died; hashing in-process this time")
+    if pool is not None:
+        _drop_pool(pool)
+
+
 def helper_pid() -> int:
     """The pid a helper runs as (for tests: it is not the caller's)."""
     return os.getpid()
 
 
-def warm_up() -> Future[int]:
-    """Start a helper now, so the first bulk check does not wait for Python to start."""
-    return _get_pool().submit(helper_pid)
+def warm_up() -> Future[int] | None:
+    """Start a helper now, so the first bulk check does not wait for Python to start; None (and a
+    warning) where helpers cannot be started: hashing then stays in the caller's threads."""
+    try:
+        return _get_pool().submit(helper_pid)
+    except (OSError, RuntimeError) as e:
+        log.warning("cannot start a hashing helper; hashing in-process", extra={"error": str(e)})
+        return None
 
 
 def shutdown() -> None:
@@ -89,10 +122,18 @@ def hash_files_isolated(
     kwargs: dict[str, Any] = {"parallel": parallel, "direct": direct, "fsync": fsync, "idle_io": idle_io}
     if sum(job.size for job in jobs) < min_bytes:
         return hash_files(jobs, **kwargs)
-    pool = _get_pool()
+    pool: ProcessPoolExecutor | None = None
     try:
-        return pool.submit(hash_files, list(jobs), **kwargs).result()
+        pool = _get_pool()
+        future = pool.submit(hash_files, list(jobs), **kwargs)
     except BrokenProcessPool:
-        # A helper died (killed, out of memory): the next call gets a fresh pool; this one hashes here.
-        _drop_pool(pool)
-        return hash_files(jobs, **kwargs)
+        _helper_died(pool)
+    except (OSError, RuntimeError) as e:  # no helper can start, or the interpreter is exiting
+        log.warning("hashing in-process: no helper", extra={"error": str(e)})
+    else:
+        try:
+            # Errors of the hashing itself (a missing file) come out of result() as they are.
+            return future.result()
+        except BrokenProcessPool:
+            _helper_died(pool)
+    return hash_files(jobs, **kwargs)

@@ -22,16 +22,20 @@ and hold protobuf messages each preceded by its u32 length; pages-ID.img is raw 
 
 from __future__ import annotations
 
+import mmap
 import os
+import re
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["PAGE", "ImageFormatError", "SparseStats", "drop_zero_pages"]
+__all__ = ["PAGE", "ImageFormatError", "SparseStats", "Stopped", "drop_zero_pages"]
 
-PAGE = 4096
+# CRIU's images are in the kernel's pages (64 KiB on some arm64 kernels).
+PAGE = mmap.PAGESIZE
 _ZERO = bytes(PAGE)
 _IMG_COMMON_MAGIC = 0x54564319
 _PAGEMAP_MAGIC = 0x56084025
@@ -49,6 +53,10 @@ _ZERO_BATCH = bytes(_BATCH_PAGES * PAGE)
 
 class ImageFormatError(ValueError):
     """A CRIU image is not what this module understands; the dump is left as it was."""
+
+
+class Stopped(Exception):
+    """drop_zero_pages was asked to stop; the process being rewritten keeps its images."""
 
 
 @dataclass
@@ -200,8 +208,25 @@ def _entry(vaddr: int, nr_pages: int, flags: int) -> bytes:
     return bytes(out)
 
 
-def _sparsify_process(images: Path, pid: int, droppable: list[tuple[int, int]]) -> tuple[int, int]:
-    """Rewrite one process's pagemap and pages images; (pages before, pages dropped)."""
+def _free_pages_id(images: Path) -> int:
+    ids = [int(m.group(1)) for p in images.iterdir() if (m := re.fullmatch(r"pages-(\d+)\.img", p.name))]
+    return max(ids, default=0) + 1
+
+
+def _head(pages_id: int) -> bytes:
+    out = bytearray([1 << 3])
+    _put_varint(out, pages_id)
+    return bytes(out)
+
+
+def _sparsify_process(
+    images: Path, pid: int, droppable: list[tuple[int, int]], stop: threading.Event | None = None
+) -> tuple[int, int]:
+    """Rewrite one process's pagemap and pages images; (pages before, pages dropped).
+
+    The kept pages go to a pages image under a new id, and the new pagemap names that id: replacing
+    the pagemap is the one step that switches the process over, so a failure at any point leaves
+    either the old images or the new ones, never a mix."""
     pagemap = images / f"pagemap-{pid}.img"
     head, *raw_entries = _read_entries(pagemap, _PAGEMAP_MAGIC)
     pages_id = _ints(head).get(1)
@@ -220,14 +245,18 @@ def _sparsify_process(images: Path, pid: int, droppable: list[tuple[int, int]]) 
         raise ImageFormatError(f"{pages.name}: size does not match {pagemap.name}")
     new_entries: list[bytes] = []
     before = dropped = 0
-    tmp_pages = pages.with_name(pages.name + ".sparse")
+    new_id = _free_pages_id(images)
+    new_pages = images / f"pages-{new_id}.img"
     tmp_map = pagemap.with_name(pagemap.name + ".sparse")
+    switched = False
     try:
-        with pages.open("rb") as src, tmp_pages.open("wb") as dst:
+        with pages.open("rb") as src, new_pages.open("xb") as dst:
             for vaddr, nr, flags in entries:
                 before += nr
                 run_start, run_len = vaddr, 0
                 for first in range(0, nr, _BATCH_PAGES):
+                    if stop is not None and stop.is_set():
+                        raise Stopped
                     count = min(_BATCH_PAGES, nr - first)
                     block = src.read(count * PAGE)
                     if len(block) != count * PAGE:
@@ -264,29 +293,32 @@ def _sparsify_process(images: Path, pid: int, droppable: list[tuple[int, int]]) 
                     dst.write(block[kept_from * PAGE :])
                 if run_len:
                     new_entries.append(_entry(run_start, run_len, flags))
-        if dropped:
+        # A pagemap with no entry at all crashes CRIU's restore (prepare_mappings reads the first
+        # entry unchecked): a process whose every page is zero keeps its images.
+        if dropped and new_entries:
             # CRIU does not fsync its images either; the artifact writer fsyncs every file it seals.
-            _write_entries(tmp_map, _PAGEMAP_MAGIC, [head, *new_entries])
-            os.replace(tmp_pages, pages)
+            _write_entries(tmp_map, _PAGEMAP_MAGIC, [_head(new_id), *new_entries])
             os.replace(tmp_map, pagemap)
+            switched = True
     finally:
-        tmp_pages.unlink(missing_ok=True)
         tmp_map.unlink(missing_ok=True)
-    return before, dropped
+        (pages if switched else new_pages).unlink(missing_ok=True)
+    return before, dropped if switched else 0
 
 
-def drop_zero_pages(images: Path) -> SparseStats:
+def drop_zero_pages(images: Path, stop: threading.Event | None = None) -> SparseStats:
     """Drop the zero pages of private anonymous memory from the CRIU dump in ``images`` (in place).
 
     A process whose images are not as expected is left untouched and named in ``skipped``; the dump
     stays valid either way. ``ImageFormatError`` only when the dump itself cannot be read (pstree).
+    ``stop`` set: ``Stopped`` within one batch of pages, the process being rewritten left as it was.
     """
     started = time.monotonic()
     stats = SparseStats()
     for pid in _tree(images):
         try:
             droppable = _droppable(_vmas(images, pid))
-            before, dropped = _sparsify_process(images, pid, droppable)
+            before, dropped = _sparsify_process(images, pid, droppable, stop)
         except (OSError, ImageFormatError, ValueError, KeyError) as e:
             stats.skipped[pid] = str(e)
             continue

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from dynamo_snapshot.agent.runtime.base import pid_running
 from dynamo_snapshot.artifact import isolated
 from dynamo_snapshot.artifact.io import HashJob, hash_files
 
@@ -54,3 +58,24 @@ def test_a_dead_helper_falls_back_to_the_caller(tmp_path: Path) -> None:
     assert isolated.hash_files_isolated(jobs, min_bytes=0)[0].digests == want
     assert isolated._get_pool() is not pool  # the next call gets a fresh one
     assert isolated.hash_files_isolated(jobs, min_bytes=0)[0].digests == want
+
+
+def test_helpers_exit_when_their_process_is_killed() -> None:
+    script = (
+        "import time\n"
+        "from dynamo_snapshot.artifact import isolated\n"
+        "print(isolated.warm_up().result(timeout=60), flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        helper = int(parent.stdout.readline())
+        assert Path(f"/proc/{helper}").exists()
+    finally:
+        parent.kill()  # SIGKILL: no atexit, no pool shutdown
+        parent.wait()
+    deadline = time.monotonic() + 15
+    while pid_running(helper):
+        assert time.monotonic() < deadline, "the helper outlived the process that started it"
+        time.sleep(0.1)

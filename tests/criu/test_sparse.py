@@ -10,12 +10,13 @@ import os
 import signal
 import struct
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from dynamo_snapshot.criu import Criu
+from dynamo_snapshot.criu import Criu, sparse
 from dynamo_snapshot.criu.sparse import PAGE, ImageFormatError, drop_zero_pages
 from tests.helpers.polling import wait_file
 
@@ -137,3 +138,89 @@ def test_unreadable_images_are_refused_or_left_alone(tmp_path: Path) -> None:
     assert stats.pages_dropped == 0
     assert "mm-42.img" in stats.skipped[42]
     assert pages.read_bytes() == bytes(PAGE)
+
+
+# ---- synthetic dumps: the rewrite itself, without CRIU --------------------------------------------
+
+
+def _msg(*fields: tuple[int, int | bytes]) -> bytes:
+    out = bytearray()
+    for number, value in fields:
+        if isinstance(value, bytes):
+            out.append(number << 3 | 2)
+            sparse._put_varint(out, len(value))
+            out += value
+        else:
+            out.append(number << 3)
+            sparse._put_varint(out, value)
+    return bytes(out)
+
+
+def _image(path: Path, magic: int, entries: list[bytes]) -> None:
+    sparse._write_entries(path, magic, entries)
+
+
+def _dump(tmp: Path, pages: list[bytes], *, status: int = 1 << 9 | 1, vaddr: int = 0x10000) -> Path:
+    """One process (pid 7), one VMA of `status` holding `pages` in one pagemap entry."""
+    _image(tmp / "pstree.img", sparse._PSTREE_MAGIC, [_msg((1, 7), (2, 0))])
+    vma = _msg((1, vaddr), (2, vaddr + len(pages) * PAGE), (7, status))
+    _image(tmp / "mm-7.img", sparse._MM_MAGIC, [_msg((14, vma))])
+    entry = _msg((1, vaddr), (2, len(pages)), (4, 6))  # present | lazy, as CRIU writes anonymous pages
+    _image(tmp / "pagemap-7.img", sparse._PAGEMAP_MAGIC, [_msg((1, 3)), entry])
+    (tmp / "pages-3.img").write_bytes(b"".join(pages))
+    return tmp
+
+
+def _pagemap(tmp: Path) -> tuple[int, list[tuple[int, int, int]]]:
+    head, *entries = sparse._read_entries(tmp / "pagemap-7.img", sparse._PAGEMAP_MAGIC)
+    return sparse._ints(head)[1], [(e[1], e[2], e[4]) for e in map(sparse._ints, entries)]
+
+
+def test_a_rewrite_splits_entries_around_zero_pages_under_a_new_pages_id(tmp_path: Path) -> None:
+    a, b, zero = b"a" * PAGE, b"b" * PAGE, bytes(PAGE)
+    _dump(tmp_path, [a, zero, zero, b, zero])
+    stats = drop_zero_pages(tmp_path)
+    assert (stats.pages_before, stats.pages_dropped) == (5, 3)
+    pages_id, entries = _pagemap(tmp_path)
+    assert pages_id == 4  # the old pages-3.img is gone: the pagemap switched to the new file
+    assert not (tmp_path / "pages-3.img").exists()
+    assert entries == [(0x10000, 1, 6), (0x10000 + 3 * PAGE, 1, 6)]
+    assert (tmp_path / "pages-4.img").read_bytes() == a + b
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "mm-7.img",
+        "pagemap-7.img",
+        "pages-4.img",
+        "pstree.img",
+    ]
+
+
+def test_a_process_of_zero_pages_only_keeps_its_images(tmp_path: Path) -> None:
+    # CRIU's restore crashes on a pagemap without entries.
+    _dump(tmp_path, [bytes(PAGE)] * 3)
+    stats = drop_zero_pages(tmp_path)
+    assert stats.pages_dropped == 0
+    assert _pagemap(tmp_path) == (3, [(0x10000, 3, 6)])
+    assert (tmp_path / "pages-3.img").read_bytes() == bytes(3 * PAGE)
+    assert not (tmp_path / "pages-4.img").exists()
+
+
+def test_file_backed_pages_and_a_stop_leave_the_images_as_they_were(tmp_path: Path) -> None:
+    private_file = 1 << 6 | 1
+    (tmp_path / "file").mkdir()
+    _dump(tmp_path / "file", [bytes(PAGE)] * 2 + [b"x" * PAGE], status=private_file)
+    assert drop_zero_pages(tmp_path / "file").pages_dropped == 0
+    assert _pagemap(tmp_path / "file") == (3, [(0x10000, 3, 6)])
+
+    (tmp_path / "stop").mkdir()
+    _dump(tmp_path / "stop", [b"y" * PAGE, bytes(PAGE)])
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(sparse.Stopped):
+        drop_zero_pages(tmp_path / "stop", stop)
+    assert _pagemap(tmp_path / "stop") == (3, [(0x10000, 2, 6)])
+    assert sorted(p.name for p in (tmp_path / "stop").iterdir()) == [
+        "mm-7.img",
+        "pagemap-7.img",
+        "pages-3.img",
+        "pstree.img",
+    ]
