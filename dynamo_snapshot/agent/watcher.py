@@ -277,15 +277,18 @@ class NodeAgent:
         )
 
     async def _published(self, identity_hash: str) -> Artifact | None:
-        """The artifact published for `identity_hash`, or None where there is none to use."""
+        """The artifact this node published for `identity_hash`, or None where there is none to use."""
 
         def find() -> Artifact | None:
             try:
-                return self.executor.store.open(identity_hash)
+                artifact = self.executor.store.open(identity_hash)
             except (ArtifactError, ValueError):
                 # No artifact, an unreadable manifest or a label that is no hash: nothing a restore
                 # could use, so the checkpoint did not succeed.
                 return None
+            # One published from another node (a shared store) says nothing of this pod's checkpoint:
+            # its worker may still sit with its CUDA state suspended.
+            return artifact if artifact.manifest.source_node == self.settings.node_name else None
 
         return await asyncio.to_thread(find)
 

@@ -152,8 +152,9 @@ def check_carried(artifact_file: Path, weights: CarriedWeights) -> None:
 
 
 def place_weights(artifact_file: Path, target: Path, weights: CarriedWeights) -> None:
-    """Make `target` the artifact's (verified) copy. A file already there with the same weights is
-    replaced by the link; one with other weights is never overwritten."""
+    """Make `target` the artifact's copy (size and header checked; its checksums may still be being
+    checked, see Executor.restore). A file already there with the same weights is replaced by the
+    link; one with other weights is never overwritten."""
     if target.exists():
         if os.path.samefile(target, artifact_file):
             return

@@ -10,6 +10,7 @@ their restores to the storage at the same moment.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -225,12 +226,18 @@ class Failover:
         scale-down absorbed would keep the service Degraded and hold back other services' tokens for ever.
         The newest losses go: the oldest marks when the service first fell short, which its rank and its
         latency samples are measured from. A waiting service's losses stay (dropping them would let its
-        replacements through unpaced, as a scale-up, once it can create pods), but hold back no tokens.
+        replacements through unpaced, as a scale-up, once it can create pods), but hold back no tokens;
+        once it can create pods they count as seen then.
         """
         if waiting:
             self.waiting.add(owner)
-        else:
+        elif owner in self.waiting:
             self.waiting.discard(owner)
+            # Failover latency is measured from when the controller could act: the time the service
+            # waited for its checkpoint is not the failover's.
+            now = time.monotonic()
+            for name, loss in self.pending.get(owner, {}).items():
+                self.pending[owner][name] = dataclasses.replace(loss, seen=now)
         lost = self.pending.get(owner)
         if not lost or len(lost) <= max(0, owed):
             return

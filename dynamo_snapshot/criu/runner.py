@@ -147,11 +147,14 @@ def _bundle_files(directory: Path) -> list[Path]:
 
 
 def shebang_interpreter(first_line: bytes) -> Path | None:
-    """The program a script's ``#!`` line names, if it exists (``#!/usr/bin/env X`` names env)."""
+    """The program a script's ``#!`` line runs, if it exists (for ``#!/usr/bin/env X``: X on PATH)."""
     words = first_line[2:].decode(errors="replace").split()
     if not words:
         return None
     path = Path(words[0])
+    if path.name == "env" and len(words) > 1:
+        found = shutil.which(words[1])
+        path = Path(found) if found else path
     return path if path.is_absolute() and path.is_file() else None
 
 

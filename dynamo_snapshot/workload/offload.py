@@ -111,7 +111,7 @@ class GpuOffload:
         load_buffers: int = 8,
         verify_load: bool = False,
         zero_kv: bool = False,
-        weights_check_timeout: float = 600.0,
+        weights_check_timeout: float | None = None,
     ) -> None:
         self.load_threads = load_threads
         self.load_block = load_block

@@ -750,15 +750,17 @@ def weights_check_pending(content: Any) -> bool:
 
 
 def wait_for_weights_verified(
-    control_dir: Path | str, *, timeout: float = 600.0, poll: float = 0.005
+    control_dir: Path | str, *, timeout: float | None = None, poll: float = 0.005
 ) -> float:
-    """Block until the agent wrote FILE_WEIGHTS_VERIFIED; the seconds waited. TimeoutError after
-    `timeout` s: the agent died or gave up, and a worker must not serve weights nobody checked."""
+    """Block until the agent wrote FILE_WEIGHTS_VERIFIED; the seconds waited. No timeout by default:
+    the agent stops this worker when the check fails (or when it restarts during the restore), and a
+    check of a big file on slow storage may take long; with ``timeout``, TimeoutError after that many
+    seconds, never serving weights nobody checked."""
     path = Path(control_dir) / FILE_WEIGHTS_VERIFIED
     started = time.monotonic()
     while not path.exists():
         waited = time.monotonic() - started
-        if waited > timeout:
+        if timeout is not None and waited > timeout:
             raise TimeoutError(f"the node agent did not confirm the weights within {timeout:.0f}s ({path})")
         time.sleep(poll)
     return time.monotonic() - started

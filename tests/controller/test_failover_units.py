@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime
 
 from dynamo_snapshot.api import protocol
@@ -186,8 +187,11 @@ def test_losses_of_a_waiting_service_are_kept_hold_back_nothing_and_are_paced_la
     fo.observe(b, "b0", "pod-failed", "n1")
     assert fo.allowance(b, 1, desired=10) == (1, 0.0)
     fo.replaced(b, ["rb0"])
-    # The checkpoint is Ready: a's replacements are paced like any other (1 token left in its bucket).
+    # The checkpoint is Ready: a's replacements are paced like any other (1 token left in its bucket),
+    # and their latency counts from now, not from the losses during the wait.
+    ready_at = time.monotonic()
     fo.settle(a, 3)
+    assert all(loss.seen >= ready_at for loss in fo.pending[a].values())
     assert not fo.held_back(a)
     assert fo.replacing(a) == "replacing it"
     allowed, later = fo.allowance(a, 3, desired=4)

@@ -4,6 +4,7 @@ one test marked criu)."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -215,6 +216,7 @@ def test_shebang_interpreter() -> None:
     assert shebang_interpreter(b"#! /bin/sh -e\n") == Path("/bin/sh")
     assert shebang_interpreter(b"#!sh\n") is None  # not a path the kernel would run
     assert shebang_interpreter(b"#!/nonexistent/shell\n") is None
+    assert shebang_interpreter(b"#!/usr/bin/env sh\n") == Path(shutil.which("sh") or "")
     assert shebang_interpreter(b"#!\n") is None
 
 
