@@ -227,7 +227,8 @@ class NodeAgent:
                 protocol.ANNOTATION_CHECKPOINT_STATUS,
                 protocol.ANNOTATION_CHECKPOINT_MESSAGE,
                 S.FAILED,
-                "node agent restarted during the checkpoint; nothing was published",
+                "the checkpoint did not finish (the node agent restarted, or its attempt ended "
+                "unexpectedly); nothing was published",
             )
             return
         try:
