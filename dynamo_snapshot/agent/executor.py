@@ -350,12 +350,10 @@ class Executor:
                     # Left by an earlier restore into this control dir; the worker is still waiting
                     # for restore-complete, so it cannot have read it.
                     await asyncio.to_thread(verdict.unlink, missing_ok=True)
-                    if weights_check is not None and (not early or weights_check.done()):
-                        with t.phase("restore", "weights_wait"):
-                            verified_bytes += (await weights_check).bytes
-                        weights_check = None
-                        if early:
-                            await asyncio.to_thread(_write_atomic, verdict, "{}")
+                    # Still running: a worker that waits for the verdict resumes now and loads meanwhile.
+                    pending = early and weights_check is not None and not weights_check.done()
+                    if weights_check is not None and not pending:
+                        verified_bytes += await _weights_verdict(weights_check, verdict if early else None, t)
                     if weights:
                         await asyncio.to_thread(self._place_weights, artifact, weights, workload)
                     with t.phase("restore", "signal"):
@@ -365,17 +363,15 @@ class Executor:
                             "restoredAt": time.time(),
                             **(identity_info or {}),
                         }
-                        if weights_check is not None:
+                        if pending:
                             info[protocol.RESTORE_WEIGHTS_CHECK] = protocol.WEIGHTS_CHECK_PENDING
                         await asyncio.to_thread(
                             _write_atomic,
                             workload.control_dir / protocol.FILE_RESTORE_COMPLETE,
                             json.dumps(info),
                         )
-                    if weights_check is not None:
-                        with t.phase("restore", "weights_wait"):
-                            verified_bytes += (await weights_check).bytes
-                        await asyncio.to_thread(_write_atomic, verdict, "{}")
+                    if pending and weights_check is not None:
+                        verified_bytes += await _weights_verdict(weights_check, verdict, t)
                 except BaseException:
                     await self.runtime.stop(key)
                     # A worker restored here later must not find this restore's go-ahead.
@@ -573,6 +569,15 @@ def _local_gpus() -> GpuInfo | None:
         log.warning("no GPU inventory", extra={"error": str(e)})
         return None
     return GpuInfo.model_validate(dataclasses.asdict(gpus))
+
+
+async def _weights_verdict(check: asyncio.Task[TreeStats], verdict: Path | None, t: Timings) -> int:
+    """The bytes the weights check read, once it passed; then `verdict` (weights-verified) written."""
+    with t.phase("restore", "weights_wait"):
+        checked = (await check).bytes
+    if verdict is not None:
+        await asyncio.to_thread(_write_atomic, verdict, "{}")
+    return checked
 
 
 async def _drop_zero_pages(images: Path) -> SparseStats | None:
