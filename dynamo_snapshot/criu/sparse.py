@@ -209,8 +209,9 @@ def _entry(vaddr: int, nr_pages: int, flags: int) -> bytes:
 
 
 def _free_pages_id(images: Path) -> int:
+    """The highest pages id the dump uses (0 for none)."""
     ids = [int(m.group(1)) for p in images.iterdir() if (m := re.fullmatch(r"pages-(\d+)\.img", p.name))]
-    return max(ids, default=0) + 1
+    return max(ids, default=0)
 
 
 def _head(pages_id: int) -> bytes:
@@ -220,7 +221,11 @@ def _head(pages_id: int) -> bytes:
 
 
 def _sparsify_process(
-    images: Path, pid: int, droppable: list[tuple[int, int]], stop: threading.Event | None = None
+    images: Path,
+    pid: int,
+    droppable: list[tuple[int, int]],
+    new_id: int,
+    stop: threading.Event | None = None,
 ) -> tuple[int, int]:
     """Rewrite one process's pagemap and pages images; (pages before, pages dropped).
 
@@ -245,7 +250,6 @@ def _sparsify_process(
         raise ImageFormatError(f"{pages.name}: size does not match {pagemap.name}")
     new_entries: list[bytes] = []
     before = dropped = 0
-    new_id = _free_pages_id(images)
     new_pages = images / f"pages-{new_id}.img"
     tmp_map = pagemap.with_name(pagemap.name + ".sparse")
     switched = False
@@ -315,10 +319,12 @@ def drop_zero_pages(images: Path, stop: threading.Event | None = None) -> Sparse
     """
     started = time.monotonic()
     stats = SparseStats()
+    new_id = _free_pages_id(images)  # then one more per process: ids no image uses
     for pid in _tree(images):
+        new_id += 1
         try:
             droppable = _droppable(_vmas(images, pid))
-            before, dropped = _sparsify_process(images, pid, droppable, stop)
+            before, dropped = _sparsify_process(images, pid, droppable, new_id, stop)
         except (OSError, ImageFormatError, ValueError, KeyError) as e:
             stats.skipped[pid] = str(e)
             continue
