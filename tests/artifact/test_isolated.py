@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dynamo_snapshot.agent.runtime.base import pid_running
-from dynamo_snapshot.artifact import isolated
+from dynamo_snapshot.artifact import io, isolated
 from dynamo_snapshot.artifact.io import HashJob, hash_files
 
 
@@ -24,12 +24,20 @@ def test_helper_is_another_process() -> None:
     assert isolated.warm_up().result(timeout=60) != os.getpid()
 
 
-def test_big_jobs_hash_in_a_helper_with_the_same_digests(tmp_path: Path) -> None:
+def test_big_jobs_hash_in_a_helper_with_the_same_digests(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     jobs = [
         HashJob(src=_file(tmp_path / "a", 3 << 20), size=3 << 20, chunk_bytes=1 << 20),
         HashJob(src=_file(tmp_path / "b", 12345), size=12345, chunk_bytes=None),
     ]
     here = hash_files(jobs, parallel=4)
+
+    def not_here(*args: object, **kwargs: object) -> None:
+        raise AssertionError("hashed in the calling process")
+
+    # The spawned helper imports io afresh: only hashing in this process meets the patch.
+    monkeypatch.setattr(io, "_range_task", not_here)
     there = isolated.hash_files_isolated(jobs, parallel=4, min_bytes=0)
     assert [r.digests for r in there] == [r.digests for r in here]
     assert [r.stats.bytes for r in there] == [3 << 20, 12345]
