@@ -33,6 +33,7 @@ from benchmarks.gpu.host import (  # noqa: E402
     LoopLag,
     criu_log_times,
     drop_caches,
+    emit,
     host_facts,
     log_gaps,
 )
@@ -126,10 +127,7 @@ async def main() -> None:
                         results.append(await one(Path(work), mib, prefetch, variant))
                         print(json.dumps({k: results[-1][k] for k in ("weights_mib", "variant", "phases")}))
     results.insert(0, {"host": host_facts()})
-    text = json.dumps(results, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(results, args.out)
 
 
 if __name__ == "__main__":

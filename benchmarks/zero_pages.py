@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.gpu.host import emit  # noqa: E402
 from dynamo_snapshot.criu import Criu  # noqa: E402
 from dynamo_snapshot.criu.sparse import drop_zero_pages  # noqa: E402
 from tests.helpers.polling import wait_file  # noqa: E402
@@ -92,10 +92,7 @@ async def main() -> None:
         "restored_identical": before == after,
         "cpus": os.cpu_count(),
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

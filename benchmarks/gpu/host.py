@@ -18,6 +18,14 @@ from types import TracebackType
 from typing import Any, Self
 
 
+def emit(result: Any, out: Path | None) -> None:
+    """A benchmark's result as JSON: printed, and written to `out` when given."""
+    text = json.dumps(result, indent=1)
+    print(text)
+    if out is not None:
+        out.write_text(text + "\n")
+
+
 def drop_caches() -> None:
     """Empty the page cache (root), so the next read of a file comes from the disk."""
     subprocess.run("sync; echo 3 > /proc/sys/vm/drop_caches", shell=True, check=False)
