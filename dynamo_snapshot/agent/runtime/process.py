@@ -77,14 +77,14 @@ class ProcessRuntime:
         return Workload(spec.key, proc.pid, ctl)
 
     async def find(self, key: str) -> Workload | None:
-        state = _read_state(self.control_dir(key))
+        state = await asyncio.to_thread(_read_state, self.control_dir(key))
         # A zombie has exited; a pid that started at another time is a later process that reuses it.
         if state is None or not pid_running(state.pid, state.start_time):
             return None
         return Workload(key, state.pid, state.control_dir)
 
     async def stop(self, key: str) -> None:
-        state = _read_state(self.control_dir(key))
+        state = await asyncio.to_thread(_read_state, self.control_dir(key))
         stat = None if state is None else proc_stat(state.pid)
         # The group goes even where its root is a zombie already (its children may live on), but never
         # the group of a later process that got the pid.
@@ -92,7 +92,7 @@ class ProcessRuntime:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(state.pid, signal.SIGKILL)
             await _reap(state.pid)
-        shutil.rmtree(self.control_dir(key), ignore_errors=True)
+        await asyncio.to_thread(shutil.rmtree, self.control_dir(key), ignore_errors=True)
 
     async def resume(self, workload: Workload) -> None:
         await _continue_tree(workload.pid)
