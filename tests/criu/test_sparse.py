@@ -224,3 +224,23 @@ def test_file_backed_pages_and_a_stop_leave_the_images_as_they_were(tmp_path: Pa
         "pages-3.img",
         "pstree.img",
     ]
+
+
+async def test_a_cancelled_checkpoint_waits_for_the_rewrite_to_stop(tmp_path: Path) -> None:
+    from dynamo_snapshot.agent.executor import _drop_zero_pages
+
+    # 64 MiB of alternating pages: the slow, page-by-page path, still running when the cancel comes.
+    pages = [(b"z" * PAGE if i % 2 else bytes(PAGE)) for i in range((64 << 20) // PAGE)]
+    _dump(tmp_path, pages)
+    task = asyncio.create_task(_drop_zero_pages(tmp_path))
+    await asyncio.sleep(0.02)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # Nothing writes in the directory any more (the caller may delete it now), and it is one whole
+    # dump: the old images, the rewrite not switched in.
+    left = await asyncio.to_thread(os.listdir, tmp_path)
+    await asyncio.sleep(0.3)
+    assert sorted(await asyncio.to_thread(os.listdir, tmp_path)) == sorted(left)
+    assert sorted(left) == ["mm-7.img", "pagemap-7.img", "pages-3.img", "pstree.img"]
+    assert _pagemap(tmp_path) == (3, [(0x10000, len(pages), 6)])
