@@ -64,10 +64,13 @@ class SparseStats:
     """What drop_zero_pages did: per process, and in all."""
 
     pages_before: int = 0
-    pages_dropped: int = 0
     seconds: float = 0.0
     processes: dict[int, int] = field(default_factory=dict)  # pid -> pages dropped
     skipped: dict[int, str] = field(default_factory=dict)  # pid -> why its images were left alone
+
+    @property
+    def pages_dropped(self) -> int:
+        return sum(self.processes.values())
 
     @property
     def bytes_dropped(self) -> int:
@@ -329,7 +332,6 @@ def drop_zero_pages(images: Path, stop: threading.Event | None = None) -> Sparse
             stats.skipped[pid] = str(e)
             continue
         stats.pages_before += before
-        stats.pages_dropped += dropped
         stats.processes[pid] = dropped
     stats.seconds = time.monotonic() - started
     return stats
