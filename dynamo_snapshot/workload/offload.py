@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from dynamo_snapshot.workload.weights import (
     DEFAULT_BLOCK_BYTES,
+    ENCODING_SPLIT_DEFLATE,
     LoadResult,
     SaveResult,
     wait_for_weights_verified,
@@ -59,7 +60,9 @@ class SavableWeights(Protocol):
 
     device: int
 
-    def save(self, path: Path | str, *, chunk_bytes: int = ..., threads: int = ...) -> SaveResult: ...
+    def save(
+        self, path: Path | str, *, chunk_bytes: int = ..., threads: int = ..., encoding: str = ...
+    ) -> SaveResult: ...
 
     def release(self) -> int: ...
 
@@ -112,6 +115,7 @@ class GpuOffload:
         verify_load: bool = False,
         zero_kv: bool = False,
         weights_check_timeout: float | None = None,
+        weights_encoding: str = ENCODING_SPLIT_DEFLATE,
     ) -> None:
         self.load_threads = load_threads
         self.load_block = load_block
@@ -121,6 +125,8 @@ class GpuOffload:
         self.verify_load = verify_load
         self.zero_kv = zero_kv
         self.weights_check_timeout = weights_check_timeout
+        # How weights files are stored (weights.ENCODINGS): split-deflate reads ~1.5x fewer bytes.
+        self.weights_encoding = weights_encoding
         self._kv: list[ReleasableCache] = []
         self._weights: list[tuple[SavableWeights, Path]] = []
         self._released_kv: list[ReleasableCache] = []
@@ -141,7 +147,7 @@ class GpuOffload:
         started = time.monotonic()
         report = OffloadReport()
         for weights, path in self._weights:
-            report.saved.append(weights.save(path))
+            report.saved.append(weights.save(path, encoding=self.weights_encoding))
         released: dict[int, int] = {}
         for weights, path in self._weights:
             n = weights.release()

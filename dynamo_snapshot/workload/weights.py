@@ -10,16 +10,30 @@ same addresses and fills it from the file: parallel reads (O_DIRECT when the fil
 cache) into a small ring of pinned host buffers, each handed to an asynchronous host-to-device copy as
 soon as it is full, so reading and copying overlap.
 
-File format (version 1), all integers little-endian:
+File format (version 1: raw data; version 2: encoded data), all integers little-endian:
 
     [0, 128)                 prefix: magic b"DSWEIGHT", u32 version, u32 flags (0), u64 header length,
-                             u64 data offset, u64 data bytes, 32-byte SHA-256 of the header; zero padded
+                             u64 data offset, u64 stored data bytes, 32-byte SHA-256 of the header;
+                             zero padded
     [128, 128 + header)      header: UTF-8 JSON (keys sorted): format, version, alignment, tensors
                              [{name, dtype, shape, offset, nbytes}] in layout order, data_bytes,
                              device_bytes, chunk_bytes, chunk_sha256 [SHA-256 of each chunk_bytes piece
-                             of the data], data_digest (SHA-256 of the concatenated chunk digests)
+                             of the data], data_digest (SHA-256 of the concatenated chunk digests);
+                             version 2 adds encoding {name, piece_bytes, pieces}
     [.., data offset)        zeros up to a multiple of 4096
-    [data offset, +data)     the region's first data_bytes bytes (a multiple of 4096), as on the GPU
+    [data offset, +stored)   version 1: the region's first data_bytes bytes (a multiple of 4096), as on
+                             the GPU; version 2: one record per chunk, see "encoding" below
+
+Encoding "split-deflate" (version 2) stores each chunk as two byte planes: the even bytes as they are,
+then the odd bytes in pieces of piece_bytes, each an independent raw-deflate stream (Huffman only) or,
+where that does not save 3%, the bytes themselves (a piece whose stored length equals its plain length
+is plain). For bf16/fp16 weights the odd byte of each little-endian word is the sign and most of the
+exponent, whose values cluster: it deflates ~3x, and the chunk ~1.5x; the even bytes (mantissa) do not
+compress and are read straight into pinned memory. Pieces decompress in parallel threads; the GPU
+interleaves the planes back (TransferEngine.upload_split), so the CPU never touches single bytes.
+Record of a chunk of n bytes: even plane, zeros to a multiple of 4096, the pieces back to back, zeros to
+a multiple of 4096; records follow each other. chunk_sha256 and data_digest are of the data as on the
+GPU, whatever the encoding, so a file's identity does not depend on how it is stored.
 
 Offsets and sizes are multiples of 4096 so O_DIRECT can read the data in place. The per-chunk digests
 let a load verify what it reads in parallel (verify=True). Next to the file, FILE.sha256 holds the
@@ -44,6 +58,7 @@ import mmap
 import os
 import struct
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -71,11 +86,16 @@ __all__ = [
     "ALIGN",
     "DEFAULT_BLOCK_BYTES",
     "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_PIECE_BYTES",
     "DEFAULT_TENSOR_ALIGNMENT",
+    "ENCODINGS",
+    "ENCODING_RAW",
+    "ENCODING_SPLIT_DEFLATE",
     "FILE_WEIGHTS_MANIFEST",
     "FORMAT_VERSION",
     "MAGIC",
     "PREFIX_BYTES",
+    "Encoding",
     "HostBuffer",
     "LoadResult",
     "MmapBuffer",
@@ -102,7 +122,8 @@ __all__ = [
 ]
 
 MAGIC: Final = b"DSWEIGHT"
-FORMAT_VERSION: Final = 1
+FORMAT_VERSION: Final = 2  # written for encoded data; raw data is still written as version 1
+_VERSIONS_READ: Final = (1, 2)
 FORMAT_NAME: Final = "dynamo-snapshot-weights"
 PREFIX_BYTES: Final = 128
 _PREFIX = struct.Struct("<8sIIQQQ32s")
@@ -119,6 +140,22 @@ _SHA256_SUFFIX: Final = ".sha256"
 # load(direct=None) reads through the page cache when at least this much of the file is in it (the
 # agent warmed it): O_DIRECT would ignore those pages and go to the disk again.
 _RESIDENT_FOR_BUFFERED: Final = 0.5
+ENCODING_RAW: Final = "raw"
+ENCODING_SPLIT_DEFLATE: Final = "split-deflate"
+ENCODINGS: Final = (ENCODING_RAW, ENCODING_SPLIT_DEFLATE)
+# Odd-plane bytes per deflate stream: small enough that one chunk's pieces keep 16 threads busy,
+# large enough that Huffman tables and thread hand-offs cost nothing.
+DEFAULT_PIECE_BYTES: Final = 2 << 20
+# A piece is stored deflated only if that saves at least this fraction.
+_MIN_SAVING: Final = 0.03
+
+
+def _cpus() -> int:
+    # The affinity mask, not the host's core count: a container may be pinned to a few cores.
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 class WeightsFileError(ValueError):
@@ -174,6 +211,60 @@ def plan_layout(
 
 
 @dataclass(frozen=True)
+class Encoding:
+    """How a version 2 file stores its data: `pieces[i]` are the stored lengths of chunk i's odd-plane
+    pieces (each covers piece_bytes of the plane, the last one less)."""
+
+    name: str
+    piece_bytes: int
+    pieces: tuple[tuple[int, ...], ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "piece_bytes": self.piece_bytes, "pieces": [list(p) for p in self.pieces]}
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """Where chunk `index` (region[data_offset:+nbytes]) is in the data section, and how it is stored:
+    plain (pieces empty: `nbytes` at `offset`), or split (even plane at `offset`, padded to
+    `even_stored`; the odd plane's pieces, `pieces` long each, in the next `odd_stored` bytes)."""
+
+    index: int
+    data_offset: int
+    nbytes: int
+    offset: int
+    pieces: tuple[int, ...] = ()
+    piece_bytes: int = 0
+
+    @property
+    def split(self) -> bool:
+        return bool(self.pieces)
+
+    @property
+    def even_stored(self) -> int:
+        return round_up(self.nbytes // 2, ALIGN) if self.split else self.nbytes
+
+    @property
+    def odd_stored(self) -> int:
+        return round_up(self.even_stored + sum(self.pieces), ALIGN) - self.even_stored if self.split else 0
+
+    @property
+    def stored(self) -> int:
+        return self.even_stored + self.odd_stored
+
+    def odd_pieces(self) -> list[tuple[int, int, int, int]]:
+        """(stored offset in the odd part, stored length, plane offset, plain length) of each piece."""
+        out = []
+        at = 0
+        for (start, plain), length in zip(
+            _spans(self.nbytes // 2, self.piece_bytes), self.pieces, strict=True
+        ):
+            out.append((at, length, start, plain))
+            at += length
+        return out
+
+
+@dataclass(frozen=True)
 class WeightsHeader:
     tensors: tuple[TensorSpec, ...]
     data_bytes: int
@@ -182,11 +273,36 @@ class WeightsHeader:
     chunk_sha256: tuple[str, ...]
     data_digest: str
     alignment: int = DEFAULT_TENSOR_ALIGNMENT
+    encoding: Encoding | None = None
+
+    @property
+    def version(self) -> int:
+        return 1 if self.encoding is None else FORMAT_VERSION
+
+    def records(self) -> list[ChunkRecord]:
+        """Every chunk's place in the data section, in order."""
+        out = []
+        at = 0
+        for i, (off, n) in enumerate(_spans(self.data_bytes, self.chunk_bytes)):
+            if self.encoding is None:
+                rec = ChunkRecord(i, off, n, off)
+            else:
+                rec = ChunkRecord(i, off, n, at, self.encoding.pieces[i], self.encoding.piece_bytes)
+            out.append(rec)
+            at += rec.stored
+        return out
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of the data section in the file."""
+        if self.encoding is None:
+            return self.data_bytes
+        return sum(r.stored for r in self.records())
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
+            "version": self.version,
             "alignment": self.alignment,
             "tensors": [t.to_json() for t in self.tensors],
             "data_bytes": self.data_bytes,
@@ -195,13 +311,16 @@ class WeightsHeader:
             "chunk_sha256": list(self.chunk_sha256),
             "data_digest": self.data_digest,
         }
+        if self.encoding is not None:
+            out["encoding"] = self.encoding.to_json()
+        return out
 
     def encode(self) -> bytes:
         """Prefix, JSON and padding: the file's first data_offset bytes."""
         body = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":")).encode()
         data_offset = round_up(PREFIX_BYTES + len(body), ALIGN)
         prefix = _PREFIX.pack(
-            MAGIC, FORMAT_VERSION, 0, len(body), data_offset, self.data_bytes, hashlib.sha256(body).digest()
+            MAGIC, self.version, 0, len(body), data_offset, self.stored_bytes, hashlib.sha256(body).digest()
         )
         out = bytearray(data_offset)
         out[: len(prefix)] = prefix
@@ -229,7 +348,11 @@ def _parse_header(body: bytes) -> WeightsHeader:
         obj = json.loads(body)
     except ValueError as e:
         raise WeightsFileError(f"header is not JSON: {e}") from None
-    if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME or obj.get("version") != FORMAT_VERSION:
+    if (
+        not isinstance(obj, dict)
+        or obj.get("format") != FORMAT_NAME
+        or obj.get("version") not in _VERSIONS_READ
+    ):
         raise WeightsFileError("header names another format or version")
     raw_tensors = obj.get("tensors")
     chunks = obj.get("chunk_sha256")
@@ -254,6 +377,7 @@ def _parse_header(body: bytes) -> WeightsHeader:
         chunk_sha256=tuple(str(c) for c in chunks),
         data_digest=digest,
         alignment=_int_field(obj, "alignment"),
+        encoding=_parse_encoding(obj),
     )
     # The layout must be exactly what plan_layout makes of it: offsets are then aligned, in order and
     # non-overlapping, and the data section covers every tensor.
@@ -273,7 +397,31 @@ def _parse_header(body: bytes) -> WeightsHeader:
         raise WeightsFileError("data_digest does not match chunk_sha256")
     if header.device_bytes < header.data_bytes:
         raise WeightsFileError("device_bytes is smaller than data_bytes")
+    if header.encoding is not None:
+        enc = header.encoding
+        if enc.piece_bytes <= 0 or len(enc.pieces) != len(header.chunk_sha256):
+            raise WeightsFileError("encoding does not have one piece list per chunk")
+        for (_, n), lengths in zip(_spans(header.data_bytes, header.chunk_bytes), enc.pieces, strict=True):
+            plain = [p for _, p in _spans(n // 2, enc.piece_bytes)]
+            if len(lengths) != len(plain) or any(not 0 < s <= p for s, p in zip(lengths, plain, strict=True)):
+                raise WeightsFileError("encoding's piece lengths do not fit the chunks")
     return header
+
+
+def _parse_encoding(obj: Mapping[str, Any]) -> Encoding | None:
+    version, raw = obj.get("version"), obj.get("encoding")
+    if version == 1:
+        if raw is not None:
+            raise WeightsFileError("a version 1 header has no encoding")
+        return None
+    if not isinstance(raw, dict) or raw.get("name") != ENCODING_SPLIT_DEFLATE:
+        raise WeightsFileError(f"unknown encoding {raw.get('name') if isinstance(raw, dict) else raw!r}")
+    pieces = raw.get("pieces")
+    if not isinstance(pieces, list) or not all(
+        isinstance(p, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in p) for p in pieces
+    ):
+        raise WeightsFileError("encoding pieces is not a list of integer lists")
+    return Encoding(ENCODING_SPLIT_DEFLATE, _int_field(raw, "piece_bytes"), tuple(tuple(p) for p in pieces))
 
 
 def read_header(path: Path | str) -> tuple[WeightsHeader, int]:
@@ -286,8 +434,8 @@ def read_header(path: Path | str) -> tuple[WeightsHeader, int]:
         magic, version, _flags, header_len, data_offset, data_bytes, header_sha = _PREFIX.unpack_from(prefix)
         if magic != MAGIC:
             raise WeightsFileError(f"{path}: not a weights file (magic {magic!r})")
-        if version != FORMAT_VERSION:
-            raise WeightsFileError(f"{path}: format version {version}, this code reads {FORMAT_VERSION}")
+        if version not in _VERSIONS_READ:
+            raise WeightsFileError(f"{path}: format version {version}, this code reads {_VERSIONS_READ}")
         if (
             header_len > _MAX_HEADER_BYTES
             or data_offset % ALIGN
@@ -300,8 +448,8 @@ def read_header(path: Path | str) -> tuple[WeightsHeader, int]:
             raise WeightsFileError(f"{path}: header checksum mismatch")
         size = os.fstat(f.fileno()).st_size
     header = _parse_header(body)
-    if header.data_bytes != data_bytes:
-        raise WeightsFileError(f"{path}: prefix and header disagree on the data size")
+    if header.stored_bytes != data_bytes or header.version != version:
+        raise WeightsFileError(f"{path}: prefix and header disagree on the version or data size")
     if size != data_offset + data_bytes:
         raise WeightsFileError(
             f"{path}: {size} bytes, expected {data_offset + data_bytes} (truncated or appended to)"
@@ -337,6 +485,16 @@ class TransferEngine(Protocol):
 
     def upload(self, buf: HostBuffer, nbytes: int, offset: int) -> None:
         """buf[:nbytes] -> region[offset:]; may return before the copy is done."""
+        ...
+
+    def download_split(self, offset: int, buf: HostBuffer, nbytes: int) -> None:
+        """Like download, but buf[:nbytes//2] gets the even bytes of region[offset:+nbytes] and
+        buf[nbytes//2:nbytes] the odd ones (nbytes even)."""
+        ...
+
+    def upload_split(self, buf: HostBuffer, nbytes: int, offset: int) -> None:
+        """Like upload, from the planes download_split makes: region[offset:+nbytes] gets the even
+        bytes from buf[:nbytes//2] and the odd ones from buf[nbytes//2:nbytes]."""
         ...
 
     def wait_upload(self, buf: HostBuffer) -> None:
@@ -420,6 +578,24 @@ class _TorchEngine:
         self._flat: Any = region.as_tensor(torch.uint8, (region.size,))
         self._events: dict[int, Any] = {}
         self._buffers: list[_PinnedBuffer] = []
+        # Device memory the planes pass through; one suffices, as every copy runs on self._stream.
+        # A region of its own (not torch's cache), so closing gives it back to the driver.
+        self._scratch: VmmRegion | None = None
+        self._scratch_flat: Any = None
+
+    def _scratch_tensor(self, nbytes: int) -> Any:
+        if self._scratch is None or self._scratch.size < nbytes:
+            self._free_scratch()
+            self._scratch = VmmRegion(nbytes, self._region.device, driver=self._region.driver)
+            self._scratch_flat = self._scratch.as_tensor(self._torch.uint8, (self._scratch.size,))
+        return self._scratch_flat[:nbytes]
+
+    def _free_scratch(self) -> None:
+        self._scratch_flat = None
+        if self._scratch is not None:
+            self._stream.synchronize()  # copies queued on it may still use the old scratch
+            self._scratch.free()
+            self._scratch = None
 
     def _pinned(self, buf: HostBuffer) -> _PinnedBuffer:
         if not isinstance(buf, _PinnedBuffer):
@@ -446,6 +622,26 @@ class _TorchEngine:
             event.record(self._stream)
         self._events[id(buf)] = event
 
+    def download_split(self, offset: int, buf: HostBuffer, nbytes: int) -> None:
+        torch = self._torch
+        half = nbytes // 2
+        with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
+            planes = self._scratch_tensor(nbytes)
+            planes.view(2, half).copy_(self._flat[offset : offset + nbytes].view(half, 2).t())
+            self._pinned(buf).tensor[:nbytes].copy_(planes, non_blocking=True)
+        self._stream.synchronize()
+
+    def upload_split(self, buf: HostBuffer, nbytes: int, offset: int) -> None:
+        torch = self._torch
+        half = nbytes // 2
+        with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
+            planes = self._scratch_tensor(nbytes)
+            planes.copy_(self._pinned(buf).tensor[:nbytes], non_blocking=True)
+            self._flat[offset : offset + nbytes].view(half, 2).t().copy_(planes.view(2, half))
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        self._events[id(buf)] = event
+
     def wait_upload(self, buf: HostBuffer) -> None:
         event = self._events.pop(id(buf), None)
         if event is not None:
@@ -462,6 +658,7 @@ class _TorchEngine:
             # Unpinned and unmapped now: nothing of them is left to be checkpointed with the process.
             buffers, self._buffers = self._buffers, []
             self._flat = None
+            self._free_scratch()
             for buf in buffers:
                 buf.close()
 
@@ -853,43 +1050,167 @@ def _chunk_digests(
         return [f.result() for f in futures]
 
 
+# ---- the split-deflate encoding -------------------------------------------------------------------
+
+
+def _deflate_piece(view: memoryview) -> bytes | None:
+    """The piece as one raw-deflate stream, or None where that would not save _MIN_SAVING."""
+    # Huffman only: the odd bytes of weights repeat no strings; matching would cost time for nothing.
+    coder = zlib.compressobj(1, zlib.DEFLATED, -15, 9, zlib.Z_HUFFMAN_ONLY)
+    out = coder.compress(view) + coder.flush()
+    return out if len(out) <= len(view) * (1 - _MIN_SAVING) else None
+
+
+def _inflate_piece(src: memoryview, dst: memoryview) -> None:
+    """One stored piece into `dst` (its plain length); WeightsFileError unless it fills it exactly."""
+    if len(src) == len(dst):
+        dst[:] = src
+        return
+    try:
+        coder = zlib.decompressobj(-15)
+        out = coder.decompress(src, len(dst))
+        whole = coder.eof and not coder.unconsumed_tail and not coder.unused_data
+    except zlib.error as e:
+        raise WeightsFileError(f"a compressed piece of the weights file is damaged: {e}") from None
+    if not whole or len(out) != len(dst):
+        raise WeightsFileError("a compressed piece of the weights file does not hold its bytes")
+    dst[:] = out
+
+
+def _interleave(planes: memoryview, nbytes: int) -> bytes:
+    """The data whose planes (even bytes, then odd bytes) `planes[:nbytes]` holds."""
+    out = bytearray(nbytes)
+    half = nbytes // 2
+    out[0::2] = planes[:half]
+    out[1::2] = planes[half:nbytes]
+    return bytes(out)
+
+
+def _planes_sha256(planes: memoryview, nbytes: int) -> str:
+    return hashlib.sha256(_interleave(planes, nbytes)).hexdigest()
+
+
+def _piece_lengths(
+    engine: TransferEngine,
+    bufs: Sequence[HostBuffer],
+    data_bytes: int,
+    chunk: int,
+    piece: int,
+    threads: int,
+) -> list[tuple[int, ...]]:
+    """Each chunk's stored odd-plane piece lengths: the header needs them before the data is written
+    (so that the file can be written, and hashed, in order); writing compresses again, identically."""
+    spans = _spans(data_bytes, chunk)
+    busy: dict[int, list[Future[bytes | None]]] = {}
+    per_chunk: list[list[Future[bytes | None]]] = []
+    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="weights-deflate") as pool:
+        for i, (off, n) in enumerate(spans):
+            b = i % len(bufs)
+            for fut in busy.pop(b, []):
+                fut.result()
+            engine.download_split(off, bufs[b], n)
+            odd = bufs[b].view()[n // 2 : n]
+            futs = [
+                pool.submit(_deflate_piece, odd[start : start + size])
+                for start, size in _spans(n // 2, piece)
+            ]
+            busy[b] = futs
+            per_chunk.append(futs)
+        return [
+            tuple(
+                size if (out := f.result()) is None else len(out)
+                for f, (_, size) in zip(futs, _spans(n // 2, piece), strict=True)
+            )
+            for futs, (_, n) in zip(per_chunk, spans, strict=True)
+        ]
+
+
+def _encode_record(rec: ChunkRecord, planes: memoryview, pieces: Sequence[Future[bytes | None]]) -> bytearray:
+    """Chunk `rec` as stored, from its planes and its pieces' deflate results."""
+    out = bytearray(rec.stored)
+    half = rec.nbytes // 2
+    out[:half] = planes[:half]
+    base = rec.even_stored
+    for (at, length, start, plain), fut in zip(rec.odd_pieces(), pieces, strict=True):
+        data = fut.result()
+        stored = planes[half + start : half + start + plain] if data is None else data
+        if len(stored) != length:
+            # zlib gave other bytes for the same input than a moment ago: never write a header that lies.
+            raise WeightsFileError(
+                f"chunk {rec.index}: a piece compressed to {len(stored)} bytes, then {length}"
+            )
+        out[base + at : base + at + length] = stored
+    return out
+
+
+# ---- pipelines ------------------------------------------------------------------------------------
+
+
 def _write_file(
     path: Path,
     engine: TransferEngine,
     bufs: Sequence[HostBuffer],
     head: bytes,
-    data_bytes: int,
-    chunk: int,
+    records: Sequence[ChunkRecord],
     threads: int,
 ) -> str:
-    """Write `head` then region[0:data_bytes] to `path` (created); the whole file's SHA-256.
+    """Write `head` then every chunk record to `path` (created); the whole file's SHA-256.
 
-    Downloads in order; each chunk is hashed in file order by one thread and written by another, so
-    hashing, writing and the next download overlap.
+    Downloads in order; each record is hashed in file order by one thread and written by others, so
+    hashing, writing and the next download overlap. Split records are deflated piece by piece in the
+    pool and assembled (in order) before they are hashed and written.
     """
-    spans = _spans(data_bytes, chunk)
     file_hash = hashlib.sha256(head)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         _pwrite_all(fd, memoryview(head), 0)
-        busy: dict[int, tuple[Future[None], Future[None]]] = {}
+        busy: dict[int, list[Future[Any]]] = {}  # buffer -> what still reads it
+        encoding: deque[tuple[ChunkRecord, int, list[Future[bytes | None]]]] = deque()
+        written: deque[list[Future[None]]] = deque()  # of assembled records, to bound their memory
+
+        def emit(rec: ChunkRecord, data: memoryview | bytearray) -> list[Future[None]]:
+            view = memoryview(data)
+            return [
+                hasher.submit(file_hash.update, view),
+                writers.submit(_pwrite_all, fd, view, len(head) + rec.offset),
+            ]
+
+        def assemble_oldest() -> None:
+            rec, b, pieces = encoding.popleft()
+            written.append(emit(rec, _encode_record(rec, bufs[b].view(), pieces)))
+            busy.pop(b, None)
+            while len(written) > len(bufs):
+                for fut in written.popleft():
+                    fut.result()
+
         with (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-sha") as hasher,
             ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="weights-write") as writers,
+            ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="weights-deflate") as coders,
         ):
-            for i, (off, n) in enumerate(spans):
+            for i, rec in enumerate(records):
                 b = i % len(bufs)
-                if b in busy:
-                    for fut in busy.pop(b):
-                        fut.result()
-                engine.download(off, bufs[b], n)
-                part = bufs[b].view()[:n]
-                busy[b] = (
-                    hasher.submit(file_hash.update, part),
-                    writers.submit(_pwrite_all, fd, part, len(head) + off),
-                )
-            for pair in busy.values():
-                for fut in pair:
+                while any(e[1] == b for e in encoding):
+                    assemble_oldest()
+                for fut in busy.pop(b, []):
+                    fut.result()
+                n = rec.nbytes
+                if not rec.split:
+                    engine.download(rec.data_offset, bufs[b], n)
+                    busy[b] = emit(rec, bufs[b].view()[:n])
+                    continue
+                engine.download_split(rec.data_offset, bufs[b], n)
+                odd = bufs[b].view()[n // 2 : n]
+                pieces = [
+                    coders.submit(_deflate_piece, odd[start : start + size])
+                    for _, _, start, size in rec.odd_pieces()
+                ]
+                busy[b] = list(pieces)
+                encoding.append((rec, b, pieces))
+            while encoding:
+                assemble_oldest()
+            for futs in [*busy.values(), *written]:
+                for fut in futs:
                     fut.result()
         os.fsync(fd)
     finally:
@@ -901,28 +1222,31 @@ def _read_into_region(
     reader: _Reader,
     engine: TransferEngine,
     bufs: Sequence[HostBuffer],
+    odd_bufs: Sequence[HostBuffer],
     data_offset: int,
-    data_bytes: int,
+    records: Sequence[ChunkRecord],
     *,
-    block: int,
     threads: int,
     chunk_sha256: Sequence[str] | None,
 ) -> None:
-    """File[data_offset:+data_bytes] -> region[0:data_bytes] through the ring `bufs`.
+    """Every record of the file's data section (from `data_offset`) -> the region, through the ring
+    `bufs` (with `odd_bufs` beside them for split records' stored odd planes).
 
-    Each block is read as several pieces by the pool; blocks are handed to the engine in order as they
-    complete, and a buffer is refilled only once its upload is done. With len(bufs) blocks in flight
-    and `threads` readers the disk always has work while the GPU copies. With `chunk_sha256` (block ==
-    chunk size) every block is hashed as it lands and compared.
+    Each record is read as several pieces by `threads` readers; split records are then inflated
+    piece by piece by a thread per core. Records are handed to the engine as they complete, and a
+    buffer is refilled only once its upload is done. With len(bufs) records in flight the disk always
+    has work while the CPU inflates and the GPU copies. With `chunk_sha256` (records are the file's
+    chunks) every chunk is hashed as it lands and compared.
     """
     nbuf = len(bufs)
-    blocks = _spans(data_bytes, block)
+    largest = max((r.stored for r in records), default=ALIGN)
     pieces_per_block = max(1, math.ceil(threads / max(1, nbuf - 1)))
-    piece = round_up(math.ceil(block / pieces_per_block), ALIGN)
+    piece = round_up(math.ceil(largest / pieces_per_block), ALIGN)
     free = deque(range(nbuf))
-    inflight: deque[tuple[int, int, list[Future[int]]]] = deque()
+    reading: deque[tuple[ChunkRecord, int, list[Future[int]]]] = deque()
+    inflating: deque[tuple[ChunkRecord, int, list[Future[None]]]] = deque()
     hashing: dict[int, tuple[int, Future[str]]] = {}
-    next_block = 0
+    next_rec = 0
 
     def check_hash(b: int) -> None:
         if b in hashing:
@@ -931,38 +1255,94 @@ def _read_into_region(
             if fut.result() != chunk_sha256[index]:
                 raise WeightsFileError(f"chunk {index} of the weights file does not match its SHA-256")
 
-    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="weights-read") as pool:
+    def read(view: memoryview, offset: int) -> list[Future[int]]:
+        return [
+            pool.submit(reader.read, view[p : p + min(piece, len(view) - p)], offset + p)
+            for p in range(0, len(view), piece)
+        ]
+
+    def finish(rec: ChunkRecord, b: int) -> None:
+        n = rec.nbytes
+        if chunk_sha256 is not None:
+            view = bufs[b].view()
+            hashing[b] = (
+                rec.index,
+                pool.submit(_planes_sha256, view, n) if rec.split else pool.submit(_sha256_hex, view[:n]),
+            )
+        if rec.split:
+            engine.upload_split(bufs[b], n, rec.data_offset)
+        else:
+            engine.upload(bufs[b], n, rec.data_offset)
+        free.append(b)
+
+    split = any(r.split for r in records)
+    # Inflating is CPU work: all cores, beside the `threads` that mostly wait in reads.
+    with (
+        ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="weights-read") as pool,
+        ThreadPoolExecutor(
+            max_workers=_cpus() if split else 1, thread_name_prefix="weights-inflate"
+        ) as inflater,
+    ):
         try:
-            while inflight or next_block < len(blocks):
-                while free and next_block < len(blocks):
+            while reading or inflating or next_rec < len(records):
+                while free and next_rec < len(records):
                     b = free.popleft()
                     engine.wait_upload(bufs[b])
                     check_hash(b)
-                    off, n = blocks[next_block]
-                    view = bufs[b].view()
-                    futs = [
-                        pool.submit(reader.read, view[p : p + min(piece, n - p)], data_offset + off + p)
-                        for p in range(0, n, piece)
-                    ]
-                    inflight.append((next_block, b, futs))
-                    next_block += 1
-                index, b, futs = inflight.popleft()
-                off, n = blocks[index]
-                got = sum(f.result() for f in futs)
-                if got != n:
-                    raise WeightsFileError(f"short read at data offset {off}: {got} of {n} bytes")
-                if chunk_sha256 is not None:
-                    hashing[b] = (index, pool.submit(_sha256_hex, bufs[b].view()[:n]))
-                engine.upload(bufs[b], n, off)
-                free.append(b)
+                    rec = records[next_rec]
+                    at = data_offset + rec.offset
+                    futs = read(bufs[b].view()[: rec.even_stored], at)
+                    if rec.split:
+                        futs += read(odd_bufs[b].view()[: rec.odd_stored], at + rec.even_stored)
+                    reading.append((rec, b, futs))
+                    next_rec += 1
+                if reading:
+                    rec, b, futs = reading.popleft()
+                    got = sum(f.result() for f in futs)
+                    if got != rec.stored:
+                        raise WeightsFileError(
+                            f"short read at data offset {rec.offset}: {got} of {rec.stored} bytes"
+                        )
+                    if not rec.split:
+                        finish(rec, b)
+                    else:
+                        planes, odd = bufs[b].view(), odd_bufs[b].view()
+                        half = rec.nbytes // 2
+                        inflating.append(
+                            (
+                                rec,
+                                b,
+                                [
+                                    inflater.submit(
+                                        _inflate_piece,
+                                        odd[at : at + length],
+                                        planes[half + start : half + start + plain],
+                                    )
+                                    for at, length, start, plain in rec.odd_pieces()
+                                ],
+                            )
+                        )
+                # Inflated records go to the GPU as soon as they are whole; block on one only when
+                # there is nothing to read meanwhile.
+                while inflating and (
+                    all(f.done() for f in inflating[0][2])
+                    or not (reading or (free and next_rec < len(records)))
+                ):
+                    rec, b, inflated = inflating.popleft()
+                    for done in inflated:
+                        done.result()
+                    finish(rec, b)
             for b in list(hashing):
                 check_hash(b)
         except BaseException:
-            for _, _, futs in inflight:
+            for _, _, futs in reading:
                 for f in futs:
                     f.cancel()
+            for _, _, pending in inflating:
+                for task in pending:
+                    task.cancel()
             raise
-        # Leaving the pool waits for reads still running: none writes into a buffer after this returns.
+        # Leaving the pool waits for work still running: none writes into a buffer after this returns.
 
 
 # ---- the region -----------------------------------------------------------------------------------
@@ -1061,7 +1441,7 @@ class WeightRegion:
         torch.cuda.synchronize(torch.device("cuda", self.device))
         return views
 
-    def _header(self, digests: list[str], chunk: int) -> WeightsHeader:
+    def _header(self, digests: list[str], chunk: int, encoding: Encoding | None = None) -> WeightsHeader:
         assert self.region is not None
         assert self._specs is not None
         return WeightsHeader(
@@ -1072,15 +1452,25 @@ class WeightRegion:
             chunk_sha256=tuple(digests),
             data_digest=data_digest(digests),
             alignment=self.alignment,
+            encoding=encoding,
         )
 
     # ---- save ----
 
     def save(
-        self, path: Path | str, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, threads: int = 8
+        self,
+        path: Path | str,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        threads: int = 8,
+        encoding: str = ENCODING_SPLIT_DEFLATE,
+        piece_bytes: int = DEFAULT_PIECE_BYTES,
     ) -> SaveResult:
         """Write the region to `path` (and its SHA-256 to PATH.sha256), unless a file with the same
-        size and content digest is there already. Needs the region mapped."""
+        header (so the same content, stored the same way) is there already. Needs the region mapped.
+
+        `encoding`: ENCODING_SPLIT_DEFLATE (default; ~1.5x smaller for bf16/fp16 weights, so a load
+        reads that much less) or ENCODING_RAW (version 1, as on the GPU)."""
         region = self.region
         if region is None or self._specs is None:
             raise RuntimeError("nothing to save: pack() first")
@@ -1088,6 +1478,10 @@ class WeightRegion:
             raise RuntimeError("the weights are released: load() them before saving")
         if chunk_bytes <= 0 or chunk_bytes % ALIGN:
             raise ValueError(f"chunk_bytes must be a positive multiple of {ALIGN}")
+        if encoding not in ENCODINGS:
+            raise ValueError(f"encoding must be one of {ENCODINGS}, got {encoding!r}")
+        if piece_bytes <= 0:
+            raise ValueError("piece_bytes must be positive")
         path = Path(path).absolute()
         started = time.monotonic()
         engine = self._engine(region)
@@ -1095,7 +1489,11 @@ class WeightRegion:
             nbuf = max(1, min(threads + 1, -(-self.data_bytes // chunk_bytes)))
             bufs = [engine.host_buffer(min(chunk_bytes, max(self.data_bytes, ALIGN))) for _ in range(nbuf)]
             digests = _chunk_digests(engine, bufs, self.data_bytes, chunk_bytes, threads)
-            header = self._header(digests, chunk_bytes)
+            enc = None
+            if encoding == ENCODING_SPLIT_DEFLATE:
+                lengths = _piece_lengths(engine, bufs, self.data_bytes, chunk_bytes, piece_bytes, _cpus())
+                enc = Encoding(ENCODING_SPLIT_DEFLATE, piece_bytes, tuple(lengths))
+            header = self._header(digests, chunk_bytes, enc)
             head = header.encode()
             hashed = time.monotonic()
             written = not _same_file(path, header, len(head))
@@ -1103,7 +1501,7 @@ class WeightRegion:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
                 try:
-                    sha = _write_file(tmp, engine, bufs, head, self.data_bytes, chunk_bytes, threads)
+                    sha = _write_file(tmp, engine, bufs, head, header.records(), max(threads, _cpus()))
                     os.replace(tmp, path)
                 except BaseException:
                     tmp.unlink(missing_ok=True)
@@ -1118,7 +1516,7 @@ class WeightRegion:
         done = time.monotonic()
         return SaveResult(
             path=str(path),
-            bytes=len(head) + self.data_bytes,
+            bytes=len(head) + header.stored_bytes,
             data_bytes=self.data_bytes,
             sha256=sha,
             data_digest=header.data_digest,
@@ -1151,9 +1549,10 @@ class WeightRegion:
         `threads` parallel reads of pieces of `block`-byte blocks, through a ring of `buffers` pinned
         buffers of `block` bytes, each copied to the GPU asynchronously as soon as it is full. `direct`:
         O_DIRECT (True), the page cache (False), or None: O_DIRECT unless the file is mostly in the
-        page cache already. `verify` checks every chunk's SHA-256 as it lands (then `block` is the
-        file's chunk size). The file's header, size and layout are always checked. A region that has
-        no layout yet (a new WeightRegion) takes the file's.
+        page cache already. `verify` checks every chunk's SHA-256 as it lands. A split-deflate file is
+        read chunk by chunk (`block` is then its chunk size), its pieces inflated by the same threads
+        and its planes interleaved on the GPU. The file's header, size and layout are always checked.
+        A region that has no layout yet (a new WeightRegion) takes the file's.
         """
         if threads <= 0 or buffers <= 0:
             raise ValueError("threads and buffers must be positive")
@@ -1168,26 +1567,37 @@ class WeightRegion:
         assert self._specs is not None
         if tuple(self._specs) != header.tensors or header.data_bytes != self.data_bytes:
             raise WeightsFileError(f"{path}: its tensor layout is not this region's")
-        if verify:
+        if verify or header.encoding is not None:
             block = header.chunk_bytes
+            records = header.records()
+        else:
+            records = [
+                ChunkRecord(i, off, n, off) for i, (off, n) in enumerate(_spans(header.data_bytes, block))
+            ]
         t0 = time.monotonic()
         self.region.reacquire()
         reacquired = time.monotonic()
         resident = page_cache_fraction(path)
         use_direct = direct if direct is not None else (resident is None or resident < _RESIDENT_FOR_BUFFERED)
         engine = self._engine(self.region)
+        odd_bufs: list[MmapBuffer] = []
         try:
             size = min(block, header.data_bytes) if header.data_bytes else ALIGN
             bufs = [engine.host_buffer(size) for _ in range(buffers)]
-            reader = _Reader(path, use_direct and all(b.aligned for b in bufs))
+            if header.encoding is not None:
+                # Stored odd planes land here, not pinned: only the inflated planes go to the GPU.
+                odd_bufs = [
+                    MmapBuffer(max((r.odd_stored for r in records), default=ALIGN)) for _ in range(buffers)
+                ]
+            reader = _Reader(path, use_direct and all(b.aligned for b in [*bufs, *odd_bufs]))
             try:
                 _read_into_region(
                     reader,
                     engine,
                     bufs,
+                    odd_bufs,
                     data_offset,
-                    header.data_bytes,
-                    block=block,
+                    records,
                     threads=threads,
                     chunk_sha256=header.chunk_sha256 if verify else None,
                 )
@@ -1196,6 +1606,8 @@ class WeightRegion:
                 reader.close()
         finally:
             engine.close()
+            for buf in odd_bufs:
+                buf.close()
         done = time.monotonic()
         return LoadResult(
             path=str(path),
@@ -1207,6 +1619,10 @@ class WeightRegion:
             resident_fraction=resident,
             threads=threads,
             block=block,
+            extra={
+                "stored_bytes": header.stored_bytes,
+                "encoding": header.encoding.name if header.encoding else ENCODING_RAW,
+            },
         )
 
     @classmethod

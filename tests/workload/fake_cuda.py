@@ -313,6 +313,22 @@ class FakeEngine:
         mem[offset : offset + nbytes] = buf.view()[:nbytes]
         self.uploads += 1
 
+    def download_split(self, offset: int, buf: HostBuffer, nbytes: int) -> None:
+        mem = memoryview(self.driver.memory(self.region.ptr))[offset : offset + nbytes]
+        half = nbytes // 2
+        view = buf.view()
+        view[:half] = mem[0::2]
+        view[half:nbytes] = mem[1::2]
+        self.downloads += 1
+
+    def upload_split(self, buf: HostBuffer, nbytes: int, offset: int) -> None:
+        mem = memoryview(self.driver.memory(self.region.ptr))[offset : offset + nbytes]
+        half = nbytes // 2
+        view = buf.view()
+        mem[0::2] = view[:half]
+        mem[1::2] = view[half:nbytes]
+        self.uploads += 1
+
     def wait_upload(self, buf: HostBuffer) -> None:
         pass
 

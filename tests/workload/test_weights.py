@@ -11,6 +11,7 @@ import os
 import random
 import struct
 import threading
+import zlib
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,9 @@ from dynamo_snapshot.workload import weights as w
 from dynamo_snapshot.workload.gpu_memory import RegionPool
 from dynamo_snapshot.workload.weights import (
     ALIGN,
+    ENCODING_RAW,
+    ENCODING_SPLIT_DEFLATE,
+    ENCODINGS,
     FILE_WEIGHTS_MANIFEST,
     MAGIC,
     PREFIX_BYTES,
@@ -79,6 +83,17 @@ def make_region(
 def fill_random(cu: FakeDriver, region: WeightRegion, seed: int = 7) -> bytes:
     assert region.region is not None
     data = random.Random(seed).randbytes(region.data_bytes)
+    cu.memory(region.region.ptr)[: len(data)] = data
+    return data
+
+
+def fill_weights(cu: FakeDriver, region: WeightRegion, seed: int = 7) -> bytes:
+    """Like trained (or freshly initialised) bf16 weights: normal values of small spread, so the
+    high byte of each word (sign and exponent) clusters and the low byte (mantissa) does not."""
+    assert region.region is not None
+    rng = random.Random(seed)
+    words = [struct.pack("<f", rng.gauss(0.0, 0.02))[2:] for _ in range(region.data_bytes // 2)]
+    data = b"".join(words)
     cu.memory(region.region.ptr)[: len(data)] = data
     return data
 
@@ -148,7 +163,7 @@ def test_header_encoding_is_aligned_and_self_checking(tmp_path: Path) -> None:
     ("damage", "message"),
     [
         (lambda b: b"NOTMAGIC" + b[8:], "not a weights file"),
-        (lambda b: b[:8] + struct.pack("<I", 2) + b[12:], "version 2"),
+        (lambda b: b[:8] + struct.pack("<I", 3) + b[12:], "version 3"),
         (lambda b: b[: PREFIX_BYTES + 3] + b"X" + b[PREFIX_BYTES + 4 :], "header checksum"),
         (lambda b: b[:-1], "truncated"),
         (lambda b: b + b"\0" * ALIGN, "truncated or appended"),
@@ -189,7 +204,7 @@ def test_inconsistent_header_contents_are_refused(tmp_path: Path) -> None:
 def test_save_writes_the_region_in_the_documented_format(cu: FakeDriver, tmp_path: Path) -> None:
     region = make_region(cu)
     data = fill_random(cu, region)
-    result = region.save(tmp_path / "m.dsw", chunk_bytes=CHUNK, threads=3)
+    result = region.save(tmp_path / "m.dsw", chunk_bytes=CHUNK, threads=3, encoding=ENCODING_RAW)
 
     raw = (tmp_path / "m.dsw").read_bytes()
     header, data_offset = read_header(tmp_path / "m.dsw")
@@ -205,22 +220,86 @@ def test_save_writes_the_region_in_the_documented_format(cu: FakeDriver, tmp_pat
         hashlib.sha256(data[i : i + CHUNK]).hexdigest() for i in range(0, len(data), CHUNK)
     )
     assert result.data_digest == header.data_digest
+    assert header.encoding is None
+    assert raw[8:12] == struct.pack("<I", 1)
     assert not list(tmp_path.glob(".*tmp"))  # no temporary left
     assert all(e.closed for e in FakeEngine.instances)
 
 
+def decode_split_by_hand(raw: bytes) -> bytes:
+    """The data of a split-deflate file, decoded from the module docstring's description alone."""
+    _, version, _, header_len, data_offset, stored, _ = struct.unpack_from("<8sIIQQQ32s", raw)
+    assert version == 2
+    header = json.loads(raw[PREFIX_BYTES : PREFIX_BYTES + header_len])
+    enc = header["encoding"]
+    assert enc["name"] == "split-deflate"
+    out = bytearray()
+    at = data_offset
+    for i, pieces in enumerate(enc["pieces"]):
+        n = min(header["chunk_bytes"], header["data_bytes"] - i * header["chunk_bytes"])
+        record = at
+        even = raw[at : at + n // 2]
+        at += -(-(n // 2) // ALIGN) * ALIGN
+        odd = bytearray()
+        for j, length in enumerate(pieces):
+            plain = min(enc["piece_bytes"], n // 2 - j * enc["piece_bytes"])
+            stored_piece = raw[at : at + length]
+            odd += stored_piece if length == plain else zlib.decompress(stored_piece, -15)
+            at += length
+        at = record + -(-(at - record) // ALIGN) * ALIGN
+        chunk = bytearray(n)
+        chunk[0::2], chunk[1::2] = even, odd
+        out += chunk
+    assert at == data_offset + stored == len(raw)
+    return bytes(out)
+
+
+def test_split_deflate_files_are_smaller_and_in_the_documented_format(cu: FakeDriver, tmp_path: Path) -> None:
+    region = make_region(cu)
+    data = fill_weights(cu, region)
+    result = region.save(tmp_path / "m.dsw", chunk_bytes=CHUNK, threads=3, piece_bytes=8 << 10)
+
+    raw = (tmp_path / "m.dsw").read_bytes()
+    header, data_offset = read_header(tmp_path / "m.dsw")
+    assert header.encoding is not None
+    assert header.encoding.name == ENCODING_SPLIT_DEFLATE
+    assert decode_split_by_hand(raw) == data
+    assert result.bytes == len(raw) < data_offset + 0.8 * region.data_bytes  # bf16-like data: ~1.5x
+    assert result.sha256 == hashlib.sha256(raw).hexdigest()
+    # The data's identity is the same however it is stored.
+    raw_result = region.save(tmp_path / "r.dsw", chunk_bytes=CHUNK, encoding=ENCODING_RAW)
+    assert raw_result.data_digest == result.data_digest
+    assert read_header(tmp_path / "r.dsw")[0].chunk_sha256 == header.chunk_sha256
+    with pytest.raises(ValueError, match="encoding"):
+        region.save(tmp_path / "x.dsw", encoding="zstd")
+
+
+def test_incompressible_pieces_are_stored_plain(cu: FakeDriver, tmp_path: Path) -> None:
+    region = make_region(cu)
+    data = fill_random(cu, region)
+    region.save(tmp_path / "m.dsw", chunk_bytes=CHUNK, piece_bytes=8 << 10)
+    header, _ = read_header(tmp_path / "m.dsw")
+    assert header.encoding is not None
+    assert all(r.pieces == tuple(p for _, p in w._spans(r.nbytes // 2, 8 << 10)) for r in header.records())
+    assert decode_split_by_hand((tmp_path / "m.dsw").read_bytes()) == data
+    region.release()
+    region.load(tmp_path / "m.dsw")
+    assert device_bytes(cu, region) == data
+
+
+@pytest.mark.parametrize("encoding", ENCODINGS)
 @pytest.mark.parametrize("direct", [None, True, False])
 @pytest.mark.parametrize(
     ("threads", "block", "buffers"), [(16, CHUNK, 4), (3, 2 * ALIGN, 2), (1, 4 * CHUNK, 1)]
 )
 def test_release_then_load_brings_back_the_same_bytes(
-    cu: FakeDriver, tmp_path: Path, direct: bool | None, threads: int, block: int, buffers: int
+    cu: FakeDriver, tmp_path: Path, direct: bool | None, threads: int, block: int, buffers: int, encoding: str
 ) -> None:
     region = make_region(cu)
     assert region.region is not None
     ptr = region.region.ptr
-    data = fill_random(cu, region)
-    region.save(tmp_path / "m.dsw", chunk_bytes=CHUNK)
+    data = fill_weights(cu, region)
+    region.save(tmp_path / "m.dsw", chunk_bytes=CHUNK, encoding=encoding, piece_bytes=4 << 10)
 
     assert region.release() == region.region.size
     assert region.released
@@ -232,7 +311,9 @@ def test_release_then_load_brings_back_the_same_bytes(
     assert result.bytes == region.data_bytes
     assert result.seconds > 0
     assert result.gbps > 0
-    assert result.block == block
+    assert result.block == (block if encoding == ENCODING_RAW else CHUNK)  # split files: chunk by chunk
+    assert result.extra["encoding"] == encoding
+    assert result.extra["stored_bytes"] == read_header(tmp_path / "m.dsw")[0].stored_bytes
     assert result.threads == threads
     assert not result.verified
     if direct is False:
@@ -245,21 +326,23 @@ def test_release_then_load_brings_back_the_same_bytes(
     assert cu.registered == {}  # no pinned host memory left behind
 
 
-def test_verified_load_checks_every_chunk(cu: FakeDriver, tmp_path: Path) -> None:
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_verified_load_checks_every_chunk(cu: FakeDriver, tmp_path: Path, encoding: str) -> None:
     region = make_region(cu)
-    data = fill_random(cu, region)
+    data = fill_weights(cu, region)
     path = tmp_path / "m.dsw"
-    region.save(path, chunk_bytes=CHUNK)
+    region.save(path, chunk_bytes=CHUNK, encoding=encoding)
     region.release()
     result = region.load(path, block=4 * CHUNK, verify=True)
     assert result.verified
     assert result.block == CHUNK  # verification reads chunk by chunk
     assert device_bytes(cu, region) == data
 
-    # One flipped byte in the data: the header is intact, so only verification can see it.
-    _, data_offset = read_header(path)
+    # One flipped byte in the data (of chunk 1's even plane, for a split file): the header is intact,
+    # so only verification can see it.
+    header, data_offset = read_header(path)
     with open(path, "r+b") as f:
-        f.seek(data_offset + CHUNK + 17)
+        f.seek(data_offset + header.records()[1].offset + 17)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
@@ -269,6 +352,49 @@ def test_verified_load_checks_every_chunk(cu: FakeDriver, tmp_path: Path) -> Non
     region.release()
     region.load(path)  # without verification the damage goes unnoticed (the agent verifies files)
     assert device_bytes(cu, region) != data
+
+
+def test_a_damaged_compressed_piece_is_refused(cu: FakeDriver, tmp_path: Path) -> None:
+    region = make_region(cu)
+    fill_weights(cu, region)
+    path = tmp_path / "m.dsw"
+    region.save(path, chunk_bytes=CHUNK)
+    header, data_offset = read_header(path)
+    rec = header.records()[2]
+    assert any(length < plain for _, length, _, plain in rec.odd_pieces())
+    with open(path, "r+b") as f:
+        f.seek(data_offset + rec.offset + rec.even_stored)
+        f.write(bytes(rec.odd_stored))  # zeros: a stored block whose length check fails
+    region.release()
+    with pytest.raises(WeightsFileError, match="compressed piece"):
+        region.load(path)
+    assert all(e.closed for e in FakeEngine.instances)
+
+
+def test_inconsistent_encodings_are_refused(cu: FakeDriver, tmp_path: Path) -> None:
+    region = make_region(cu)
+    fill_weights(cu, region)
+    path = tmp_path / "m.dsw"
+    region.save(path, chunk_bytes=CHUNK)
+    header, _ = read_header(path)
+    assert header.encoding is not None
+    pieces = header.encoding.pieces
+
+    def rewrite(**change: object) -> None:
+        enc = {**header.encoding.to_json(), **change}  # type: ignore[union-attr]
+        bad = w.WeightsHeader(**{**header.__dict__, "encoding": None})
+        body = {**bad.to_json(), "version": 2, "encoding": enc}
+        with pytest.raises(WeightsFileError, match=r"encoding|piece"):
+            w._parse_header(json.dumps(body).encode())
+
+    rewrite(name="zstd")
+    rewrite(pieces=[list(p) for p in pieces[:-1]])  # a chunk without pieces
+    rewrite(pieces=[[0, *p[1:]] for p in pieces])  # an empty piece
+    rewrite(pieces=[[p[0] + 10**9, *p[1:]] for p in pieces])  # longer than its plain bytes
+    rewrite(pieces="many")
+    v1 = {**header.to_json(), "version": 1}
+    with pytest.raises(WeightsFileError, match="version 1"):
+        w._parse_header(json.dumps(v1).encode())
 
 
 def test_save_skips_an_identical_file_and_rewrites_a_different_one(cu: FakeDriver, tmp_path: Path) -> None:
