@@ -19,12 +19,14 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
+import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client import Counter, Gauge, Histogram
 from pydantic import JsonValue
@@ -64,6 +66,16 @@ from dynamo_snapshot.artifact import (
     warm_up_hashing,
 )
 from dynamo_snapshot.criu import Criu, CriuError
+from dynamo_snapshot.criu.packed import (
+    DEFAULT_THREADS,
+    PackedFormatError,
+    PagesPacked,
+    StageStats,
+    is_packed_pages,
+    pack_pages,
+    stage_images,
+    staged_bytes,
+)
 from dynamo_snapshot.criu.sparse import PAGE, ImageFormatError, SparseStats, drop_zero_pages
 from dynamo_snapshot.cuda import (
     CudaCheckpointer,
@@ -79,6 +91,7 @@ from dynamo_snapshot.cuda import (
 from dynamo_snapshot.workload.weights import OffloadManifest, read_offload_manifest
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PHASE_SECONDS = Histogram(
     "dynsnap_agent_phase_seconds",
@@ -100,6 +113,14 @@ ZERO_PAGES_DROPPED = Counter(
     "dynsnap_agent_zero_page_bytes_dropped_total",
     "Bytes of all-zero anonymous pages left out of checkpoints' CRIU images",
 )
+PAGES_COMPRESSED_SAVED = Counter(
+    "dynsnap_agent_page_bytes_compressed_saved_total",
+    "Bytes checkpoints' CRIU pages images shrank by being stored compressed",
+)
+# Where a restore unpacks compressed pages for CRIU: a tmpfs, so CRIU reads them at memory speed.
+DEFAULT_RESTORE_SCRATCH = Path("/dev/shm/dynamo-snapshot")
+# Free space a scratch directory must have beyond the unpacked pages.
+_SCRATCH_MARGIN = 64 << 20
 
 
 class AgentError(Exception):
@@ -157,6 +178,9 @@ class Executor:
         weights_check_idle_io: bool = False,
         weights_check_parallel: int | None = None,
         drop_zero_pages: bool = True,
+        compress_pages: bool = True,
+        restore_scratch: Path | None = DEFAULT_RESTORE_SCRATCH,
+        pages_threads: int | None = None,
     ) -> None:
         self.runtime = runtime
         self.store = store
@@ -178,6 +202,12 @@ class Executor:
         self.weights_check_idle_io = weights_check_idle_io
         # Leave the zero pages of anonymous memory out of the CRIU images (see criu.sparse).
         self.drop_zero_pages = drop_zero_pages
+        # Store the pages images compressed (see criu.packed); a restore unpacks them into a staging
+        # images directory under restore_scratch (None, or unusable: beside the workload's control dir).
+        self.compress_pages = compress_pages
+        self.restore_scratch = restore_scratch
+        self.pages_threads = pages_threads or DEFAULT_THREADS
+        self._scratch_cleaned: set[Path] = set()
         # Threads of the weights check beside CRIU (None: the artifact default, twice the cores).
         self.weights_check_parallel = weights_check_parallel
         self._verifying: dict[str, asyncio.Lock] = {}
@@ -233,6 +263,10 @@ class Executor:
             if self.drop_zero_pages:
                 with t.phase("checkpoint", "drop_zero_pages"):
                     sparse = await _drop_zero_pages(images)
+            packed = PagesPacked()
+            if self.compress_pages:
+                with t.phase("checkpoint", "compress_pages"):
+                    packed = await _compress_pages(images, self.pages_threads)
             carried: list[CarriedWeights] = []
             if offload is not None and offload.files:
                 with t.phase("checkpoint", "weights_capture"):
@@ -255,6 +289,11 @@ class Executor:
                         "weights": [w.to_json() for w in carried],
                         "gpuMemory": {"heldMiB": held_mib, "releasedMiB": released_mib},
                         "zeroPagesDropped": sparse.pages_dropped if sparse is not None else 0,
+                        "pagesCompressed": {
+                            "files": packed.files,
+                            "bytesBefore": packed.bytes_before,
+                            "bytesAfter": packed.bytes_after,
+                        },
                         # The worker waits for weights-verified: a restore may signal it before then.
                         "weightsEarlyLoad": bool(carried)
                         and offload is not None
@@ -309,6 +348,8 @@ class Executor:
                 # The memory pages are most of the bytes. Where the runtime can hold the restored tree
                 # stopped, they are checked while CRIU restores them and the tree runs only once they
                 # passed; everything else (the metadata CRIU acts on) is checked before CRIU starts.
+                # Compressed pages are not plain pages-N.img: they are checked here, before they are
+                # unpacked for CRIU.
                 overlap = self.overlap_page_check and self.runtime.restores_stopped
                 pages = [f for f in process_files if _is_pages(f)] if overlap else []
                 try:
@@ -429,18 +470,31 @@ class Executor:
         identity_hash: str,
     ) -> Workload:
         extra = artifact.manifest.extra
+        images = artifact.path / "criu"
+        criu_files = [
+            f.path.removeprefix("criu/") for f in artifact.manifest.files if f.path.startswith("criu/")
+        ]
+        staged: Path | None = None
         try:
+            if any(is_packed_pages(f) for f in criu_files):
+                with t.phase("restore", "unpack_pages"):
+                    staged = await self._stage_images(key, images, criu_files, identity_hash)
             with t.phase("restore", "criu_restore"):
                 try:
                     source_ctl = extra.get("control_dir")
                     workload = await self.runtime.restore(
                         key,
-                        artifact.path / "criu",
+                        staged or images,
                         source_ctl if isinstance(source_ctl, str) else None,
                         stopped=pages_check is not None,
                     )
                 except WorkloadRuntimeError as e:
                     raise AgentError(f"CRIU restore failed: {e}") from None
+                finally:
+                    # CRIU (runc restore -d too) returns once every process has its memory back: the
+                    # pages are read by then, and the staged copy can go.
+                    if staged is not None:
+                        await asyncio.to_thread(shutil.rmtree, staged, True)
         except BaseException:
             if pages_check is not None:
                 pages_check.cancel()
@@ -462,6 +516,67 @@ class Executor:
             await self.runtime.stop(key)
             raise
         return workload
+
+    async def _stage_images(self, key: str, images: Path, files: list[str], identity_hash: str) -> Path:
+        """A new images directory for CRIU: the artifact's compressed pages unpacked, its other images
+        copied. On the scratch tmpfs; where that is unusable or too small, beside the workload's control
+        dir. Only the files the artifact seals (``files``), every one of them checked before this."""
+        try:
+            need = await asyncio.to_thread(staged_bytes, images, files)
+        except (PackedFormatError, OSError) as e:
+            raise AgentError(f"artifact {identity_hash} refused: {e}") from None
+        fallback = self.runtime.control_dir(key).parent / ".restore-images"
+        bases = [b for b in (self.restore_scratch, fallback) if b is not None]
+        problems = []
+        for base in bases:
+            try:
+                staged = await asyncio.to_thread(self._scratch_dir, base, key, need)
+            except OSError as e:
+                problems.append(f"{base}: {e}")
+                log.warning("cannot unpack the CRIU pages here", extra={"dir": str(base), "error": str(e)})
+                continue
+
+            def stage(stop: threading.Event, staged: Path = staged) -> StageStats:
+                return stage_images(images, files, staged, threads=self.pages_threads, stop=stop)
+
+            try:
+                stats = await _in_thread_stoppable(stage)
+            except PackedFormatError as e:
+                await asyncio.to_thread(shutil.rmtree, staged, True)
+                raise AgentError(f"artifact {identity_hash} refused: {e}") from None
+            except OSError as e:
+                await asyncio.to_thread(shutil.rmtree, staged, True)
+                problems.append(f"{base}: {e}")
+                log.warning("cannot unpack the CRIU pages here", extra={"dir": str(base), "error": str(e)})
+                continue
+            except BaseException:
+                await asyncio.to_thread(shutil.rmtree, staged, True)
+                raise
+            log.info(
+                "CRIU pages unpacked",
+                extra={
+                    "dir": str(staged),
+                    "bytes": stats.bytes,
+                    "packed_bytes": stats.packed_bytes,
+                    "seconds": round(stats.seconds, 3),
+                },
+            )
+            return staged
+        raise AgentError("cannot unpack the CRIU pages: " + "; ".join(problems))
+
+    def _scratch_dir(self, base: Path, key: str, need: int) -> Path:
+        """A fresh directory under ``base`` with room for ``need`` bytes more, else ``OSError``."""
+        base.mkdir(parents=True, exist_ok=True)
+        if base not in self._scratch_cleaned:
+            _remove_abandoned(base)
+            self._scratch_cleaned.add(base)
+        st = os.statvfs(base)
+        free = st.f_bavail * st.f_frsize
+        if free < need + _SCRATCH_MARGIN:
+            raise OSError(f"{free >> 20} MiB free, the pages need {need >> 20} MiB")
+        staged = base / f"{os.getpid()}-{key}-{secrets.token_hex(4)}"
+        staged.mkdir(mode=0o700)
+        return staged
 
     async def _verify_weights(self, artifact: Artifact, files: list[str], t: Timings) -> TreeStats:
         # Timed apart from the phases it overlaps; "weights_wait" is what it added to the restore.
@@ -584,15 +699,8 @@ async def _drop_zero_pages(images: Path) -> SparseStats | None:
     """criu.sparse.drop_zero_pages in a thread, logged; None (the images as CRIU wrote them) if it cannot
     read them. Cancelled, it stops within a batch of pages and returns only then, so the caller's
     clean-up never races the rewrite."""
-    stop = threading.Event()
-    rewrite = asyncio.ensure_future(asyncio.to_thread(drop_zero_pages, images, stop))
     try:
-        stats = await asyncio.shield(rewrite)
-    except asyncio.CancelledError:
-        stop.set()
-        with contextlib.suppress(BaseException):
-            await rewrite
-        raise
+        stats = await _in_thread_stoppable(lambda stop: drop_zero_pages(images, stop))
     except (OSError, ImageFormatError) as e:
         log.warning("zero pages kept: cannot read the CRIU images", extra={"error": str(e)})
         return None
@@ -608,6 +716,47 @@ async def _drop_zero_pages(images: Path) -> SparseStats | None:
         },
     )
     return stats
+
+
+async def _in_thread_stoppable(work: Callable[[threading.Event], T]) -> T:
+    """``work(stop)`` in a thread. Cancelled, it sets ``stop`` and returns only once ``work`` has, so the
+    caller's clean-up never races it."""
+    stop = threading.Event()
+    running = asyncio.ensure_future(asyncio.to_thread(work, stop))
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        stop.set()
+        with contextlib.suppress(BaseException):
+            await running
+        raise
+
+
+async def _compress_pages(images: Path, threads: int) -> PagesPacked:
+    """criu.packed.pack_pages in a thread, logged. Cancelled, it stops within a few chunks and returns
+    only then (the pages images left whole, each plain or packed)."""
+    packed = await _in_thread_stoppable(lambda stop: pack_pages(images, threads=threads, stop=stop))
+    if packed.failed:
+        log.warning("pages images left uncompressed", extra={"files": packed.failed})
+    PAGES_COMPRESSED_SAVED.inc(packed.bytes_before - packed.bytes_after)
+    log.info(
+        "CRIU pages images compressed",
+        extra={
+            "files": packed.files,
+            "bytes": packed.bytes_before,
+            "to_bytes": packed.bytes_after,
+            "seconds": round(packed.seconds, 3),
+        },
+    )
+    return packed
+
+
+def _remove_abandoned(base: Path) -> None:
+    """Staging images directories under ``base`` whose agent process is gone (killed mid-restore)."""
+    for entry in base.iterdir():
+        owner = entry.name.split("-", 1)[0]
+        if owner.isdigit() and int(owner) != os.getpid() and not pid_running(int(owner)):
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _gpu_memory_held_mib(pids: list[int]) -> int:

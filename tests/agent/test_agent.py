@@ -26,6 +26,7 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.artifact import ArtifactStore, GpuInfo
 from dynamo_snapshot.controller.runtime import POD, ApiError, Kube, Obj
 from dynamo_snapshot.criu import Criu
+from dynamo_snapshot.criu.packed import is_packed_pages
 from tests.controller.conftest import eventually
 
 pytestmark = [pytest.mark.cluster, pytest.mark.criu]
@@ -191,6 +192,8 @@ async def test_checkpoint_on_one_node_restore_on_another(
     assert timings["criu_dump"] > 0
     artifact = ArtifactStore(Path(ann[protocol.ANNOTATION_CHECKPOINT_LOCATION]).parent).open(HASH)
     assert artifact.manifest.source_node == node_a
+    # The worker's pages are stored compressed (and unpacked again for CRIU at each restore).
+    assert any(is_packed_pages(f.path) for f in artifact.manifest.files)
 
     replicas = ["restored-1", "restored-2"] if runtime_kind == "runc" else ["restored-1"]
     for name in replicas:
@@ -200,7 +203,7 @@ async def test_checkpoint_on_one_node_restore_on_another(
             lambda n=name: _status(kube, namespace, n, protocol.ANNOTATION_RESTORE_STATUS, "completed"),
             within=60,
         )
-        assert "criu_restore" in json.loads(ann[protocol.ANNOTATION_RESTORE_TIMINGS])
+        assert {"unpack_pages", "criu_restore"} <= json.loads(ann[protocol.ANNOTATION_RESTORE_TIMINGS]).keys()
         workload = await _workload(kube, b.runtime, namespace, name)
         assert workload is not None
         verify = await _verified(workload.control_dir / "verify.json")
@@ -219,7 +222,7 @@ async def test_flipped_byte_refuses_restore(
     await kube.create(POD, pod("source", node, SOURCE), namespace)
     ann = await _checkpointed(kube, namespace, "source")
     images = Path(ann[protocol.ANNOTATION_CHECKPOINT_LOCATION]) / "criu"
-    victim = max(images.glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    victim = max(images.glob("pages-*"), key=lambda p: p.stat().st_size)  # stored compressed or not
     with victim.open("r+b") as f:
         f.seek(4096)
         byte = f.read(1)

@@ -5,6 +5,7 @@ synthetic dumps; tests/agent/test_packed_pages.py has them with real CRIU."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import struct
 import threading
@@ -273,3 +274,19 @@ def test_stage_images_refuses_ambiguous_or_escaping_names(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match="not a relative path"):
         stage_images(images, ["../images/inventory.img"], dest)
     assert list(dest.iterdir()) == []
+
+
+async def test_a_cancelled_checkpoint_waits_for_the_compression_to_stop(tmp_path: Path) -> None:
+    from dynamo_snapshot.agent.executor import _compress_pages
+
+    (tmp_path / "pages-1.img").write_bytes(TEXT[: 1 << 20] * 48)
+    task = asyncio.create_task(_compress_pages(tmp_path, 1))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # Nothing writes in the directory any more, and its pages image is whole and plain.
+    left = await asyncio.to_thread(os.listdir, tmp_path)
+    await asyncio.sleep(0.3)
+    assert sorted(await asyncio.to_thread(os.listdir, tmp_path)) == sorted(left) == ["pages-1.img"]
+    assert (tmp_path / "pages-1.img").stat().st_size == 48 << 20
