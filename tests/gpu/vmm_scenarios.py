@@ -227,7 +227,7 @@ def weights_file(work: Path, report: dict[str, Any]) -> None:
     import torch
 
     from dynamo_snapshot.workload import RegionPool, WeightRegion, warm_page_cache
-    from dynamo_snapshot.workload.weights import page_cache_fraction, read_header
+    from dynamo_snapshot.workload.weights import ENCODING_RAW, page_cache_fraction, read_header
 
     dev = torch.device("cuda", 0)
     torch.cuda.init()
@@ -277,12 +277,21 @@ def weights_file(work: Path, report: dict[str, Any]) -> None:
             check(not bad, f"{label}: checksums differ for {bad[:5]}")
             check(bitwise_equal(torch, views["layer0.w"] @ x, mm_ref), f"{label}: matmul differs")
 
-        saved = region.save(path)
+        saved = region.save(path)  # split-deflate, the default
         report["save"] = saved.to_dict()
         check(saved.written, "the first save did not write")
         header, data_offset = read_header(path)
-        check(path.stat().st_size == data_offset + header.data_bytes, "file size")
+        check(header.encoding is not None, "the default save is not split-nibble")
+        check(path.stat().st_size == data_offset + header.stored_bytes, "file size")
         check(data_offset % 4096 == 0, "data offset not aligned")
+        raw_path = scratch / "weights-raw.dsw"
+        raw = region.save(raw_path, encoding=ENCODING_RAW)
+        report["save_raw"] = raw.to_dict()
+        report["split_ratio"] = round(raw.bytes / saved.bytes, 3)
+        check(raw.data_digest == saved.data_digest, "raw and split files disagree on the data digest")
+        check(saved.bytes < 0.8 * raw.bytes, f"split-nibble saved only {raw.bytes - saved.bytes} bytes")
+        torch.cuda.synchronize()
+        free_mapped, _ = torch.cuda.mem_get_info(dev)
 
         def release() -> int:
             torch.cuda.synchronize()
@@ -297,7 +306,17 @@ def weights_file(work: Path, report: dict[str, Any]) -> None:
         report["evict"] = evict(path)
         cold = region.load(path, threads=16)
         report["load_cold"] = cold.to_dict()
+        free_loaded, _ = torch.cuda.mem_get_info(dev)
+        # The load's device scratch (records on their way to the region) is given back. (Measured
+        # before verify(), whose comparisons leave temporaries in torch's cache.)
+        check(free_loaded >= free_mapped - 2 * MIB, f"the load kept {(free_mapped - free_loaded) // MIB} MiB")
         verify("cold load")
+
+        release()
+        report["evict_raw"] = evict(raw_path)
+        cold_raw = region.load(raw_path, threads=16)
+        report["load_cold_raw"] = cold_raw.to_dict()
+        verify("cold load of the raw file")
 
         release()
         warm = warm_page_cache(path, threads=16)

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from typing import Any, ClassVar
 
 from dynamo_snapshot.workload.gpu_memory import VmmRegion
-from dynamo_snapshot.workload.weights import HostBuffer, MmapBuffer
+from dynamo_snapshot.workload.weights import HostBuffer, MmapBuffer, decode_coded, encode_coded, nibble_table
 
 GARBAGE = 0xA5  # what "undefined contents" of fresh physical memory look like here
 
@@ -313,20 +313,21 @@ class FakeEngine:
         mem[offset : offset + nbytes] = buf.view()[:nbytes]
         self.uploads += 1
 
-    def download_split(self, offset: int, buf: HostBuffer, nbytes: int) -> None:
-        mem = memoryview(self.driver.memory(self.region.ptr))[offset : offset + nbytes]
-        half = nbytes // 2
-        view = buf.view()
-        view[:half] = mem[0::2]
-        view[half:nbytes] = mem[1::2]
-        self.downloads += 1
+    def count_escapes(self, offset: int, nbytes: int) -> int:
+        odd = bytes(self.driver.memory(self.region.ptr)[offset + 1 : offset + nbytes : 2])
+        table = set(nibble_table(odd))
+        return sum(1 for v in odd if v not in table)
 
-    def upload_split(self, buf: HostBuffer, nbytes: int, offset: int) -> None:
-        mem = memoryview(self.driver.memory(self.region.ptr))[offset : offset + nbytes]
-        half = nbytes // 2
-        view = buf.view()
-        mem[0::2] = view[:half]
-        mem[1::2] = view[half:nbytes]
+    def download_coded(self, offset: int, buf: HostBuffer, nbytes: int) -> int:
+        record = encode_coded(self.driver.memory(self.region.ptr)[offset : offset + nbytes])
+        assert record is not None, "download_coded of a chunk with too many escapes"
+        buf.view()[: len(record)] = record
+        self.downloads += 1
+        return len(record)
+
+    def upload_coded(self, buf: HostBuffer, nbytes: int, offset: int, escapes: int) -> None:
+        mem = self.driver.memory(self.region.ptr)
+        mem[offset : offset + nbytes] = decode_coded(buf.view(), nbytes, escapes)
         self.uploads += 1
 
     def wait_upload(self, buf: HostBuffer) -> None:

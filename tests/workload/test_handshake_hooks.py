@@ -57,6 +57,19 @@ def later(path: Path, text: str, delay: float = 0.2) -> threading.Thread:
     return t
 
 
+def once_ready(ctl: Path, name: str, text: str) -> threading.Thread:
+    """The agent's answer `name`, written once the worker said ready-for-checkpoint (its hooks ran)."""
+
+    def answer() -> None:
+        while not (ctl / FILE_READY_FOR_CHECKPOINT).exists():
+            time.sleep(0.01)
+        (ctl / name).write_text(text)
+
+    t = threading.Thread(target=answer, daemon=True)
+    t.start()
+    return t
+
+
 def test_hooks_run_before_ready_and_after_the_wait_in_order(tmp_path: Path) -> None:
     events: list[str] = []
     h = SnapshotHandshake(tmp_path)
@@ -215,8 +228,9 @@ def test_gpu_offload_releases_before_ready_and_restores_after(cu: FakeDriver, tm
 
     # A second cycle: the file holds these weights already and is not written again.
     mtime = weights_file.stat().st_mtime_ns
-    later(ctl / FILE_SNAPSHOT_COMPLETE, "", delay=0.1)
     (ctl / FILE_RESTORE_COMPLETE).unlink()
+    (ctl / FILE_READY_FOR_CHECKPOINT).unlink()  # the first cycle's
+    once_ready(ctl, FILE_SNAPSHOT_COMPLETE, "")
     h.checkpoint_and_wait(poll_interval=0.02, timeout=10)
     assert not h.gpu_offload.report.saved[0].written
     assert weights_file.stat().st_mtime_ns == mtime

@@ -70,6 +70,7 @@ class CpuTorch:
             device=lambda d: contextlib.nullcontext(),
             stream=lambda s: contextlib.nullcontext(),
             synchronize=lambda d=None: None,
+            empty_cache=lambda: None,
             Stream=lambda device=None: SimpleNamespace(synchronize=lambda: None),
             Event=_Event,
         )
@@ -181,6 +182,32 @@ def test_pack_save_release_load_with_the_torch_engine(
     region.release()
     region.load(tmp_path / "w.dsw", verify=True)
     assert all(same_bytes(views[n], t.detach()) for n, t in named)
+
+
+def test_torch_makes_and_expands_the_reference_codecs_records(cu: HostBackedDriver, tmp_path: Path) -> None:
+    gen = torch.Generator().manual_seed(3)
+    w = (torch.randn(96, 1024, generator=gen) * 0.02).to(torch.bfloat16)
+    w.view(-1)[::997] = 3.0e4  # rare odd bytes: every chunk has escapes
+    region = WeightRegion(driver=cu, pool=RegionPool())
+    views = region.pack([("w", w)])
+    path = tmp_path / "w.dsw"
+    region.save(path, chunk_bytes=64 << 10)
+    header, data_offset = weights.read_header(path)
+    assert header.encoding is not None
+    assert all(k > 0 for k in header.encoding.escapes)
+    raw = path.read_bytes()
+    data = bytes(w.view(-1).view(torch.uint8).tolist()) + bytes(header.data_bytes - w.numel() * 2)
+    for rec in header.records():
+        record = raw[data_offset + rec.offset : data_offset + rec.offset + rec.stored]
+        expected = weights.encode_coded(data[rec.data_offset : rec.data_offset + rec.nbytes])
+        assert expected is not None
+        assert record == expected + bytes(rec.stored - len(expected)), f"chunk {rec.index}"
+    region.release()
+    region.load(path, threads=3, buffers=2)
+    assert same_bytes(views["w"], w)
+    region.release()
+    region.load(path, verify=True)
+    assert same_bytes(views["w"], w)
 
 
 def test_a_new_region_from_a_file_has_typed_views(cu: HostBackedDriver, tmp_path: Path) -> None:
