@@ -12,7 +12,7 @@ from prometheus_client import start_http_server
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-from dynamo_snapshot.agent.executor import Executor
+from dynamo_snapshot.agent.executor import DEFAULT_RESTORE_SCRATCH, Executor
 from dynamo_snapshot.agent.runtime import ProcessRuntime, RuncRuntime, Runtime
 from dynamo_snapshot.agent.runtime.runc import DEFAULT_HOST_BINDS
 from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent
@@ -50,6 +50,14 @@ class AgentConfig(BaseModel):
         default=True,
         description="leave the all-zero pages of anonymous memory out of checkpoints' CRIU images",
     )
+    compress_pages: bool = Field(
+        default=True,
+        description="store checkpoints' CRIU pages images compressed (unpacked again at each restore)",
+    )
+    restore_scratch: Path = Field(
+        default=DEFAULT_RESTORE_SCRATCH,
+        description="a tmpfs directory restores unpack compressed pages into (else beside the control dir)",
+    )
     metrics_port: int = Field(default=9090, ge=0, le=65535)
     health_port: int = Field(default=8082, ge=0, le=65535, description="/healthz and /readyz; 0 disables")
     criu: Path | None = None
@@ -79,6 +87,8 @@ _FLAGS = (
     "verify_cache_seconds",
     "prefetch_node_files",
     "drop_zero_pages",
+    "compress_pages",
+    "restore_scratch",
     "metrics_port",
     "health_port",
     "criu",
@@ -122,6 +132,17 @@ def register(sub: Any) -> None:
         default=None,
         help="leave all-zero anonymous pages out of checkpoints' CRIU images (default on)",
     )
+    p.add_argument(
+        "--compress-pages",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="store checkpoints' CRIU pages images compressed, unpacked at restore (default on)",
+    )
+    p.add_argument(
+        "--restore-scratch",
+        type=Path,
+        help=f"tmpfs directory restores unpack compressed pages into (default {DEFAULT_RESTORE_SCRATCH})",
+    )
     p.add_argument("--metrics-port", type=int, help="Prometheus metrics port, 0 disables (default 9090)")
     p.add_argument("--health-port", type=int, help="/healthz and /readyz port, 0 disables (default 8082)")
     p.add_argument("--criu", type=Path, help="criu binary (default: $DYNSNAP_CRIU, cache, PATH)")
@@ -150,6 +171,8 @@ def build(config: AgentConfig, kube: Kube) -> NodeAgent:
         verify_cache_s=config.verify_cache_seconds,
         prefetch_node_files=config.prefetch_node_files,
         drop_zero_pages=config.drop_zero_pages,
+        compress_pages=config.compress_pages,
+        restore_scratch=config.restore_scratch,
     )
     settings = AgentSettings(
         node_name=config.node_name,

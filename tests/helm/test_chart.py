@@ -194,6 +194,22 @@ def test_agent_daemonset(monkeypatch: pytest.MonkeyPatch) -> None:
     assert str(config.artifact_root) == "/var/lib/dynamo-snapshot/artifacts"
     assert str(config.control_root) in mounted
     assert str(config.state_root) in mounted
+    # Restores unpack compressed pages into memory the agent's limit covers.
+    assert config.compress_pages is True
+    assert mounted[str(config.restore_scratch)]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+    assert agent["resources"]["limits"]["memory"] == "16Gi"
+
+    changed = render(
+        {"agent": {"compressPages": False, "restoreScratch": {"path": "/scratch", "sizeLimit": "2Gi"}}}
+    )
+    config = AgentConfig.model_validate(_config(changed, "agent"))
+    assert (config.compress_pages, str(config.restore_scratch)) == (False, "/scratch")
+    agent = _container(one(changed, "DaemonSet", "-agent"), "agent")
+    volumes = {
+        v["name"]: v for v in one(changed, "DaemonSet", "-agent")["spec"]["template"]["spec"]["volumes"]
+    }
+    mounted = {m["mountPath"]: volumes[m["name"]] for m in agent["volumeMounts"]}
+    assert mounted["/scratch"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
 
 
 @pytest.mark.parametrize(
