@@ -229,6 +229,9 @@ class Bench:
         rec["gpu_memory"] = manifest.extra.get("gpuMemory")
         dropped = manifest.extra.get("zeroPagesDropped")
         rec["zero_pages_dropped_bytes"] = dropped * 4096 if isinstance(dropped, int) else None
+        rec["pages_compressed"] = manifest.extra.get("pagesCompressed")
+        weights_files = [w for w in manifest.files if w.path.startswith("weights/")]
+        rec["weights_stored_bytes"] = sum(w.size for w in weights_files)
         plan = self.store.open(ident_hash).path / PREFETCH_FILE
         if plan.exists():
             p = read_plan(plan)

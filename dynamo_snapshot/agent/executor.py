@@ -330,6 +330,7 @@ class Executor:
     ) -> RestoreOutcome:
         t = Timings()
         prefetching: asyncio.Task[PrefetchStats] | None = None
+        staging: asyncio.Task[Path] | None = None
         try:
             with t.phase("restore", "verify"):
                 try:
@@ -345,11 +346,13 @@ class Executor:
                 prefetching = await self._start_prefetch(artifact)
                 weight_files = {w.file for w in weights}
                 process_files = [f.path for f in artifact.manifest.files if f.path not in weight_files]
+                # Compressed pages are unpacked (into a directory of this restore's own) while they are
+                # checked; CRIU starts on them only once the check passed.
+                staging = self._start_staging(key, artifact, identity_hash, t)
                 # The memory pages are most of the bytes. Where the runtime can hold the restored tree
                 # stopped, they are checked while CRIU restores them and the tree runs only once they
                 # passed; everything else (the metadata CRIU acts on) is checked before CRIU starts.
-                # Compressed pages are not plain pages-N.img: they are checked here, before they are
-                # unpacked for CRIU.
+                # Compressed pages are not plain pages-N.img: they are checked here.
                 overlap = self.overlap_page_check and self.runtime.restores_stopped
                 pages = [f for f in process_files if _is_pages(f)] if overlap else []
                 try:
@@ -383,7 +386,7 @@ class Executor:
                 asyncio.create_task(artifact.averify(files=pages, verified=self.verified)) if pages else None
             )
             try:
-                workload = await self._restore_process(key, artifact, t, pages_check, identity_hash)
+                workload = await self._restore_process(key, artifact, t, pages_check, staging, identity_hash)
                 if pages_check is not None:
                     verified_bytes += pages_check.result().bytes
                 verdict = workload.control_dir / protocol.FILE_WEIGHTS_VERIFIED
@@ -433,6 +436,7 @@ class Executor:
             FAILURES.labels("restore").inc()
             with contextlib.suppress(BaseException):
                 await _prefetch_result(prefetching)  # its thread ends on its own; just collect it
+            await _discard_staging(staging)
             raise
         return RestoreOutcome(workload, t, prefetched)
 
@@ -467,18 +471,17 @@ class Executor:
         artifact: Artifact,
         t: Timings,
         pages_check: asyncio.Task[TreeStats] | None,
+        staging: asyncio.Task[Path] | None,
         identity_hash: str,
     ) -> Workload:
         extra = artifact.manifest.extra
         images = artifact.path / "criu"
-        criu_files = [
-            f.path.removeprefix("criu/") for f in artifact.manifest.files if f.path.startswith("criu/")
-        ]
         staged: Path | None = None
         try:
-            if any(is_packed_pages(f) for f in criu_files):
-                with t.phase("restore", "unpack_pages"):
-                    staged = await self._stage_images(key, images, criu_files, identity_hash)
+            if staging is not None:
+                # What is left of the unpacking, which began with the check.
+                with t.phase("restore", "unpack_wait"):
+                    staged = await staging
             with t.phase("restore", "criu_restore"):
                 try:
                     source_ctl = extra.get("control_dir")
@@ -517,10 +520,29 @@ class Executor:
             raise
         return workload
 
+    def _start_staging(
+        self, key: str, artifact: Artifact, identity_hash: str, t: Timings
+    ) -> asyncio.Task[Path] | None:
+        """Unpack the artifact's compressed pages for CRIU, in a task; None where it has none."""
+        criu_files = [
+            f.path.removeprefix("criu/") for f in artifact.manifest.files if f.path.startswith("criu/")
+        ]
+        if not any(is_packed_pages(f) for f in criu_files):
+            return None
+
+        async def stage() -> Path:
+            started = time.monotonic()
+            staged = await self._stage_images(key, artifact.path / "criu", criu_files, identity_hash)
+            t.overlapped["unpack_pages"] = round(time.monotonic() - started, 4)
+            return staged
+
+        return asyncio.create_task(stage())
+
     async def _stage_images(self, key: str, images: Path, files: list[str], identity_hash: str) -> Path:
         """A new images directory for CRIU: the artifact's compressed pages unpacked, its other images
         copied. On the scratch tmpfs; where that is unusable or too small, beside the workload's control
-        dir. Only the files the artifact seals (``files``), every one of them checked before this."""
+        dir. Only the files the artifact seals (``files``); they are being checked meanwhile, and CRIU
+        runs on the directory only once that check passed."""
         try:
             need = await asyncio.to_thread(staged_bytes, images, files)
         except (PackedFormatError, OSError) as e:
@@ -716,6 +738,17 @@ async def _drop_zero_pages(images: Path) -> SparseStats | None:
         },
     )
     return stats
+
+
+async def _discard_staging(staging: asyncio.Task[Path] | None) -> None:
+    """A restore failed before CRIU ran on its staged images: stop the unpacking, or remove its result."""
+    if staging is None:
+        return
+    if not staging.done():
+        staging.cancel()  # _stage_images removes what it wrote before it returns
+    with contextlib.suppress(BaseException):
+        staged = await staging
+        await asyncio.to_thread(shutil.rmtree, staged, True)
 
 
 async def _in_thread_stoppable(work: Callable[[threading.Event], T]) -> T:

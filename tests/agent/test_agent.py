@@ -203,7 +203,7 @@ async def test_checkpoint_on_one_node_restore_on_another(
             lambda n=name: _status(kube, namespace, n, protocol.ANNOTATION_RESTORE_STATUS, "completed"),
             within=60,
         )
-        assert {"unpack_pages", "criu_restore"} <= json.loads(ann[protocol.ANNOTATION_RESTORE_TIMINGS]).keys()
+        assert {"unpack_wait", "criu_restore"} <= json.loads(ann[protocol.ANNOTATION_RESTORE_TIMINGS]).keys()
         workload = await _workload(kube, b.runtime, namespace, name)
         assert workload is not None
         verify = await _verified(workload.control_dir / "verify.json")

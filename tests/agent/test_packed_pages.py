@@ -129,7 +129,7 @@ async def test_pages_are_stored_compressed_and_restored_from_a_staging_dir(
 
     calls = Calls(runtime)
     phases = await _restored_intact(executor, runtime, ctl)
-    assert "unpack_pages" in phases
+    assert "unpack_wait" in phases
     # CRIU read a staging dir under the scratch: plain files only (copies, no links into the store),
     # the pages under their plain names, nothing packed; the dir is gone once CRIU returned.
     (staged,) = calls.images
@@ -199,7 +199,7 @@ async def test_an_artifact_of_plain_pages_restores_as_before(criu_bin: Path, tmp
     calls = Calls(runtime)
     phases = await _restored_intact(executor, runtime, ctl)
     assert calls.images == [artifact.path / "criu"], "CRIU reads the artifact's own images"
-    assert "unpack_pages" not in phases
+    assert "unpack_wait" not in phases
     assert _leftovers(tmp_path / "scratch") == []
 
 
@@ -212,7 +212,7 @@ async def test_an_unusable_scratch_falls_back_beside_the_control_dir(
     calls = Calls(runtime)
     with caplog.at_level(logging.WARNING, logger="dynamo_snapshot.agent.executor"):
         phases = await _restored_intact(executor, runtime, ctl)
-    assert "unpack_pages" in phases
+    assert "unpack_wait" in phases
     fallback = runtime.control_dir("restored").parent / ".restore-images"
     (staged,) = calls.images
     assert staged.parent == fallback
