@@ -314,13 +314,17 @@ class Bench:
     async def diagnostics(self, key: str, ident_hash: str, port: int, cold: dict[str, Any]) -> dict[str, Any]:
         """Other restores of the same artifact: the second one on a node (page cache and verify cache
         warm), one without reading the node's files ahead (what the prefetch gains), and one with the
-        weights check at idle I/O priority (whether CRIU's phase then stops waiting for it)."""
+        weights check at the I/O priority the agent does not use by default (idle by default)."""
         out: dict[str, Any] = {}
         ex = self.executor
         variants = [
             ("warm_node", {}, False),
             ("no_prefetch", {"prefetch_node_files": False}, True),
-            ("weights_idle_io", {"weights_check_idle_io": True}, True),
+            (
+                "weights_normal_io" if ex.weights_check_idle_io else "weights_idle_io",
+                {"weights_check_idle_io": not ex.weights_check_idle_io},
+                True,
+            ),
         ]
         base = key
         for name, knobs, drop in variants:

@@ -175,7 +175,7 @@ class Executor:
         overlap_page_check: bool = False,
         verify_cache_s: float = 3600.0,
         prefetch_node_files: bool = True,
-        weights_check_idle_io: bool = False,
+        weights_check_idle_io: bool = True,
         weights_check_parallel: int | None = None,
         drop_zero_pages: bool = True,
         compress_pages: bool = True,
@@ -197,8 +197,9 @@ class Executor:
         self.verified = VerifiedFiles(ttl_s=verify_cache_s) if verify_cache_s > 0 else None
         # Record the node files the worker maps at checkpoint; read them ahead at restore.
         self.prefetch_node_files = prefetch_node_files
-        # The weights check beside CRIU at idle I/O priority, so CRIU's own start-up reads go first. Off:
-        # on the H200 it won at 8 GiB (6.71 vs 6.93 s) and lost at 1 GiB (3.56 vs 3.42 s), one sample each.
+        # The weights check beside CRIU at idle I/O priority, so CRIU's reads (on the critical path) go
+        # first. On the H200 (8 GiB of weights) 5.26 vs 6.43 s and 6.71 vs 6.93 s; at 1 GiB 3.56 vs
+        # 3.42 s (one sample each; BENCHMARKS.md).
         self.weights_check_idle_io = weights_check_idle_io
         # Leave the zero pages of anonymous memory out of the CRIU images (see criu.sparse).
         self.drop_zero_pages = drop_zero_pages
