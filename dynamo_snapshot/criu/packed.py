@@ -356,23 +356,18 @@ def _inflate_to(out: int, data: memoryview, chunk: _Chunk, what: str) -> None:
     if chunk.kind == _RAW:
         _pwrite_all(out, data, chunk.start)
         return
-    z = zlib.decompressobj(_WBITS)
     try:
-        # One byte more than the chunk may hold: a stream that decodes to more is caught, not cut.
-        plain = z.decompress(data, chunk.length + 1)
+        # One shot into a buffer of exactly the chunk's size: inflate fills it with the GIL released
+        # and it is written as it is (a decompressobj grows its output in blocks and joins them while
+        # holding the GIL; benchmarks/unpack_threads.py compares the two). Bytes after the stream's end
+        # cannot change what it decodes to; the length check catches everything else.
+        plain = zlib.decompress(data, _WBITS, chunk.length)
     except zlib.error as e:
         raise PackedFormatError(f"{what}: chunk {chunk.number} is damaged ({e})") from None
-    problem = None
-    if len(plain) > chunk.length:
-        problem = f"decodes to more than {chunk.length} bytes"
-    elif not z.eof:
-        problem = f"is cut short ({len(plain)} of {chunk.length} bytes)"
-    elif z.unused_data:
-        problem = "has bytes after its end"
-    elif len(plain) != chunk.length:
-        problem = f"decodes to {len(plain)} bytes, expected {chunk.length}"
-    if problem is not None:
-        raise PackedFormatError(f"{what}: chunk {chunk.number} {problem}")
+    if len(plain) != chunk.length:
+        raise PackedFormatError(
+            f"{what}: chunk {chunk.number} decodes to {len(plain)} bytes, expected {chunk.length}"
+        )
     _pwrite_all(out, plain, chunk.start)
 
 
