@@ -46,6 +46,10 @@ class AgentConfig(BaseModel):
         default=True,
         description="record the node files a worker maps at checkpoint; read them ahead at restore",
     )
+    weights_check_idle_io: bool = Field(
+        default=True,
+        description="check the weights during the CRIU restore at idle I/O priority, so CRIU reads first",
+    )
     drop_zero_pages: bool = Field(
         default=True,
         description="leave the all-zero pages of anonymous memory out of checkpoints' CRIU images",
@@ -86,6 +90,7 @@ _FLAGS = (
     "ready_timeout_seconds",
     "verify_cache_seconds",
     "prefetch_node_files",
+    "weights_check_idle_io",
     "drop_zero_pages",
     "compress_pages",
     "restore_scratch",
@@ -125,6 +130,12 @@ def register(sub: Any) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="read ahead, at restore, the node files the worker had mapped at checkpoint (default on)",
+    )
+    p.add_argument(
+        "--weights-check-idle-io",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="check the weights beside the CRIU restore at idle I/O priority: CRIU reads first (default on)",
     )
     p.add_argument(
         "--drop-zero-pages",
@@ -170,6 +181,7 @@ def build(config: AgentConfig, kube: Kube) -> NodeAgent:
         node_name=config.node_name,
         verify_cache_s=config.verify_cache_seconds,
         prefetch_node_files=config.prefetch_node_files,
+        weights_check_idle_io=config.weights_check_idle_io,
         drop_zero_pages=config.drop_zero_pages,
         compress_pages=config.compress_pages,
         restore_scratch=config.restore_scratch,

@@ -1,4 +1,5 @@
-"""`dynamo-snapshot agent`'s page settings: flags over the config file, and into the executor it builds."""
+"""`dynamo-snapshot agent`'s page and weights-check settings: flags over the config file, and into the
+executor it builds."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import yaml
 from kubernetes_asyncio import client
 
 from dynamo_snapshot.agent.executor import DEFAULT_RESTORE_SCRATCH
@@ -14,6 +16,8 @@ from dynamo_snapshot.cli.main import build_parser
 from dynamo_snapshot.cli.service import load_settings
 from dynamo_snapshot.controller.runtime import Kube
 from dynamo_snapshot.criu.runner import ENV_CRIU
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -46,3 +50,30 @@ async def test_page_flags_reach_the_executor(
     from_file = _config(tmp_path, file="compressPages: false\nrestoreScratch: /x\n")
     assert (from_file.compress_pages, from_file.restore_scratch) == (False, Path("/x"))
     assert _config(tmp_path, "--compress-pages", file="compressPages: false\n").compress_pages is True
+
+
+async def test_weights_check_idle_io_reaches_the_executor(
+    kube: Kube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENV_CRIU, "/bin/true")  # build() resolves CRIU; none runs here
+    default = _config(tmp_path)
+    assert default.weights_check_idle_io is True
+    assert agent_cmd.build(default, kube).executor.weights_check_idle_io is True
+
+    off = _config(tmp_path, "--no-weights-check-idle-io")
+    assert off.weights_check_idle_io is False
+    assert agent_cmd.build(off, kube).executor.weights_check_idle_io is False
+
+    assert _config(tmp_path, file="weightsCheckIdleIo: false\n").weights_check_idle_io is False
+    on = _config(tmp_path, "--weights-check-idle-io", file="weightsCheckIdleIo: false\n")
+    assert on.weights_check_idle_io is True
+
+
+def test_shipped_config_carries_the_agent_switches() -> None:
+    """agent/config.yaml is what the image runs with: the keys themselves, as the model's defaults would
+    hide a missing line."""
+    shipped = yaml.safe_load((REPO / "agent" / "config.yaml").read_text())
+    for key in ("weightsCheckIdleIo", "dropZeroPages", "compressPages"):
+        assert shipped[key] is True, key
+    config = agent_cmd.AgentConfig.model_validate({**shipped, "nodeName": "n"})
+    assert (config.weights_check_idle_io, config.drop_zero_pages, config.compress_pages) == (True, True, True)

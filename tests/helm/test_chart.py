@@ -196,14 +196,24 @@ def test_agent_daemonset(monkeypatch: pytest.MonkeyPatch) -> None:
     assert str(config.state_root) in mounted
     # Restores unpack compressed pages into memory the agent's limit covers.
     assert config.compress_pages is True
+    # The key itself: the model's default would hide a missing line.
+    assert _config(objs, "agent")["weightsCheckIdleIo"] is True
+    assert config.weights_check_idle_io is True
     assert mounted[str(config.restore_scratch)]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
     assert agent["resources"]["limits"]["memory"] == "16Gi"
 
     changed = render(
-        {"agent": {"compressPages": False, "restoreScratch": {"path": "/scratch", "sizeLimit": "2Gi"}}}
+        {
+            "agent": {
+                "compressPages": False,
+                "weightsCheckIdleIo": False,
+                "restoreScratch": {"path": "/scratch", "sizeLimit": "2Gi"},
+            }
+        }
     )
     config = AgentConfig.model_validate(_config(changed, "agent"))
     assert (config.compress_pages, str(config.restore_scratch)) == (False, "/scratch")
+    assert config.weights_check_idle_io is False
     agent = _container(one(changed, "DaemonSet", "-agent"), "agent")
     volumes = {
         v["name"]: v for v in one(changed, "DaemonSet", "-agent")["spec"]["template"]["spec"]["volumes"]
@@ -446,6 +456,10 @@ def test_minimal_values_leave_out_rbac_policy_profile_and_metrics() -> None:
 def test_schema_rejects_bad_values_with_a_clear_message() -> None:
     cases: list[tuple[dict[str, Any], str]] = [
         ({"agent": {"runtime": "docker"}}, "at '/agent/runtime': value must be one of 'runc', 'local'"),
+        (
+            {"agent": {"weightsCheckIdleIo": "yes"}},
+            "at '/agent/weightsCheckIdleIo': got string, want boolean",
+        ),
         ({"controler": {"replicas": 2}}, "additional properties 'controler' not allowed"),
         ({"controller": {"workers": "eight"}}, "at '/controller/workers': got string, want integer"),
         ({"controller": {"healthPort": 0}}, "at '/controller/healthPort'"),
