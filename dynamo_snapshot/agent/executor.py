@@ -332,6 +332,7 @@ class Executor:
         t = Timings()
         prefetching: asyncio.Task[PrefetchStats] | None = None
         staging: asyncio.Task[Path] | None = None
+        weights_check: asyncio.Task[TreeStats] | None = None
         try:
             with t.phase("restore", "verify"):
                 try:
@@ -350,6 +351,12 @@ class Executor:
                 # Compressed pages are unpacked (into a directory of this restore's own) while they are
                 # checked; CRIU starts on them only once the check passed.
                 staging = self._start_staging(key, artifact, identity_hash, t)
+                if weights and self.weights_check_idle_io:
+                    # At idle I/O priority the weights check takes only the disk time nobody else
+                    # wants, so it can start now, beside the check of what CRIU needs.
+                    weights_check = asyncio.create_task(
+                        self._verify_weights(artifact, sorted(weight_files), t)
+                    )
                 # The memory pages are most of the bytes. Where the runtime can hold the restored tree
                 # stopped, they are checked while CRIU restores them and the tree runs only once they
                 # passed; everything else (the metadata CRIU acts on) is checked before CRIU starts.
@@ -377,11 +384,8 @@ class Executor:
             # The weights are checked while CRIU restores the process: the same read fills the page
             # cache the worker loads them from. A worker that waits for weights-verified is told to
             # resume (and load) before the check ends; any other only once it passed.
-            weights_check = (
-                asyncio.create_task(self._verify_weights(artifact, sorted(weight_files), t))
-                if weights
-                else None
-            )
+            if weights and weights_check is None:
+                weights_check = asyncio.create_task(self._verify_weights(artifact, sorted(weight_files), t))
             early = weights_check is not None and artifact.manifest.extra.get("weightsEarlyLoad") is True
             pages_check = (
                 asyncio.create_task(artifact.averify(files=pages, verified=self.verified)) if pages else None
@@ -425,10 +429,7 @@ class Executor:
                         await asyncio.to_thread(go_ahead.unlink, missing_ok=True)
                     raise
             finally:
-                if weights_check is not None and not weights_check.done():
-                    weights_check.cancel()
-                    with contextlib.suppress(BaseException):
-                        await weights_check
+                await _cancel(weights_check)
             BYTES.labels("restore").inc(verified_bytes)
             if stats.seconds > 0:
                 THROUGHPUT.labels("restore").set(stats.bytes / stats.seconds / 1e9)
@@ -437,6 +438,7 @@ class Executor:
             FAILURES.labels("restore").inc()
             with contextlib.suppress(BaseException):
                 await _prefetch_result(prefetching)  # its thread ends on its own; just collect it
+            await _cancel(weights_check)
             await _discard_staging(staging)
             raise
         return RestoreOutcome(workload, t, prefetched)
@@ -500,10 +502,7 @@ class Executor:
                     if staged is not None:
                         await asyncio.to_thread(shutil.rmtree, staged, True)
         except BaseException:
-            if pages_check is not None:
-                pages_check.cancel()
-                with contextlib.suppress(BaseException):
-                    await pages_check
+            await _cancel(pages_check)
             raise
         try:
             if pages_check is not None:
@@ -739,6 +738,14 @@ async def _drop_zero_pages(images: Path) -> SparseStats | None:
         },
     )
     return stats
+
+
+async def _cancel(task: asyncio.Task[Any] | None) -> None:
+    """Cancel a task that may still run, and wait until it has ended."""
+    if task is not None and not task.done():
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
 
 
 async def _discard_staging(staging: asyncio.Task[Path] | None) -> None:

@@ -258,6 +258,34 @@ async def test_bad_weights_are_refused_before_the_worker_resumes(
 
 
 @pytest.mark.criu
+async def test_a_refused_process_image_cancels_the_weights_check_begun_beside_it(
+    criu_bin: Path, tmp_path: Path
+) -> None:
+    executor, runtime, ctl = await _checkpoint(tmp_path, criu_bin)
+    assert executor.weights_check_idle_io  # the default: the check starts with the process check
+    began, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def endless(*args: Any, **kwargs: Any) -> Any:
+        began.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    executor._verify_weights = endless  # type: ignore[method-assign]
+    images = executor.store.path_for(HASH) / "criu"
+    victim = max((p for p in images.glob("core-*.img")), key=lambda p: p.stat().st_size)
+    _flip_a_byte(victim)
+    with pytest.raises(AgentError, match=rf"refused: checksum mismatch: criu/{victim.name}"):
+        await executor.restore("restored", HASH)
+    assert began.is_set()
+    assert cancelled.is_set()
+    assert await runtime.find("restored") is None
+    assert not (ctl / "restore-complete").exists()
+
+
+@pytest.mark.criu
 async def test_other_weights_at_the_path_are_not_overwritten(criu_bin: Path, tmp_path: Path) -> None:
     executor, runtime, ctl = await _checkpoint(tmp_path, criu_bin)
     theirs = ctl / "weights" / "model.dsw"
