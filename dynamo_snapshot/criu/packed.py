@@ -31,7 +31,7 @@ import threading
 import time
 import zlib
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -192,6 +192,19 @@ def _run_ordered(
                 f.result()
 
 
+@contextlib.contextmanager
+def _output(dst: Path, flag: int, mode: int) -> Iterator[int]:
+    """``dst`` opened for writing (created; ``flag`` O_EXCL or O_TRUNC); removed if the block fails."""
+    out = os.open(dst, os.O_WRONLY | os.O_CREAT | flag | os.O_CLOEXEC, mode)
+    try:
+        yield out
+    except BaseException:
+        os.close(out)
+        dst.unlink(missing_ok=True)
+        raise
+    os.close(out)
+
+
 def pack_file(
     src: Path,
     dst: Path,
@@ -211,8 +224,7 @@ def pack_file(
         st = os.fstat(fd)
         size = st.st_size
         count = -(-size // chunk_bytes)
-        out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, st.st_mode & 0o7777)
-        try:
+        with _output(dst, os.O_EXCL, st.st_mode & 0o7777) as out:
             with contextlib.suppress(OSError):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             index: list[tuple[int, int, int]] = []
@@ -236,11 +248,6 @@ def pack_file(
             for entry in index:
                 head += _INDEX.pack(*entry)
             _pwrite_all(out, head, 0)
-        except BaseException:
-            os.close(out)
-            dst.unlink(missing_ok=True)
-            raise
-        os.close(out)
     finally:
         os.close(fd)
     return PackStats(
@@ -401,8 +408,7 @@ def unpack_file(
         header = _read_header(fd, what)
         with contextlib.suppress(OSError):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
+        with _output(dst, os.O_TRUNC, 0o600) as out:
             os.ftruncate(out, header.size)
 
             def jobs() -> Iterable[Callable[[], None]]:
@@ -415,11 +421,6 @@ def unpack_file(
             threads = max(1, threads)
             with ThreadPoolExecutor(threads, thread_name_prefix="unpack") as pool:
                 _run_ordered(jobs(), pool, 4 * threads, stop, lambda _: None)
-        except BaseException:
-            os.close(out)
-            dst.unlink(missing_ok=True)
-            raise
-        os.close(out)
     finally:
         os.close(fd)
     return header.size

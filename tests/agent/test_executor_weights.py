@@ -29,6 +29,7 @@ from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_ha
 from dynamo_snapshot.artifact import ArtifactStore
 from dynamo_snapshot.criu import Criu
 from dynamo_snapshot.workload.weights import data_digest, read_header
+from tests.helpers.polling import await_json
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "agent" / "weights_worker.py"
@@ -68,15 +69,6 @@ async def _checkpoint(
     return executor, runtime, source.control_dir
 
 
-async def _verdict(path: Path, within: float = 30) -> dict[str, Any]:
-    deadline = time.monotonic() + within
-    while not await asyncio.to_thread(path.exists):
-        assert time.monotonic() < deadline, f"{path} did not appear"
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(0.05)
-    return dict(json.loads(await asyncio.to_thread(path.read_text)))
-
-
 @pytest.mark.criu
 async def test_weights_travel_in_the_artifact_and_come_back(criu_bin: Path, tmp_path: Path) -> None:
     executor, runtime, ctl = await _checkpoint(tmp_path, criu_bin)
@@ -89,7 +81,7 @@ async def test_weights_travel_in_the_artifact_and_come_back(criu_bin: Path, tmp_
     prefetched_before = REGISTRY.get_sample_value("dynsnap_agent_prefetch_bytes_total") or 0.0
     restored = await executor.restore("restored", HASH)
     try:
-        verdict = await _verdict(ctl / "verify.json")
+        verdict = await await_json(ctl / "verify.json", settle=0.05)
         assert verdict == {"weights_ok": True, "digest_ok": True, "restored": True}
         # Put back as the artifact's own (verified) file, not a copy.
         assert await asyncio.to_thread(
@@ -150,7 +142,7 @@ async def test_a_worker_that_waits_for_the_verdict_resumes_before_the_check_ends
         release.set()
         restored = await restoring
         assert (ctl / "weights-verified").exists()
-        assert (await _verdict(ctl / "verify.json"))["weights_ok"]
+        assert (await await_json(ctl / "verify.json", settle=0.05))["weights_ok"]
         assert "weights_wait" in restored.timings.phases
     finally:
         release.set()
@@ -188,7 +180,7 @@ async def test_a_worker_of_an_older_sdk_resumes_only_after_the_check(criu_bin: P
         await restoring
         info = json.loads((ctl / "restore-complete").read_text())
         assert "weightsCheck" not in info
-        assert (await _verdict(ctl / "verify.json"))["weights_ok"]
+        assert (await await_json(ctl / "verify.json", settle=0.05))["weights_ok"]
         assert not (ctl / "loading-before-verdict").exists()
     finally:
         release.set()
@@ -309,7 +301,7 @@ async def test_pages_checked_while_criu_restores_a_stopped_tree(
     if not flip:
         restored = await executor.restore("restored", HASH)
         try:
-            assert (await _verdict(ctl / "verify.json"))["weights_ok"]
+            assert (await await_json(ctl / "verify.json", settle=0.05))["weights_ok"]
             assert "pages_wait" in restored.timings.phases
         finally:
             await runtime.stop("restored")
@@ -329,7 +321,7 @@ async def test_a_second_restore_skips_checked_files_but_not_changed_ones(
     executor, runtime, ctl = await _checkpoint(tmp_path, criu_bin)
     await executor.restore("first", HASH)
     try:
-        assert (await _verdict(ctl / "verify.json"))["weights_ok"]
+        assert (await await_json(ctl / "verify.json", settle=0.05))["weights_ok"]
     finally:
         await runtime.stop("first")
     artifact = executor.store.open(HASH)

@@ -8,12 +8,10 @@ workload's control dir."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +24,7 @@ from dynamo_snapshot.agent.runtime.base import pid_running
 from dynamo_snapshot.artifact import ArtifactStore, ArtifactWriter
 from dynamo_snapshot.criu import Criu
 from dynamo_snapshot.criu.packed import PACKED_SUFFIX, is_packed_pages, unpacked_size
+from tests.helpers.polling import await_json
 
 pytestmark = pytest.mark.criu
 REPO = Path(__file__).resolve().parents[2]
@@ -77,14 +76,6 @@ async def _checkpoint(
     return executor, runtime, source.control_dir
 
 
-async def _verdict(path: Path, within: float = 30) -> dict[str, Any]:
-    deadline = time.monotonic() + within
-    while not await asyncio.to_thread(path.exists):
-        assert time.monotonic() < deadline, f"{path} did not appear"
-        await asyncio.sleep(0.05)
-    return dict(json.loads(await asyncio.to_thread(path.read_text)))
-
-
 def _leftovers(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir()) if directory.exists() else []
 
@@ -92,7 +83,7 @@ def _leftovers(directory: Path) -> list[str]:
 async def _restored_intact(executor: Executor, runtime: ProcessRuntime, ctl: Path) -> dict[str, float]:
     restored = await executor.restore("restored", HASH)
     try:
-        verdict = await _verdict(ctl / "verify.json")
+        verdict = await await_json(ctl / "verify.json")
         assert verdict["restored"] is True
         assert verdict["digest_after"] == verdict["digest_before"], "memory changed across the restore"
     finally:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -30,3 +32,8 @@ def wait_file(path: Path, within: float = 30.0, settle: float = 0.0) -> str:
         time.sleep(0.02)
     time.sleep(settle)
     return path.read_text()
+
+
+async def await_json(path: Path, within: float = 30.0, settle: float = 0.0) -> dict[str, Any]:
+    """``wait_file``'s text as a JSON object, waited for without blocking the event loop."""
+    return dict(json.loads(await asyncio.to_thread(wait_file, path, within, settle)))
