@@ -19,7 +19,7 @@ File format (version 1: raw data; version 2: encoded data), all integers little-
                              [{name, dtype, shape, offset, nbytes}] in layout order, data_bytes,
                              device_bytes, chunk_bytes, chunk_sha256 [SHA-256 of each chunk_bytes piece
                              of the data], data_digest (SHA-256 of the concatenated chunk digests);
-                             version 2 adds encoding {name, piece_bytes, pieces}
+                             version 2 adds encoding {name, escapes}
     [.., data offset)        zeros up to a multiple of 4096
     [data offset, +stored)   version 1: the region's first data_bytes bytes (a multiple of 4096), as on
                              the GPU; version 2: one record per chunk, see "encoding" below
@@ -157,14 +157,6 @@ NIBBLE_TABLE: Final = 16
 NIBBLE_ESCAPE: Final = 15
 # A chunk with more escapes than 1/this of its odd bytes is stored plain.
 _ESCAPE_LIMIT: Final = 16
-
-
-def _cpus() -> int:
-    # The affinity mask, not the host's core count: a container may be pinned to a few cores.
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 class WeightsFileError(ValueError):
