@@ -35,7 +35,9 @@ class AgentConfig(BaseModel):
     control_root: Path = Path("/var/lib/dynamo-snapshot/control")
     state_root: Path = Path("/var/lib/dynamo-snapshot/runtime")
     runtime: Literal["local", "runc"] = "runc"
-    launch_workloads: bool = Field(default=False, description="local/dev nodes: start pods' main containers")
+    launch_workloads: bool = Field(
+        default=False, description="start pods' main containers here (nodes without a kubelet: demo, kwok)"
+    )
     ready_timeout_seconds: float = Field(default=3600, gt=0)
     verify_cache_seconds: float = Field(
         default=3600,
@@ -44,7 +46,7 @@ class AgentConfig(BaseModel):
     )
     prefetch_node_files: bool = Field(
         default=True,
-        description="record the node files a worker maps at checkpoint; read them ahead at restore",
+        description="record the node files a worker maps at checkpoint and read them ahead at restore",
     )
     weights_check_idle_io: bool = Field(
         default=True,
@@ -100,6 +102,18 @@ _FLAGS = (
 )
 
 
+def _switch(p: argparse.ArgumentParser, field: str) -> None:
+    """--FIELD/--no-FIELD for a bool setting; its help is the setting's description and default."""
+    info = AgentConfig.model_fields[field]
+    default = "on" if info.default else "off"
+    p.add_argument(
+        "--" + field.replace("_", "-"),
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"{info.description} (default {default})",
+    )
+
+
 def register(sub: Any) -> None:
     p: argparse.ArgumentParser = sub.add_parser(
         "agent",
@@ -113,42 +127,17 @@ def register(sub: Any) -> None:
     p.add_argument("--control-root", type=Path, help="host directories behind pods' control dirs")
     p.add_argument("--state-root", type=Path, help="runtime state (runc bundles)")
     p.add_argument("--runtime", choices=["local", "runc"], help="host processes or runc containers")
-    p.add_argument(
-        "--launch-workloads",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="start pods' main containers here (nodes without a kubelet: demo, kwok)",
-    )
+    _switch(p, "launch_workloads")
     p.add_argument("--ready-timeout-seconds", type=float, help="how long a worker may take to get ready")
     p.add_argument(
         "--verify-cache-seconds",
         type=float,
         help="skip re-hashing artifact files verified unchanged this recently (3600; 0: hash every restore)",
     )
-    p.add_argument(
-        "--prefetch-node-files",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="read ahead, at restore, the node files the worker had mapped at checkpoint (default on)",
-    )
-    p.add_argument(
-        "--weights-check-idle-io",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="check the weights beside the CRIU restore at idle I/O priority: CRIU reads first (default on)",
-    )
-    p.add_argument(
-        "--drop-zero-pages",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="leave all-zero anonymous pages out of checkpoints' CRIU images (default on)",
-    )
-    p.add_argument(
-        "--compress-pages",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="store checkpoints' CRIU pages images compressed, unpacked at restore (default on)",
-    )
+    _switch(p, "prefetch_node_files")
+    _switch(p, "weights_check_idle_io")
+    _switch(p, "drop_zero_pages")
+    _switch(p, "compress_pages")
     p.add_argument(
         "--restore-scratch",
         type=Path,

@@ -77,3 +77,18 @@ def test_shipped_config_carries_the_agent_switches() -> None:
         assert shipped[key] is True, key
     config = agent_cmd.AgentConfig.model_validate({**shipped, "nodeName": "n"})
     assert (config.weights_check_idle_io, config.drop_zero_pages, config.compress_pages) == (True, True, True)
+
+
+def test_every_bool_setting_has_a_switch_whose_help_gives_its_default() -> None:
+    agent = next(
+        a for a in build_parser()._subparsers._group_actions[0].choices.values() if a.prog.endswith(" agent")
+    )
+    helps = {a.dest: a.help or "" for a in agent._actions}
+    switches = [n for n, f in agent_cmd.AgentConfig.model_fields.items() if f.annotation is bool]
+    assert switches
+    for name in switches:
+        default = agent_cmd.AgentConfig.model_fields[name].default
+        assert name in agent_cmd._FLAGS, name
+        assert helps[name].endswith(f"(default {'on' if default else 'off'})"), (name, helps[name])
+        args = build_parser().parse_args(["agent", f"--no-{name.replace('_', '-')}"])
+        assert getattr(args, name) is False
