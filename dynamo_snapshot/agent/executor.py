@@ -198,8 +198,8 @@ class Executor:
         # Record the node files the worker maps at checkpoint; read them ahead at restore.
         self.prefetch_node_files = prefetch_node_files
         # The weights check beside CRIU at idle I/O priority, so CRIU's reads (on the critical path) go
-        # first. On the H200 (8 GiB of weights) 5.26 vs 6.43 s and 6.71 vs 6.93 s; at 1 GiB 3.56 vs
-        # 3.42 s (one sample each; BENCHMARKS.md).
+        # first. Restores on the H200, idle vs normal priority, same artifact (BENCHMARKS.md): 8 GiB of
+        # weights 5.26/6.43, 5.14/7.21, 6.71/6.93 s; 1 GiB 3.33/3.24, 3.56/3.42 s.
         self.weights_check_idle_io = weights_check_idle_io
         # Leave the zero pages of anonymous memory out of the CRIU images (see criu.sparse).
         self.drop_zero_pages = drop_zero_pages

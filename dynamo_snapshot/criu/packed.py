@@ -364,10 +364,10 @@ def _inflate_to(out: int, data: memoryview, chunk: _Chunk, what: str) -> None:
         _pwrite_all(out, data, chunk.start)
         return
     try:
-        # One shot into a buffer of exactly the chunk's size: inflate fills it with the GIL released
-        # and it is written as it is (a decompressobj grows its output in blocks and joins them while
-        # holding the GIL; benchmarks/unpack_threads.py compares the two). Bytes after the stream's end
-        # cannot change what it decodes to; the length check catches everything else.
+        # One shot into a buffer of exactly the chunk's size, written as it is: simpler than a
+        # decompressobj, not faster (the H200 unpacked 1.7-2.2 vs 1.8 GB/s either way,
+        # benchmarks/results/unpack-threads-h200.json). Bytes after the stream's end cannot change what
+        # it decodes to; the length check catches everything else.
         plain = zlib.decompress(data, _WBITS, chunk.length)
     except zlib.error as e:
         raise PackedFormatError(f"{what}: chunk {chunk.number} is damaged ({e})") from None
