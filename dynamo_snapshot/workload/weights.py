@@ -466,6 +466,18 @@ def _nibble_mask(nbytes: int, value: int) -> int:
     return int.from_bytes(bytes([value]) * nbytes, "little")
 
 
+def _nibble_codes(odd: bytes) -> tuple[bytes, bytes, list[int]]:
+    """(table, each odd byte's code, the escapes' positions) of a chunk's odd bytes."""
+    table = nibble_table(odd)
+    codes = odd.translate(_codes_of(table))
+    return table, codes, [i for i, c in enumerate(codes) if c == NIBBLE_ESCAPE]
+
+
+def count_escapes(data: bytes | memoryview) -> int:
+    """The escapes a chunk's split-nibble record has (TransferEngine.count_escapes, in plain Python)."""
+    return len(_nibble_codes(bytes(data)[1::2])[2])
+
+
 def encode_coded(data: bytes | memoryview) -> bytes | None:
     """The split-nibble record (unpadded) of a chunk, or None where it has too many escapes."""
     data = bytes(data)
@@ -473,9 +485,7 @@ def encode_coded(data: bytes | memoryview) -> bytes | None:
     if n % 4:
         raise ValueError(f"a split-nibble chunk is a multiple of 4 bytes, not {n}")
     even, odd = data[0::2], data[1::2]
-    table = nibble_table(odd)
-    codes = odd.translate(_codes_of(table))
-    positions = [i for i, c in enumerate(codes) if c == NIBBLE_ESCAPE]
+    table, codes, positions = _nibble_codes(odd)
     if len(positions) > escape_limit(n):
         return None
     quarter = n // 4

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from typing import Any, ClassVar
 
 from dynamo_snapshot.workload.gpu_memory import VmmRegion
-from dynamo_snapshot.workload.weights import HostBuffer, MmapBuffer, decode_coded, encode_coded, nibble_table
+from dynamo_snapshot.workload.weights import HostBuffer, MmapBuffer, count_escapes, decode_coded, encode_coded
 
 GARBAGE = 0xA5  # what "undefined contents" of fresh physical memory look like here
 
@@ -314,9 +314,7 @@ class FakeEngine:
         self.uploads += 1
 
     def count_escapes(self, offset: int, nbytes: int) -> int:
-        odd = bytes(self.driver.memory(self.region.ptr)[offset + 1 : offset + nbytes : 2])
-        table = set(nibble_table(odd))
-        return sum(1 for v in odd if v not in table)
+        return count_escapes(self.driver.memory(self.region.ptr)[offset : offset + nbytes])
 
     def download_coded(self, offset: int, buf: HostBuffer, nbytes: int) -> int:
         record = encode_coded(self.driver.memory(self.region.ptr)[offset : offset + nbytes])

@@ -310,6 +310,7 @@ def test_the_reference_codec_round_trips_and_refuses_what_does_not_fit() -> None
     assert record is not None
     escapes = (len(record) - w.coded_record_bytes(4096, 0)) // 5
     assert 0 < escapes <= w.escape_limit(4096)
+    assert w.count_escapes(some) == escapes
     assert w.decode_coded(record, 4096, escapes) == bytes(some)
     assert w.encode_coded(rng.randbytes(4096)) is None
     with pytest.raises(ValueError, match="multiple of 4"):
