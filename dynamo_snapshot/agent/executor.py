@@ -65,6 +65,7 @@ from dynamo_snapshot.artifact import (
     VerifiedFiles,
     warm_up_hashing,
 )
+from dynamo_snapshot.artifact.cache import ArtifactCache
 from dynamo_snapshot.criu import Criu, CriuError
 from dynamo_snapshot.criu.packed import (
     DEFAULT_THREADS,
@@ -117,6 +118,18 @@ PAGES_COMPRESSED_SAVED = Counter(
     "dynsnap_agent_page_bytes_compressed_saved_total",
     "Bytes checkpoints' CRIU pages images shrank by being stored compressed",
 )
+CACHE_RESTORES = Counter(
+    "dynsnap_agent_cache_restores_total",
+    "Restores on a node with an artifact cache, by where the artifact was read: cache, store, or "
+    "refused (the cached copy failed its check; restored from the store)",
+    ["source"],
+)
+CACHE_FILLS = Counter(
+    "dynsnap_agent_cache_fills_total",
+    "Copies of artifacts into the node cache after a restore from the store: filled, no_room, failed",
+    ["result"],
+)
+CACHE_BYTES = Gauge("dynsnap_agent_cache_bytes", "Bytes of artifacts in the node cache")
 # Where a restore unpacks compressed pages for CRIU: a tmpfs, so CRIU reads them at memory speed.
 DEFAULT_RESTORE_SCRATCH = Path("/dev/shm/dynamo-snapshot")
 # Free space a scratch directory must have beyond the unpacked pages.
@@ -125,6 +138,10 @@ _SCRATCH_MARGIN = 64 << 20
 
 class AgentError(Exception):
     """A checkpoint or restore failed; the message goes into the pod's annotation as it is."""
+
+
+class ArtifactRefused(AgentError):
+    """The artifact's files (or its manifest) are not what it sealed: missing, truncated, altered."""
 
 
 @dataclass
@@ -159,6 +176,8 @@ class RestoreOutcome:
     workload: Workload
     timings: Timings
     prefetch: PrefetchStats | None = None
+    # Where the artifact was read: "store", or "cache" (the node cache's copy).
+    source: str = "store"
 
 
 class Executor:
@@ -181,6 +200,7 @@ class Executor:
         compress_pages: bool = True,
         restore_scratch: Path | None = DEFAULT_RESTORE_SCRATCH,
         pages_threads: int | None = None,
+        cache: ArtifactCache | None = None,
     ) -> None:
         self.runtime = runtime
         self.store = store
@@ -212,6 +232,9 @@ class Executor:
         # Threads of the weights check beside CRIU (None: the artifact default, twice the cores).
         self.weights_check_parallel = weights_check_parallel
         self._verifying: dict[str, asyncio.Lock] = {}
+        # A node-local copy of the store's artifacts (None: every restore reads the store).
+        self.cache = cache
+        self._fills: dict[str, asyncio.Task[None]] = {}
         # Big files are hashed in a helper process (see artifact.isolated); start it before it is needed.
         warm_up_hashing()
 
@@ -329,17 +352,56 @@ class Executor:
     async def restore(
         self, key: str, identity_hash: str, *, identity_info: dict[str, Any] | None = None
     ) -> RestoreOutcome:
+        """Restore the checkpoint ``identity_hash`` as workload ``key``: from the node cache's copy when
+        it holds the store's current one (a refused copy is dropped and the store's used instead), else
+        from the store, after which a copy is put into the node cache in the background."""
         t = Timings()
+        try:
+            with t.phase("restore", "verify"):
+                try:
+                    artifact = await asyncio.to_thread(self.store.open, identity_hash)
+                except (ArtifactError, ValueError) as e:
+                    raise ArtifactRefused(f"artifact {identity_hash} refused: {e}") from None
+                cached = await asyncio.to_thread(self.cache.lookup, artifact) if self.cache else None
+            if cached is not None and self.cache is not None:
+                with self.cache.pinned(identity_hash):
+                    try:
+                        outcome = await self._restore(key, identity_hash, cached, t, identity_info)
+                        CACHE_RESTORES.labels("cache").inc()
+                        return dataclasses.replace(outcome, source="cache")
+                    except ArtifactRefused as e:
+                        CACHE_RESTORES.labels("refused").inc()
+                        log.warning(
+                            "node cache's copy refused, restoring from the store",
+                            extra={"hash": identity_hash, "key": key, "error": str(e)},
+                        )
+                await asyncio.to_thread(self.cache.discard, identity_hash)
+            outcome = await self._restore(key, identity_hash, artifact, t, identity_info)
+        except BaseException:
+            FAILURES.labels("restore").inc()
+            raise
+        if self.cache is not None:
+            CACHE_RESTORES.labels("store").inc()
+            self._start_fill(artifact)
+        return outcome
+
+    async def _restore(
+        self,
+        key: str,
+        identity_hash: str,
+        artifact: Artifact,
+        t: Timings,
+        identity_info: dict[str, Any] | None,
+    ) -> RestoreOutcome:
         prefetching: asyncio.Task[PrefetchStats] | None = None
         staging: asyncio.Task[Path] | None = None
         weights_check: asyncio.Task[TreeStats] | None = None
         try:
             with t.phase("restore", "verify"):
                 try:
-                    artifact = await asyncio.to_thread(self.store.open, identity_hash)
                     weights = [CarriedWeights.from_json(w) for w in _list(artifact.manifest.extra, "weights")]
-                except (ArtifactError, ValueError, WeightsPlacementError) as e:
-                    raise AgentError(f"artifact {identity_hash} refused: {e}") from None
+                except (ValueError, WeightsPlacementError) as e:
+                    raise ArtifactRefused(f"artifact {identity_hash} refused: {e}") from None
                 problems = artifact.compatibility(self.gpus)
                 if problems:
                     raise AgentError("incompatible node: " + "; ".join(problems))
@@ -374,13 +436,13 @@ class Executor:
                         )
                     verified_bytes = stats.bytes
                 except (ArtifactError, ValueError) as e:
-                    raise AgentError(f"artifact {identity_hash} refused: {e}") from None
+                    raise ArtifactRefused(f"artifact {identity_hash} refused: {e}") from None
                 try:
                     await artifact.averify(files=sorted(weight_files), check_checksums=False)
                     for w in weights:
                         await asyncio.to_thread(check_carried, artifact.path / w.file, w)
                 except (ArtifactError, ValueError, WeightsPlacementError) as e:
-                    raise AgentError(f"weights of artifact {identity_hash} refused: {e}") from None
+                    raise ArtifactRefused(f"weights of artifact {identity_hash} refused: {e}") from None
             # The weights are checked while CRIU restores the process: the same read fills the page
             # cache the worker loads them from. A worker that waits for weights-verified is told to
             # resume (and load) before the check ends; any other only once it passed.
@@ -435,13 +497,43 @@ class Executor:
                 THROUGHPUT.labels("restore").set(stats.bytes / stats.seconds / 1e9)
             prefetched = await _prefetch_result(prefetching)
         except BaseException:
-            FAILURES.labels("restore").inc()
             with contextlib.suppress(BaseException):
                 await _prefetch_result(prefetching)  # its thread ends on its own; just collect it
             await _cancel(weights_check)
             await _discard_staging(staging)
             raise
         return RestoreOutcome(workload, t, prefetched)
+
+    def _start_fill(self, artifact: Artifact) -> None:
+        """Copy ``artifact`` into the node cache in the background (once at a time per checkpoint)."""
+        running = self._fills.get(artifact.identity_hash)
+        if self.cache is None or (running is not None and not running.done()):
+            return
+        task = asyncio.create_task(self._fill(self.cache, artifact), name=f"cache-{artifact.identity_hash}")
+        self._fills[artifact.identity_hash] = task
+
+    async def _fill(self, cache: ArtifactCache, artifact: Artifact) -> None:
+        started = time.monotonic()
+        try:
+            copy = await cache.fill(artifact, idle_io=True)
+        except (ArtifactError, OSError, ValueError) as e:
+            CACHE_FILLS.labels("failed").inc()
+            log.warning(
+                "cannot copy the artifact into the node cache",
+                extra={"hash": artifact.identity_hash, "error": str(e)},
+            )
+            return
+        CACHE_FILLS.labels("filled" if copy is not None else "no_room").inc()
+        CACHE_BYTES.set(await asyncio.to_thread(cache.used_bytes))
+        if copy is not None:
+            log.info(
+                "artifact copied into the node cache",
+                extra={"hash": artifact.identity_hash, "s": round(time.monotonic() - started, 3)},
+            )
+
+    async def wait_cache_fills(self) -> None:
+        """Until the node cache copies started so far are done (tests, shutdown)."""
+        await asyncio.gather(*self._fills.values(), return_exceptions=True)
 
     async def _read_tools(self) -> None:
         """CRIU's (and the runtime's) own files into the page cache before the bulk reads begin."""
@@ -510,7 +602,7 @@ class Executor:
                     try:
                         await pages_check
                     except (ArtifactError, ValueError) as e:
-                        raise AgentError(f"artifact {identity_hash} refused: {e}") from None
+                        raise ArtifactRefused(f"artifact {identity_hash} refused: {e}") from None
                 await self.runtime.resume(workload)
             with t.phase("restore", "cuda_restore"):
                 remap = _gpu_remap(artifact.manifest.gpus, self.gpus)
@@ -546,7 +638,7 @@ class Executor:
         try:
             need = await asyncio.to_thread(staged_bytes, images, files)
         except (PackedFormatError, OSError) as e:
-            raise AgentError(f"artifact {identity_hash} refused: {e}") from None
+            raise ArtifactRefused(f"artifact {identity_hash} refused: {e}") from None
         fallback = self.runtime.control_dir(key).parent / ".restore-images"
         bases = [b for b in (self.restore_scratch, fallback) if b is not None]
         problems = []
@@ -565,7 +657,7 @@ class Executor:
                 stats = await _in_thread_stoppable(stage)
             except PackedFormatError as e:
                 await asyncio.to_thread(shutil.rmtree, staged, True)
-                raise AgentError(f"artifact {identity_hash} refused: {e}") from None
+                raise ArtifactRefused(f"artifact {identity_hash} refused: {e}") from None
             except OSError as e:
                 await asyncio.to_thread(shutil.rmtree, staged, True)
                 problems.append(f"{base}: {e}")
@@ -613,7 +705,7 @@ class Executor:
                 parallel=self.weights_check_parallel or HASH_PARALLEL,
             )
         except (ArtifactError, ValueError) as e:
-            raise AgentError(f"weights of artifact {artifact.identity_hash} refused: {e}") from None
+            raise ArtifactRefused(f"weights of artifact {artifact.identity_hash} refused: {e}") from None
         finally:
             t.overlapped["weights_verify"] = round(time.monotonic() - started, 4)
 

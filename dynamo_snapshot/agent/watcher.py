@@ -358,7 +358,8 @@ class NodeAgent:
             protocol.ANNOTATION_RESTORE_STATUS,
             protocol.ANNOTATION_RESTORE_MESSAGE,
             S.COMPLETED,
-            f"restored in {outcome.timings.total():.2f}s",
+            f"restored in {outcome.timings.total():.2f}s"
+            + (" (node cache)" if outcome.source == "cache" else ""),
             extra={
                 protocol.ANNOTATION_RESTORE_TIMINGS: json.dumps(outcome.timings.phases),
                 protocol.ANNOTATION_RESTORE_CONTAINER_ID: outcome.workload.container_id

@@ -15,6 +15,7 @@
     verify_files(root, entries, parallel=HASH_PARALLEL) -> TreeStats          # just these entries
     artifact.compatibility(node_gpus: GpuInfo | None) -> [problem]            # empty: restorable
     await fetch(artifact, local_store) -> PublishResult   # checked, atomic copy into a local cache
+    cache = ArtifactCache(root, max_bytes)          # node-local copies: lookup(source) / fill(source)
 
 A file larger than ``DEFAULT_CHUNK_BYTES`` (64 MiB) is sealed as one SHA-256 per chunk
 (``FileEntry.chunks``), so sealing, verifying and fetching spread even one huge file over
@@ -26,6 +27,7 @@ reporting ``IoStats``/``TreeStats`` (bytes, seconds, gbps). Verifying and sealin
 helper process (``dynamo_snapshot.artifact.isolated``; ``warm_up_hashing`` starts one ahead of time).
 """
 
+from dynamo_snapshot.artifact.cache import ArtifactCache
 from dynamo_snapshot.artifact.errors import ArtifactError, ArtifactNotFoundError
 from dynamo_snapshot.artifact.io import (
     DEFAULT_CHUNK_BYTES,
@@ -63,6 +65,7 @@ __all__ = [
     "HASH_PARALLEL",
     "MANIFEST_NAME",
     "Artifact",
+    "ArtifactCache",
     "ArtifactError",
     "ArtifactNotFoundError",
     "ArtifactStore",

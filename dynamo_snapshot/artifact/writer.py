@@ -223,18 +223,20 @@ class ArtifactWriter:
         return PublishResult(Artifact(final, manifest), won=True, io=io)
 
 
-async def fetch(source: Artifact, store: ArtifactStore, *, parallel: int = HASH_PARALLEL) -> PublishResult:
+async def fetch(
+    source: Artifact, store: ArtifactStore, *, parallel: int = HASH_PARALLEL, idle_io: bool = False
+) -> PublishResult:
     """Copy ``source`` (e.g. on shared storage) into ``store`` (e.g. a node-local cache).
 
     Every chunk is hashed as it is copied (all chunks of all files on ``parallel`` threads) and
     checked against the manifest before the copy is published, with the same atomic rename as a fresh
-    artifact; on any mismatch nothing is published.  Already present: nothing is copied.  Runs in a
-    worker thread.
+    artifact; on any mismatch nothing is published.  Already present: nothing is copied.  ``idle_io`` reads
+    and writes at the idle I/O priority (a background fill beside restores).  Runs in a worker thread.
     """
-    return await asyncio.to_thread(_fetch, source, store, parallel)
+    return await asyncio.to_thread(_fetch, source, store, parallel, idle_io)
 
 
-def _fetch(source: Artifact, store: ArtifactStore, parallel: int) -> PublishResult:
+def _fetch(source: Artifact, store: ArtifactStore, parallel: int, idle_io: bool) -> PublishResult:
     identity_hash = source.manifest.identity_hash
     if store.exists(identity_hash):
         return PublishResult(store.open(identity_hash), won=False, io=TreeStats(0, 0.0))
@@ -252,6 +254,7 @@ def _fetch(source: Artifact, store: ArtifactStore, parallel: int) -> PublishResu
             copy_to=writer.directory,
             direct=True,
             fsync=True,
+            idle_io=idle_io,
         )
         if problems:
             raise ArtifactError(problems)

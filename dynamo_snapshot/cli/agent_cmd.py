@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from prometheus_client import start_http_server
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 from dynamo_snapshot.agent.executor import DEFAULT_RESTORE_SCRATCH, Executor
@@ -17,12 +18,27 @@ from dynamo_snapshot.agent.runtime import ProcessRuntime, RuncRuntime, Runtime
 from dynamo_snapshot.agent.runtime.runc import DEFAULT_HOST_BINDS
 from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent
 from dynamo_snapshot.artifact import ArtifactStore
+from dynamo_snapshot.artifact.cache import ArtifactCache
 from dynamo_snapshot.cli.health import distinct_ports, health_endpoints
 from dynamo_snapshot.cli.service import load_settings, run_service
 from dynamo_snapshot.controller.runtime import Kube, load_client
 from dynamo_snapshot.criu import Criu
 
 FIELD_MANAGER = "dynamo-snapshot-agent"
+
+
+_KUBE_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT])i\s*$")
+
+
+def _kube_size(value: object) -> object:
+    """Kubernetes-style sizes (``200Gi``) as pydantic's ByteSize reads them (``200GiB``)."""
+    if isinstance(value, str) and (m := _KUBE_SIZE.match(value)):
+        return f"{m[1]}{m[2]}iB"
+    return value
+
+
+# Bytes, written as a number or a size: 200Gi, 200GiB, 1.5TiB, 500GB.
+Size = Annotated[ByteSize, BeforeValidator(_kube_size)]
 
 
 class AgentConfig(BaseModel):
@@ -64,6 +80,18 @@ class AgentConfig(BaseModel):
         default=DEFAULT_RESTORE_SCRATCH,
         description="a tmpfs directory restores unpack compressed pages into (else beside the control dir)",
     )
+    cache_root: Path | None = Field(
+        default=None,
+        description="node-local directory that keeps copies of artifacts restored from the artifact "
+        "root, so later restores on this node read them locally (unset: no cache)",
+    )
+    cache_max_size: Size = Field(
+        default=ByteSize(200 << 30),
+        description="most bytes of artifacts the node cache keeps; the least recently restored go first",
+    )
+    cache_min_free: Size = Field(
+        default=ByteSize(10 << 30), description="free space the node cache leaves on its filesystem"
+    )
     metrics_port: int = Field(default=9090, ge=0, le=65535)
     health_port: int = Field(default=8082, ge=0, le=65535, description="/healthz and /readyz; 0 disables")
     criu: Path | None = None
@@ -81,6 +109,20 @@ class AgentConfig(BaseModel):
         distinct_ports(self.metrics_port, self.health_port)
         return self
 
+    @model_validator(mode="after")
+    def _cache_apart(self) -> AgentConfig:
+        if self.cache_root is None:
+            return self
+        cache, store = self.cache_root.resolve(), self.artifact_root.resolve()
+        if cache == store or store in cache.parents or cache in store.parents:
+            raise ValueError(
+                f"cacheRoot {self.cache_root} must be a directory of its own, apart from artifactRoot "
+                f"{self.artifact_root} (the cache removes what it holds)"
+            )
+        if self.cache_max_size <= 0:
+            raise ValueError("cacheMaxSize must be more than 0 bytes")
+        return self
+
 
 _FLAGS = (
     "node_name",
@@ -96,10 +138,17 @@ _FLAGS = (
     "drop_zero_pages",
     "compress_pages",
     "restore_scratch",
+    "cache_root",
+    "cache_max_size",
+    "cache_min_free",
     "metrics_port",
     "health_port",
     "criu",
 )
+
+
+def _described(field: str) -> str:
+    return AgentConfig.model_fields[field].description or field
 
 
 def _switch(p: argparse.ArgumentParser, field: str) -> None:
@@ -110,7 +159,7 @@ def _switch(p: argparse.ArgumentParser, field: str) -> None:
         "--" + field.replace("_", "-"),
         action=argparse.BooleanOptionalAction,
         default=None,
-        help=f"{info.description} (default {default})",
+        help=f"{_described(field)} (default {default})",
     )
 
 
@@ -143,6 +192,9 @@ def register(sub: Any) -> None:
         type=Path,
         help=f"tmpfs directory restores unpack compressed pages into (default {DEFAULT_RESTORE_SCRATCH})",
     )
+    p.add_argument("--cache-root", type=Path, help=_described("cache_root"))
+    p.add_argument("--cache-max-size", help=_described("cache_max_size") + " (default 200Gi)")
+    p.add_argument("--cache-min-free", help=_described("cache_min_free") + " (default 10Gi)")
     p.add_argument("--metrics-port", type=int, help="Prometheus metrics port, 0 disables (default 9090)")
     p.add_argument("--health-port", type=int, help="/healthz and /readyz port, 0 disables (default 8082)")
     p.add_argument("--criu", type=Path, help="criu binary (default: $DYNSNAP_CRIU, cache, PATH)")
@@ -174,6 +226,11 @@ def build(config: AgentConfig, kube: Kube) -> NodeAgent:
         drop_zero_pages=config.drop_zero_pages,
         compress_pages=config.compress_pages,
         restore_scratch=config.restore_scratch,
+        cache=(
+            ArtifactCache(config.cache_root, config.cache_max_size, min_free_bytes=config.cache_min_free)
+            if config.cache_root is not None
+            else None
+        ),
     )
     settings = AgentSettings(
         node_name=config.node_name,

@@ -13,7 +13,7 @@ from kubernetes_asyncio import client
 from dynamo_snapshot.agent.executor import DEFAULT_RESTORE_SCRATCH
 from dynamo_snapshot.cli import agent_cmd
 from dynamo_snapshot.cli.main import build_parser
-from dynamo_snapshot.cli.service import load_settings
+from dynamo_snapshot.cli.service import ConfigError, load_settings
 from dynamo_snapshot.controller.runtime import Kube
 from dynamo_snapshot.criu.runner import ENV_CRIU
 
@@ -67,6 +67,35 @@ async def test_weights_check_idle_io_reaches_the_executor(
     assert _config(tmp_path, file="weightsCheckIdleIo: false\n").weights_check_idle_io is False
     on = _config(tmp_path, "--weights-check-idle-io", file="weightsCheckIdleIo: false\n")
     assert on.weights_check_idle_io is True
+
+
+async def test_cache_settings_reach_the_executor(
+    kube: Kube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENV_CRIU, "/bin/true")  # build() resolves CRIU; none runs here
+    assert agent_cmd.build(_config(tmp_path), kube).executor.cache is None
+
+    on = _config(tmp_path, "--cache-root", str(tmp_path / "cache"), "--cache-max-size", "50Gi")
+    cache = agent_cmd.build(on, kube).executor.cache
+    assert cache is not None
+    assert (cache.root, cache.max_bytes, cache.min_free_bytes) == (tmp_path / "cache", 50 << 30, 10 << 30)
+
+    from_file = _config(tmp_path, file="cacheRoot: /nvme/c\ncacheMaxSize: 1.5TiB\ncacheMinFree: 500GB\n")
+    assert (from_file.cache_max_size, from_file.cache_min_free) == (int(1.5 * (1 << 40)), 500 * 10**9)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--cache-root", "/var/lib/dynamo-snapshot/artifacts"], "must be a directory of its own"),
+        (["--cache-root", "/var/lib/dynamo-snapshot"], "must be a directory of its own"),
+        (["--cache-root", "/c", "--cache-max-size", "lots"], "could not parse value and unit"),
+        (["--cache-root", "/c", "--cache-max-size", "0"], "cacheMaxSize must be more than 0 bytes"),
+    ],
+)
+def test_bad_cache_settings_are_refused(tmp_path: Path, flags: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _config(tmp_path, *flags)
 
 
 def test_shipped_config_carries_the_agent_switches() -> None:

@@ -222,6 +222,34 @@ def test_agent_daemonset(monkeypatch: pytest.MonkeyPatch) -> None:
     assert mounted["/scratch"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
 
 
+def test_node_cache_is_off_by_default_and_mounted_where_the_agent_keeps_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("NODE_NAME", "gpu-0")
+
+    def agent_of(objs: list[Obj]) -> tuple[AgentConfig, dict[str, Obj]]:
+        ds = one(objs, "DaemonSet", "-agent")
+        volumes = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
+        mounts = _container(ds, "agent")["volumeMounts"]
+        return AgentConfig.model_validate(_config(objs, "agent")), {
+            m["mountPath"]: volumes[m["name"]] for m in mounts
+        }
+
+    config, mounted = agent_of(render())
+    assert config.cache_root is None
+    assert "/var/lib/dynamo-snapshot/cache" not in mounted
+
+    config, mounted = agent_of(
+        render({"agent": {"cache": {"enabled": True, "hostPath": "/nvme/snap-cache", "maxSize": "1.5Ti"}}})
+    )
+    assert str(config.cache_root) == "/nvme/snap-cache"
+    assert (config.cache_max_size, config.cache_min_free) == (int(1.5 * (1 << 40)), 10 << 30)
+    assert mounted["/nvme/snap-cache"]["hostPath"] == {
+        "path": "/nvme/snap-cache",
+        "type": "DirectoryOrCreate",
+    }
+
+
 @pytest.mark.parametrize(
     ("component", "kind", "container", "model"),
     [
@@ -471,6 +499,8 @@ def test_schema_rejects_bad_values_with_a_clear_message() -> None:
         ({"agent": {"hostBinds": ["//srv"]}}, "at '/agent/hostBinds/0': '//srv' does not match"),
         ({"agent": {"hostBinds": ["/"]}}, "at '/agent/hostBinds/0': '/' does not match"),
         ({"agent": {"writableBinds": ["/a", "/a"]}}, "at '/agent/writableBinds': items at 0 and 1 are equal"),
+        ({"agent": {"cache": {"maxSize": "200GB"}}}, "at '/agent/cache/maxSize': '200GB' does not match"),
+        ({"agent": {"cache": {"hostPath": "cache"}}}, "at '/agent/cache/hostPath': 'cache' does not match"),
     ]
     for values, message in cases:
         proc = template(values)

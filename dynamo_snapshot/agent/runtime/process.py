@@ -171,11 +171,15 @@ def _read_state(own_dir: Path) -> _State | None:
 
 
 async def _reap(pid: int, within: float = 5.0) -> None:
-    """CRIU kills the dumped tree; wait until the pid is really gone so a restore can reuse it."""
+    """CRIU kills the dumped tree; wait until the pid is really gone so a restore can reuse it.
+
+    Gone means gone from /proc, not just a zombie: CRIU restores the tree with the same pid and cannot
+    while a zombie holds it (a restored tree is reparented to init, which reaps it a moment later).
+    A zombie nobody reaps is given up on after ``within``."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)  # noqa: ASYNC222 - WNOHANG never blocks
-        if not pid_running(pid):
+        if proc_stat(pid) is None:
             return
         await asyncio.sleep(0.02)

@@ -1,0 +1,171 @@
+"""A node-local cache in front of a shared artifact store: restores 2..N of a checkpoint on a node read the
+node's own disk instead of the shared filesystem.
+
+The shared store stays the source of truth. A cached copy is used only while the store still publishes
+an artifact with the same manifest, so a checkpoint deleted or taken anew is never restored from a stale
+copy. A copy gets in only through ``fetch``: every byte is checked against the manifest as it is copied
+and the copy is published with the same atomic rename as a fresh artifact, so a damaged shared file never
+reaches the cache. The cache holds at most ``max_bytes`` of artifacts and leaves ``min_free_bytes`` of
+its filesystem free; room is made by removing the least recently restored copies, never one a restore is
+reading (``pinned``). One agent per node owns the directory, so the pins are kept in memory, and the
+last use of a copy is its directory's mtime, so the order survives an agent restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from dynamo_snapshot.artifact.errors import ArtifactError, ArtifactNotFoundError
+from dynamo_snapshot.artifact.manifest import Manifest
+from dynamo_snapshot.artifact.reader import Artifact
+from dynamo_snapshot.artifact.store import ArtifactStore
+from dynamo_snapshot.artifact.writer import fetch
+
+__all__ = ["ArtifactCache", "CachedCopy", "artifact_bytes"]
+
+log = logging.getLogger(__name__)
+
+
+def artifact_bytes(manifest: Manifest) -> int:
+    """What a copy of the artifact takes on disk, its manifest aside."""
+    return sum(f.size for f in manifest.files)
+
+
+@dataclass(frozen=True)
+class CachedCopy:
+    identity_hash: str
+    bytes: int
+    last_used: float
+
+
+class ArtifactCache:
+    def __init__(self, root: Path, max_bytes: int, *, min_free_bytes: int = 0) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"cache size must be positive, got {max_bytes} bytes")
+        if min_free_bytes < 0:
+            raise ValueError(f"free space to keep must not be negative, got {min_free_bytes} bytes")
+        self.store = ArtifactStore(root)
+        self.max_bytes = max_bytes
+        self.min_free_bytes = min_free_bytes
+        self._pins: collections.Counter[str] = collections.Counter()
+        # One fill at a time: two fills making room side by side could each count the other's space free.
+        self._filling = asyncio.Lock()
+
+    @property
+    def root(self) -> Path:
+        return self.store.root
+
+    # ------------------------------------------------------------------ reading
+    def lookup(self, source: Artifact) -> Artifact | None:
+        """The cached copy of ``source``, or None. A copy whose manifest differs from the store's (the
+        checkpoint was taken anew) or cannot be read is removed, unless a restore is reading it."""
+        identity_hash = source.identity_hash
+        try:
+            cached = self.store.open(identity_hash)
+        except ArtifactNotFoundError:
+            return None
+        except (ArtifactError, ValueError) as e:
+            log.warning("unreadable cached copy", extra={"hash": identity_hash, "error": str(e)})
+            self.discard(identity_hash)
+            return None
+        if cached.manifest != source.manifest:
+            log.info("cached copy is of an older checkpoint", extra={"hash": identity_hash})
+            self.discard(identity_hash)
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(cached.path)  # its last use, for eviction
+        return cached
+
+    @contextlib.contextmanager
+    def pinned(self, identity_hash: str) -> Iterator[None]:
+        """While inside, the copy of ``identity_hash`` is not removed to make room."""
+        self._pins[identity_hash] += 1
+        try:
+            yield
+        finally:
+            self._pins[identity_hash] -= 1
+            if not self._pins[identity_hash]:
+                del self._pins[identity_hash]
+
+    def discard(self, identity_hash: str) -> bool:
+        """Remove the copy of ``identity_hash`` (e.g. one a restore refused); False if none or pinned."""
+        if self._pins[identity_hash]:
+            return False
+        return self.store.delete(identity_hash)
+
+    def copies(self) -> list[CachedCopy]:
+        """The cached copies, least recently used first."""
+        found = []
+        for identity_hash in self.store.list():
+            path = self.store.path_for(identity_hash)
+            try:
+                manifest = Artifact.load(path).manifest
+                last_used = os.stat(path).st_mtime
+            except (ArtifactError, OSError):
+                continue  # being removed, or unreadable: lookup removes those
+            found.append(CachedCopy(identity_hash, artifact_bytes(manifest), last_used))
+        return sorted(found, key=lambda c: (c.last_used, c.identity_hash))
+
+    def used_bytes(self) -> int:
+        return sum(c.bytes for c in self.copies())
+
+    # ------------------------------------------------------------------ filling
+    def make_room(self, need: int) -> list[str] | None:
+        """Remove least recently used, unpinned copies until ``need`` more bytes fit under both limits;
+        the hashes removed, or None (and nothing removed) when pinned copies leave too little room."""
+        copies = self.copies()
+        used = sum(c.bytes for c in copies)
+        free = self._free_bytes()
+        doomed: list[str] = []
+        for copy in copies:
+            if used + need <= self.max_bytes and free - need >= self.min_free_bytes:
+                break
+            if self._pins[copy.identity_hash]:
+                continue
+            doomed.append(copy.identity_hash)
+            used -= copy.bytes
+            free += copy.bytes
+        if used + need > self.max_bytes or free - need < self.min_free_bytes:
+            return None
+        return [h for h in doomed if self.discard(h)]
+
+    def _free_bytes(self) -> int:
+        self.root.mkdir(parents=True, exist_ok=True)
+        st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize
+
+    async def fill(self, source: Artifact, *, idle_io: bool = True) -> Artifact | None:
+        """Copy ``source`` into the cache (already there: that copy); None when it cannot fit.
+
+        ``ArtifactError`` when the source's files do not match its manifest (nothing is published).
+        At idle I/O priority by default: a fill must not slow the restores reading the same disks.
+        """
+        size = artifact_bytes(source.manifest)
+        if size > self.max_bytes:
+            log.info(
+                "artifact larger than the node cache, not cached",
+                extra={"hash": source.identity_hash, "bytes": size, "cache_bytes": self.max_bytes},
+            )
+            return None
+        async with self._filling:
+            present = await asyncio.to_thread(self.lookup, source)
+            if present is not None:
+                return present
+            await asyncio.to_thread(self.store.gc_partial)
+            evicted = await asyncio.to_thread(self.make_room, size)
+            if evicted is None:
+                log.info("no room in the node cache", extra={"hash": source.identity_hash, "bytes": size})
+                return None
+            if evicted:
+                log.info(
+                    "evicted from the node cache", extra={"hashes": evicted, "for": source.identity_hash}
+                )
+            published = await fetch(source, self.store, idle_io=idle_io)
+            return published.artifact
