@@ -362,20 +362,10 @@ class Executor:
                     artifact = await asyncio.to_thread(self.store.open, identity_hash)
                 except (ArtifactError, ValueError) as e:
                     raise ArtifactRefused(f"artifact {identity_hash} refused: {e}") from None
-                cached = await asyncio.to_thread(self.cache.lookup, artifact) if self.cache else None
-            if cached is not None and self.cache is not None:
-                with self.cache.pinned(identity_hash):
-                    try:
-                        outcome = await self._restore(key, identity_hash, cached, t, identity_info)
-                        CACHE_RESTORES.labels("cache").inc()
-                        return dataclasses.replace(outcome, source="cache")
-                    except ArtifactRefused as e:
-                        CACHE_RESTORES.labels("refused").inc()
-                        log.warning(
-                            "node cache's copy refused, restoring from the store",
-                            extra={"hash": identity_hash, "key": key, "error": str(e)},
-                        )
-                await asyncio.to_thread(self.cache.discard, identity_hash)
+            if self.cache is not None:
+                cached = await self._restore_from_cache(self.cache, key, artifact, t, identity_info)
+                if cached is not None:
+                    return cached
             outcome = await self._restore(key, identity_hash, artifact, t, identity_info)
         except BaseException:
             FAILURES.labels("restore").inc()
@@ -384,6 +374,37 @@ class Executor:
             CACHE_RESTORES.labels("store").inc()
             self._start_fill(artifact)
         return outcome
+
+    async def _restore_from_cache(
+        self,
+        cache: ArtifactCache,
+        key: str,
+        source: Artifact,
+        t: Timings,
+        identity_info: dict[str, Any] | None,
+    ) -> RestoreOutcome | None:
+        """From the node cache's copy of ``source``; None where it has none, or its copy was refused
+        (the copy is then removed)."""
+        identity_hash = source.identity_hash
+        # Pinned before the lookup: a fill making room cannot take the copy once it was found.
+        with cache.pinned(identity_hash):
+            with t.phase("restore", "verify"):
+                cached = await asyncio.to_thread(cache.lookup, source)
+            if cached is None:
+                return None
+            try:
+                outcome = await self._restore(key, identity_hash, cached, t, identity_info)
+            except ArtifactRefused as e:
+                CACHE_RESTORES.labels("refused").inc()
+                log.warning(
+                    "node cache's copy refused, restoring from the store",
+                    extra={"hash": identity_hash, "key": key, "error": str(e)},
+                )
+            else:
+                CACHE_RESTORES.labels("cache").inc()
+                return dataclasses.replace(outcome, source="cache")
+        await asyncio.to_thread(cache.discard, identity_hash)
+        return None
 
     async def _restore(
         self,
@@ -532,8 +553,14 @@ class Executor:
             )
 
     async def wait_cache_fills(self) -> None:
-        """Until the node cache copies started so far are done (tests, shutdown)."""
+        """Until the node cache copies started so far are done."""
         await asyncio.gather(*self._fills.values(), return_exceptions=True)
+
+    async def aclose(self) -> None:
+        """Stop the node cache copies in progress (an unfinished copy is never published)."""
+        for task in self._fills.values():
+            task.cancel()
+        await self.wait_cache_fills()
 
     async def _read_tools(self) -> None:
         """CRIU's (and the runtime's) own files into the page cache before the bulk reads begin."""

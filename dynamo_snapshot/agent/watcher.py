@@ -104,6 +104,7 @@ class NodeAgent:
             for task in list(self._tasks.values()):
                 task.cancel()
             await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+            await self.executor.aclose()
 
     async def _on_pod(self, etype: str, pod: Obj, old: Obj | None) -> None:
         uid = pod["metadata"]["uid"]

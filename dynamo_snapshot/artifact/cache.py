@@ -7,8 +7,10 @@ copy. A copy gets in only through ``fetch``: every byte is checked against the m
 and the copy is published with the same atomic rename as a fresh artifact, so a damaged shared file never
 reaches the cache. The cache holds at most ``max_bytes`` of artifacts and leaves ``min_free_bytes`` of
 its filesystem free; room is made by removing the least recently restored copies, never one a restore is
-reading (``pinned``). One agent per node owns the directory, so the pins are kept in memory, and the
-last use of a copy is its directory's mtime, so the order survives an agent restart.
+reading. A reader pins the hash *before* it looks the copy up (``pinned``, then ``lookup``), and a copy is
+removed only by renaming it out of sight under the same lock that guards the pins, so no copy disappears
+between a reader finding it and using it. One agent per node owns the directory, so the pins are kept in
+memory, and the last use of a copy is its directory's mtime, so the order survives an agent restart.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import collections
 import contextlib
 import logging
 import os
+import shutil
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +59,8 @@ class ArtifactCache:
         self.max_bytes = max_bytes
         self.min_free_bytes = min_free_bytes
         self._pins: collections.Counter[str] = collections.Counter()
+        # Guards the pins and every removal: a copy goes only while nobody holds its pin.
+        self._lock = threading.Lock()
         # One fill at a time: two fills making room side by side could each count the other's space free.
         self._filling = asyncio.Lock()
 
@@ -64,8 +70,8 @@ class ArtifactCache:
 
     # ------------------------------------------------------------------ reading
     def lookup(self, source: Artifact) -> Artifact | None:
-        """The cached copy of ``source``, or None. A copy whose manifest differs from the store's (the
-        checkpoint was taken anew) or cannot be read is removed, unless a restore is reading it."""
+        """The cached copy of ``source`` if it holds the store's manifest, else None (a copy of an older
+        checkpoint, or an unreadable one, is left for ``fill`` to replace). Pin the hash first."""
         identity_hash = source.identity_hash
         try:
             cached = self.store.open(identity_hash)
@@ -73,11 +79,9 @@ class ArtifactCache:
             return None
         except (ArtifactError, ValueError) as e:
             log.warning("unreadable cached copy", extra={"hash": identity_hash, "error": str(e)})
-            self.discard(identity_hash)
             return None
         if cached.manifest != source.manifest:
             log.info("cached copy is of an older checkpoint", extra={"hash": identity_hash})
-            self.discard(identity_hash)
             return None
         with contextlib.suppress(OSError):
             os.utime(cached.path)  # its last use, for eviction
@@ -85,20 +89,27 @@ class ArtifactCache:
 
     @contextlib.contextmanager
     def pinned(self, identity_hash: str) -> Iterator[None]:
-        """While inside, the copy of ``identity_hash`` is not removed to make room."""
-        self._pins[identity_hash] += 1
+        """While inside, the copy of ``identity_hash`` is not removed. Cheap: safe on an event loop."""
+        with self._lock:
+            self._pins[identity_hash] += 1
         try:
             yield
         finally:
-            self._pins[identity_hash] -= 1
-            if not self._pins[identity_hash]:
-                del self._pins[identity_hash]
+            with self._lock:
+                self._pins[identity_hash] -= 1
+                if not self._pins[identity_hash]:
+                    del self._pins[identity_hash]
 
     def discard(self, identity_hash: str) -> bool:
         """Remove the copy of ``identity_hash`` (e.g. one a restore refused); False if none or pinned."""
-        if self._pins[identity_hash]:
+        with self._lock:
+            if self._pins[identity_hash]:
+                return False
+            doomed = self.store.hide(identity_hash)
+        if doomed is None:
             return False
-        return self.store.delete(identity_hash)
+        shutil.rmtree(doomed, ignore_errors=True)
+        return True
 
     def copies(self) -> list[CachedCopy]:
         """The cached copies, least recently used first."""
@@ -119,7 +130,8 @@ class ArtifactCache:
     # ------------------------------------------------------------------ filling
     def make_room(self, need: int) -> list[str] | None:
         """Remove least recently used, unpinned copies until ``need`` more bytes fit under both limits;
-        the hashes removed, or None (and nothing removed) when pinned copies leave too little room."""
+        the hashes removed, or None when copies in use leave too little room (then nothing is removed,
+        unless a copy got pinned meanwhile: the ones before it are gone)."""
         copies = self.copies()
         used = sum(c.bytes for c in copies)
         free = self._free_bytes()
@@ -134,7 +146,8 @@ class ArtifactCache:
             free += copy.bytes
         if used + need > self.max_bytes or free - need < self.min_free_bytes:
             return None
-        return [h for h in doomed if self.discard(h)]
+        removed = [h for h in doomed if self.discard(h)]
+        return removed if len(removed) == len(doomed) else None
 
     def _free_bytes(self) -> int:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -155,9 +168,16 @@ class ArtifactCache:
             )
             return None
         async with self._filling:
-            present = await asyncio.to_thread(self.lookup, source)
+            with self.pinned(source.identity_hash):
+                present = await asyncio.to_thread(self.lookup, source)
             if present is not None:
                 return present
+            # A copy of an older checkpoint, or an unreadable one, makes way (unless a restore is
+            # reading it: then there is no copy this time).
+            if await asyncio.to_thread(
+                self.store.exists, source.identity_hash
+            ) and not await asyncio.to_thread(self.discard, source.identity_hash):
+                return None
             await asyncio.to_thread(self.store.gc_partial)
             evicted = await asyncio.to_thread(self.make_room, size)
             if evicted is None:

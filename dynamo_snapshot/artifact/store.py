@@ -110,14 +110,22 @@ class ArtifactStore:
 
         It is renamed out of sight first, so no reader ever opens a half-deleted artifact.
         """
+        doomed = self.hide(identity_hash)
+        if doomed is None:
+            return False
+        shutil.rmtree(doomed)
+        return True
+
+    def hide(self, identity_hash: str) -> Path | None:
+        """The first, instant half of ``delete``: the artifact renamed out of sight (None if there was
+        none); the caller removes the returned directory (``gc_partial`` does, should it not)."""
         path = self.path_for(identity_hash)
         doomed = self.root / f"{DELETING_PREFIX}{identity_hash}-{secrets.token_hex(6)}"
         try:
             os.rename(path, doomed)
         except FileNotFoundError:
-            return False
-        shutil.rmtree(doomed)
-        return True
+            return None
+        return doomed
 
     def gc_partial(self) -> builtins.list[Path]:
         """Remove what dead writers and interrupted deletes left behind; the paths removed.

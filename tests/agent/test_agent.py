@@ -23,7 +23,7 @@ from dynamo_snapshot.agent.runtime import ProcessRuntime, RuncRuntime, Runtime
 from dynamo_snapshot.agent.runtime.base import pid_running
 from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent, workload_key
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.artifact import ArtifactStore, GpuInfo
+from dynamo_snapshot.artifact import ArtifactCache, ArtifactStore, GpuInfo
 from dynamo_snapshot.controller.runtime import POD, ApiError, Kube, Obj
 from dynamo_snapshot.criu import Criu
 from dynamo_snapshot.criu.packed import is_packed_pages
@@ -68,7 +68,11 @@ async def agents(api: client.ApiClient, tmp_path: Path, criu_bin: Path) -> Async
     workloads: list[tuple[Runtime, str]] = []
 
     async def start(
-        node: str, runtime_kind: str = "local", gpus: GpuInfo | None = None, launch: bool = True
+        node: str,
+        runtime_kind: str = "local",
+        gpus: GpuInfo | None = None,
+        launch: bool = True,
+        cache: bool = False,
     ) -> AgentHandle:
         criu = Criu(criu_bin)
         base = tmp_path / f"node-{node}"
@@ -79,7 +83,15 @@ async def agents(api: client.ApiClient, tmp_path: Path, criu_bin: Path) -> Async
             runtime = RuncRuntime(base / "state", base / "control", criu_binary=criu.binary, host_binds=binds)
         else:
             runtime = ProcessRuntime(base / "control", criu)
-        executor = Executor(runtime, ArtifactStore(store_root), criu, node_name=node, cuda=None, gpus=gpus)
+        executor = Executor(
+            runtime,
+            ArtifactStore(store_root),
+            criu,
+            node_name=node,
+            cuda=None,
+            gpus=gpus,
+            cache=ArtifactCache(base / "cache", 1 << 30) if cache else None,
+        )
         settings = AgentSettings(node_name=node, ready_timeout=60, launch_workloads=launch)
         agent = NodeAgent(kube, executor, runtime, settings)
         stop = asyncio.Event()
@@ -211,6 +223,32 @@ async def test_checkpoint_on_one_node_restore_on_another(
         assert verify["restored"] is True
         assert verify["pod_name"] == name, "the worker learns its new identity after restore"
     assert a.node != b.node
+
+
+async def test_second_restore_on_a_node_reads_its_cache(
+    api: client.ApiClient, namespace: str, gpu_node: Callable[..., Obj], agents: Callable[..., Any]
+) -> None:
+    kube = Kube(api)
+    node_a, node_b = (gpu_node()["metadata"]["name"] for _ in range(2))
+    await agents(node_a, "runc")
+    b = await agents(node_b, "runc", cache=True)
+    await kube.create(POD, pod("source", node_a, SOURCE), namespace)
+    await _checkpointed(kube, namespace, "source")
+    messages = []
+    for name in ("restored-1", "restored-2"):
+        await kube.create(POD, pod(name, node_b, TARGET), namespace)
+        ann = await eventually(
+            lambda n=name: _status(kube, namespace, n, protocol.ANNOTATION_RESTORE_STATUS, "completed"),
+            within=60,
+        )
+        messages.append(ann[protocol.per_container(protocol.ANNOTATION_RESTORE_MESSAGE, "main")])
+        workload = await _workload(kube, b.runtime, namespace, name)
+        assert workload is not None
+        verify = await _verified(workload.control_dir / "verify.json")
+        assert verify["digest_after"] == verify["digest_before"], "memory changed across checkpoint/restore"
+        await b.agent.executor.wait_cache_fills()
+    assert not messages[0].endswith("(node cache)"), messages
+    assert messages[1].endswith("(node cache)"), messages
 
 
 async def test_flipped_byte_refuses_restore(

@@ -108,23 +108,26 @@ async def test_a_checkpoint_taken_anew_is_not_served_from_the_old_copy(
     shared.delete(A)
     await publish(shared, files(1), A)  # same identity, other bytes
     assert cache.lookup(shared.open(A)) is None
-    assert cache.store.list() == []  # the stale copy is gone
-    copy = await cache.fill(shared.open(A))
+    copy = await cache.fill(shared.open(A))  # the old copy makes way
     assert copy is not None
     assert copy.manifest == shared.open(A).manifest
+    assert cache.lookup(shared.open(A)) is not None
+    assert os.listdir(cache.root) == [A]
 
 
 async def test_stale_copy_in_use_stays_until_released(tmp_path: Path, shared: ArtifactStore) -> None:
     await publish(shared, files(1), A)
     cache = ArtifactCache(tmp_path / "cache", 10 * MiB)
     await cache.fill(shared.open(A))
+    old = cache.store.open(A).manifest
     shared.delete(A)
     await publish(shared, files(1), A)
     with cache.pinned(A):
-        assert cache.lookup(shared.open(A)) is None
-        assert cache.store.list() == [A]
-    assert cache.lookup(shared.open(A)) is None
-    assert cache.store.list() == []
+        assert await cache.fill(shared.open(A)) is None
+        assert cache.store.open(A).manifest == old
+    copy = await cache.fill(shared.open(A))
+    assert copy is not None
+    assert copy.manifest != old
 
 
 async def test_damaged_source_caches_nothing(tmp_path: Path, shared: ArtifactStore) -> None:
@@ -138,13 +141,15 @@ async def test_damaged_source_caches_nothing(tmp_path: Path, shared: ArtifactSto
     assert os.listdir(cache.root) == []
 
 
-async def test_unreadable_copy_is_dropped(tmp_path: Path, shared: ArtifactStore) -> None:
+async def test_unreadable_copy_is_replaced(tmp_path: Path, shared: ArtifactStore) -> None:
     await publish(shared, files(1), A)
     cache = ArtifactCache(tmp_path / "cache", 10 * MiB)
     await cache.fill(shared.open(A))
     (cache.root / A / "manifest.json").write_text("{not json")
     assert cache.lookup(shared.open(A)) is None
-    assert cache.store.list() == []
+    copy = await cache.fill(shared.open(A))
+    assert copy is not None
+    copy.verify(expect_hash=A)
 
 
 @pytest.mark.parametrize(
