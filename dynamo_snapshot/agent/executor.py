@@ -526,12 +526,18 @@ class Executor:
         return RestoreOutcome(workload, t, prefetched)
 
     def _start_fill(self, artifact: Artifact) -> None:
-        """Copy ``artifact`` into the node cache in the background (once at a time per checkpoint)."""
-        running = self._fills.get(artifact.identity_hash)
-        if self.cache is None or (running is not None and not running.done()):
+        """Copy ``artifact`` into the node cache in the background (one copy per checkpoint at a time)."""
+        identity_hash = artifact.identity_hash
+        if self.cache is None or identity_hash in self._fills:
             return
-        task = asyncio.create_task(self._fill(self.cache, artifact), name=f"cache-{artifact.identity_hash}")
-        self._fills[artifact.identity_hash] = task
+        task = asyncio.create_task(self._fill(self.cache, artifact), name=f"cache-{identity_hash}")
+        self._fills[identity_hash] = task
+
+        def forget(done: asyncio.Task[None]) -> None:
+            if self._fills.get(identity_hash) is done:
+                del self._fills[identity_hash]
+
+        task.add_done_callback(forget)
 
     async def _fill(self, cache: ArtifactCache, artifact: Artifact) -> None:
         started = time.monotonic()
