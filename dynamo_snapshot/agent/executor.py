@@ -57,6 +57,7 @@ from dynamo_snapshot.api.identity import CheckpointIdentity
 from dynamo_snapshot.artifact import (
     HASH_PARALLEL,
     Artifact,
+    ArtifactCache,
     ArtifactError,
     ArtifactStore,
     ArtifactWriter,
@@ -65,7 +66,6 @@ from dynamo_snapshot.artifact import (
     VerifiedFiles,
     warm_up_hashing,
 )
-from dynamo_snapshot.artifact.cache import ArtifactCache
 from dynamo_snapshot.criu import Criu, CriuError
 from dynamo_snapshot.criu.packed import (
     DEFAULT_THREADS,

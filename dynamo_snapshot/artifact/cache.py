@@ -120,7 +120,7 @@ class ArtifactCache:
                 manifest = Artifact.load(path).manifest
                 last_used = os.stat(path).st_mtime
             except (ArtifactError, OSError):
-                continue  # being removed, or unreadable: lookup removes those
+                continue  # being removed, or unreadable: the next fill of it replaces it
             found.append(CachedCopy(identity_hash, artifact_bytes(manifest), last_used))
         return sorted(found, key=lambda c: (c.last_used, c.identity_hash))
 

@@ -17,8 +17,7 @@ from dynamo_snapshot.agent.executor import DEFAULT_RESTORE_SCRATCH, Executor
 from dynamo_snapshot.agent.runtime import ProcessRuntime, RuncRuntime, Runtime
 from dynamo_snapshot.agent.runtime.runc import DEFAULT_HOST_BINDS
 from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent
-from dynamo_snapshot.artifact import ArtifactStore
-from dynamo_snapshot.artifact.cache import ArtifactCache
+from dynamo_snapshot.artifact import ArtifactCache, ArtifactStore
 from dynamo_snapshot.cli.health import distinct_ports, health_endpoints
 from dynamo_snapshot.cli.service import load_settings, run_service
 from dynamo_snapshot.controller.runtime import Kube, load_client
