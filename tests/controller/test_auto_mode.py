@@ -34,13 +34,21 @@ async def _ready_checkpoint(h: Harness, name: str = HASH) -> dict[str, Any]:
     return await eventually(ready, within=45)
 
 
+async def _gpu_products(h: Harness) -> set[str | None]:
+    """The GPU products of the cluster's nodes: nodes are cluster-wide, and earlier tests' nodes may
+    still be going (deleted without waiting)."""
+    nodes, _ = await h.kube.list_all(NODE, None)
+    return {(n["metadata"].get("labels") or {}).get(protocol.LABEL_GPU_PRODUCT) for n in nodes}
+
+
 async def test_auto_mode_cold_start_checkpoint_then_scale_by_restore(
     harness: Harness, gpu_node: Callable[..., dict[str, Any]]
 ) -> None:
     h = harness
+    # The checkpoint Job must land on an H200 (the scheduler knows nothing of GPU products).
+    await eventually(lambda: _only(h, {"NVIDIA-H200", None}))
     for _ in range(3):
         gpu_node(product="NVIDIA-H200", gpus=8, driver_major=580)
-    odd = gpu_node(product="NVIDIA-A100-SXM4-80GB", gpus=8, driver_major=535)["metadata"]["name"]
     await h.apply_dgd(dgd_manifest("llama", replicas=1))
 
     # One cold-start worker, and in the background a DynamoCheckpoint named by the hash with its Job.
@@ -55,6 +63,15 @@ async def test_auto_mode_cold_start_checkpoint_then_scale_by_restore(
         "gpuCount": 1,
     }
     assert ckpt["status"]["location"].endswith(HASH)
+    # An incompatible node joins only now: earlier, the checkpoint Job could have been scheduled onto it
+    # (the scheduler knows nothing of GPU products), making its GPU the checkpoint's.
+    odd = gpu_node(product="NVIDIA-A100-SXM4-80GB", gpus=8, driver_major=535)["metadata"]["name"]
+
+    async def odd_ready() -> bool:
+        conditions = ((await h.kube.get(NODE, odd)).get("status") or {}).get("conditions") or []
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+    await eventually(odd_ready)  # schedulable before the scale-up, or avoiding it would prove nothing
 
     async def job_gone() -> bool:
         jobs, _ = await h.kube.list_all(JOB, h.namespace)
@@ -119,6 +136,10 @@ async def test_auto_mode_cold_start_checkpoint_then_scale_by_restore(
     await h.scale("llama", 2)
     await eventually(lambda: _n(h, "llama", 2))
     assert len(await h.events("ScaledUp")) >= 2
+
+
+async def _only(h: Harness, products: set[str | None]) -> bool:
+    return await _gpu_products(h) <= products
 
 
 async def _n(h: Harness, graph: str, n: int) -> list[dict[str, Any]] | None:
@@ -219,10 +240,7 @@ async def test_no_compatible_node_starts_cold_and_says_why(
     h = harness
 
     async def no_h200_left() -> bool:
-        # Nodes are cluster-wide: wait until earlier tests' H200 nodes are really gone.
-        nodes, _ = await h.kube.list_all(NODE, None)
-        products = [(n["metadata"].get("labels") or {}).get(protocol.LABEL_GPU_PRODUCT) for n in nodes]
-        return "NVIDIA-H200" not in products
+        return "NVIDIA-H200" not in await _gpu_products(h)
 
     await eventually(no_h200_left)
     source = gpu_node(product="NVIDIA-H200", gpus=8)["metadata"]["name"]
