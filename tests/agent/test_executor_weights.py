@@ -11,8 +11,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,13 +20,12 @@ from prometheus_client import REGISTRY
 
 from dynamo_snapshot.agent.executor import AgentError, Executor
 from dynamo_snapshot.agent.prefetch import PREFETCH_FILE, read_plan
-from dynamo_snapshot.agent.runtime import ProcessRuntime, WorkloadSpec
+from dynamo_snapshot.agent.runtime import ProcessRuntime
 from dynamo_snapshot.agent.runtime.base import pid_running
 from dynamo_snapshot.agent.weights import WeightsPlacementError, gpu_memory_problem, host_path
 from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_hash
-from dynamo_snapshot.artifact import ArtifactStore
-from dynamo_snapshot.criu import Criu
 from dynamo_snapshot.workload.weights import data_digest, read_header
+from tests.agent.local_node import checkpoint_worker, local_executor
 from tests.helpers.polling import await_json
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,26 +43,12 @@ async def _checkpoint(
     waits_for_check: bool = True,
     compress_pages: bool = True,
 ) -> tuple[Executor, ProcessRuntime, Path]:
-    criu = Criu(criu_bin)
-    runtime = ProcessRuntime(tmp / "node-a", criu)
-    store = ArtifactStore(tmp / "store")
-    executor = Executor(
-        runtime,
-        store,
-        criu,
-        node_name="node-a",
-        cuda=None,
-        gpus=None,
-        overlap_page_check=overlap,
-        compress_pages=compress_pages,
-        restore_scratch=tmp / "scratch",
+    executor, runtime = local_executor(
+        tmp, criu_bin, overlap_page_check=overlap, compress_pages=compress_pages
     )
-    env = {"PYTHONPATH": str(REPO), "WORKER_WAITS_FOR_CHECK": "1" if waits_for_check else "0"}
-    source = await runtime.launch(WorkloadSpec("source", [sys.executable, str(WORKER)], env))
-    await executor.wait_ready(source, within=60)
-    await executor.checkpoint(source, HASH, IDENTITY)
+    env = {"WORKER_WAITS_FOR_CHECK": "1" if waits_for_check else "0"}
     # A fresh node: the source pod's control dir (and its copy of the weights) is gone.
-    shutil.rmtree(source.control_dir)
+    source = await checkpoint_worker(executor, runtime, WORKER, HASH, env, identity=IDENTITY)
     return executor, runtime, source.control_dir
 
 

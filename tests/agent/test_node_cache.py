@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +14,9 @@ import pytest
 from prometheus_client import REGISTRY
 
 from dynamo_snapshot.agent.executor import Executor
-from dynamo_snapshot.agent.runtime import ProcessRuntime, WorkloadSpec
-from dynamo_snapshot.artifact import ArtifactCache, ArtifactStore
-from dynamo_snapshot.criu import Criu
+from dynamo_snapshot.agent.runtime import ProcessRuntime
+from dynamo_snapshot.artifact import ArtifactCache
+from tests.agent.local_node import checkpoint_worker, local_executor
 from tests.helpers.polling import await_json
 
 pytestmark = pytest.mark.criu
@@ -45,31 +44,16 @@ class ImagesSeen:
         runtime.restore = spy  # type: ignore[method-assign]
 
 
-async def _node(tmp: Path, criu_bin: Path) -> tuple[Executor, ProcessRuntime, ImagesSeen]:
-    criu = Criu(criu_bin)
-    runtime = ProcessRuntime(tmp / "node", criu)
-    executor = Executor(
-        runtime,
-        ArtifactStore(tmp / "shared"),
-        criu,
-        node_name="node",
-        cuda=None,
-        gpus=None,
-        # Plain pages images: CRIU then restores straight from the artifact's directory, which shows
-        # which copy it read.
-        compress_pages=False,
-        cache=ArtifactCache(tmp / "cache", 1 << 30),
-    )
+def _node(tmp: Path, criu_bin: Path) -> tuple[Executor, ProcessRuntime, ImagesSeen]:
+    # Plain pages images: CRIU then restores straight from the artifact's directory, which shows which
+    # copy it read.
+    cache = ArtifactCache(tmp / "cache", 1 << 30)
+    executor, runtime = local_executor(tmp, criu_bin, compress_pages=False, cache=cache)
     return executor, runtime, ImagesSeen(runtime)
 
 
-async def _checkpoint(executor: Executor, runtime: ProcessRuntime, name: str = "source") -> None:
-    env = {"PYTHONPATH": str(REPO), "WORKER_STATE_MIB": "24"}
-    source = await runtime.launch(WorkloadSpec(name, [sys.executable, str(WORKER)], env))
-    await executor.wait_ready(source, within=60)
-    await executor.checkpoint(source, HASH)
-    await runtime.stop(name)
-    shutil.rmtree(source.control_dir, ignore_errors=True)  # a fresh node
+async def _checkpoint(executor: Executor, runtime: ProcessRuntime, key: str = "source") -> None:
+    await checkpoint_worker(executor, runtime, WORKER, HASH, {"WORKER_STATE_MIB": "24"}, key=key)
 
 
 async def _restore_intact(executor: Executor, runtime: ProcessRuntime) -> str:
@@ -85,13 +69,13 @@ async def _restore_intact(executor: Executor, runtime: ProcessRuntime) -> str:
 
 
 async def test_second_restore_reads_the_node_cache(criu_bin: Path, tmp_path: Path) -> None:
-    executor, runtime, seen = await _node(tmp_path, criu_bin)
+    executor, runtime, seen = _node(tmp_path, criu_bin)
     assert executor.cache is not None
     await _checkpoint(executor, runtime)
     from_store, from_cache = restores("store"), restores("cache")
 
     assert await _restore_intact(executor, runtime) == "store"
-    assert seen.dirs[-1].is_relative_to(tmp_path / "shared")
+    assert seen.dirs[-1].is_relative_to(tmp_path / "store")
     await executor.wait_cache_fills()
     assert executor.cache.store.list() == [HASH]
     assert executor.cache.store.open(HASH).manifest == executor.store.open(HASH).manifest
@@ -103,7 +87,7 @@ async def test_second_restore_reads_the_node_cache(criu_bin: Path, tmp_path: Pat
 
 
 async def test_damaged_cached_copy_falls_back_to_the_store(criu_bin: Path, tmp_path: Path) -> None:
-    executor, runtime, seen = await _node(tmp_path, criu_bin)
+    executor, runtime, seen = _node(tmp_path, criu_bin)
     assert executor.cache is not None
     await _checkpoint(executor, runtime)
     await _restore_intact(executor, runtime)
@@ -115,7 +99,7 @@ async def test_damaged_cached_copy_falls_back_to_the_store(criu_bin: Path, tmp_p
     refused = restores("refused")
 
     assert await _restore_intact(executor, runtime) == "store"
-    assert seen.dirs[-1].is_relative_to(tmp_path / "shared")
+    assert seen.dirs[-1].is_relative_to(tmp_path / "store")
     assert restores("refused") == refused + 1
     # The bad copy is gone and a good one takes its place.
     await executor.wait_cache_fills()
@@ -126,7 +110,7 @@ async def test_damaged_cached_copy_falls_back_to_the_store(criu_bin: Path, tmp_p
 async def test_checkpoint_taken_anew_is_not_restored_from_the_old_copy(
     criu_bin: Path, tmp_path: Path
 ) -> None:
-    executor, runtime, seen = await _node(tmp_path, criu_bin)
+    executor, runtime, seen = _node(tmp_path, criu_bin)
     assert executor.cache is not None
     await _checkpoint(executor, runtime)
     await _restore_intact(executor, runtime)
@@ -136,7 +120,7 @@ async def test_checkpoint_taken_anew_is_not_restored_from_the_old_copy(
     executor.store.delete(HASH)
     await _checkpoint(executor, runtime, "source-2")
     assert await _restore_intact(executor, runtime) == "store"
-    assert seen.dirs[-1].is_relative_to(tmp_path / "shared")
+    assert seen.dirs[-1].is_relative_to(tmp_path / "store")
     await executor.wait_cache_fills()
     assert executor.cache.store.open(HASH).manifest != old
     assert await _restore_intact(executor, runtime) == "cache"

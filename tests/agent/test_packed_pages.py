@@ -11,7 +11,6 @@ import asyncio
 import logging
 import os
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +18,11 @@ import pytest
 from prometheus_client import REGISTRY
 
 from dynamo_snapshot.agent.executor import AgentError, Executor
-from dynamo_snapshot.agent.runtime import ProcessRuntime, WorkloadSpec
+from dynamo_snapshot.agent.runtime import ProcessRuntime
 from dynamo_snapshot.agent.runtime.base import pid_running
-from dynamo_snapshot.artifact import ArtifactStore, ArtifactWriter
-from dynamo_snapshot.criu import Criu
+from dynamo_snapshot.artifact import ArtifactWriter
 from dynamo_snapshot.criu.packed import PACKED_SUFFIX, is_packed_pages, unpacked_size
+from tests.agent.local_node import checkpoint_worker, local_executor
 from tests.helpers.polling import await_json
 
 pytestmark = pytest.mark.criu
@@ -56,23 +55,13 @@ class Calls:
 async def _checkpoint(
     tmp: Path, criu_bin: Path, *, compress: bool = True, scratch: Path | None = None
 ) -> tuple[Executor, ProcessRuntime, Path]:
-    criu = Criu(criu_bin)
-    runtime = ProcessRuntime(tmp / "node", criu)
-    executor = Executor(
-        runtime,
-        ArtifactStore(tmp / "store"),
-        criu,
-        node_name="node",
-        cuda=None,
-        gpus=None,
+    executor, runtime = local_executor(
+        tmp,
+        criu_bin,
         compress_pages=compress,
         restore_scratch=scratch if scratch is not None else tmp / "scratch",
     )
-    env = {"PYTHONPATH": str(REPO), "WORKER_STATE_MIB": "48"}
-    source = await runtime.launch(WorkloadSpec("source", [sys.executable, str(WORKER)], env))
-    await executor.wait_ready(source, within=60)
-    await executor.checkpoint(source, HASH)
-    shutil.rmtree(source.control_dir)  # a fresh node
+    source = await checkpoint_worker(executor, runtime, WORKER, HASH, {"WORKER_STATE_MIB": "48"})
     return executor, runtime, source.control_dir
 
 

@@ -1,0 +1,51 @@
+"""One node of the Executor tests: the host-process runtime and real CRIU, no GPU, the store under the
+test's own directory, and a worker checkpointed into it."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from dynamo_snapshot.agent.executor import Executor
+from dynamo_snapshot.agent.runtime import ProcessRuntime, WorkloadSpec
+from dynamo_snapshot.agent.runtime.base import Workload
+from dynamo_snapshot.api.identity import CheckpointIdentity
+from dynamo_snapshot.artifact import ArtifactStore
+from dynamo_snapshot.criu import Criu
+
+REPO = Path(__file__).resolve().parents[2]
+NODE = "node-a"
+
+
+def local_executor(tmp: Path, criu_bin: Path, **settings: Any) -> tuple[Executor, ProcessRuntime]:
+    """An Executor on ``tmp/node-a`` (control dirs) over the store ``tmp/store``; ``settings`` go to it
+    (the restore scratch defaults to ``tmp/scratch``)."""
+    criu = Criu(criu_bin)
+    runtime = ProcessRuntime(tmp / NODE, criu)
+    settings.setdefault("restore_scratch", tmp / "scratch")
+    executor = Executor(
+        runtime, ArtifactStore(tmp / "store"), criu, node_name=NODE, cuda=None, gpus=None, **settings
+    )
+    return executor, runtime
+
+
+async def checkpoint_worker(
+    executor: Executor,
+    runtime: ProcessRuntime,
+    worker: Path,
+    identity_hash: str,
+    env: dict[str, str] | None = None,
+    *,
+    identity: CheckpointIdentity | None = None,
+    key: str = "source",
+) -> Workload:
+    """Launch ``worker`` (a script using the workload handshake), checkpoint it as ``identity_hash``, and
+    remove its control dir, as on a fresh node; the source workload it was."""
+    spec = WorkloadSpec(key, [sys.executable, str(worker)], {"PYTHONPATH": str(REPO), **(env or {})})
+    source = await runtime.launch(spec)
+    await executor.wait_ready(source, within=60)
+    await executor.checkpoint(source, identity_hash, identity)
+    shutil.rmtree(source.control_dir, ignore_errors=True)
+    return source
