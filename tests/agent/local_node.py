@@ -3,6 +3,7 @@ test's own directory, and a worker checkpointed into it."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import sys
 from pathlib import Path
@@ -49,3 +50,23 @@ async def checkpoint_worker(
     await executor.checkpoint(source, identity_hash, identity)
     shutil.rmtree(source.control_dir, ignore_errors=True)
     return source
+
+
+def _listing(directory: Path) -> dict[str, tuple[bool, int]]:
+    return {p.name: (p.is_symlink(), p.stat().st_size) for p in directory.iterdir() if p.is_file()}
+
+
+class RestoreCalls:
+    """What the runtime's restore was called with, and the images directory as CRIU found it."""
+
+    def __init__(self, runtime: ProcessRuntime) -> None:
+        self.images: list[Path] = []
+        self.seen: list[dict[str, tuple[bool, int]]] = []  # name -> (symlink, size)
+        restore = runtime.restore
+
+        async def spy(key: str, images_dir: Path, *args: Any, **kwargs: Any) -> Any:
+            self.images.append(images_dir)
+            self.seen.append(await asyncio.to_thread(_listing, images_dir))
+            return await restore(key, images_dir, *args, **kwargs)
+
+        runtime.restore = spy  # type: ignore[method-assign]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
@@ -16,7 +15,7 @@ from prometheus_client import REGISTRY
 from dynamo_snapshot.agent.executor import Executor
 from dynamo_snapshot.agent.runtime import ProcessRuntime
 from dynamo_snapshot.artifact import ArtifactCache
-from tests.agent.local_node import checkpoint_worker, local_executor
+from tests.agent.local_node import RestoreCalls, checkpoint_worker, local_executor
 from tests.helpers.polling import await_json
 
 pytestmark = pytest.mark.criu
@@ -30,26 +29,12 @@ def restores(source: str) -> float:
     return REGISTRY.get_sample_value(RESTORES, {"source": source}) or 0.0
 
 
-class ImagesSeen:
-    """The images directories CRIU was asked to restore from."""
-
-    def __init__(self, runtime: ProcessRuntime) -> None:
-        self.dirs: list[Path] = []
-        restore = runtime.restore
-
-        async def spy(key: str, images_dir: Path, *args: Any, **kwargs: Any) -> Any:
-            self.dirs.append(images_dir)
-            return await restore(key, images_dir, *args, **kwargs)
-
-        runtime.restore = spy  # type: ignore[method-assign]
-
-
-def _node(tmp: Path, criu_bin: Path) -> tuple[Executor, ProcessRuntime, ImagesSeen]:
+def _node(tmp: Path, criu_bin: Path) -> tuple[Executor, ProcessRuntime, RestoreCalls]:
     # Plain pages images: CRIU then restores straight from the artifact's directory, which shows which
     # copy it read.
     cache = ArtifactCache(tmp / "cache", 1 << 30)
     executor, runtime = local_executor(tmp, criu_bin, compress_pages=False, cache=cache)
-    return executor, runtime, ImagesSeen(runtime)
+    return executor, runtime, RestoreCalls(runtime)
 
 
 async def _checkpoint(executor: Executor, runtime: ProcessRuntime, key: str = "source") -> None:
@@ -69,25 +54,25 @@ async def _restore_intact(executor: Executor, runtime: ProcessRuntime) -> str:
 
 
 async def test_second_restore_reads_the_node_cache(criu_bin: Path, tmp_path: Path) -> None:
-    executor, runtime, seen = _node(tmp_path, criu_bin)
+    executor, runtime, calls = _node(tmp_path, criu_bin)
     assert executor.cache is not None
     await _checkpoint(executor, runtime)
     from_store, from_cache = restores("store"), restores("cache")
 
     assert await _restore_intact(executor, runtime) == "store"
-    assert seen.dirs[-1].is_relative_to(tmp_path / "store")
+    assert calls.images[-1].is_relative_to(tmp_path / "store")
     await executor.wait_cache_fills()
     assert executor.cache.store.list() == [HASH]
     assert executor.cache.store.open(HASH).manifest == executor.store.open(HASH).manifest
 
     assert await _restore_intact(executor, runtime) == "cache"
-    assert seen.dirs[-1].is_relative_to(tmp_path / "cache")
+    assert calls.images[-1].is_relative_to(tmp_path / "cache")
     assert restores("store") == from_store + 1
     assert restores("cache") == from_cache + 1
 
 
 async def test_damaged_cached_copy_falls_back_to_the_store(criu_bin: Path, tmp_path: Path) -> None:
-    executor, runtime, seen = _node(tmp_path, criu_bin)
+    executor, runtime, calls = _node(tmp_path, criu_bin)
     assert executor.cache is not None
     await _checkpoint(executor, runtime)
     await _restore_intact(executor, runtime)
@@ -99,7 +84,7 @@ async def test_damaged_cached_copy_falls_back_to_the_store(criu_bin: Path, tmp_p
     refused = restores("refused")
 
     assert await _restore_intact(executor, runtime) == "store"
-    assert seen.dirs[-1].is_relative_to(tmp_path / "store")
+    assert calls.images[-1].is_relative_to(tmp_path / "store")
     assert restores("refused") == refused + 1
     # The bad copy is gone and a good one takes its place.
     await executor.wait_cache_fills()
@@ -110,7 +95,7 @@ async def test_damaged_cached_copy_falls_back_to_the_store(criu_bin: Path, tmp_p
 async def test_checkpoint_taken_anew_is_not_restored_from_the_old_copy(
     criu_bin: Path, tmp_path: Path
 ) -> None:
-    executor, runtime, seen = _node(tmp_path, criu_bin)
+    executor, runtime, calls = _node(tmp_path, criu_bin)
     assert executor.cache is not None
     await _checkpoint(executor, runtime)
     await _restore_intact(executor, runtime)
@@ -120,7 +105,7 @@ async def test_checkpoint_taken_anew_is_not_restored_from_the_old_copy(
     executor.store.delete(HASH)
     await _checkpoint(executor, runtime, "source-2")
     assert await _restore_intact(executor, runtime) == "store"
-    assert seen.dirs[-1].is_relative_to(tmp_path / "store")
+    assert calls.images[-1].is_relative_to(tmp_path / "store")
     await executor.wait_cache_fills()
     assert executor.cache.store.open(HASH).manifest != old
     assert await _restore_intact(executor, runtime) == "cache"

@@ -12,7 +12,6 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
@@ -22,7 +21,7 @@ from dynamo_snapshot.agent.runtime import ProcessRuntime
 from dynamo_snapshot.agent.runtime.base import pid_running
 from dynamo_snapshot.artifact import ArtifactWriter
 from dynamo_snapshot.criu.packed import PACKED_SUFFIX, is_packed_pages, unpacked_size
-from tests.agent.local_node import checkpoint_worker, local_executor
+from tests.agent.local_node import RestoreCalls, checkpoint_worker, local_executor
 from tests.helpers.polling import await_json
 
 pytestmark = pytest.mark.criu
@@ -30,26 +29,6 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "agent" / "cpu_worker.py"
 HASH = "00112233aabbccdd"
 SAVED = "dynsnap_agent_page_bytes_compressed_saved_total"
-
-
-def _listing(directory: Path) -> dict[str, tuple[bool, int]]:
-    return {p.name: (p.is_symlink(), p.stat().st_size) for p in directory.iterdir() if p.is_file()}
-
-
-class Calls:
-    """What the runtime's restore was called with, and the images directory as CRIU found it."""
-
-    def __init__(self, runtime: ProcessRuntime) -> None:
-        self.images: list[Path] = []
-        self.seen: list[dict[str, tuple[bool, int]]] = []  # name -> (symlink, size)
-        restore = runtime.restore
-
-        async def spy(key: str, images_dir: Path, *args: Any, **kwargs: Any) -> Any:
-            self.images.append(images_dir)
-            self.seen.append(await asyncio.to_thread(_listing, images_dir))
-            return await restore(key, images_dir, *args, **kwargs)
-
-        runtime.restore = spy  # type: ignore[method-assign]
 
 
 async def _checkpoint(
@@ -107,7 +86,7 @@ async def test_pages_are_stored_compressed_and_restored_from_a_staging_dir(
     assert "compress_pages" in artifact.manifest.timings
     assert REGISTRY.get_sample_value(SAVED) == saved_before + before - after
 
-    calls = Calls(runtime)
+    calls = RestoreCalls(runtime)
     phases = await _restored_intact(executor, runtime, ctl)
     assert "unpack_wait" in phases
     # CRIU read a staging dir under the scratch: plain files only (copies, no links into the store),
@@ -134,7 +113,7 @@ async def test_a_damaged_packed_image_is_refused_before_anything_runs(criu_bin: 
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-    calls = Calls(runtime)
+    calls = RestoreCalls(runtime)
     with pytest.raises(AgentError, match=rf"refused: checksum mismatch: criu/{victim.name}"):
         await executor.restore("restored", HASH)
     assert calls.images == [], "CRIU must not run on pages whose digest did not match"
@@ -160,7 +139,7 @@ async def test_a_garbled_packed_image_sealed_as_it_is_is_refused_by_its_format(
     with victim.open("r+b") as f:
         f.truncate(victim.stat().st_size - 100)
     await writer.publish(criu_version=good.manifest.criu_version, extra=good.manifest.extra)
-    calls = Calls(runtime)
+    calls = RestoreCalls(runtime)
     with pytest.raises(AgentError, match=rf"artifact {other} refused: {victim.name}: truncated"):
         await executor.restore("restored", other)
     assert calls.images == []
@@ -176,7 +155,7 @@ async def test_an_artifact_of_plain_pages_restores_as_before(criu_bin: Path, tmp
     assert not [f.path for f in artifact.manifest.files if is_packed_pages(f.path)]
     assert artifact.manifest.extra["pagesCompressed"] == {"files": 0, "bytesBefore": 0, "bytesAfter": 0}
     executor.compress_pages = True  # the restoring agent compresses its own checkpoints
-    calls = Calls(runtime)
+    calls = RestoreCalls(runtime)
     phases = await _restored_intact(executor, runtime, ctl)
     assert calls.images == [artifact.path / "criu"], "CRIU reads the artifact's own images"
     assert "unpack_wait" not in phases
@@ -189,7 +168,7 @@ async def test_an_unusable_scratch_falls_back_beside_the_control_dir(
     not_a_dir = tmp_path / "scratch-file"
     not_a_dir.write_text("")
     executor, runtime, ctl = await _checkpoint(tmp_path, criu_bin, scratch=not_a_dir)
-    calls = Calls(runtime)
+    calls = RestoreCalls(runtime)
     with caplog.at_level(logging.WARNING, logger="dynamo_snapshot.agent.executor"):
         phases = await _restored_intact(executor, runtime, ctl)
     assert "unpack_wait" in phases
