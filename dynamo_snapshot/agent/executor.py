@@ -403,7 +403,7 @@ class Executor:
             else:
                 CACHE_RESTORES.labels("cache").inc()
                 return dataclasses.replace(outcome, source="cache")
-        await asyncio.to_thread(cache.discard, identity_hash)
+        await asyncio.to_thread(cache.refuse, identity_hash)
         return None
 
     async def _restore(

@@ -59,6 +59,9 @@ class ArtifactCache:
         self.max_bytes = max_bytes
         self.min_free_bytes = min_free_bytes
         self._pins: collections.Counter[str] = collections.Counter()
+        # Copies a restore refused while another restore was reading them: never served again, and
+        # replaced by the next fill once nobody reads them.
+        self._refused: set[str] = set()
         # Guards the pins and every removal: a copy goes only while nobody holds its pin.
         self._lock = threading.Lock()
         # One fill at a time: two fills making room side by side could each count the other's space free.
@@ -73,6 +76,8 @@ class ArtifactCache:
         """The cached copy of ``source`` if it holds the store's manifest, else None (a copy of an older
         checkpoint, or an unreadable one, is left for ``fill`` to replace). Pin the hash first."""
         identity_hash = source.identity_hash
+        if identity_hash in self._refused:
+            return None
         try:
             cached = self.store.open(identity_hash)
         except ArtifactNotFoundError:
@@ -101,15 +106,23 @@ class ArtifactCache:
                     del self._pins[identity_hash]
 
     def discard(self, identity_hash: str) -> bool:
-        """Remove the copy of ``identity_hash`` (e.g. one a restore refused); False if none or pinned."""
+        """Remove the copy of ``identity_hash``; False if none or pinned."""
         with self._lock:
             if self._pins[identity_hash]:
                 return False
             doomed = self.store.hide(identity_hash)
+            self._refused.discard(identity_hash)
         if doomed is None:
             return False
         shutil.rmtree(doomed, ignore_errors=True)
         return True
+
+    def refuse(self, identity_hash: str) -> bool:
+        """A restore found the copy of ``identity_hash`` damaged: remove it, or, while another restore
+        reads it, never serve it again and let the next fill replace it. True if removed now."""
+        with self._lock:
+            self._refused.add(identity_hash)
+        return self.discard(identity_hash)
 
     def copies(self) -> list[CachedCopy]:
         """The cached copies, least recently used first."""

@@ -46,10 +46,10 @@ async def test_fill_then_lookup_serves_a_checked_copy(tmp_path: Path, shared: Ar
     hit.verify(expect_hash=A)
     assert cache.used_bytes() == artifact_bytes(source.manifest)
     # A second fill of the same checkpoint copies nothing.
-    before = os.stat(cache.root / A / "pages-1.img").st_ino
+    (cache.root / A / "this-copy").touch()  # not in the manifest: marks this copy
     again = await cache.fill(source)
     assert again is not None
-    assert os.stat(again.path / "pages-1.img").st_ino == before
+    assert (again.path / "this-copy").exists()
 
 
 async def test_least_recently_used_copy_makes_room(tmp_path: Path, shared: ArtifactStore) -> None:
@@ -128,6 +128,27 @@ async def test_stale_copy_in_use_stays_until_released(tmp_path: Path, shared: Ar
     copy = await cache.fill(shared.open(A))
     assert copy is not None
     assert copy.manifest != old
+
+
+async def test_a_refused_copy_is_never_served_and_replaced_once_free(
+    tmp_path: Path, shared: ArtifactStore
+) -> None:
+    await publish(shared, files(1), A)
+    cache = ArtifactCache(tmp_path / "cache", 10 * MiB)
+    await cache.fill(shared.open(A))
+    (cache.root / A / "old-copy").touch()  # not in the manifest: marks this copy
+    with cache.pinned(A):  # another restore reads it
+        assert not cache.refuse(A)
+        assert cache.lookup(shared.open(A)) is None
+        assert await cache.fill(shared.open(A)) is None  # cannot replace it yet
+        assert cache.store.list() == [A]
+    copy = await cache.fill(shared.open(A))
+    assert copy is not None
+    assert not (copy.path / "old-copy").exists()
+    assert cache.lookup(shared.open(A)) is not None
+    # Unpinned: gone at once.
+    assert cache.refuse(A)
+    assert cache.store.list() == []
 
 
 async def test_damaged_source_caches_nothing(tmp_path: Path, shared: ArtifactStore) -> None:
