@@ -677,28 +677,13 @@ class Executor:
         problems = []
         for base in bases:
             try:
-                staged = await asyncio.to_thread(self._scratch_dir, base, key, need)
-            except OSError as e:
-                problems.append(f"{base}: {e}")
-                log.warning("cannot unpack the CRIU pages here", extra={"dir": str(base), "error": str(e)})
-                continue
-
-            def stage(stop: threading.Event, staged: Path = staged) -> StageStats:
-                return stage_images(images, files, staged, threads=self.pages_threads, stop=stop)
-
-            try:
-                stats = await _in_thread_stoppable(stage)
+                staged, stats = await self._unpack_into(base, key, need, images, files)
             except PackedFormatError as e:
-                await asyncio.to_thread(shutil.rmtree, staged, True)
                 raise ArtifactRefused(f"artifact {identity_hash} refused: {e}") from None
-            except OSError as e:
-                await asyncio.to_thread(shutil.rmtree, staged, True)
+            except OSError as e:  # no room, or not writable: the next place
                 problems.append(f"{base}: {e}")
                 log.warning("cannot unpack the CRIU pages here", extra={"dir": str(base), "error": str(e)})
                 continue
-            except BaseException:
-                await asyncio.to_thread(shutil.rmtree, staged, True)
-                raise
             log.info(
                 "CRIU pages unpacked",
                 extra={
@@ -710,6 +695,20 @@ class Executor:
             )
             return staged
         raise AgentError("cannot unpack the CRIU pages: " + "; ".join(problems))
+
+    async def _unpack_into(
+        self, base: Path, key: str, need: int, images: Path, files: list[str]
+    ) -> tuple[Path, StageStats]:
+        """Unpack into a fresh directory under ``base``; whatever fails leaves nothing there."""
+        staged = await asyncio.to_thread(self._scratch_dir, base, key, need)
+        try:
+            stats = await _in_thread_stoppable(
+                lambda stop: stage_images(images, files, staged, threads=self.pages_threads, stop=stop)
+            )
+        except BaseException:
+            await asyncio.to_thread(shutil.rmtree, staged, True)
+            raise
+        return staged, stats
 
     def _scratch_dir(self, base: Path, key: str, need: int) -> Path:
         """A fresh directory under ``base`` with room for ``need`` bytes more, else ``OSError``."""
