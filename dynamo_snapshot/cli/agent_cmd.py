@@ -147,18 +147,23 @@ _FLAGS = (
 
 
 def _described(field: str) -> str:
-    return AgentConfig.model_fields[field].description or field
+    """A setting's help: its description and, where it has one, its default as a flag would give it."""
+    info = AgentConfig.model_fields[field]
+    text = info.description or field
+    if isinstance(info.default, bool):
+        return f"{text} (default {'on' if info.default else 'off'})"
+    if isinstance(info.default, ByteSize):
+        return f"{text} (default {info.default.human_readable()})"
+    return text
 
 
 def _switch(p: argparse.ArgumentParser, field: str) -> None:
-    """--FIELD/--no-FIELD for a bool setting; its help is the setting's description and default."""
-    info = AgentConfig.model_fields[field]
-    default = "on" if info.default else "off"
+    """--FIELD/--no-FIELD for a bool setting."""
     p.add_argument(
         "--" + field.replace("_", "-"),
         action=argparse.BooleanOptionalAction,
         default=None,
-        help=f"{_described(field)} (default {default})",
+        help=_described(field),
     )
 
 
@@ -192,8 +197,8 @@ def register(sub: Any) -> None:
         help=f"tmpfs directory restores unpack compressed pages into (default {DEFAULT_RESTORE_SCRATCH})",
     )
     p.add_argument("--cache-root", type=Path, help=_described("cache_root"))
-    p.add_argument("--cache-max-size", help=_described("cache_max_size") + " (default 200Gi)")
-    p.add_argument("--cache-min-free", help=_described("cache_min_free") + " (default 10Gi)")
+    p.add_argument("--cache-max-size", help=_described("cache_max_size"))
+    p.add_argument("--cache-min-free", help=_described("cache_min_free"))
     p.add_argument("--metrics-port", type=int, help="Prometheus metrics port, 0 disables (default 9090)")
     p.add_argument("--health-port", type=int, help="/healthz and /readyz port, 0 disables (default 8082)")
     p.add_argument("--criu", type=Path, help="criu binary (default: $DYNSNAP_CRIU, cache, PATH)")

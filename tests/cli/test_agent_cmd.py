@@ -26,6 +26,14 @@ async def kube() -> AsyncIterator[Kube]:
         yield Kube(api)
 
 
+def _agent_helps() -> dict[str, str]:
+    """Each `dynamo-snapshot agent` option's help, by its setting's name."""
+    agent = next(
+        a for a in build_parser()._subparsers._group_actions[0].choices.values() if a.prog.endswith(" agent")
+    )
+    return {a.dest: a.help or "" for a in agent._actions}
+
+
 def _config(tmp: Path, *flags: str, file: str = "") -> agent_cmd.AgentConfig:
     path = tmp / "config.yaml"
     path.write_text("nodeName: n\n" + file)
@@ -80,6 +88,11 @@ async def test_cache_settings_reach_the_executor(
     assert cache is not None
     assert (cache.root, cache.max_bytes, cache.min_free_bytes) == (tmp_path / "cache", 50 << 30, 10 << 30)
 
+    helps = _agent_helps()
+    # The defaults the help states are the model's.
+    assert helps["cache_max_size"].endswith("(default 200.0GiB)"), helps["cache_max_size"]
+    assert helps["cache_min_free"].endswith("(default 10.0GiB)"), helps["cache_min_free"]
+
     from_file = _config(tmp_path, file="cacheRoot: /nvme/c\ncacheMaxSize: 1.5TiB\ncacheMinFree: 500GB\n")
     assert (from_file.cache_max_size, from_file.cache_min_free) == (int(1.5 * (1 << 40)), 500 * 10**9)
 
@@ -109,10 +122,7 @@ def test_shipped_config_carries_the_agent_switches() -> None:
 
 
 def test_every_bool_setting_has_a_switch_whose_help_gives_its_default() -> None:
-    agent = next(
-        a for a in build_parser()._subparsers._group_actions[0].choices.values() if a.prog.endswith(" agent")
-    )
-    helps = {a.dest: a.help or "" for a in agent._actions}
+    helps = _agent_helps()
     switches = [n for n, f in agent_cmd.AgentConfig.model_fields.items() if f.annotation is bool]
     assert switches
     for name in switches:
