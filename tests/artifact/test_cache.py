@@ -32,6 +32,20 @@ def used_at(cache: ArtifactCache, identity_hash: str, when: float) -> None:
     os.utime(path, (when, when))
 
 
+async def cached_copy(tmp_path: Path, shared: ArtifactStore) -> ArtifactCache:
+    """Checkpoint A published in the shared store and copied into a 10 MiB cache."""
+    await publish(shared, files(1), A)
+    cache = ArtifactCache(tmp_path / "cache", 10 * MiB)
+    assert await cache.fill(shared.open(A)) is not None
+    return cache
+
+
+async def retake(shared: ArtifactStore) -> None:
+    """Checkpoint A taken anew: same identity, other bytes."""
+    shared.delete(A)
+    await publish(shared, files(1), A)
+
+
 async def test_fill_then_lookup_serves_a_checked_copy(tmp_path: Path, shared: ArtifactStore) -> None:
     await publish(shared, files(1), A)
     cache = ArtifactCache(tmp_path / "cache", 10 * MiB)
@@ -102,11 +116,8 @@ async def test_free_space_floor(tmp_path: Path, shared: ArtifactStore) -> None:
 async def test_a_checkpoint_taken_anew_is_not_served_from_the_old_copy(
     tmp_path: Path, shared: ArtifactStore
 ) -> None:
-    await publish(shared, files(1), A)
-    cache = ArtifactCache(tmp_path / "cache", 10 * MiB)
-    await cache.fill(shared.open(A))
-    shared.delete(A)
-    await publish(shared, files(1), A)  # same identity, other bytes
+    cache = await cached_copy(tmp_path, shared)
+    await retake(shared)
     assert cache.lookup(shared.open(A)) is None
     copy = await cache.fill(shared.open(A))  # the old copy makes way
     assert copy is not None
@@ -116,12 +127,9 @@ async def test_a_checkpoint_taken_anew_is_not_served_from_the_old_copy(
 
 
 async def test_stale_copy_in_use_stays_until_released(tmp_path: Path, shared: ArtifactStore) -> None:
-    await publish(shared, files(1), A)
-    cache = ArtifactCache(tmp_path / "cache", 10 * MiB)
-    await cache.fill(shared.open(A))
+    cache = await cached_copy(tmp_path, shared)
     old = cache.store.open(A).manifest
-    shared.delete(A)
-    await publish(shared, files(1), A)
+    await retake(shared)
     with cache.pinned(A):
         assert await cache.fill(shared.open(A)) is None
         assert cache.store.open(A).manifest == old
@@ -133,9 +141,7 @@ async def test_stale_copy_in_use_stays_until_released(tmp_path: Path, shared: Ar
 async def test_a_refused_copy_is_never_served_and_replaced_once_free(
     tmp_path: Path, shared: ArtifactStore
 ) -> None:
-    await publish(shared, files(1), A)
-    cache = ArtifactCache(tmp_path / "cache", 10 * MiB)
-    await cache.fill(shared.open(A))
+    cache = await cached_copy(tmp_path, shared)
     (cache.root / A / "old-copy").touch()  # not in the manifest: marks this copy
     with cache.pinned(A):  # another restore reads it
         assert not cache.refuse(A)
@@ -163,9 +169,7 @@ async def test_damaged_source_caches_nothing(tmp_path: Path, shared: ArtifactSto
 
 
 async def test_unreadable_copy_is_replaced(tmp_path: Path, shared: ArtifactStore) -> None:
-    await publish(shared, files(1), A)
-    cache = ArtifactCache(tmp_path / "cache", 10 * MiB)
-    await cache.fill(shared.open(A))
+    cache = await cached_copy(tmp_path, shared)
     (cache.root / A / "manifest.json").write_text("{not json")
     assert cache.lookup(shared.open(A)) is None
     copy = await cache.fill(shared.open(A))
