@@ -67,16 +67,29 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 HASH_BLOCK_SIZE = 4 << 20
 
 
-def _cpus() -> int:
-    # The affinity mask, not the host's core count: a container may be pinned to a few cores.
+def usable_cpus() -> int:
+    """The cores this process may run on: the affinity mask, not the host's core count (a container
+    may be pinned to a few cores)."""
     try:
         return len(os.sched_getaffinity(0))
-    except AttributeError:
+    except (AttributeError, OSError):
         return os.cpu_count() or 1
 
 
+def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
+    """All of ``data`` written at ``offset`` (pwrite may write less than asked)."""
+    with memoryview(data) as whole:
+        done = 0
+        while done < len(whole):
+            with whole[done:] as part:
+                n = os.pwrite(fd, part, offset + done)
+            if n <= 0:
+                raise OSError(f"pwrite wrote nothing at offset {offset + done}")
+            done += n
+
+
 # Twice the cores: half the threads wait in pread while the others hash.
-HASH_PARALLEL = min(32, 2 * _cpus())
+HASH_PARALLEL = min(32, 2 * usable_cpus())
 
 
 @dataclass(frozen=True)
@@ -139,10 +152,8 @@ def _transfer(src: int, dst: int | None, dst_direct: bool, buf: mmap.mmap, offse
         if dst is not None and got:
             # An O_DIRECT write must be aligned too; the caller truncates the padding off at the end.
             end = min(_round_up(got), len(view)) if dst_direct else got
-            done = 0
-            while done < end:
-                with view[done:end] as part:
-                    done += os.pwritev(dst, [part], offset + done)
+            with view[:end] as part:
+                pwrite_all(dst, part, offset)
         return got
 
 

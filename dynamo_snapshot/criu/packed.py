@@ -1,8 +1,9 @@
 """CRIU's memory-page images stored compressed, in chunks that compress and decompress in parallel.
 
-After the zero pages are dropped (criu.sparse) a GPU worker's ``pages-N.img`` still holds ~0.9 GB
-(the H200 reference worker, 1 GiB model), which zlib at level 1 shrinks about 3.8x. A restore reads it
-from disk at ~1.6 GB/s, so storing it compressed saves most of that read and shrinks the artifact.
+After the zero pages are dropped (criu.sparse) a GPU worker's pages images still hold about a gigabyte:
+the H200 reference worker's, stored this way, went from 1.08 to 0.26 GB (1 GiB model) and 1.28 to
+0.31 GB (8 GiB model), about 4.2x (BENCHMARKS.md, session 7 runs). Its disk read 1.5-2.1 GB/s in those
+runs, so storing the pages compressed saves most of that read and shrinks the artifact.
 CRIU itself reads only plain images (it preads pages at their offsets), so a restore unpacks the file
 first, into a staging images directory on a tmpfs, with a copy of every other (small) image there
 (``stage_images``).
@@ -36,6 +37,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TypeVar
+
+from dynamo_snapshot.artifact.io import chunk_count, pwrite_all, usable_cpus
 
 __all__ = [
     "CHUNK_BYTES",
@@ -78,15 +81,7 @@ _WBITS = -15  # raw deflate: no zlib header or trailer (the manifest seals the b
 T = TypeVar("T")
 
 
-def _default_threads() -> int:
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return max(1, min(16, cpus))
-
-
-DEFAULT_THREADS = _default_threads()
+DEFAULT_THREADS = max(1, min(16, usable_cpus()))
 
 
 class PackedFormatError(ValueError):
@@ -103,7 +98,6 @@ class PackStats:
     packed: int  # bytes of the packed file
     chunks: int
     raw_chunks: int  # stored uncompressed
-    seconds: float
 
 
 @dataclass(frozen=True)
@@ -118,7 +112,6 @@ class _Chunk:
 
 @dataclass(frozen=True)
 class _Header:
-    chunk_bytes: int
     size: int
     chunks: tuple[_Chunk, ...]
 
@@ -127,15 +120,6 @@ def is_packed_pages(name: str) -> bool:
     """Whether ``name`` (a file name or an artifact path) is a packed CRIU pages image."""
     base = PurePosixPath(name).name
     return base.startswith("pages-") and base.endswith(".img" + PACKED_SUFFIX)
-
-
-def _pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        if n <= 0:
-            raise OSError("pwrite wrote nothing")
-        view, offset = view[n:], offset + n
 
 
 def _pread_exact(fd: int, length: int, offset: int, what: str) -> bytes:
@@ -151,11 +135,11 @@ def _pread_exact(fd: int, length: int, offset: int, what: str) -> bytes:
 # ---- pack --------------------------------------------------------------------------------------------
 
 
-def _deflate(fd: int, start: int, length: int, level: int) -> tuple[bytes, int]:
+def _deflate(fd: int, start: int, length: int) -> tuple[bytes, int]:
     data = os.pread(fd, length, start)
     if len(data) != length:
         raise OSError(f"source shrank while packing (offset {start})")
-    z = zlib.compressobj(level, zlib.DEFLATED, _WBITS)
+    z = zlib.compressobj(LEVEL, zlib.DEFLATED, _WBITS)
     packed = z.compress(data) + z.flush()
     if len(packed) > length * (1 - MIN_GAIN):
         return data, _RAW
@@ -212,18 +196,16 @@ def pack_file(
     threads: int = DEFAULT_THREADS,
     stop: threading.Event | None = None,
     chunk_bytes: int = CHUNK_BYTES,
-    level: int = LEVEL,
 ) -> PackStats:
     """Write ``src`` packed to ``dst`` (which must not exist). On any failure, or ``Stopped`` once
     ``stop`` is set (within a few chunks), ``dst`` is removed; ``src`` is never changed."""
     if not 0 < chunk_bytes <= _MAX_CHUNK:
         raise ValueError(f"chunk_bytes {chunk_bytes} out of range")
-    started = time.monotonic()
     fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         size = st.st_size
-        count = -(-size // chunk_bytes)
+        count = chunk_count(size, chunk_bytes)
         with _output(dst, os.O_EXCL, st.st_mode & 0o7777) as out:
             with contextlib.suppress(OSError):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -232,12 +214,12 @@ def pack_file(
 
             def job(i: int) -> Callable[[], tuple[bytes, int]]:
                 start = i * chunk_bytes
-                return functools.partial(_deflate, fd, start, min(chunk_bytes, size - start), level)
+                return functools.partial(_deflate, fd, start, min(chunk_bytes, size - start))
 
             def take(result: tuple[bytes, int]) -> None:
                 nonlocal pos
                 data, kind = result
-                _pwrite_all(out, data, pos)
+                pwrite_all(out, data, pos)
                 index.append((pos, len(data), kind))
                 pos += len(data)
 
@@ -247,7 +229,7 @@ def pack_file(
             head = bytearray(_PREFIX.pack(MAGIC, VERSION, chunk_bytes, size, count))
             for entry in index:
                 head += _INDEX.pack(*entry)
-            _pwrite_all(out, head, 0)
+            pwrite_all(out, head, 0)
     finally:
         os.close(fd)
     return PackStats(
@@ -255,7 +237,6 @@ def pack_file(
         packed=pos,
         chunks=count,
         raw_chunks=sum(1 for _, _, kind in index if kind == _RAW),
-        seconds=time.monotonic() - started,
     )
 
 
@@ -275,10 +256,9 @@ def pack_pages(
     images: Path,
     *,
     threads: int = DEFAULT_THREADS,
-    min_bytes: int = MIN_PACK_BYTES,
     stop: threading.Event | None = None,
 ) -> PagesPacked:
-    """Replace every ``pages-*.img`` of ``images`` of ``min_bytes`` or more by its packed form
+    """Replace every ``pages-*.img`` of ``images`` of ``MIN_PACK_BYTES`` or more by its packed form
     (``pages-N.img`` + ``PACKED_SUFFIX``), unless packing saves less than ``MIN_GAIN``.
 
     Each file is switched over on its own (packed next to it, renamed, then the plain one removed): a
@@ -291,7 +271,7 @@ def pack_pages(
         packed = plain.with_name(plain.name + PACKED_SUFFIX)
         tmp = plain.with_name(f".{packed.name}.tmp")
         try:
-            if plain.is_symlink() or not plain.is_file() or plain.stat().st_size < min_bytes:
+            if plain.is_symlink() or not plain.is_file() or plain.stat().st_size < MIN_PACK_BYTES:
                 continue
             tmp.unlink(missing_ok=True)
             stats = pack_file(plain, tmp, threads=threads, stop=stop)
@@ -323,7 +303,7 @@ def _read_header(fd: int, what: str) -> _Header:
         raise PackedFormatError(f"{what}: not a packed pages file (magic {magic!r})")
     if version != VERSION:
         raise PackedFormatError(f"{what}: packed format version {version}, this agent reads {VERSION}")
-    if not 0 < chunk_bytes <= _MAX_CHUNK or count != -(-size // chunk_bytes):
+    if not 0 < chunk_bytes <= _MAX_CHUNK or count != chunk_count(size, chunk_bytes):
         raise PackedFormatError(f"{what}: {count} chunks of {chunk_bytes} bytes cannot hold {size} bytes")
     pos = _PREFIX.size + count * _INDEX.size
     if pos > file_size:
@@ -347,7 +327,7 @@ def _read_header(fd: int, what: str) -> _Header:
     if pos != file_size:
         state = "truncated" if pos > file_size else "trailing bytes"
         raise PackedFormatError(f"{what}: {state} (chunks end at {pos}, file has {file_size} bytes)")
-    return _Header(chunk_bytes, size, tuple(chunks))
+    return _Header(size, tuple(chunks))
 
 
 def unpacked_size(path: Path) -> int:
@@ -361,7 +341,7 @@ def unpacked_size(path: Path) -> int:
 
 def _inflate_to(out: int, data: memoryview, chunk: _Chunk, what: str) -> None:
     if chunk.kind == _RAW:
-        _pwrite_all(out, data, chunk.start)
+        pwrite_all(out, data, chunk.start)
         return
     try:
         # One shot into a buffer of exactly the chunk's size, written as it is: simpler than a
@@ -375,7 +355,7 @@ def _inflate_to(out: int, data: memoryview, chunk: _Chunk, what: str) -> None:
         raise PackedFormatError(
             f"{what}: chunk {chunk.number} decodes to {len(plain)} bytes, expected {chunk.length}"
         )
-    _pwrite_all(out, plain, chunk.start)
+    pwrite_all(out, plain, chunk.start)
 
 
 def _spans(chunks: tuple[_Chunk, ...], read_bytes: int) -> Iterable[tuple[int, int, list[_Chunk]]]:
@@ -435,12 +415,12 @@ class StageStats:
     packed_bytes: int  # their size
     bytes: int  # what they unpacked to
     copied: int  # other files
-    copied_bytes: int
     seconds: float
 
 
-def _unpacked_rel(rel: str) -> str:
-    return rel.removesuffix(PACKED_SUFFIX)
+def _staged_rel(rel: str) -> str:
+    """Where a file of the artifact's images goes in the staging dir: a packed one under its plain name."""
+    return rel.removesuffix(PACKED_SUFFIX) if is_packed_pages(rel) else rel
 
 
 def staged_bytes(images: Path, files: Iterable[str]) -> int:
@@ -470,17 +450,17 @@ def stage_images(
     filesystem) would change the artifact files' ctime, which makes the next restore hash them again."""
     started = time.monotonic()
     rels = sorted(set(files))
-    names = {_unpacked_rel(r) if is_packed_pages(r) else r for r in rels}
+    names = {_staged_rel(r) for r in rels}
     if len(names) != len(rels):
         raise PackedFormatError("both a plain and a packed form of one pages image")
     for rel in rels:
         if PurePosixPath(rel).is_absolute() or ".." in PurePosixPath(rel).parts:
             raise ValueError(f"not a relative path inside the images dir: {rel}")
-    unpacked = packed = copied = copied_bytes = count = 0
+    unpacked = packed = copied = count = 0
     # The small files first; then the pages, which take the time.
     for rel in sorted(rels, key=is_packed_pages):
         source = images / rel
-        target = dest / (_unpacked_rel(rel) if is_packed_pages(rel) else rel)
+        target = dest / _staged_rel(rel)
         target.parent.mkdir(parents=True, exist_ok=True)
         if stop is not None and stop.is_set():
             raise Stopped
@@ -491,5 +471,4 @@ def stage_images(
             continue
         shutil.copyfile(source, target)
         copied += 1
-        copied_bytes += target.stat().st_size
-    return StageStats(count, packed, unpacked, copied, copied_bytes, time.monotonic() - started)
+    return StageStats(count, packed, unpacked, copied, time.monotonic() - started)
