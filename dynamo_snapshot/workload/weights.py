@@ -1567,10 +1567,17 @@ class WeightRegion:
         `threads` parallel reads of pieces of `block`-byte blocks, through a ring of `buffers` pinned
         buffers of `block` bytes, each copied to the GPU asynchronously as soon as it is full. `direct`:
         O_DIRECT (True), the page cache (False), or None: O_DIRECT unless the file is mostly in the
-        page cache already. `verify` checks every chunk's SHA-256 as it lands. A split-deflate file is
-        read chunk by chunk (`block` is then its chunk size), its pieces inflated by the same threads
-        and its planes interleaved on the GPU. The file's header, size and layout are always checked.
-        A region that has no layout yet (a new WeightRegion) takes the file's.
+        page cache already. A split-nibble file (version 2) is read record by record, one record per
+        chunk of the header's chunk_bytes (64 MiB by default; `block` is then ignored): each record is
+        read whole into one pinned buffer (in pieces, by the same threads) and expanded on the GPU by
+        the engine's upload_coded; a chunk stored plain is uploaded as it is.
+
+        `verify` checks every chunk's SHA-256 as it lands (records are then the file's chunks, raw
+        files too). For a coded record the hash is of decode_coded's output, the plain-Python
+        reference decode of the record on the CPU, not of what the GPU expanded: it proves the file
+        intact, not the GPU's expansion, and it is slow (0.125 GB/s, BENCHMARKS.md). The file's
+        header, size and layout are always checked. A region that has no layout yet (a new
+        WeightRegion) takes the file's.
         """
         if threads <= 0 or buffers <= 0:
             raise ValueError("threads and buffers must be positive")

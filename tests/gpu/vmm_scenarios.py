@@ -277,7 +277,7 @@ def weights_file(work: Path, report: dict[str, Any]) -> None:
             check(not bad, f"{label}: checksums differ for {bad[:5]}")
             check(bitwise_equal(torch, views["layer0.w"] @ x, mm_ref), f"{label}: matmul differs")
 
-        saved = region.save(path)  # split-deflate, the default
+        saved = region.save(path)  # split-nibble, the default
         report["save"] = saved.to_dict()
         check(saved.written, "the first save did not write")
         header, data_offset = read_header(path)
