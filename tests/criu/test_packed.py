@@ -183,15 +183,40 @@ def test_a_stop_removes_the_partial_output(tmp_path: Path) -> None:
         pack_file(src, dst, chunk_bytes=CHUNK)
 
 
-def test_a_stop_set_midway_stops_within_a_few_chunks(tmp_path: Path) -> None:
+class Gate:
+    """packed._deflate, held at its ``at``-th call until released: a stop or cancel then lands while the
+    work is surely midway, whatever the machine's speed, and ``calls`` tells how far it went on."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, at: int) -> None:
+        self.calls, self.at = 0, at
+        self.reached, self.release = threading.Event(), threading.Event()
+        real = packed._deflate
+
+        def deflate(fd: int, start: int, length: int) -> tuple[bytes, int]:
+            self.calls += 1  # one thread: no race
+            if self.calls == self.at:
+                self.reached.set()
+                assert self.release.wait(10), "never released"
+            return real(fd, start, length)
+
+        monkeypatch.setattr(packed, "_deflate", deflate)
+
+
+def test_a_stop_set_midway_stops_within_a_few_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src, dst = tmp_path / "src", tmp_path / "dst"
-    src.write_bytes(TEXT[: 1 << 20] * 64)  # 64 MiB: seconds of work on one thread
-    stop = threading.Event()
-    timer = threading.Timer(0.05, stop.set)
-    timer.start()
+    src.write_bytes(_mixed(64 * CHUNK))
+    gate, stop = Gate(monkeypatch, at=4), threading.Event()
+
+    def stop_midway() -> None:
+        gate.reached.wait(10)
+        stop.set()
+        gate.release.set()
+
+    threading.Thread(target=stop_midway).start()
     with pytest.raises(Stopped):
         pack_file(src, dst, chunk_bytes=CHUNK, threads=1, stop=stop)
-    timer.join()
+    # One thread keeps two chunks in flight: at most those after the stop, not the other 60.
+    assert gate.calls <= gate.at + 2, gate.calls
     assert not dst.exists()
 
 
@@ -276,15 +301,20 @@ def test_stage_images_refuses_ambiguous_or_escaping_names(tmp_path: Path) -> Non
     assert list(dest.iterdir()) == []
 
 
-async def test_a_cancelled_checkpoint_waits_for_the_compression_to_stop(tmp_path: Path) -> None:
+async def test_a_cancelled_checkpoint_waits_for_the_compression_to_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from dynamo_snapshot.agent.executor import _compress_pages
 
-    (tmp_path / "pages-1.img").write_bytes(TEXT[: 1 << 20] * 48)
+    (tmp_path / "pages-1.img").write_bytes(TEXT[: 1 << 20] * 48)  # 12 chunks of 4 MiB
+    gate = Gate(monkeypatch, at=2)
     task = asyncio.create_task(_compress_pages(tmp_path, 1))
-    await asyncio.sleep(0.05)
+    assert await asyncio.to_thread(gate.reached.wait, 10)
     task.cancel()
+    gate.release.set()
     with pytest.raises(asyncio.CancelledError):
         await task
+    assert gate.calls < 12, "compressed to the end despite the cancel"
     # Nothing writes in the directory any more, and its pages image is whole and plain.
     left = await asyncio.to_thread(os.listdir, tmp_path)
     await asyncio.sleep(0.3)
