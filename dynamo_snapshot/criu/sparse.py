@@ -211,7 +211,7 @@ def _entry(vaddr: int, nr_pages: int, flags: int) -> bytes:
     return bytes(out)
 
 
-def _free_pages_id(images: Path) -> int:
+def _highest_pages_id(images: Path) -> int:
     """The highest pages id the dump uses (0 for none)."""
     ids = [int(m.group(1)) for p in images.iterdir() if (m := re.fullmatch(r"pages-(\d+)\.img", p.name))]
     return max(ids, default=0)
@@ -322,7 +322,7 @@ def drop_zero_pages(images: Path, stop: threading.Event | None = None) -> Sparse
     """
     started = time.monotonic()
     stats = SparseStats()
-    new_id = _free_pages_id(images)  # then one more per process: ids no image uses
+    new_id = _highest_pages_id(images)  # then one more per process: ids no image uses
     for pid in _tree(images):
         new_id += 1
         try:
