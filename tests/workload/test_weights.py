@@ -158,21 +158,40 @@ def test_header_encoding_is_aligned_and_self_checking(tmp_path: Path) -> None:
     assert read_header(path) == (header, len(head))
 
 
+def coded_header_for() -> WeightsHeader:
+    """header_for's layout as a version 2 (split-nibble) file: chunks 0 and 2 coded, 1 stored plain."""
+    h = header_for()
+    encoding = w.Encoding(ENCODING_SPLIT_NIBBLE, (0, -1, 3))
+    return WeightsHeader(
+        h.tensors,
+        h.data_bytes,
+        h.device_bytes,
+        h.chunk_bytes,
+        h.chunk_sha256,
+        h.data_digest,
+        encoding=encoding,
+    )
+
+
 @pytest.mark.parametrize(
-    ("damage", "message"),
+    ("header", "damage", "message"),
     [
-        (lambda b: b"NOTMAGIC" + b[8:], "not a weights file"),
-        (lambda b: b[:8] + struct.pack("<I", 3) + b[12:], "version 3"),
-        (lambda b: b[: PREFIX_BYTES + 3] + b"X" + b[PREFIX_BYTES + 4 :], "header checksum"),
-        (lambda b: b[:-1], "truncated"),
-        (lambda b: b + b"\0" * ALIGN, "truncated or appended"),
-        (lambda b: b[:100], "too short"),
+        (header_for, lambda b: b"NOTMAGIC" + b[8:], "not a weights file"),
+        (header_for, lambda b: b[:8] + struct.pack("<I", 3) + b[12:], "version 3"),
+        (header_for, lambda b: b[: PREFIX_BYTES + 3] + b"X" + b[PREFIX_BYTES + 4 :], "header checksum"),
+        (header_for, lambda b: b[:-1], "truncated"),
+        (header_for, lambda b: b + b"\0" * ALIGN, "truncated or appended"),
+        (header_for, lambda b: b[:100], "too short"),
+        # A version 2 file whose prefix says version 1: read as raw, its records would be garbage.
+        (coded_header_for, lambda b: b[:8] + struct.pack("<I", 1) + b[12:], "disagree on the version"),
     ],
 )
-def test_damaged_files_are_refused(tmp_path: Path, damage: object, message: str) -> None:
-    head = header_for().encode()
+def test_damaged_files_are_refused(tmp_path: Path, header: object, damage: object, message: str) -> None:
+    h: WeightsHeader = header()  # type: ignore[operator]
     path = tmp_path / "f.dsw"
-    path.write_bytes(damage(head + bytes(3 * CHUNK)))  # type: ignore[operator]
+    path.write_bytes(h.encode() + bytes(h.stored_bytes))
+    assert read_header(path) == (h, len(h.encode()))  # intact, it is read
+    path.write_bytes(damage(h.encode() + bytes(h.stored_bytes)))  # type: ignore[operator]
     with pytest.raises(WeightsFileError, match=message):
         read_header(path)
 
