@@ -32,6 +32,7 @@ from dynamo_snapshot.workload import (
 )
 from dynamo_snapshot.workload import handshake as hs
 from dynamo_snapshot.workload.gpu_memory import RegionPool
+from tests.helpers.polling import wait_file
 from tests.workload.fake_cuda import CUresult, FakeDriver, FakeEngine
 
 
@@ -61,8 +62,7 @@ def once_ready(ctl: Path, name: str, text: str) -> threading.Thread:
     """The agent's answer `name`, written once the worker said ready-for-checkpoint (its hooks ran)."""
 
     def answer() -> None:
-        while not (ctl / FILE_READY_FOR_CHECKPOINT).exists():
-            time.sleep(0.01)
+        wait_file(ctl / FILE_READY_FOR_CHECKPOINT)
         (ctl / name).write_text(text)
 
     t = threading.Thread(target=answer, daemon=True)
