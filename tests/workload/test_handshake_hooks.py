@@ -192,8 +192,7 @@ def test_gpu_offload_releases_before_ready_and_restores_after(cu: FakeDriver, tm
     seen_at_ready: dict[str, Any] = {}
 
     def agent() -> None:
-        while not (ctl / FILE_READY_FOR_CHECKPOINT).exists():
-            time.sleep(0.01)
+        wait_file(ctl / FILE_READY_FOR_CHECKPOINT)
         seen_at_ready["used"] = cu.used
         seen_at_ready["manifest"] = read_weights_manifest(ctl)
         seen_at_ready["offload"] = read_offload_manifest(ctl)
