@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.gpu.host import emit  # noqa: E402
 from dynamo_snapshot.artifact import ArtifactStore, ArtifactWriter, VerifiedFiles  # noqa: E402
 from tests.artifact.helpers import H200, HASH, IDENTITY  # noqa: E402
 
@@ -60,10 +60,7 @@ def main() -> None:
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     result = asyncio.run(measure(args.mib))
-    text = json.dumps({**result, "command": f"benchmarks/verify_cache.py --mib {args.mib}"}, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit({**result, "command": f"benchmarks/verify_cache.py --mib {args.mib}"}, args.out)
 
 
 if __name__ == "__main__":
