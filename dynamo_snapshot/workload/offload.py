@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from dynamo_snapshot.workload.weights import (
     DEFAULT_BLOCK_BYTES,
     ENCODING_SPLIT_NIBBLE,
+    ENCODINGS,
     LoadResult,
     SaveResult,
     wait_for_weights_verified,
@@ -117,6 +118,9 @@ class GpuOffload:
         weights_check_timeout: float | None = None,
         weights_encoding: str = ENCODING_SPLIT_NIBBLE,
     ) -> None:
+        if weights_encoding not in ENCODINGS:
+            # Here, not only in save(): a typo would otherwise surface at the first checkpoint.
+            raise ValueError(f"weights_encoding must be one of {ENCODINGS}, got {weights_encoding!r}")
         self.load_threads = load_threads
         self.load_block = load_block
         self.load_buffers = load_buffers

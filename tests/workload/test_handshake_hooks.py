@@ -23,6 +23,7 @@ from dynamo_snapshot.api.protocol import (
 from dynamo_snapshot.cuda import CudaError
 from dynamo_snapshot.workload import (
     FILE_WEIGHTS_MANIFEST,
+    GpuOffload,
     KvCache,
     RestoreInfo,
     SnapshotHandshake,
@@ -32,6 +33,7 @@ from dynamo_snapshot.workload import (
 )
 from dynamo_snapshot.workload import handshake as hs
 from dynamo_snapshot.workload.gpu_memory import RegionPool
+from dynamo_snapshot.workload.weights import ENCODINGS
 from tests.helpers.polling import wait_file
 from tests.workload.fake_cuda import CUresult, FakeDriver, FakeEngine
 
@@ -293,3 +295,12 @@ def test_hooks_are_undone_when_the_ready_file_cannot_be_written(
     assert events == ["a.before", "a.resume"]
     assert hook.infos == [None]
     assert not (tmp_path / FILE_READY_FOR_CHECKPOINT).exists()
+
+
+def test_gpu_offload_refuses_an_unknown_weights_encoding_when_made() -> None:
+    with pytest.raises(
+        ValueError, match=r"weights_encoding must be one of \('raw', 'split-nibble'\), got 'deflate'"
+    ):
+        GpuOffload(weights_encoding="deflate")
+    for encoding in ENCODINGS:
+        assert GpuOffload(weights_encoding=encoding).weights_encoding == encoding
