@@ -1,17 +1,21 @@
-"""Byte-exact reproduction of Go's ``encoding/json`` output for the few shapes the identity hash needs.
+"""Byte-exact reproduction of Go's ``encoding/json`` for the few shapes the identity hash needs.
 
 The checkpoint identity hash is a SHA-256 over ``json.Marshal`` output of Dynamo's Go operator, so a
 single differing byte (an escape Python's ``json`` writes differently, a key order) would make this
-controller and Dynamo's operator disagree about which checkpoint a worker may restore from.  This
+controller and Dynamo's operator disagree about which checkpoint a worker may restore from.  Writing
 follows ``appendString`` in Go's ``encoding/json/encode.go`` (Go >= 1.22, with HTML escaping on, as
-``json.Marshal`` always has it).
+``json.Marshal`` always has it); reading (:func:`go_unmarshal`) gives the strings Go's ``unquote`` in
+``decode.go`` gives, so an identity read from a file hashes as it does once Go has decoded it.
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping
+from typing import Any
 
-__all__ = ["go_bytes", "go_quote", "go_string_map"]
+__all__ = ["go_bytes", "go_quote", "go_string_map", "go_unmarshal"]
 
 _HEX = b"0123456789abcdef"
 
@@ -111,3 +115,44 @@ def go_string_map(mapping: Mapping[str, str] | Mapping[bytes, bytes]) -> bytes:
     items = sorted((go_bytes(key), go_bytes(value)) for key, value in mapping.items())
     body = b",".join(go_quote(key) + b":" + go_quote(value) for key, value in items)
     return b"{" + body + b"}"
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _go_decoded(value: str) -> str:
+    return _SURROGATE.sub("\ufffd", value)
+
+
+def _go_strings(value: Any) -> Any:
+    if isinstance(value, str):
+        return _go_decoded(value)
+    if isinstance(value, list):
+        return [_go_strings(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _go_strings(item) for key, item in value.items()}
+    return value
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def go_unmarshal(data: str | bytes) -> Any:
+    """A JSON document as Go's ``json.Unmarshal`` (and the apiserver's ``sigs.k8s.io/json``) reads it.
+
+    Python's ``json`` joins an escaped UTF-16 surrogate pair into its character exactly as Go does, but
+    keeps any other surrogate escape as a lone surrogate, which Go turns into U+FFFD; so does Go with
+    every byte that is not UTF-8 (here carried as U+DC80..U+DCFF by ``surrogateescape``).  Every string
+    that comes back is therefore valid Unicode.  ``NaN`` and ``Infinity``, which Go refuses, raise
+    ``ValueError`` like any other malformed document.
+    """
+    text = data.decode("utf-8", "surrogateescape") if isinstance(data, bytes) else data
+    # Keys are fixed in document order so that two keys which both become U+FFFD keep the later value,
+    # as Go's map decoding does.
+    document = json.loads(
+        text,
+        parse_constant=_refuse_constant,
+        object_pairs_hook=lambda pairs: dict((_go_decoded(key), value) for key, value in pairs),
+    )
+    return _go_strings(document)

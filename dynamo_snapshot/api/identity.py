@@ -16,6 +16,13 @@ sides label and look up DynamoCheckpoints by it.  That function normalises the i
         MaxModelLen          int32             `json:"maxModelLen,omitempty"`
         ExtraParameters      map[string]string `json:"extraParameters,omitempty"`
     }
+
+That function takes any identity, so the hash does too: a mapping is hashed with Go's types and no
+other checks (zero or negative sizes, strings that are not UTF-8).  The model, and the CRD schema
+generated from it, admit 0 for the three sizes: they are ``omitempty`` int32 fields in Dynamo's Go
+types, where 0 cannot be told from unset, and 0 hashes like unset.  Negative sizes are refused, as
+Dynamo's CRD refuses them; its minimum for all three is 1, so this schema is more lenient than
+Dynamo's about 0 only.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from typing import Any
 from pydantic import Field
 
 from dynamo_snapshot.api.gojson import go_quote, go_string_map
-from dynamo_snapshot.api.kube import INT32_MAX, PositiveInt32, StrictKubeModel
+from dynamo_snapshot.api.kube import INT32_MAX, NonNegativeInt32, StrictKubeModel
 
 __all__ = [
     "IDENTITY_HASH_LENGTH",
@@ -67,10 +74,16 @@ class CheckpointIdentity(StrictKubeModel):
         default=None,
         description="Dynamo version. Omitted from the hash when empty, so checkpoints survive upgrades.",
     )
-    tensor_parallel_size: PositiveInt32 = Field(default=1, description="Tensor parallel size.")
-    pipeline_parallel_size: PositiveInt32 = Field(default=1, description="Pipeline parallel size.")
+    tensor_parallel_size: NonNegativeInt32 = Field(
+        default=1, description="Tensor parallel size; 0 counts as 1, as in Dynamo's hash."
+    )
+    pipeline_parallel_size: NonNegativeInt32 = Field(
+        default=1, description="Pipeline parallel size; 0 counts as 1, as in Dynamo's hash."
+    )
     dtype: str | None = Field(default=None, description="Data type, e.g. bfloat16, float16, fp8.")
-    max_model_len: PositiveInt32 | None = Field(default=None, description="Maximum sequence length.")
+    max_model_len: NonNegativeInt32 | None = Field(
+        default=None, description="Maximum sequence length; 0 is the same as unset."
+    )
     extra_parameters: dict[str, str] | None = Field(
         default=None, description="Further framework-specific parameters that change the runtime state."
     )

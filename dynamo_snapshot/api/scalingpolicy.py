@@ -161,13 +161,13 @@ class ScaleUpPolicy(_PolicyModel):
     )
     max_step: NonNegativeInt32 = Field(
         default=0,
-        description="At most this many replicas added in one decision; 0 (the default) means no "
-        "absolute limit.",
+        description="At most this many replicas added in one decision, or maxPercent of the current "
+        "replicas where that is more, in every mode (panic included); 0 (the default) means no limit.",
     )
     max_percent: PositiveInt32 = Field(
         default=100,
-        description="At most this percentage of the current replicas added in one decision (rounded up, "
-        "at least 1 replica); default 100, i.e. at most doubling. Applies together with maxStep.",
+        description="With maxStep set, one decision may add this percentage of the current replicas "
+        "(rounded up) where that is more than maxStep; default 100. Not used while maxStep is 0.",
     )
 
 
@@ -205,8 +205,8 @@ class PanicPolicy(_PolicyModel):
     threshold: Annotated[float, Field(strict=True), AfterValidator(_above_one)] = Field(
         default=2.0,
         description="Panic when the desired replicas over the panic window reach threshold times the "
-        "current replicas; while panicking the policy scales up at once and never down. Must be > 1; "
-        "default 2.0.",
+        "current replicas; while panicking the policy scales up without waiting for scaleUp's "
+        "stabilization window (still within its maxStep limit) and never down. Must be > 1; default 2.0.",
         json_schema_extra=_rules("self > 1.0", PANIC_THRESHOLD_MESSAGE),
     )
 

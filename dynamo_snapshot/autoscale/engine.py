@@ -21,13 +21,15 @@ The steps of one decision:
    replicas (the recommendation is an absolute count, not "ready + more").
 2. **Per metric** proportional count (after the look-ahead below); the recommendation is the maximum over
    metrics, clamped to ``[min_replicas, max_replicas]``.
-3. **Missing or stale metrics** (``value is None`` or ``age_s > stale_after_s``) can never lower the
-   count: if every metric is missing the engine holds ``current_desired`` (``held=True``); if only some
-   are, the others are used but the result never goes below ``current_desired``.
+3. **Missing or stale metrics** (``value is None``, a value that is not a finite number >= 0, or
+   ``age_s > stale_after_s``) can never lower the count: if every metric is missing the engine holds
+   ``current_desired`` (``held=True``; only step 7 may still move it); if only some are, the others are
+   used but the result never goes below ``current_desired``. A service-wide total that is NaN, infinite
+   or negative says the query is broken, not that the load is zero or endless.
 4. **Panic** (Knative KPA style): when ``recommendation / ready >= panic_threshold`` (or nothing is ready
    and there is demand) the engine panics for ``panic_window_s`` (extended while the condition holds):
-   it scales up to the recommendation at once — no stabilization window, no rate limit — and never scales
-   down while panicking.
+   it scales up towards the recommendation without waiting for the stabilization window, within the
+   scale-up rate limit of step 6, and never scales down while panicking.
 5. Otherwise **stabilization** (the HPA rule): a scale-up goes to the *lowest* recommendation seen within
    ``scale_up_window_s`` (0 = immediate), a scale-down to the *highest* recommendation seen within
    ``scale_down_window_s``.
@@ -37,7 +39,12 @@ The steps of one decision:
    than ``scale_down_grace_s`` (replica ages from ``Observation.replica_ages_s``; replicas counted in
    ``current_desired`` but absent from the ages — pods not created yet — are free to remove, so an empty
    tuple means "no ages known, no protection").
-7. Final clamp to ``[min_replicas, max_replicas]`` (a changed min/max always takes effect).
+7. Final clamp to ``[min_replicas, max_replicas]`` in every mode, held and panicking included (a changed
+   min/max always takes effect, over the rate limits).
+
+A metric's wanted count is at most ``2**31 - 1`` (what a Kubernetes replica count can hold), so a total
+such as ``1e300`` asks for the most replicas there can be, which the clamp then bounds, instead of an
+integer thousands of digits long or an overflow.
 
 **Restore-aware look-ahead.** A replica ordered now serves only after its start latency, so the engine
 sizes for the load expected *then*: for a rising metric it fits the slope of that metric's samples over
@@ -75,10 +82,17 @@ SLOPE_WINDOW_S = 10.0
 
 # Guards ceil() against float noise such as 30.000000000000004 / 10.
 _EPS = 1e-9
+# The most replicas a metric can ask for: the largest value of a Kubernetes int32 replica count.
+_MOST_REPLICAS = 2**31 - 1
 
 
 def _fmt(x: float) -> str:
     return f"{x:g}"
+
+
+def _fmt_value(x: float) -> str:
+    """A metric value for a reason: one decimal, or four significant digits where that would be long."""
+    return f"{x:.1f}" if abs(x) < 1e6 else f"{x:.4g}"
 
 
 @dataclass(frozen=True)
@@ -155,8 +169,10 @@ class PolicyParams:
                 raise ValueError(f"{name} must be >= 0, got {value}")
         if self.scale_up_max_step < 0:
             raise ValueError(f"scale_up_max_step must be >= 0 (0 = unlimited), got {self.scale_up_max_step}")
-        if not (self.scale_up_max_percent > 0):
-            raise ValueError(f"scale_up_max_percent must be > 0, got {self.scale_up_max_percent}")
+        if not (math.isfinite(self.scale_up_max_percent) and self.scale_up_max_percent > 0):
+            raise ValueError(
+                f"scale_up_max_percent must be a finite number > 0, got {self.scale_up_max_percent}"
+            )
         if self.scale_down_max_step < 0:
             raise ValueError(
                 f"scale_down_max_step must be >= 0 (0 = unlimited), got {self.scale_down_max_step}"
@@ -210,8 +226,9 @@ class Decision:
 
     ``desired``: the replica count to set. ``reason``: one line for a Condition/Event. ``panic``: whether
     the engine is in panic mode. ``recommendation``: the clamped proportional count before stabilization
-    and rate limits. ``per_metric``: each metric's wanted count (``None`` = missing/stale). ``held``: every
-    metric was missing or stale, so nothing changed.
+    and rate limits. ``per_metric``: each metric's wanted count (``None`` = missing/stale/unusable).
+    ``held``: every metric was missing, stale or unusable, so the count was held (only moved into
+    ``[min_replicas, max_replicas]`` where it was outside).
     """
 
     desired: int
@@ -260,26 +277,36 @@ class PolicyEngine:
         missing: list[str] = []
         for m in p.metrics:
             sample = obs.metrics.get(m.name)
-            if sample is None or sample.value is None or not math.isfinite(sample.value):
+            if sample is None or sample.value is None:
                 per_metric[m.name] = None
                 missing.append(f"{m.name} (no data)")
+                continue
+            if not (math.isfinite(sample.value) and sample.value >= 0):
+                per_metric[m.name] = None
+                missing.append(f"{m.name} (unusable value {_fmt_value(sample.value)})")
                 continue
             if sample.age_s > p.stale_after_s:
                 per_metric[m.name] = None
                 missing.append(f"{m.name} (stale {_fmt(round(sample.age_s, 1))}s)")
                 continue
-            value = max(0.0, sample.value)
+            value = sample.value
             projected = self._look_ahead(m.name, obs.now - sample.age_s, value, horizon)
             wanted = self._proportional(projected, m.target_per_replica, capacity)
             per_metric[m.name] = wanted
             evals.append(_Eval(m.name, m.target_per_replica, value, projected, horizon, wanted))
 
         if not evals:
+            desired = self._clamp(current)
+            if desired == current:
+                head = f"hold {current}"
+            else:
+                bound = "min_replicas" if desired > current else "max_replicas"
+                head = f"scale {'up' if desired > current else 'down'} {current} -> {desired} ({bound})"
             return Decision(
-                desired=current,
-                reason=f"hold {current}: metrics missing: {', '.join(missing)}",
+                desired=desired,
+                reason=f"{head}: metrics missing: {', '.join(missing)}",
                 panic=obs.now < self._panic_until,
-                recommendation=current,
+                recommendation=desired,
                 per_metric=per_metric,
                 held=True,
             )
@@ -303,13 +330,20 @@ class PolicyEngine:
         panic = triggered or obs.now < self._panic_until
         notes = self._notes(driver, missing)
         if panic:
-            desired = min(max(current, recommendation), p.max_replicas)
-            desired = max(desired, p.min_replicas)
+            # No stabilization window, but the same rate limit as any scale-up, then the bounds.
+            wanted = max(current, recommendation)
+            limit = self._up_limit(current)
+            limited = wanted if limit is None else min(wanted, current + limit)
+            desired = self._clamp(limited)
             demand_txt = (
                 f"demand {ratio:.1f}x ready capacity" if obs.ready > 0 else "demand with no ready capacity"
             )
             if desired > current:
                 action = f"scaling {current} -> {desired}"
+                if desired > limited:
+                    action += " (min_replicas)"
+                elif desired < wanted:
+                    action += f" (at most +{limit} per step)"
             elif desired < current:
                 action = f"scaling {current} -> {desired} (max_replicas)"
             else:
@@ -382,7 +416,10 @@ class PolicyEngine:
     def _proportional(self, value: float, target: float, capacity: int) -> int:
         if capacity > 0 and abs(value / (target * capacity) - 1.0) <= self._params.tolerance + _EPS:
             return capacity
-        return max(0, math.ceil(value / target - _EPS))
+        wanted = value / target - _EPS
+        if not wanted < _MOST_REPLICAS:  # also an overflow to inf
+            return _MOST_REPLICAS
+        return max(0, math.ceil(wanted))
 
     def _horizon(self, obs: Observation) -> float:
         p = self._params
@@ -414,9 +451,11 @@ class PolicyEngine:
         if var_t <= 0:
             return value
         slope = sum((t - mean_t) * (v - mean_v) for t, v in history) / var_t
-        if slope <= 0:
+        # Totals near the float limit overflow the sums to inf and the slope to NaN: no look-ahead then.
+        if not (math.isfinite(slope) and slope > 0):
             return value
-        return min(value + slope * horizon, 2.0 * value)
+        projected = min(value + slope * horizon, 2.0 * value)
+        return projected if math.isfinite(projected) else value
 
     def seed(self, now: float, current: int) -> None:
         """Count `current` as recommended at `now`, so that a fresh engine (a new policy or spec, a
@@ -444,15 +483,9 @@ class PolicyEngine:
 
     @staticmethod
     def _notes(driver: _Eval, missing: list[str]) -> str:
-        rising = (
-            f" rising to {driver.projected:.1f} in {_fmt(driver.horizon_s)}s"
-            if f"{driver.projected:.1f}" != f"{driver.value:.1f}"
-            else ""
-        )
-        text = (
-            f"{driver.name} {driver.value:.1f}{rising} (target {_fmt(driver.target)}/replica) "
-            f"wants {driver.wanted}"
-        )
+        value, projected = _fmt_value(driver.value), _fmt_value(driver.projected)
+        rising = f" rising to {projected} in {_fmt(driver.horizon_s)}s" if projected != value else ""
+        text = f"{driver.name} {value}{rising} (target {_fmt(driver.target)}/replica) wants {driver.wanted}"
         if missing:
             text += f"; missing, not scaling below current: {', '.join(missing)}"
         return text

@@ -11,8 +11,12 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
-from dynamo_snapshot.api.gojson import go_quote, go_string_map
+from dynamo_snapshot.api.checkpoint import DynamoCheckpoint
+from dynamo_snapshot.api.crdgen import build_crd
+from dynamo_snapshot.api.gojson import go_quote, go_string_map, go_unmarshal
+from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment
 from dynamo_snapshot.api.identity import (
     BackendFramework,
     CheckpointIdentity,
@@ -22,6 +26,9 @@ from dynamo_snapshot.api.identity import (
 
 VECTORS_FILE = Path(__file__).resolve().parent / "go_identity_vectors.json"
 VECTORS: list[dict[str, Any]] = json.loads(VECTORS_FILE.read_text(encoding="utf-8"))["vectors"]
+# Vectors Go decoded from a JSON document: what a file holds, before any decoding.
+DECODED = [vector for vector in VECTORS if "json" in vector]
+SIZES = ("tensorParallelSize", "pipelineParallelSize", "maxModelLen")
 
 
 def _go_string(value: str | dict[str, str]) -> str:
@@ -29,6 +36,12 @@ def _go_string(value: str | dict[str, str]) -> str:
     if isinstance(value, dict):
         return base64.b64decode(value["bytesBase64"]).decode("utf-8", "surrogateescape")
     return value
+
+
+def _json_bytes(vector: dict[str, Any]) -> bytes:
+    """The document a decoded vector was read from, byte for byte."""
+    source = vector["json"]
+    return base64.b64decode(source["bytesBase64"]) if isinstance(source, dict) else source.encode("utf-8")
 
 
 def _identity_from_vector(vector: dict[str, Any]) -> dict[str, Any]:
@@ -66,8 +79,144 @@ def test_reference_vectors_cover_the_tricky_cases() -> None:
         "line-and-paragraph-separators",
         "invalid-utf8-lone-byte",
         "extra-parameters-sorted-bytewise",
+        "zero-sizes-and-max-model-len",
+        "negative-and-zero-sizes",
+        "json-surrogate-pair-escape",
+        "json-lone-high-surrogate-escape",
+        "json-lone-low-surrogate-escape",
+        "json-surrogate-escapes-in-extra-parameters",
+        "json-invalid-utf8-bytes",
     ):
         assert expected in names
+
+
+# --- zero sizes: Go's omitempty int32, where 0 is unset -------------------------------------------
+
+
+def test_zero_sizes_hash_to_dynamos_known_value() -> None:
+    identity = {"model": "meta-llama/Llama-2-7b-hf", "backendFramework": "vllm"}
+    zeros = {**identity, "tensorParallelSize": 0, "pipelineParallelSize": 0, "maxModelLen": 0}
+    assert compute_identity_hash(zeros) == "96429b2725761a09"
+    model = CheckpointIdentity.model_validate(zeros)
+    assert (model.tensor_parallel_size, model.pipeline_parallel_size, model.max_model_len) == (0, 0, 0)
+    assert model.compute_hash() == "96429b2725761a09"
+    # Kept as given, so the stored object reads back unchanged; only the hash normalises.
+    assert model.to_dict() == zeros
+
+
+# Decoded vectors with a size of 0 and none below.
+ZERO_SIZES = [vector for vector in DECODED if min(vector["identity"].get(key, 1) for key in SIZES) == 0]
+
+
+@pytest.mark.parametrize("vector", ZERO_SIZES, ids=lambda v: v["name"])
+def test_the_model_hashes_zero_sizes_like_go(vector: dict[str, Any]) -> None:
+    identity = _identity_from_vector(vector)
+    assert CheckpointIdentity.model_validate(identity).compute_hash() == vector["hash"]
+
+
+def test_zero_size_vectors_exist() -> None:
+    assert len(ZERO_SIZES) >= 3
+
+
+@pytest.mark.parametrize("key", SIZES)
+def test_zero_is_admitted_inside_a_checkpoint_and_a_dgd(key: str) -> None:
+    identity = {"model": "meta-llama/Llama-2-7b-hf", "backendFramework": "vllm", key: 0}
+    checkpoint = DynamoCheckpoint.model_validate(
+        {"spec": {"identity": identity, "job": {"podTemplateSpec": {}}}}
+    )
+    assert checkpoint.spec.identity.compute_hash() == "96429b2725761a09"
+    dgd = DynamoGraphDeployment.model_validate(
+        {"spec": {"services": {"w": {"checkpoint": {"enabled": True, "identity": identity}}}}}
+    )
+    auto = (dgd.spec.services or {})["w"].checkpoint
+    assert auto is not None
+    assert auto.identity is not None
+    assert auto.identity.compute_hash() == "96429b2725761a09"
+
+
+@pytest.mark.parametrize("key", SIZES)
+def test_negative_sizes_hash_like_go_but_the_model_refuses_them(key: str) -> None:
+    identity = {"model": "m", "backendFramework": "vllm", key: -1}
+    payload = identity_hash_payload(identity)
+    # Go keeps a negative value as it is (only 0 is normalised).
+    assert f'"{key}":-1'.encode() in payload
+    with pytest.raises(ValidationError) as exc:
+        CheckpointIdentity.model_validate(identity)
+    [error] = exc.value.errors()
+    assert error["loc"] == (key,)
+    assert "greater than or equal to 0" in error["msg"]
+
+
+@pytest.mark.parametrize("resource", [DynamoCheckpoint, DynamoGraphDeployment])
+def test_the_crd_schema_admits_zero_sizes_and_refuses_negative(resource: Any) -> None:
+    schema = build_crd(resource)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    if resource is DynamoCheckpoint:
+        identity = schema["properties"]["spec"]["properties"]["identity"]
+    else:
+        service = schema["properties"]["spec"]["properties"]["services"]["additionalProperties"]
+        identity = service["properties"]["checkpoint"]["properties"]["identity"]
+    for key in SIZES:
+        assert identity["properties"][key]["minimum"] == 0, key
+    assert [identity["properties"][key].get("default") for key in SIZES] == [1, 1, None]
+
+
+# --- reading JSON as Go does ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vector", DECODED, ids=lambda v: v["name"])
+def test_json_documents_decode_and_hash_as_in_go(vector: dict[str, Any]) -> None:
+    decoded = go_unmarshal(_json_bytes(vector))
+    assert decoded == _identity_from_vector(vector)
+    assert compute_identity_hash(decoded) == vector["hash"]
+    if all(decoded.get(key, 0) >= 0 for key in SIZES):
+        assert CheckpointIdentity.model_validate(decoded).compute_hash() == vector["hash"]
+
+
+def test_pydantics_own_json_parser_refuses_what_go_reads() -> None:
+    """Why go_unmarshal exists: pydantic's parser refuses a lone surrogate escape Go reads as U+FFFD."""
+    document = '{"model":"x\\ud83dy","backendFramework":"vllm"}'
+    with pytest.raises(ValidationError, match=r"hex escape"):
+        CheckpointIdentity.model_validate_json(document)
+    identity = CheckpointIdentity.model_validate(go_unmarshal(document))
+    assert identity.model == "x\ufffdy"
+
+
+@given(
+    st.text(
+        alphabet=st.characters(codec=None, categories=["L", "N", "P", "Cs", "So"]),
+        max_size=12,
+    )
+)
+def test_go_unmarshal_reads_escaped_surrogates_like_a_utf16_decoder(value: str) -> None:
+    # json.dumps escapes every surrogate, so the document holds \uXXXX for each; Go joins a high and a
+    # low one into their character and reads every other one as U+FFFD, as a UTF-16 decoder does.
+    oracle = value.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+    assert go_unmarshal(json.dumps({"k": value})) == {"k": oracle}
+
+
+@pytest.mark.parametrize(
+    ("document", "expected"),
+    [
+        ('{"\\ud800":1,"\\udfff":2}', {"\ufffd": 2}),
+        (b'{"a":["\\ude00",{"\\ud83d\\ude00":"\xff"}]}', {"a": ["\ufffd", {"\U0001f600": "\ufffd"}]}),
+        (b'"\xe2\x82"', "\ufffd\ufffd"),
+        ("[1, 2.5, true, null]", [1, 2.5, True, None]),
+    ],
+)
+def test_go_unmarshal_shapes(document: str | bytes, expected: Any) -> None:
+    assert go_unmarshal(document) == expected
+
+
+@pytest.mark.parametrize("document", ['{"a": NaN}', "[Infinity]", "-Infinity"])
+def test_go_unmarshal_refuses_non_finite_numbers(document: str) -> None:
+    with pytest.raises(ValueError, match="is not a JSON value"):
+        go_unmarshal(document)
+
+
+@pytest.mark.parametrize("document", ['{"a": 1,}', "{'a': 1}", '"tab\there"', b'{"a":"b"}\xff'])
+def test_go_unmarshal_refuses_malformed_documents(document: str | bytes) -> None:
+    with pytest.raises(json.JSONDecodeError):
+        go_unmarshal(document)
 
 
 # --- hand-computed Go encoding/json outputs ---------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -297,14 +298,25 @@ def test_missing_or_stale_never_scales_down(
 
 
 # ----------------------------------------------------------------------------------------------- panic
-def test_panic_scales_up_immediately_ignoring_window_and_rate_limit() -> None:
-    p = params(panic_threshold=2.0, scale_up_window_s=60.0, scale_up_max_step=1, scale_up_max_percent=10)
-    eng = PolicyEngine(p)
+def test_panic_scales_up_at_once_ignoring_the_window() -> None:
+    eng = PolicyEngine(params(panic_threshold=2.0, scale_up_window_s=60.0))
     eng.decide(obs(0, 2, 20.0))
     d = eng.decide(obs(1, 2, 80.0))
     assert d.panic
     assert d.desired == 8
-    assert d.reason.startswith("panic: demand 4.0x ready capacity, scaling 2 -> 8")
+    assert d.reason.startswith("panic: demand 4.0x ready capacity, scaling 2 -> 8: ")
+
+
+def test_panic_keeps_the_scale_up_rate_limit() -> None:
+    p = params(panic_threshold=2.0, scale_up_window_s=60.0, scale_up_max_step=1, scale_up_max_percent=50)
+    eng = PolicyEngine(p)
+    eng.decide(obs(0, 2, 20.0))
+    d = eng.decide(obs(1, 2, 80.0))
+    assert d.panic
+    assert d.desired == 3  # max(1, ceil(2 * 50%)) added, not the 6 the panic wants
+    assert d.reason.startswith("panic: demand 4.0x ready capacity, scaling 2 -> 3 (at most +1 per step): ")
+    d = eng.decide(obs(2, 3, 80.0, ready=2, starting=1))
+    assert (d.panic, d.desired) == (True, 5)  # + max(1, ceil(3 * 50%))
 
 
 def test_panic_never_scales_down() -> None:
@@ -332,11 +344,14 @@ def test_panic_window_extends_while_condition_holds() -> None:
 
 
 def test_panic_with_nothing_ready() -> None:
-    eng = PolicyEngine(params(min_replicas=0, panic_threshold=2.0, scale_up_max_step=1))
+    eng = PolicyEngine(params(min_replicas=0, panic_threshold=2.0))
     d = eng.decide(obs(0, 0, 35.0))
     assert d.panic
     assert d.desired == 4
     assert d.reason.startswith("panic: demand with no ready capacity, scaling 0 -> 4")
+    limited = PolicyEngine(params(min_replicas=0, panic_threshold=2.0, scale_up_max_step=1))
+    d = limited.decide(obs(0, 0, 35.0))
+    assert (d.panic, d.desired) == (True, 1)
     # no demand, nothing ready: no panic
     assert not PolicyEngine(params(min_replicas=0, panic_threshold=2.0)).decide(obs(0, 0, 0.0)).panic
 
@@ -428,6 +443,162 @@ def test_look_ahead_never_lowers_the_recommendation(values: list[float], latency
         )
 
 
+# ------------------------------------------------------------------ absurd and unusable metric values
+MOST = 2**31 - 1  # the largest replica count Kubernetes can hold
+# Each unusable total and how a reason shows it.
+SHOWN = {math.inf: "inf", -math.inf: "-inf", math.nan: "nan", -5.0: "-5.0", -1e300: "-1e+300"}
+UNUSABLE = list(SHOWN)
+LIMITS: dict[str, dict[str, Any]] = {
+    "no-rate-limits": {"scale_down_max_step": 0},
+    "rate-limits": {"scale_up_max_step": 1, "scale_up_max_percent": 50.0, "scale_down_max_step": 1},
+}
+MODES = ["normal", "panic"]
+
+
+def _engine(mode: str, limits: str, **kw: Any) -> PolicyEngine:
+    threshold = 2.0 if mode == "panic" else math.inf
+    return PolicyEngine(params(panic_threshold=threshold, scale_down_window_s=0.0, **LIMITS[limits], **kw))
+
+
+def _panicking(eng: PolicyEngine) -> int:
+    """Put the engine in panic (80 waiting on 2 ready replicas); the replicas it set."""
+    d = eng.decide(obs(0, 2, 80.0))
+    assert d.panic
+    return d.desired
+
+
+def _within_policy(eng: PolicyEngine, current: int, d: Decision) -> None:
+    """The invariants of every decision: the bounds, and the scale-up rate limit above min_replicas."""
+    p = eng.params
+    assert p.min_replicas <= d.desired <= p.max_replicas, d.reason
+    if p.scale_up_max_step and d.desired > max(current, p.min_replicas):
+        step = max(p.scale_up_max_step, math.ceil(current * p.scale_up_max_percent / 100))
+        assert d.desired - current <= step, d.reason
+    assert all(wanted is None or 0 <= wanted <= MOST for wanted in d.per_metric.values())
+    assert "\n" not in d.reason
+    assert len(d.reason) < 300, d.reason
+
+
+@pytest.mark.parametrize("limits", LIMITS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("value", UNUSABLE, ids=str)
+def test_an_unusable_total_holds_the_count_and_names_the_value(value: float, mode: str, limits: str) -> None:
+    """NaN, infinite or negative totals mean a broken query: never a reason to scale, down or up."""
+    eng = _engine(mode, limits)
+    current = _panicking(eng) if mode == "panic" else 6
+    d = eng.decide(obs(1, current, value))
+    _within_policy(eng, current, d)
+    assert d.held
+    assert d.desired == current
+    assert d.panic is (mode == "panic")
+    assert d.per_metric == {WAITING: None}
+    assert d.reason == f"hold {current}: metrics missing: {WAITING} (unusable value {SHOWN[value]})"
+
+
+@pytest.mark.parametrize("limits", LIMITS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("value", [*UNUSABLE, None], ids=str)
+@pytest.mark.parametrize(("current", "bound"), [(60, "max_replicas"), (1, "min_replicas")])
+def test_the_bounds_hold_while_every_metric_is_unusable(
+    value: float | None, mode: str, limits: str, current: int, bound: str
+) -> None:
+    # The DGD's replicas edited by hand past the policy's bounds, then the query breaks.
+    eng = _engine(mode, limits, min_replicas=3)
+    if mode == "panic":
+        _panicking(eng)
+    d = eng.decide(obs(1, current, value))
+    expected = 50 if bound == "max_replicas" else 3
+    assert (d.desired, d.held) == (expected, True), d.reason
+    direction = "down" if expected < current else "up"
+    assert d.reason.startswith(f"scale {direction} {current} -> {expected} ({bound}): metrics missing: ")
+
+
+@pytest.mark.parametrize("limits", LIMITS)
+@pytest.mark.parametrize("mode", MODES)
+def test_an_absurdly_large_total_asks_for_the_most_replicas_within_the_policy(mode: str, limits: str) -> None:
+    # The policy allows every replica count Kubernetes can hold; vector(1e300) asks for more.
+    eng = _engine(mode, limits, max_replicas=MOST)
+    d = eng.decide(obs(0, 1, 1e300))
+    _within_policy(eng, 1, d)
+    assert d.panic is (mode == "panic")
+    assert d.per_metric == {WAITING: MOST}
+    assert d.recommendation == MOST
+    assert d.desired == (2 if limits == "rate-limits" else MOST)
+    assert f"{WAITING} 1e+300 (target 10/replica) wants {MOST}" in d.reason
+    if limits == "rate-limits":
+        assert "at most +1 per step" in d.reason
+    # The next decision is limited again: one step at a time, never the whole way at once.
+    d2 = eng.decide(obs(1, d.desired, 1e300, ready=1, starting=d.desired - 1))
+    _within_policy(eng, d.desired, d2)
+    assert d2.desired == (3 if limits == "rate-limits" else MOST)
+
+
+@pytest.mark.parametrize("limits", LIMITS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    ("target", "values"),
+    [
+        (1e-10, [1e300]),  # total / target overflows to inf
+        (10.0, [1e307, 1.7e308]),  # a rising total: the look-ahead's sums overflow
+        (10.0, [1e308, 1.79e308, 1.797e308]),
+    ],
+    ids=["quotient-overflows", "slope-overflows", "near-float-max"],
+)
+def test_totals_near_the_float_limit_never_raise(
+    target: float, values: list[float], mode: str, limits: str
+) -> None:
+    eng = _engine(mode, limits, metrics=(MetricTarget(WAITING, target),), max_replicas=40)
+    current = 4
+    for t, value in enumerate(values):
+        d = eng.decide(obs(float(t), current, value, ready=4, starting=current - 4, restore=5.0))
+        _within_policy(eng, current, d)
+        assert d.per_metric == {WAITING: MOST}
+        # Up by max(1, ceil(50%)) per decision with the limits, else to max_replicas at once.
+        assert d.desired == (current + math.ceil(current / 2) if limits == "rate-limits" else 40)
+        current = d.desired
+
+
+_totals = st.one_of(
+    st.none(),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0.0, 1e300, -1e300, 1.7976931348623157e308, 5e-324]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    totals=st.lists(st.tuples(_totals, _totals), min_size=1, max_size=12),
+    mode=st.sampled_from(MODES),
+    limits=st.sampled_from(list(LIMITS)),
+    bounds=st.sampled_from([(0, 1), (1, 40), (2, MOST)]),
+    start=st.integers(0, 60),
+    restore=st.sampled_from([None, 5.0]),
+)
+def test_every_decision_stays_within_the_policy(
+    totals: list[tuple[float | None, float | None]],
+    mode: str,
+    limits: str,
+    bounds: tuple[int, int],
+    start: int,
+    restore: float | None,
+) -> None:
+    low, high = bounds
+    eng = _engine(
+        mode,
+        limits,
+        min_replicas=low,
+        max_replicas=high,
+        metrics=(MetricTarget(WAITING, 10.0), MetricTarget(KV, 1e-9)),
+    )
+    current = start
+    for t, (waiting, kv) in enumerate(totals):
+        ready = current // 2
+        o = obs(float(t), current, waiting, ready=ready, starting=current - ready, restore=restore)
+        d = eng.decide(dataclasses.replace(o, metrics={**o.metrics, KV: MetricSample(kv)}))
+        _within_policy(eng, current, d)
+        current = d.desired
+
+
 # ---------------------------------------------------------------------------------------- validation
 @pytest.mark.parametrize(
     ("kw", "message"),
@@ -448,7 +619,8 @@ def test_look_ahead_never_lowers_the_recommendation(values: list[float], latency
         ({"scale_down_grace_s": -1.0}, "scale_down_grace_s must be >= 0"),
         ({"stale_after_s": -1.0}, "stale_after_s must be >= 0"),
         ({"scale_up_max_step": -1}, "scale_up_max_step must be >= 0"),
-        ({"scale_up_max_percent": 0.0}, "scale_up_max_percent must be > 0"),
+        ({"scale_up_max_percent": 0.0}, "scale_up_max_percent must be a finite number > 0"),
+        ({"scale_up_max_percent": math.inf}, "scale_up_max_percent must be a finite number > 0"),
         ({"scale_down_max_step": -1}, "scale_down_max_step must be >= 0"),
         ({"panic_threshold": 1.0}, "panic_threshold must be > 1"),
         ({"restore_latency_s": -1.0}, "restore_latency_s must be None or >= 0"),

@@ -93,7 +93,7 @@ def test_a_checkpoint_from_stdin_matches_its_identity() -> None:
     ("content", "service", "words"),
     [
         ("model: x\nbackendFramework: pytorch\n", None, "backendFramework"),
-        ("model: x\nbackendFramework: vllm\ntensorParallelSize: 0\n", None, "tensorParallelSize"),
+        ("model: x\nbackendFramework: vllm\ntensorParallelSize: -1\n", None, "tensorParallelSize"),
         ("- a list\n", None, "expected a mapping"),
         ("kind: Pod\n", None, "kind Pod has no checkpoint identity"),
         ("{unclosed\n", None, "not YAML or JSON"),
