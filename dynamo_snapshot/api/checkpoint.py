@@ -9,14 +9,16 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field, field_validator
 
 from dynamo_snapshot.api.identity import CheckpointIdentity
 from dynamo_snapshot.api.kube import (
+    LABEL_VALUE_MAX_LENGTH,
     Condition,
     CustomResource,
     KubeModel,
     NonNegativeInt32,
+    ObjectMeta,
     PositiveInt32,
     PrinterColumn,
     ResourceInfo,
@@ -25,6 +27,9 @@ from dynamo_snapshot.api.kube import (
 from dynamo_snapshot.api.protocol import API_GROUP, API_VERSION
 
 __all__ = [
+    "CHECKPOINT_JOB_SUFFIX",
+    "CHECKPOINT_NAME_MAX_LENGTH",
+    "CHECKPOINT_NAME_MESSAGE",
     "IDENTITY_IMMUTABLE_MESSAGE",
     "MAX_FAILED_RESTORES_LISTED",
     "CheckpointCompatibility",
@@ -38,6 +43,18 @@ __all__ = [
 
 IDENTITY_IMMUTABLE_MESSAGE = (
     "identity is immutable once set: create a new DynamoCheckpoint for a different identity"
+)
+
+# The checkpoint Job is named <checkpoint>-checkpoint, and the Job controller puts the Job's name on its
+# pod as a label value (at most 63 characters): the checkpoint's name leaves room for the suffix, so
+# two checkpoints never share a Job name by truncation.  The checkpoint's name is also the value of the
+# nvidia.com/snapshot-checkpoint-id label on every pod restored from it.
+CHECKPOINT_JOB_SUFFIX = "-checkpoint"
+CHECKPOINT_NAME_MAX_LENGTH = LABEL_VALUE_MAX_LENGTH - len(CHECKPOINT_JOB_SUFFIX)
+CHECKPOINT_NAME_MESSAGE = (
+    f"metadata.name must be at most {CHECKPOINT_NAME_MAX_LENGTH} characters: the checkpoint Job is named "
+    f"<metadata.name>{CHECKPOINT_JOB_SUFFIX}, and Kubernetes puts Job names on pods as label values "
+    f"(at most {LABEL_VALUE_MAX_LENGTH} characters)"
 )
 
 
@@ -94,6 +111,12 @@ class DynamoCheckpointStatus(KubeModel):
     phase: CheckpointPhase | None = None
     identity_hash: str | None = Field(default=None, description="Hash of spec.identity.")
     location: str | None = Field(default=None, description="Where the checkpoint is stored.")
+    artifact_digest: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="SHA-256 of the artifact's sealed manifest; node agents restore only that artifact.",
+    )
+    source_pod: str | None = Field(default=None, description="The pod the checkpoint was taken from.")
     storage_type: StorageType | None = None
     job_name: str | None = Field(default=None, description="The checkpoint Job.")
     created_at: Timestamp | None = Field(default=None, description="When the checkpoint became ready.")
@@ -112,6 +135,18 @@ class DynamoCheckpointStatus(KubeModel):
 
 class DynamoCheckpoint(CustomResource):
     """A checkpoint of a warm worker that new replicas with the same identity restore from."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": f"self.metadata.name.size() <= {CHECKPOINT_NAME_MAX_LENGTH}",
+                    "message": CHECKPOINT_NAME_MESSAGE,
+                    "fieldPath": ".metadata",
+                }
+            ]
+        }
+    )
 
     resource: ClassVar[ResourceInfo] = ResourceInfo(
         group=API_GROUP,
@@ -133,3 +168,10 @@ class DynamoCheckpoint(CustomResource):
     kind: Literal["DynamoCheckpoint"] = "DynamoCheckpoint"
     spec: DynamoCheckpointSpec
     status: DynamoCheckpointStatus | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _name_leaves_room_for_the_job_suffix(cls, metadata: ObjectMeta) -> ObjectMeta:
+        if metadata.name is not None and len(metadata.name) > CHECKPOINT_NAME_MAX_LENGTH:
+            raise ValueError(CHECKPOINT_NAME_MESSAGE)
+        return metadata

@@ -10,11 +10,23 @@ import pytest
 import yaml
 from pydantic import BaseModel, Field
 
-from dynamo_snapshot.api.checkpoint import IDENTITY_IMMUTABLE_MESSAGE, DynamoCheckpoint
+from dynamo_snapshot.api.checkpoint import (
+    CHECKPOINT_NAME_MAX_LENGTH,
+    CHECKPOINT_NAME_MESSAGE,
+    IDENTITY_IMMUTABLE_MESSAGE,
+    DynamoCheckpoint,
+)
 from dynamo_snapshot.api.crdgen import build_crd, render_crds
 from dynamo_snapshot.api.graphdeployment import (
     CHECKPOINT_NEEDS_SOURCE_MESSAGE,
+    ENV_VALUE_AND_VALUE_FROM_MESSAGE,
+    GPU_COUNT_MESSAGE,
+    GRAPH_AND_SERVICE_MESSAGE,
+    GRAPH_NAME_MESSAGE,
     MANUAL_NEEDS_REF_MESSAGE,
+    SERVICE_NAME_LENGTH_MESSAGE,
+    SERVICE_NAME_MESSAGE,
+    SERVICE_NAME_PATTERN,
     DynamoGraphDeployment,
 )
 from dynamo_snapshot.api.kube import CustomResource, KubeModel
@@ -22,6 +34,8 @@ from dynamo_snapshot.api.resources import CUSTOM_RESOURCES
 from dynamo_snapshot.api.structural import structural_problems, structural_schema
 
 PRESERVE = "x-kubernetes-preserve-unknown-fields"
+INT_OR_STRING = "x-kubernetes-int-or-string"
+RULES = "x-kubernetes-validations"
 
 
 def _schema(resource: type[CustomResource]) -> dict[str, Any]:
@@ -104,12 +118,16 @@ def _violations(value: Any, schema: dict[str, Any], path: str = "") -> list[str]
         found.append(f"{path}: {value} < {schema['minimum']}")
     if "maximum" in schema and value > schema["maximum"]:
         found.append(f"{path}: {value} > {schema['maximum']}")
-    if "minLength" in schema and len(value) < schema["minLength"]:
-        found.append(f"{path}: shorter than {schema['minLength']}")
-    if "maxLength" in schema and len(value) > schema["maxLength"]:
-        found.append(f"{path}: longer than {schema['maxLength']}")
-    if "pattern" in schema and not re.search(schema["pattern"], value):
-        found.append(f"{path}: does not match {schema['pattern']}")
+    if schema.get("x-kubernetes-int-or-string") and not isinstance(value, (int, str)):
+        return [f"{path}: {value!r} is neither integer nor string"]
+    # String checks apply to the strings of an int-or-string value only.
+    if isinstance(value, str):
+        if "minLength" in schema and len(value) < schema["minLength"]:
+            found.append(f"{path}: shorter than {schema['minLength']}")
+        if "maxLength" in schema and len(value) > schema["maxLength"]:
+            found.append(f"{path}: longer than {schema['maxLength']}")
+        if "pattern" in schema and not re.search(schema["pattern"], value):
+            found.append(f"{path}: does not match {schema['pattern']}")
     if isinstance(value, dict):
         if "maxProperties" in schema and len(value) > schema["maxProperties"]:
             found.append(f"{path}: more than {schema['maxProperties']} entries")
@@ -137,7 +155,9 @@ def test_schema_is_structural(resource: type[CustomResource]) -> None:
             assert keyword not in node, f"{where}: {keyword} left in the schema"
         assert node.get("additionalProperties") is not False, where
     for where, node in _schema_nodes(schema):
-        assert "type" in node or node.get(PRESERVE), f"{where or '<root>'} has no type"
+        assert "type" in node or node.get(PRESERVE) or node.get(INT_OR_STRING), (
+            f"{where or '<root>'} has no type"
+        )
         if "properties" in node or "additionalProperties" in node:
             assert node["type"] == "object", where
         assert not ("properties" in node and "additionalProperties" in node), where
@@ -200,11 +220,11 @@ def test_checkpoint_identity_rules() -> None:
         assert identity["properties"][key] | {"description": ""} == {
             "type": "integer",
             "default": 1,
-            "minimum": 1,
+            "minimum": 0,
             "maximum": 2**31 - 1,
             "description": "",
         }
-    assert identity["properties"]["maxModelLen"]["minimum"] == 1
+    assert identity["properties"]["maxModelLen"]["minimum"] == 0
     assert identity["properties"]["extraParameters"]["additionalProperties"] == {"type": "string"}
 
 
@@ -243,13 +263,74 @@ def test_graph_deployment_service_rules() -> None:
     assert checkpoint["properties"]["mode"]["enum"] == ["Auto", "Manual"]
     assert checkpoint["properties"]["mode"]["default"] == "Auto"
     assert checkpoint["properties"]["enabled"]["default"] is False
-    assert checkpoint["properties"]["checkpointRef"]["maxLength"] == 253
+    assert checkpoint["properties"]["checkpointRef"]["maxLength"] == CHECKPOINT_NAME_MAX_LENGTH == 52
     identity = _at(schema, "spec.services.*.checkpoint.identity")
     assert identity == {
         key: value
         for key, value in _at(_schema(DynamoCheckpoint), "spec.identity").items()
         if key != "x-kubernetes-validations"
     } | {"description": identity["description"]}
+
+
+def _messages(node: dict[str, Any]) -> list[str]:
+    return [rule["message"] for rule in node.get(RULES, [])]
+
+
+def test_names_are_checked_where_pods_and_jobs_get_them() -> None:
+    graph = _schema(DynamoGraphDeployment)
+    assert graph[RULES] == [
+        {"rule": "self.metadata.name.size() <= 63", "message": GRAPH_NAME_MESSAGE, "fieldPath": ".metadata"},
+        {
+            "rule": "!has(self.spec.services) || "
+            "self.spec.services.all(k, self.metadata.name.size() + k.size() <= 56)",
+            "message": GRAPH_AND_SERVICE_MESSAGE,
+            "fieldPath": ".spec.services",
+        },
+    ]
+    services = _at(graph, "spec.services")
+    assert services[RULES] == [
+        {"rule": f"self.all(k, k.matches('{SERVICE_NAME_PATTERN}'))", "message": SERVICE_NAME_MESSAGE},
+        {"rule": "self.all(k, k.size() <= 63)", "message": SERVICE_NAME_LENGTH_MESSAGE},
+    ]
+    assert services["maxProperties"] == 25
+    assert _schema(DynamoCheckpoint)[RULES] == [
+        {
+            "rule": "self.metadata.name.size() <= 52",
+            "message": CHECKPOINT_NAME_MESSAGE,
+            "fieldPath": ".metadata",
+        }
+    ]
+
+
+@pytest.mark.parametrize("path", ["spec.envs", "spec.services.*.envs"])
+def test_env_entries_need_a_name(path: str) -> None:
+    env = _at(_schema(DynamoGraphDeployment), path)["items"]
+    assert env["required"] == ["name"]
+    assert env["properties"]["name"]["minLength"] == 1
+    assert env["properties"]["value"] == {"type": "string"}
+    assert env[PRESERVE] is True
+    assert _messages(env) == [ENV_VALUE_AND_VALUE_FROM_MESSAGE]
+    assert _violations([{"value": "x"}], _at(_schema(DynamoGraphDeployment), path)) == ["[0].name: required"]
+
+
+@pytest.mark.parametrize("kind", ["requests", "limits"])
+def test_resource_items_check_their_quantities(kind: str) -> None:
+    item = _at(_schema(DynamoGraphDeployment), f"spec.services.*.resources.{kind}")
+    assert item[PRESERVE] is True
+    properties = item["properties"]
+    assert set(properties) == {"cpu", "memory", "gpu", "gpuType", "custom", "nvidia.com/gpu"}
+    assert _messages(properties["gpu"]) == [GPU_COUNT_MESSAGE]
+    assert properties["gpu"]["type"] == "string"
+    gpu = properties["nvidia.com/gpu"]
+    assert gpu[INT_OR_STRING] is True
+    assert "type" not in gpu
+    assert _messages(gpu) == [GPU_COUNT_MESSAGE]
+    for name in ("cpu", "memory"):
+        assert "quantity" in _messages(properties[name])[0]
+    assert "quantity" in _messages(properties["custom"]["additionalProperties"])[0]
+    assert properties["custom"]["maxProperties"] == 64
+    assert len(_messages(properties["custom"])) == 2
+    assert len(_messages(item)) == 2
 
 
 @pytest.mark.parametrize(
@@ -307,7 +388,7 @@ def test_openapi_checks_catch_bad_identities() -> None:
     schema = _schema(DynamoCheckpoint)
     bad = {
         "spec": {
-            "identity": {"model": "", "backendFramework": "onnx", "tensorParallelSize": 0},
+            "identity": {"model": "", "backendFramework": "onnx", "tensorParallelSize": -1},
             "job": {"podTemplateSpec": {}},
         }
     }

@@ -194,13 +194,13 @@ def test_unknown_backend_framework_in_a_service_identity_is_rejected() -> None:
 
 
 @pytest.mark.parametrize("key", ["tensorParallelSize", "pipelineParallelSize"])
-@pytest.mark.parametrize("value", [0, -1, -(2**31)])
-def test_non_positive_parallel_size_is_rejected(key: str, value: int) -> None:
+@pytest.mark.parametrize("value", [-1, -(2**31)])
+def test_negative_parallel_size_is_rejected(key: str, value: int) -> None:
     with pytest.raises(ValidationError) as exc:
         DynamoCheckpoint.model_validate(_checkpoint({"model": "m", "backendFramework": "vllm", key: value}))
     [(where, message)] = _errors(exc)
     assert where == f"spec.identity.{key}"
-    assert "greater than or equal to 1" in message
+    assert "greater than or equal to 0" in message
 
 
 @pytest.mark.parametrize(
@@ -209,7 +209,7 @@ def test_non_positive_parallel_size_is_rejected(key: str, value: int) -> None:
         ({"backendFramework": "vllm"}, "model"),
         ({"model": "", "backendFramework": "vllm"}, "model"),
         ({"model": "m"}, "backendFramework"),
-        ({"model": "m", "backendFramework": "vllm", "maxModelLen": 0}, "maxModelLen"),
+        ({"model": "m", "backendFramework": "vllm", "maxModelLen": -1}, "maxModelLen"),
         ({"model": "m", "backendFramework": "vllm", "tensorParallelSize": "2"}, "tensorParallelSize"),
         ({"model": "m", "backendFramework": "vllm", "tensorParallelSize": 2**31}, "tensorParallelSize"),
         ({"model": "m", "backendFramework": "vllm", "extraParameters": {"a": 1}}, "extraParameters.a"),

@@ -117,14 +117,14 @@ def test_unknown_backend_framework_in_a_service_is_refused(
     assert "onnx" in error
 
 
-@pytest.mark.parametrize("size", [0, -2])
-def test_non_positive_tensor_parallel_size_is_refused(
+@pytest.mark.parametrize("size", [-1, -2])
+def test_negative_tensor_parallel_size_is_refused(
     cluster: LocalCluster, crds: list[str], namespace: str, size: int
 ) -> None:
     manifest = _checkpoint(f"tp{size}".replace("-", "minus"), tensorParallelSize=size)
     error = refused_by_both(cluster, namespace, manifest, "tensorParallelSize")
     assert "spec.identity.tensorParallelSize" in error
-    assert "greater than or equal to 1" in error
+    assert "greater than or equal to 0" in error
 
 
 async def test_identity_is_immutable(
