@@ -2,18 +2,21 @@
 store. Kubernetes-free: the watcher turns pods into calls here and results into annotations.
 
 Checkpoint: wait for `ready-for-checkpoint` → lock and checkpoint CUDA in every CUDA process of the tree
-→ CRIU dump → carry the worker's weights files (weights.json) → manifest → atomic publish. Restore:
-verify the artifact's process images, the weights files' sizes and headers, GPU compatibility and free
-GPU memory before anything starts → CRIU restore and CUDA restore (GPU UUIDs remapped) while the weights'
-chunk digests are checked → weights linked back → `restore-complete` → `weights-verified`. A worker whose
-SDK waits for `weights-verified` gets `restore-complete` as soon as its process is back, so it loads its
-weights while the check still reads them; any other gets it only after the check. A failure leaves
-nothing running.
+→ CRIU dump → carry the worker's weights files (weights.json) → manifest, bound to the checkpoint and
+sealed by its digest → atomic publish under `<namespace>/<checkpoint uid>`. Restore: verify the
+artifact's manifest (its seal, its binding, the digest the checkpoint recorded), process images, the
+weights files' sizes and headers, GPU compatibility and free GPU memory before anything starts → CRIU
+restore and CUDA restore (GPU UUIDs remapped) while the weights' chunk digests are checked → weights
+linked back → `restore-complete` → `weights-verified`. A worker whose SDK waits for `weights-verified`
+gets `restore-complete` as soon as its process is back, so it loads its weights while the check still
+reads them; any other gets it only after the check. A failure leaves nothing running. An artifact is
+deleted only while no restore on this node reads it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import json
@@ -59,11 +62,14 @@ from dynamo_snapshot.artifact import (
     Artifact,
     ArtifactCache,
     ArtifactError,
+    ArtifactNotFoundError,
     ArtifactStore,
     ArtifactWriter,
+    Binding,
     GpuInfo,
     TreeStats,
     VerifiedFiles,
+    validate_artifact_key,
     warm_up_hashing,
 )
 from dynamo_snapshot.criu import Criu, CriuError
@@ -141,7 +147,8 @@ class AgentError(Exception):
 
 
 class ArtifactRefused(AgentError):
-    """The artifact's files (or its manifest) are not what it sealed: missing, truncated, altered."""
+    """The artifact's files (or its manifest) are not what it sealed: missing, truncated, altered; or it is
+    not the artifact the checkpoint recorded."""
 
 
 @dataclass
@@ -169,6 +176,11 @@ class CheckpointOutcome:
     location: str
     artifact_bytes: int
     timings: Timings
+    # The store key published under: "<namespace>/<checkpoint uid>" with a binding, else the identity hash.
+    key: str
+    # The sealed manifest's digest: what a restore passes as manifest_digest to get exactly this artifact
+    # ("" only for an unsealed format-2 artifact another writer had published under the hash first).
+    manifest_digest: str
 
 
 @dataclass
@@ -235,6 +247,10 @@ class Executor:
         # A node-local copy of the store's artifacts (None: every restore reads the store).
         self.cache = cache
         self._fills: dict[str, asyncio.Task[None]] = {}
+        # Restores under way per artifact key, and keys being deleted: delete_artifact removes nothing a
+        # restore reads, and no restore starts on what it is removing.
+        self._reading: collections.Counter[str] = collections.Counter()
+        self._deleting: collections.Counter[str] = collections.Counter()
         # Big files are hashed in a helper process (see artifact.isolated); start it before it is needed.
         warm_up_hashing()
 
@@ -255,8 +271,16 @@ class Executor:
             await asyncio.sleep(0.1)
 
     async def checkpoint(
-        self, workload: Workload, identity_hash: str, identity: CheckpointIdentity | None = None
+        self,
+        workload: Workload,
+        identity_hash: str,
+        identity: CheckpointIdentity | None = None,
+        *,
+        binding: Binding | None = None,
     ) -> CheckpointOutcome:
+        """Checkpoint ``workload`` into the store: under ``<namespace>/<checkpoint uid>`` bound to that
+        checkpoint and source pod with a ``binding``, else (CLI) under ``identity_hash``."""
+        key = binding.key if binding is not None else identity_hash
         t = Timings()
         cuda_pids: list[int] = []
         if self.cuda is not None:
@@ -267,7 +291,7 @@ class Executor:
         except ValueError as e:
             raise AgentError(f"worker's {protocol.FILE_WEIGHTS_MANIFEST} is unreadable: {e}") from None
         held_mib = await asyncio.to_thread(_gpu_memory_held_mib, cuda_pids)
-        writer = ArtifactWriter(self.store, identity_hash)
+        writer = ArtifactWriter(self.store, identity_hash, key=key)
         try:
             if self.prefetch_node_files:
                 with t.phase("checkpoint", "prefetch_plan"):
@@ -305,6 +329,7 @@ class Executor:
                     gpus=self.gpus,
                     criu_version=await self.criu.version(),
                     agent_version=__version__,
+                    binding=binding,
                     timings=dict(t.phases),
                     extra={
                         "runtime": self.runtime.name,
@@ -333,7 +358,7 @@ class Executor:
         BYTES.labels("checkpoint").inc(size)
         if published.io.seconds > 0:
             THROUGHPUT.labels("checkpoint").set(published.io.bytes / published.io.seconds / 1e9)
-        return CheckpointOutcome(str(artifact.path), size, t)
+        return CheckpointOutcome(str(artifact.path), size, t, artifact.key, artifact.manifest.digest or "")
 
     def _capture_weights(
         self, offload: OffloadManifest, seen_ctl: str, workload: Workload, staging: Path
@@ -350,23 +375,50 @@ class Executor:
 
     # ------------------------------------------------------------------ restore
     async def restore(
-        self, key: str, identity_hash: str, *, identity_info: dict[str, Any] | None = None
+        self,
+        key: str,
+        artifact_key: str,
+        *,
+        identity_info: dict[str, Any] | None = None,
+        manifest_digest: str | None = None,
     ) -> RestoreOutcome:
-        """Restore the checkpoint ``identity_hash`` as workload ``key``: from the node cache's copy when
-        it holds the store's current one (a refused copy is dropped and the store's used instead), else
-        from the store, after which a copy is put into the node cache in the background."""
+        """Restore the artifact ``artifact_key`` as workload ``key``: from the node cache's copy when it
+        holds the store's current one (a refused copy is dropped and the store's used instead), else
+        from the store, after which a copy is put into the node cache in the background. With
+        ``manifest_digest``, only an artifact whose sealed manifest has exactly that digest is used."""
+        if self._deleting[artifact_key]:
+            FAILURES.labels("restore").inc()
+            raise ArtifactRefused(f"artifact {artifact_key} refused: it is being deleted")
+        self._reading[artifact_key] += 1
+        try:
+            return await self._restore_reading(key, artifact_key, identity_info, manifest_digest)
+        finally:
+            self._reading[artifact_key] -= 1
+            if not self._reading[artifact_key]:
+                del self._reading[artifact_key]
+
+    async def _restore_reading(
+        self,
+        key: str,
+        artifact_key: str,
+        identity_info: dict[str, Any] | None,
+        manifest_digest: str | None,
+    ) -> RestoreOutcome:
         t = Timings()
         try:
             with t.phase("restore", "verify"):
                 try:
-                    artifact = await asyncio.to_thread(self.store.open, identity_hash)
+                    artifact = await asyncio.to_thread(self.store.open, artifact_key)
                 except (ArtifactError, ValueError) as e:
-                    raise ArtifactRefused(f"artifact {identity_hash} refused: {e}") from None
+                    raise ArtifactRefused(f"artifact {artifact_key} refused: {e}") from None
+                _check_digest(artifact, manifest_digest)
             if self.cache is not None:
-                cached = await self._restore_from_cache(self.cache, key, artifact, t, identity_info)
+                cached = await self._restore_from_cache(
+                    self.cache, key, artifact, t, identity_info, manifest_digest
+                )
                 if cached is not None:
                     return cached
-            outcome = await self._restore(key, identity_hash, artifact, t, identity_info)
+            outcome = await self._restore(key, artifact, t, identity_info, manifest_digest)
         except BaseException:
             FAILURES.labels("restore").inc()
             raise
@@ -382,47 +434,91 @@ class Executor:
         source: Artifact,
         t: Timings,
         identity_info: dict[str, Any] | None,
+        manifest_digest: str | None,
     ) -> RestoreOutcome | None:
         """From the node cache's copy of ``source``; None where it has none, or its copy was refused
         (the copy is then removed)."""
-        identity_hash = source.identity_hash
+        artifact_key = source.key
         # Pinned before the lookup: a fill making room cannot take the copy once it was found.
-        with cache.pinned(identity_hash):
+        with cache.pinned(artifact_key):
             with t.phase("restore", "verify"):
                 cached = await asyncio.to_thread(cache.lookup, source)
             if cached is None:
                 return None
             try:
-                outcome = await self._restore(key, identity_hash, cached, t, identity_info)
+                outcome = await self._restore(key, cached, t, identity_info, manifest_digest)
             except ArtifactRefused as e:
                 CACHE_RESTORES.labels("refused").inc()
                 log.warning(
                     "node cache's copy refused, restoring from the store",
-                    extra={"hash": identity_hash, "key": key, "error": str(e)},
+                    extra={"artifact": artifact_key, "key": key, "error": str(e)},
                 )
             else:
                 CACHE_RESTORES.labels("cache").inc()
                 return dataclasses.replace(outcome, source="cache")
-        await asyncio.to_thread(cache.refuse, identity_hash)
+        await asyncio.to_thread(cache.refuse, artifact_key)
         return None
+
+    async def delete_artifact(self, artifact_key: str) -> bool:
+        """Remove the artifact ``artifact_key`` from the store and the node cache. False, removing
+        nothing, while a restore on this node reads it; True once removed, or when there was none.
+
+        No restore of it starts meanwhile, and a copy into the node cache under way is waited for (it
+        cannot be stopped halfway), so no copy outlives the artifact. ``ValueError`` for a bad key.
+        """
+        validate_artifact_key(artifact_key)
+        if self._reading[artifact_key]:
+            return False
+        self._deleting[artifact_key] += 1
+        try:
+            filling = self._fills.get(artifact_key)
+            if filling is not None:
+                await asyncio.wait([filling])
+            removed = await asyncio.to_thread(self.store.delete, artifact_key)
+            cache = self.cache
+            if cache is not None:
+                removed = await asyncio.to_thread(cache.discard, artifact_key) or removed
+                CACHE_BYTES.set(await asyncio.to_thread(cache.used_bytes))
+        finally:
+            self._deleting[artifact_key] -= 1
+            if not self._deleting[artifact_key]:
+                del self._deleting[artifact_key]
+        if removed:
+            log.info("artifact deleted", extra={"artifact": artifact_key})
+        return True
+
+    def published(self, artifact_key: str) -> Artifact | None:
+        """The artifact published under ``artifact_key``, or None where there is none or it is unreadable
+        (a manifest that fails validation or its seal, or one bound elsewhere). Blocking: call it in a
+        thread."""
+        try:
+            return self.store.open(artifact_key)
+        except ArtifactNotFoundError:
+            return None
+        except (ArtifactError, ValueError) as e:
+            log.warning("published artifact unusable", extra={"artifact": artifact_key, "error": str(e)})
+            return None
 
     async def _restore(
         self,
         key: str,
-        identity_hash: str,
         artifact: Artifact,
         t: Timings,
         identity_info: dict[str, Any] | None,
+        manifest_digest: str | None,
     ) -> RestoreOutcome:
+        artifact_key = artifact.key
         prefetching: asyncio.Task[PrefetchStats] | None = None
         staging: asyncio.Task[Path] | None = None
         weights_check: asyncio.Task[TreeStats] | None = None
         try:
             with t.phase("restore", "verify"):
+                # The store's artifact passed this already; the node cache's copy is held to it too.
+                _check_digest(artifact, manifest_digest)
                 try:
                     weights = [CarriedWeights.from_json(w) for w in _list(artifact.manifest.extra, "weights")]
                 except (ValueError, WeightsPlacementError) as e:
-                    raise ArtifactRefused(f"artifact {identity_hash} refused: {e}") from None
+                    raise ArtifactRefused(f"artifact {artifact_key} refused: {e}") from None
                 problems = artifact.compatibility(self.gpus)
                 if problems:
                     raise AgentError("incompatible node: " + "; ".join(problems))
@@ -433,7 +529,7 @@ class Executor:
                 process_files = [f.path for f in artifact.manifest.files if f.path not in weight_files]
                 # Compressed pages are unpacked (into a directory of this restore's own) while they are
                 # checked; CRIU starts on them only once the check passed.
-                staging = self._start_staging(key, artifact, identity_hash, t)
+                staging = self._start_staging(key, artifact, t)
                 if weights and self.weights_check_idle_io:
                     # At idle I/O priority the weights check takes only the disk time nobody else
                     # wants, so it can start now, beside the check of what CRIU needs.
@@ -451,19 +547,18 @@ class Executor:
                     # find its files verified, instead of all reading the same bytes at once.
                     async with self._verifying.setdefault(str(artifact.path), asyncio.Lock()):
                         stats = await artifact.averify(
-                            expect_hash=identity_hash,
                             files=[f for f in process_files if f not in pages],
                             verified=self.verified,
                         )
                     verified_bytes = stats.bytes
                 except (ArtifactError, ValueError) as e:
-                    raise ArtifactRefused(f"artifact {identity_hash} refused: {e}") from None
+                    raise ArtifactRefused(f"artifact {artifact_key} refused: {e}") from None
                 try:
                     await artifact.averify(files=sorted(weight_files), check_checksums=False)
                     for w in weights:
                         await asyncio.to_thread(check_carried, artifact.path / w.file, w)
                 except (ArtifactError, ValueError, WeightsPlacementError) as e:
-                    raise ArtifactRefused(f"weights of artifact {identity_hash} refused: {e}") from None
+                    raise ArtifactRefused(f"weights of artifact {artifact_key} refused: {e}") from None
             # The weights are checked while CRIU restores the process: the same read fills the page
             # cache the worker loads them from. A worker that waits for weights-verified is told to
             # resume (and load) before the check ends; any other only once it passed.
@@ -474,7 +569,7 @@ class Executor:
                 asyncio.create_task(artifact.averify(files=pages, verified=self.verified)) if pages else None
             )
             try:
-                workload = await self._restore_process(key, artifact, t, pages_check, staging, identity_hash)
+                workload = await self._restore_process(key, artifact, t, pages_check, staging)
                 if pages_check is not None:
                     verified_bytes += pages_check.result().bytes
                 verdict = workload.control_dir / protocol.FILE_WEIGHTS_VERIFIED
@@ -527,15 +622,15 @@ class Executor:
 
     def _start_fill(self, artifact: Artifact) -> None:
         """Copy ``artifact`` into the node cache in the background (one copy per checkpoint at a time)."""
-        identity_hash = artifact.identity_hash
-        if self.cache is None or identity_hash in self._fills:
+        artifact_key = artifact.key
+        if self.cache is None or artifact_key in self._fills:
             return
-        task = asyncio.create_task(self._fill(self.cache, artifact), name=f"cache-{identity_hash}")
-        self._fills[identity_hash] = task
+        task = asyncio.create_task(self._fill(self.cache, artifact), name=f"cache-{artifact_key}")
+        self._fills[artifact_key] = task
 
         def forget(done: asyncio.Task[None]) -> None:
-            if self._fills.get(identity_hash) is done:
-                del self._fills[identity_hash]
+            if self._fills.get(artifact_key) is done:
+                del self._fills[artifact_key]
 
         task.add_done_callback(forget)
 
@@ -547,7 +642,7 @@ class Executor:
             CACHE_FILLS.labels("failed").inc()
             log.warning(
                 "cannot copy the artifact into the node cache",
-                extra={"hash": artifact.identity_hash, "error": str(e)},
+                extra={"artifact": artifact.key, "error": str(e)},
             )
             return
         CACHE_FILLS.labels("filled" if copy is not None else "no_room").inc()
@@ -555,7 +650,7 @@ class Executor:
         if copy is not None:
             log.info(
                 "artifact copied into the node cache",
-                extra={"hash": artifact.identity_hash, "s": round(time.monotonic() - started, 3)},
+                extra={"artifact": artifact.key, "s": round(time.monotonic() - started, 3)},
             )
 
     async def wait_cache_fills(self) -> None:
@@ -600,7 +695,6 @@ class Executor:
         t: Timings,
         pages_check: asyncio.Task[TreeStats] | None,
         staging: asyncio.Task[Path] | None,
-        identity_hash: str,
     ) -> Workload:
         extra = artifact.manifest.extra
         images = artifact.path / "criu"
@@ -635,7 +729,7 @@ class Executor:
                     try:
                         await pages_check
                     except (ArtifactError, ValueError) as e:
-                        raise ArtifactRefused(f"artifact {identity_hash} refused: {e}") from None
+                        raise ArtifactRefused(f"artifact {artifact.key} refused: {e}") from None
                 await self.runtime.resume(workload)
             with t.phase("restore", "cuda_restore"):
                 remap = _gpu_remap(artifact.manifest.gpus, self.gpus)
@@ -645,9 +739,7 @@ class Executor:
             raise
         return workload
 
-    def _start_staging(
-        self, key: str, artifact: Artifact, identity_hash: str, t: Timings
-    ) -> asyncio.Task[Path] | None:
+    def _start_staging(self, key: str, artifact: Artifact, t: Timings) -> asyncio.Task[Path] | None:
         """Unpack the artifact's compressed pages for CRIU, in a task; None where it has none."""
         criu_files = [
             f.path.removeprefix("criu/") for f in artifact.manifest.files if f.path.startswith("criu/")
@@ -657,13 +749,13 @@ class Executor:
 
         async def stage() -> Path:
             started = time.monotonic()
-            staged = await self._stage_images(key, artifact.path / "criu", criu_files, identity_hash)
+            staged = await self._stage_images(key, artifact.path / "criu", criu_files, artifact.key)
             t.overlapped["unpack_pages"] = round(time.monotonic() - started, 4)
             return staged
 
         return asyncio.create_task(stage())
 
-    async def _stage_images(self, key: str, images: Path, files: list[str], identity_hash: str) -> Path:
+    async def _stage_images(self, key: str, images: Path, files: list[str], artifact_key: str) -> Path:
         """A new images directory for CRIU: the artifact's compressed pages unpacked, its other images
         copied. On the scratch tmpfs; where that is unusable or too small, beside the workload's control
         dir. Only the files the artifact seals (``files``); they are being checked meanwhile, and CRIU
@@ -671,7 +763,7 @@ class Executor:
         try:
             need = await asyncio.to_thread(staged_bytes, images, files)
         except (PackedFormatError, OSError) as e:
-            raise ArtifactRefused(f"artifact {identity_hash} refused: {e}") from None
+            raise ArtifactRefused(f"artifact {artifact_key} refused: {e}") from None
         fallback = self.runtime.control_dir(key).parent / ".restore-images"
         bases = [b for b in (self.restore_scratch, fallback) if b is not None]
         problems = []
@@ -679,7 +771,7 @@ class Executor:
             try:
                 staged, stats = await self._unpack_into(base, key, need, images, files)
             except PackedFormatError as e:
-                raise ArtifactRefused(f"artifact {identity_hash} refused: {e}") from None
+                raise ArtifactRefused(f"artifact {artifact_key} refused: {e}") from None
             except OSError as e:  # no room, or not writable: the next place
                 problems.append(f"{base}: {e}")
                 log.warning("cannot unpack the CRIU pages here", extra={"dir": str(base), "error": str(e)})
@@ -737,7 +829,7 @@ class Executor:
                 parallel=self.weights_check_parallel or HASH_PARALLEL,
             )
         except (ArtifactError, ValueError) as e:
-            raise ArtifactRefused(f"weights of artifact {artifact.identity_hash} refused: {e}") from None
+            raise ArtifactRefused(f"weights of artifact {artifact.key} refused: {e}") from None
         finally:
             t.overlapped["weights_verify"] = round(time.monotonic() - started, 4)
 
@@ -818,6 +910,15 @@ class Executor:
             return found
 
         return await asyncio.to_thread(scan)
+
+
+def _check_digest(artifact: Artifact, expected: str | None) -> None:
+    """``ArtifactRefused`` unless the artifact's sealed manifest has the digest the checkpoint recorded."""
+    if expected is not None and artifact.manifest.digest != expected:
+        raise ArtifactRefused(
+            f"artifact {artifact.key} is not the one checkpoint recorded "
+            f"(manifest digest {artifact.manifest.digest or 'none'}, expected {expected})"
+        )
 
 
 def _local_gpus() -> GpuInfo | None:

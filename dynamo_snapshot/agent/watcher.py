@@ -15,6 +15,12 @@ import json
 import logging
 from dataclasses import dataclass
 
+from dynamo_snapshot.agent.authorize import (
+    Refused,
+    checkpoint_grant,
+    checkpoint_name_to_restore,
+    restore_grant,
+)
 from dynamo_snapshot.agent.executor import AgentError, Executor
 from dynamo_snapshot.agent.runtime.base import (
     Runtime,
@@ -24,23 +30,30 @@ from dynamo_snapshot.agent.runtime.base import (
     wait_exit,
 )
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.api.identity import CheckpointIdentity
-from dynamo_snapshot.artifact import Artifact, ArtifactError
-from dynamo_snapshot.controller.kinds import CHECKPOINT
+from dynamo_snapshot.artifact import ArtifactStore, artifact_key, validate_artifact_key
+from dynamo_snapshot.controller.kinds import CHECKPOINT, JOB
 from dynamo_snapshot.controller.runtime import (
     DELETED,
     POD,
+    WARNING,
     ApiError,
+    EventRecorder,
     Informer,
     Kube,
     Obj,
+    ObjectRef,
+    ResourceKind,
     is_not_found,
     object_key,
 )
 
 log = logging.getLogger(__name__)
 MAIN = "main"
+AGENT_NAME = "dynamo-snapshot-agent"
 RETRY_BASE_S, RETRY_CAP_S = 1.0, 60.0
+# How often an artifact whose checkpoint is gone is tried again while a restore on this node reads it,
+# and how often the store is swept for artifacts of checkpoints deleted while no agent watched.
+REMOVE_RETRY_S, SWEEP_EVERY_S = 5.0, 600.0
 S = protocol.SnapshotStatus
 # Answers in 4xx that a retry can change: credentials since refreshed (401), a timeout (408), a
 # conflict (409), throttling (429).
@@ -73,6 +86,18 @@ def _annotation(pod: Obj, key: str) -> str | None:
     return (pod["metadata"].get("annotations") or {}).get(protocol.per_container(key, MAIN))
 
 
+def _attempts(pod: Obj) -> int:
+    """Restores into the pod started so far (by any agent process)."""
+    raw = (pod["metadata"].get("annotations") or {}).get(protocol.ANNOTATION_RESTORE_ATTEMPTS)
+    if raw is None:
+        return 0
+    try:
+        return max(0, int(raw))
+    except ValueError:
+        # An unreadable count is taken as used up rather than as a fresh start.
+        return protocol.RESTORE_ATTEMPTS_MAX
+
+
 def _status(pod: Obj, key: str) -> S | None:
     raw = _annotation(pod, key)
     try:
@@ -88,23 +113,89 @@ class NodeAgent:
         self.runtime = runtime
         self.settings = settings
         self.pods = Informer(kube, POD, field_selector=f"spec.nodeName={settings.node_name}")
+        # Every namespace's checkpoints: an artifact is removed once its checkpoint is gone.
+        self.checkpoints = Informer(kube, CHECKPOINT)
+        self.recorder = EventRecorder(kube, AGENT_NAME)
+        self._removing: set[str] = set()
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[None]] = set()
         # Pods whose restore this process marked running: a retry after an unexpected error resumes
         # them, where a "running" left by an earlier agent process means that process died mid-restore.
         self._restoring: set[str] = set()
         self.pods.add_handler(self._on_pod)
+        self.checkpoints.add_handler(self._on_checkpoint)
 
     async def run_until(self, stop: asyncio.Event) -> None:
         self.pods.start()
+        self.checkpoints.start()
+        sweeping = asyncio.create_task(self._sweep_forever(), name="artifact-sweep")
         try:
             await stop.wait()
         finally:
+            sweeping.cancel()
             await self.pods.stop()
-            for task in list(self._tasks.values()):
+            await self.checkpoints.stop()
+            tasks = [*self._tasks.values(), *self._background, sweeping]
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.recorder.close()
             await self.executor.aclose()
+
+    # ------------------------------------------------------------------ artifacts of deleted checkpoints
+    async def _on_checkpoint(self, etype: str, ckpt: Obj, old: Obj | None) -> None:
+        if etype == DELETED:
+            meta = ckpt["metadata"]
+            self._remove_soon(artifact_key(meta["namespace"], meta["uid"]))
+
+    async def _sweep_forever(self) -> None:
+        """Remove the artifacts whose checkpoint no longer exists: after the first sync (checkpoints
+        deleted while no agent ran), then now and then (deletions whose event was missed)."""
+        await self.checkpoints.wait_synced()
+        while True:
+            live = {
+                artifact_key(c["metadata"]["namespace"], c["metadata"]["uid"])
+                for c in self.checkpoints.list()
+            }
+            for key in await asyncio.to_thread(self._namespaced_keys):
+                if key not in live:
+                    self._remove_soon(key)
+            await asyncio.sleep(SWEEP_EVERY_S)
+
+    def _stores(self) -> list[ArtifactStore]:
+        return [self.executor.store] + ([self.executor.cache.store] if self.executor.cache else [])
+
+    def _namespaced_keys(self) -> set[str]:
+        # Keys of the `<namespace>/<uid>` form belong to checkpoint objects; bare hashes are CLI artifacts.
+        return {key for store in self._stores() for key in store.list() if "/" in key}
+
+    def _holds(self, key: str) -> bool:
+        return any(store.exists(key) for store in self._stores())
+
+    def _remove_soon(self, key: str) -> None:
+        if key in self._removing:
+            return
+        self._removing.add(key)
+        task = asyncio.create_task(self._remove_artifact(key), name=f"remove-{key}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _remove_artifact(self, key: str) -> None:
+        """Delete `key`'s artifact from the store and the node cache, waiting while a restore reads it."""
+        try:
+            validate_artifact_key(key)
+            if not await asyncio.to_thread(self._holds, key):
+                return  # most deleted checkpoints left nothing in this node's store
+            # Nothing signals the end of a restore that reads it: look again now and then.
+            while not await self.executor.delete_artifact(key):  # noqa: ASYNC110
+                await asyncio.sleep(REMOVE_RETRY_S)
+            log.info("removed the artifact of a deleted checkpoint", extra={"key": key})
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("could not remove the artifact of a deleted checkpoint", extra={"key": key})
+        finally:
+            self._removing.discard(key)
 
     async def _on_pod(self, etype: str, pod: Obj, old: Obj | None) -> None:
         uid = pod["metadata"]["uid"]
@@ -173,6 +264,13 @@ class NodeAgent:
             and labels.get(protocol.LABEL_MANAGED_BY) == protocol.MANAGED_BY_VALUE
             and _annotation(pod, protocol.ANNOTATION_WORKLOAD_EXITED) is None
         ):
+            try:
+                _spec(pod, workload_key(pod), snapshot=False)
+            except AgentError as e:
+                # Local mode runs commands, not images: a pod without one (a service relying on its image's
+                # entrypoint) is said once and left alone, not retried with a traceback for ever.
+                log.warning("pod not launched", extra={"pod": workload_key(pod), "detail": str(e)})
+                return
             # A worker that died is reported, not restarted: the controller replaces the whole pod.
             await self._supervise(pod, await self._ensure_running(pod, snapshot=False))
 
@@ -203,19 +301,29 @@ class NodeAgent:
         state = _status(pod, protocol.ANNOTATION_CHECKPOINT_STATUS)
         if state is not None and state.terminal:
             return
-        labels = pod["metadata"]["labels"]
-        identity_hash = labels.get(protocol.LABEL_CHECKPOINT_HASH, "")
+        try:
+            grant = checkpoint_grant(pod, *await self._checkpoint_objects(pod))
+        except Refused as e:
+            await self._refuse(pod, "CheckpointRefused", protocol.ANNOTATION_CHECKPOINT_STATUS, str(e))
+            return
+        key = artifact_key(grant.binding.namespace, grant.binding.checkpoint_uid)
         if state is S.RUNNING:
             # A checkpoint cut short (an agent that died, or a report of ours that never landed): the
-            # store says how it ended. Publishing is the last step, so an artifact for this identity is
+            # store says how it ended. Publishing is the last step, so an artifact bound to this pod is
             # the checkpoint taken, and only its report was lost.
-            artifact = await self._published(identity_hash)
-            if artifact is not None:
+            artifact = await asyncio.to_thread(self.executor.published, key)
+            binding = artifact.manifest.binding if artifact is not None else None
+            if (
+                artifact is not None
+                and binding is not None
+                and binding.source_pod_uid == pod["metadata"]["uid"]
+            ):
                 size = sum(f.size for f in artifact.manifest.files)
                 timings = artifact.manifest.timings
                 await self._report_checkpointed(
                     pod,
                     str(artifact.path),
+                    artifact.manifest.digest or "",
                     timings,
                     f"checkpointed {size} bytes in {sum(timings.values()):.2f}s "
                     "(found published when the pod was handled again)",
@@ -242,7 +350,9 @@ class NodeAgent:
                 S.RUNNING,
                 "checkpointing",
             )
-            outcome = await self.executor.checkpoint(workload, identity_hash, await self._identity(pod))
+            outcome = await self.executor.checkpoint(
+                workload, grant.identity_hash, grant.identity, binding=grant.binding
+            )
         except (AgentError, WorkloadRuntimeError, ValueError) as e:
             await self._report(
                 pod,
@@ -255,12 +365,33 @@ class NodeAgent:
         await self._report_checkpointed(
             pod,
             outcome.location,
+            outcome.manifest_digest,
             outcome.timings.phases,
             f"checkpointed {outcome.artifact_bytes} bytes in {outcome.timings.total():.2f}s",
         )
 
+    async def _checkpoint_objects(self, pod: Obj) -> tuple[Obj | None, Obj | None]:
+        """The DynamoCheckpoint a source pod names and the Job that controls the pod, read in the pod's
+        namespace (None for either that does not exist)."""
+        meta = pod["metadata"]
+        name = (meta.get("labels") or {}).get(protocol.LABEL_CHECKPOINT_ID)
+        ckpt = await self._get(CHECKPOINT, name, meta["namespace"]) if name else None
+        owner = next((r for r in meta.get("ownerReferences") or [] if r.get("controller")), None)
+        job = None
+        if owner is not None and owner.get("kind") == "Job" and owner.get("name"):
+            job = await self._get(JOB, str(owner["name"]), meta["namespace"])
+        return ckpt, job
+
+    async def _get(self, kind: ResourceKind, name: str, namespace: str) -> Obj | None:
+        try:
+            return await self.kube.get(kind, name, namespace)
+        except Exception as e:
+            if is_not_found(e):
+                return None
+            raise
+
     async def _report_checkpointed(
-        self, pod: Obj, location: str, timings: dict[str, float], message: str
+        self, pod: Obj, location: str, digest: str, timings: dict[str, float], message: str
     ) -> None:
         # Retried here, never raised: the outcome is in hand, where a dispatch anew would find the
         # checkpoint still running and have to read it back from the store.
@@ -274,25 +405,26 @@ class NodeAgent:
                 protocol.ANNOTATION_CHECKPOINT_LOCATION: location,
                 protocol.ANNOTATION_CHECKPOINT_STORAGE_TYPE: "pvc",
                 protocol.ANNOTATION_CHECKPOINT_TIMINGS: json.dumps(timings),
+                protocol.ANNOTATION_ARTIFACT_DIGEST: digest,
             },
             until_written=True,
         )
 
-    async def _published(self, identity_hash: str) -> Artifact | None:
-        """The artifact this node published for `identity_hash`, or None where there is none to use."""
-
-        def find() -> Artifact | None:
-            try:
-                artifact = self.executor.store.open(identity_hash)
-            except (ArtifactError, ValueError):
-                # No artifact, an unreadable manifest or a label that is no hash: nothing a restore
-                # could use, so the checkpoint did not succeed.
-                return None
-            # One published from another node (a shared store) says nothing of this pod's checkpoint:
-            # its worker may still sit with its CUDA state suspended.
-            return artifact if artifact.manifest.source_node == self.settings.node_name else None
-
-        return await asyncio.to_thread(find)
+    async def _refuse(self, pod: Obj, reason: str, status_key: str, message: str) -> None:
+        """Say on the pod, as its status and as an Event, why the agent will not act on it."""
+        meta = pod["metadata"]
+        self.recorder.record(
+            ObjectRef("Pod", meta["name"], meta["namespace"], meta.get("uid", ""), "v1"),
+            WARNING,
+            reason,
+            message,
+        )
+        message_key = (
+            protocol.ANNOTATION_CHECKPOINT_MESSAGE
+            if status_key == protocol.ANNOTATION_CHECKPOINT_STATUS
+            else protocol.ANNOTATION_RESTORE_MESSAGE
+        )
+        await self._report(pod, status_key, message_key, S.FAILED, f"refused: {message}")
 
     async def _restore(self, pod: Obj) -> None:
         state = _status(pod, protocol.ANNOTATION_RESTORE_STATUS)
@@ -308,40 +440,51 @@ class NodeAgent:
             return
         if state is S.FAILED:
             return  # a failed restore was cleaned up when it failed
+        attempts = _attempts(pod)
         if state is S.RUNNING:
-            # A restore was cut short: clear what it left. Our own attempt (an unexpected error) is
-            # tried again below; one of an earlier agent process, which died mid-restore, has failed.
+            # A restore was cut short: clear what it left, then start it again. One of an earlier agent
+            # process (which died mid-restore) is no fault of the checkpoint's, so it is not reported as
+            # a failure unless it keeps happening.
             await self.runtime.stop(key)
-            if pod["metadata"]["uid"] not in self._restoring:
+            if pod["metadata"]["uid"] not in self._restoring and attempts >= protocol.RESTORE_ATTEMPTS_MAX:
                 await self._report(
                     pod,
                     protocol.ANNOTATION_RESTORE_STATUS,
                     protocol.ANNOTATION_RESTORE_MESSAGE,
                     S.FAILED,
-                    "node agent restarted during the restore; the partial restore was removed",
+                    f"the restore was cut short {attempts} times (node agent restarts); "
+                    "the partial restore was removed",
                 )
                 return
-        identity_hash = (pod["metadata"].get("labels") or {}).get(protocol.LABEL_CHECKPOINT_HASH, "")
+        meta = pod["metadata"]
+        name = checkpoint_name_to_restore(pod)
+        try:
+            grant = restore_grant(pod, await self._get(CHECKPOINT, name, meta["namespace"]) if name else None)
+        except Refused as e:
+            await self._refuse(pod, "RestoreRefused", protocol.ANNOTATION_RESTORE_STATUS, str(e))
+            return
         await self._report(
             pod,
             protocol.ANNOTATION_RESTORE_STATUS,
             protocol.ANNOTATION_RESTORE_MESSAGE,
             S.RUNNING,
             "restoring",
+            extra={protocol.ANNOTATION_RESTORE_ATTEMPTS: str(attempts + 1)},
         )
-        self._restoring.add(pod["metadata"]["uid"])
+        self._restoring.add(meta["uid"])
         try:
             outcome = await self.executor.restore(
                 key,
-                identity_hash,
+                grant.artifact_key,
+                manifest_digest=grant.manifest_digest,
                 identity_info={
-                    "podName": pod["metadata"]["name"],
-                    "namespace": pod["metadata"]["namespace"],
+                    "podName": meta["name"],
+                    "namespace": meta["namespace"],
                     "podIP": (pod.get("status") or {}).get("podIP"),
-                    "hostname": pod["metadata"]["name"][:63],
+                    "hostname": meta["name"][:63],
                     "env": {
-                        "POD_NAME": pod["metadata"]["name"],
-                        "POD_NAMESPACE": pod["metadata"]["namespace"],
+                        "POD_NAME": meta["name"],
+                        "POD_NAMESPACE": meta["namespace"],
                     },
                 },
             )
@@ -359,7 +502,7 @@ class NodeAgent:
             protocol.ANNOTATION_RESTORE_STATUS,
             protocol.ANNOTATION_RESTORE_MESSAGE,
             S.COMPLETED,
-            f"restored in {outcome.timings.total():.2f}s"
+            f"restored from {grant.checkpoint_name} in {outcome.timings.total():.2f}s"
             + (" (node cache)" if outcome.source == "cache" else ""),
             extra={
                 protocol.ANNOTATION_RESTORE_TIMINGS: json.dumps(outcome.timings.phases),
@@ -369,20 +512,6 @@ class NodeAgent:
             until_written=True,
         )
         await self._supervise(pod, outcome.workload)
-
-    async def _identity(self, pod: Obj) -> CheckpointIdentity | None:
-        # The DynamoCheckpoint named by the pod's checkpoint-id label carries the identity; the artifact
-        # records it so an artifact on shared storage explains itself.
-        name = (pod["metadata"].get("labels") or {}).get(protocol.LABEL_CHECKPOINT_ID)
-        if not name:
-            return None
-        try:
-            ckpt = await self.kube.get(CHECKPOINT, name, pod["metadata"]["namespace"])
-        except Exception as e:
-            if is_not_found(e):
-                return None
-            raise
-        return CheckpointIdentity.model_validate(ckpt["spec"]["identity"])
 
     async def _report(
         self,

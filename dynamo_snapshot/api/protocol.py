@@ -14,6 +14,7 @@ from enum import StrEnum
 from typing import Final
 
 __all__ = [
+    "ANNOTATION_ARTIFACT_DIGEST",
     "ANNOTATION_AVOID_NODES",
     "ANNOTATION_CHECKPOINT_LOCATION",
     "ANNOTATION_CHECKPOINT_MESSAGE",
@@ -21,6 +22,7 @@ __all__ = [
     "ANNOTATION_CHECKPOINT_STORAGE_TYPE",
     "ANNOTATION_CHECKPOINT_TIMINGS",
     "ANNOTATION_REPLACES",
+    "ANNOTATION_RESTORE_ATTEMPTS",
     "ANNOTATION_RESTORE_CONTAINER_ID",
     "ANNOTATION_RESTORE_FROM",
     "ANNOTATION_RESTORE_MESSAGE",
@@ -57,6 +59,7 @@ __all__ = [
     "MANAGED_BY_VALUE",
     "PROTOCOL_VERSION",
     "RESOURCE_GPU",
+    "RESTORE_ATTEMPTS_MAX",
     "RESTORE_WEIGHTS_CHECK",
     "TRUE",
     "WEIGHTS_CHECK_PENDING",
@@ -123,6 +126,15 @@ ANNOTATION_WORKLOAD_EXITED: Final = "nvidia.com/snapshot-workload-exited"
 # On a restore pod that retries a failed restore: comma-separated nodes where this restore already
 # failed; the pod's node affinity keeps it off them, and a further failure adds its node.
 ANNOTATION_AVOID_NODES: Final = "snapshot.nvidia.com/avoid-nodes"
+# On a checkpoint source pod, written by the node agent with the completed status: the SHA-256 of the
+# published artifact's sealed manifest. The controller copies it into the DynamoCheckpoint's status, and
+# an agent restores only an artifact whose manifest has exactly that digest.
+ANNOTATION_ARTIFACT_DIGEST: Final = "nvidia.com/snapshot-artifact-digest"
+# On a restore pod, written by the node agent: how many times a restore into it was started. A restore
+# cut short by an agent restart is started again (not counted against the checkpoint) until this reaches
+# RESTORE_ATTEMPTS_MAX.
+ANNOTATION_RESTORE_ATTEMPTS: Final = "nvidia.com/snapshot-restore-attempts"
+RESTORE_ATTEMPTS_MAX: Final = 3
 
 
 class SnapshotStatus(StrEnum):
@@ -192,7 +204,8 @@ WEIGHTS_CHECK_PENDING: Final = "pending"
 # Inside an artifact: where the agent keeps the weights files the manifest above named.
 ARTIFACT_WEIGHTS_DIR: Final = "weights"
 
-# Held on DynamoCheckpoints until their stored artifact is removed.
+# Held on DynamoCheckpoints by the controller until no restore from them is under way; once the object
+# is gone, node agents remove its artifact.
 FINALIZER: Final = "snapshot.nvidia.com/finalizer"
 
 # --- GPU node labels (NVIDIA GPU feature discovery) and the device-plugin resource -----------------

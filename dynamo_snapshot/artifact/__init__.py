@@ -1,14 +1,19 @@
-"""The checkpoint artifact: a directory of data files sealed by a versioned ``manifest.json``.
+"""The checkpoint artifact: a directory of data files sealed by a versioned, self-sealed ``manifest.json``.
 
-    store = ArtifactStore(root)                     # root/<identity hash>/, nothing else from input
-    store.path_for(h) / exists(h) / open(h) -> Artifact / list() -> [hash] / delete(h) -> bool
+    key = artifact_key(namespace, checkpoint_uid)   # "<namespace>/<uid>"; CLI artifacts: the identity hash
+    validate_artifact_key(value) -> key             # ValueError for anything else: the traversal gate
+    store = ArtifactStore(root)                     # root/<key>/, nothing else from input
+    store.path_for(k) / exists(k) / open(k) -> Artifact / list() -> [key] / delete(k) -> bool
     store.gc_partial() -> [Path]                    # staging of dead writers, interrupted deletes
 
-    with ArtifactWriter(store, h) as w:             # staging dir in the store, flock()ed while alive
+    with ArtifactWriter(store, h, key=k) as w:      # staging dir in the store, flock()ed while alive
         ... write files under w.directory (e.g. criu dump into it) ...
         await w.publish(criu_version=..., gpus=GpuInfo(...), identity=..., source_node=...,
-                        timings=..., extra=...) -> PublishResult(artifact, won, io)
+                        timings=..., extra=..., binding=Binding(...)) -> PublishResult(artifact, won, io)
     # leaving the block unpublished (or w.discard()) removes the staging dir
+
+    artifact.manifest.digest                        # SHA-256 of the manifest itself (format 3)
+    artifact.manifest.binding                       # namespace, checkpoint name/uid, source pod (or None)
 
     artifact.verify(*, check_checksums=True, expect_hash=None, files=None) -> TreeStats  # or ArtifactError
     await artifact.averify(...)                                               # same, in a thread
@@ -49,13 +54,14 @@ from dynamo_snapshot.artifact.isolated import warm_up as warm_up_hashing
 from dynamo_snapshot.artifact.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
+    Binding,
     FileEntry,
     GpuInfo,
     Manifest,
     validate_identity_hash,
 )
 from dynamo_snapshot.artifact.reader import Artifact, verify_files
-from dynamo_snapshot.artifact.store import ArtifactStore
+from dynamo_snapshot.artifact.store import ArtifactStore, artifact_key, validate_artifact_key
 from dynamo_snapshot.artifact.verified import VerifiedFiles
 from dynamo_snapshot.artifact.writer import ArtifactWriter, PublishResult, fetch
 
@@ -70,6 +76,7 @@ __all__ = [
     "ArtifactNotFoundError",
     "ArtifactStore",
     "ArtifactWriter",
+    "Binding",
     "FileDigests",
     "FileEntry",
     "GpuInfo",
@@ -82,12 +89,14 @@ __all__ = [
     "acopy_file",
     "acopy_tree",
     "ahash_files",
+    "artifact_key",
     "asha256_file",
     "copy_file",
     "copy_tree",
     "fetch",
     "hash_files",
     "sha256_file",
+    "validate_artifact_key",
     "validate_identity_hash",
     "verify_files",
     "warm_up_hashing",

@@ -7,7 +7,7 @@ copy. A copy gets in only through ``fetch``: every byte is checked against the m
 and the copy is published with the same atomic rename as a fresh artifact, so a damaged shared file never
 reaches the cache. The cache holds at most ``max_bytes`` of artifacts and leaves ``min_free_bytes`` of
 its filesystem free; room is made by removing the least recently restored copies, never one a restore is
-reading. A reader pins the hash *before* it looks the copy up (``pinned``, then ``lookup``), and a copy is
+reading. A reader pins the key *before* it looks the copy up (``pinned``, then ``lookup``), and a copy is
 removed only by renaming it out of sight under the same lock that guards the pins, so no copy disappears
 between a reader finding it and using it. One agent per node owns the directory, so the pins are kept in
 memory, and the last use of a copy is its directory's mtime, so the order survives an agent restart.
@@ -44,7 +44,7 @@ def artifact_bytes(manifest: Manifest) -> int:
 
 @dataclass(frozen=True)
 class CachedCopy:
-    identity_hash: str
+    key: str
     bytes: int
     last_used: float
 
@@ -73,69 +73,70 @@ class ArtifactCache:
 
     # ------------------------------------------------------------------ reading
     def lookup(self, source: Artifact) -> Artifact | None:
-        """The cached copy of ``source`` if it holds the store's manifest, else None (a copy of an older
-        checkpoint, or an unreadable one, is left for ``fill`` to replace). Pin the hash first."""
-        identity_hash = source.identity_hash
-        if identity_hash in self._refused:
+        """The cached copy of ``source`` (under the same key) if it holds the store's manifest, else None
+        (a copy of an older checkpoint, or an unreadable one, is left for ``fill`` to replace). Pin the
+        key first."""
+        key = source.key
+        if key in self._refused:
             return None
         try:
-            cached = self.store.open(identity_hash)
+            cached = self.store.open(key)
         except ArtifactNotFoundError:
             return None
         except (ArtifactError, ValueError) as e:
-            log.warning("unreadable cached copy", extra={"hash": identity_hash, "error": str(e)})
+            log.warning("unreadable cached copy", extra={"key": key, "error": str(e)})
             return None
         if cached.manifest != source.manifest:
-            log.info("cached copy is of an older checkpoint", extra={"hash": identity_hash})
+            log.info("cached copy is of an older checkpoint", extra={"key": key})
             return None
         with contextlib.suppress(OSError):
             os.utime(cached.path)  # its last use, for eviction
         return cached
 
     @contextlib.contextmanager
-    def pinned(self, identity_hash: str) -> Iterator[None]:
-        """While inside, the copy of ``identity_hash`` is not removed. Cheap: safe on an event loop."""
+    def pinned(self, key: str) -> Iterator[None]:
+        """While inside, the copy under ``key`` is not removed. Cheap: safe on an event loop."""
         with self._lock:
-            self._pins[identity_hash] += 1
+            self._pins[key] += 1
         try:
             yield
         finally:
             with self._lock:
-                self._pins[identity_hash] -= 1
-                if not self._pins[identity_hash]:
-                    del self._pins[identity_hash]
+                self._pins[key] -= 1
+                if not self._pins[key]:
+                    del self._pins[key]
 
-    def discard(self, identity_hash: str) -> bool:
-        """Remove the copy of ``identity_hash``; False if none or pinned."""
+    def discard(self, key: str) -> bool:
+        """Remove the copy under ``key``; False if none or pinned."""
         with self._lock:
-            if self._pins[identity_hash]:
+            if self._pins[key]:
                 return False
-            doomed = self.store.hide(identity_hash)
-            self._refused.discard(identity_hash)
+            doomed = self.store.hide(key)
+            self._refused.discard(key)
         if doomed is None:
             return False
         shutil.rmtree(doomed, ignore_errors=True)
         return True
 
-    def refuse(self, identity_hash: str) -> bool:
-        """A restore found the copy of ``identity_hash`` damaged: remove it, or, while another restore
-        reads it, never serve it again and let the next fill replace it. True if removed now."""
+    def refuse(self, key: str) -> bool:
+        """A restore found the copy under ``key`` damaged: remove it, or, while another restore reads
+        it, never serve it again and let the next fill replace it. True if removed now."""
         with self._lock:
-            self._refused.add(identity_hash)
-        return self.discard(identity_hash)
+            self._refused.add(key)
+        return self.discard(key)
 
     def copies(self) -> list[CachedCopy]:
         """The cached copies, least recently used first."""
         found = []
-        for identity_hash in self.store.list():
-            path = self.store.path_for(identity_hash)
+        for key in self.store.list():
+            path = self.store.path_for(key)
             try:
                 manifest = Artifact.load(path).manifest
                 last_used = os.stat(path).st_mtime
             except (ArtifactError, OSError):
                 continue  # being removed, or unreadable: the next fill of it replaces it
-            found.append(CachedCopy(identity_hash, artifact_bytes(manifest), last_used))
-        return sorted(found, key=lambda c: (c.last_used, c.identity_hash))
+            found.append(CachedCopy(key, artifact_bytes(manifest), last_used))
+        return sorted(found, key=lambda c: (c.last_used, c.key))
 
     def used_bytes(self) -> int:
         return sum(c.bytes for c in self.copies())
@@ -143,7 +144,7 @@ class ArtifactCache:
     # ------------------------------------------------------------------ filling
     def make_room(self, need: int) -> list[str] | None:
         """Remove least recently used, unpinned copies until ``need`` more bytes fit under both limits;
-        the hashes removed, or None when copies in use leave too little room (then nothing is removed,
+        the keys removed, or None when copies in use leave too little room (then nothing is removed,
         unless a copy got pinned meanwhile: the ones before it are gone)."""
         copies = self.copies()
         used = sum(c.bytes for c in copies)
@@ -152,14 +153,14 @@ class ArtifactCache:
         for copy in copies:
             if used + need <= self.max_bytes and free - need >= self.min_free_bytes:
                 break
-            if self._pins[copy.identity_hash]:
+            if self._pins[copy.key]:
                 continue
-            doomed.append(copy.identity_hash)
+            doomed.append(copy.key)
             used -= copy.bytes
             free += copy.bytes
         if used + need > self.max_bytes or free - need < self.min_free_bytes:
             return None
-        removed = [h for h in doomed if self.discard(h)]
+        removed = [k for k in doomed if self.discard(k)]
         return removed if len(removed) == len(doomed) else None
 
     def _free_bytes(self) -> int:
@@ -177,28 +178,26 @@ class ArtifactCache:
         if size > self.max_bytes:
             log.info(
                 "artifact larger than the node cache, not cached",
-                extra={"hash": source.identity_hash, "bytes": size, "cache_bytes": self.max_bytes},
+                extra={"key": source.key, "bytes": size, "cache_bytes": self.max_bytes},
             )
             return None
         async with self._filling:
-            with self.pinned(source.identity_hash):
+            with self.pinned(source.key):
                 present = await asyncio.to_thread(self.lookup, source)
             if present is not None:
                 return present
             # A copy of an older checkpoint, or an unreadable one, makes way (unless a restore is
             # reading it: then there is no copy this time).
-            if await asyncio.to_thread(
-                self.store.exists, source.identity_hash
-            ) and not await asyncio.to_thread(self.discard, source.identity_hash):
+            if await asyncio.to_thread(self.store.exists, source.key) and not await asyncio.to_thread(
+                self.discard, source.key
+            ):
                 return None
             await asyncio.to_thread(self.store.gc_partial)
             evicted = await asyncio.to_thread(self.make_room, size)
             if evicted is None:
-                log.info("no room in the node cache", extra={"hash": source.identity_hash, "bytes": size})
+                log.info("no room in the node cache", extra={"key": source.key, "bytes": size})
                 return None
             if evicted:
-                log.info(
-                    "evicted from the node cache", extra={"hashes": evicted, "for": source.identity_hash}
-                )
+                log.info("evicted from the node cache", extra={"keys": evicted, "for": source.key})
             published = await fetch(source, self.store, idle_io=idle_io)
             return published.artifact

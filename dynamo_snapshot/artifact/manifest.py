@@ -1,11 +1,29 @@
-"""The versioned manifest (``manifest.json``) that describes and seals an artifact's files."""
+"""The versioned manifest (``manifest.json``) that describes and seals an artifact's files.
+
+From format version 3 the manifest seals itself too: its ``digest`` member is the lowercase hex SHA-256 of
+the UTF-8 bytes of ::
+
+    json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+where ``obj`` is the JSON object in ``manifest.json`` without its ``digest`` member (Python's ``json``
+writes numbers as their shortest round-trip form; another implementation must write them the same way).
+A format-3 manifest without a digest, or whose content no longer hashes to it, is refused; format-2
+manifests have none and still load (CLI artifacts of older agents). The digest is not a signature: it
+catches any change made after publication (an edit, a damaged block), and it names the one artifact a
+checkpoint recorded, so a restore can insist on exactly that one.
+
+Format 3 also binds an artifact made for a Kubernetes checkpoint to it (``Binding``: namespace,
+checkpoint name and UID, source pod); CLI artifacts have no binding.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
-from typing import Annotated
+from collections.abc import Mapping
+from typing import Annotated, Any
 
 from pydantic import (
     AwareDatetime,
@@ -24,22 +42,39 @@ from dynamo_snapshot.artifact.errors import ArtifactError
 from dynamo_snapshot.artifact.io import ALIGN, chunk_count
 
 __all__ = [
+    "CHECKPOINT_UID_PATTERN",
     "FORMAT_VERSION",
     "IDENTITY_HASH_PATTERN",
     "MANIFEST_NAME",
+    "NAMESPACE_MAX_LENGTH",
+    "NAMESPACE_PATTERN",
+    "Binding",
     "FileEntry",
     "GpuInfo",
     "Manifest",
+    "canonical_digest",
+    "validate_checkpoint_uid",
     "validate_identity_hash",
+    "validate_namespace",
     "validate_relative_path",
 ]
 
 # 2: a file may be sealed as per-chunk digests (``chunk_bytes``/``chunks``) instead of one ``sha256``.
-FORMAT_VERSION = 2
+# 3: the manifest's own ``digest``, and the ``binding`` to a Kubernetes checkpoint.
+FORMAT_VERSION = 3
 _FIRST_CHUNKED_VERSION = 2
+_FIRST_SEALED_VERSION = 3
 MANIFEST_NAME = "manifest.json"
+DIGEST_FIELD = "digest"
 IDENTITY_HASH_PATTERN = rf"^[0-9a-f]{{{IDENTITY_HASH_LENGTH}}}$"
 _HASH = re.compile(IDENTITY_HASH_PATTERN)
+# A Kubernetes namespace name: an RFC 1123 (DNS) label.
+NAMESPACE_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+NAMESPACE_MAX_LENGTH = 63
+_NAMESPACE = re.compile(NAMESPACE_PATTERN)
+# metadata.uid as the apiserver writes it: an RFC 4122 UUID in its lowercase 8-4-4-4-12 text form.
+CHECKPOINT_UID_PATTERN = r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
+_UID = re.compile(CHECKPOINT_UID_PATTERN)
 _SHA256 = r"^[0-9a-f]{64}$"
 _MAX_PATH = 4096
 
@@ -57,6 +92,37 @@ def validate_identity_hash(value: object) -> str:
     if not isinstance(value, str) or not _HASH.fullmatch(value):
         raise ValueError(f"invalid identity hash {value!r}: need {IDENTITY_HASH_LENGTH} lowercase hex digits")
     return value
+
+
+def validate_namespace(value: object) -> str:
+    """``value`` if it is a Kubernetes namespace name (a DNS-1123 label), else ``ValueError``."""
+    if not isinstance(value, str) or len(value) > NAMESPACE_MAX_LENGTH or not _NAMESPACE.fullmatch(value):
+        raise ValueError(
+            f"invalid namespace {value!r}: need a DNS-1123 label (at most {NAMESPACE_MAX_LENGTH} lowercase "
+            "letters, digits and '-', starting and ending with a letter or digit)"
+        )
+    return value
+
+
+def validate_checkpoint_uid(value: object) -> str:
+    """``value`` if it is a Kubernetes object UID (a lowercase RFC 4122 UUID), else ``ValueError``."""
+    if not isinstance(value, str) or not _UID.fullmatch(value):
+        raise ValueError(
+            f"invalid checkpoint uid {value!r}: need a lowercase RFC 4122 UUID (8-4-4-4-12 hex digits)"
+        )
+    return value
+
+
+def canonical_digest(manifest: Mapping[str, Any]) -> str:
+    """The seal of a manifest given as its JSON object: see the module docstring. ``ValueError`` for an
+    object that has no canonical UTF-8 form (a lone surrogate, a non-finite number)."""
+    body = {k: v for k, v in manifest.items() if k != DIGEST_FIELD}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    try:
+        data = text.encode()
+    except UnicodeEncodeError as e:
+        raise ValueError(f"manifest has text that is not valid Unicode: {e.reason}") from None
+    return hashlib.sha256(data).hexdigest()
 
 
 def validate_relative_path(value: str) -> str:
@@ -156,9 +222,36 @@ class GpuInfo(_Model):
         return self
 
 
+class Binding(_Model):
+    """The Kubernetes checkpoint an artifact was taken for, and the pod it was taken from: the artifact
+    belongs to that namespace and checkpoint alone (``<namespace>/<checkpoint uid>`` in the store)."""
+
+    namespace: str = Field(description="The DynamoCheckpoint's namespace (a DNS-1123 label).")
+    checkpoint_name: str = Field(min_length=1, description="The DynamoCheckpoint's name.")
+    checkpoint_uid: str = Field(description="The DynamoCheckpoint's metadata.uid.")
+    source_pod: str = Field(min_length=1, description="Name of the pod the checkpoint was taken from.")
+    source_pod_uid: str = Field(min_length=1, description="metadata.uid of that pod.")
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, v: str) -> str:
+        return validate_namespace(v)
+
+    @field_validator("checkpoint_uid")
+    @classmethod
+    def _uid(cls, v: str) -> str:
+        return validate_checkpoint_uid(v)
+
+    @property
+    def key(self) -> str:
+        """The store key of the artifact: ``<namespace>/<checkpoint uid>``."""
+        return f"{self.namespace}/{self.checkpoint_uid}"
+
+
 class Manifest(_Model):
     format_version: StrictPositive = FORMAT_VERSION
     identity_hash: str
+    binding: Binding | None = Field(default=None, description="Absent for CLI checkpoints.")
     identity: CheckpointIdentity | None = Field(default=None, description="Absent for CLI checkpoints.")
     created_at: AwareDatetime
     source_node: str = Field(min_length=1)
@@ -168,6 +261,9 @@ class Manifest(_Model):
     files: list[FileEntry]
     timings: dict[str, float] = Field(default_factory=dict, description="Seconds per phase.")
     extra: dict[str, JsonValue] = Field(default_factory=dict, description="Caller's JSON data.")
+    digest: Sha256Hex | None = Field(
+        default=None, description="SHA-256 of the manifest without this field (format 3); set by sealed()."
+    )
 
     @field_validator("format_version")
     @classmethod
@@ -201,6 +297,13 @@ class Manifest(_Model):
                 f"format_version {self.format_version} has no chunked files, "
                 f"but these are chunked: {', '.join(chunked)}"
             )
+        if self.format_version < _FIRST_SEALED_VERSION:
+            new = [name for name in ("binding", DIGEST_FIELD) if getattr(self, name) is not None]
+            if new:
+                raise ValueError(
+                    f"format_version {self.format_version} has no {' or '.join(new)} "
+                    f"(format_version {_FIRST_SEALED_VERSION} has)"
+                )
         if self.identity is not None:
             computed = compute_identity_hash(self.identity)
             if computed != self.identity_hash:
@@ -214,6 +317,21 @@ class Manifest(_Model):
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
 
+    @property
+    def key(self) -> str:
+        """The store key this manifest belongs under: its binding's ``<namespace>/<uid>``, else the hash."""
+        return self.binding.key if self.binding is not None else self.identity_hash
+
+    def compute_digest(self) -> str:
+        """The digest of this manifest's content as ``to_json`` writes it (``digest`` aside): what
+        ``sealed`` records. A manifest read from a file keeps the ``digest`` of that file's content, which
+        another writer may have spelled differently (defaults left out, say)."""
+        return canonical_digest(json.loads(self.model_dump_json(by_alias=True, exclude_none=True)))
+
+    def sealed(self) -> Manifest:
+        """This manifest with ``digest`` set to its content's digest."""
+        return self.model_copy(update={DIGEST_FIELD: self.compute_digest()})
+
     def to_json(self) -> bytes:
         return self.model_dump_json(by_alias=True, exclude_none=True, indent=2).encode() + b"\n"
 
@@ -222,7 +340,8 @@ class Manifest(_Model):
         """Parse and validate, raising ``ArtifactError`` with one line per problem.
 
         The format version is checked first, so a newer manifest is reported as that, not as a list
-        of fields this version does not know.
+        of fields this version does not know; then the seal, so an edited manifest is reported as edited,
+        whatever the edit broke.
         """
         try:
             raw = json.loads(data)
@@ -233,6 +352,7 @@ class Manifest(_Model):
         version = raw.get("format_version")
         if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
             raise ArtifactError(f"manifest format_version {version} is newer than supported {FORMAT_VERSION}")
+        _check_seal(raw, source)
         try:
             return cls.model_validate(raw)
         except ValidationError as e:
@@ -256,6 +376,25 @@ class Manifest(_Model):
         if node_gpus.count < want.count:
             problems.append(f"too few GPUs: node has {node_gpus.count}, the checkpoint needs {want.count}")
         return problems
+
+
+def _check_seal(raw: dict[str, Any], source: str) -> None:
+    """``ArtifactError`` unless a sealed manifest still hashes to its digest (and a format-3 one has one)."""
+    version = raw.get("format_version")
+    recorded = raw.get(DIGEST_FIELD)
+    if recorded is None:
+        if isinstance(version, int) and not isinstance(version, bool) and version >= _FIRST_SEALED_VERSION:
+            raise ArtifactError(f"{source} has no digest: a format_version {version} manifest is sealed")
+        return
+    try:
+        computed = canonical_digest(raw)
+    except ValueError as e:
+        raise ArtifactError(f"{source}: {e}") from None
+    if recorded != computed:
+        raise ArtifactError(
+            f"{source} was changed after it was sealed: it records digest {recorded}, "
+            f"its content hashes to {computed}"
+        )
 
 
 def _describe(err: ErrorDetails) -> str:

@@ -28,17 +28,25 @@ __all__ = ["Artifact", "verify_files"]
 
 @dataclass(frozen=True)
 class Artifact:
+    """A published artifact at ``path``; ``key`` is its store key (by default the one its manifest
+    names: ``<namespace>/<checkpoint uid>`` when bound to a checkpoint, else the identity hash)."""
+
     path: Path
     manifest: Manifest
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            object.__setattr__(self, "key", self.manifest.key)
 
     @classmethod
-    def load(cls, path: Path) -> Artifact:
+    def load(cls, path: Path, key: str | None = None) -> Artifact:
         """Read and validate ``path/manifest.json``; ``ArtifactError`` says what is wrong with it."""
         try:
             data = (path / MANIFEST_NAME).read_bytes()
         except FileNotFoundError as e:
             raise ArtifactNotFoundError(f"no artifact at {path}: {MANIFEST_NAME} is missing") from e
-        return cls(path, Manifest.from_json(data, source=str(path / MANIFEST_NAME)))
+        return cls(path, Manifest.from_json(data, source=str(path / MANIFEST_NAME)), key or "")
 
     @property
     def identity_hash(self) -> str:

@@ -1,9 +1,9 @@
 """Writing an artifact so that readers only ever see a complete one.
 
 Data goes into a locked staging directory inside the store; ``publish`` hashes every file (a large one
-in chunks, all chunks of all files on one thread pool), writes the manifest last, fsyncs, and renames
-the directory to ``<hash>`` in one step.  A crash at any point
-leaves only staging that ``ArtifactStore.gc_partial`` removes.
+in chunks, all chunks of all files on one thread pool), writes the sealed manifest last, fsyncs, and
+renames the directory to its key (``<namespace>/<uid>`` or ``<hash>``) in one step.  A crash at any
+point leaves only staging that ``ArtifactStore.gc_partial`` removes.
 """
 
 from __future__ import annotations
@@ -34,20 +34,37 @@ from dynamo_snapshot.artifact.io import (
     TreeStats,
 )
 from dynamo_snapshot.artifact.isolated import hash_files_isolated
-from dynamo_snapshot.artifact.manifest import MANIFEST_NAME, FileEntry, GpuInfo, Manifest
+from dynamo_snapshot.artifact.manifest import (
+    MANIFEST_NAME,
+    Binding,
+    FileEntry,
+    GpuInfo,
+    Manifest,
+    validate_identity_hash,
+)
 from dynamo_snapshot.artifact.reader import Artifact, check_sizes, hash_entries
-from dynamo_snapshot.artifact.store import ArtifactStore, fsync_dir
+from dynamo_snapshot.artifact.store import (
+    ArtifactStore,
+    fsync_dir,
+    is_bound_key,
+    validate_artifact_key,
+)
 from dynamo_snapshot.criu.version import CriuVersion
 
 __all__ = ["ArtifactWriter", "PublishResult", "fetch"]
 
+# Tries at publishing when a delete removes the (empty) namespace directory between its creation and the
+# rename into it; each try needs a delete to land in that instant.
+_PUBLISH_TRIES = 5
+
 
 @dataclass(frozen=True)
 class PublishResult:
-    """The artifact now published under the hash, and whether it is ours.
+    """The artifact now published under the key, and whether it is ours.
 
-    ``won`` is False when another writer published the same hash first: ours was discarded and
-    ``artifact`` is theirs.  ``io`` is what hashing (or fetching) read.
+    ``won`` is False when another writer published the same key first (for a ``<namespace>/<uid>``
+    key, from the same source pod): ours was discarded and ``artifact`` is theirs.  ``io`` is what
+    hashing (or fetching) read.
     """
 
     artifact: Artifact
@@ -91,16 +108,20 @@ def _staged_files(root: Path) -> list[str]:
 
 
 class ArtifactWriter:
-    """Stage an artifact for ``identity_hash`` in ``store``; write files under ``directory``.
+    """Stage an artifact of ``identity_hash`` in ``store`` under ``key`` (default: the hash); write files
+    under ``directory``. A ``<namespace>/<uid>`` key needs a ``binding`` to that checkpoint at publish.
 
     Use as a context manager: leaving it without ``publish()`` (or by an exception) discards the
     staging directory.
     """
 
-    def __init__(self, store: ArtifactStore, identity_hash: str) -> None:
+    def __init__(self, store: ArtifactStore, identity_hash: str, *, key: str | None = None) -> None:
         self.store = store
-        self.identity_hash = identity_hash
-        self._staging = store._stage(identity_hash)
+        self.identity_hash = validate_identity_hash(identity_hash)
+        self.key = validate_artifact_key(key if key is not None else identity_hash)
+        if not is_bound_key(self.key) and self.key != identity_hash:
+            raise ValueError(f"a hash key names its identity: key {self.key}, identity hash {identity_hash}")
+        self._staging = store._stage(self.key)
         self._done = False
 
     @property
@@ -136,15 +157,19 @@ class ArtifactWriter:
         extra: dict[str, JsonValue] | None = None,
         parallel: int = HASH_PARALLEL,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        binding: Binding | None = None,
     ) -> PublishResult:
-        """Hash and seal the staged files, then make them visible as ``store/<hash>`` atomically.
+        """Hash and seal the staged files, then make them visible as ``store/<key>`` atomically.
 
         Runs in a worker thread (hashing reads every byte).  Files larger than ``chunk_bytes`` (a
         multiple of 4096) are sealed as one SHA-256 per chunk, so ``parallel`` threads share even a
-        single huge file.  ``timings`` gains a ``"hash"`` entry with the seconds spent hashing.
+        single huge file.  ``timings`` gains a ``"hash"`` entry with the seconds spent hashing.  The
+        manifest records ``binding`` (required for, and matching, a ``<namespace>/<uid>`` key; none for a
+        hash key) and is sealed with its own digest.
         """
         if chunk_bytes <= 0 or chunk_bytes % ALIGN:
             raise ValueError(f"chunk_bytes must be a positive multiple of {ALIGN}, not {chunk_bytes}")
+        self._check_binding(binding)
         if identity is not None and compute_identity_hash(identity) != self.identity_hash:
             raise ArtifactError(
                 f"identity hash mismatch: writer is for {self.identity_hash}, "
@@ -154,6 +179,7 @@ class ArtifactWriter:
         def manifest_for(files: list[FileEntry], io: TreeStats) -> Manifest:
             return Manifest(
                 identity_hash=self.identity_hash,
+                binding=binding,
                 identity=identity,
                 created_at=datetime.now(UTC),
                 source_node=source_node or platform.node() or "unknown",
@@ -163,7 +189,7 @@ class ArtifactWriter:
                 files=files,
                 timings={**(timings or {}), "hash": io.seconds},
                 extra=extra or {},
-            )
+            ).sealed()
 
         return await asyncio.to_thread(self._hash_and_seal, manifest_for, parallel, chunk_bytes)
 
@@ -196,37 +222,84 @@ class ArtifactWriter:
 
     def _check_open(self) -> None:
         if self._done:
-            raise ArtifactError(f"writer for {self.identity_hash} already published or discarded")
+            raise ArtifactError(f"writer for {self.key} already published or discarded")
 
-    def _seal(self, manifest: Manifest, io: TreeStats) -> PublishResult:
-        """Write ``manifest`` last, make everything durable, and rename staging into place."""
+    def _check_binding(self, binding: Binding | None) -> None:
+        """``ArtifactError`` unless ``binding`` is the one the key calls for."""
+        if not is_bound_key(self.key):
+            if binding is not None:
+                raise ArtifactError(
+                    f"binding mismatch: an artifact bound to {binding.key} is published under that key, "
+                    f"not under the identity hash {self.key}"
+                )
+            return
+        if binding is None:
+            raise ArtifactError(f"binding mismatch: artifact {self.key} needs a binding to that checkpoint")
+        if binding.key != self.key:
+            raise ArtifactError(
+                f"binding mismatch: writer is for {self.key}, the binding is to {binding.key}"
+            )
+
+    def _seal(self, manifest: Manifest, io: TreeStats, data: bytes | None = None) -> PublishResult:
+        """Write ``manifest`` last (as ``data``, its exact bytes, where given), make everything durable,
+        and rename staging into place."""
         self._check_open()
+        self._check_binding(manifest.binding)
         manifest_path = self.directory / MANIFEST_NAME
         with manifest_path.open("xb") as f:
-            f.write(manifest.to_json())
+            f.write(data if data is not None else manifest.to_json())
             f.flush()
             os.fsync(f.fileno())
         for d in {self.directory, *((self.directory / f.path).parent for f in manifest.files)}:
             fsync_dir(d)
-        final = self.store.path_for(self.identity_hash)
+        final = self.store.path_for(self.key)
         try:
-            # rename(2) refuses a non-empty target, so of two writers exactly one wins.
-            os.rename(self.directory, final)
+            self._rename_into_place(final)
         except OSError as e:
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
             self.discard()
-            return PublishResult(Artifact.load(final), won=False, io=io)
+            return PublishResult(self._winner(manifest), won=False, io=io)
         self._done = True
         self._staging.release()
-        fsync_dir(self.store.root)
-        return PublishResult(Artifact(final, manifest), won=True, io=io)
+        fsync_dir(final.parent)
+        if final.parent != self.store.root:
+            fsync_dir(self.store.root)
+        return PublishResult(Artifact(final, manifest, self.key), won=True, io=io)
+
+    def _rename_into_place(self, final: Path) -> None:
+        for attempt in range(_PUBLISH_TRIES):
+            self.store._parent_for(self.key)
+            try:
+                # rename(2) refuses a non-empty target, so of two writers exactly one wins.
+                os.rename(self.directory, final)
+                return
+            except FileNotFoundError:
+                # A delete removed the namespace's emptied directory between its creation and now.
+                if attempt + 1 == _PUBLISH_TRIES or not self.directory.is_dir():
+                    raise
+
+    def _winner(self, ours: Manifest) -> Artifact:
+        """The artifact another writer published under our key first; ``ArtifactError`` when it is not
+        one we may stand for (taken from another pod, or not an artifact at all)."""
+        final = self.store.path_for(self.key)
+        if not (final / MANIFEST_NAME).is_file():
+            raise ArtifactError(f"cannot publish {self.key}: {final} exists and is not an artifact")
+        theirs = self.store.open(self.key)
+        mine, other = ours.binding, theirs.manifest.binding
+        # open() checked that a bound key holds an artifact bound to it: only the source pod may differ.
+        if mine is not None and other is not None and other != mine:
+            raise ArtifactError(
+                f"artifact {self.key} was already published from pod {other.source_pod} "
+                f"({other.source_pod_uid}), not from {mine.source_pod} ({mine.source_pod_uid})"
+            )
+        return theirs
 
 
 async def fetch(
     source: Artifact, store: ArtifactStore, *, parallel: int = HASH_PARALLEL, idle_io: bool = False
 ) -> PublishResult:
-    """Copy ``source`` (e.g. on shared storage) into ``store`` (e.g. a node-local cache).
+    """Copy ``source`` (e.g. on shared storage) into ``store`` (e.g. a node-local cache), under its key.
 
     Every chunk is hashed as it is copied (all chunks of all files on ``parallel`` threads) and
     checked against the manifest before the copy is published, with the same atomic rename as a fresh
@@ -237,14 +310,19 @@ async def fetch(
 
 
 def _fetch(source: Artifact, store: ArtifactStore, parallel: int, idle_io: bool) -> PublishResult:
-    identity_hash = source.manifest.identity_hash
-    if store.exists(identity_hash):
-        return PublishResult(store.open(identity_hash), won=False, io=TreeStats(0, 0.0))
+    key = source.key
+    if store.exists(key):
+        return PublishResult(store.open(key), won=False, io=TreeStats(0, 0.0))
+    # The manifest is copied as it is, byte for byte: its seal covers its content as written, which a
+    # manifest written anew from the parsed model need not reproduce (defaults filled in, say).
+    data = (source.path / MANIFEST_NAME).read_bytes()
+    if Manifest.from_json(data, source=str(source.path / MANIFEST_NAME)) != source.manifest:
+        raise ArtifactError(f"{source.path / MANIFEST_NAME} changed since the artifact was opened")
     problems: list[str] = []
     present = check_sizes(source.path, source.manifest.files, problems)
     if problems:
         raise ArtifactError(problems)
-    with ArtifactWriter(store, identity_hash) as writer:
+    with ArtifactWriter(store, source.manifest.identity_hash, key=key) as writer:
         # O_DIRECT: a bulk copy must not evict the page cache the node's running workers use.
         io = hash_entries(
             source.path,
@@ -258,4 +336,4 @@ def _fetch(source: Artifact, store: ArtifactStore, parallel: int, idle_io: bool)
         )
         if problems:
             raise ArtifactError(problems)
-        return writer._seal(source.manifest, io)
+        return writer._seal(source.manifest, io, data)

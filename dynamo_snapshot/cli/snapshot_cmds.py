@@ -4,8 +4,9 @@
     dynamo-snapshot restore /var/tmp/store/<hash>
     dynamo-snapshot inspect /var/tmp/store/<hash> [--verify]
 
-An artifact lives at <store>/<identity hash>; with --identity the hash is Dynamo's identity hash of that
-file, else a fresh random one.
+An artifact this command takes lives at <store>/<identity hash>; with --identity the hash is Dynamo's
+identity hash of that file, else a fresh random one. restore and inspect also take an artifact the node
+agent made for a DynamoCheckpoint, <store>/<namespace>/<checkpoint uid>.
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from dynamo_snapshot.agent.executor import AgentError, Executor, Timings
 from dynamo_snapshot.agent.runtime import ProcessRuntime, Workload
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_hash
-from dynamo_snapshot.artifact import Artifact, ArtifactError, ArtifactStore, validate_identity_hash
+from dynamo_snapshot.artifact import Artifact, ArtifactError, ArtifactStore, validate_artifact_key
 from dynamo_snapshot.criu import Criu, CriuError
 
 T = TypeVar("T")
@@ -52,12 +54,16 @@ def register(sub: Any) -> None:
     r: argparse.ArgumentParser = sub.add_parser(
         "restore", help="restore an artifact as a running process tree"
     )
-    r.add_argument("artifact", type=Path, help="artifact directory (<store>/<hash>)")
+    r.add_argument(
+        "artifact", type=Path, help="artifact directory (<store>/<hash> or <store>/<namespace>/<uid>)"
+    )
     r.add_argument("--criu", type=Path, help="criu binary")
     r.set_defaults(run=lambda a: _run(_restore(a)))
 
     i: argparse.ArgumentParser = sub.add_parser("inspect", help="print an artifact's manifest")
-    i.add_argument("artifact", type=Path, help="artifact directory (<store>/<hash>)")
+    i.add_argument(
+        "artifact", type=Path, help="artifact directory (<store>/<hash> or <store>/<namespace>/<uid>)"
+    )
     i.add_argument("--verify", action="store_true", help="also check every file's size and SHA-256")
     i.set_defaults(run=lambda a: _run(_inspect(a)))
 
@@ -66,7 +72,8 @@ def _run(coro: Coroutine[Any, Any, int]) -> int:
     try:
         return asyncio.run(coro)
     except (AgentError, ArtifactError, CriuError, ValueError, OSError) as e:
-        console.print(f"[red]error:[/] {e}")
+        # One line, whatever the terminal's width; the message's own brackets are not markup.
+        console.print(f"[red]error:[/] {escape(str(e))}", soft_wrap=True)
         return 1
 
 
@@ -100,24 +107,67 @@ async def _checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _locate(path: Path) -> tuple[Path, str]:
+    """The store root and key of the artifact directory ``path``; ``ValueError`` naming both forms."""
+    for depth in (1, 2):
+        if len(path.parts) > depth:
+            key = "/".join(path.parts[-depth:])
+            try:
+                return path.parents[depth - 1], validate_artifact_key(key)
+            except ValueError:
+                continue
+    raise ValueError(
+        f"{path} is not an artifact directory: need <store>/<identity hash> (16 lowercase hex digits) "
+        "or <store>/<namespace>/<checkpoint uid>"
+    )
+
+
 async def _restore(args: argparse.Namespace) -> int:
-    path = args.artifact.resolve()
-    ident_hash = validate_identity_hash(path.name)
-    executor = _executor(args.criu, path.parent)
+    root, key = _locate(args.artifact.resolve())
+    executor = _executor(args.criu, root)
     await executor.criu.require()
-    outcome = await _phase(f"restoring {path}", executor.restore(f"cli-{secrets.token_hex(3)}", ident_hash))
+    outcome = await _phase(f"restoring {root / key}", executor.restore(f"cli-{secrets.token_hex(3)}", key))
     _print_timings("restore", outcome.timings, {"pid": str(outcome.workload.pid)})
     print(outcome.workload.pid)
     return 0
 
 
 async def _inspect(args: argparse.Namespace) -> int:
-    artifact = await asyncio.to_thread(Artifact.load, args.artifact)
+    artifact = await asyncio.to_thread(_open, args.artifact.resolve())
+    manifest = artifact.manifest
+    if manifest.digest is not None:
+        console.print(f"sealed: manifest digest {manifest.digest}", markup=False, soft_wrap=True)
+    else:
+        console.print(
+            f"not sealed: a format_version {manifest.format_version} manifest has no digest", soft_wrap=True
+        )
+    binding = manifest.binding
+    if binding is not None:
+        console.print(
+            f"bound to: DynamoCheckpoint {binding.namespace}/{binding.checkpoint_name} "
+            f"(uid {binding.checkpoint_uid}), taken from pod {binding.source_pod} "
+            f"(uid {binding.source_pod_uid})",
+            markup=False,
+            soft_wrap=True,
+        )
+    else:
+        console.print(
+            f"bound to: no checkpoint (a CLI artifact of identity {manifest.identity_hash})", soft_wrap=True
+        )
     if args.verify:
         stats = await _phase("verifying", artifact.averify())
         console.print(f"[green]verified[/] {stats.bytes / 2**30:.2f} GiB in {stats.seconds:.1f}s")
-    print(artifact.manifest.model_dump_json(indent=2, by_alias=True, exclude_none=True))
+    print(manifest.model_dump_json(indent=2, by_alias=True, exclude_none=True))
     return 0
+
+
+def _open(path: Path) -> Artifact:
+    """The artifact at ``path``; in a store (named by its key) held to that key as a restore would be."""
+    try:
+        root, key = _locate(path)
+    except ValueError:
+        return Artifact.load(path)
+    return ArtifactStore(root).open(key)
 
 
 def _load_identity(path: Path) -> CheckpointIdentity:

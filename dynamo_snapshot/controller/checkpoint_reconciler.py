@@ -8,6 +8,7 @@ agent reported `failed`, or too many restores from it failed).
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from pydantic import ValidationError
@@ -18,6 +19,7 @@ from dynamo_snapshot.api.identity import compute_identity_hash
 from dynamo_snapshot.controller import conditions as cond
 from dynamo_snapshot.controller.context import Context, validation_message
 from dynamo_snapshot.controller.kinds import CHECKPOINT, JOB
+from dynamo_snapshot.controller.pods import pod_active
 from dynamo_snapshot.controller.podspec import (
     MAIN_CONTAINER,
     checkpoint_job,
@@ -27,6 +29,8 @@ from dynamo_snapshot.controller.podspec import (
 from dynamo_snapshot.controller.runtime import NORMAL, WARNING, Obj, Result, is_already_exists, is_not_found
 
 log = logging.getLogger(__name__)
+FINALIZE_RECHECK_S = 2.0
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def agent_verdict(pod: Obj, status_key: str, message_key: str) -> tuple[protocol.SnapshotStatus | None, str]:
@@ -53,6 +57,23 @@ def agent_verdict(pod: Obj, status_key: str, message_key: str) -> tuple[protocol
     return (protocol.SnapshotStatus.RUNNING if states else None), message
 
 
+def controlled_by(obj: Obj, owner_uid: str | None) -> bool:
+    """Whether `obj`'s controller ownerReference is the object with `owner_uid`."""
+    return bool(owner_uid) and any(
+        ref.get("uid") == owner_uid and ref.get("controller")
+        for ref in obj["metadata"].get("ownerReferences") or []
+    )
+
+
+def _restore_under_way(pod: Obj) -> bool:
+    """A restore pod the node agent may be restoring into, or is about to: alive and without a final
+    verdict."""
+    if not pod_active(pod):
+        return False
+    verdict, _ = agent_verdict(pod, protocol.ANNOTATION_RESTORE_STATUS, protocol.ANNOTATION_RESTORE_MESSAGE)
+    return verdict is None or not verdict.terminal
+
+
 def _job_failure(job: Obj) -> str | None:
     for c in (job.get("status") or {}).get("conditions") or []:
         if c.get("type") == "Failed" and c.get("status") == "True":
@@ -68,8 +89,10 @@ class CheckpointReconciler:
     async def reconcile(self, key: str) -> Result | None:
         ctx = self.ctx
         obj = ctx.checkpoints.get(key)
-        if obj is None or obj["metadata"].get("deletionTimestamp"):
+        if obj is None:
             return None
+        if obj["metadata"].get("deletionTimestamp"):
+            return await self._finalize(obj)
         namespace, name = key.split("/", 1)
         try:
             ckpt = DynamoCheckpoint.model_validate(obj)
@@ -78,14 +101,17 @@ class CheckpointReconciler:
             ctx.recorder.record(obj, WARNING, "InvalidSpec", validation_message(e))
             return None
         identity_hash = compute_identity_hash(ckpt.spec.identity)
+        meta_patch: dict[str, Any] = {}
         if (obj["metadata"].get("labels") or {}).get(protocol.LABEL_CHECKPOINT_HASH) != identity_hash:
             # The hash label is how Auto mode finds checkpoints, pre-warmed ones included.
-            await ctx.kube.merge_patch(
-                CHECKPOINT,
-                name,
-                {"metadata": {"labels": {protocol.LABEL_CHECKPOINT_HASH: identity_hash}}},
-                namespace,
-            )
+            meta_patch["labels"] = {protocol.LABEL_CHECKPOINT_HASH: identity_hash}
+        finalizers = list(obj["metadata"].get("finalizers") or [])
+        if protocol.FINALIZER not in finalizers:
+            # Held until no restore reads the artifact; the resourceVersion makes the list write safe.
+            meta_patch["finalizers"] = [*finalizers, protocol.FINALIZER]
+            meta_patch["resourceVersion"] = obj["metadata"]["resourceVersion"]
+        if meta_patch:
+            await ctx.kube.merge_patch(CHECKPOINT, name, {"metadata": meta_patch}, namespace)
 
         status: dict[str, Any] = dict(obj.get("status") or {})
         phase = status.get("phase") or CheckpointPhase.PENDING.value
@@ -145,11 +171,14 @@ class CheckpointReconciler:
         failure = _job_failure(job)
         if failure:
             return {"phase": CheckpointPhase.FAILED.value, "message": failure}
+        # Only the Job's own pods count: a pod that merely carries the labels proves nothing.
+        job_uid = job["metadata"].get("uid")
         sources = [
             p
             for p in ctx.pods.by_label(protocol.LABEL_CHECKPOINT_ID, name)
             if p["metadata"]["namespace"] == namespace
             and (p["metadata"].get("labels") or {}).get(protocol.LABEL_CHECKPOINT_SOURCE) == protocol.TRUE
+            and controlled_by(p, job_uid)
         ]
         for pod in sources:
             verdict, message = agent_verdict(
@@ -157,10 +186,20 @@ class CheckpointReconciler:
             )
             if verdict is protocol.SnapshotStatus.COMPLETED:
                 ann = pod["metadata"].get("annotations") or {}
+                digest = ann.get(protocol.ANNOTATION_ARTIFACT_DIGEST) or ""
+                if not _SHA256.fullmatch(digest):
+                    return {
+                        "phase": CheckpointPhase.FAILED.value,
+                        "message": f"the node agent reported pod {pod['metadata']['name']} checkpointed "
+                        f"without a valid {protocol.ANNOTATION_ARTIFACT_DIGEST} annotation "
+                        "(an agent older than the controller?): no restore could verify the artifact",
+                    }
                 return {
                     "phase": CheckpointPhase.READY.value,
                     "message": f"checkpointed from pod {pod['metadata']['name']}",
                     "location": ann.get(protocol.ANNOTATION_CHECKPOINT_LOCATION),
+                    "artifactDigest": digest,
+                    "sourcePod": pod["metadata"]["name"],
                     "storageType": ann.get(protocol.ANNOTATION_CHECKPOINT_STORAGE_TYPE) or "pvc",
                     "createdAt": cond.now_rfc3339(),
                     "compatibility": self._compatibility(pod).model_dump(by_alias=True, exclude_none=True),
@@ -187,6 +226,42 @@ class CheckpointReconciler:
             cuda_driver_major=labels.get(protocol.LABEL_CUDA_DRIVER_MAJOR),
             gpu_count=gpus_of_pod(pod) or None,
         )
+
+    async def _finalize(self, obj: Obj) -> Result | None:
+        """A deleted checkpoint keeps its finalizer while a restore from it is under way, so its artifact
+        is never removed under a reader; the node agents remove the artifact once the object is gone."""
+        ctx = self.ctx
+        meta = obj["metadata"]
+        finalizers = list(meta.get("finalizers") or [])
+        if protocol.FINALIZER not in finalizers:
+            return None
+        restoring = [p["metadata"]["name"] for p in self._restore_pods(obj) if _restore_under_way(p)]
+        if restoring:
+            msg = f"deleting once no restore reads it; restores under way: {', '.join(sorted(restoring))}"
+            ctx.recorder.record(obj, NORMAL, "DeletionWaits", msg)
+            return Result(requeue_after=FINALIZE_RECHECK_S)
+        patch = {
+            "metadata": {
+                "finalizers": [f for f in finalizers if f != protocol.FINALIZER],
+                "resourceVersion": meta["resourceVersion"],
+            }
+        }
+        try:
+            await ctx.kube.merge_patch(CHECKPOINT, meta["name"], patch, meta["namespace"])
+        except Exception as e:
+            if is_not_found(e):
+                return None
+            raise
+        return None
+
+    def _restore_pods(self, obj: Obj) -> list[Obj]:
+        namespace, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        return [
+            p
+            for p in self.ctx.pods.by_label(protocol.LABEL_CHECKPOINT_ID, name)
+            if p["metadata"]["namespace"] == namespace
+            and (p["metadata"].get("labels") or {}).get(protocol.LABEL_RESTORE_TARGET) == protocol.TRUE
+        ]
 
     async def _delete_job(self, namespace: str, job_name: str) -> None:
         try:

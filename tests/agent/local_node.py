@@ -9,11 +9,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dynamo_snapshot.agent.executor import Executor
+from dynamo_snapshot.agent.executor import CheckpointOutcome, Executor
 from dynamo_snapshot.agent.runtime import ProcessRuntime, WorkloadSpec
 from dynamo_snapshot.agent.runtime.base import Workload
 from dynamo_snapshot.api.identity import CheckpointIdentity
-from dynamo_snapshot.artifact import ArtifactStore
+from dynamo_snapshot.artifact import ArtifactStore, Binding
 from dynamo_snapshot.criu import Criu
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,15 +41,34 @@ async def checkpoint_worker(
     *,
     identity: CheckpointIdentity | None = None,
     key: str = "source",
+    binding: Binding | None = None,
 ) -> Workload:
-    """Launch ``worker`` (a script using the workload handshake), checkpoint it as ``identity_hash``, and
-    remove its control dir, as on a fresh node; the source workload it was."""
+    """Launch ``worker`` (a script using the workload handshake), checkpoint it as ``identity_hash`` (under
+    ``binding``'s key where given), and remove its control dir, as on a fresh node; the source workload."""
+    source, _ = await checkpoint_worker_outcome(
+        executor, runtime, worker, identity_hash, env, identity=identity, key=key, binding=binding
+    )
+    return source
+
+
+async def checkpoint_worker_outcome(
+    executor: Executor,
+    runtime: ProcessRuntime,
+    worker: Path,
+    identity_hash: str,
+    env: dict[str, str] | None = None,
+    *,
+    identity: CheckpointIdentity | None = None,
+    key: str = "source",
+    binding: Binding | None = None,
+) -> tuple[Workload, CheckpointOutcome]:
+    """``checkpoint_worker``, and what the checkpoint reported."""
     spec = WorkloadSpec(key, [sys.executable, str(worker)], {"PYTHONPATH": str(REPO), **(env or {})})
     source = await runtime.launch(spec)
     await executor.wait_ready(source, within=60)
-    await executor.checkpoint(source, identity_hash, identity)
+    outcome = await executor.checkpoint(source, identity_hash, identity, binding=binding)
     shutil.rmtree(source.control_dir, ignore_errors=True)
-    return source
+    return source, outcome
 
 
 def _listing(directory: Path) -> dict[str, tuple[bool, int]]:

@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,8 +23,10 @@ from dynamo_snapshot.agent.runtime import ProcessRuntime, RuncRuntime, Runtime
 from dynamo_snapshot.agent.runtime.base import pid_running
 from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent, workload_key
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.artifact import ArtifactCache, ArtifactStore, GpuInfo
-from dynamo_snapshot.controller.runtime import POD, ApiError, Kube, Obj
+from dynamo_snapshot.api.identity import compute_identity_hash
+from dynamo_snapshot.artifact import ArtifactCache, ArtifactStore, GpuInfo, artifact_key
+from dynamo_snapshot.controller.kinds import CHECKPOINT, JOB
+from dynamo_snapshot.controller.runtime import EVENT, POD, ApiError, Kube, Obj, is_already_exists
 from dynamo_snapshot.criu import Criu
 from dynamo_snapshot.criu.packed import is_packed_pages
 from tests.controller.conftest import eventually
@@ -32,7 +34,9 @@ from tests.controller.conftest import eventually
 pytestmark = [pytest.mark.cluster, pytest.mark.criu]
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "tests" / "agent" / "cpu_worker.py"
-HASH = "0123456789abcdef"
+IDENTITY = {"model": "Qwen/Qwen3-0.6B", "backendFramework": "vllm"}
+HASH = compute_identity_hash(IDENTITY)
+CKPT = "ckpt"
 H200 = GpuInfo(
     product="NVIDIA-H200",
     driver_version="580.159.04",
@@ -61,7 +65,9 @@ class AgentHandle:
 
 
 @pytest.fixture
-async def agents(api: client.ApiClient, tmp_path: Path, criu_bin: Path) -> AsyncIterator[Callable[..., Any]]:
+async def agents(
+    api: client.ApiClient, tmp_path: Path, criu_bin: Path, crds: list[str]
+) -> AsyncIterator[Callable[..., Any]]:
     kube = Kube(api, field_manager="agent-test")
     store_root = tmp_path / "artifacts"  # shared, like a ReadWriteMany volume
     started: list[AgentHandle] = []
@@ -121,12 +127,18 @@ async def agents(api: client.ApiClient, tmp_path: Path, criu_bin: Path) -> Async
 
 
 def pod(name: str, node: str, labels: dict[str, str], state_mib: int = 32) -> Obj:
+    annotations = (
+        {protocol.ANNOTATION_RESTORE_FROM: labels[protocol.LABEL_CHECKPOINT_ID]}
+        if labels.get(protocol.LABEL_RESTORE_TARGET) == protocol.TRUE
+        else {}
+    )
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
             "name": name,
             "labels": {protocol.LABEL_MANAGED_BY: protocol.MANAGED_BY_VALUE, **labels},
+            "annotations": annotations,
         },
         "spec": {
             "nodeName": node,  # bound directly: this test is about the agent, not the scheduler
@@ -148,13 +160,82 @@ def pod(name: str, node: str, labels: dict[str, str], state_mib: int = 32) -> Ob
 SOURCE = {
     protocol.LABEL_CHECKPOINT_SOURCE: protocol.TRUE,
     protocol.LABEL_CHECKPOINT_HASH: HASH,
-    protocol.LABEL_CHECKPOINT_ID: "ckpt",
+    protocol.LABEL_CHECKPOINT_ID: CKPT,
 }
 TARGET = {
     protocol.LABEL_RESTORE_TARGET: protocol.TRUE,
     protocol.LABEL_CHECKPOINT_HASH: HASH,
-    protocol.LABEL_CHECKPOINT_ID: "ckpt",
+    protocol.LABEL_CHECKPOINT_ID: CKPT,
 }
+
+
+async def checkpoint_and_job(kube: Kube, ns: str, name: str = CKPT) -> tuple[Obj, Obj]:
+    """What the controller makes for a checkpoint: the DynamoCheckpoint and its Job. The tests create and
+    bind the Job's pod themselves, on kwok nodes, so the Job is managed by no controller (`managedBy`):
+    the Job controller would otherwise release the pod (it does not match the Job's selector). Made once
+    per name."""
+    try:
+        ckpt = await kube.create(
+            CHECKPOINT,
+            {
+                "apiVersion": "nvidia.com/v1alpha1",
+                "kind": "DynamoCheckpoint",
+                "metadata": {"name": name},
+                "spec": {"identity": IDENTITY, "job": {"podTemplateSpec": {"spec": {"containers": []}}}},
+            },
+            ns,
+        )
+    except ApiError as e:
+        if not is_already_exists(e):
+            raise
+        ckpt = await kube.get(CHECKPOINT, name, ns)
+    job_name = f"{name}-checkpoint"
+    try:
+        job = await kube.create(
+            JOB,
+            {
+                "apiVersion": "batch/v1",
+                "kind": "Job",
+                "metadata": {"name": job_name, "ownerReferences": [_owner(ckpt)]},
+                "spec": {
+                    "managedBy": "tests.dynamo-snapshot.dev/agent-tests",
+                    "template": {
+                        "spec": {
+                            "restartPolicy": "Never",
+                            "containers": [{"name": "main", "image": "worker:test"}],
+                        }
+                    },
+                },
+            },
+            ns,
+        )
+    except ApiError as e:
+        if not is_already_exists(e):
+            raise
+        job = await kube.get(JOB, job_name, ns)
+    return ckpt, job
+
+
+def _owner(obj: Obj) -> Obj:
+    return {
+        "apiVersion": obj["apiVersion"],
+        "kind": obj["kind"],
+        "name": obj["metadata"]["name"],
+        "uid": obj["metadata"]["uid"],
+        "controller": True,
+    }
+
+
+async def create_source(kube: Kube, ns: str, name: str, node: str, state_mib: int = 32) -> Obj:
+    """A checkpoint source pod as the checkpoint's Job would run it."""
+    _, job = await checkpoint_and_job(kube, ns)
+    body = pod(name, node, SOURCE, state_mib)
+    body["metadata"]["ownerReferences"] = [_owner({**job, "apiVersion": "batch/v1", "kind": "Job"})]
+    return await kube.create(POD, body, ns)
+
+
+async def artifact_key_of(kube: Kube, ns: str, name: str = CKPT) -> str:
+    return artifact_key(ns, (await kube.get(CHECKPOINT, name, ns))["metadata"]["uid"])
 
 
 async def _annotations(kube: Kube, ns: str, name: str) -> dict[str, str]:
@@ -170,9 +251,18 @@ async def _status(kube: Kube, ns: str, name: str, key: str, want: str) -> dict[s
 
 
 async def _checkpointed(kube: Kube, ns: str, name: str) -> dict[str, str]:
-    return await eventually(
+    """The source pod's annotations once the agent reports it checkpointed; the checkpoint is then made
+    Ready with the artifact's digest, as the controller makes it."""
+    ann: dict[str, str] = await eventually(
         lambda: _status(kube, ns, name, protocol.ANNOTATION_CHECKPOINT_STATUS, "completed"), within=60
     )
+    status = {
+        "phase": "Ready",
+        "artifactDigest": ann[protocol.ANNOTATION_ARTIFACT_DIGEST],
+        "location": ann[protocol.ANNOTATION_CHECKPOINT_LOCATION],
+    }
+    await kube.patch_status(CHECKPOINT, CKPT, status, ns)
+    return ann
 
 
 async def _verified(path: Path) -> dict[str, Any]:
@@ -197,12 +287,16 @@ async def test_checkpoint_on_one_node_restore_on_another(
     node_a, node_b = (gpu_node()["metadata"]["name"] for _ in range(2))
     a = await agents(node_a, runtime_kind)
     b = await agents(node_b, runtime_kind)
-    await kube.create(POD, pod("source", node_a, SOURCE), namespace)
+    await create_source(kube, namespace, "source", node_a)
     ann = await _checkpointed(kube, namespace, "source")
-    assert ann[protocol.ANNOTATION_CHECKPOINT_LOCATION].endswith(HASH)
+    key = await artifact_key_of(kube, namespace)
+    assert ann[protocol.ANNOTATION_CHECKPOINT_LOCATION].endswith(key)
     timings = json.loads(ann[protocol.ANNOTATION_CHECKPOINT_TIMINGS])
     assert timings["criu_dump"] > 0
-    artifact = ArtifactStore(Path(ann[protocol.ANNOTATION_CHECKPOINT_LOCATION]).parent).open(HASH)
+    artifact = ArtifactStore(Path(ann[protocol.ANNOTATION_CHECKPOINT_LOCATION]).parents[1]).open(key)
+    assert artifact.manifest.digest == ann[protocol.ANNOTATION_ARTIFACT_DIGEST]
+    assert artifact.manifest.binding is not None
+    assert artifact.manifest.binding.source_pod == "source"
     assert artifact.manifest.source_node == node_a
     # The worker's pages are stored compressed (and unpacked again for CRIU at each restore).
     assert any(is_packed_pages(f.path) for f in artifact.manifest.files)
@@ -232,7 +326,7 @@ async def test_second_restore_on_a_node_reads_its_cache(
     node_a, node_b = (gpu_node()["metadata"]["name"] for _ in range(2))
     await agents(node_a, "runc")
     b = await agents(node_b, "runc", cache=True)
-    await kube.create(POD, pod("source", node_a, SOURCE), namespace)
+    await create_source(kube, namespace, "source", node_a)
     await _checkpointed(kube, namespace, "source")
     messages = []
     for name in ("restored-1", "restored-2"):
@@ -257,7 +351,7 @@ async def test_flipped_byte_refuses_restore(
     kube = Kube(api)
     node = gpu_node()["metadata"]["name"]
     b = await agents(node)
-    await kube.create(POD, pod("source", node, SOURCE), namespace)
+    await create_source(kube, namespace, "source", node)
     ann = await _checkpointed(kube, namespace, "source")
     images = Path(ann[protocol.ANNOTATION_CHECKPOINT_LOCATION]) / "criu"
     victim = max(images.glob("pages-*"), key=lambda p: p.stat().st_size)  # stored compressed or not
@@ -291,7 +385,7 @@ async def test_incompatible_gpu_is_refused_naming_both(
         memory_mib=81920,
     )
     await agents(node_b, gpus=a100)
-    await kube.create(POD, pod("source", node_a, SOURCE), namespace)
+    await create_source(kube, namespace, "source", node_a)
     await _checkpointed(kube, namespace, "source")
     await kube.create(POD, pod("restored", node_b, TARGET), namespace)
     ann = await eventually(
@@ -312,7 +406,7 @@ async def test_agent_killed_mid_dump_publishes_nothing_and_reports_failure(
     kube = Kube(api)
     node = gpu_node()["metadata"]["name"]
     first = await agents(node)
-    await kube.create(POD, pod("source", node, SOURCE, state_mib=1024), namespace)
+    await create_source(kube, namespace, "source", node, state_mib=1024)
     await eventually(
         lambda: _status(kube, namespace, "source", protocol.ANNOTATION_CHECKPOINT_STATUS, "running"),
         within=60,
@@ -326,7 +420,7 @@ async def test_agent_killed_mid_dump_publishes_nothing_and_reports_failure(
         lambda: _status(kube, namespace, "source", protocol.ANNOTATION_CHECKPOINT_STATUS, "failed"), within=60
     )
     assert "restarted" in ann[protocol.per_container(protocol.ANNOTATION_CHECKPOINT_MESSAGE, "main")]
-    assert not store.exists(HASH), "a killed dump must never be published"
+    assert not store.exists(await artifact_key_of(kube, namespace)), "a killed dump must never be published"
 
 
 async def test_pods_of_other_nodes_are_never_touched(
@@ -336,10 +430,10 @@ async def test_pods_of_other_nodes_are_never_touched(
     mine, other = (gpu_node()["metadata"]["name"] for _ in range(2))
     agent = await agents(mine)
     foreign = f"elsewhere-{uuid.uuid4().hex[:4]}"
-    await kube.create(POD, pod(foreign, other, SOURCE), namespace)
+    await create_source(kube, namespace, foreign, other)
     # Positive control: the same kind of pod on the agent's own node is checkpointed, so the silence
     # about the foreign pod below comes from the node filter, not from an agent that does nothing.
-    await kube.create(POD, pod("local", mine, SOURCE), namespace)
+    await create_source(kube, namespace, "local", mine)
     await _checkpointed(kube, namespace, "local")
     ann = await _annotations(kube, namespace, foreign)
     assert not any(
@@ -359,7 +453,7 @@ async def _checkpoint_then_second_node(
     node_a, node_b = (gpu_node()["metadata"]["name"] for _ in range(2))
     await agents(node_a)
     b: AgentHandle = await agents(node_b, launch=launch)
-    await kube.create(POD, pod("source", node_a, SOURCE), namespace)
+    await create_source(kube, namespace, "source", node_a)
     await _checkpointed(kube, namespace, "source")
     return b
 
@@ -677,12 +771,13 @@ async def test_a_failed_checkpoint_report_is_retried_not_reported_as_a_failure(
     a = await agents(node)
     refused = _refuse_first_completed(a, CHECKPOINT_STATUS)  # the published checkpoint's report
     checkpoints = _count_calls(a.agent.executor, "checkpoint")
-    await kube.create(POD, pod("source", node, SOURCE), namespace)
+    await create_source(kube, namespace, "source", node)
     ann = await _checkpointed(kube, namespace, "source")
     assert refused == ["source"]
     assert [identity_hash for _, identity_hash, *_ in checkpoints] == [HASH]
-    assert ann[protocol.ANNOTATION_CHECKPOINT_LOCATION].endswith(HASH)
-    assert ArtifactStore(tmp_path / "artifacts").exists(HASH)
+    key = await artifact_key_of(kube, namespace)
+    assert ann[protocol.ANNOTATION_CHECKPOINT_LOCATION].endswith(key)
+    assert ArtifactStore(tmp_path / "artifacts").exists(key)
     await asyncio.sleep(1.5)  # past a re-dispatch's backoff (1 s): the report must stay completed
     assert (await _annotations(kube, namespace, "source"))[CHECKPOINT_STATUS] == "completed"
 
@@ -709,7 +804,7 @@ async def test_a_checkpoint_published_by_an_agent_killed_before_its_report_is_re
         return await real_patch(kind, name, patch, *args, **kwargs)
 
     first.agent.kube.merge_patch = hanging_patch  # type: ignore[method-assign]
-    await kube.create(POD, pod("source", node, SOURCE), namespace)
+    await create_source(kube, namespace, "source", node)
 
     async def report_held() -> bool:
         return bool(held)
@@ -717,13 +812,14 @@ async def test_a_checkpoint_published_by_an_agent_killed_before_its_report_is_re
     await eventually(report_held, within=60)
     await first.shutdown(abrupt=True)
     store = ArtifactStore(tmp_path / "artifacts")
-    assert store.exists(HASH)
+    key = await artifact_key_of(kube, namespace)
+    assert store.exists(key)
     ann = await _annotations(kube, namespace, "source")
     assert ann[CHECKPOINT_STATUS] == "running"
 
     await agents(node)
     ann = await _checkpointed(kube, namespace, "source")
-    assert ann[protocol.ANNOTATION_CHECKPOINT_LOCATION] == str(store.path_for(HASH))
+    assert ann[protocol.ANNOTATION_CHECKPOINT_LOCATION] == str(store.path_for(key))
     assert "criu_dump" in json.loads(ann[protocol.ANNOTATION_CHECKPOINT_TIMINGS])
     assert "nothing was published" not in ann[CHECKPOINT_MESSAGE]
 
@@ -776,3 +872,204 @@ async def test_a_restored_worker_goes_with_its_pod_on_a_kubelet_node(
     assert worker is not None
     await kube.delete(POD, "restored", namespace)
     await eventually(lambda: _stopped(worker.pid), within=15)
+
+
+# ---------------------------------------------------------------------------------------- tenancy
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+def _with_env(body: Obj, **env: str) -> Obj:
+    body["spec"]["containers"][0]["env"] += [{"name": k, "value": v} for k, v in env.items()]
+    return body
+
+
+@pytest.fixture
+def other_namespace(cluster: Any) -> Iterator[str]:
+    name = f"tenant-b-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", name)
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
+
+
+async def _source_with_env(kube: Kube, ns: str, node: str, **env: str) -> None:
+    _, job = await checkpoint_and_job(kube, ns)
+    body = _with_env(pod("source", node, SOURCE), **env)
+    body["metadata"]["ownerReferences"] = [_owner({**job, "apiVersion": "batch/v1", "kind": "Job"})]
+    await kube.create(POD, body, ns)
+
+
+async def test_two_tenants_with_one_identity_never_share_a_process(
+    api: client.ApiClient,
+    namespace: str,
+    other_namespace: str,
+    gpu_node: Callable[..., Obj],
+    agents: Callable[..., Any],
+    tmp_path: Path,
+) -> None:
+    kube = Kube(api)
+    node = gpu_node()["metadata"]["name"]
+    a = await agents(node)
+    # Same checkpoint name, same identity (so the same identity hash) in two namespaces.
+    await _source_with_env(kube, namespace, node, TENANT_SECRET="a-secret")
+    await _checkpointed(kube, namespace, "source")
+    await _source_with_env(kube, other_namespace, node, TENANT_SECRET="b-secret")
+    ann_b = await _checkpointed(kube, other_namespace, "source")
+    assert "found published" not in ann_b[CHECKPOINT_MESSAGE], "tenant B was handed tenant A's artifact"
+    store = ArtifactStore(tmp_path / "artifacts")
+    keys = {await artifact_key_of(kube, namespace), await artifact_key_of(kube, other_namespace)}
+    assert set(store.list()) == keys
+    await kube.create(POD, pod("restored", node, TARGET), other_namespace)
+    await _restored(kube, other_namespace, "restored")
+    worker = await _workload(kube, a.runtime, other_namespace, "restored")
+    env = _environ(worker.pid)
+    assert env["TENANT_SECRET"] == "b-secret"
+    assert env["POD_NAMESPACE"] == other_namespace
+
+
+async def test_a_pod_of_another_namespace_is_not_restored(
+    api: client.ApiClient,
+    namespace: str,
+    other_namespace: str,
+    gpu_node: Callable[..., Obj],
+    agents: Callable[..., Any],
+) -> None:
+    kube = Kube(api)
+    node = gpu_node()["metadata"]["name"]
+    a = await agents(node)
+    await create_source(kube, namespace, "source", node)
+    await _checkpointed(kube, namespace, "source")
+    # The victim's labels and checkpoint name, copied onto a pod in the attacker's namespace.
+    await kube.create(POD, pod("forged", node, TARGET), other_namespace)
+    ann = await eventually(
+        lambda: _status(kube, other_namespace, "forged", protocol.ANNOTATION_RESTORE_STATUS, "failed"),
+        within=30,
+    )
+    message = ann[protocol.per_container(protocol.ANNOTATION_RESTORE_MESSAGE, "main")]
+    assert f"not found in namespace {other_namespace}" in message
+    assert await _workload(kube, a.runtime, other_namespace, "forged") is None
+    await _event(kube, other_namespace, "RestoreRefused", "forged")
+
+
+async def test_a_source_pod_not_run_by_the_checkpoint_job_publishes_nothing(
+    api: client.ApiClient,
+    namespace: str,
+    other_namespace: str,
+    gpu_node: Callable[..., Obj],
+    agents: Callable[..., Any],
+    tmp_path: Path,
+) -> None:
+    kube = Kube(api)
+    node = gpu_node()["metadata"]["name"]
+    await agents(node)
+    await checkpoint_and_job(kube, namespace)
+    # A pod that only carries the labels, in the checkpoint's namespace and in another one.
+    await kube.create(POD, pod("planted", node, SOURCE), namespace)
+    await kube.create(POD, pod("planted", node, SOURCE), other_namespace)
+    for ns, words in ((namespace, "not run by the checkpoint Job"), (other_namespace, "not found")):
+        ann = await eventually(
+            lambda n=ns: _status(kube, n, "planted", protocol.ANNOTATION_CHECKPOINT_STATUS, "failed"),
+            within=30,
+        )
+        assert words in ann[CHECKPOINT_MESSAGE]
+        await _event(kube, ns, "CheckpointRefused", "planted")
+    assert ArtifactStore(tmp_path / "artifacts").list() == []
+    # The real source is still checkpointed afterwards.
+    await create_source(kube, namespace, "source", node)
+    await _checkpointed(kube, namespace, "source")
+
+
+async def test_a_restore_needs_the_artifact_the_checkpoint_recorded(
+    api: client.ApiClient, namespace: str, gpu_node: Callable[..., Obj], agents: Callable[..., Any]
+) -> None:
+    kube = Kube(api)
+    b = await _checkpoint_then_second_node(kube, namespace, gpu_node, agents)
+    await kube.patch_status(CHECKPOINT, CKPT, {"artifactDigest": "0" * 64}, namespace)
+    await kube.create(POD, pod("restored", b.node, TARGET), namespace)
+    ann = await eventually(
+        lambda: _status(kube, namespace, "restored", protocol.ANNOTATION_RESTORE_STATUS, "failed"), within=60
+    )
+    assert "manifest digest" in ann[protocol.per_container(protocol.ANNOTATION_RESTORE_MESSAGE, "main")]
+    assert await _workload(kube, b.runtime, namespace, "restored") is None
+    await kube.patch_status(CHECKPOINT, CKPT, {"phase": "Creating"}, namespace)
+    await kube.create(POD, pod("early", b.node, TARGET), namespace)
+    ann = await eventually(
+        lambda: _status(kube, namespace, "early", protocol.ANNOTATION_RESTORE_STATUS, "failed"), within=30
+    )
+    assert "is not Ready" in ann[protocol.per_container(protocol.ANNOTATION_RESTORE_MESSAGE, "main")]
+
+
+async def test_the_artifact_goes_with_its_checkpoint(
+    api: client.ApiClient,
+    namespace: str,
+    gpu_node: Callable[..., Obj],
+    agents: Callable[..., Any],
+    tmp_path: Path,
+) -> None:
+    kube = Kube(api)
+    node = gpu_node()["metadata"]["name"]
+    a = await agents(node)
+    store = ArtifactStore(tmp_path / "artifacts")
+    await create_source(kube, namespace, "source", node)
+    await _checkpointed(kube, namespace, "source")
+    key = await artifact_key_of(kube, namespace)
+    assert store.exists(key)
+    await kube.delete(CHECKPOINT, CKPT, namespace)
+
+    async def removed() -> bool:
+        return not store.exists(key)
+
+    await eventually(removed, within=30)
+    # Deleted while no agent ran: the next agent's sweep removes it.
+    await kube.delete(POD, "source", namespace)
+
+    async def job_gone() -> bool:  # the garbage collector removes the old checkpoint's Job
+        jobs, _ = await kube.list_all(JOB, namespace)
+        return not jobs
+
+    await eventually(job_gone, within=30)
+    await create_source(kube, namespace, "source-2", node)
+    await _checkpointed(kube, namespace, "source-2")
+    key = await artifact_key_of(kube, namespace)
+    await a.shutdown()
+    await kube.delete(CHECKPOINT, CKPT, namespace)
+    assert store.exists(key)
+    await agents(node)
+    await eventually(removed, within=30)
+
+
+async def test_an_agent_restart_mid_restore_restores_again(
+    api: client.ApiClient, namespace: str, gpu_node: Callable[..., Obj], agents: Callable[..., Any]
+) -> None:
+    kube = Kube(api)
+    node_a, node_b = (gpu_node()["metadata"]["name"] for _ in range(2))
+    await agents(node_a)
+    b = await agents(node_b)
+    await create_source(kube, namespace, "source", node_a, state_mib=512)
+    await _checkpointed(kube, namespace, "source")
+    await kube.create(POD, pod("restored", node_b, TARGET), namespace)
+    await eventually(
+        lambda: _status(kube, namespace, "restored", protocol.ANNOTATION_RESTORE_STATUS, "running"),
+        within=60,
+        interval=0.02,
+    )
+    await b.shutdown(abrupt=True)
+    await agents(node_b)
+    ann = await eventually(
+        lambda: _status(kube, namespace, "restored", protocol.ANNOTATION_RESTORE_STATUS, "completed"),
+        within=60,
+    )
+    assert ann[protocol.ANNOTATION_RESTORE_ATTEMPTS] == "2"
+
+
+async def _event(kube: Kube, ns: str, reason: str, pod_name: str) -> Obj:
+    async def find() -> Obj | None:
+        items, _ = await kube.list_all(EVENT, ns)
+        return next(
+            (e for e in items if e.get("reason") == reason and e["involvedObject"]["name"] == pod_name),
+            None,
+        )
+
+    found: Obj = await eventually(find, within=15)
+    return found

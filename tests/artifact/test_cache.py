@@ -12,7 +12,7 @@ import pytest
 
 from dynamo_snapshot.artifact import ArtifactError, ArtifactStore
 from dynamo_snapshot.artifact.cache import ArtifactCache, artifact_bytes
-from tests.artifact.helpers import publish
+from tests.artifact.helpers import BINDING, KEY, NAMESPACE, publish
 
 A, B, C = "aaaaaaaaaaaaaaaa", "bbbbbbbbbbbbbbbb", "cccccccccccccccc"
 MiB = 1 << 20
@@ -184,3 +184,31 @@ async def test_unreadable_copy_is_replaced(tmp_path: Path, shared: ArtifactStore
 def test_bad_limits(tmp_path: Path, size: int, floor: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ArtifactCache(tmp_path, size, min_free_bytes=floor)
+
+
+async def test_copies_are_keyed_like_the_store(tmp_path: Path, shared: ArtifactStore) -> None:
+    tenant_b = BINDING.model_copy(update={"namespace": "tenant-b"})
+    await publish(shared, files(2), binding=BINDING)
+    await publish(shared, files(2), binding=tenant_b)
+    await publish(shared, files(2), A)
+    cache = ArtifactCache(tmp_path / "cache", 5 * MiB)  # two of the three fit
+    copy = await cache.fill(shared.open(KEY))
+    assert copy is not None
+    assert copy.key == KEY
+    assert copy.path == cache.root / NAMESPACE / BINDING.checkpoint_uid
+    assert copy.manifest == shared.open(KEY).manifest
+    hit = cache.lookup(shared.open(KEY))
+    assert hit is not None
+    assert hit.key == KEY
+    # The other namespace's artifact of the same identity is another copy, never this one.
+    assert cache.lookup(shared.open(tenant_b.key)) is None
+    used_at(cache, KEY, time.time() - 100)
+    assert await cache.fill(shared.open(tenant_b.key)) is not None
+    assert [c.key for c in cache.copies()] == [KEY, tenant_b.key]
+    assert await cache.fill(shared.open(A)) is not None  # the least recently used, KEY, makes room
+    assert cache.store.list() == [A, tenant_b.key]
+    assert not (cache.root / NAMESPACE).exists()
+    with cache.pinned(tenant_b.key):
+        assert not cache.discard(tenant_b.key)
+    assert cache.discard(tenant_b.key)
+    assert sorted(os.listdir(cache.root)) == [A]

@@ -22,7 +22,7 @@ from dynamo_snapshot.artifact import (
 )
 from dynamo_snapshot.artifact import io as io_module
 
-from .helpers import HASH, publish, refuse_direct_reads, stage
+from .helpers import HASH, as_format, publish, read_manifest, refuse_direct_reads, stage, write_manifest
 
 CHUNK = 4096 * 4
 PAGES = "criu/pages-1.img"
@@ -183,10 +183,9 @@ async def test_chunks_of_one_file_are_hashed_in_parallel(
 
 async def test_version_1_manifest_still_loads_and_verifies(store: ArtifactStore) -> None:
     await publish(store, {"pages-1.img": os.urandom(5 * CHUNK), "a.img": b"a"})  # default chunk: no chunks
-    manifest = store.path_for(HASH) / "manifest.json"
-    raw = json.loads(manifest.read_text())
+    raw = read_manifest(store.path_for(HASH))
     assert all(set(f) == {"path", "size", "sha256"} for f in raw["files"])
-    manifest.write_text(json.dumps({**raw, "format_version": 1}))
+    write_manifest(store.path_for(HASH), as_format(raw, 1))
     artifact = store.open(HASH)
     assert artifact.manifest.format_version == 1
     assert artifact.verify().bytes == 5 * CHUNK + 1
@@ -194,8 +193,7 @@ async def test_version_1_manifest_still_loads_and_verifies(store: ArtifactStore)
 
 async def test_version_1_manifest_with_chunks_is_refused(store: ArtifactStore) -> None:
     await publish(store, checkpoint_files(), chunk_bytes=CHUNK)
-    manifest = store.path_for(HASH) / "manifest.json"
-    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "format_version": 1}))
+    write_manifest(store.path_for(HASH), as_format(read_manifest(store.path_for(HASH)), 1))
     with pytest.raises(
         ArtifactError, match=r"format_version 1 has no chunked files, but these are chunked: "
     ):

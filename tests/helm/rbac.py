@@ -35,7 +35,12 @@ AGENT: set[Grant] = {
     ("", "pods", "*", "list"),
     ("", "pods", "*", "watch"),
     ("", "pods", "*", "patch"),
+    ("", "events", "*", "create"),
+    ("", "events", "*", "patch"),
+    ("batch", "jobs", "*", "get"),
     (OURS, "dynamocheckpoints", "*", "get"),
+    (OURS, "dynamocheckpoints", "*", "list"),
+    (OURS, "dynamocheckpoints", "*", "watch"),
 }
 
 

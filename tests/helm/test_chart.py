@@ -547,9 +547,11 @@ def test_admission_policy_allows_every_annotation_the_agent_writes() -> None:
         "annotationPrefixes"
     ]
     agent_dir = Path(watcher.__file__).parent
+    # authorize.py only reads what a pod asks for (nvidia.com/restore-from among it); it writes nothing.
     used = {
         name
         for path in agent_dir.rglob("*.py")
+        if path.name != "authorize.py"
         for name in re.findall(r"protocol\.(ANNOTATION_[A-Z_]+)", path.read_text())
     }
     assert used, "found no annotations in the agent's code: the scan is broken"

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 from dynamo_snapshot.api import protocol
+from dynamo_snapshot.artifact import artifact_key
 from dynamo_snapshot.cli.demo.stack import CPU_WORKER, NAMESPACE, DemoError, Endpoint, Stack, repo_env
 from dynamo_snapshot.cli.demo.traffic import Load, Sample, Timeline
 from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD, SCALING_POLICY
@@ -324,7 +325,8 @@ class Scenario:
         ckpt = await self._until("the checkpoint to be Ready", checkpoint_ready, 300)
         self.results.checkpoint_s = self.timeline.now() - applied
         self.timeline.mark("checkpoint Ready")
-        artifact = await asyncio.to_thread(self.stack.artifacts.open, ckpt["status"]["identityHash"])
+        key = artifact_key(ckpt["metadata"]["namespace"], ckpt["metadata"]["uid"])
+        artifact = await asyncio.to_thread(self.stack.artifacts.open, key)
         self.results.artifact_mib = artifact.manifest.total_bytes / 2**20
         self.say(
             f"  checkpoint {ckpt['metadata']['name']} Ready {self.results.checkpoint_s:.1f}s after the DGD "

@@ -1,0 +1,159 @@
+"""What the node agent may do to a pod, decided from objects in that pod's own namespace.
+
+The agent is privileged on every GPU node, and anyone who can create a pod can put any label or
+annotation on it. So labels and annotations only say what a pod *asks* for; the grant comes from the
+DynamoCheckpoint the pod names, read from the apiserver in the pod's namespace:
+
+- a checkpoint is taken only of a pod that the checkpoint's own Job controls, while the checkpoint is
+  still being taken; the artifact is bound to that checkpoint's UID and that pod (``Binding``) and stored
+  under ``<namespace>/<checkpoint uid>``, so no other namespace or checkpoint can publish in its place;
+- a restore is made only into a pod of the checkpoint's namespace, from a checkpoint that is Ready, not
+  being deleted, and records the digest of the artifact it published (a DGD's own checkpoint only into
+  that DGD's pods); the agent then restores exactly the artifact with that digest.
+
+Pure functions over plain dicts: the watcher fetches the objects, this module decides.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from dynamo_snapshot.agent.executor import AgentError
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.checkpoint import CheckpointPhase
+from dynamo_snapshot.api.identity import CheckpointIdentity
+from dynamo_snapshot.artifact import Binding, artifact_key
+from dynamo_snapshot.controller.runtime import Obj
+
+__all__ = [
+    "CheckpointGrant",
+    "Refused",
+    "RestoreGrant",
+    "checkpoint_grant",
+    "checkpoint_name_to_restore",
+    "restore_grant",
+]
+
+DGD_KIND = "DynamoGraphDeployment"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+class Refused(AgentError):
+    """The pod asked for something no object in its namespace grants; the message says what is missing."""
+
+
+@dataclass(frozen=True)
+class CheckpointGrant:
+    identity_hash: str
+    identity: CheckpointIdentity
+    binding: Binding
+
+
+@dataclass(frozen=True)
+class RestoreGrant:
+    checkpoint_name: str
+    artifact_key: str
+    manifest_digest: str
+
+
+def _controller(obj: Obj) -> dict[str, str] | None:
+    for ref in obj["metadata"].get("ownerReferences") or []:
+        if ref.get("controller"):
+            return {k: str(v) for k, v in ref.items() if isinstance(v, str)}
+    return None
+
+
+def _where(pod: Obj) -> str:
+    return f"namespace {pod['metadata']['namespace']}"
+
+
+def checkpoint_name_to_restore(pod: Obj) -> str:
+    """The checkpoint a restore pod asks for: `nvidia.com/restore-from`, else the checkpoint-id label."""
+    meta = pod["metadata"]
+    named = (meta.get("annotations") or {}).get(protocol.ANNOTATION_RESTORE_FROM) or (
+        meta.get("labels") or {}
+    ).get(protocol.LABEL_CHECKPOINT_ID)
+    return str(named or "")
+
+
+def checkpoint_grant(pod: Obj, ckpt: Obj | None, job: Obj | None) -> CheckpointGrant:
+    """What the agent may checkpoint this source pod as; `Refused` when nothing grants it.
+
+    `ckpt` is the DynamoCheckpoint the pod's checkpoint-id label names (None: not found in the pod's
+    namespace) and `job` the Job that controls the pod (None: none found).
+    """
+    meta = pod["metadata"]
+    name = (meta.get("labels") or {}).get(protocol.LABEL_CHECKPOINT_ID, "")
+    if not name:
+        raise Refused(f"the pod names no DynamoCheckpoint (label {protocol.LABEL_CHECKPOINT_ID})")
+    if ckpt is None:
+        raise Refused(f"DynamoCheckpoint {name!r} not found in {_where(pod)}")
+    if ckpt["metadata"].get("deletionTimestamp"):
+        raise Refused(f"DynamoCheckpoint {name!r} is being deleted")
+    phase = (ckpt.get("status") or {}).get("phase")
+    if phase in (CheckpointPhase.READY.value, CheckpointPhase.FAILED.value):
+        raise Refused(f"DynamoCheckpoint {name!r} is {phase} already: a checkpoint is taken once")
+    owner = _controller(pod)
+    if (
+        job is None
+        or owner is None
+        or owner.get("kind") != "Job"
+        or owner.get("uid") != job["metadata"].get("uid")
+        or (_controller(job) or {}).get("uid") != ckpt["metadata"]["uid"]
+    ):
+        raise Refused(
+            f"pod {meta['name']} is not run by the checkpoint Job of DynamoCheckpoint {name!r}: "
+            "only that Job's pod is checkpointed"
+        )
+    try:
+        identity = CheckpointIdentity.model_validate((ckpt.get("spec") or {}).get("identity"))
+    except ValidationError as e:
+        raise Refused(f"DynamoCheckpoint {name!r} has an invalid identity: {e.errors()[0]['msg']}") from None
+    binding = Binding(
+        namespace=meta["namespace"],
+        checkpoint_name=name,
+        checkpoint_uid=ckpt["metadata"]["uid"],
+        source_pod=meta["name"],
+        source_pod_uid=meta["uid"],
+    )
+    return CheckpointGrant(identity.compute_hash(), identity, binding)
+
+
+def restore_grant(pod: Obj, ckpt: Obj | None) -> RestoreGrant:
+    """What the agent may restore into this pod; `Refused` when nothing grants it.
+
+    `ckpt` is the DynamoCheckpoint the pod names (`checkpoint_name_to_restore`), read in the pod's own
+    namespace (None: not found there).
+    """
+    meta = pod["metadata"]
+    name = checkpoint_name_to_restore(pod)
+    if not name:
+        raise Refused(f"the pod names no DynamoCheckpoint (annotation {protocol.ANNOTATION_RESTORE_FROM})")
+    if ckpt is None:
+        raise Refused(
+            f"DynamoCheckpoint {name!r} not found in {_where(pod)}: a pod is restored only from a "
+            "checkpoint in its own namespace"
+        )
+    if ckpt["metadata"].get("deletionTimestamp"):
+        raise Refused(f"DynamoCheckpoint {name!r} is being deleted")
+    status = ckpt.get("status") or {}
+    if status.get("phase") != CheckpointPhase.READY.value:
+        raise Refused(f"DynamoCheckpoint {name!r} is not Ready (phase {status.get('phase') or 'Pending'})")
+    digest = status.get("artifactDigest") or ""
+    if not _SHA256.fullmatch(digest):
+        raise Refused(
+            f"DynamoCheckpoint {name!r} records no artifact digest (status.artifactDigest): "
+            "take the checkpoint again"
+        )
+    dgd = _controller(ckpt)
+    if dgd is not None and dgd.get("kind") == DGD_KIND:
+        pod_owners = {ref.get("uid") for ref in meta.get("ownerReferences") or []}
+        if dgd.get("uid") not in pod_owners:
+            raise Refused(
+                f"DynamoCheckpoint {name!r} belongs to DynamoGraphDeployment {dgd.get('name')!r}; "
+                f"pod {meta['name']} is not one of its pods"
+            )
+    return RestoreGrant(name, artifact_key(meta["namespace"], ckpt["metadata"]["uid"]), digest)
