@@ -10,6 +10,12 @@ CHECKPOINT_READY = "CheckpointReady"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
 
+# Reasons of the Ready and Degraded conditions (and of the Warning Events that go with them) that name a
+# cause a reader can act on; anything else is reported under the generic ones.
+POD_CREATE_REJECTED = "PodCreateRejected"  # the apiserver refused a worker pod (admission, quota, schema)
+REQUEST_REJECTED = "RequestRejected"  # the apiserver refused another write made for a service
+SERVICE_NOT_HANDLED = "ServiceNotHandled"  # a service the controller does not run, and why
+
 
 _RFC3339 = "%Y-%m-%dT%H:%M:%SZ"  # metav1.Time on the wire: seconds, UTC
 

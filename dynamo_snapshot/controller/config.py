@@ -3,7 +3,7 @@ every reconciler (through Context.settings) all read, so a default is written do
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
 # What the controller calls itself towards the apiserver: the field manager of its writes, the source of
@@ -36,6 +36,36 @@ class ControllerConfig(BaseModel):
         gt=0,
         description="Seconds a restore pod may stay unschedulable before a cold start replaces it.",
     )
+    node_loss_grace_seconds: float = Field(
+        default=300.0,
+        ge=0,
+        description="Seconds a node may be NotReady or unreachable, counted from its Ready condition's "
+        "lastTransitionTime, before its workers count as lost (Kubernetes evicts after the same 300 s: "
+        "DefaultTolerationSeconds). A deleted node's workers are lost at once.",
+    )
+    unhealthy_nodes_threshold: float = Field(
+        default=0.55,
+        gt=0,
+        le=1,
+        description="Fraction of the nodes NotReady or unreachable at once (and at least 3 of them, or all) "
+        "at which workers are no longer replaced for node causes: a control-plane outage, not failed "
+        "nodes (kube-controller-manager's --unhealthy-zone-threshold).",
+    )
+    crash_backoff_initial_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        description="First wait before replacing a worker of a service whose workers die young; doubles "
+        "with each further early death.",
+    )
+    crash_backoff_max_seconds: float = Field(
+        default=300.0, gt=0, description="The longest wait of the crash-loop backoff."
+    )
+    crash_backoff_reset_seconds: float = Field(
+        default=600.0,
+        gt=0,
+        description="A worker that lived this long (from its pod's startTime) did not die young, and a "
+        "service with no early death for this long starts its backoff over.",
+    )
     drain_timeout: float = Field(
         default=20.0, ge=0, description="Seconds in-flight reconciles get on SIGTERM."
     )
@@ -48,3 +78,12 @@ class ControllerConfig(BaseModel):
     autoscale_tick_seconds: float = Field(
         default=0.25, gt=0, le=10, description="How often the autoscaler looks for policies that are due."
     )
+
+    @model_validator(mode="after")
+    def _backoff_bounds(self) -> ControllerConfig:
+        if self.crash_backoff_initial_seconds > self.crash_backoff_max_seconds:
+            raise ValueError(
+                f"crashBackoffInitialSeconds ({self.crash_backoff_initial_seconds:g}) is above "
+                f"crashBackoffMaxSeconds ({self.crash_backoff_max_seconds:g})"
+            )
+        return self

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 
 from cachetools import TTLCache
 from prometheus_client import Counter, Histogram
@@ -15,7 +16,8 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointCompatibility
 from dynamo_snapshot.controller.config import ControllerConfig
 from dynamo_snapshot.controller.expectations import Expectations
-from dynamo_snapshot.controller.failover import Failover
+from dynamo_snapshot.controller.failover import PAUSED, Failover, node_healthy, unhealthy_since
+from dynamo_snapshot.controller.podspec import keep_off_nodes
 from dynamo_snapshot.controller.runtime import EventRecorder, Informer, Kube, Obj
 
 PODS_CREATED = Counter(
@@ -26,6 +28,23 @@ SCALE_TO_POD = Histogram(
     "From the DGD change that asked for more replicas being observed to the new pod existing",
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
 )
+# kube-controller-manager treats a zone as unhealthy only from 3 NotReady nodes up (or when none is
+# Ready): below that, a share of a tiny cluster says little about the control plane.
+UNHEALTHY_NODES_MINIMUM = 3
+# At most this many NotReady nodes are written into a new pod's required node affinity (newest first, the
+# scheduler's own not-ready/unreachable taints are likelier to be on the older ones), to keep pods small.
+AVOIDED_NODES_MAX = 32
+
+
+@dataclass(frozen=True)
+class NodeHealth:
+    """The nodes' health as the node cache says it."""
+
+    total: int
+    # NotReady or unreachable nodes -> since when, newest first
+    down: dict[str, datetime]
+    # why failover for node causes is paused (too many nodes down at once); None when it is not
+    paused: str | None
 
 
 @dataclass
@@ -43,7 +62,7 @@ class Context:
     failover: Failover = field(default_factory=Failover)
     # Bridges informer lag right after we create a DynamoCheckpoint, so a second reconcile does not
     # look for it by hash and create another one under a different name.
-    recent_checkpoints: TTLCache[tuple[str, str], str] = field(
+    recent_checkpoints: TTLCache[tuple[str, str, str], str] = field(
         default_factory=lambda: TTLCache(maxsize=10_000, ttl=30.0)
     )
     # Node-compatibility answers change only when nodes change; a short TTL spares a scan per replica.
@@ -56,6 +75,14 @@ class Context:
     status_written_over: dict[str, str] = field(default_factory=dict)
     # When each DGD's status was last written, to pace writes that carry no new generation.
     status_written_at: dict[str, float] = field(default_factory=dict)
+    # Built from the node cache when first asked; `node_changed` drops it.
+    _node_health: NodeHealth | None = field(default=None, init=False, repr=False)
+    # Unhealthy nodes whose status says since when by neither condition nor taint: when first seen so.
+    _down_seen: dict[str, datetime] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # One set of settings: the failover brakes read the same config as everything else.
+        self.failover.settings = self.settings
 
     def pods_of(self, namespace: str, graph: str, service: str | None = None) -> list[Obj]:
         pods = [
@@ -67,19 +94,21 @@ class Context:
             pods = [p for p in pods if p["metadata"].get("labels", {}).get(protocol.LABEL_SERVICE) == service]
         return pods
 
-    def checkpoint_by_hash(self, namespace: str, identity_hash: str) -> Obj | None:
+    def checkpoint_by_hash(self, namespace: str, identity_hash: str, dgd_uid: str) -> Obj | None:
+        """The checkpoint a DGD's Auto-mode service with `identity_hash` uses: one the DGD owns, or one a
+        user made in the namespace (pre-warmed, owned by no DGD). Another DGD's checkpoint never counts."""
         found = [
             c
             for c in self.checkpoints.by_label(protocol.LABEL_CHECKPOINT_HASH, identity_hash)
-            if c["metadata"]["namespace"] == namespace
+            if c["metadata"]["namespace"] == namespace and usable_by_dgd(c, dgd_uid)
         ]
         if found:
             # Deterministic choice when a user pre-warmed one under another name: the oldest wins.
             return min(
                 found, key=lambda c: (c["metadata"].get("creationTimestamp", ""), c["metadata"]["name"])
             )
-        name = self.recent_checkpoints.get((namespace, identity_hash)) or identity_hash
-        return self.checkpoints.get(f"{namespace}/{name}")
+        name = self.recent_checkpoints.get((namespace, identity_hash, dgd_uid))
+        return self.checkpoints.get(f"{namespace}/{name}") if name else None
 
     def compatible_nodes(self, compat: CheckpointCompatibility | None) -> int:
         """Ready, schedulable nodes whose GPUs fit the checkpoint."""
@@ -104,6 +133,55 @@ class Context:
         # The one node filter both questions share, so they cannot disagree about which nodes count.
         return (n for n in self.nodes.list() if node_fits(n, compat))
 
+    # ------------------------------------------------------------------ node health
+    def node_changed(self) -> None:
+        """A node was added or removed, or its health changed: recount on the next ask."""
+        self._node_health = None
+
+    def node_health(self) -> NodeHealth:
+        if self._node_health is None:
+            self._node_health = self._count_nodes(datetime.now(UTC))
+        return self._node_health
+
+    def down_since(self, node: Obj, now: datetime) -> datetime:
+        """When an unhealthy node went down: by its own record, else when this controller first saw it."""
+        since = unhealthy_since(node)
+        if since is not None:
+            return since
+        return self._down_seen.setdefault(node["metadata"]["name"], now)
+
+    def node_grace_ends(self, node: Obj, now: datetime) -> datetime:
+        """When the workers of this unhealthy node count as lost."""
+        return self.down_since(node, now) + timedelta(seconds=self.settings.node_loss_grace_seconds)
+
+    def keep_off_bad_nodes(self, spec: Obj, avoid: list[str]) -> None:
+        """Keep a new pod off the nodes that are NotReady or unreachable now (required), and preferably
+        off `avoid` (nodes that just lost workers, which may be failing in ways their status does not
+        show yet)."""
+        down = list(self.node_health().down)[:AVOIDED_NODES_MAX]
+        keep_off_nodes(spec, down, required=True)
+        keep_off_nodes(spec, sorted(set(avoid) - set(down)), required=False)
+
+    def _count_nodes(self, now: datetime) -> NodeHealth:
+        nodes = self.nodes.list()
+        down = {n["metadata"]["name"]: self.down_since(n, now) for n in nodes if not node_healthy(n)}
+        for gone in set(self._down_seen) - set(down):
+            del self._down_seen[gone]
+        newest_first = dict(sorted(down.items(), key=lambda kv: kv[1], reverse=True))
+        threshold = self.settings.unhealthy_nodes_threshold
+        paused = None
+        if down and (
+            len(down) == len(nodes)
+            or (len(down) >= UNHEALTHY_NODES_MINIMUM and len(down) / len(nodes) >= threshold)
+        ):
+            paused = (
+                f"{len(down)} of {len(nodes)} nodes are NotReady or unreachable (pause threshold "
+                f"{threshold:.0%}, at least {UNHEALTHY_NODES_MINIMUM} or all nodes): more likely a "
+                "control-plane or network outage than failed nodes, so their workers are not replaced"
+            )
+        PAUSED.set(1 if paused else 0)
+        return NodeHealth(len(nodes), newest_first, paused)
+
     def mark_dgd_seen(self, key: str) -> None:
         self.dgd_seen_at[key] = time.monotonic()
 
@@ -113,6 +191,16 @@ class Context:
             elapsed = time.monotonic() - seen
             for _ in range(pods):
                 SCALE_TO_POD.observe(elapsed)
+
+
+def usable_by_dgd(ckpt: Obj, dgd_uid: str) -> bool:
+    """A checkpoint owned by this DGD, or by no DGD at all (a user's, in the DGD's namespace)."""
+    dgd_owners = [
+        ref
+        for ref in ckpt["metadata"].get("ownerReferences") or []
+        if ref.get("kind") == "DynamoGraphDeployment"
+    ]
+    return not dgd_owners or any(ref.get("uid") == dgd_uid for ref in dgd_owners)
 
 
 def node_ready(node: Obj) -> bool:

@@ -1,6 +1,8 @@
-"""DynamoGraphDeployment reconcile: for every service with checkpointing enabled, make the worker pods the
-spec asks for exist — restored from a Ready checkpoint where there is one, cold-started otherwise — and
-report it in `status` and Events. Level-triggered: everything is derived from the caches on every run.
+"""DynamoGraphDeployment reconcile: for every service, make the worker pods the spec asks for exist —
+restored from a Ready checkpoint where the service has checkpointing enabled and one is Ready, cold-started
+otherwise — or say why the service is not run, and report it in `status` and Events. Level-triggered:
+everything is derived from the caches on every run. What the apiserver refuses (admission, a quota, a
+field the CRD schema cannot check) becomes a condition and an Event, retried with backoff.
 """
 
 from __future__ import annotations
@@ -8,7 +10,8 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from datetime import UTC, datetime
+from typing import Any, TypeGuard
 
 from pydantic import ValidationError
 
@@ -20,19 +23,23 @@ from dynamo_snapshot.controller import conditions as cond
 from dynamo_snapshot.controller.batching import slow_start
 from dynamo_snapshot.controller.checkpoint_reconciler import agent_verdict
 from dynamo_snapshot.controller.context import PODS_CREATED, Context, validation_message
-from dynamo_snapshot.controller.failover import loss_cause
+from dynamo_snapshot.controller.failover import NO_COMPATIBLE_NODE, loss_cause, worker_lifetime
 from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD, POD
 from dynamo_snapshot.controller.pods import pod_active, pod_ready, unschedulable
 from dynamo_snapshot.controller.podspec import (
+    auto_checkpoint_name,
     checkpoint_job_template,
     cold_start_pod,
     keep_off_nodes,
     owner_reference,
+    pod_name_prefix,
     restore_pod,
+    unsupported,
 )
 from dynamo_snapshot.controller.runtime import (
     NORMAL,
     WARNING,
+    ApiError,
     Obj,
     Result,
     conflict_retry,
@@ -43,6 +50,42 @@ from dynamo_snapshot.controller.runtime import (
 
 log = logging.getLogger(__name__)
 STATUS_MIN_INTERVAL = 1.0  # seconds between status writes of one DGD that carry no new generation
+# A service whose writes the apiserver refuses is tried again after this long, doubling per refusal up to
+# the cap (or at once when the DGD's spec changes): a quota lifted or a webhook fixed is noticed within a
+# minute, and a refusal costs one request per retry, not one per informer event.
+REFUSAL_BACKOFF_BASE = 1.0
+REFUSAL_BACKOFF_CAP = 60.0
+# 4xx answers a retry can change with nobody fixing anything: credentials since refreshed (401), a timeout
+# (408), a conflict (409), throttling (429).
+_TRANSIENT_4XX = frozenset({401, 408, 409, 429})
+
+
+def refused(err: BaseException) -> TypeGuard[ApiError]:
+    """Whether the apiserver refused a request for what it asked (admission, quota, validation, RBAC):
+    sent again unchanged, it gets the same answer."""
+    return isinstance(err, ApiError) and 400 <= err.status < 500 and err.status not in _TRANSIENT_4XX
+
+
+def refusal_text(err: ApiError) -> str:
+    return f"{err.status} {err.reason or 'refused'}: {err.message or 'no message'}"
+
+
+@dataclass
+class Refusal:
+    """The apiserver's last refusal of a write for one service, and when to try again."""
+
+    reason: str  # cond.POD_CREATE_REJECTED or cond.REQUEST_REJECTED
+    message: str
+    generation: int | None  # the DGD generation it was refused at: a new spec is tried at once
+    attempts: int
+    retry_at: float  # time.monotonic()
+    # A refusal outside pod creation holds back the service's whole reconcile until retry_at; a refused
+    # pod holds back only pod creation, so scale-down and failover bookkeeping go on.
+    whole_service: bool = False
+
+
+class _CreateHeldBack(Exception):
+    """A replacement pod not created: the apiserver refused it, or an earlier refusal's backoff runs."""
 
 
 @dataclass
@@ -59,6 +102,9 @@ class ServiceOutcome:
     degraded: list[str] = field(default_factory=list)  # what is wrong right now
     checkpoint_ready: bool = True
     retry_after: float = 0.0  # look again after this long: paced replacements, a pending restore's timeout
+    refusal: Refusal | None = None  # the apiserver refuses what the service needs written
+    not_handled: str = ""  # why the controller does not run this service at all
+    degraded_reason: str | None = None  # the Degraded condition's reason for what failover reports
 
 
 def _mode(pod: Obj) -> str:
@@ -80,11 +126,16 @@ def _neg(timestamp: str) -> str:
 class DGDReconciler:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
+        # In memory only: after a restart a refused write is tried again at once, and the DGD's conditions
+        # keep its Warning Event from being repeated (see _announce).
+        self.refusals: dict[tuple[str, str], Refusal] = {}
+        self._announced: dict[tuple[str, str], tuple[str, str]] = {}
 
     async def reconcile(self, key: str) -> Result | None:
         ctx = self.ctx
         obj = ctx.dgds.get(key)
         if obj is None or obj["metadata"].get("deletionTimestamp"):
+            self._forget(key)
             return None  # pods and Jobs carry ownerReferences: the garbage collector removes them
         namespace, name = key.split("/", 1)
         generation = obj["metadata"].get("generation")
@@ -103,11 +154,17 @@ class DGDReconciler:
         outcomes: dict[str, ServiceOutcome] = {}
         requeue = False
         services = dgd.spec.services or {}
+        self._retry_changed_spec(key, generation)
         for svc_name, svc in services.items():
-            if svc.checkpoint is None or not svc.checkpoint.enabled:
+            why_not = unsupported(svc)
+            if why_not is not None:
                 await self._release_service(obj, svc_name)
+                outcome = self._observed(obj, svc_name, svc, status)
+                outcome.not_handled = f"service {svc_name} is not run: {why_not}"
+                self._announce(obj, svc_name, cond.SERVICE_NOT_HANDLED, outcome.not_handled)
+                outcomes[svc_name] = outcome
                 continue
-            outcome, again = await self._reconcile_service(obj, dgd, svc_name, svc, status)
+            outcome, again = await self._reconcile_guarded(obj, dgd, svc_name, svc, status)
             outcomes[svc_name] = outcome
             requeue = requeue or again
         # A removed service may have pods left, or only losses remembered (all its pods were lost).
@@ -143,17 +200,133 @@ class DGDReconciler:
             return 0.0
         return max(0.0, STATUS_MIN_INTERVAL - (time.monotonic() - last))
 
+    # ------------------------------------------------------------------ refusals
+    async def _reconcile_guarded(
+        self, obj: Obj, dgd: DynamoGraphDeployment, svc_name: str, svc: ServiceSpec, status: dict[str, Any]
+    ) -> tuple[ServiceOutcome, bool]:
+        """`_reconcile_service`, with what the apiserver refuses turned into the outcome's refusal (and so
+        into a condition and an Event) instead of an exception the work queue would log and retry at once.
+        Transient errors (5xx, timeouts, throttling) still raise."""
+        owner = (f"{obj['metadata']['namespace']}/{obj['metadata']['name']}", svc_name)
+        held = self.refusals.get(owner)
+        due = held is not None and held.retry_at <= time.monotonic()
+        again = False
+        if held is not None and held.whole_service and not due:
+            out = self._observed(obj, svc_name, svc, status)
+        else:
+            try:
+                out, again = await self._reconcile_service(obj, dgd, svc_name, svc, status)
+                if due and self.refusals.get(owner) is held:
+                    # Due for a retry and neither refused again nor retried (nothing needed creating):
+                    # the refusal no longer stands.
+                    self.refusals.pop(owner)
+            except _CreateHeldBack:
+                out = self._observed(obj, svc_name, svc, status)
+            except ApiError as e:
+                if not refused(e):
+                    raise
+                message = f"service {svc_name}: the apiserver refused a request ({refusal_text(e)})"
+                self._refuse(obj, svc_name, cond.REQUEST_REJECTED, message, whole_service=True)
+                out = self._observed(obj, svc_name, svc, status)
+        refusal = self.refusals.get(owner)
+        if refusal is not None and not refusal.whole_service and out.replicas >= out.desired:
+            # Nothing left to create (a scale-down, or pods made some other way): nothing is refused.
+            self.refusals.pop(owner)
+            refusal = None
+        if refusal is not None:
+            out.refusal = refusal
+            left = max(refusal.retry_at - time.monotonic(), 0.05)
+            out.retry_after = min(out.retry_after or left, left)
+        else:
+            self._announced.pop(owner, None)
+        return out, again
+
+    def _observed(self, obj: Obj, svc_name: str, svc: ServiceSpec, status: dict[str, Any]) -> ServiceOutcome:
+        """A service's outcome read off the caches alone, for a service not reconciled this time."""
+        namespace, graph = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        pods = [p for p in self.ctx.pods_of(namespace, graph, svc_name) if pod_active(p)]
+        restored = sum(1 for p in pods if _mode(p) == protocol.StartMode.RESTORE.value)
+        checkpointed = svc.checkpoint is not None and svc.checkpoint.enabled
+        previous = (status.get("checkpoints") or {}).get(svc_name) if checkpointed else None
+        return ServiceOutcome(
+            replicas=len(pods),
+            ready=sum(1 for p in pods if pod_ready(p)),
+            restored=restored,
+            cold=len(pods) - restored,
+            desired=svc.replicas if svc.replicas is not None else 1,
+            checkpoint=previous,
+            checkpoint_ready=bool(previous.get("ready")) if previous else not checkpointed,
+        )
+
+    def _held_back(self, owner: tuple[str, str]) -> Refusal | None:
+        """The refusal whose backoff still holds back creating pods for the service, if any."""
+        refusal = self.refusals.get(owner)
+        return refusal if refusal is not None and refusal.retry_at > time.monotonic() else None
+
+    def _refuse(
+        self, obj: Obj, svc_name: str, reason: str, message: str, *, whole_service: bool = False
+    ) -> Refusal:
+        """Remember a refusal and when to try again; say it once (Event, log line without a traceback)."""
+        owner = (f"{obj['metadata']['namespace']}/{obj['metadata']['name']}", svc_name)
+        previous = self.refusals.get(owner)
+        attempts = previous.attempts + 1 if previous is not None else 1
+        delay = min(REFUSAL_BACKOFF_CAP, REFUSAL_BACKOFF_BASE * 2.0 ** min(attempts - 1, 32))
+        message = f"{message}; retried with backoff"
+        refusal = Refusal(
+            reason,
+            message,
+            obj["metadata"].get("generation"),
+            attempts,
+            time.monotonic() + delay,
+            whole_service,
+        )
+        self.refusals[owner] = refusal
+        if self._announce(obj, svc_name, reason, message):
+            log.warning(
+                "the apiserver refused a write; retrying with backoff",
+                extra={"dgd": owner[0], "service": svc_name, "reason": reason, "detail": message},
+            )
+        return refusal
+
+    def _announce(self, obj: Obj, svc_name: str, reason: str, message: str) -> bool:
+        """One Warning Event per state of a service: none while it stays in the state this one says, nor
+        after a controller restart when the DGD's conditions say it already. Whether it was recorded."""
+        owner = (f"{obj['metadata']['namespace']}/{obj['metadata']['name']}", svc_name)
+        if self._announced.get(owner) == (reason, message):
+            return False
+        self._announced[owner] = (reason, message)
+        conditions = (obj.get("status") or {}).get("conditions") or []
+        if any(message in (c.get("message") or "") for c in conditions):
+            return False
+        self.ctx.recorder.record(obj, WARNING, reason, message)
+        return True
+
+    def _retry_changed_spec(self, key: str, generation: int | None) -> None:
+        """A DGD whose spec changed since a refusal is tried again at once: the change may be the fix."""
+        for owner in [o for o, r in self.refusals.items() if o[0] == key and r.generation != generation]:
+            del self.refusals[owner]
+
+    def _forget(self, key: str) -> None:
+        """Drop what is remembered about DGD `key`, which is gone."""
+        for owner in [o for o in self.refusals if o[0] == key]:
+            del self.refusals[owner]
+        for owner in [o for o in self._announced if o[0] == key]:
+            del self._announced[owner]
+
     # ------------------------------------------------------------------ one service
     async def _reconcile_service(
         self, obj: Obj, dgd: DynamoGraphDeployment, svc_name: str, svc: ServiceSpec, status: dict[str, Any]
     ) -> tuple[ServiceOutcome, bool]:
         ctx = self.ctx
         namespace, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
-        assert svc.checkpoint is not None
         out = ServiceOutcome(desired=svc.replicas if svc.replicas is not None else 1)
-        _, ckpt = await self._resolve_checkpoint(obj, dgd, svc_name, svc, status, out)
+        # A service without checkpointing runs cold-start pods only, scaled and replaced like any other's.
+        checkpointed = svc.checkpoint is not None and svc.checkpoint.enabled
+        ckpt = None
+        if checkpointed:
+            _, ckpt = await self._resolve_checkpoint(obj, dgd, svc_name, svc, status, out)
         ready_ckpt = ckpt if ckpt and ckpt.status and ckpt.status.phase == CheckpointPhase.READY else None
-        ref_mode = bool(svc.checkpoint.checkpoint_ref)
+        ref_mode = svc.checkpoint is not None and checkpointed and bool(svc.checkpoint.checkpoint_ref)
 
         owner = (f"{namespace}/{name}", svc_name)
         again = False
@@ -179,15 +352,20 @@ class DGDReconciler:
         )
 
         compat = ready_ckpt.status.compatibility if ready_ckpt and ready_ckpt.status else None
+        no_node = None
         if ready_ckpt is not None and ctx.compatible_nodes(compat) == 0:
             # Level, not edge: the service stays Degraded for as long as no node can take a restore.
-            out.degraded.append(
-                f"no Ready node matches checkpoint {ready_ckpt.metadata.name} "
+            no_node = (
+                f"service {svc_name}: no Ready node matches checkpoint {ready_ckpt.metadata.name} "
                 f"(gpu.product={compat.gpu_product if compat else '?'}, "
                 f"cuda.driver.major={compat.cuda_driver_major if compat else '?'}, "
                 f"gpus>={compat.gpu_count if compat else '?'}); new replicas start cold"
             )
+            out.degraded.append(no_node)
             ready_ckpt = None
+        # The Event, though, is an edge: once when no node fits any more, not once per pod it makes cold.
+        if event := ctx.failover.report(owner, NO_COMPATIBLE_NODE, no_node):
+            ctx.recorder.record(obj, *event)
         # checkpointRef mode waits for its checkpoint (out.waiting says why) unless something is wrong
         # with it, in which case capacity by cold start beats none at all.
         creates = ready_ckpt is not None or not ref_mode or bool(out.degraded)
@@ -197,8 +375,6 @@ class DGDReconciler:
         ctx.failover.settle(owner, out.desired - count, waiting=not creates)
         if count < out.desired:
             missing = out.desired - count
-            if out.degraded:
-                ctx.recorder.record(obj, WARNING, "NoCompatibleNode", out.degraded[-1])
             if creates:
                 allowed, later = ctx.failover.allowance(owner, missing, out.desired)
                 if allowed:
@@ -226,6 +402,7 @@ class DGDReconciler:
         if recovering:
             # Replacements held back by the wait for the checkpoint are waiting, not a fault of their own.
             (out.waiting if ctx.failover.held_back(owner) else out.degraded).append(recovering)
+            out.degraded_reason = ctx.failover.cause(owner)
         out.restored = sum(1 for p in pods if _mode(p) == protocol.StartMode.RESTORE.value)
         out.cold = out.replicas - out.restored
         return out, again
@@ -272,11 +449,9 @@ class DGDReconciler:
                     f"{identity_hash}; running replicas are kept, "
                     "new replicas use the new checkpoint once Ready",
                 )
-            ckpt_obj = ctx.checkpoint_by_hash(namespace, identity_hash)
+            ckpt_obj = ctx.checkpoint_by_hash(namespace, identity_hash, obj["metadata"]["uid"])
             if ckpt_obj is None:
                 ckpt_obj = await self._create_checkpoint(obj, dgd, svc_name, identity_hash)
-            else:
-                await self._share_checkpoint(obj, ckpt_obj)
         try:
             ckpt = DynamoCheckpoint.model_validate(ckpt_obj)
         except ValidationError as e:
@@ -286,7 +461,8 @@ class DGDReconciler:
             out.checkpoint_ready = False
             return None, None
         phase = ckpt.status.phase if ckpt.status else None
-        ready = phase == CheckpointPhase.READY
+        deleting = bool(ckpt_obj["metadata"].get("deletionTimestamp"))
+        ready = phase == CheckpointPhase.READY and not deleting
         out.checkpoint_ready = ready
         out.checkpoint = {
             "checkpointName": ckpt.metadata.name,
@@ -297,6 +473,8 @@ class DGDReconciler:
         if not ready:
             why = (ckpt.status.message if ckpt.status else None) or "not taken yet"
             state = phase.value if phase else CheckpointPhase.PENDING.value
+            if deleting:
+                state, why = "being deleted", "new replicas start cold until a checkpoint is Ready again"
             note = f"checkpoint {ckpt.metadata.name} is {state}: {why}"
             (out.degraded if phase == CheckpointPhase.FAILED else out.waiting).append(note)
         return ckpt_obj, ckpt
@@ -304,24 +482,26 @@ class DGDReconciler:
     async def _create_checkpoint(
         self, obj: Obj, dgd: DynamoGraphDeployment, svc_name: str, identity_hash: str
     ) -> Obj:
+        """The DGD's own checkpoint for `identity_hash`: controlled by the DGD and never shared with another
+        DGD, so no deployment ever restores a process another one's worker started."""
         ctx = self.ctx
         namespace = dgd.metadata.namespace or ""
         svc = (dgd.spec.services or {})[svc_name]
         assert svc.checkpoint is not None
         assert svc.checkpoint.identity is not None
+        name = auto_checkpoint_name(obj["metadata"]["name"], identity_hash, obj["metadata"]["uid"])
         body: Obj = {
             "apiVersion": CHECKPOINT.api_version,
             "kind": CHECKPOINT.kind,
             "metadata": {
-                "name": identity_hash,
+                "name": name,
                 "namespace": namespace,
                 "labels": {
                     protocol.LABEL_MANAGED_BY: protocol.MANAGED_BY_VALUE,
                     protocol.LABEL_CHECKPOINT_HASH: identity_hash,
+                    protocol.LABEL_GRAPH: obj["metadata"]["name"],
                 },
-                # Not a controller reference: DGDs that share an identity share the checkpoint, and the
-                # garbage collector keeps it while any of them remains.
-                "ownerReferences": [owner_reference(obj, controller=False)],
+                "ownerReferences": [owner_reference(obj)],
             },
             "spec": {
                 "identity": svc.checkpoint.identity.model_dump(by_alias=True, exclude_none=True, mode="json"),
@@ -334,51 +514,15 @@ class DGDReconciler:
                 obj,
                 NORMAL,
                 "CheckpointCreated",
-                f"created DynamoCheckpoint {identity_hash} for service {svc_name} (Auto mode)",
+                f"created DynamoCheckpoint {name} for service {svc_name} (Auto mode)",
             )
         except Exception as e:
             if not is_already_exists(e):
                 raise
-            created = await ctx.kube.get(CHECKPOINT, identity_hash, namespace)
-            await self._share_checkpoint(obj, created)
-        ctx.recent_checkpoints[(namespace, identity_hash)] = created["metadata"]["name"]
+            created = await ctx.kube.get(CHECKPOINT, name, namespace)
+        remembered = (namespace, identity_hash, obj["metadata"]["uid"])
+        ctx.recent_checkpoints[remembered] = created["metadata"]["name"]
         return created
-
-    async def _share_checkpoint(self, obj: Obj, ckpt_obj: Obj) -> None:
-        """Add this DGD to the checkpoint's owners so deleting one sharer does not delete it."""
-        uid = obj["metadata"]["uid"]
-        if any(r.get("uid") == uid for r in ckpt_obj["metadata"].get("ownerReferences") or []):
-            return
-        if (ckpt_obj["metadata"].get("labels") or {}).get(
-            protocol.LABEL_MANAGED_BY
-        ) != protocol.MANAGED_BY_VALUE:
-            return  # a user's pre-warmed checkpoint: it lives as long as the user keeps it
-        ns, name = ckpt_obj["metadata"]["namespace"], ckpt_obj["metadata"]["name"]
-
-        async def add_owner() -> None:
-            fresh = await self.ctx.kube.get(CHECKPOINT, name, ns)
-            refs = fresh["metadata"].get("ownerReferences") or []
-            if any(r.get("uid") == uid for r in refs):
-                return
-            await self.ctx.kube.json_patch(
-                CHECKPOINT,
-                name,
-                [
-                    {
-                        "op": "test",
-                        "path": "/metadata/resourceVersion",
-                        "value": fresh["metadata"]["resourceVersion"],
-                    },
-                    {
-                        "op": "add",
-                        "path": "/metadata/ownerReferences",
-                        "value": [*refs, owner_reference(obj, controller=False)],
-                    },
-                ],
-                ns,
-            )
-
-        await conflict_retry(add_owner)
 
     # ------------------------------------------------------------------ pods
     def _live_pods(self, owner: tuple[str, str]) -> list[Obj]:
@@ -408,10 +552,17 @@ class DGDReconciler:
         ckpt: DynamoCheckpoint | None,
         avoid: list[str],
     ) -> None:
-        """Create `count` worker pods, preferably off the `avoid` nodes."""
+        """Create `count` worker pods, preferably off the `avoid` nodes.
+
+        A create the apiserver refuses stops the rest (see slow_start) and is remembered as the service's
+        refusal; no pod is created for the service again until its backoff has run out.
+        """
         ctx = self.ctx
+        if self._held_back(owner) is not None:
+            return
         mode = protocol.StartMode.RESTORE if ckpt is not None else protocol.StartMode.COLD
         created: list[str] = []
+        tried: list[str] = []
 
         async def create_one() -> None:
             pod = (
@@ -419,7 +570,8 @@ class DGDReconciler:
                 if ckpt is not None
                 else cold_start_pod(obj, dgd, svc_name)
             )
-            keep_off_nodes(pod["spec"], avoid, required=False)
+            ctx.keep_off_bad_nodes(pod["spec"], avoid)
+            tried.append(pod["metadata"]["name"])
             ctx.expectations.expect_create(owner, pod["metadata"]["name"])
             try:
                 await ctx.kube.create(POD, pod)
@@ -431,30 +583,59 @@ class DGDReconciler:
 
         try:
             await slow_start(create_one, count)
+        except ApiError as e:
+            if not refused(e):
+                raise
+            # The apiserver names the pod it refused; each attempt's name is random, so the message would
+            # differ on every retry and never read as the same state.
+            text = refusal_text(e)
+            for pod_name in tried:
+                text = text.replace(pod_name, f"{pod_name_prefix(owner[0].split('/', 1)[1], svc_name)}-*")
+            self._refuse(obj, svc_name, cond.POD_CREATE_REJECTED, f"service {svc_name}: pod refused ({text})")
+        else:
+            self.refusals.pop(owner, None)
         finally:
             # Every pod created replaces a pending loss first, also when a later create failed.
             ctx.failover.replaced(owner, created)
-        ctx.observe_scale_latency(owner[0], count)
+        if not created:
+            return
+        ctx.observe_scale_latency(owner[0], len(created))
         how = f"by restore from {ckpt.metadata.name}" if ckpt is not None else "by cold start"
         ctx.recorder.record(
-            obj, NORMAL, "ScaledUp", f"service {svc_name}: created {count} worker pod(s) {how}"
+            obj, NORMAL, "ScaledUp", f"service {svc_name}: created {len(created)} worker pod(s) {how}"
         )
 
     async def _remove_lost(self, obj: Obj, owner: tuple[str, str]) -> None:
         """Stop counting workers that failed, crash-loop or sit on a dead node, and delete them (at once:
-        a pod on a dead node would otherwise stay Terminating until the node comes back)."""
+        a pod on a dead node would otherwise stay Terminating until the node comes back).
+
+        A NotReady or unreachable node's workers are lost only once its node grace has run out, and not
+        while so many nodes are down at once that the control plane is the likelier fault (failover
+        paused): until then they still count, and no replacement is made."""
         ctx = self.ctx
         namespace, graph = owner[0].split("/", 1)
+        now = datetime.now(UTC)
         lost = []
+        grace: dict[str, datetime] = {}
+        kept: dict[str, str] = {}
         for pod in ctx.pods_of(namespace, graph, owner[1]):
             pname = pod["metadata"]["name"]
             if ctx.expectations.pending_delete(owner, pname):
                 continue
             node_name = (pod.get("spec") or {}).get("nodeName")
-            cause = loss_cause(pod, ctx.nodes.get(node_name) if node_name else None)
+            node = ctx.nodes.get(node_name) if node_name else None
+            cause = loss_cause(pod, node)
             if cause is None:
                 continue
-            if ctx.failover.observe(owner, pname, cause, node_name):
+            if cause == "node-not-ready" and node is not None and node_name:
+                ends = ctx.node_grace_ends(node, now)
+                if ends > now:
+                    grace[node_name] = ends
+                    continue
+                if ctx.node_health().paused:
+                    kept[pname] = node_name
+                    continue
+            if ctx.failover.observe(owner, pname, cause, node_name, worker_lifetime(pod, now)):
                 ctx.recorder.record(
                     obj,
                     WARNING,
@@ -463,6 +644,9 @@ class DGDReconciler:
                     f"{ctx.failover.replacing(owner)}",
                 )
             lost.append(pod)
+        paused = ctx.node_health().paused if kept else None
+        for event in ctx.failover.review(owner, grace=grace, paused=paused, kept=kept):
+            ctx.recorder.record(obj, *event)
         if lost:
             await self._delete_pods(obj, owner, lost, "LostWorkerRemoved", force=True)
 
@@ -573,6 +757,7 @@ class DGDReconciler:
         """
         pname = pod["metadata"]["name"]
         replacement = retry or cold_start_pod(obj, dgd, owner[1], name=f"{pname}-cold"[:63], replaces=pname)
+        self.ctx.keep_off_bad_nodes(replacement["spec"], [])
         mode = protocol.StartMode.RESTORE if retry else protocol.StartMode.COLD
         then = "retrying the restore on another node as pod" if retry else "replaced by cold-start pod"
         await self._create_replacement(owner, replacement, mode)
@@ -583,16 +768,30 @@ class DGDReconciler:
 
     async def _create_replacement(self, owner: tuple[str, str], pod: Obj, mode: protocol.StartMode) -> None:
         """Create a pod with a deterministic name; one that exists already (an earlier, interrupted
-        attempt) counts as created."""
+        attempt) counts as created.
+
+        Raises _CreateHeldBack when the apiserver refuses it, or an earlier refusal's backoff still runs:
+        the swap it is part of stops there, so the pod it would replace stays until a replacement exists.
+        """
         ctx = self.ctx
+        if self._held_back(owner) is not None:
+            raise _CreateHeldBack
         ctx.expectations.expect_create(owner, pod["metadata"]["name"])
         try:
             await ctx.kube.create(POD, pod)
             PODS_CREATED.labels(mode.value).inc()
         except Exception as e:
-            if not is_already_exists(e):
-                ctx.expectations.observed(owner, pod["metadata"]["name"])
+            if is_already_exists(e):
+                return
+            ctx.expectations.observed(owner, pod["metadata"]["name"])
+            obj = ctx.dgds.get(owner[0])
+            if not refused(e):
                 raise
+            if obj is not None:
+                what = f"service {owner[1]}: replacement pod {pod['metadata']['name']} refused"
+                self._refuse(obj, owner[1], cond.POD_CREATE_REJECTED, f"{what} ({refusal_text(e)})")
+            raise _CreateHeldBack from e
+        self.refusals.pop(owner, None)
 
     async def _record_restore_failure(self, namespace: str, ckpt_name: str, pod_name: str) -> None:
         kube = self.ctx.kube
@@ -626,12 +825,24 @@ class DGDReconciler:
         await conflict_retry(add)
 
     async def _release_service(self, obj: Obj, svc_name: str) -> None:
-        """Checkpointing turned off, or the service removed: our pods for it go, nothing else does."""
+        """The service removed from the graph, or one the controller does not run: our pods for it go,
+        nothing else does."""
         ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
-        self.ctx.failover.forget_service((f"{ns}/{name}", svc_name))
+        owner = (f"{ns}/{name}", svc_name)
+        self.ctx.failover.forget_service(owner)
+        self.refusals.pop(owner, None)
         pods = [p for p in self.ctx.pods_of(ns, name, svc_name) if not p["metadata"].get("deletionTimestamp")]
-        if pods:
-            await self._delete_pods(obj, (f"{ns}/{name}", svc_name), pods, "ServiceReleased")
+        if not pods:
+            return
+        try:
+            await self._delete_pods(obj, owner, pods, "ServiceReleased")
+        except ApiError as e:
+            if not refused(e):
+                raise
+            # Tried again on the next reconcile; a service no longer in the spec has no status to say it in.
+            message = f"service {svc_name}: its pods could not be deleted ({refusal_text(e)})"
+            if self._announce(obj, svc_name, cond.REQUEST_REJECTED, message):
+                log.warning("the apiserver refused a delete", extra={"dgd": owner[0], "detail": message})
 
     # ------------------------------------------------------------------ status
     def _status(
@@ -639,18 +850,32 @@ class DGDReconciler:
     ) -> dict[str, Any]:
         waiting = [w for o in outcomes.values() for w in o.waiting]
         degraded = [d for o in outcomes.values() for d in o.degraded]
-        short = [f"{s}: {o.replicas}/{o.desired}" for s, o in outcomes.items() if o.ready < o.desired]
-        all_ready = not short and not degraded
+        refusals = [o.refusal for o in outcomes.values() if o.refusal is not None]
+        not_handled = [o.not_handled for o in outcomes.values() if o.not_handled]
+        # Most telling first: what the apiserver refuses, then what is not run, then the rest.
+        problems = [r.message for r in refusals] + not_handled + degraded
+        short = [
+            f"{s}: {o.ready}/{o.desired} ready"
+            for s, o in outcomes.items()
+            if o.ready < o.desired and not o.not_handled
+        ]
+        all_ready = not short and not problems
         ckpt_ready = all(o.checkpoint_ready for o in outcomes.values())
         conds: list[dict[str, Any]] = list(old.get("conditions") or [])
+        if all_ready:
+            ready_reason = "AllReplicasReady"
+        elif not_handled:
+            ready_reason = cond.SERVICE_NOT_HANDLED
+        else:
+            ready_reason = "ReplicasNotReady"
         conds = cond.set_condition(
             conds,
             cond.READY,
             all_ready,
-            "AllReplicasReady" if all_ready else "ReplicasNotReady",
+            ready_reason,
             "all services have their desired ready replicas"
             if all_ready
-            else "not ready: " + "; ".join(short or degraded),
+            else "not ready: " + "; ".join(not_handled + short + [r.message for r in refusals] + degraded),
             generation,
         )
         conds = cond.set_condition(
@@ -663,7 +888,8 @@ class DGDReconciler:
             else "; ".join(waiting + degraded) or "pending",
             generation,
         )
-        progressing = bool(short) and not degraded
+        # A service that is not run holds no other back: the rest may still be scaling.
+        progressing = bool(short) and not refusals and not degraded
         conds = cond.set_condition(
             conds,
             cond.PROGRESSING,
@@ -672,15 +898,22 @@ class DGDReconciler:
             "; ".join(short + waiting) if progressing else "no change in progress",
             generation,
         )
+        if refusals:
+            degraded_reason = refusals[0].reason
+        elif not_handled:
+            degraded_reason = cond.SERVICE_NOT_HANDLED
+        else:
+            causes = [o.degraded_reason for o in outcomes.values() if o.degraded_reason]
+            degraded_reason = (causes[0] if causes else "Degraded") if degraded else "Healthy"
         conds = cond.set_condition(
             conds,
             cond.DEGRADED,
-            bool(degraded),
-            "Degraded" if degraded else "Healthy",
-            "; ".join(degraded) if degraded else "no problem detected",
+            bool(problems),
+            degraded_reason,
+            "; ".join(problems) if problems else "no problem detected",
             generation,
         )
-        state = DGDState.SUCCESSFUL if all_ready else DGDState.FAILED if degraded else DGDState.PENDING
+        state = DGDState.SUCCESSFUL if all_ready else DGDState.FAILED if problems else DGDState.PENDING
         return {
             **old,
             "observedGeneration": generation,
@@ -719,9 +952,16 @@ class DGDReconciler:
                 # which requeues this DGD, so a conflict here is routine, not a failed reconcile.
                 log.debug("status write conflicted; the newer version requeues it", extra={"key": key})
                 return
-            if not is_not_found(e):
-                raise
-            return
+            if is_not_found(e):
+                return
+            if refused(e):
+                # A status this controller wrote that the CRD refuses is a bug of ours, not the user's: say
+                # it once per message, without a traceback per retry.
+                message = f"the apiserver refused the DGD's status ({refusal_text(e)})"
+                if self._announce(obj, "", "StatusRejected", message):
+                    log.warning("status write refused", extra={"key": key, "detail": message})
+                return
+            raise
         self.ctx.status_written_at[key] = time.monotonic()
         if rv is not None:
             self.ctx.status_written_over[key] = rv

@@ -1,11 +1,20 @@
 """Worker failures: telling a lost worker from a voluntary scale-down, and pacing the replacements.
 
 A worker is lost when its pod failed, is crash-looping, was deleted by someone other than this
-controller, or sits on a node that is NotReady, unreachable or gone. Lost pods stop counting as replicas
-at once, so the DGD reconcile that notices creates the replacement (a restore pod where the service has
-a Ready checkpoint; the scheduler keeps it off the tainted node) in the same pass. Replacements draw from
-a per-service and a cluster-wide token bucket, so a node taking many workers down does not send all of
-their restores to the storage at the same moment.
+controller, or sits on a node that is gone, or NotReady or unreachable for longer than the node grace.
+Lost pods stop counting as replicas at once, so the DGD reconcile that notices creates the replacement (a
+restore pod where the service has a Ready checkpoint, kept off NotReady nodes) in the same pass.
+Replacements draw from a per-service and a cluster-wide token bucket, so a node taking many workers down
+does not send all of their restores to the storage at the same moment.
+
+Two brakes keep failover from doing harm, as Kubernetes' node lifecycle controller has them:
+- while a large share of the nodes is NotReady at once, the likelier fault is the control plane or the
+  network, not the nodes: workers on NotReady nodes are kept, not replaced (`FailoverPaused`);
+- a service whose workers die young (within `crash_backoff_reset_seconds` of their pod's `startTime`, or
+  crash-looping under the kubelet) gets its replacements of them delayed like the kubelet's
+  CrashLoopBackOff: the first at once, then 10 s, doubling to 5 min (`CrashLoopBackOff`), starting over once
+  the service has gone `crash_backoff_reset_seconds` without an early death or a worker that lived that
+  long dies.
 """
 
 from __future__ import annotations
@@ -13,13 +22,17 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from dynamo_snapshot.api import protocol
+from dynamo_snapshot.controller.conditions import parse_rfc3339
+from dynamo_snapshot.controller.config import ControllerConfig
 from dynamo_snapshot.controller.podspec import MAIN_CONTAINER
-from dynamo_snapshot.controller.runtime import Obj
+from dynamo_snapshot.controller.runtime import NORMAL, WARNING, Obj
 
 FAILURES = Counter("dynsnap_worker_failures_total", "Worker losses detected, by cause", ["cause"])
 _LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
@@ -34,8 +47,36 @@ OBSERVED_TO_READY = Histogram(
     buckets=_LATENCY_BUCKETS,
 )
 
+PAUSED = Gauge(
+    "dynsnap_failover_paused",
+    "1 while workers on NotReady nodes are kept, not replaced: too many nodes are NotReady at once",
+)
+BACKOFF_SERVICES = Gauge(
+    "dynsnap_failover_backoff_services", "Services in crash-loop backoff: their workers die young"
+)
+BACKOFF_WAITS = Counter(
+    "dynsnap_failover_backoff_waits_total",
+    "Times a service's replacements of workers that died young were made to wait",
+)
+
 CRASH_LOOP_RESTARTS = 3
 _UNHEALTHY_TAINTS = ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
+# Losses that say something about the worker itself; node failures, evictions and deletions do not.
+WORKER_CAUSES = frozenset({"pod-failed", "crash-loop", "process-exited"})
+
+# Event reasons, and the reason that says the state ended (None: nothing is said when it ends).
+FAILOVER_PAUSED, FAILOVER_RESUMED = "FailoverPaused", "FailoverResumed"
+CRASH_LOOP_BACKOFF, CRASH_LOOP_BACKOFF_ENDED = "CrashLoopBackOff", "CrashLoopBackOffEnded"
+NO_COMPATIBLE_NODE = "NoCompatibleNode"
+NODE_GRACE = "NodeGrace"  # a note in status only: workers on NotReady nodes, not lost yet
+_ENDS: dict[str, str | None] = {
+    FAILOVER_PAUSED: FAILOVER_RESUMED,
+    CRASH_LOOP_BACKOFF: CRASH_LOOP_BACKOFF_ENDED,
+    NO_COMPATIBLE_NODE: None,
+}
+_SHOWN = (FAILOVER_PAUSED, NODE_GRACE)  # states degraded() reports (the others say it elsewhere)
+
+Event = tuple[str, str, str]  # type, reason, message
 
 
 def node_healthy(node: Obj | None) -> bool:
@@ -48,6 +89,43 @@ def node_healthy(node: Obj | None) -> bool:
     )
     taints = (node.get("spec") or {}).get("taints") or []
     return ready and not any(t.get("key") in _UNHEALTHY_TAINTS for t in taints)
+
+
+def unhealthy_since(node: Obj) -> datetime | None:
+    """When the node stopped being healthy, by its own record: its Ready condition's lastTransitionTime
+    while that is not True, else when the first unreachable/not-ready taint was added; None when it
+    says neither (or is healthy)."""
+    ready = next(
+        (c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), None
+    )
+    stamps = [
+        t.get("timeAdded")
+        for t in (node.get("spec") or {}).get("taints") or []
+        if t.get("key") in _UNHEALTHY_TAINTS
+    ]
+    if ready is not None and ready.get("status") != "True":
+        stamps = [ready.get("lastTransitionTime")]
+    times = []
+    for stamp in stamps:
+        try:
+            times.append(parse_rfc3339(str(stamp or "")))
+        except ValueError:
+            continue
+    return min(times, default=None)
+
+
+def worker_lifetime(pod: Obj, now: datetime) -> float | None:
+    """Seconds the pod has lived, from its status.startTime (the kubelet took it on; a restore pod's
+    worker runs within seconds of it), else its creationTimestamp; None when it carries neither."""
+    for stamp in (
+        (pod.get("status") or {}).get("startTime"),
+        pod.get("metadata", {}).get("creationTimestamp"),
+    ):
+        try:
+            return max(0.0, (now - parse_rfc3339(str(stamp or ""))).total_seconds())
+        except ValueError:
+            continue
+    return None
 
 
 def crash_looping(pod: Obj) -> bool:
@@ -110,12 +188,25 @@ class TokenBucket:
 class Loss:
     seen: float  # monotonic time the loss was observed
     node: str | None
+    young: bool = False  # the worker died young: its replacement waits for the service's backoff
+
+
+@dataclass
+class CrashBackoff:
+    """One service's crash-loop backoff (monotonic times)."""
+
+    delay: float  # the wait the next early death after `until` starts
+    last: float  # the latest early death
+    what: str  # which worker died, how and when, for messages
+    until: float = 0.0  # replacements of workers that died young wait until then
+    until_wall: str = ""  # the same, as an RFC 3339 time for messages
+    waits: int = 0  # waits started so far: the service is in backoff from the first
 
 
 @dataclass
 class Failover:
     """What the controller remembers about losses between their detection and their replacement being
-    Ready.
+    Ready, and about the states it reports once per change (crash-loop backoff, paused failover).
 
     When the cluster bucket cannot serve every service with losses, the service furthest below its
     desired count (then the one that lost a worker first) goes first: tokens the services ranked above
@@ -123,15 +214,20 @@ class Failover:
 
     A service that cannot create pods yet (checkpointRef mode, its checkpoint not Ready) keeps its losses
     while it waits, so their replacements are paced once it can; until then they hold back no other
-    service's tokens.
+    service's tokens. Losses held by a crash-loop backoff hold back none either.
 
     Memory only: after a restart the losses are simply missing replicas again, which the level-triggered
-    reconcile replaces (unpaced for that one pass, and without the latency samples)."""
+    reconcile replaces (unpaced for that one pass, and without the latency samples), and every backoff
+    starts over, as the kubelet's does when it restarts."""
 
     cluster_rate: float = 10.0
     cluster_burst: float = 10.0
     service_rate: float = 5.0
     service_burst: float = 5.0
+    settings: ControllerConfig = field(default_factory=ControllerConfig)
+    # Asks for the DGD (its key) to be reconciled again after this many seconds: set by the Controller to
+    # its work queue, for the deadlines only this class knows (a backoff ending, a node grace running out).
+    wake: Callable[[str, float], None] | None = None
     cluster: TokenBucket = field(init=False)
     services: dict[tuple[str, str], TokenBucket] = field(default_factory=dict)
     # owner -> lost pod name -> the loss, until a replacement exists
@@ -142,17 +238,68 @@ class Failover:
     desired: dict[tuple[str, str], int] = field(default_factory=dict)
     # services whose last reconcile could not create pods: their losses wait, and are owed no tokens yet
     waiting: set[tuple[str, str]] = field(default_factory=set)
+    # owner -> its crash-loop backoff, from its first early death until it starts over
+    backoffs: dict[tuple[str, str], CrashBackoff] = field(default_factory=dict)
+    # owner -> state (an Event reason, or NODE_GRACE) -> what was said about it, while it lasts
+    states: dict[tuple[str, str], dict[str, str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.cluster = TokenBucket(self.cluster_rate, self.cluster_burst)
 
-    def observe(self, owner: tuple[str, str], pod_name: str, cause: str, node: str | None = None) -> bool:
-        """Note a loss; False when it was noted already (the same pod seen again)."""
+    def observe(
+        self,
+        owner: tuple[str, str],
+        pod_name: str,
+        cause: str,
+        node: str | None = None,
+        lived: float | None = None,
+    ) -> bool:
+        """Note a loss; False when it was noted already (the same pod seen again). `lived`: how long the
+        worker lived (None: unknown, as for a pod that never started)."""
         if pod_name in self.pending[owner]:
             return False
-        self.pending[owner][pod_name] = Loss(time.monotonic(), node)
+        now = time.monotonic()
+        young = False
+        if cause in WORKER_CAUSES:
+            # The kubelet saw a crash-looping container die several times: young whatever the pod's age.
+            young = (
+                cause == "crash-loop" or lived is None or lived < self.settings.crash_backoff_reset_seconds
+            )
+            after = f" after {lived:.0f}s" if lived is not None else ""
+            if young:
+                self._died_young(owner, now, f"pod {pod_name} {cause}{after}")
+            else:
+                self.backoffs.pop(owner, None)  # a worker lived long enough: the backoff starts over
+        self.pending[owner][pod_name] = Loss(now, node, young)
         FAILURES.labels(cause).inc()
         return True
+
+    def _died_young(self, owner: tuple[str, str], now: float, what: str) -> None:
+        cfg = self.settings
+        backoff = self.backoffs.get(owner)
+        if backoff is None or self._lapsed(backoff, now):
+            # The first early death is replaced at once, as the kubelet restarts a container at once the
+            # first time: one worker killed by accident should fail over in a second, not wait.
+            self.backoffs[owner] = CrashBackoff(delay=cfg.crash_backoff_initial_seconds, last=now, what=what)
+            return
+        backoff.last, backoff.what = now, what
+        if now < backoff.until:
+            return  # dies while the service already waits: its replacement waits with the others
+        backoff.until = now + backoff.delay
+        backoff.until_wall = _rfc3339(datetime.now(UTC) + timedelta(seconds=backoff.delay))
+        backoff.delay = min(cfg.crash_backoff_max_seconds, backoff.delay * 2)
+        backoff.waits += 1
+        BACKOFF_WAITS.inc()
+
+    def _lapsed(self, backoff: CrashBackoff, now: float) -> bool:
+        return now >= backoff.until and now - backoff.last >= self.settings.crash_backoff_reset_seconds
+
+    def _held(self, owner: tuple[str, str], now: float) -> int:
+        """Losses whose replacement waits for the service's crash-loop backoff now."""
+        backoff = self.backoffs.get(owner)
+        if backoff is None or now >= backoff.until:
+            return 0
+        return sum(1 for loss in self.pending.get(owner, {}).values() if loss.young)
 
     def avoid_nodes(self, owner: tuple[str, str]) -> list[str]:
         """Nodes the service's pending losses happened on: its replacements prefer other nodes."""
@@ -161,26 +308,33 @@ class Failover:
     def allowance(
         self, owner: tuple[str, str], missing: int, desired: int | None = None
     ) -> tuple[int, float]:
-        """How many of `missing` new pods may be created now, and when to look again if not all.
+        """How many of `missing` new pods may be created now, and when to look again if the token buckets
+        did not allow all.
 
         Only replacements are paced: pods beyond the service's pending losses (a scale-up) are not.
+        Replacements of workers that died young wait for the service's crash-loop backoff; that wait
+        is not returned, the service is woken (see `wake`) when it ends.
         """
         losses = len(self.pending.get(owner, {}))
         if losses == 0:
             return missing, 0.0
-        paced = min(missing, losses)
         if desired:
             self.desired[owner] = desired
         bucket = self.services.get(owner)
         if bucket is None:
             bucket = self.services[owner] = TokenBucket(self.service_rate, self.service_burst)
-        now = time.monotonic()
-        held_back = self._wanted_before(owner)
-        got = bucket.take(paced, now)
+        now = time.monotonic()  # not before the bucket's stamp: it would count negative time
+        paced = min(missing, losses)
+        held = min(paced, self._held(owner, now))
+        if held:
+            self._wake(owner, self.backoffs[owner].until - now)
+        payable = paced - held
+        held_back = self._wanted_before(owner, now)
+        got = bucket.take(payable, now)
         granted = self.cluster.take(got, now, keep=held_back)
         bucket.tokens += got - granted  # give back what the cluster bucket refused
         later = (
-            0.0 if granted == paced else max(bucket.wait_for(1), self.cluster.wait_for(held_back + 1), 0.05)
+            0.0 if granted == payable else max(bucket.wait_for(1), self.cluster.wait_for(held_back + 1), 0.05)
         )
         return granted + (missing - paced), later
 
@@ -191,11 +345,11 @@ class Failover:
         deficit = len(lost) / self.desired[owner] if owner in self.desired else 0.0
         return (-deficit, first)
 
-    def _wanted_before(self, owner: tuple[str, str]) -> int:
-        """Replacements still owed to services that go before `owner`."""
+    def _wanted_before(self, owner: tuple[str, str], now: float) -> int:
+        """Replacements still owed, and wanted now, to services that go before `owner`."""
         mine = self._rank(owner)
         return sum(
-            len(lost)
+            len(lost) - self._held(o, now)
             for o, lost in self.pending.items()
             if o != owner and lost and o not in self.waiting and self._rank(o) < mine
         )
@@ -212,11 +366,19 @@ class Failover:
         self.recovering.pop(owner, None)
         self.desired.pop(owner, None)
         self.waiting.discard(owner)
+        self.backoffs.pop(owner, None)
+        if CRASH_LOOP_BACKOFF in self.states.pop(owner, {}):
+            BACKOFF_SERVICES.dec()
 
     def owners(self, dgd_key: str) -> set[tuple[str, str]]:
         """The services of a DGD this remembers anything about."""
-        tables = (self.pending, self.services, self.recovering, self.desired, self.waiting)
-        return {o for table in tables for o in table if o[0] == dgd_key}
+        tables = (self.pending, self.services, self.recovering, self.desired, self.waiting, self.backoffs)
+        found = {o for table in tables for o in table if o[0] == dgd_key}
+        return found | {o for o, said in self.states.items() if said and o[0] == dgd_key}
+
+    def in_state(self, state: str) -> set[str]:
+        """The DGDs (keys) with a service in `state`."""
+        return {o[0] for o, said in self.states.items() if state in said}
 
     def settle(self, owner: tuple[str, str], owed: int, *, waiting: bool = False) -> None:
         """Keep no more losses pending than the `owed` replicas the service is short of; say whether it
@@ -248,13 +410,14 @@ class Failover:
             self.pending.pop(owner, None)
 
     def replaced(self, owner: tuple[str, str], new_pods: list[str]) -> None:
-        """These replacement pods now exist: the oldest losses are done, and the new pods are watched
-        until Ready."""
+        """These replacement pods now exist: the oldest losses are done (those not held by a backoff
+        first: theirs were the replacements allowed), and the new pods are watched until Ready."""
         lost = self.pending.get(owner)
         if not lost:
             return
         now = time.monotonic()
-        oldest = sorted(lost.items(), key=lambda kv: kv[1].seen)
+        holding = self._held(owner, now) > 0
+        oldest = sorted(lost.items(), key=lambda kv: (holding and kv[1].young, kv[1].seen))
         for (name, loss), new_pod in zip(oldest, new_pods, strict=False):
             OBSERVED_TO_CREATED.observe(now - loss.seen)
             self.recovering[owner][new_pod] = loss.seen
@@ -277,22 +440,128 @@ class Failover:
             self.recovering.pop(owner, None)
 
     def degraded(self, owner: tuple[str, str]) -> str | None:
-        """Why the service is below what it should be because of losses, or None."""
+        """Why the service is below what it should be because of losses or node trouble, or None."""
+        said = self.states.get(owner, {})
+        parts = [said[state] for state in _SHOWN if state in said]
         lost, starting = len(self.pending.get(owner, {})), len(self.recovering.get(owner, {}))
-        if not lost and not starting:
-            return None
-        why = (
-            f"service {owner[1]}: recovering from lost workers "
-            f"({lost} not yet replaced, {starting} replacement(s) not Ready yet)"
-        )
-        return f"{why}; replacements wait for its checkpoint" if self.held_back(owner) else why
+        if lost or starting:
+            why = (
+                f"service {owner[1]}: recovering from lost workers "
+                f"({lost} not yet replaced, {starting} replacement(s) not Ready yet)"
+            )
+            held = self._held(owner, time.monotonic())
+            if held:
+                backoff = self.backoffs[owner]
+                why += (
+                    f"; {CRASH_LOOP_BACKOFF}: its workers die young (latest: {backoff.what}), "
+                    f"{held} replacement(s) wait until {backoff.until_wall}"
+                )
+            parts.append(f"{why}; replacements wait for its checkpoint" if self.held_back(owner) else why)
+        return "; ".join(parts) or None
+
+    def cause(self, owner: tuple[str, str]) -> str | None:
+        """The condition reason for what `degraded` reports, most telling first; None for plain recovery."""
+        said = self.states.get(owner, {})
+        for state in _SHOWN:
+            if state in said:
+                return state
+        return CRASH_LOOP_BACKOFF if self._held(owner, time.monotonic()) else None
 
     def replacing(self, owner: tuple[str, str]) -> str:
         """How a WorkerLost event ends: what happens next about the loss."""
         if owner in self.waiting:
             return "its replacement waits for the service's checkpoint"
+        backoff = self.backoffs.get(owner)
+        if self._held(owner, time.monotonic()) and backoff is not None:
+            return f"its replacement waits for the crash-loop backoff, until {backoff.until_wall}"
         return "replacing it"
 
     def held_back(self, owner: tuple[str, str]) -> bool:
         """Whether the service owes replacements that it cannot create yet (it waits for its checkpoint)."""
         return owner in self.waiting and bool(self.pending.get(owner))
+
+    # ------------------------------------------------------------------ states reported once per change
+    def report(self, owner: tuple[str, str], state: str, message: str | None) -> Event | None:
+        """Say whether `state` holds for the service (`message`: what to say about it) or not (None);
+        the Event to record when that began or ended, None while it stays as it was."""
+        said = self.states.setdefault(owner, {})
+        before = said.get(state)
+        if message is not None:
+            said[state] = message
+        else:
+            said.pop(state, None)
+        if not said:
+            self.states.pop(owner, None)
+        if (before is None) == (message is None) or state not in _ENDS:
+            return None
+        if state == CRASH_LOOP_BACKOFF:
+            BACKOFF_SERVICES.inc(1 if message is not None else -1)
+        if message is not None:
+            return WARNING, state, message
+        ended = _ENDS[state]
+        return (NORMAL, ended, f"service {owner[1]}: {_ENDED[state]}") if ended else None
+
+    def review(
+        self,
+        owner: tuple[str, str],
+        *,
+        grace: dict[str, datetime] | None = None,
+        paused: str | None = None,
+        kept: dict[str, str] | None = None,
+    ) -> list[Event]:
+        """After a look at the service's pods: the Events for its states that began or ended.
+
+        `grace`: NotReady nodes with workers of the service -> when their node grace ends; `paused`: why
+        failover for node causes is paused, with `kept` the workers (-> node) it keeps for that reason.
+        """
+        events: list[Event] = []
+        note = None
+        if grace:
+            first = min(grace.values())
+            note = (
+                f"service {owner[1]}: its workers on NotReady node(s) {', '.join(sorted(grace))} count "
+                f"as lost from {_rfc3339(first)} if their node is not Ready again by then"
+            )
+            self._wake(owner, (first - datetime.now(UTC)).total_seconds() + 0.1)
+        self.report(owner, NODE_GRACE, note)
+        why = None
+        if paused and kept:
+            where = ", ".join(f"{pod} on {node}" for pod, node in sorted(kept.items()))
+            why = f"{FAILOVER_PAUSED}: {paused}; service {owner[1]} keeps its workers there ({where})"
+        event = self.report(owner, FAILOVER_PAUSED, why)
+        if event:
+            events.append(event)
+        now = time.monotonic()
+        backoff = self.backoffs.get(owner)
+        if backoff is not None and self._lapsed(backoff, now):
+            del self.backoffs[owner]
+            backoff = None
+        message = None
+        if backoff is not None and backoff.waits:
+            cfg = self.settings
+            message = (
+                f"service {owner[1]}: its workers die young (latest: {backoff.what}); replacements of "
+                f"workers that lived less than {cfg.crash_backoff_reset_seconds:g}s wait, from "
+                f"{cfg.crash_backoff_initial_seconds:g}s doubling to {cfg.crash_backoff_max_seconds:g}s"
+            )
+            # Looks again when the backoff may end: no early death for the reset time.
+            ends = max(backoff.until, backoff.last + cfg.crash_backoff_reset_seconds)
+            self._wake(owner, ends - now + 0.1)
+        event = self.report(owner, CRASH_LOOP_BACKOFF, message)
+        if event:
+            events.append(event)
+        return events
+
+    def _wake(self, owner: tuple[str, str], delay: float) -> None:
+        if self.wake is not None:
+            self.wake(owner[0], max(0.0, delay))
+
+
+_ENDED = {
+    FAILOVER_PAUSED: "failover resumed: workers on NotReady nodes are no longer kept",
+    CRASH_LOOP_BACKOFF: "crash-loop backoff ended: no worker died young for the reset time",
+}
+
+
+def _rfc3339(when: datetime) -> str:
+    return when.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -13,7 +13,7 @@ from dynamo_snapshot.controller.checkpoint_reconciler import CheckpointReconcile
 from dynamo_snapshot.controller.config import CONTROLLER_NAME, ControllerConfig
 from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.controller.dgd_reconciler import DGDReconciler
-from dynamo_snapshot.controller.failover import node_healthy
+from dynamo_snapshot.controller.failover import FAILOVER_PAUSED, node_healthy, unhealthy_since
 from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD, JOB, NODE, POD, SCALING_POLICY
 from dynamo_snapshot.controller.runtime import (
     DELETED,
@@ -76,6 +76,7 @@ class Controller:
         self.queue: WorkQueue[QueueKey] = WorkQueue(
             "controller", self._reconcile, workers=config.workers, kind_of=lambda k: k[0]
         )
+        self.ctx.failover.wake = lambda dgd_key, delay: self.queue.add_after((DGD_KEY, dgd_key), delay)
         # None without leader election: then this replica leads from the start.
         self.elector: LeaderElector | None = (
             LeaderElector(kube, name=config.lease_name, namespace=config.lease_namespace)
@@ -155,16 +156,26 @@ class Controller:
         async def on_node(etype: str, obj: Obj, old: Obj | None) -> None:
             if old is None or etype == DELETED or _node_shape(old) != _node_shape(obj):
                 ctx.compatible_node_cache.clear()
-            gone = etype == DELETED or not node_healthy(obj)
-            if old is not None and gone and (etype == DELETED or node_healthy(old)):
-                # The node just went bad: every DGD with a worker there looks at its losses now.
-                name = obj["metadata"]["name"]
-                for pod in ctx.pods.list():
-                    labels = pod["metadata"].get("labels") or {}
-                    if (pod.get("spec") or {}).get("nodeName") == name and labels.get(protocol.LABEL_GRAPH):
-                        self.queue.add(
-                            (DGD_KEY, f"{pod['metadata']['namespace']}/{labels[protocol.LABEL_GRAPH]}")
-                        )
+            healthy = etype != DELETED and node_healthy(obj)
+            if old is None or etype == DELETED or node_healthy(old) != healthy:
+                ctx.node_changed()
+            elif not healthy and unhealthy_since(old) != unhealthy_since(obj):
+                ctx.node_changed()  # NotReady became Unknown (or back): the grace counts from then
+            else:
+                return
+            # Every DGD whose failover is paused looks again: this change may have lifted the pause. A node
+            # that went bad, came back or is gone: so does every DGD with a worker there (the node grace
+            # is counted in that reconcile). A new node has none, and at start every DGD is reconciled.
+            keys = ctx.failover.in_state(FAILOVER_PAUSED)
+            name = obj["metadata"]["name"]
+            for pod in ctx.pods.list() if old is not None else ():
+                labels = pod["metadata"].get("labels") or {}
+                if (pod.get("spec") or {}).get("nodeName") == name and labels.get(protocol.LABEL_GRAPH):
+                    keys.add(f"{pod['metadata']['namespace']}/{labels[protocol.LABEL_GRAPH]}")
+            for key in keys:
+                self.queue.add((DGD_KEY, key))
+            if old is not None or ctx.nodes.has_synced.is_set():
+                ctx.node_health()  # the pause gauge follows the nodes even when no reconcile asks
 
         ctx.dgds.add_handler(on_dgd)
         ctx.checkpoints.add_handler(on_checkpoint)

@@ -49,28 +49,13 @@ def _env_list(*sources: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
 
 
 def _resources(service: ServiceSpec) -> dict[str, Any]:
-    out: dict[str, dict[str, str]] = {}
+    """The main container's requests and limits: Dynamo's cpu/memory/gpu/gpuType/custom and any Kubernetes
+    resource named as such (nvidia.com/gpu: "1"), GPUs given only as requests given as limits too."""
     if service.resources is None:
-        return out
-    for kind in ("requests", "limits"):
-        item = getattr(service.resources, kind)
-        if item is None:
-            continue
-        res: dict[str, str] = {}
-        if item.cpu:
-            res["cpu"] = item.cpu
-        if item.memory:
-            res["memory"] = item.memory
-        if item.gpu:
-            res[item.gpu_type or protocol.RESOURCE_GPU] = item.gpu
-        res.update(item.custom or {})
-        if res:
-            out[kind] = res
-    # The device plugin needs GPUs as limits; Dynamo manifests often give them as requests only.
-    gpu_req = out.get("requests", {}).get(protocol.RESOURCE_GPU)
-    if gpu_req and protocol.RESOURCE_GPU not in out.get("limits", {}):
-        out.setdefault("limits", {})[protocol.RESOURCE_GPU] = gpu_req
-    return out
+        return {}
+    # Validating the model already refused what a pod would be refused for (fractional or twice-given
+    # GPUs, a request above its limit), so this does not raise for a model read from the apiserver.
+    return service.resources.container_resources()
 
 
 def gpus_of_pod(pod: Obj) -> int:
@@ -83,6 +68,43 @@ def gpus_of_pod(pod: Obj) -> int:
         )
         total += int(value) if value else 0
     return total
+
+
+# Dynamo's operator gives a main container without `command` one (deploy/operator/internal/dynamo:
+# component_frontend.go, component_common.go); upstream manifests rely on it, so the same pod runs here.
+FRONTEND_COMMAND = ["python3"]
+FRONTEND_ARGS = ["-m", "dynamo.frontend"]
+SHELL_COMMAND = ["/bin/sh", "-c"]
+
+
+def _default_command(service: ServiceSpec, main: Obj) -> None:
+    """Fill in the command Dynamo's operator would run: `python3 -m dynamo.frontend` for a frontend,
+    and `/bin/sh -c` for any other container given only `args` (Dynamo's older manifests put a shell
+    pipeline there). A container with neither keeps its image's entrypoint."""
+    if main.get("command"):
+        return
+    if (service.component_type or "").lower() == "frontend":
+        main["command"] = list(FRONTEND_COMMAND)
+        if not main.get("args"):
+            main["args"] = list(FRONTEND_ARGS)
+    elif main.get("args"):
+        main["command"] = list(SHELL_COMMAND)
+
+
+def unsupported(service: ServiceSpec) -> str | None:
+    """Why the controller cannot run `service` as pods of its own (one pod per replica), else None."""
+    multinode = (service.model_extra or {}).get("multinode")
+    if multinode is None:
+        return None
+    # Dynamo's default node count is 2: a multinode block without one still spans two nodes.
+    nodes = multinode.get("nodeCount", 2) if isinstance(multinode, dict) else multinode
+    if isinstance(nodes, int) and not isinstance(nodes, bool) and nodes <= 1:
+        return None
+    return (
+        f"multinode.nodeCount is {nodes!r}: a replica spanning several nodes (a leader and its workers) "
+        "is not something dynamo-snapshot runs (it runs one pod per replica); deploy this service with "
+        "Dynamo's operator, or drop multinode"
+    )
 
 
 def worker_pod_spec(dgd: DynamoGraphDeployment, service_name: str, *, snapshot_control: bool = True) -> Obj:
@@ -98,6 +120,7 @@ def worker_pod_spec(dgd: DynamoGraphDeployment, service_name: str, *, snapshot_c
     main_override = extra.pop("mainContainer", None) or {}
     spec: Obj = copy.deepcopy(extra)
     main: Obj = {"name": MAIN_CONTAINER, **copy.deepcopy(main_override)}
+    _default_command(service, main)
     control_env = [{"name": n, "value": protocol.CONTROL_MOUNT_PATH} for n in protocol.ENV_CONTROL_DIRS]
     main["env"] = _env_list(
         dgd.spec.envs, service.envs, main.get("env"), control_env if snapshot_control else []
@@ -299,6 +322,18 @@ def checkpoint_job(ckpt_obj: Obj, ckpt: DynamoCheckpoint, identity_hash: str) ->
             "template": template,
         },
     }
+
+
+# Auto-mode checkpoint names: <dgd prefix>-<16 hex identity hash>-<8 hex of the DGD's uid>, at most this
+# long so that "<name>-checkpoint" (the Job, and a label value on its pod) stays a 63-character label.
+AUTO_CHECKPOINT_NAME_MAX = 52
+
+
+def auto_checkpoint_name(dgd_name: str, identity_hash: str, dgd_uid: str) -> str:
+    """The name of a DGD's own Auto-mode checkpoint: readable, and unique per DGD and identity."""
+    suffix = f"-{identity_hash}-{dgd_uid.replace('-', '')[:8]}"
+    prefix = dgd_name[: AUTO_CHECKPOINT_NAME_MAX - len(suffix)].rstrip("-.")
+    return f"{prefix}{suffix}" if prefix else suffix.lstrip("-")
 
 
 def checkpoint_job_name(checkpoint_name: str) -> str:

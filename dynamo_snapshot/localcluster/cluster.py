@@ -60,6 +60,7 @@ class _Proc:
     popen: subprocess.Popen[bytes]
     log: Path
     log_handle: IO[bytes]
+    argv: list[str]
 
 
 @dataclass
@@ -281,6 +282,32 @@ class LocalCluster:
         self.apply(manifest)
         return manifest
 
+    def stop_component(self, name: str) -> None:
+        """Stop one component (an apiserver outage; kwok: every kubelet's); `start_component` restarts it."""
+        proc = next(p for p in self._procs if p.name == name)
+        proc.popen.terminate()
+        try:
+            proc.popen.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.popen.kill()
+            proc.popen.wait(timeout=5)
+
+    def start_component(self, name: str, timeout: float = 60.0) -> None:
+        """Start a stopped component again, as it was started (same ports, same data)."""
+        index, proc = next((i, p) for i, p in enumerate(self._procs) if p.name == name)
+        if proc.popen.poll() is None:
+            return
+        proc.log_handle.close()
+        self._spawn(name, proc.argv)
+        # Same place in the list: stop() ends the components in the reverse order of their start.
+        self._procs[index] = self._procs.pop()
+        deadline = time.monotonic() + timeout
+        # Not _wait: other components may be stopped on purpose meanwhile.
+        while name == "kube-apiserver" and not self._api_ok("/readyz"):
+            if time.monotonic() > deadline or self._procs[index].popen.poll() is not None:
+                raise LocalClusterError(f"{name} did not come back; log {proc.log}")
+            time.sleep(0.2)
+
     def alive(self) -> dict[str, bool]:
         return {p.name: p.popen.poll() is None for p in self._procs}
 
@@ -302,7 +329,7 @@ class LocalCluster:
             stdin=subprocess.DEVNULL,
             preexec_fn=_die_with_parent,
         )
-        self._procs.append(_Proc(name, popen, log, handle))
+        self._procs.append(_Proc(name, popen, log, handle, argv))
 
     def _wait(self, name: str, ready: Callable[[], bool], deadline: float) -> None:
         while time.monotonic() < deadline:

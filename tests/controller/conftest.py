@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -15,8 +16,10 @@ import pytest
 from kubernetes_asyncio import client
 
 from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.identity import compute_identity_hash
 from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD
 from dynamo_snapshot.controller.manager import Controller, ControllerConfig
+from dynamo_snapshot.controller.podspec import auto_checkpoint_name
 from dynamo_snapshot.controller.runtime import EVENT, POD, ApiError, Kube, Obj, is_not_found
 
 IDENTITY = {"model": "Qwen/Qwen3-0.6B", "backendFramework": "vllm", "tensorParallelSize": 1}
@@ -94,8 +97,9 @@ class AgentDouble:
                 self.checkpoint_outcome
             )
             ann[protocol.ANNOTATION_CHECKPOINT_LOCATION] = (
-                f"/var/lib/dynamo-snapshot/artifacts/{labels[protocol.LABEL_CHECKPOINT_HASH]}"
+                f"/var/lib/dynamo-snapshot/artifacts/{self.namespace}/{labels[protocol.LABEL_CHECKPOINT_ID]}"
             )
+            ann[protocol.ANNOTATION_ARTIFACT_DIGEST] = hashlib.sha256(meta["uid"].encode()).hexdigest()
             if self.checkpoint_outcome == "failed":
                 ann[protocol.per_container(protocol.ANNOTATION_CHECKPOINT_MESSAGE, "main")] = (
                     "criu dump: test failure"
@@ -149,6 +153,11 @@ class Harness:
 
     async def dgd(self, name: str) -> Obj:
         return await self.kube.get(DGD, name, self.namespace)
+
+    async def auto_checkpoint(self, graph: str, identity: dict[str, Any] | None = None) -> str:
+        """The name of the Auto-mode checkpoint DGD `graph` makes for `identity` (its own, never shared)."""
+        uid = (await self.dgd(graph))["metadata"]["uid"]
+        return auto_checkpoint_name(graph, compute_identity_hash(identity or IDENTITY), uid)
 
     async def events(self, reason: str) -> list[Obj]:
         items, _ = await self.kube.list_all(EVENT, self.namespace)
@@ -221,6 +230,12 @@ async def harness(
         if "stop" in state:
             state["stop"].set()
         await kill()
+        # The controller's finalizers would keep the namespace Terminating once nobody removes them.
+        for ckpt in (await kube.list_all(CHECKPOINT, namespace))[0]:
+            with contextlib.suppress(ApiError):
+                await kube.merge_patch(
+                    CHECKPOINT, ckpt["metadata"]["name"], {"metadata": {"finalizers": None}}, namespace
+                )
         agent_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await agent_task

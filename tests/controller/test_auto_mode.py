@@ -25,7 +25,9 @@ def _condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
     return next(c for c in obj["status"]["conditions"] if c["type"] == type_)
 
 
-async def _ready_checkpoint(h: Harness, name: str = HASH) -> dict[str, Any]:
+async def _ready_checkpoint(h: Harness, graph: str) -> dict[str, Any]:
+    name = await eventually(lambda: h.auto_checkpoint(graph))
+
     async def ready() -> dict[str, Any]:
         ckpt = await h.kube.get(CHECKPOINT, name, h.namespace)
         assert (ckpt.get("status") or {}).get("phase") == "Ready", ckpt.get("status")
@@ -51,10 +53,16 @@ async def test_auto_mode_cold_start_checkpoint_then_scale_by_restore(
         gpu_node(product="NVIDIA-H200", gpus=8, driver_major=580)
     await h.apply_dgd(dgd_manifest("llama", replicas=1))
 
-    # One cold-start worker, and in the background a DynamoCheckpoint named by the hash with its Job.
+    # One cold-start worker, and in the background the DGD's own DynamoCheckpoint with its Job.
     pods = await eventually(lambda: h.pods("llama"))
     assert [_mode(p) for p in pods] == ["cold"]
-    ckpt = await _ready_checkpoint(h)
+    ckpt = await _ready_checkpoint(h, "llama")
+    name = ckpt["metadata"]["name"]
+    assert name.startswith(f"llama-{HASH}-")
+    assert len(name) <= 52
+    dgd_uid = (await h.dgd("llama"))["metadata"]["uid"]
+    assert [(r["uid"], r["controller"]) for r in ckpt["metadata"]["ownerReferences"]] == [(dgd_uid, True)]
+    assert ckpt["metadata"]["finalizers"] == [protocol.FINALIZER]
     assert ckpt["metadata"]["labels"][protocol.LABEL_CHECKPOINT_HASH] == HASH
     assert ckpt["status"]["identityHash"] == HASH
     assert ckpt["status"]["compatibility"] == {
@@ -62,7 +70,9 @@ async def test_auto_mode_cold_start_checkpoint_then_scale_by_restore(
         "cudaDriverMajor": "580",
         "gpuCount": 1,
     }
-    assert ckpt["status"]["location"].endswith(HASH)
+    assert ckpt["status"]["location"].endswith(name)
+    assert len(ckpt["status"]["artifactDigest"]) == 64
+    assert ckpt["status"]["sourcePod"].startswith(f"{name}-checkpoint-")
     # An incompatible node joins only now: earlier, the checkpoint Job could have been scheduled onto it
     # (the scheduler knows nothing of GPU products), making its GPU the checkpoint's.
     odd = gpu_node(product="NVIDIA-A100-SXM4-80GB", gpus=8, driver_major=535)["metadata"]["name"]
@@ -86,7 +96,7 @@ async def test_auto_mode_cold_start_checkpoint_then_scale_by_restore(
 
     dgd = await eventually(status_ready)
     assert dgd["status"]["checkpoints"]["VllmWorker"] == {
-        "checkpointName": HASH,
+        "checkpointName": name,
         "identityHash": HASH,
         "ready": True,
     }
@@ -103,8 +113,8 @@ async def test_auto_mode_cold_start_checkpoint_then_scale_by_restore(
     assert len(restored) == 3
     for pod in restored:
         meta = pod["metadata"]
-        assert meta["annotations"][protocol.ANNOTATION_RESTORE_FROM] == HASH
-        assert meta["labels"][protocol.LABEL_CHECKPOINT_ID] == HASH
+        assert meta["annotations"][protocol.ANNOTATION_RESTORE_FROM] == name
+        assert meta["labels"][protocol.LABEL_CHECKPOINT_ID] == name
         assert meta["labels"][protocol.LABEL_RESTORE_TARGET] == protocol.TRUE
         assert pod["spec"]["nodeName"] != odd, "restore scheduled onto an incompatible GPU node"
         env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
@@ -123,14 +133,17 @@ async def test_auto_mode_cold_start_checkpoint_then_scale_by_restore(
     assert st["coldStartedReplicas"] == 1
     assert _condition(await h.dgd("llama"), "Ready")["status"] == "True"
 
-    # A second DGD with the same identity shares the one checkpoint, restoring from the start.
+    # A second DGD with the same identity never restores the first one's process: it cold-starts and
+    # takes a checkpoint of its own.
     await h.apply_dgd(dgd_manifest("llama-b", replicas=2))
     pods_b = await eventually(lambda: _n(h, "llama-b", 2))
-    assert {_mode(p) for p in pods_b} == {"restore"}
-    ckpts = await h.checkpoints()
-    assert [c["metadata"]["name"] for c in ckpts] == [HASH]
-    owners = {r["name"] for r in ckpts[0]["metadata"]["ownerReferences"]}
-    assert owners == {"llama", "llama-b"}
+    assert {_mode(p) for p in pods_b} == {"cold"}
+    ckpt_b = await _ready_checkpoint(h, "llama-b")
+    assert ckpt_b["metadata"]["name"] != name
+    assert {r["name"] for r in ckpt_b["metadata"]["ownerReferences"]} == {"llama-b"}
+    assert sorted(c["metadata"]["name"] for c in await h.checkpoints()) == sorted(
+        [name, ckpt_b["metadata"]["name"]]
+    )
 
     # Scale down removes pods (newest first) and keeps the count exact.
     await h.scale("llama", 2)
@@ -172,7 +185,7 @@ async def test_failed_restores_fall_back_to_cold_start_and_fail_the_checkpoint(
     gpu_node(gpus=8)
     gpu_node(gpus=8)
     await h.apply_dgd(dgd_manifest("flaky", replicas=1))
-    await _ready_checkpoint(h)
+    await _ready_checkpoint(h, "flaky")
     h.agent.restore_outcome = lambda pod: "failed"
     await h.scale("flaky", 4)
 
@@ -183,7 +196,7 @@ async def test_failed_restores_fall_back_to_cold_start_and_fail_the_checkpoint(
     pods = await eventually(all_cold, within=60)
     replaced = [p for p in pods if protocol.ANNOTATION_REPLACES in p["metadata"].get("annotations", {})]
     assert len(replaced) == 3
-    ckpt = await eventually(lambda: _phase(h, "Failed"), within=30)
+    ckpt = await eventually(lambda: _phase(h, "flaky", "Failed"), within=30)
     # Each replica may first retry on the other node (a second failure) unless the checkpoint was
     # already Failed by then: 3 to 6 failures, never fewer than the threshold.
     assert 3 <= len(ckpt["status"]["failedRestores"]) <= 6
@@ -198,7 +211,7 @@ async def test_a_restore_failing_on_one_node_is_retried_on_another(
     for _ in range(2):
         gpu_node(gpus=8)
     await h.apply_dgd(dgd_manifest("retry", replicas=1))
-    await _ready_checkpoint(h)
+    await _ready_checkpoint(h, "retry")
     bad_node: list[str] = []
 
     def fail_on_first_node(pod: dict[str, Any]) -> str:
@@ -225,12 +238,12 @@ async def test_a_restore_failing_on_one_node_is_retried_on_another(
         for t in terms["nodeSelectorTerms"]
     )
     await h.event("RestoreFailed", "retrying the restore on another node")
-    ckpt = await h.kube.get(CHECKPOINT, HASH, h.namespace)
+    ckpt = await h.kube.get(CHECKPOINT, await h.auto_checkpoint("retry"), h.namespace)
     assert ckpt["status"]["phase"] == "Ready"  # one failure is below the threshold
 
 
-async def _phase(h: Harness, phase: str) -> dict[str, Any] | None:
-    ckpt = await h.kube.get(CHECKPOINT, HASH, h.namespace)
+async def _phase(h: Harness, graph: str, phase: str) -> dict[str, Any] | None:
+    ckpt = await h.kube.get(CHECKPOINT, await h.auto_checkpoint(graph), h.namespace)
     return ckpt if (ckpt.get("status") or {}).get("phase") == phase else None
 
 
@@ -245,7 +258,7 @@ async def test_no_compatible_node_starts_cold_and_says_why(
     await eventually(no_h200_left)
     source = gpu_node(product="NVIDIA-H200", gpus=8)["metadata"]["name"]
     await h.apply_dgd(dgd_manifest("nocompat", replicas=1))
-    await _ready_checkpoint(h)
+    await _ready_checkpoint(h, "nocompat")
     # Only now the other product: the checkpoint must have been taken on the H200 (with both nodes
     # there from the start, the scheduler could put the checkpoint job on the L40S).
     gpu_node(product="NVIDIA-L40S", gpus=8)
@@ -271,7 +284,7 @@ async def test_an_unschedulable_restore_pod_is_replaced_by_a_cold_start(
     # The only H200 node has 2 GPUs: the first worker and the checkpoint Job fill it.
     gpu_node(product="NVIDIA-H200", gpus=2)
     await h.apply_dgd(dgd_manifest("stuck", replicas=1))
-    await _ready_checkpoint(h)
+    await _ready_checkpoint(h, "stuck")
     # Restores must go to an H200; a third replica finds none free. Capacity arrives elsewhere (an
     # L40S, where only a cold start may run).
     await h.scale("stuck", 3)
@@ -288,5 +301,5 @@ async def test_an_unschedulable_restore_pod_is_replaced_by_a_cold_start(
     assert all(_mode(p) == "cold" and p["metadata"]["name"].endswith("-cold") for p in replacements)
     assert any(p["spec"]["nodeName"] == l40s for p in replacements)
     await h.event("RestoreUnschedulable", "could not be scheduled")
-    ckpt = await h.kube.get(CHECKPOINT, HASH, h.namespace)
+    ckpt = await h.kube.get(CHECKPOINT, await h.auto_checkpoint("stuck"), h.namespace)
     assert not ckpt["status"].get("failedRestores"), "an unschedulable restore is not the checkpoint's fault"

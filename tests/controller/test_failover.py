@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ from prometheus_client import REGISTRY
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD
 from dynamo_snapshot.controller.runtime import NODE, POD, Obj
-from dynamo_snapshot.localcluster.nodes import KWOK_NODE_ANNOTATION
+from dynamo_snapshot.localcluster.nodes import KWOK_NODE_ANNOTATION, KWOK_NODE_VALUE
 from tests.controller.conftest import Harness, dgd_manifest, eventually
 
 pytestmark = pytest.mark.cluster
@@ -218,9 +219,23 @@ async def _fail_node(h: Harness, node: str) -> None:
     """Take a kwok node away from kwok (no more heartbeats) and report it NotReady, as a dead kubelet's
     node looks once the node controller notices."""
     await h.kube.merge_patch(NODE, node, {"metadata": {"annotations": {KWOK_NODE_ANNOTATION: None}}})
+    await _set_ready(h, node, "False", "KubeletStopped")
+
+
+async def _heal_node(h: Harness, node: str) -> None:
+    """Hand the node back to kwok (heartbeats again) and report it Ready."""
+    await h.kube.merge_patch(
+        NODE, node, {"metadata": {"annotations": {KWOK_NODE_ANNOTATION: KWOK_NODE_VALUE}}}
+    )
+    await _set_ready(h, node, "True", "KubeletReady")
+
+
+async def _set_ready(h: Harness, node: str, status: str, reason: str) -> None:
+    # The transition time is the node grace's start, as the kubelet or node controller would set it.
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     current = await h.kube.get(NODE, node)
     conds = [
-        {**c, "status": "False", "reason": "KubeletStopped", "message": "test: kubelet stopped"}
+        {**c, "status": status, "reason": reason, "message": f"test: {reason}", "lastTransitionTime": now}
         if c.get("type") == "Ready"
         else c
         for c in (current.get("status") or {}).get("conditions") or []
@@ -228,6 +243,11 @@ async def _fail_node(h: Harness, node: str) -> None:
     await h.kube.merge_patch(NODE, node, {"status": {"conditions": conds}}, subresource="status")
 
 
+# The node grace is what these tests are not about: losses of a NotReady node count after a second.
+SHORT_GRACE = {"node_loss_grace_seconds": 1.0}
+
+
+@pytest.mark.parametrize("harness", [SHORT_GRACE], indirect=True)
 @pytest.mark.parametrize("how", ["not-ready", "deleted"])
 async def test_workers_of_a_lost_node_come_back_elsewhere(
     harness: Harness, gpu_node: NodeFactory, how: str

@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
+
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.api.checkpoint import DynamoCheckpoint
-from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment
-from dynamo_snapshot.controller.podspec import restore_pod
+from dynamo_snapshot.api.checkpoint import CHECKPOINT_NAME_MAX_LENGTH, DynamoCheckpoint
+from dynamo_snapshot.api.graphdeployment import (
+    GRAPH_AND_SERVICE_MAX_LENGTH,
+    GRAPH_NAME_MAX_LENGTH,
+    DynamoGraphDeployment,
+)
+from dynamo_snapshot.controller.podspec import (
+    MAIN_CONTAINER,
+    auto_checkpoint_name,
+    checkpoint_job_name,
+    cold_start_pod,
+    gpus_of_pod,
+    new_pod_name,
+    restore_pod,
+)
 from tests.controller.conftest import IDENTITY, dgd_manifest
 
 
@@ -31,4 +47,70 @@ def test_a_restore_pod_says_which_pod_it_replaces() -> None:
     assert (
         protocol.ANNOTATION_REPLACES
         not in restore_pod(obj, dgd, "VllmWorker", ckpt)["metadata"]["annotations"]
+    )
+
+
+def _pod_resources(resources: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """The main container's resources of a cold-start pod of a service with ``resources``, and its GPUs."""
+    obj = {
+        "apiVersion": "nvidia.com/v1alpha1",
+        "kind": "DynamoGraphDeployment",
+        "metadata": {"name": "g", "namespace": "ns", "uid": "u-1"},
+        "spec": {"services": {"VllmWorker": {"resources": resources}}},
+    }
+    pod = cold_start_pod(obj, DynamoGraphDeployment.model_validate(obj), "VllmWorker")
+    [main] = [c for c in pod["spec"]["containers"] if c["name"] == MAIN_CONTAINER]
+    return main.get("resources", {}), gpus_of_pod(pod)
+
+
+@pytest.mark.parametrize(
+    ("resources", "expected"),
+    [
+        # Dynamo's own shape.
+        ({"limits": {"gpu": "1"}}, {"limits": {"nvidia.com/gpu": "1"}}),
+        # The Kubernetes spelling Dynamo's docs use too; it used to reach the pod as no GPU at all.
+        (
+            {"limits": {"nvidia.com/gpu": "1"}, "requests": {"cpu": "2", "memory": "8Gi"}},
+            {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"nvidia.com/gpu": "1"}},
+        ),
+        ({"limits": {"nvidia.com/gpu": 2}}, {"limits": {"nvidia.com/gpu": "2"}}),
+        # GPUs as requests only: the device plugin reads limits, and Kubernetes requires them.
+        (
+            {"requests": {"gpu": "4", "cpu": "32", "custom": {"rdma/ib": "1"}}},
+            {
+                "requests": {"cpu": "32", "nvidia.com/gpu": "4", "rdma/ib": "1"},
+                "limits": {"nvidia.com/gpu": "4", "rdma/ib": "1"},
+            },
+        ),
+    ],
+)
+def test_the_worker_asks_for_what_the_service_says(
+    resources: dict[str, Any], expected: dict[str, Any]
+) -> None:
+    got, gpus = _pod_resources(resources)
+    assert got == expected
+    assert gpus == int(expected["limits"]["nvidia.com/gpu"])
+
+
+def test_a_worker_without_resources_asks_for_none() -> None:
+    assert _pod_resources({}) == ({}, 0)
+
+
+def test_names_at_their_limits_make_valid_untruncated_pod_job_and_checkpoint_names() -> None:
+    graph = "g" * (GRAPH_AND_SERVICE_MAX_LENGTH - 16)
+    service = "VllmDecodeWorker"
+    DynamoGraphDeployment.model_validate({"metadata": {"name": graph}, "spec": {"services": {service: {}}}})
+    pod = new_pod_name(graph, service)
+    assert len(pod) == 63
+    assert pod.startswith(f"{graph}-vllmdecodeworker-")
+
+    checkpoint = "c" * CHECKPOINT_NAME_MAX_LENGTH
+    assert checkpoint_job_name(checkpoint) == f"{checkpoint}-checkpoint"
+    assert len(checkpoint_job_name(checkpoint)) == 63
+
+    # The controller's own names for Auto-mode checkpoints fit the limit of every DynamoCheckpoint name.
+    auto = auto_checkpoint_name("g" * GRAPH_NAME_MAX_LENGTH, "96429b2725761a09", "0f1e2d3c-aaaa-bbbb")
+    assert len(auto) <= CHECKPOINT_NAME_MAX_LENGTH
+    DynamoCheckpoint.model_validate(
+        {"metadata": {"name": auto}, "spec": {"identity": IDENTITY, "job": {"podTemplateSpec": {}}}}
     )

@@ -35,7 +35,7 @@ async def _assert_final(h: Harness, graph: str, replicas: int) -> None:
         refs = pod["metadata"]["ownerReferences"]
         assert [r["uid"] for r in refs] == [dgd_uid], "every worker pod is owned by its DGD (no orphans)"
     ckpts = await h.checkpoints()
-    assert [c["metadata"]["name"] for c in ckpts] == [HASH]
+    assert [c["metadata"]["name"] for c in ckpts] == [await h.auto_checkpoint(graph)]
 
 
 @pytest.mark.parametrize("kill_after", [0.0, 0.05, 0.3])
@@ -55,7 +55,7 @@ async def test_killed_controller_converges_without_duplicates(
     await _assert_final(h, "crash", 1)
 
     async def ckpt_ready() -> bool:
-        ckpt = await h.kube.get(CHECKPOINT, HASH, h.namespace)
+        ckpt = await h.kube.get(CHECKPOINT, await h.auto_checkpoint("crash"), h.namespace)
         return (ckpt.get("status") or {}).get("phase") == "Ready"
 
     await eventually(ckpt_ready, within=45)
@@ -114,7 +114,7 @@ async def test_agent_reported_checkpoint_failure(
     await h.apply_dgd(dgd_manifest("bad-dump", replicas=2))
 
     async def failed() -> dict[str, Any] | None:
-        ckpt = await h.kube.get(CHECKPOINT, HASH, h.namespace)
+        ckpt = await h.kube.get(CHECKPOINT, await h.auto_checkpoint("bad-dump"), h.namespace)
         return ckpt if (ckpt.get("status") or {}).get("phase") == "Failed" else None
 
     ckpt = await eventually(failed, within=45)
@@ -141,19 +141,20 @@ async def test_identity_changed_in_place_keeps_running_replicas(
     gpu_node(gpus=8)
     await h.apply_dgd(dgd_manifest("drift", replicas=2))
     await eventually(lambda: _n(h, "drift", 2))
-    await eventually(lambda: _ckpt_named_in_status(h, "drift", HASH))
+    old_name = await h.auto_checkpoint("drift")
+    await eventually(lambda: _ckpt_named_in_status(h, "drift", old_name))
     before = sorted(p["metadata"]["name"] for p in await h.pods("drift"))
     new_identity = {**IDENTITY, "model": "Qwen/Qwen3-1.7B"}
     patch = {"spec": {"services": {"VllmWorker": {"checkpoint": {"identity": new_identity}}}}}
     await h.kube.merge_patch(DGD, "drift", patch, h.namespace)
-    new_hash = compute_identity_hash(new_identity)
     assert await eventually(lambda: h.events("IdentityChanged"))
-    await eventually(lambda: _ckpt_named_in_status(h, "drift", new_hash))
+    new_name = await h.auto_checkpoint("drift", new_identity)
+    await eventually(lambda: _ckpt_named_in_status(h, "drift", new_name))
     assert sorted(p["metadata"]["name"] for p in await h.pods("drift")) == before, (
         "running replicas were touched"
     )
     names = sorted(c["metadata"]["name"] for c in await h.checkpoints())
-    assert names == sorted([HASH, new_hash]), "the old checkpoint is kept, a new one is made"
+    assert names == sorted([old_name, new_name]), "the old checkpoint is kept, a new one is made"
 
 
 async def _ckpt_named_in_status(h: Harness, graph: str, name: str) -> bool:
