@@ -26,7 +26,15 @@ from dynamo_snapshot.controller.podspec import (
     checkpoint_job_name,
     gpus_of_pod,
 )
-from dynamo_snapshot.controller.runtime import NORMAL, WARNING, Obj, Result, is_already_exists, is_not_found
+from dynamo_snapshot.controller.runtime import (
+    NORMAL,
+    WARNING,
+    Obj,
+    Result,
+    is_already_exists,
+    is_not_found,
+    object_key,
+)
 
 log = logging.getLogger(__name__)
 FINALIZE_RECHECK_S = 2.0
@@ -252,6 +260,7 @@ class CheckpointReconciler:
             if is_not_found(e):
                 return None
             raise
+        log.info("checkpoint released for deletion", extra={"checkpoint": object_key(obj)})
         return None
 
     def _restore_pods(self, obj: Obj) -> list[Obj]:

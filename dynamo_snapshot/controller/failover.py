@@ -91,6 +91,16 @@ def node_healthy(node: Obj | None) -> bool:
     return ready and not any(t.get("key") in _UNHEALTHY_TAINTS for t in taints)
 
 
+def node_joining(node: Obj) -> bool:
+    """A node that has not reported a Ready condition yet (just registered): not a failing node. The
+    controller-manager taints it not-ready until its kubelet says Ready, which keeps pods off it anyway."""
+    conditions = (node.get("status") or {}).get("conditions") or []
+    taints = (node.get("spec") or {}).get("taints") or []
+    return not any(c.get("type") == "Ready" for c in conditions) and not any(
+        t.get("key") == "node.kubernetes.io/unreachable" for t in taints
+    )
+
+
 def unhealthy_since(node: Obj) -> datetime | None:
     """When the node stopped being healthy, by its own record: its Ready condition's lastTransitionTime
     while that is not True, else when the first unreachable/not-ready taint was added; None when it

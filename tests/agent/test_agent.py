@@ -1021,10 +1021,13 @@ async def test_the_artifact_goes_with_its_checkpoint(
         return not store.exists(key)
 
     await eventually(removed, within=30)
-    # Deleted while no agent ran: the next agent's sweep removes it.
-    await kube.delete(POD, "source", namespace)
+    # Deleted while no agent ran: the next agent's sweep removes it. The old checkpoint's Job and pod go
+    # first (the garbage collector would, in its own time).
+    for kind, name in ((JOB, f"{CKPT}-checkpoint"), (POD, "source")):
+        with contextlib.suppress(ApiError):
+            await kube.delete(kind, name, namespace)
 
-    async def job_gone() -> bool:  # the garbage collector removes the old checkpoint's Job
+    async def job_gone() -> bool:
         jobs, _ = await kube.list_all(JOB, namespace)
         return not jobs
 

@@ -115,10 +115,11 @@ async def test_a_deleted_checkpoint_waits_for_the_restores_that_read_it(
     )
 
     async def gone() -> bool:
+        # Auto mode then takes a new checkpoint under the same name: a new object, with a new UID.
         try:
-            await h.kube.get(CHECKPOINT, name, h.namespace)
+            now = await h.kube.get(CHECKPOINT, name, h.namespace)
         except ApiError as e:
             return is_not_found(e)
-        return False
+        return now["metadata"]["uid"] != ckpt["metadata"]["uid"]
 
     await eventually(gone, within=30)

@@ -11,6 +11,7 @@ from prometheus_client import REGISTRY
 
 from dynamo_snapshot.controller.config import ControllerConfig
 from dynamo_snapshot.controller.context import AVOIDED_NODES_MAX, Context
+from dynamo_snapshot.controller.failover import node_joining
 from dynamo_snapshot.controller.runtime import Obj
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
@@ -114,3 +115,24 @@ def test_with_every_node_up_a_new_pod_gets_no_required_affinity() -> None:
     spec: dict[str, Any] = {}
     ctx.keep_off_bad_nodes(spec, [])
     assert spec == {}
+
+
+def test_a_joining_node_is_not_counted_down() -> None:
+    joining = {
+        "metadata": {"name": "new"},
+        "spec": {"taints": [{"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}]},
+        "status": {"conditions": []},
+    }
+    failing = {
+        "metadata": {"name": "bad"},
+        "spec": {},
+        "status": {"conditions": [{"type": "Ready", "status": "Unknown"}]},
+    }
+    unreachable = {
+        "metadata": {"name": "gone"},
+        "spec": {"taints": [{"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"}]},
+        "status": {"conditions": []},
+    }
+    assert node_joining(joining)
+    assert not node_joining(failing)
+    assert not node_joining(unreachable)
