@@ -26,6 +26,7 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.identity import compute_identity_hash
 from dynamo_snapshot.artifact import ArtifactCache, ArtifactStore, GpuInfo, artifact_key
 from dynamo_snapshot.controller.kinds import CHECKPOINT, JOB
+from dynamo_snapshot.controller.podspec import owner_reference
 from dynamo_snapshot.controller.runtime import EVENT, POD, ApiError, Kube, Obj, is_already_exists
 from dynamo_snapshot.criu import Criu
 from dynamo_snapshot.criu.packed import is_packed_pages
@@ -196,7 +197,7 @@ async def checkpoint_and_job(kube: Kube, ns: str, name: str = CKPT) -> tuple[Obj
             {
                 "apiVersion": "batch/v1",
                 "kind": "Job",
-                "metadata": {"name": job_name, "ownerReferences": [_owner(ckpt)]},
+                "metadata": {"name": job_name, "ownerReferences": [owner_reference(ckpt)]},
                 "spec": {
                     "managedBy": "tests.dynamo-snapshot.dev/agent-tests",
                     "template": {
@@ -216,21 +217,12 @@ async def checkpoint_and_job(kube: Kube, ns: str, name: str = CKPT) -> tuple[Obj
     return ckpt, job
 
 
-def _owner(obj: Obj) -> Obj:
-    return {
-        "apiVersion": obj["apiVersion"],
-        "kind": obj["kind"],
-        "name": obj["metadata"]["name"],
-        "uid": obj["metadata"]["uid"],
-        "controller": True,
-    }
-
-
-async def create_source(kube: Kube, ns: str, name: str, node: str, state_mib: int = 32) -> Obj:
-    """A checkpoint source pod as the checkpoint's Job would run it."""
+async def create_source(kube: Kube, ns: str, name: str, node: str, state_mib: int = 32, **env: str) -> Obj:
+    """A checkpoint source pod as the checkpoint's Job would run it, with `env` added to its worker's."""
     _, job = await checkpoint_and_job(kube, ns)
     body = pod(name, node, SOURCE, state_mib)
-    body["metadata"]["ownerReferences"] = [_owner({**job, "apiVersion": "batch/v1", "kind": "Job"})]
+    body["spec"]["containers"][0]["env"] += [{"name": k, "value": v} for k, v in env.items()]
+    body["metadata"]["ownerReferences"] = [owner_reference({**job, "apiVersion": "batch/v1", "kind": "Job"})]
     return await kube.create(POD, body, ns)
 
 
@@ -880,24 +872,12 @@ def _environ(pid: int) -> dict[str, str]:
     return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
 
 
-def _with_env(body: Obj, **env: str) -> Obj:
-    body["spec"]["containers"][0]["env"] += [{"name": k, "value": v} for k, v in env.items()]
-    return body
-
-
 @pytest.fixture
 def other_namespace(cluster: Any) -> Iterator[str]:
     name = f"tenant-b-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", name)
     yield name
     cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
-
-
-async def _source_with_env(kube: Kube, ns: str, node: str, **env: str) -> None:
-    _, job = await checkpoint_and_job(kube, ns)
-    body = _with_env(pod("source", node, SOURCE), **env)
-    body["metadata"]["ownerReferences"] = [_owner({**job, "apiVersion": "batch/v1", "kind": "Job"})]
-    await kube.create(POD, body, ns)
 
 
 async def test_two_tenants_with_one_identity_never_share_a_process(
@@ -912,9 +892,9 @@ async def test_two_tenants_with_one_identity_never_share_a_process(
     node = gpu_node()["metadata"]["name"]
     a = await agents(node)
     # Same checkpoint name, same identity (so the same identity hash) in two namespaces.
-    await _source_with_env(kube, namespace, node, TENANT_SECRET="a-secret")
+    await create_source(kube, namespace, "source", node, TENANT_SECRET="a-secret")
     await _checkpointed(kube, namespace, "source")
-    await _source_with_env(kube, other_namespace, node, TENANT_SECRET="b-secret")
+    await create_source(kube, other_namespace, "source", node, TENANT_SECRET="b-secret")
     ann_b = await _checkpointed(kube, other_namespace, "source")
     assert "found published" not in ann_b[CHECKPOINT_MESSAGE], "tenant B was handed tenant A's artifact"
     store = ArtifactStore(tmp_path / "artifacts")

@@ -137,7 +137,8 @@ async def test_failover_pauses_while_most_nodes_are_not_ready_and_resumes_when_t
         await _heal_node(h, node)
     gone = {p["metadata"]["name"] for p in pods if p["spec"]["nodeName"] == down}
     after = await _replaced(h, gone, 3, avoid=down)
-    assert all(p["spec"]["nodeName"] != down for p in after if p["metadata"]["name"] not in gone)
+    # A replacement may not be scheduled yet; none is ever bound to the down node.
+    assert all(p["spec"].get("nodeName") != down for p in after if p["metadata"]["name"] not in gone)
     await h.event("FailoverResumed")
     await h.event("WorkerLost", "node-not-ready", down)
     [paused] = await h.events("FailoverPaused")
