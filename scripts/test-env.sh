@@ -3,6 +3,8 @@
 #   kube-apiserver, kube-scheduler, kube-controller-manager, kubectl  (Go module proxy, version-stamped)
 #   kwok, helm                                                         (Go module proxy)
 #   etcd 3.5 (Debian 13 etcd-server), criu 4.x (Debian 13 source, built here), runc + prometheus (Debian)
+#   the real node: kubelet, kube-proxy (same build), containerd 2.x + shim + ctr (Go module proxy),
+#   CNI plugins, iptables, busybox-static (Debian)
 # Idempotent: a warm cache costs seconds. Everything lands in $DYNSNAP_CACHE (default ~/.cache/dynamo-snapshot);
 # binaries in $DYNSNAP_CACHE/bin. Prints `export PATH=...` hints at the end.
 set -euo pipefail
@@ -59,6 +61,9 @@ with_trixie() {
 }
 
 apt_need ca-certificates curl runc prometheus iproute2 procps
+# the real node (localcluster.realnode): CNI bridge/host-local/loopback in /usr/lib/cni, iptables for the
+# kubelet and kube-proxy, busybox for the local test image
+apt_need containernetworking-plugins iptables busybox-static
 # criu build dependencies (bookworm versions are fine for criu 4.1)
 apt_need build-essential pkg-config libprotobuf-dev libprotobuf-c-dev protobuf-c-compiler protobuf-compiler \
   python3-protobuf libnl-3-dev libnet1-dev libcap-dev libbsd-dev libgnutls28-dev libnftables-dev libaio-dev \
@@ -88,23 +93,35 @@ build_criu() {
   (cd "$d" && apt-get source --download-only -qq "criu=$CRIU_DEB_VERSION" >/dev/null 2>&1) || true
   compgen -G "$d/criu_*.orig.tar.*" >/dev/null
 }
-if stamp_ok criu "$CRIU_DEB_VERSION" && [ -x "$BIN/criu" ]; then
-  say "criu $CRIU_DEB_VERSION cached"
+# criu-so-passcred.patch: kernels >= 6.16 refuse SO_PASSCRED/SO_PASSSEC on inet sockets, so stock 4.1.1 cannot
+# dump any process with a TCP/UDP socket (upstream issues #2705/#2718, fixed after 4.1.1 by PR #2719).
+# The stamp names the patch so a cache built without it is rebuilt once.
+criu_patch=$here/criu-so-passcred.patch
+criu_rev="$CRIU_DEB_VERSION+so-passcred-$(sha256sum "$criu_patch" | cut -c1-12)"
+if stamp_ok criu "$criu_rev" && [ -x "$BIN/criu" ]; then
+  say "criu $criu_rev cached"
 else
-  say "fetching criu $CRIU_DEB_VERSION source (Debian 13)"
-  with_trixie build_criu || die "could not download the criu $CRIU_DEB_VERSION source from Debian trixie"
   d=$SRC/criu-$CRIU_DEB_VERSION
+  if compgen -G "$d/criu_*.orig.tar.*" >/dev/null; then
+    say "criu $CRIU_DEB_VERSION source cached"
+  else
+    say "fetching criu $CRIU_DEB_VERSION source (Debian 13)"
+    with_trixie build_criu || die "could not download the criu $CRIU_DEB_VERSION source from Debian trixie"
+  fi
+  find "$d" -mindepth 1 -maxdepth 1 -type d -name 'criu-*' -exec rm -rf {} +
   tar -C "$d" -xf "$d"/criu_*.orig.tar.*
   top=$(find "$d" -mindepth 1 -maxdepth 1 -type d -name 'criu-*' | sed -n 1p)
+  patch -d "$top" -p1 --forward --quiet < "$criu_patch" || die "criu-so-passcred.patch does not apply to $top"
   say "building criu in $top (about 2 min on 2 cores)"
   make -C "$top" -j"$(nproc)" criu > "$d/build.log" 2>&1 || { tail -n 20 "$d/build.log" >&2; die "criu build failed: see $d/build.log"; }
   cp "$top/criu/criu" "$BIN/criu"
-  stamp criu "$CRIU_DEB_VERSION"
+  stamp criu "$criu_rev"
 fi
 
 # ---------------------------------------------------------------- Kubernetes control plane from the module proxy
-build_k8s() {
-  local d=$SRC/k8s-$K8S_VERSION
+build_k8s() {  # dir cmd...
+  local d=$1; shift
+  local cmds="$*"
   mkdir -p "$d"
   {
     printf 'module dynamo-snapshot.local/k8s-build\n\ngo 1.26.0\n\nrequire k8s.io/kubernetes %s\n\nreplace (\n' "$K8S_VERSION"
@@ -117,7 +134,6 @@ build_k8s() {
     done
     printf ')\n'
   } > "$d/go.mod"
-  local cmds="k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kubectl"
   local minor=${K8S_VERSION#v1.}; minor=${minor%%.*}
   local ld="-s -w"
   for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
@@ -131,9 +147,21 @@ if stamp_ok k8s "$K8S_VERSION" && [ -x "$BIN/kube-apiserver" ] && [ -x "$BIN/kub
   say "kubernetes $K8S_VERSION cached"
 else
   say "building kube-apiserver, kube-scheduler, kube-controller-manager, kubectl $K8S_VERSION (first time: ~20 min on 2 cores)"
-  build_k8s || die "building Kubernetes $K8S_VERSION failed (see the go output above); the Go module proxy must be reachable"
+  build_k8s "$SRC/k8s-$K8S_VERSION" k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-scheduler \
+    k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kubectl || die "building Kubernetes $K8S_VERSION failed (see the go output above); the Go module proxy must be reachable"
   "$BIN/kube-apiserver" --version | grep -q "$K8S_VERSION" || die "kube-apiserver --version does not report $K8S_VERSION"
   stamp k8s "$K8S_VERSION"
+fi
+# The node binaries get their own module dir and stamp: a warm control plane is never rebuilt for them,
+# and their extra dependencies (netlink, nftables) stay out of the control plane's go.mod.
+if stamp_ok k8s-node "$K8S_VERSION" && [ -x "$BIN/kubelet" ] && [ -x "$BIN/kube-proxy" ]; then
+  say "kubelet, kube-proxy $K8S_VERSION cached"
+else
+  say "building kubelet, kube-proxy $K8S_VERSION (~1 min after the control plane, ~5 min from an empty Go cache)"
+  build_k8s "$SRC/k8s-node-$K8S_VERSION" k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-proxy \
+    || die "building kubelet/kube-proxy $K8S_VERSION failed (see the go output above); the Go module proxy must be reachable"
+  "$BIN/kubelet" --version | grep -q "$K8S_VERSION" || die "kubelet --version does not report $K8S_VERSION"
+  stamp k8s-node "$K8S_VERSION"
 fi
 
 go_install() {  # name version module/cmd-path
@@ -162,6 +190,20 @@ else
   say "kwok stages written to $BIN/kwok-stages.yaml"
 fi
 go_install helm "$HELM_VERSION" helm.sh/helm/v3/cmd/helm "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
+
+# containerd 2.x, not Debian 12's 1.6: only 2.x implements the CRI checkpoint call and restore into a new pod.
+if stamp_ok containerd "$CONTAINERD_VERSION" && [ -x "$BIN/containerd" ] && [ -x "$BIN/containerd-shim-runc-v2" ] \
+  && [ -x "$BIN/ctr" ]; then
+  say "containerd $CONTAINERD_VERSION cached"
+else
+  say "building containerd, containerd-shim-runc-v2, ctr $CONTAINERD_VERSION (~1 min with a warm Go cache)"
+  cd_mod=github.com/containerd/containerd/v2
+  GOBIN=$BIN go install -trimpath -ldflags "-s -w -X $cd_mod/version.Version=$CONTAINERD_VERSION" \
+    "$cd_mod/cmd/containerd@$CONTAINERD_VERSION" "$cd_mod/cmd/containerd-shim-runc-v2@$CONTAINERD_VERSION" \
+    "$cd_mod/cmd/ctr@$CONTAINERD_VERSION" || die "building containerd $CONTAINERD_VERSION failed"
+  "$BIN/containerd" --version | grep -q "$CONTAINERD_VERSION" || die "containerd --version does not report $CONTAINERD_VERSION"
+  stamp containerd "$CONTAINERD_VERSION"
+fi
 
 "$BIN/criu" --version | sed -n 1p | sed 's/^/[test-env] /'
 "$BIN/etcd" --version | sed -n 1p | sed 's/^/[test-env] /'

@@ -31,6 +31,7 @@ from dynamo_snapshot.agent.runtime.base import (
 )
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.artifact import ArtifactStore, artifact_key, validate_artifact_key
+from dynamo_snapshot.artifact.store import is_bound_key
 from dynamo_snapshot.controller.kinds import CHECKPOINT, JOB
 from dynamo_snapshot.controller.runtime import (
     DELETED,
@@ -167,7 +168,7 @@ class NodeAgent:
 
     def _namespaced_keys(self) -> set[str]:
         # Keys of the `<namespace>/<uid>` form belong to checkpoint objects; bare hashes are CLI artifacts.
-        return {key for store in self._stores() for key in store.list() if "/" in key}
+        return {key for store in self._stores() for key in store.list() if is_bound_key(key)}
 
     def _holds(self, key: str) -> bool:
         return any(store.exists(key) for store in self._stores())
