@@ -18,6 +18,7 @@ from kubernetes_asyncio import client, config
 
 from dynamo_snapshot.localcluster import LocalCluster, LocalClusterError
 from dynamo_snapshot.localcluster.components import ComponentsMissingError, cache_dir
+from dynamo_snapshot.localcluster.realnode import RealNode, RealNodeError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,6 +38,20 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         _fail(f"local control plane: {e}")
     yield lc
     lc.stop()
+
+
+@pytest.fixture(scope="session")
+def real_node(cluster: LocalCluster) -> Iterator[RealNode]:
+    """A real kubelet + containerd node in the session's cluster, started only for tests that ask for it
+    (mark them `kubelet`). It is tainted: its pods use `real_node.pod_overrides()`."""
+    if os.geteuid() != 0:
+        _fail("the real node needs root: re-run the test command with sudo")
+    try:
+        node = cluster.start_real_node()
+    except (RealNodeError, ComponentsMissingError, LocalClusterError) as e:
+        _fail(f"real node: {e}")
+    yield node
+    cluster.stop_real_node()
 
 
 @pytest.fixture(scope="session")

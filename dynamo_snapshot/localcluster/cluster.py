@@ -22,6 +22,7 @@ from dynamo_snapshot.api import crdgen
 from dynamo_snapshot.localcluster.components import Components, find_components
 from dynamo_snapshot.localcluster.nodes import KWOK_NODE_ANNOTATION, KWOK_NODE_VALUE, gpu_node_manifest
 from dynamo_snapshot.localcluster.pki import Pki, PkiError, make_pki
+from dynamo_snapshot.localcluster.realnode import RealNode, RealNodeOptions
 
 _PR_SET_PDEATHSIG = 1
 
@@ -70,6 +71,9 @@ class ClusterOptions:
     node_monitor_grace_period: str = "20s"
     pod_cidr: str = "10.64.0.1/12"
     extra_apiserver_args: Sequence[str] = field(default_factory=tuple)
+    # Start a real kubelet + containerd node (realnode.py) next to kwok once the control plane is up.
+    real_node: bool = False
+    real_node_options: RealNodeOptions | None = None
 
 
 class LocalCluster:
@@ -87,6 +91,7 @@ class LocalCluster:
         self.options = options or ClusterOptions()
         self._procs: list[_Proc] = []
         self._pki: Pki | None = None
+        self._real_node: RealNode | None = None
         self.apiserver_port = 0
 
     # ------------------------------------------------------------------ public surface
@@ -165,6 +170,11 @@ class LocalCluster:
                 "--endpoint-reconciler-type=none",
                 "--max-requests-inflight=1600",
                 "--max-mutating-requests-inflight=800",
+                # For a real node (logs, exec, port-forward): the admin cert passes the kubelet's webhook
+                # authorization, and the node name does not resolve here, its InternalIP does.
+                f"--kubelet-client-certificate={pki.admin_cert}",
+                f"--kubelet-client-key={pki.admin_key}",
+                "--kubelet-preferred-address-types=InternalIP,Hostname",
                 *self.options.extra_apiserver_args,
             ],
         )
@@ -214,17 +224,66 @@ class LocalCluster:
         # The service-account controller proves the controller-manager is working, not merely alive.
         self._wait("kube-controller-manager", lambda: self._has_default_sa("default"), deadline)
         say(f"control plane ready at {self.server} (kubeconfig {self.kubeconfig})")
+        if self.options.real_node:
+            try:
+                self.start_real_node(self.options.real_node_options, progress=say)
+            except BaseException:
+                self.stop()
+                raise
+
+    @property
+    def real_node(self) -> RealNode | None:
+        return self._real_node
+
+    def start_real_node(
+        self,
+        options: RealNodeOptions | None = None,
+        *,
+        timeout: float = 120.0,
+        progress: Callable[[str], None] | None = None,
+    ) -> RealNode:
+        """Start (or start again) the real kubelet node in this running cluster; raises RealNodeError."""
+        if self._pki is None:
+            raise LocalClusterError("start the control plane before its real node")
+        if self._real_node is None:
+            self._real_node = RealNode(
+                self.workdir / "real-node",
+                server=self.server,
+                pki=self._pki,
+                admin_kubeconfig=self.kubeconfig,
+                kubectl=self.components.kubectl,
+                options=options or self.options.real_node_options,
+            )
+        if not self._real_node.running:
+            self._real_node.start(timeout=timeout, progress=progress)
+        return self._real_node
+
+    def stop_real_node(self) -> None:
+        if self._real_node is not None:
+            self._real_node.stop()
 
     def stop(self) -> None:
-        for proc in reversed(self._procs):
-            if proc.popen.poll() is None:
-                proc.popen.terminate()
-        for proc in reversed(self._procs):
-            try:
-                proc.popen.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.popen.kill()
-                proc.popen.wait(timeout=5)
+        try:
+            self.stop_real_node()
+        finally:
+            self._stop_control_plane()
+
+    def _stop_control_plane(self) -> None:
+        # etcd last, once the apiserver is gone: an apiserver whose etcd vanished first spends its whole
+        # shutdown grace (about 15 s) retrying it.
+        last = [p for p in self._procs if p.name == "etcd"]
+        first = [p for p in reversed(self._procs) if p.name != "etcd"]
+        for group in (first, last):
+            for proc in group:
+                if proc.popen.poll() is None:
+                    proc.popen.terminate()
+            for proc in group:
+                try:
+                    proc.popen.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.popen.kill()
+                    proc.popen.wait(timeout=5)
+        for proc in self._procs:
             proc.log_handle.close()
         self._procs.clear()
 

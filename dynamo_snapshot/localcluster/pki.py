@@ -97,3 +97,33 @@ def _issue(d: Path, name: str, subject: str, extensions: str) -> None:
         f"{name}.crt",
         cwd=d,
     )
+
+
+@dataclass(frozen=True)
+class NodeCerts:
+    client_cert: Path
+    client_key: Path
+    serving_cert: Path
+    serving_key: Path
+
+
+def make_node_certs(pki: Pki, node: str, node_ip: str) -> NodeCerts:
+    """Kubelet certificates signed by the cluster CA: a client cert the Node authorizer accepts
+    (system:nodes / system:node:<node>, so no bootstrap or CSR flow is needed) and a serving cert for the
+    node IP. Reused when present and issued for the same node and IP."""
+    d = pki.ca_cert.parent
+    client, serving = f"kubelet-{node}-client", f"kubelet-{node}-serving"
+    certs = NodeCerts(
+        client_cert=d / f"{client}.crt",
+        client_key=d / f"{client}.key",
+        serving_cert=d / f"{serving}.crt",
+        serving_key=d / f"{serving}.key",
+    )
+    subject = f"/O=system:nodes/CN=system:node:{node}"
+    serving_ext = f"subjectAltName=IP:{node_ip},IP:127.0.0.1,DNS:{node}\nextendedKeyUsage=serverAuth"
+    stamp = d / f"{serving}.ext"
+    if all(p.exists() for p in vars(certs).values()) and stamp.read_text() == serving_ext + "\n":
+        return certs
+    _issue(d, client, subject, "extendedKeyUsage=clientAuth")
+    _issue(d, serving, subject, serving_ext)
+    return certs
