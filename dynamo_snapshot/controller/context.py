@@ -16,7 +16,7 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointCompatibility
 from dynamo_snapshot.controller.config import ControllerConfig
 from dynamo_snapshot.controller.expectations import Expectations
-from dynamo_snapshot.controller.failover import PAUSED, Failover, node_healthy, node_joining, unhealthy_since
+from dynamo_snapshot.controller.failover import PAUSED, Failover, node_down, unhealthy_since
 from dynamo_snapshot.controller.podspec import keep_off_nodes
 from dynamo_snapshot.controller.runtime import EventRecorder, Informer, Kube, Obj
 
@@ -164,12 +164,7 @@ class Context:
 
     def _count_nodes(self, now: datetime) -> NodeHealth:
         nodes = self.nodes.list()
-        # A node still joining is neither a failure to pause for nor one to keep pods off for good.
-        down = {
-            n["metadata"]["name"]: self.down_since(n, now)
-            for n in nodes
-            if not node_healthy(n) and not node_joining(n)
-        }
+        down = {n["metadata"]["name"]: self.down_since(n, now) for n in nodes if node_down(n)}
         for gone in set(self._down_seen) - set(down):
             del self._down_seen[gone]
         newest_first = dict(sorted(down.items(), key=lambda kv: kv[1], reverse=True))

@@ -91,14 +91,20 @@ def node_healthy(node: Obj | None) -> bool:
     return ready and not any(t.get("key") in _UNHEALTHY_TAINTS for t in taints)
 
 
-def node_joining(node: Obj) -> bool:
-    """A node that has not reported a Ready condition yet (just registered): not a failing node. The
-    controller-manager taints it not-ready until its kubelet says Ready, which keeps pods off it anyway."""
-    conditions = (node.get("status") or {}).get("conditions") or []
+def node_down(node: Obj) -> bool:
+    """A node that has failed, as far as pausing failover and keeping new pods off it go: its Ready
+    condition is False or Unknown, or it is tainted unreachable. A node that has not reported Ready yet
+    (just registered) or still carries the not-ready taint for a moment after turning Ready is not: the
+    scheduler keeps pods off a tainted node by itself, and a required NotIn would keep them off for good."""
+    ready = [
+        c.get("status")
+        for c in (node.get("status") or {}).get("conditions") or []
+        if c.get("type") == "Ready"
+    ]
+    if ready and ready[0] != "True":
+        return True
     taints = (node.get("spec") or {}).get("taints") or []
-    return not any(c.get("type") == "Ready" for c in conditions) and not any(
-        t.get("key") == "node.kubernetes.io/unreachable" for t in taints
-    )
+    return any(t.get("key") == "node.kubernetes.io/unreachable" for t in taints)
 
 
 def unhealthy_since(node: Obj) -> datetime | None:

@@ -13,7 +13,7 @@ from dynamo_snapshot.controller.checkpoint_reconciler import CheckpointReconcile
 from dynamo_snapshot.controller.config import CONTROLLER_NAME, ControllerConfig
 from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.controller.dgd_reconciler import DGDReconciler
-from dynamo_snapshot.controller.failover import FAILOVER_PAUSED, node_healthy, unhealthy_since
+from dynamo_snapshot.controller.failover import FAILOVER_PAUSED, node_down, node_healthy, unhealthy_since
 from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD, JOB, NODE, POD, SCALING_POLICY
 from dynamo_snapshot.controller.runtime import (
     DELETED,
@@ -157,7 +157,12 @@ class Controller:
             if old is None or etype == DELETED or _node_shape(old) != _node_shape(obj):
                 ctx.compatible_node_cache.clear()
             healthy = etype != DELETED and node_healthy(obj)
-            if old is None or etype == DELETED or node_healthy(old) != healthy:
+            if (
+                old is None
+                or etype == DELETED
+                or node_healthy(old) != healthy
+                or node_down(old) != node_down(obj)
+            ):
                 ctx.node_changed()
             elif not healthy and unhealthy_since(old) != unhealthy_since(obj):
                 ctx.node_changed()  # NotReady became Unknown (or back): the grace counts from then

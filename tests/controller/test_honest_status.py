@@ -307,7 +307,8 @@ async def test_a_quota_that_refuses_the_workers_is_a_condition_and_one_event_unt
 
     # The quota is lifted: the next retry creates the workers and the graph becomes Ready.
     await h.kube.delete(RESOURCE_QUOTA, "no-gpus", h.namespace)
-    dgd = await eventually(lambda: _dgd_ready(h, "vllm-disagg"), within=45)
+    # The next retry comes within the backoff's cap (60 s), however far the backoff had gone.
+    dgd = await eventually(lambda: _dgd_ready(h, "vllm-disagg"), within=90)
     assert _condition(dgd, "Degraded")["status"] == "False"
     assert await _counts(h, "vllm-disagg") == {"Frontend": 1, "VllmDecodeWorker": 2, "VllmPrefillWorker": 1}
     assert not reconciler.refusals

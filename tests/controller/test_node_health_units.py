@@ -11,7 +11,7 @@ from prometheus_client import REGISTRY
 
 from dynamo_snapshot.controller.config import ControllerConfig
 from dynamo_snapshot.controller.context import AVOIDED_NODES_MAX, Context
-from dynamo_snapshot.controller.failover import node_joining
+from dynamo_snapshot.controller.failover import node_down
 from dynamo_snapshot.controller.runtime import Obj
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
@@ -117,22 +117,20 @@ def test_with_every_node_up_a_new_pod_gets_no_required_affinity() -> None:
     assert spec == {}
 
 
-def test_a_joining_node_is_not_counted_down() -> None:
-    joining = {
-        "metadata": {"name": "new"},
-        "spec": {"taints": [{"key": "node.kubernetes.io/not-ready", "effect": "NoSchedule"}]},
-        "status": {"conditions": []},
-    }
-    failing = {
-        "metadata": {"name": "bad"},
-        "spec": {},
-        "status": {"conditions": [{"type": "Ready", "status": "Unknown"}]},
-    }
-    unreachable = {
-        "metadata": {"name": "gone"},
-        "spec": {"taints": [{"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"}]},
-        "status": {"conditions": []},
-    }
-    assert node_joining(joining)
-    assert not node_joining(failing)
-    assert not node_joining(unreachable)
+def test_only_a_failed_node_is_down() -> None:
+    def node(ready: str | None, *taints: str) -> Obj:
+        conditions = [{"type": "Ready", "status": ready}] if ready else []
+        return {
+            "metadata": {"name": "n"},
+            "spec": {"taints": [{"key": t, "effect": "NoSchedule"} for t in taints]},
+            "status": {"conditions": conditions},
+        }
+
+    not_ready, unreachable = "node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable"
+    assert not node_down(node(None, not_ready)), "a node that has not reported yet is joining"
+    assert not node_down(node("True", not_ready)), "the not-ready taint outlives Ready=True for a moment"
+    assert not node_down(node("True"))
+    assert node_down(node("False"))
+    assert node_down(node("Unknown", not_ready))
+    assert node_down(node(None, unreachable))
+    assert node_down(node("True", unreachable))
