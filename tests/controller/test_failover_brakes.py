@@ -102,11 +102,15 @@ async def test_workers_of_a_node_not_ready_past_the_grace_are_replaced_off_not_r
     await _fail_node(h, idle)
     failed_at = time.monotonic()
     await _fail_node(h, node)
-    after = await _replaced(h, gone, 4, avoid=node)
+    await _replaced(h, gone, 4, avoid=node)
     # Not before the grace (the node's transition time has whole seconds: it may start up to 1 s early).
     assert time.monotonic() - failed_at >= 2.0
-    fresh = [p for p in after if p["metadata"]["name"] not in _names(pods)]
-    assert len(fresh) == len(gone)
+
+    async def placed() -> list[Obj]:  # replacements are created first, scheduled a moment later
+        now = [p for p in await h.pods("fo") if p["metadata"]["name"] not in _names(pods)]
+        return now if len(now) == len(gone) and all(p["spec"].get("nodeName") for p in now) else []
+
+    fresh = await eventually(placed, within=30)
     for pod in fresh:
         assert pod["spec"]["nodeName"] not in {node, idle}
         assert {node, idle} <= _required_not_in(pod), pod["spec"].get("affinity")
