@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import signal
 import socket
 import ssl
 import subprocess
@@ -16,15 +14,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import Any
 
 from dynamo_snapshot.api import crdgen
 from dynamo_snapshot.localcluster.components import Components, find_components
 from dynamo_snapshot.localcluster.nodes import KWOK_NODE_ANNOTATION, KWOK_NODE_VALUE, gpu_node_manifest
 from dynamo_snapshot.localcluster.pki import Pki, PkiError, make_pki
 from dynamo_snapshot.localcluster.realnode import RealNode, RealNodeOptions
-
-_PR_SET_PDEATHSIG = 1
+from dynamo_snapshot.localcluster.supervise import Proc, spawn_logged, terminate
 
 
 class LocalClusterError(RuntimeError):
@@ -47,21 +44,6 @@ def ensure_port_free(port: int, what: str) -> None:
                 f"port {port} for {what} is in use: stop the process holding it "
                 f"(ss -ltnp 'sport = :{port}') or choose another port"
             ) from None
-
-
-def _die_with_parent() -> None:
-    # A killed test run must not leave an apiserver behind holding ports and etcd data.
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-@dataclass
-class _Proc:
-    name: str
-    popen: subprocess.Popen[bytes]
-    log: Path
-    log_handle: IO[bytes]
-    argv: list[str]
 
 
 @dataclass
@@ -89,7 +71,7 @@ class LocalCluster:
         self.workdir = workdir
         self._components = components
         self.options = options or ClusterOptions()
-        self._procs: list[_Proc] = []
+        self._procs: list[Proc] = []
         self._pki: Pki | None = None
         self._real_node: RealNode | None = None
         self.apiserver_port = 0
@@ -344,12 +326,7 @@ class LocalCluster:
     def stop_component(self, name: str) -> None:
         """Stop one component (an apiserver outage; kwok: every kubelet's); `start_component` restarts it."""
         proc = next(p for p in self._procs if p.name == name)
-        proc.popen.terminate()
-        try:
-            proc.popen.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.popen.kill()
-            proc.popen.wait(timeout=5)
+        terminate(proc.popen, 15, 5)
 
     def start_component(self, name: str, timeout: float = 60.0) -> None:
         """Start a stopped component again, as it was started (same ports, same data)."""
@@ -378,17 +355,7 @@ class LocalCluster:
 
     # ------------------------------------------------------------------ internals
     def _spawn(self, name: str, argv: list[str]) -> None:
-        log = self.workdir / "logs" / f"{name}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        handle = log.open("ab")
-        popen = subprocess.Popen(
-            argv,
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,
-        )
-        self._procs.append(_Proc(name, popen, log, handle, argv))
+        self._procs.append(spawn_logged(self.workdir / "logs", name, argv))
 
     def _wait(self, name: str, ready: Callable[[], bool], deadline: float) -> None:
         while time.monotonic() < deadline:

@@ -22,8 +22,9 @@ from typing import IO, Any
 
 import yaml
 
-from dynamo_snapshot.localcluster.cluster import _die_with_parent, free_port
+from dynamo_snapshot.localcluster.cluster import free_port
 from dynamo_snapshot.localcluster.components import ComponentsMissingError
+from dynamo_snapshot.localcluster.supervise import die_with_parent
 
 __all__ = ["DEFAULT_PROMETHEUS", "LocalPrometheus", "LocalPrometheusError", "find_prometheus"]
 
@@ -111,7 +112,7 @@ class LocalPrometheus:
             stdout=self._log_handle,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

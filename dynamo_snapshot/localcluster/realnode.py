@@ -40,6 +40,7 @@ from dynamo_snapshot.localcluster.images import (
     write_oci_archive,
 )
 from dynamo_snapshot.localcluster.pki import Pki, PkiError, make_node_certs
+from dynamo_snapshot.localcluster.supervise import Proc, spawn_logged, terminate
 
 # Test-infrastructure names (not the product's protocol): the taint that keeps kwok-bound pods off the node.
 REAL_NODE_TAINT = "localcluster.dynamo-snapshot.dev/real-node"
@@ -70,7 +71,6 @@ KUBE_PROXY_CHAINS = (
 # iptables chains are machine-wide.
 LOCK_PATH = Path("/run/dynamo-snapshot-real-node.lock")
 _MNT_DETACH = 2
-_PR_SET_PDEATHSIG = 1
 
 
 class RealNodeError(RuntimeError):
@@ -127,20 +127,6 @@ class RealNodeOptions:
         return int(self.pod_subnet.split("/")[1])
 
 
-@dataclass
-class _Proc:
-    name: str
-    popen: subprocess.Popen[bytes]
-    log: Path
-    log_handle: IO[bytes]
-
-
-def _die_with_parent() -> None:
-    # A killed test run must not leave a kubelet behind; what it started is cleaned up at the next start.
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def _run(
     argv: list[str], *, check: bool = True, timeout: float = 60.0, **kw: Any
 ) -> subprocess.CompletedProcess[str]:
@@ -178,7 +164,7 @@ class RealNode:
         self.kubectl_bin = kubectl
         self.options = options or RealNodeOptions()
         self._components = components
-        self._procs: list[_Proc] = []
+        self._procs: list[Proc] = []
         self._lock: IO[str] | None = None
         self._ports: dict[str, int] = {}
         # The bridge CNI plugin (isGateway) turns IPv4 forwarding on; a stop puts back what was there.
@@ -720,34 +706,18 @@ state = "{self.state_dir}"
 
     # ------------------------------------------------------------------ process helpers
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
-        log = self.workdir / "logs" / f"{name}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        handle = log.open("ab")
-        popen = subprocess.Popen(
-            argv,
-            stdout=handle,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            cwd=self.workdir,
-            preexec_fn=_die_with_parent,
-        )
-        self._procs.append(_Proc(name, popen, log, handle))
+        # A kubelet left behind by a killed run is cleaned up at the next start.
+        self._procs.append(spawn_logged(self.workdir / "logs", name, argv, env=env, cwd=self.workdir))
         self._write_record()
 
-    def _proc(self, name: str) -> _Proc | None:
+    def _proc(self, name: str) -> Proc | None:
         return next((p for p in self._procs if p.name == name and p.popen.poll() is None), None)
 
     def _stop_proc(self, name: str) -> None:
         proc = self._proc(name)
         if proc is None:
             return
-        proc.popen.terminate()
-        try:
-            proc.popen.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.popen.kill()
-            proc.popen.wait(timeout=10)
+        terminate(proc.popen, 20, 10)
 
     def _wait(self, what: str, ready: Callable[[], bool], deadline: float) -> None:
         while time.monotonic() < deadline:
