@@ -26,7 +26,7 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointPhase
 from dynamo_snapshot.api.identity import CheckpointIdentity
 from dynamo_snapshot.artifact import Binding, artifact_key
-from dynamo_snapshot.controller.runtime import Obj
+from dynamo_snapshot.controller.runtime import Obj, controller_ref
 
 __all__ = [
     "CheckpointGrant",
@@ -59,13 +59,6 @@ class RestoreGrant:
     manifest_digest: str
 
 
-def _controller(obj: Obj) -> dict[str, str] | None:
-    for ref in obj["metadata"].get("ownerReferences") or []:
-        if ref.get("controller"):
-            return {k: str(v) for k, v in ref.items() if isinstance(v, str)}
-    return None
-
-
 def _where(pod: Obj) -> str:
     return f"namespace {pod['metadata']['namespace']}"
 
@@ -96,13 +89,13 @@ def checkpoint_grant(pod: Obj, ckpt: Obj | None, job: Obj | None) -> CheckpointG
     phase = (ckpt.get("status") or {}).get("phase")
     if phase in (CheckpointPhase.READY.value, CheckpointPhase.FAILED.value):
         raise Refused(f"DynamoCheckpoint {name!r} is {phase} already: a checkpoint is taken once")
-    owner = _controller(pod)
+    owner = controller_ref(pod)
     if (
         job is None
         or owner is None
         or owner.get("kind") != "Job"
         or owner.get("uid") != job["metadata"].get("uid")
-        or (_controller(job) or {}).get("uid") != ckpt["metadata"]["uid"]
+        or (controller_ref(job) or {}).get("uid") != ckpt["metadata"]["uid"]
     ):
         raise Refused(
             f"pod {meta['name']} is not run by the checkpoint Job of DynamoCheckpoint {name!r}: "
@@ -148,7 +141,7 @@ def restore_grant(pod: Obj, ckpt: Obj | None) -> RestoreGrant:
             f"DynamoCheckpoint {name!r} records no artifact digest (status.artifactDigest): "
             "take the checkpoint again"
         )
-    dgd = _controller(ckpt)
+    dgd = controller_ref(ckpt)
     if dgd is not None and dgd.get("kind") == DGD_KIND:
         pod_owners = {ref.get("uid") for ref in meta.get("ownerReferences") or []}
         if dgd.get("uid") not in pod_owners:

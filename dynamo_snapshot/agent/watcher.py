@@ -44,6 +44,7 @@ from dynamo_snapshot.controller.runtime import (
     Obj,
     ObjectRef,
     ResourceKind,
+    controller_ref,
     is_not_found,
     object_key,
 )
@@ -377,7 +378,7 @@ class NodeAgent:
         meta = pod["metadata"]
         name = (meta.get("labels") or {}).get(protocol.LABEL_CHECKPOINT_ID)
         ckpt = await self._get(CHECKPOINT, name, meta["namespace"]) if name else None
-        owner = next((r for r in meta.get("ownerReferences") or [] if r.get("controller")), None)
+        owner = controller_ref(pod)
         job = None
         if owner is not None and owner.get("kind") == "Job" and owner.get("name"):
             job = await self._get(JOB, str(owner["name"]), meta["namespace"])

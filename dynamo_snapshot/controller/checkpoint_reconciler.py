@@ -31,6 +31,7 @@ from dynamo_snapshot.controller.runtime import (
     WARNING,
     Obj,
     Result,
+    controller_ref,
     is_already_exists,
     is_not_found,
     object_key,
@@ -67,10 +68,7 @@ def agent_verdict(pod: Obj, status_key: str, message_key: str) -> tuple[protocol
 
 def controlled_by(obj: Obj, owner_uid: str | None) -> bool:
     """Whether `obj`'s controller ownerReference is the object with `owner_uid`."""
-    return bool(owner_uid) and any(
-        ref.get("uid") == owner_uid and ref.get("controller")
-        for ref in obj["metadata"].get("ownerReferences") or []
-    )
+    return bool(owner_uid) and (controller_ref(obj) or {}).get("uid") == owner_uid
 
 
 def _restore_under_way(pod: Obj) -> bool:

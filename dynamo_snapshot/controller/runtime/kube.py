@@ -521,3 +521,11 @@ def object_key(obj: Mapping[str, Any]) -> str:
     meta = obj.get("metadata") or {}
     ns = meta.get("namespace")
     return f"{ns}/{meta['name']}" if ns else str(meta["name"])
+
+
+def controller_ref(obj: Mapping[str, Any]) -> dict[str, str] | None:
+    """The object's controller ownerReference (its string fields), or None: what manages it."""
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return {k: v for k, v in ref.items() if isinstance(v, str)}
+    return None
