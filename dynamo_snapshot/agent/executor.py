@@ -333,6 +333,7 @@ class Executor:
                     timings=dict(t.phases),
                     extra={
                         "runtime": self.runtime.name,
+                        "image": workload.image_id,
                         "control_dir": seen_ctl,
                         "cuda_pids": list(cuda_pids),
                         "weights": [w.to_json() for w in carried],
@@ -353,6 +354,14 @@ class Executor:
             FAILURES.labels("checkpoint").inc()
             writer.discard()
             raise
+        if pid_running(workload.pid):
+            # A source the runtime left running (a kubelet's container) learns that its checkpoint is
+            # published, and ends.
+            await asyncio.to_thread(
+                _write_atomic,
+                workload.control_dir / protocol.FILE_SNAPSHOT_COMPLETE,
+                json.dumps({"key": key}),
+            )
         artifact = published.artifact
         size = sum(f.size for f in artifact.manifest.files)
         BYTES.labels("checkpoint").inc(size)
@@ -381,17 +390,19 @@ class Executor:
         *,
         identity_info: dict[str, Any] | None = None,
         manifest_digest: str | None = None,
+        image_id: str | None = None,
     ) -> RestoreOutcome:
         """Restore the artifact ``artifact_key`` as workload ``key``: from the node cache's copy when it
         holds the store's current one (a refused copy is dropped and the store's used instead), else
         from the store, after which a copy is put into the node cache in the background. With
-        ``manifest_digest``, only an artifact whose sealed manifest has exactly that digest is used."""
+        ``manifest_digest``, only an artifact whose sealed manifest has exactly that digest is used;
+        with ``image_id`` (the image the restore container runs), only one taken from that image."""
         if self._deleting[artifact_key]:
             FAILURES.labels("restore").inc()
             raise ArtifactRefused(f"artifact {artifact_key} refused: it is being deleted")
         self._reading[artifact_key] += 1
         try:
-            return await self._restore_reading(key, artifact_key, identity_info, manifest_digest)
+            return await self._restore_reading(key, artifact_key, identity_info, manifest_digest, image_id)
         finally:
             self._reading[artifact_key] -= 1
             if not self._reading[artifact_key]:
@@ -403,6 +414,7 @@ class Executor:
         artifact_key: str,
         identity_info: dict[str, Any] | None,
         manifest_digest: str | None,
+        image_id: str | None,
     ) -> RestoreOutcome:
         t = Timings()
         try:
@@ -412,6 +424,7 @@ class Executor:
                 except (ArtifactError, ValueError) as e:
                     raise ArtifactRefused(f"artifact {artifact_key} refused: {e}") from None
                 _check_digest(artifact, manifest_digest)
+                _check_image(artifact, image_id)
             if self.cache is not None:
                 cached = await self._restore_from_cache(
                     self.cache, key, artifact, t, identity_info, manifest_digest
@@ -921,6 +934,15 @@ def _check_digest(artifact: Artifact, expected: str | None) -> None:
         )
 
 
+def _check_image(artifact: Artifact, image_id: str | None) -> None:
+    """The process tree and its writable layer expect the image they were taken from underneath."""
+    recorded = artifact.manifest.extra.get("image")
+    if image_id and isinstance(recorded, str) and recorded and recorded != image_id:
+        raise AgentError(
+            f"image differs: the checkpoint was taken from image {recorded}, this container runs {image_id}"
+        )
+
+
 def _local_gpus() -> GpuInfo | None:
     """This node's GPUs as the manifest records them; None on a node without NVIDIA GPUs."""
     if not cuda_available():
@@ -1079,6 +1101,8 @@ def _list(extra: dict[str, JsonValue], key: str) -> list[JsonValue]:
 
 def _control_dir_seen_by_worker(runtime: str, workload: Workload) -> str:
     # Inside a container the worker sees the mount path; a host process sees the host directory.
+    if workload.worker_control_dir is not None:
+        return workload.worker_control_dir
     return protocol.CONTROL_MOUNT_PATH if runtime == "runc" else str(workload.control_dir)
 
 

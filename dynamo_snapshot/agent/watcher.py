@@ -1,10 +1,12 @@
 """The agent's Kubernetes side: watch only pods bound to this node, run one task per pod, and report in
 the pod's annotations (per container, as the controller reads them).
 
+On a kubelet node (the default) the kubelet runs every container: the agent checkpoints the container the
+pod's status names, and restores into the restore pod's own main container once it waits in standby.
 In local mode (no kubelet on the node, e.g. kwok nodes in the demo and tests) the agent also starts the
 pod's main container itself through its runtime, and stops it when the pod goes away. A worker the agent
 started or restored is watched while its pod exists: when it dies, the pod is annotated so the controller
-replaces it (no kubelet would report the terminated container).
+replaces it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dynamo_snapshot.agent.authorize import (
     restore_grant,
 )
 from dynamo_snapshot.agent.executor import AgentError, Executor
+from dynamo_snapshot.agent.pod_container import RunningContainer, ended, running_container
 from dynamo_snapshot.agent.runtime.base import (
     Runtime,
     Workload,
@@ -29,6 +32,7 @@ from dynamo_snapshot.agent.runtime.base import (
     WorkloadSpec,
     wait_exit,
 )
+from dynamo_snapshot.agent.runtime.containerd import ContainerdRuntime
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.artifact import ArtifactStore, artifact_key, validate_artifact_key
 from dynamo_snapshot.artifact.store import is_bound_key
@@ -67,6 +71,10 @@ class AgentSettings:
     node_name: str
     launch_workloads: bool = True  # local mode: no kubelet here, the agent starts pods' main containers
     ready_timeout: float = 3600.0
+    # Kubelet node: how long a pod's main container may take to start (image pulls), and a restore
+    # container to say it waits in standby.
+    container_start_timeout: float = 600.0
+    standby_timeout: float = 120.0
 
 
 def workload_key(pod: Obj) -> str:
@@ -114,6 +122,10 @@ class NodeAgent:
         self.executor = executor
         self.runtime = runtime
         self.settings = settings
+        # The kubelet's containers, where it runs them (no local launching).
+        self.containers = (
+            runtime if isinstance(runtime, ContainerdRuntime) and not settings.launch_workloads else None
+        )
         self.pods = Informer(kube, POD, field_selector=f"spec.nodeName={settings.node_name}")
         # Every namespace's checkpoints: an artifact is removed once its checkpoint is gone.
         self.checkpoints = Informer(kube, CHECKPOINT)
@@ -292,6 +304,9 @@ class NodeAgent:
 
     async def _ensure_running(self, pod: Obj, *, snapshot: bool) -> Workload:
         key = workload_key(pod)
+        if self.containers is not None:
+            running = await self._running_container(pod, self.settings.container_start_timeout)
+            return await self.containers.attach(key, running.container_id, image_id=running.image_id)
         found = await self.runtime.find(key)
         if found is not None:
             return found
@@ -356,13 +371,7 @@ class NodeAgent:
                 workload, grant.identity_hash, grant.identity, binding=grant.binding
             )
         except (AgentError, WorkloadRuntimeError, ValueError) as e:
-            await self._report(
-                pod,
-                protocol.ANNOTATION_CHECKPOINT_STATUS,
-                protocol.ANNOTATION_CHECKPOINT_MESSAGE,
-                S.FAILED,
-                str(e),
-            )
+            await self._fail(pod, "CheckpointFailed", protocol.ANNOTATION_CHECKPOINT_STATUS, str(e))
             return
         await self._report_checkpointed(
             pod,
@@ -371,6 +380,50 @@ class NodeAgent:
             outcome.timings.phases,
             f"checkpointed {outcome.artifact_bytes} bytes in {outcome.timings.total():.2f}s",
         )
+
+    async def _running_container(self, pod: Obj, within: float) -> RunningContainer:
+        """The pod's main container once the kubelet runs it (read from the watch cache)."""
+        deadline = asyncio.get_running_loop().time() + within
+        while True:
+            latest = self.pods.get(object_key(pod)) or pod
+            if latest["metadata"].get("uid") != pod["metadata"].get("uid") or latest["metadata"].get(
+                "deletionTimestamp"
+            ):
+                raise AgentError("the pod is being deleted")
+            running = running_container(latest)
+            if running is not None:
+                return running
+            why = ended(latest)
+            if why is not None:
+                raise AgentError(why)
+            if asyncio.get_running_loop().time() > deadline:
+                raise AgentError(f"container {MAIN} did not start within {within:.0f}s")
+            await asyncio.sleep(0.1)
+
+    async def _attach_restore_target(self, pod: Obj, containers: ContainerdRuntime) -> Workload:
+        """The restore pod's main container, once its placeholder says it waits in standby."""
+        key = workload_key(pod)
+        running = await self._running_container(pod, self.settings.container_start_timeout)
+        workload = await containers.attach(key, running.container_id, image_id=running.image_id)
+        env = containers.container_env(key)
+        if not any(env.get(name) == "1" for name in protocol.ENV_RESTORE_STANDBYS):
+            raise Refused(
+                f"container {MAIN} is not in standby: it runs without {protocol.ENV_RESTORE_STANDBY}=1, so "
+                "its image's entrypoint may have cold-started the worker (the controller sets it on the "
+                "restore pods it makes)"
+            )
+        deadline = asyncio.get_running_loop().time() + self.settings.standby_timeout
+        while not containers.standby(key):
+            if asyncio.get_running_loop().time() > deadline:
+                raise Refused(
+                    f"container {MAIN} is not in standby: no {protocol.FILE_RESTORE_STANDBY} in its control "
+                    f"dir after {self.settings.standby_timeout:.0f}s (its entrypoint must wait for the "
+                    f"restore when {protocol.ENV_RESTORE_STANDBY}=1: dynamo_snapshot.workload.run_standby)"
+                )
+            if ended(self.pods.get(object_key(pod)) or pod) is not None:
+                raise AgentError(f"container {MAIN} exited before the restore")
+            await asyncio.sleep(0.05)
+        return workload
 
     async def _checkpoint_objects(self, pod: Obj) -> tuple[Obj | None, Obj | None]:
         """The DynamoCheckpoint a source pod names and the Job that controls the pod, read in the pod's
@@ -414,6 +467,10 @@ class NodeAgent:
 
     async def _refuse(self, pod: Obj, reason: str, status_key: str, message: str) -> None:
         """Say on the pod, as its status and as an Event, why the agent will not act on it."""
+        await self._fail(pod, reason, status_key, f"refused: {message}")
+
+    async def _fail(self, pod: Obj, reason: str, status_key: str, message: str) -> None:
+        """Say on the pod, as its status and as a Warning Event, why its checkpoint or restore failed."""
         meta = pod["metadata"]
         self.recorder.record(
             ObjectRef("Pod", meta["name"], meta["namespace"], meta.get("uid", ""), "v1"),
@@ -426,11 +483,17 @@ class NodeAgent:
             if status_key == protocol.ANNOTATION_CHECKPOINT_STATUS
             else protocol.ANNOTATION_RESTORE_MESSAGE
         )
-        await self._report(pod, status_key, message_key, S.FAILED, f"refused: {message}")
+        await self._report(pod, status_key, message_key, S.FAILED, message)
 
     async def _restore(self, pod: Obj) -> None:
         state = _status(pod, protocol.ANNOTATION_RESTORE_STATUS)
         key = workload_key(pod)
+        if self.containers is not None and state in (S.COMPLETED, S.RUNNING):
+            # After an agent restart: take the pod's container again, to watch or clear it.
+            running = running_container(self.pods.get(object_key(pod)) or pod)
+            if running is not None:
+                with contextlib.suppress(WorkloadRuntimeError):
+                    await self.containers.attach(key, running.container_id, image_id=running.image_id)
         if state is S.COMPLETED:
             # A restored workload outlives an agent restart: watch it again, or report it gone.
             if _annotation(pod, protocol.ANNOTATION_WORKLOAD_EXITED) is None:
@@ -474,6 +537,17 @@ class NodeAgent:
             extra={protocol.ANNOTATION_RESTORE_ATTEMPTS: str(attempts + 1)},
         )
         self._restoring.add(meta["uid"])
+        image_id: str | None = None
+        if self.containers is not None:
+            try:
+                target = await self._attach_restore_target(pod, self.containers)
+            except Refused as e:
+                await self._refuse(pod, "RestoreRefused", protocol.ANNOTATION_RESTORE_STATUS, str(e))
+                return
+            except (AgentError, WorkloadRuntimeError) as e:
+                await self._fail(pod, "RestoreFailed", protocol.ANNOTATION_RESTORE_STATUS, str(e))
+                return
+            image_id = target.image_id
         try:
             outcome = await self.executor.restore(
                 key,
@@ -489,13 +563,12 @@ class NodeAgent:
                         "POD_NAMESPACE": meta["namespace"],
                     },
                 },
+                image_id=image_id,
             )
         except (AgentError, WorkloadRuntimeError, ValueError) as e:
             with contextlib.suppress(Exception):
                 await self.runtime.stop(key)
-            await self._report(
-                pod, protocol.ANNOTATION_RESTORE_STATUS, protocol.ANNOTATION_RESTORE_MESSAGE, S.FAILED, str(e)
-            )
+            await self._fail(pod, "RestoreFailed", protocol.ANNOTATION_RESTORE_STATUS, str(e))
             return
         # Retried here, never raised: _handle would dispatch the pod again, find the restore still
         # running and tear the healthy restored worker down to restore it anew.

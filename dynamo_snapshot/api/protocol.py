@@ -38,8 +38,12 @@ __all__ = [
     "ENV_CONTROL_DIR",
     "ENV_CONTROL_DIRS",
     "ENV_CONTROL_DIR_LEGACY",
+    "ENV_RESTORE_STANDBY",
+    "ENV_RESTORE_STANDBYS",
+    "ENV_RESTORE_STANDBY_DYNAMO",
     "FILE_READY_FOR_CHECKPOINT",
     "FILE_RESTORE_COMPLETE",
+    "FILE_RESTORE_STANDBY",
     "FILE_SNAPSHOT_COMPLETE",
     "FILE_WEIGHTS_MANIFEST",
     "FILE_WEIGHTS_VERIFIED",
@@ -182,12 +186,22 @@ ENV_CONTROL_DIR: Final = "SNAPSHOT_CONTROL_DIR"
 ENV_CONTROL_DIR_LEGACY: Final = "DYN_SNAPSHOT_CONTROL_DIR"
 # Pods get both, so old and new workloads find the directory.
 ENV_CONTROL_DIRS: Final = (ENV_CONTROL_DIR, ENV_CONTROL_DIR_LEGACY)
+# Set to "1" on a restore pod's main container on a kubelet node: the image's own entrypoint does not
+# cold-start the worker but waits as the container's placeholder until the agent restores the
+# checkpointed tree into the container (see FILE_RESTORE_STANDBY). Dynamo's entrypoints read the
+# second name; restore pods get both.
+ENV_RESTORE_STANDBY: Final = "SNAPSHOT_RESTORE_STANDBY"
+ENV_RESTORE_STANDBY_DYNAMO: Final = "DYN_SNAPSHOT_RESTORE_STANDBY"
+ENV_RESTORE_STANDBYS: Final = (ENV_RESTORE_STANDBY, ENV_RESTORE_STANDBY_DYNAMO)
 
 # Sentinel files in the control directory.
 # Written by the workload once its engine is loaded and it is safe to checkpoint.
 FILE_READY_FOR_CHECKPOINT: Final = "ready-for-checkpoint"
 # Written by the agent once a restore has finished and the workload may resume.
 FILE_RESTORE_COMPLETE: Final = "restore-complete"
+# Written by a standby placeholder (ENV_RESTORE_STANDBY) once it waits for the restore: the agent
+# restores only into a container that says so, never over a worker that cold-started.
+FILE_RESTORE_STANDBY: Final = "restore-standby"
 # Written by the agent after a successful dump; Dynamo workloads that survive a dump wait for it.
 FILE_SNAPSHOT_COMPLETE: Final = "snapshot-complete"
 # Written by the workload SDK before ready-for-checkpoint when it took GPU memory out of the checkpoint:

@@ -15,6 +15,7 @@ from pydantic.alias_generators import to_camel
 
 from dynamo_snapshot.agent.executor import DEFAULT_RESTORE_SCRATCH, Executor
 from dynamo_snapshot.agent.runtime import ProcessRuntime, RuncRuntime, Runtime
+from dynamo_snapshot.agent.runtime.containerd import CONTAINERD_RUNC_ROOT, CRIO_RUNC_ROOT, ContainerdRuntime
 from dynamo_snapshot.agent.runtime.runc import DEFAULT_HOST_BINDS
 from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent
 from dynamo_snapshot.artifact import ArtifactCache, ArtifactStore
@@ -49,7 +50,16 @@ class AgentConfig(BaseModel):
     artifact_root: Path = Path("/var/lib/dynamo-snapshot/artifacts")
     control_root: Path = Path("/var/lib/dynamo-snapshot/control")
     state_root: Path = Path("/var/lib/dynamo-snapshot/runtime")
-    runtime: Literal["local", "runc"] = "runc"
+    runtime: Literal["containerd", "runc", "local"] = Field(
+        default="containerd",
+        description="containerd: the kubelet's containers (containerd or CRI-O with runc); runc/local: "
+        "workers the agent launches itself (launchWorkloads)",
+    )
+    runc_root: Path = Field(
+        default=CONTAINERD_RUNC_ROOT,
+        description="runtime containerd: the host's runc root of the kubelet's containers "
+        f"({CONTAINERD_RUNC_ROOT} for containerd, {CRIO_RUNC_ROOT} for CRI-O)",
+    )
     launch_workloads: bool = Field(
         default=False, description="start pods' main containers here (nodes without a kubelet: demo, kwok)"
     )
@@ -104,6 +114,15 @@ class AgentConfig(BaseModel):
     )
 
     @model_validator(mode="after")
+    def _launching_runtime(self) -> AgentConfig:
+        if self.launch_workloads and self.runtime == "containerd":
+            raise ValueError(
+                "launchWorkloads starts workers without a kubelet: it needs runtime runc or local, "
+                "not containerd (whose containers the kubelet starts)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _ports(self) -> AgentConfig:
         distinct_ports(self.metrics_port, self.health_port)
         return self
@@ -129,6 +148,7 @@ _FLAGS = (
     "control_root",
     "state_root",
     "runtime",
+    "runc_root",
     "launch_workloads",
     "ready_timeout_seconds",
     "verify_cache_seconds",
@@ -179,7 +199,13 @@ def register(sub: Any) -> None:
     p.add_argument("--artifact-root", type=Path, help="artifact store (shared volume or node-local)")
     p.add_argument("--control-root", type=Path, help="host directories behind pods' control dirs")
     p.add_argument("--state-root", type=Path, help="runtime state (runc bundles)")
-    p.add_argument("--runtime", choices=["local", "runc"], help="host processes or runc containers")
+    p.add_argument(
+        "--runtime",
+        choices=["containerd", "runc", "local"],
+        help="the kubelet's containers (default), or workers the agent launches: runc containers, "
+        "host processes",
+    )
+    p.add_argument("--runc-root", type=Path, help=_described("runc_root"))
     _switch(p, "launch_workloads")
     p.add_argument("--ready-timeout-seconds", type=float, help="how long a worker may take to get ready")
     p.add_argument(
@@ -209,7 +235,9 @@ def register(sub: Any) -> None:
 def build(config: AgentConfig, kube: Kube) -> NodeAgent:
     criu = Criu(config.criu)
     runtime: Runtime
-    if config.runtime == "runc":
+    if config.runtime == "containerd":
+        runtime = ContainerdRuntime(criu, config.state_root, runc_root=config.runc_root)
+    elif config.runtime == "runc":
         runtime = RuncRuntime(
             config.state_root,
             config.control_root,

@@ -255,6 +255,11 @@ def restore_pod(
 ) -> Obj:
     pod = cold_start_pod(dgd_obj, dgd, service_name, name=name, replaces=replaces)
     pod["spec"] = worker_pod_spec(dgd, service_name, snapshot_control=True)
+    # On a kubelet node the image's entrypoint starts first: told so, it waits as the placeholder the
+    # agent restores into instead of cold-starting the worker.
+    main = next(c for c in pod["spec"]["containers"] if c.get("name") == MAIN_CONTAINER)
+    standby = [{"name": n, "value": "1"} for n in protocol.ENV_RESTORE_STANDBYS]
+    main["env"] = _env_list(main.get("env"), standby)
     status = ckpt.status
     labels = pod["metadata"]["labels"]
     labels[protocol.LABEL_START_MODE] = protocol.StartMode.RESTORE.value

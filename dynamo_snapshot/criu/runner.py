@@ -68,7 +68,9 @@ def find_criu(binary: Path | None = None) -> Path:
     )
 
 
-async def _run(binary: Path, op: str, argv: Sequence[str]) -> tuple[int, str]:
+async def _run(
+    binary: Path, op: str, argv: Sequence[str], *, wrapper: Sequence[str] = (), pass_fds: Sequence[int] = ()
+) -> tuple[int, str]:
     """Run CRIU to completion and return its exit status and combined stdout/stderr.
 
     Output goes to an anonymous file, not a pipe: a restored process tree could inherit a pipe end
@@ -79,7 +81,13 @@ async def _run(binary: Path, op: str, argv: Sequence[str]) -> tuple[int, str]:
     with open(os.memfd_create("criu-output", os.MFD_CLOEXEC), "w+b") as out:  # noqa: ASYNC230 - memory
         try:
             proc = await asyncio.create_subprocess_exec(
-                str(binary), *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out
+                *wrapper,
+                str(binary),
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                pass_fds=tuple(pass_fds),
             )
         except OSError as e:
             raise CriuError(op, None, f"cannot run {binary}: {e}") from e
@@ -281,12 +289,16 @@ class Criu:
         leave_stopped: bool = False,
         options: TreeOptions = DEFAULT_TREE_OPTIONS,
         extra_args: Sequence[str] = (),
+        wrapper: Sequence[str] = (),
+        pass_fds: Sequence[int] = (),
     ) -> RestoreResult:
         """Restore the tree dumped in ``images_dir``; it comes back with its original pids.
 
         With ``detach`` (the default) CRIU returns once the tree runs; without it, only when the tree
         exits.  Give ``log_dir`` when ``images_dir`` is read-only or must stay as it was verified:
-        CRIU writes its log, stats and the pidfile there.
+        CRIU writes its log, stats and the pidfile there. ``wrapper`` runs CRIU (a command line that
+        ends by exec'ing its arguments: entering a container's namespaces, say) and ``pass_fds`` are
+        descriptors CRIU inherits (for ``--inherit-fd``); the pidfile then holds the pid CRIU saw.
         """
         work_dir = log_dir or images_dir
         log_path = work_dir / "restore.log"
@@ -304,7 +316,7 @@ class Criu:
             extra_args=extra_args,
         )
         started = time.monotonic()
-        returncode, output = await _run(self.binary, "restore", argv)
+        returncode, output = await _run(self.binary, "restore", argv, wrapper=wrapper, pass_fds=pass_fds)
         seconds = time.monotonic() - started
         if returncode != 0:
             raise await asyncio.to_thread(_failure, "restore", returncode, output, log_path)

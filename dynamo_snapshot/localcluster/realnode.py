@@ -37,6 +37,7 @@ from dynamo_snapshot.localcluster.images import (
     ImageRef,
     build_busybox_rootfs,
     build_pause_rootfs,
+    worker_image_archive,
     write_oci_archive,
 )
 from dynamo_snapshot.localcluster.pki import Pki, PkiError, make_node_certs
@@ -169,6 +170,7 @@ class RealNode:
         self._ports: dict[str, int] = {}
         # The bridge CNI plugin (isGateway) turns IPv4 forwarding on; a stop puts back what was there.
         self._ip_forward: str | None = None
+        self._worker_image: ImageRef | None = None
 
     # ------------------------------------------------------------------ paths
     @property
@@ -210,6 +212,13 @@ class RealNode:
     @property
     def _lock_path(self) -> Path:
         return LOCK_PATH
+
+    @property
+    def worker_image(self) -> ImageRef:
+        """The CPU reference worker image this node imported (its tag hashes the files it holds)."""
+        if self._worker_image is None:
+            raise RealNodeError("the worker image is known once the real node has started")
+        return self._worker_image
 
     @property
     def running(self) -> bool:
@@ -389,9 +398,10 @@ class RealNode:
                 TEST_IMAGE,
                 entrypoint=["/bin/sh"],
             )
+            self._worker_image, worker = worker_image_archive()
         except ImageBuildError as e:
             raise RealNodeError(str(e)) from None
-        return [pause, busybox]
+        return [pause, busybox, worker]
 
     def _write_cni_config(self) -> None:
         net = self.workdir / "cni" / "net.d"

@@ -28,6 +28,7 @@ from dynamo_snapshot.workload.handshake import (
 )
 from dynamo_snapshot.workload.kv_cache import KvCache
 from dynamo_snapshot.workload.offload import GpuOffload, OffloadReport
+from dynamo_snapshot.workload.standby import run_standby, standby_requested
 from dynamo_snapshot.workload.weights import (
     LoadResult,
     OffloadManifest,
@@ -75,6 +76,8 @@ __all__ = [
     "pack_module",
     "read_offload_manifest",
     "read_weights_manifest",
+    "run_standby",
+    "standby_requested",
     "wait_for_weights_verified",
     "warm_page_cache",
     "warm_weights",

@@ -8,12 +8,15 @@ Start-up does real work, the kind a real worker's cold start is made of, only sm
 
 Then, in a snapshot pod (SNAPSHOT_CONTROL_DIR set), it goes through the checkpoint handshake and only
 after it (restored or not) opens its HTTP listener: a listening socket must not be in the checkpoint.
+In a restore pod on a kubelet node (SNAPSHOT_RESTORE_STANDBY=1) it does none of that: it waits as the
+container's placeholder until the node agent restores the checkpointed worker into the container.
 
-HTTP on 127.0.0.1:<free port> (WORKER_PORT to fix it): POST /generate sleeps WORKER_SERVICE_MS (default
-100) per request with at most WORKER_CONCURRENCY (default 2) running at once — the rest wait, which is
-what `vllm:num_requests_waiting` reports on /metrics (vLLM's names, so the same scaling policies apply);
-GET /health answers 200 once serving. The bound address is written to `<pod>.json` in
-WORKER_ENDPOINT_DIR when set (the demo's service discovery), else to `endpoint.json` in the control dir.
+HTTP on WORKER_HOST (default 127.0.0.1; a kubelet pod sets 0.0.0.0):<free port> (WORKER_PORT to fix it):
+POST /generate sleeps WORKER_SERVICE_MS (default 100) per request with at most WORKER_CONCURRENCY
+(default 2) running at once — the rest wait, which is what `vllm:num_requests_waiting` reports on
+/metrics (vLLM's names, so the same scaling policies apply); GET /health answers 200 once serving. The
+bound address is written to `<pod>.json` in WORKER_ENDPOINT_DIR when set (the demo's service
+discovery), else to `endpoint.json` in the control dir.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from dynamo_snapshot.workload import SnapshotHandshake
+from dynamo_snapshot.workload import SnapshotHandshake, run_standby, standby_requested
 
 ENDPOINT_FILE = "endpoint.json"
 
@@ -117,17 +120,20 @@ def serve(engine: Engine, pod: str, endpoint_file: Path | None) -> None:
         def log_message(self, format: str, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", int(os.environ.get("WORKER_PORT", "0"))), Handler)
+    host = os.environ.get("WORKER_HOST", "127.0.0.1")
+    server = ThreadingHTTPServer((host, int(os.environ.get("WORKER_PORT", "0"))), Handler)
     server.daemon_threads = True
     if endpoint_file is not None:
         tmp = endpoint_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"host": "127.0.0.1", "port": server.server_address[1], "pod": pod}))
+        tmp.write_text(json.dumps({"host": host, "port": server.server_address[1], "pod": pod}))
         os.replace(tmp, endpoint_file)
-    print(f"serving on 127.0.0.1:{server.server_address[1]} as {pod}", flush=True)
+    print(f"serving on {host}:{server.server_address[1]} as {pod}", flush=True)
     server.serve_forever()
 
 
 def main() -> int:
+    if standby_requested():
+        return run_standby()  # a restore pod: the node agent brings the checkpointed worker back here
     t0 = time.monotonic()
     weights = load_weights(int(os.environ.get("WORKER_WEIGHTS_MIB", "256")))
     kernel = compile_kernels(int(os.environ.get("WORKER_COMPILE_ROUNDS", "3000000")), weights)

@@ -48,7 +48,7 @@ HOST_BINDS = [
 ]
 WRITABLE_BINDS = ["/srv/endpoints", "/scratch/run #1: w"]
 LAUNCH_WITH_BINDS = {
-    "agent": {"launchWorkloads": True, "hostBinds": HOST_BINDS, "writableBinds": WRITABLE_BINDS}
+    "agent": {"runtime": "runc", "launchWorkloads": True, "hostBinds": HOST_BINDS, "writableBinds": WRITABLE_BINDS}
 }
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 MINIMAL = {
@@ -180,7 +180,9 @@ def test_agent_daemonset(monkeypatch: pytest.MonkeyPatch) -> None:
     mounted = {m["mountPath"]: volumes[m["name"]] for m in agent["volumeMounts"]}
     for path in (
         "/run/containerd",
-        "/run/runc",
+        "/var/lib/containerd",
+        "/var/lib/kubelet",
+        "/sys/fs/cgroup",
         "/var/lib/dynamo-snapshot/artifacts",
         "/var/lib/dynamo-snapshot/control",
         "/var/lib/dynamo-snapshot/runtime",
@@ -189,7 +191,8 @@ def test_agent_daemonset(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setenv("NODE_NAME", "gpu-0")
     config = AgentConfig.model_validate(_config(objs, "agent"))
-    assert config.runtime == "runc"
+    assert (config.runtime, str(config.runc_root)) == ("containerd", "/run/containerd/runc/k8s.io")
+    assert mounted["/run/containerd"]["hostPath"]["path"] == "/run/containerd"
     assert (config.metrics_port, config.health_port) == (9090, 8082)
     assert str(config.artifact_root) == "/var/lib/dynamo-snapshot/artifacts"
     assert str(config.control_root) in mounted
@@ -394,6 +397,7 @@ def test_launched_workloads_get_their_binds_mounted_in_the_agent(monkeypatch: py
     reordered = render(
         {
             "agent": {
+                "runtime": "runc",
                 "launchWorkloads": True,
                 "hostBinds": HOST_BINDS[::-1],
                 "writableBinds": WRITABLE_BINDS[::-1],
@@ -413,6 +417,7 @@ def test_launched_workloads_get_their_binds_mounted_in_the_agent(monkeypatch: py
 def test_binds_are_mounted_only_for_launched_runc_workloads(monkeypatch: pytest.MonkeyPatch) -> None:
     binds = {"hostBinds": HOST_BINDS, "writableBinds": WRITABLE_BINDS}
     for values, without in [
+        ({"agent": {**binds, "runtime": "runc"}}, {"agent": {"runtime": "runc"}}),
         ({"agent": binds}, None),
         ({"agent": {**binds, "runtime": "local", "launchWorkloads": True}}, RUNTIME_LOCAL),
     ]:
@@ -421,8 +426,8 @@ def test_binds_are_mounted_only_for_launched_runc_workloads(monkeypatch: pytest.
         ds, plain_ds = one(objs, "DaemonSet", "-agent"), one(plain, "DaemonSet", "-agent")
         assert ds["spec"]["template"]["spec"]["volumes"] == plain_ds["spec"]["template"]["spec"]["volumes"]
     # Empty lists render as the chart always has: no hostBinds key (the agent's default), nothing mounted.
-    launch = {"agent": {"launchWorkloads": True}}
-    empty = {"agent": {"launchWorkloads": True, "hostBinds": [], "writableBinds": []}}
+    launch = {"agent": {"runtime": "runc", "launchWorkloads": True}}
+    empty = {"agent": {"runtime": "runc", "launchWorkloads": True, "hostBinds": [], "writableBinds": []}}
     assert render_text(empty) == render_text(launch)
     data = _config(render(), "agent")
     assert "hostBinds" not in data
@@ -431,7 +436,7 @@ def test_binds_are_mounted_only_for_launched_runc_workloads(monkeypatch: pytest.
 
 
 def test_bind_and_mount_paths_the_agent_cannot_use_are_refused() -> None:
-    launch: dict[str, Any] = {"launchWorkloads": True}
+    launch: dict[str, Any] = {"runtime": "runc", "launchWorkloads": True}
     cases: list[tuple[dict[str, Any], str]] = [
         (
             {**launch, "hostBinds": ["/usr/local/cuda"]},
@@ -458,8 +463,12 @@ def test_bind_and_mount_paths_the_agent_cannot_use_are_refused() -> None:
             "agent.controlRoot and agent.hostBinds both mount /var/lib/dynamo-snapshot/control in the agent",
         ),
         (
-            {**launch, "writableBinds": ["/run/runc"]},
-            "agent.runtimeHostPaths and agent.writableBinds both mount /run/runc in the agent",
+            {**launch, "runtimeHostPaths": ["/srv/runc"], "writableBinds": ["/srv/runc"]},
+            "agent.runtimeHostPaths and agent.writableBinds both mount /srv/runc in the agent",
+        ),
+        (
+            {"launchWorkloads": True},
+            "agent.launchWorkloads starts workers without a kubelet: set agent.runtime to runc or local",
         ),
         (
             {"stateRoot": "/var/lib/dynamo-snapshot/control/"},
@@ -483,7 +492,7 @@ def test_minimal_values_leave_out_rbac_policy_profile_and_metrics() -> None:
 
 def test_schema_rejects_bad_values_with_a_clear_message() -> None:
     cases: list[tuple[dict[str, Any], str]] = [
-        ({"agent": {"runtime": "docker"}}, "at '/agent/runtime': value must be one of 'runc', 'local'"),
+        ({"agent": {"runtime": "docker"}}, "at '/agent/runtime': value must be one of 'containerd', 'runc', 'local'"),
         (
             {"agent": {"weightsCheckIdleIo": "yes"}},
             "at '/agent/weightsCheckIdleIo': got string, want boolean",

@@ -133,6 +133,7 @@ def _http(url: str, context: ssl.SSLContext | None = None, **kw: Any) -> tuple[i
         # The bind volumes' names, paths and types, as the API server judges them.
         {
             "agent": {
+                "runtime": "runc",
                 "launchWorkloads": True,
                 "hostBinds": ["/srv/models", "/home/dev/Checkout_v2", "/mnt/" + "x" * 80],
                 "writableBinds": ["/srv/endpoints"],

@@ -1,4 +1,5 @@
-"""The OCI archive writer: a layout `ctr images import` accepts, with digests that match the bytes."""
+"""The OCI archive writer: a layout `ctr images import` accepts, with digests that match the bytes; the
+CPU reference worker image: complete enough to import the SDK under chroot and on the real node."""
 
 from __future__ import annotations
 
@@ -6,19 +7,34 @@ import gzip
 import hashlib
 import io
 import json
+import os
+import shutil
+import subprocess
 import tarfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from dynamo_snapshot.localcluster import LocalCluster
 from dynamo_snapshot.localcluster.images import (
     ANNOTATION_CONTAINERD_NAME,
     ANNOTATION_REF_NAME,
+    WORKER_ENTRYPOINT,
+    WORKER_ENV,
+    WORKER_PYTHON,
+    WORKER_REPOSITORY,
+    WORKER_SCRIPT,
     ImageBuildError,
     ImageRef,
+    build_worker_rootfs,
+    project_root,
+    worker_image,
+    worker_image_archive,
     write_oci_archive,
 )
+from dynamo_snapshot.localcluster.realnode import RealNode
+from tests.helpers.polling import wait_for
 
 REF = ImageRef("localhost/test/app", "1.0")
 
@@ -89,3 +105,183 @@ def test_same_tree_gives_the_same_digests(tmp_path: Path) -> None:
 def test_missing_rootfs_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ImageBuildError, match="is not a directory"):
         write_oci_archive(tmp_path / "x.tar", tmp_path / "nope", REF, entrypoint=["/x"])
+
+
+# ---------------------------------------------------------------------------------------- the worker image
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    """A frozen copy of the sources the worker image takes: others may edit the checkout meanwhile."""
+    src = project_root()
+    dst = tmp_path / "repo"
+    shutil.copytree(
+        src / "dynamo_snapshot", dst / "dynamo_snapshot", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    (dst / WORKER_SCRIPT).parent.mkdir(parents=True)
+    shutil.copy2(src / WORKER_SCRIPT, dst / WORKER_SCRIPT)
+    return dst
+
+
+def _chroot() -> str:
+    chroot = shutil.which("chroot")
+    assert chroot is not None, "chroot (coreutils) is missing"
+    return chroot
+
+
+def _chroot_python(rootfs: Path, code: str) -> subprocess.CompletedProcess[str]:
+    """`code` run by the image's interpreter with the image's environment, nothing of this process's."""
+    env = dict(item.split("=", 1) for item in WORKER_ENV)
+    return subprocess.run(
+        [_chroot(), str(rootfs), str(WORKER_PYTHON), "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_worker_rootfs_imports_the_sdk_under_chroot(tmp_path: Path, repo: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("chroot needs root: re-run with sudo")
+    rootfs = tmp_path / "rootfs"
+    image = build_worker_rootfs(rootfs, repo)
+    assert image == worker_image(repo)
+    assert image.repository == WORKER_REPOSITORY
+    # Debian's interpreter, whose libraries are the ones ldd found and the image carries.
+    assert (rootfs / "usr/bin/python3.11").read_bytes() == WORKER_PYTHON.read_bytes()
+
+    proc = _chroot_python(
+        rootfs,
+        "import sys, dynamo_snapshot.workload, pydantic, pydantic_core, cpu_worker; "
+        "print('ok', sys.prefix, pydantic.__file__, cpu_worker.__file__)",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [
+        "ok",
+        "/usr",
+        "/usr/lib/python3/dist-packages/pydantic/__init__.py",
+        "/app/cpu_worker.py",
+    ]
+    # The extension modules the worker and its SDK use load with the libraries the image carries.
+    proc = _chroot_python(
+        rootfs, "import ctypes, hashlib, ssl, lzma, bz2, zlib, json, mmap, uuid; print('ext-ok')"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ext-ok"
+    sh = subprocess.run(
+        [_chroot(), str(rootfs), "/bin/sh", "-c", "echo sh-ok; ls /tmp"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert sh.stdout.strip() == "sh-ok", sh.stderr
+
+    stdlib = rootfs / "usr/lib/python3.11"
+    for dropped in ("test", "lib2to3", "ensurepip", "config-3.11-x86_64-linux-gnu", "__pycache__"):
+        assert not (stdlib / dropped).exists(), dropped
+    assert not list(rootfs.rglob("__pycache__"))
+    assert not list((rootfs / "app").rglob("*.pyc"))
+    assert (rootfs / "tmp").stat().st_mode & 0o7777 == 0o1777
+
+
+def test_worker_archive_is_reproducible_and_cached(tmp_path: Path, repo: Path) -> None:
+    stale = tmp_path / "a" / "images" / "worker-000000000000.tar"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"an archive of sources that are gone")
+    image_a, archive_a = worker_image_archive(repo, cache=tmp_path / "a")
+    image_b, archive_b = worker_image_archive(repo, cache=tmp_path / "b")
+    assert image_a == image_b == worker_image(repo)
+    assert archive_a == tmp_path / "a" / "images" / f"worker-{image_a.tag}.tar"
+    assert not stale.exists()
+    # Two builds of the same inputs: the same manifest digest, so containerd sees the same image.
+    members_a, members_b = _members(archive_a), _members(archive_b)
+    assert members_a["index.json"] == members_b["index.json"]
+    (desc,) = json.loads(members_a["index.json"])["manifests"]
+    assert desc["annotations"][ANNOTATION_CONTAINERD_NAME] == image_a.name
+    manifest = json.loads(_blob(members_a, desc["digest"]))
+    config = json.loads(_blob(members_a, manifest["config"]["digest"]))
+    assert config["config"]["Entrypoint"] == list(WORKER_ENTRYPOINT)
+    assert config["config"]["Env"] == list(WORKER_ENV)
+
+    before = archive_a.stat()
+    again, archive = worker_image_archive(repo, cache=tmp_path / "a")
+    assert (again, archive) == (image_a, archive_a)
+    after = archive.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns), (
+        "the cached one was rebuilt"
+    )
+
+
+def test_worker_tag_follows_the_sdk_sources(repo: Path) -> None:
+    first = worker_image(repo)
+    assert worker_image(repo) == first
+    handshake = repo / "dynamo_snapshot" / "workload" / "handshake.py"
+    handshake.write_text(handshake.read_text() + "\n# a change\n")
+    assert worker_image(repo).tag != first.tag
+
+
+def test_worker_image_outside_a_checkout_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ImageBuildError, match="is not a dynamo-snapshot source checkout"):
+        worker_image(tmp_path)
+
+
+def _worker_pod(node: RealNode, name: str, container: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            **node.pod_overrides(),
+            "terminationGracePeriodSeconds": 1,
+            "restartPolicy": "Never",
+            "containers": [
+                {"name": "worker", "image": node.worker_image.name, "imagePullPolicy": "Never", **container}
+            ],
+        },
+    }
+
+
+@pytest.mark.cluster
+@pytest.mark.kubelet
+def test_worker_image_imports_the_sdk_on_the_real_node(
+    cluster: LocalCluster, real_node: RealNode, namespace: str
+) -> None:
+    code = "import dynamo_snapshot.workload; print('sdk-ok')"
+    cluster.apply(
+        _worker_pod(real_node, "sdk", {"command": [str(WORKER_PYTHON), "-c", code]}), namespace=namespace
+    )
+
+    def finished() -> str:
+        out = cluster.kubectl("get", "-n", namespace, "pod", "sdk", "-o", "jsonpath={.status.phase}").stdout
+        return out if out in ("Succeeded", "Failed") else ""
+
+    phase = wait_for(finished, within=90, what="the sdk pod to finish")
+    logs = cluster.kubectl("logs", "-n", namespace, "sdk").stdout
+    assert (phase, logs.strip()) == ("Succeeded", "sdk-ok"), logs
+
+
+@pytest.mark.cluster
+@pytest.mark.kubelet
+def test_worker_image_entrypoint_serves_the_cpu_worker(
+    cluster: LocalCluster, real_node: RealNode, namespace: str
+) -> None:
+    """The image's own entrypoint starts the worker; busybox answers the exec probe and `kubectl exec`."""
+    health = ["wget", "-qO-", "http://127.0.0.1:8000/health"]
+    container = {
+        "env": [
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "WORKER_PORT", "value": "8000"},
+            {"name": "WORKER_WEIGHTS_MIB", "value": "1"},
+            {"name": "WORKER_COMPILE_ROUNDS", "value": "1000"},
+        ],
+        "readinessProbe": {"exec": {"command": health}, "periodSeconds": 1},
+    }
+    cluster.apply(_worker_pod(real_node, "entry", container), namespace=namespace)
+    cluster.kubectl(
+        "wait", "-n", namespace, "--for=condition=Ready", "pod/entry", "--timeout=90s", timeout=100
+    )
+    answer = json.loads(cluster.kubectl("exec", "-n", namespace, "entry", "--", *health).stdout)
+    assert answer["pod"] == "entry"
+    assert "serving on 127.0.0.1:8000 as entry" in cluster.kubectl("logs", "-n", namespace, "entry").stdout

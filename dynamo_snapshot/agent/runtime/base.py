@@ -41,6 +41,10 @@ class Workload:
     pid: int
     control_dir: Path
     container_id: str | None = None
+    # Where the worker itself sees its control dir, where that differs from the host directory.
+    worker_control_dir: str | None = None
+    # The image the worker's container runs (the kubelet's imageID), where a kubelet started it.
+    image_id: str | None = None
 
 
 class WorkloadRuntimeError(Exception):

@@ -128,6 +128,9 @@ the schema cannot express (it has already made each path absolute, normalized an
 {{- end -}}
 {{- end -}}
 {{- end -}}
+{{- if and $a.launchWorkloads (eq $a.runtime "containerd") -}}
+{{- fail "agent.launchWorkloads starts workers without a kubelet: set agent.runtime to runc or local (containerd's containers are the kubelet's)" -}}
+{{- end -}}
 {{- $binds := list -}}
 {{- if and $a.launchWorkloads (eq $a.runtime "runc") -}}
 {{- range $a.hostBinds -}}
@@ -140,7 +143,7 @@ the schema cannot express (it has already made each path absolute, normalized an
 {{- /* Every mount of the agent container, by cleaned path. */ -}}
 {{- $mounts := dict -}}
 {{- $fixed := list (list "/etc/dynamo-snapshot" "the agent's config") (list .Values.artifacts.mountPath "artifacts.mountPath") (list $a.controlRoot "agent.controlRoot") (list $a.stateRoot "agent.stateRoot") -}}
-{{- if eq $a.runtime "runc" -}}
+{{- if ne $a.runtime "local" -}}
 {{- range $a.runtimeHostPaths -}}
 {{- $fixed = append $fixed (list . "agent.runtimeHostPaths") -}}
 {{- end -}}

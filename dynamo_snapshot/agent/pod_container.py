@@ -1,0 +1,44 @@
+"""What the kubelet says about a pod's main container (``status.containerStatuses``), for the agent on a
+kubelet node: which container to checkpoint or restore into, and whether it has ended."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+Obj = dict[str, Any]
+MAIN = "main"
+
+
+@dataclass(frozen=True)
+class RunningContainer:
+    container_id: str  # "containerd://<id>", as the kubelet reports it
+    image_id: str | None  # the image the container runs, by digest where the runtime reports one
+    restart_count: int
+
+
+def main_status(pod: Obj) -> Obj | None:
+    """The status of the pod's main container: the one named "main", else the first."""
+    statuses = [s for s in (pod.get("status") or {}).get("containerStatuses") or [] if isinstance(s, dict)]
+    return next((s for s in statuses if s.get("name") == MAIN), statuses[0] if statuses else None)
+
+
+def running_container(pod: Obj) -> RunningContainer | None:
+    status = main_status(pod)
+    if status is None or "running" not in (status.get("state") or {}) or not status.get("containerID"):
+        return None
+    return RunningContainer(
+        str(status["containerID"]), status.get("imageID") or None, int(status.get("restartCount") or 0)
+    )
+
+
+def ended(pod: Obj) -> str | None:
+    """Why the main container is not running any more (None while it waits to start or runs)."""
+    status = main_status(pod)
+    terminated = ((status or {}).get("state") or {}).get("terminated")
+    if not terminated:
+        return None
+    return (
+        f"container {status.get('name') if status else MAIN} exited with code {terminated.get('exitCode')}"
+        f" ({terminated.get('reason') or 'no reason given'})"
+    )

@@ -1,0 +1,526 @@
+"""Workers in kubelet pods: containers that containerd (or CRI-O) runs with runc, found from the pod's
+``status.containerStatuses[].containerID``.
+
+Checkpoint: CRIU dumps the container's process tree with the container's root, its network namespace
+marked external and every bind and cgroup mount of the container as an external mount keyed by its path
+in the container; the writable layer's diff (files the worker created, changed or deleted) and what the
+restore needs to rebuild the tree (its stdio pipes, its mounts, its image) go beside the images. The
+source keeps running (its Job ends it), as the kubelet owns it.
+
+Restore goes into the restore pod's own main container, which runs in standby (a placeholder that
+waits; ``dynamo_snapshot.workload.standby``): the diff is applied onto the container's root, then CRIU
+runs inside the container's PID namespace (its own /proc in a private mount namespace) and cgroups,
+joins its network, IPC and UTS namespaces, maps each external mount onto the restore container's own
+source, and hands the placeholder's stdout/stderr pipes to the restored tree. The worker thus answers on
+the restore pod's IP, lives under the pod's limits, writes to ``kubectl logs``, becomes the placeholder's
+child and dies with the pod.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dynamo_snapshot.agent.runtime.base import (
+    Workload,
+    WorkloadRuntimeError,
+    WorkloadSpec,
+    pid_running,
+    proc_stat,
+)
+from dynamo_snapshot.agent.runtime.rootfs_diff import (
+    DIFF_FILE,
+    RootfsDiffError,
+    apply_diff,
+    capture_diff,
+    overlay_upperdir,
+)
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.criu import Criu, CriuError
+
+# containerd's runc root for CRI containers (k8s.io namespace), whatever containerd's own state dir is.
+CONTAINERD_RUNC_ROOT = Path("/run/containerd/runc/k8s.io")
+# CRI-O's default runc root (crio.conf [crio.runtime.runtimes.runc] runtime_root).
+CRIO_RUNC_ROOT = Path("/run/runc")
+CONTAINER_META = "container.json"
+_CGROUP_FS = Path("/sys/fs/cgroup")
+_CONTAINER_ID = re.compile(r"^[0-9a-f]{64}$")
+# Moves this shell into the cgroups named before "--", then runs the rest: CRIU's restored tasks are
+# its children and start in the container's cgroups, under the pod's limits.
+_JOIN_CGROUPS = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
+
+
+@dataclass(frozen=True)
+class Container:
+    """A running container as runc knows it, plus the OCI config its bundle holds."""
+
+    id: str
+    pid: int
+    bundle: Path
+    config: dict[str, Any]
+
+    @property
+    def rootfs(self) -> Path:
+        root = Path(str((self.config.get("root") or {}).get("path") or "rootfs"))
+        return root if root.is_absolute() else self.bundle / root
+
+    @property
+    def mounts(self) -> list[dict[str, Any]]:
+        return [m for m in self.config.get("mounts") or [] if isinstance(m, dict)]
+
+    @property
+    def env(self) -> dict[str, str]:
+        pairs = (str(e).partition("=") for e in (self.config.get("process") or {}).get("env") or [])
+        return {k: v for k, _, v in pairs}
+
+    @property
+    def cgroups_path(self) -> str:
+        return str((self.config.get("linux") or {}).get("cgroupsPath") or "")
+
+    @property
+    def image(self) -> str:
+        return str((self.config.get("annotations") or {}).get("io.kubernetes.cri.image-name") or "")
+
+    def bind_source(self, destination: str) -> str | None:
+        for m in self.mounts:
+            if m.get("destination") == destination and "bind" in _mount_kinds(m):
+                return str(m.get("source"))
+        return None
+
+
+@dataclass
+class _Attached:
+    container: Container
+    image_id: str | None
+    restored_pid: int | None = None
+    restored_start: int | None = None
+
+
+class ContainerdRuntime:
+    """Pods' main containers on a kubelet node; ``attach`` names the container of a workload key."""
+
+    name = "containerd"
+    restores_stopped = False
+
+    def __init__(
+        self,
+        criu: Criu,
+        state_root: Path,
+        *,
+        runc_root: Path = CONTAINERD_RUNC_ROOT,
+        runc_binary: str = "runc",
+        nsenter: str = "nsenter",
+        unshare: str = "unshare",
+        cgroup_root: Path = _CGROUP_FS,
+    ) -> None:
+        self.criu = criu
+        self.state_root = state_root
+        self.runc_root = runc_root
+        self.runc = runc_binary
+        self.nsenter = nsenter
+        self.unshare = unshare
+        self.cgroup_root = cgroup_root
+        self._attached: dict[str, _Attached] = {}
+
+    # ------------------------------------------------------------------ finding containers
+    async def container(self, container_id: str) -> Container:
+        """The running container with this id (containerStatuses' "containerd://<id>" or bare)."""
+        runtime, sep, ident = container_id.partition("://")
+        ident = ident if sep else runtime
+        if not _CONTAINER_ID.match(ident):
+            raise WorkloadRuntimeError(f"container id {container_id!r} is not a runc container id")
+        if not self.runc_root.is_dir():
+            raise WorkloadRuntimeError(
+                f"container runtime state {self.runc_root} not found on this node: the agent needs the "
+                "host's runc root mounted (Helm value agent.containerRuntime.runcRoot; containerd: "
+                f"{CONTAINERD_RUNC_ROOT}, CRI-O: {CRIO_RUNC_ROOT})"
+            )
+        code, out = await _exec(self.runc, "--root", str(self.runc_root), "state", ident)
+        if code != 0:
+            raise WorkloadRuntimeError(
+                f"container {ident[:12]} not found under {self.runc_root}: {out.strip()}"
+            )
+        try:
+            state = json.loads(out)
+            bundle = Path(state["bundle"])
+            config = json.loads(await asyncio.to_thread((bundle / "config.json").read_text))
+        except (ValueError, KeyError, OSError) as e:
+            raise WorkloadRuntimeError(
+                f"container {ident[:12]}: unreadable runc state or bundle: {e}"
+            ) from None
+        if state.get("status") != "running" or int(state.get("pid") or 0) <= 0:
+            raise WorkloadRuntimeError(f"container {ident[:12]} is {state.get('status')}, not running")
+        return Container(ident, int(state["pid"]), bundle, config)
+
+    async def attach(self, key: str, container_id: str, *, image_id: str | None = None) -> Workload:
+        """Take the running container ``container_id`` as workload ``key`` (a checkpoint source, or a
+        restore target in standby)."""
+        container = await self.container(container_id)
+        previous = self._attached.get(key)
+        attached = _Attached(container, image_id)
+        if previous is not None and previous.container.id == container.id:
+            attached.restored_pid, attached.restored_start = previous.restored_pid, previous.restored_start
+        self._attached[key] = attached
+        if attached.restored_pid is None:
+            attached.restored_pid = _restored_child(container.pid)
+        return self._workload(key, attached)
+
+    def _workload(self, key: str, attached: _Attached) -> Workload:
+        c = attached.container
+        pid = attached.restored_pid or c.pid
+        return Workload(
+            key,
+            pid,
+            self.control_dir(key),
+            container_id=c.id,
+            worker_control_dir=_control_mount(c),
+            image_id=attached.image_id,
+        )
+
+    def _get(self, key: str) -> _Attached:
+        attached = self._attached.get(key)
+        if attached is None:
+            raise WorkloadRuntimeError(f"no container attached for {key}")
+        return attached
+
+    def control_dir(self, key: str) -> Path:
+        c = self._get(key).container
+        source = c.bind_source(_control_mount(c))
+        if source is None:
+            raise WorkloadRuntimeError(
+                f"container {c.id[:12]} has no snapshot control volume at {_control_mount(c)}"
+            )
+        return Path(source)
+
+    def container_env(self, key: str) -> dict[str, str]:
+        """The environment the attached container's process started with."""
+        return self._get(key).container.env
+
+    def standby(self, key: str) -> bool:
+        """Whether the attached container's placeholder says it waits for the restore."""
+        return (self.control_dir(key) / protocol.FILE_RESTORE_STANDBY).is_file()
+
+    async def launch(self, spec: WorkloadSpec) -> Workload:
+        raise WorkloadRuntimeError("the kubelet starts containers on this node; the agent launches none")
+
+    async def find(self, key: str) -> Workload | None:
+        attached = self._attached.get(key)
+        if attached is None or not pid_running(attached.container.pid):
+            return None
+        if attached.restored_pid is not None and not pid_running(
+            attached.restored_pid, attached.restored_start
+        ):
+            return None
+        return self._workload(key, attached)
+
+    async def stop(self, key: str) -> None:
+        """Kill what a restore put into the container (the placeholder then exits and the kubelet sees
+        the container end); a checkpoint source is the kubelet's to stop."""
+        attached = self._attached.pop(key, None)
+        if attached is None or attached.restored_pid is None:
+            return
+        for pid in _descendants(attached.container.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def tool_files(self) -> list[Path]:
+        found = (shutil.which(t) for t in (self.runc, self.nsenter, self.unshare))
+        return [Path(p) for p in found if p]
+
+    async def resume(self, workload: Workload) -> None:
+        return None
+
+    # ------------------------------------------------------------------ checkpoint
+    async def dump(self, workload: Workload, images_dir: Path) -> float:
+        c = self._get(workload.key).container
+        started = time.monotonic()
+        external = _external_mounts(c)
+        meta: dict[str, Any] = {
+            "id": c.id,
+            "image": c.image,
+            "imageID": workload.image_id,
+            "stdio": [_fd_target(c.pid, n) for n in range(3)],
+            "externalMounts": sorted(external),
+            "controlDir": _control_mount(c),
+        }
+        try:
+            upper = overlay_upperdir(await asyncio.to_thread(Path(f"/proc/{c.pid}/mountinfo").read_text))
+        except OSError as e:
+            raise WorkloadRuntimeError(f"container {c.id[:12]} is gone: {e}") from None
+        if upper is None:
+            raise WorkloadRuntimeError(
+                f"container {c.id[:12]}'s root is not an overlay with a writable layer: its changes "
+                "cannot be carried (containerd's overlayfs snapshotter is needed)"
+            )
+        try:
+            diff = await asyncio.to_thread(
+                capture_diff, upper, images_dir / DIFF_FILE, exclude=[m["destination"] for m in c.mounts]
+            )
+        except (RootfsDiffError, OSError) as e:
+            raise WorkloadRuntimeError(f"writable layer of container {c.id[:12]}: {e}") from None
+        meta["rootfsDiff"] = {"files": diff.files, "bytes": diff.bytes, "deleted": diff.deleted}
+        await asyncio.to_thread((images_dir / CONTAINER_META).write_text, json.dumps(meta, indent=1))
+        args = ["--root", str(c.rootfs), "--external", f"net[{_ns_inode(c.pid, 'net')}]:extNetNs"]
+        for dest in sorted(external):
+            args += ["--ext-mount-map", f"{dest}:{dest}"]
+        work = self._work_dir(workload.key, "dump")
+        try:
+            await self.criu.dump(
+                c.pid,
+                images_dir,
+                log_dir=work,
+                leave_running=True,
+                extra_args=[*args, "--network-lock", "skip"],
+            )
+        except CriuError as e:
+            raise WorkloadRuntimeError(str(e)) from None
+        return time.monotonic() - started
+
+    # ------------------------------------------------------------------ restore
+    async def restore(
+        self, key: str, images_dir: Path, source_control_dir: str | None, *, stopped: bool = False
+    ) -> Workload:
+        if stopped:
+            raise WorkloadRuntimeError("a restore into a container cannot hold the tree stopped")
+        attached = self._get(key)
+        target = attached.container
+        if not pid_running(target.pid):
+            raise WorkloadRuntimeError(f"restore container {target.id[:12]} stopped before the restore")
+        try:
+            meta = json.loads(await asyncio.to_thread((images_dir / CONTAINER_META).read_text))
+        except (OSError, ValueError) as e:
+            raise WorkloadRuntimeError(f"checkpoint lacks its container description: {e}") from None
+        mounts = _restore_mounts(target, [str(d) for d in meta.get("externalMounts") or []])
+        try:
+            await asyncio.to_thread(
+                apply_diff,
+                images_dir / DIFF_FILE,
+                target.rootfs,
+                exclude=[m["destination"] for m in target.mounts],
+            )
+        except (RootfsDiffError, OSError) as e:
+            raise WorkloadRuntimeError(f"writable layer not applied: {e}") from None
+        # CRIU writes the checkpointed host and domain names into the UTS namespace it joins: the
+        # pod's, which must keep its own.
+        names = await self._uts_names(target.pid)
+        fds: list[int] = []
+        try:
+            args, cgroups = self._restore_args(target, meta, mounts, fds)
+            work = self._work_dir(key, "restore")
+            wrapper = [
+                "/bin/sh", "-c", _JOIN_CGROUPS, "join-cgroups", *cgroups, "--",
+                self.nsenter, f"--pid=/proc/{target.pid}/ns/pid", "--",
+                self.unshare, "--mount", "--propagation", "private", "--mount-proc",
+            ]  # fmt: skip
+            try:
+                result = await self.criu.restore(
+                    images_dir, log_dir=work, extra_args=args, wrapper=wrapper, pass_fds=fds
+                )
+            except CriuError as e:
+                raise WorkloadRuntimeError(_explain(str(e))) from None
+        finally:
+            for fd in fds:
+                os.close(fd)
+        await self._uts_names(target.pid, names)
+        host_pid = await _host_pid(target.pid, result.pid)
+        if host_pid is None:
+            raise WorkloadRuntimeError(
+                f"CRIU restored pid {result.pid} but it is not a process of container {target.id[:12]}"
+            )
+        attached.restored_pid = host_pid
+        attached.restored_start = _start_time(host_pid)
+        return self._workload(key, attached)
+
+    def _restore_args(
+        self, target: Container, meta: dict[str, Any], mounts: dict[str, str], fds: list[int]
+    ) -> tuple[list[str], list[str]]:
+        def inherit(path: str, flags: int) -> int:
+            fd = os.open(path, flags | os.O_CLOEXEC)
+            fds.append(fd)
+            return fd
+
+        args = ["--root", str(target.rootfs), "--manage-cgroups=ignore"]
+        args += ["--inherit-fd", f"fd[{inherit(f'/proc/{target.pid}/ns/net', os.O_RDONLY)}]:extNetNs"]
+        for ns in ("uts", "ipc"):
+            args += ["--join-ns", f"{ns}:/proc/self/fd/{inherit(f'/proc/{target.pid}/ns/{ns}', os.O_RDONLY)}"]
+        # The placeholder's stdout/stderr are the pipes the runtime reads into the container's log.
+        stdio = [str(s) for s in meta.get("stdio") or []]
+        for n, source in enumerate(stdio[:3]):
+            if source.startswith("pipe:"):
+                mode = os.O_RDONLY if n == 0 else os.O_WRONLY
+                args += ["--inherit-fd", f"fd[{inherit(f'/proc/{target.pid}/fd/{n}', mode)}]:{source}"]
+        for dest, source in sorted(mounts.items()):
+            args += ["--ext-mount-map", f"{dest}:{source}"]
+        cgroups = [str(p / "cgroup.procs") for p in self._cgroup_dirs(target)]
+        return args, cgroups
+
+    async def _uts_names(self, pid: int, names: str | None = None) -> str:
+        """The host and domain name of ``pid``'s UTS namespace ("host\ndomain"); given ``names``, set
+        them."""
+        script = (
+            "cat /proc/sys/kernel/hostname /proc/sys/kernel/domainname"
+            if names is None
+            else 'printf %s "$1" > /proc/sys/kernel/hostname && printf %s "$2" > /proc/sys/kernel/domainname'
+        )
+        argv = [self.nsenter, f"--uts=/proc/{pid}/ns/uts", "--", "/bin/sh", "-c", script, "uts"]
+        code, out = await _exec(*argv, *(names.split("\n", 1) if names is not None else ()))
+        if code != 0:
+            raise WorkloadRuntimeError(f"the restore container's host name: {out.strip()}")
+        return out.rstrip("\n")
+
+    def _cgroup_dirs(self, target: Container) -> list[Path]:
+        rel = target.cgroups_path.lstrip("/")
+        dirs = [d / rel for d in sorted(self.cgroup_root.iterdir()) if (d / rel / "cgroup.procs").exists()]
+        if (self.cgroup_root / rel / "cgroup.procs").exists():
+            dirs.append(self.cgroup_root / rel)  # cgroup v2
+        if not dirs:
+            raise WorkloadRuntimeError(
+                f"cgroup {target.cgroups_path} of container {target.id[:12]} not found"
+            )
+        return dirs
+
+    def _work_dir(self, key: str, op: str) -> Path:
+        work = self.state_root / key / op
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        return work
+
+
+# ---------------------------------------------------------------------- helpers
+def _mount_kinds(m: dict[str, Any]) -> set[str]:
+    return {str(m.get("type") or ""), *(str(o) for o in m.get("options") or [])}
+
+
+def _control_mount(c: Container) -> str:
+    return next((c.env[n] for n in protocol.ENV_CONTROL_DIRS if c.env.get(n)), protocol.CONTROL_MOUNT_PATH)
+
+
+def _external_mounts(c: Container) -> set[str]:
+    """The container's mounts whose content lives outside it: binds (hosts, resolv.conf, volumes, the
+    control dir, /dev/shm, the service-account token) and, on cgroup v1, the per-controller cgroup
+    mounts (binds of the host's hierarchies)."""
+    out = {str(m["destination"]) for m in c.mounts if "bind" in _mount_kinds(m) or "rbind" in _mount_kinds(m)}
+    try:
+        lines = Path(f"/proc/{c.pid}/mountinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        head, _, tail = line.partition(" - ")
+        if tail.split(" ", 1)[0] == "cgroup":
+            out.add(head.split()[4])
+    return out
+
+
+def _restore_mounts(target: Container, external: list[str]) -> dict[str, str]:
+    """Each of the checkpoint's external mounts -> the restore container's own source for it."""
+    out: dict[str, str] = {}
+    missing: list[str] = []
+    for dest in external:
+        if dest.startswith("/sys/fs/cgroup/"):
+            out[dest] = str(
+                _CGROUP_FS / dest.removeprefix("/sys/fs/cgroup/") / target.cgroups_path.lstrip("/")
+            )
+            continue
+        source = target.bind_source(dest)
+        if source is None:
+            missing.append(dest)
+        else:
+            out[dest] = source
+    if missing:
+        raise WorkloadRuntimeError(
+            "the restore container lacks mounts the checkpoint had: " + ", ".join(sorted(missing))
+        )
+    return out
+
+
+def _fd_target(pid: int, fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/fd/{fd}")
+    except OSError:
+        return ""
+
+
+def _ns_inode(pid: int, ns: str) -> int:
+    try:
+        return os.stat(f"/proc/{pid}/ns/{ns}").st_ino
+    except OSError as e:
+        raise WorkloadRuntimeError(f"process {pid} is gone: {e}") from None
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+def _descendants(pid: int) -> Iterator[int]:
+    for child in _children(pid):
+        yield from _descendants(child)
+        yield child
+
+
+def _nspids(pid: int) -> list[int]:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("NSpid:"):
+                return [int(p) for p in line.split()[1:]]
+    except OSError:
+        pass
+    return []
+
+
+def _restored_child(placeholder: int) -> int | None:
+    """The restored worker under a placeholder: its first child (the placeholder starts none)."""
+    children = _children(placeholder)
+    return children[0] if children else None
+
+
+async def _host_pid(placeholder: int, ns_pid: int, within: float = 2.0) -> int | None:
+    """The host pid of the restored root that CRIU reported as ``ns_pid`` in the container's PID
+    namespace; CRIU's exit hands it to the placeholder, so it is looked for among its children."""
+    deadline = time.monotonic() + within
+    while True:
+        for child in _children(placeholder):
+            nspids = _nspids(child)
+            if len(nspids) >= 2 and nspids[1] == ns_pid:
+                return child
+        if time.monotonic() > deadline:
+            return None
+        await asyncio.sleep(0.01)
+
+
+def _start_time(pid: int) -> int | None:
+    stat = proc_stat(pid)
+    return stat.start_time if stat is not None else None
+
+
+def _explain(message: str) -> str:
+    if "Cannot assign requested address" in message or "EADDRNOTAVAIL" in message:
+        return (
+            f"{message} (a socket of the checkpointed worker is bound to its old pod IP; workers must "
+            "listen on 0.0.0.0 or open their listeners after the restore)"
+        )
+    return message
+
+
+async def _exec(*argv: str) -> tuple[int, str]:
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+        )
+    except OSError as e:
+        raise WorkloadRuntimeError(f"cannot run {argv[0]}: {e}") from None
+    out, _ = await proc.communicate()
+    return proc.returncode or 0, out.decode(errors="replace")

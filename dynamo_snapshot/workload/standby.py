@@ -1,0 +1,75 @@
+"""Standby: what a restore pod's main container runs on a kubelet node until the agent restores into it.
+
+The controller sets ``SNAPSHOT_RESTORE_STANDBY=1`` on restore pods. A worker's entrypoint that sees it
+calls ``run_standby()`` instead of cold-starting: the process stays the container's first process (the
+kubelet's, probes', ``kubectl logs``' view of the container), says in the control dir that it waits, and
+the agent restores the checkpointed tree into the container's namespaces and cgroup. The restored
+worker becomes this process's child; when the restored processes are gone, standby exits with the
+worker's status, so the kubelet sees the container end as the worker ended. SIGTERM (the kubelet
+stopping the pod) goes on to every process of the container.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from types import FrameType
+
+from dynamo_snapshot.api.protocol import ENV_RESTORE_STANDBYS, FILE_RESTORE_STANDBY
+from dynamo_snapshot.workload.handshake import control_dir
+
+__all__ = ["run_standby", "standby_requested"]
+
+# How often a standby with no child yet looks again (a restored child wakes os.wait at once).
+_IDLE_POLL_S = 0.2
+
+
+def standby_requested(environ: Mapping[str, str] | None = None) -> bool:
+    env = os.environ if environ is None else environ
+    return any(env.get(name) == "1" for name in ENV_RESTORE_STANDBYS)
+
+
+def _exit_code(status: int) -> int:
+    # A worker killed by a signal ends the container the way a shell reports it: 128 + signal.
+    code = os.waitstatus_to_exitcode(status)
+    return 128 - code if code < 0 else code
+
+
+def _forward(sig: int, _frame: FrameType | None) -> None:
+    # kill(-1) from the first process of a PID namespace reaches every other process of it, the
+    # restored tree's included, and never this one.
+    try:
+        os.kill(-1, sig)
+    except ProcessLookupError:
+        raise SystemExit(128 + sig) from None
+
+
+def run_standby(directory: Path | None = None) -> int:
+    """Wait as the container's placeholder; returns the restored worker's exit code once its processes
+    are gone (the caller exits with it)."""
+    ctl = directory if directory is not None else control_dir()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _forward)
+    if ctl is not None:
+        ctl.mkdir(parents=True, exist_ok=True)
+        tmp = ctl / f".{FILE_RESTORE_STANDBY}.tmp"
+        tmp.write_text(json.dumps({"pid": os.getpid(), "since": time.time()}))
+        os.replace(tmp, ctl / FILE_RESTORE_STANDBY)
+    print("standby: waiting for the node agent to restore the checkpoint into this container", flush=True)
+    first: int | None = None
+    seen = False
+    while True:
+        try:
+            _pid, status = os.wait()
+        except ChildProcessError:
+            if seen:
+                return first if first is not None else 0
+            time.sleep(_IDLE_POLL_S)
+            continue
+        seen = True
+        if first is None:
+            first = _exit_code(status)

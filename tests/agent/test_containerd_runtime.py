@@ -1,0 +1,169 @@
+"""The kubelet-node runtime on the real node: a container the kubelet started is checkpointed in place and
+restored into another pod's own container (its namespaces, cgroup, log pipes, root filesystem).
+
+Real kubelet, containerd, runc and CRIU; busybox containers (a shell loop plus httpd).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dynamo_snapshot.agent.runtime.base import WorkloadRuntimeError, pid_running
+from dynamo_snapshot.agent.runtime.containerd import CONTAINER_META, ContainerdRuntime
+from dynamo_snapshot.agent.runtime.rootfs_diff import DIFF_FILE
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.criu import Criu
+from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot.localcluster.realnode import RUNC_ROOT, TEST_IMAGE, RealNode
+from tests.helpers.polling import wait_for
+
+pytestmark = [pytest.mark.cluster, pytest.mark.kubelet]
+
+PORT = 8080
+# The source writes a token into its writable layer, deletes an image file and serves both over HTTP;
+# a counter on stdout shows the process (not a new one) carries on.
+SOURCE_SCRIPT = (
+    "echo token-$$-$(date +%s%N) > /www/token; rm /www/index.html; httpd -p 8080 -h /www; "
+    "i=0; while true; do i=$((i+1)); echo tick $i; sleep 0.2; done"
+)
+
+
+def _pod(node: RealNode, name: str, command: list[str], *, standby: bool = False) -> dict[str, Any]:
+    env = [{"name": n, "value": protocol.CONTROL_MOUNT_PATH} for n in protocol.ENV_CONTROL_DIRS]
+    if standby:
+        env += [{"name": n, "value": "1"} for n in protocol.ENV_RESTORE_STANDBYS]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            **node.pod_overrides(),
+            "terminationGracePeriodSeconds": 1,
+            "containers": [
+                {
+                    "name": "main",
+                    "image": TEST_IMAGE.name,
+                    "imagePullPolicy": "Never",
+                    "command": command,
+                    "env": env,
+                    "resources": {"limits": {"memory": "64Mi"}},
+                    "volumeMounts": [
+                        {"name": protocol.CONTROL_VOLUME_NAME, "mountPath": protocol.CONTROL_MOUNT_PATH}
+                    ],
+                }
+            ],
+            "volumes": [{"name": protocol.CONTROL_VOLUME_NAME, "emptyDir": {}}],
+        },
+    }
+
+
+def _run(cluster: LocalCluster, ns: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    cluster.apply(manifest, namespace=ns)
+    name = manifest["metadata"]["name"]
+    cluster.kubectl("wait", "-n", ns, "--for=condition=Ready", f"pod/{name}", "--timeout=90s", timeout=100)
+    pod: dict[str, Any] = json.loads(cluster.kubectl("get", "-n", ns, "pod", name, "-o", "json").stdout)
+    return pod
+
+
+def _status(pod: dict[str, Any]) -> tuple[str, str]:
+    st = pod["status"]["containerStatuses"][0]
+    return str(st["containerID"]), str(st.get("imageID") or "")
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return str(resp.read().decode())
+
+
+def _http_code(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+@pytest.fixture
+def runtime(tmp_path: Path, criu_bin: Path) -> ContainerdRuntime:
+    return ContainerdRuntime(Criu(criu_bin), tmp_path / "state", runc_root=RUNC_ROOT)
+
+
+async def test_checkpoint_in_place_and_restore_into_another_pods_container(
+    cluster: LocalCluster, real_node: RealNode, namespace: str, runtime: ContainerdRuntime, tmp_path: Path
+) -> None:
+    source = _run(cluster, namespace, _pod(real_node, "source", ["/bin/sh", "-c", SOURCE_SCRIPT]))
+    src_ip = source["status"]["podIP"]
+    token = _get(f"http://{src_ip}:{PORT}/token")
+    cid, image_id = _status(source)
+    workload = await runtime.attach("src", cid, image_id=image_id)
+    assert workload.worker_control_dir == protocol.CONTROL_MOUNT_PATH
+    assert workload.control_dir.is_dir() and f"pods/{source['metadata']['uid']}/volumes" in str(
+        workload.control_dir
+    )
+
+    images = tmp_path / "images"
+    images.mkdir()
+    await runtime.dump(workload, images)
+    meta = json.loads((images / CONTAINER_META).read_text())
+    assert meta["imageID"] == image_id and meta["stdio"][1].startswith("pipe:")
+    assert {"/etc/hosts", protocol.CONTROL_MOUNT_PATH} <= set(meta["externalMounts"])
+    assert (images / DIFF_FILE).is_file()
+    # The source is left running for its owner to end.
+    assert pid_running(workload.pid)
+    assert _get(f"http://{src_ip}:{PORT}/token") == token
+
+    target = _run(
+        cluster, namespace, _pod(real_node, "target", ["/bin/sleep", "100000"], standby=True)
+    )
+    dst_ip = target["status"]["podIP"]
+    assert dst_ip != src_ip
+    tcid, _ = _status(target)
+    await runtime.attach("dst", tcid)
+    restored = await runtime.restore("dst", images, None)
+    assert restored.pid != workload.pid and pid_running(restored.pid)
+
+    # The restored tree answers on the target pod's IP, with the source's writable layer (the token it
+    # wrote, the file it deleted).
+    assert _get(f"http://{dst_ip}:{PORT}/token") == token
+    assert _http_code(f"http://{dst_ip}:{PORT}/index.html") == 404
+    # It lives in the target container's cgroup, PID namespace and log.
+    target_uid = target["metadata"]["uid"]
+    assert f"pod{target_uid}/{tcid.partition('://')[2]}" in Path(f"/proc/{restored.pid}/cgroup").read_text()
+    ps = cluster.kubectl("exec", "-n", namespace, "target", "--", "ps").stdout
+    assert "httpd -p 8080" in ps and "tick" not in ps.splitlines()[0]
+    assert "/bin/sh -c echo token" in ps
+
+    def ticking() -> bool:
+        return "tick" in cluster.kubectl("logs", "-n", namespace, "target").stdout
+
+    wait_for(ticking, within=10, what="the restored tree's output in the target pod's log")
+    hostname = cluster.kubectl("exec", "-n", namespace, "target", "--", "hostname").stdout.strip()
+    assert hostname == "target"
+
+    # Deleting the pod ends the restored tree: nothing of it is left on the host.
+    cluster.kubectl("delete", "-n", namespace, "pod", "target", "--wait=true", "--timeout=60s", timeout=70)
+    wait_for(lambda: not pid_running(restored.pid), within=30, what="the restored tree to end with its pod")
+
+
+async def test_a_missing_runc_root_names_the_path_and_the_helm_value(
+    tmp_path: Path, criu_bin: Path
+) -> None:
+    runtime = ContainerdRuntime(Criu(criu_bin), tmp_path / "state", runc_root=tmp_path / "no-runc")
+    with pytest.raises(WorkloadRuntimeError) as err:
+        await runtime.attach("k", "containerd://" + "a" * 64)
+    assert str(tmp_path / "no-runc") in str(err.value) and "agent.containerRuntime.runcRoot" in str(err.value)
+
+
+async def test_an_unknown_container_id_is_refused(runtime: ContainerdRuntime, real_node: RealNode) -> None:
+    with pytest.raises(WorkloadRuntimeError, match="not a runc container id"):
+        await runtime.attach("k", "containerd://../../etc")
+    with pytest.raises(WorkloadRuntimeError, match="not found"):
+        await runtime.attach("k", "containerd://" + uuid.uuid4().hex * 2)
+    assert os.path.isdir(RUNC_ROOT)
