@@ -23,6 +23,12 @@ from dynamo_snapshot.localcluster.realnode import RealNode, RealNodeError
 REPO = Path(__file__).resolve().parent.parent
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests on the real node run last: once started, it stays in the session's cluster, and tests that
+    count the cluster's nodes (failover's share of lost nodes) must not see it."""
+    items.sort(key=lambda item: item.get_closest_marker("kubelet") is not None)
+
+
 def _fail(msg: str) -> None:
     # One clear line instead of a traceback: the fix is almost always "run scripts/test-env.sh".
     pytest.fail(msg, pytrace=False)

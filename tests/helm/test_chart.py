@@ -48,7 +48,12 @@ HOST_BINDS = [
 ]
 WRITABLE_BINDS = ["/srv/endpoints", "/scratch/run #1: w"]
 LAUNCH_WITH_BINDS = {
-    "agent": {"runtime": "runc", "launchWorkloads": True, "hostBinds": HOST_BINDS, "writableBinds": WRITABLE_BINDS}
+    "agent": {
+        "runtime": "runc",
+        "launchWorkloads": True,
+        "hostBinds": HOST_BINDS,
+        "writableBinds": WRITABLE_BINDS,
+    }
 }
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 MINIMAL = {
@@ -492,7 +497,10 @@ def test_minimal_values_leave_out_rbac_policy_profile_and_metrics() -> None:
 
 def test_schema_rejects_bad_values_with_a_clear_message() -> None:
     cases: list[tuple[dict[str, Any], str]] = [
-        ({"agent": {"runtime": "docker"}}, "at '/agent/runtime': value must be one of 'containerd', 'runc', 'local'"),
+        (
+            {"agent": {"runtime": "docker"}},
+            "at '/agent/runtime': value must be one of 'containerd', 'runc', 'local'",
+        ),
         (
             {"agent": {"weightsCheckIdleIo": "yes"}},
             "at '/agent/weightsCheckIdleIo': got string, want boolean",

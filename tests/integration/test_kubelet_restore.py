@@ -1,0 +1,305 @@
+"""Auto mode on the real kubelet node, end to end: the controller and the node agent (runtime containerd)
+in-process, the CPU reference worker in kubelet pods from the locally built worker image.
+
+The first worker cold-starts, the checkpoint is taken from the kubelet-run checkpoint pod, then the
+graph scales by restore: each restore pod's own container is the restored worker, answering on its own
+pod IP and through a Service with the cold worker's output, under its pod's memory limit and gone with
+its pod.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import urllib.request
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes_asyncio import client
+
+from dynamo_snapshot.agent.executor import Executor
+from dynamo_snapshot.agent.runtime.base import pid_running
+from dynamo_snapshot.agent.runtime.containerd import ContainerdRuntime
+from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.artifact import ArtifactStore
+from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD
+from dynamo_snapshot.controller.manager import Controller, ControllerConfig
+from dynamo_snapshot.controller.runtime import POD, Kube, Obj
+from dynamo_snapshot.criu import Criu
+from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot.localcluster.realnode import REAL_NODE_TAINT, RUNC_ROOT, RealNode
+from tests.helpers.polling import wait_for
+
+pytestmark = [pytest.mark.cluster, pytest.mark.kubelet]
+
+GRAPH, SERVICE, PORT = "kub", "CpuWorker", 8000
+MEMORY_LIMIT = "160Mi"
+PROMPT = b"what does a restored worker answer?"
+
+
+@dataclass
+class Stack:
+    kube: Kube
+    namespace: str
+    runtime: ContainerdRuntime
+
+
+@pytest.fixture
+async def stack(
+    api: client.ApiClient,
+    namespace: str,
+    crds: list[str],
+    real_node: RealNode,
+    criu_bin: Path,
+    tmp_path: Path,
+) -> AsyncIterator[Stack]:
+    kube = Kube(api, field_manager="kubelet-e2e")
+    criu = Criu(criu_bin)
+    runtime = ContainerdRuntime(criu, tmp_path / "state", runc_root=RUNC_ROOT)
+    executor = Executor(
+        runtime, ArtifactStore(tmp_path / "artifacts"), criu, node_name=real_node.name, cuda=None, gpus=None
+    )
+    agent = NodeAgent(
+        kube,
+        executor,
+        runtime,
+        AgentSettings(node_name=real_node.name, launch_workloads=False, ready_timeout=120),
+    )
+    config = ControllerConfig(
+        namespace=namespace, leader_elect=False, resync_seconds=5, metrics_port=0, drain_timeout=5
+    )
+    stop = asyncio.Event()
+    tasks = [
+        asyncio.create_task(Controller(kube, config).run_until(stop)),
+        asyncio.create_task(agent.run_until(stop)),
+    ]
+    try:
+        yield Stack(kube, namespace, runtime)
+    finally:
+        stop.set()
+        for task in tasks:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(task, 30)
+
+
+def _dgd(node: RealNode, replicas: int) -> Obj:
+    env = {
+        "WORKER_HOST": "0.0.0.0",
+        "WORKER_PORT": str(PORT),
+        "WORKER_WEIGHTS_MIB": "24",
+        "WORKER_COMPILE_ROUNDS": "20000",
+        "WORKER_SERVICE_MS": "1",
+    }
+    return {
+        "apiVersion": f"{protocol.API_GROUP}/{protocol.API_VERSION}",
+        "kind": "DynamoGraphDeployment",
+        "metadata": {"name": GRAPH},
+        "spec": {
+            "backendFramework": "vllm",
+            "services": {
+                SERVICE: {
+                    "componentType": "worker",
+                    "replicas": replicas,
+                    "extraPodSpec": {
+                        "nodeSelector": {"kubernetes.io/hostname": node.name},
+                        "tolerations": [
+                            {"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}
+                        ],
+                        "dnsPolicy": "Default",
+                        "terminationGracePeriodSeconds": 2,
+                        "mainContainer": {
+                            "image": node.worker_image.name,
+                            "imagePullPolicy": "Never",
+                            "env": [{"name": k, "value": v} for k, v in env.items()],
+                            "resources": {"limits": {"memory": MEMORY_LIMIT}},
+                            "readinessProbe": {
+                                "httpGet": {"path": "/health", "port": PORT},
+                                "periodSeconds": 1,
+                            },
+                        },
+                    },
+                    "checkpoint": {
+                        "enabled": True,
+                        "mode": "Auto",
+                        "identity": {"model": "cpu-reference", "backendFramework": "vllm"},
+                    },
+                }
+            },
+        },
+    }
+
+
+def _post(ip: str, path: str = "/generate", body: bytes = PROMPT) -> dict[str, Any]:
+    req = urllib.request.Request(f"http://{ip}:{PORT}{path}", data=body, method="POST")
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        answer: dict[str, Any] = json.loads(resp.read())
+    return answer
+
+
+def _health(ip: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://{ip}:{PORT}/health", timeout=5) as resp:
+        answer: dict[str, Any] = json.loads(resp.read())
+    return answer
+
+
+def _ready(pod: Obj) -> bool:
+    conds = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+
+
+async def _pods(s: Stack, mode: str) -> list[Obj]:
+    pods, _ = await s.kube.list_all(POD, s.namespace)
+    return [
+        p
+        for p in pods
+        if (p["metadata"].get("labels") or {}).get(protocol.LABEL_START_MODE) == mode
+        and not p["metadata"].get("deletionTimestamp")
+    ]
+
+
+async def _eventually(check: Any, within: float, what: str) -> Any:
+    deadline = asyncio.get_running_loop().time() + within
+    last: Any = None
+    while asyncio.get_running_loop().time() < deadline:
+        last = await check()
+        if last:
+            return last
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"timed out after {within:.0f}s waiting for {what} (last: {last!r})")
+
+
+def _restored_pid(pod: Obj) -> int:
+    container_id = pod["status"]["containerStatuses"][0]["containerID"].partition("://")[2]
+    placeholder = json.loads((RUNC_ROOT / container_id / "state.json").read_text())["init_process_pid"]
+    children = Path(f"/proc/{placeholder}/task/{placeholder}/children").read_text().split()
+    assert children, f"no restored process under the placeholder {placeholder} of {pod['metadata']['name']}"
+    return int(children[0])
+
+
+def _memory_cgroup(pod: Obj) -> Path:
+    container_id = pod["status"]["containerStatuses"][0]["containerID"].partition("://")[2]
+    found = list(Path("/sys/fs/cgroup/memory/kubepods").rglob(container_id))
+    assert len(found) == 1, found
+    return found[0]
+
+
+async def test_auto_mode_on_the_kubelet_node(
+    stack: Stack, cluster: LocalCluster, real_node: RealNode
+) -> None:
+    s = stack
+    await s.kube.create(DGD, {**_dgd(real_node, 1), "metadata": {"name": GRAPH, "namespace": s.namespace}})
+
+    async def checkpoint_ready() -> Obj | None:
+        items, _ = await s.kube.list_all(CHECKPOINT, s.namespace)
+        for ckpt in items:
+            phase = (ckpt.get("status") or {}).get("phase")
+            assert phase != "Failed", ckpt["status"]
+            if phase == "Ready":
+                return ckpt
+        return None
+
+    ckpt = await _eventually(checkpoint_ready, 180, "the Auto-mode checkpoint to be Ready")
+    assert ckpt["status"]["sourcePod"].startswith(f"{ckpt['metadata']['name']}-checkpoint-")
+
+    async def cold_ready() -> list[Obj]:
+        return [p for p in await _pods(s, protocol.StartMode.COLD.value) if _ready(p)]
+
+    (cold,) = await _eventually(cold_ready, 120, "the cold-started worker to be Ready")
+    expected = await asyncio.to_thread(_post, cold["status"]["podIP"])
+
+    await s.kube.merge_patch(DGD, GRAPH, {"spec": {"services": {SERVICE: {"replicas": 4}}}}, s.namespace)
+
+    async def restored_ready() -> list[Obj]:
+        pods = await _pods(s, protocol.StartMode.RESTORE.value)
+        for p in pods:
+            status = (p["metadata"].get("annotations") or {}).get(
+                protocol.per_container(protocol.ANNOTATION_RESTORE_STATUS, "main")
+            )
+            assert status != "failed", p["metadata"]["annotations"]
+        ready = [p for p in pods if _ready(p)]
+        return ready if len(ready) == 3 else []
+
+    restored = await _eventually(restored_ready, 180, "3 restore pods to be Ready")
+    ips = {p["status"]["podIP"] for p in restored}
+    assert len(ips) == 3
+    assert cold["status"]["podIP"] not in ips
+    for pod in restored:
+        name, ip = pod["metadata"]["name"], pod["status"]["podIP"]
+        answer = await asyncio.to_thread(_post, ip)
+        # The cold worker's output (its weights and compiled kernel came back with the process), under
+        # the restore pod's own name (the identity the agent handed it).
+        assert answer == {**expected, "pod": name}
+        assert (await asyncio.to_thread(_health, ip))["pod"] == name
+        ps = cluster.kubectl("exec", "-n", s.namespace, name, "--", "ps", "-o", "pid,args").stdout
+        workers = [line.split(None, 1) for line in ps.splitlines() if "cpu_worker.py" in line]
+        # The standby placeholder (the container's first process) and the restored worker under it.
+        assert len(workers) == 2, ps
+        assert workers[0][0] == "1", ps
+
+    # Through a Service (kube-proxy on the node).
+    labels = restored[0]["metadata"]["labels"]
+    selector = {protocol.LABEL_GRAPH: labels[protocol.LABEL_GRAPH], protocol.LABEL_START_MODE: "restore"}
+    cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "restored"},
+            "spec": {"selector": selector, "ports": [{"port": 80, "targetPort": PORT}]},
+        },
+        namespace=s.namespace,
+    )
+    svc = json.loads(cluster.kubectl("get", "-n", s.namespace, "service", "restored", "-o", "json").stdout)
+    cluster_ip = svc["spec"]["clusterIP"]
+
+    def via_service() -> dict[str, Any] | None:
+        req = urllib.request.Request(f"http://{cluster_ip}:80/generate", data=PROMPT, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                answer: dict[str, Any] = json.loads(resp.read())
+                return answer
+        except OSError:
+            return None
+
+    answer = wait_for(via_service, within=30, what=f"service {cluster_ip}:80 to answer")
+    assert answer is not None
+    assert answer["text"] == expected["text"]
+    assert answer["pod"] in {p["metadata"]["name"] for p in restored}
+
+    # The pod's memory limit holds the restored worker: it is charged to the container's cgroup, whose
+    # limit is the pod's, and going past it kills inside the container, not on the host.
+    target = restored[0]
+    pid = await asyncio.to_thread(_restored_pid, target)
+    cgroup = await asyncio.to_thread(_memory_cgroup, target)
+    procs = (cgroup / "cgroup.procs").read_text().split()
+    assert str(pid) in procs
+    assert int((cgroup / "memory.limit_in_bytes").read_text()) == 160 << 20
+    assert int((cgroup / "memory.usage_in_bytes").read_text()) >= 24 << 20
+    hog = cluster.kubectl(
+        "exec", "-n", s.namespace, target["metadata"]["name"], "--",
+        "python3", "-c", "b = bytearray(400 << 20); b[::4096] = b'x' * len(b[::4096])",
+        check=False, timeout=60,
+    )  # fmt: skip
+    assert hog.returncode != 0, hog
+    oom = dict(line.split() for line in (cgroup / "memory.oom_control").read_text().splitlines())
+    assert int(oom.get("oom_kill", "0")) >= 1, oom
+
+    # Deleting a restore pod leaves no process of it on the host.
+    victim = restored[1]
+    victim_pid = await asyncio.to_thread(_restored_pid, victim)
+    assert pid_running(victim_pid)
+    cluster.kubectl(
+        "delete",
+        "-n",
+        s.namespace,
+        "pod",
+        victim["metadata"]["name"],
+        "--wait=true",
+        "--timeout=60s",
+        timeout=70,
+    )
+    wait_for(lambda: not pid_running(victim_pid), within=30, what="the deleted pod's restored worker to end")
