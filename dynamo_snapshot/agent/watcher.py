@@ -381,8 +381,8 @@ class NodeAgent:
             f"checkpointed {outcome.artifact_bytes} bytes in {outcome.timings.total():.2f}s",
         )
 
-    async def _running_container(self, pod: Obj, within: float) -> RunningContainer:
-        """The pod's main container once the kubelet runs it (read from the watch cache)."""
+    async def _running_container(self, pod: Obj, within: float, spent: str | None = None) -> RunningContainer:
+        """The pod's main container once the kubelet runs it (read from the watch cache); not ``spent``."""
         deadline = asyncio.get_running_loop().time() + within
         while True:
             latest = self.pods.get(object_key(pod)) or pod
@@ -391,19 +391,22 @@ class NodeAgent:
             ):
                 raise AgentError("the pod is being deleted")
             running = running_container(latest)
-            if running is not None:
+            if running is not None and running.container_id != spent:
                 return running
             why = ended(latest)
-            if why is not None:
+            if why is not None and spent is None:
                 raise AgentError(why)
             if asyncio.get_running_loop().time() > deadline:
                 raise AgentError(f"container {MAIN} did not start within {within:.0f}s")
             await asyncio.sleep(0.1)
 
-    async def _attach_restore_target(self, pod: Obj, containers: ContainerdRuntime) -> Workload:
-        """The restore pod's main container, once its placeholder says it waits in standby."""
+    async def _attach_restore_target(
+        self, pod: Obj, containers: ContainerdRuntime, spent: str | None = None
+    ) -> Workload:
+        """The restore pod's main container (not the ``spent`` one), once its placeholder says it waits in
+        standby."""
         key = workload_key(pod)
-        running = await self._running_container(pod, self.settings.container_start_timeout)
+        running = await self._running_container(pod, self.settings.container_start_timeout, spent)
         workload = await containers.attach(key, running.container_id, image_id=running.image_id)
         env = containers.container_env(key)
         if not any(env.get(name) == "1" for name in protocol.ENV_RESTORE_STANDBYS):
@@ -488,12 +491,17 @@ class NodeAgent:
     async def _restore(self, pod: Obj) -> None:
         state = _status(pod, protocol.ANNOTATION_RESTORE_STATUS)
         key = workload_key(pod)
+        # A container a restore cut short left processes in: it ends once they are cleared, and the next
+        # restore goes into the container the kubelet starts in its place.
+        spent: str | None = None
         if self.containers is not None and state in (S.COMPLETED, S.RUNNING):
             # After an agent restart: take the pod's container again, to watch or clear it.
             running = running_container(self.pods.get(object_key(pod)) or pod)
             if running is not None:
                 with contextlib.suppress(WorkloadRuntimeError):
                     await self.containers.attach(key, running.container_id, image_id=running.image_id)
+                    if self.containers.holds_restored(key):
+                        spent = running.container_id
         if state is S.COMPLETED:
             # A restored workload outlives an agent restart: watch it again, or report it gone.
             if _annotation(pod, protocol.ANNOTATION_WORKLOAD_EXITED) is None:
@@ -540,7 +548,7 @@ class NodeAgent:
         image_id: str | None = None
         if self.containers is not None:
             try:
-                target = await self._attach_restore_target(pod, self.containers)
+                target = await self._attach_restore_target(pod, self.containers, spent)
             except Refused as e:
                 await self._refuse(pod, "RestoreRefused", protocol.ANNOTATION_RESTORE_STATUS, str(e))
                 return

@@ -287,6 +287,17 @@ class RealNode:
         if errors:
             raise RealNodeError("the real node did not stop cleanly: " + "; ".join(errors))
 
+    def restart_kubelet(self, timeout: float = 60.0) -> None:
+        """Stop the kubelet and start it again, as a node's kubelet upgrade or crash does: containers keep
+        running under containerd meanwhile."""
+        self._stop_proc("kubelet")
+        for proc in [p for p in self._procs if p.name == "kubelet"]:
+            proc.log_handle.close()
+            self._procs.remove(proc)
+        self._start_kubelet(self.components)
+        healthz = f"http://127.0.0.1:{self._ports['kubelet-healthz']}/healthz"
+        self._wait("the restarted kubelet", lambda: _http_ok(healthz), time.monotonic() + timeout)
+
     def ctr(self, *args: str, timeout: float = 60.0) -> str:
         argv = [
             str(self.components.ctr),

@@ -46,7 +46,33 @@ PROMPT = b"what does a restored worker answer?"
 class Stack:
     kube: Kube
     namespace: str
-    runtime: ContainerdRuntime
+    node: RealNode
+    criu: Criu
+    state: Path
+    store: Path
+    agent_task: asyncio.Task[None] | None = None
+    runtime: ContainerdRuntime | None = None
+
+    def start_agent(self, **settings: Any) -> ContainerdRuntime:
+        runtime = ContainerdRuntime(self.criu, self.state, runc_root=RUNC_ROOT)
+        executor = Executor(
+            runtime, ArtifactStore(self.store), self.criu, node_name=self.node.name, cuda=None, gpus=None
+        )
+        agent_settings = AgentSettings(
+            node_name=self.node.name, launch_workloads=False, ready_timeout=120, **settings
+        )
+        agent = NodeAgent(self.kube, executor, runtime, agent_settings)
+        self.agent_task = asyncio.create_task(agent.run_until(asyncio.Event()))
+        self.runtime = runtime
+        return runtime
+
+    async def kill_agent(self) -> None:
+        """End the agent at once, as a killed agent process ends (no clean-up of its own)."""
+        assert self.agent_task is not None
+        self.agent_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.agent_task
+        self.agent_task = None
 
 
 @pytest.fixture
@@ -59,32 +85,20 @@ async def stack(
     tmp_path: Path,
 ) -> AsyncIterator[Stack]:
     kube = Kube(api, field_manager="kubelet-e2e")
-    criu = Criu(criu_bin)
-    runtime = ContainerdRuntime(criu, tmp_path / "state", runc_root=RUNC_ROOT)
-    executor = Executor(
-        runtime, ArtifactStore(tmp_path / "artifacts"), criu, node_name=real_node.name, cuda=None, gpus=None
-    )
-    agent = NodeAgent(
-        kube,
-        executor,
-        runtime,
-        AgentSettings(node_name=real_node.name, launch_workloads=False, ready_timeout=120),
-    )
+    s = Stack(kube, namespace, real_node, Criu(criu_bin), tmp_path / "state", tmp_path / "artifacts")
     config = ControllerConfig(
         namespace=namespace, leader_elect=False, resync_seconds=5, metrics_port=0, drain_timeout=5
     )
     stop = asyncio.Event()
-    tasks = [
-        asyncio.create_task(Controller(kube, config).run_until(stop)),
-        asyncio.create_task(agent.run_until(stop)),
-    ]
+    controller = asyncio.create_task(Controller(kube, config).run_until(stop))
     try:
-        yield Stack(kube, namespace, runtime)
+        yield s
     finally:
         stop.set()
-        for task in tasks:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(task, 30)
+        if s.agent_task is not None:
+            await s.kill_agent()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(controller, 30)
 
 
 def _dgd(node: RealNode, replicas: int) -> Obj:
@@ -188,11 +202,9 @@ def _memory_cgroup(pod: Obj) -> Path:
     return found[0]
 
 
-async def test_auto_mode_on_the_kubelet_node(
-    stack: Stack, cluster: LocalCluster, real_node: RealNode
-) -> None:
-    s = stack
-    await s.kube.create(DGD, {**_dgd(real_node, 1), "metadata": {"name": GRAPH, "namespace": s.namespace}})
+async def _checkpointed_graph(s: Stack) -> tuple[Obj, Obj]:
+    """The graph applied with one replica: its Ready Auto-mode checkpoint and its Ready cold worker."""
+    await s.kube.create(DGD, {**_dgd(s.node, 1), "metadata": {"name": GRAPH, "namespace": s.namespace}})
 
     async def checkpoint_ready() -> Obj | None:
         items, _ = await s.kube.list_all(CHECKPOINT, s.namespace)
@@ -204,27 +216,59 @@ async def test_auto_mode_on_the_kubelet_node(
         return None
 
     ckpt = await _eventually(checkpoint_ready, 180, "the Auto-mode checkpoint to be Ready")
-    assert ckpt["status"]["sourcePod"].startswith(f"{ckpt['metadata']['name']}-checkpoint-")
 
     async def cold_ready() -> list[Obj]:
         return [p for p in await _pods(s, protocol.StartMode.COLD.value) if _ready(p)]
 
     (cold,) = await _eventually(cold_ready, 120, "the cold-started worker to be Ready")
+    return ckpt, cold
+
+
+def _restore_status(pod: Obj) -> str | None:
+    ann = pod["metadata"].get("annotations") or {}
+    return ann.get(protocol.per_container(protocol.ANNOTATION_RESTORE_STATUS, "main"))
+
+
+async def _restored_ready(s: Stack, count: int, *, failures_allowed: bool = False) -> list[Obj]:
+    async def ready() -> list[Obj]:
+        pods = await _pods(s, protocol.StartMode.RESTORE.value)
+        if not failures_allowed:
+            for p in pods:
+                assert _restore_status(p) != "failed", p["metadata"]["annotations"]
+        ready = [p for p in pods if _ready(p)]
+        return ready if len(ready) == count else []
+
+    found: list[Obj] = await _eventually(ready, 180, f"{count} restore pods to be Ready")
+    return found
+
+
+def _workers_outside_pods() -> list[str]:
+    """cpu_worker processes on the host that are in no pod's cgroup."""
+    outside = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            cgroups = (entry / "cgroup").read_text()
+        except OSError:
+            continue
+        if "cpu_worker.py" in cmdline and "/kubepods/" not in cgroups:
+            outside.append(f"{entry.name}: {cmdline}")
+    return outside
+
+
+async def test_auto_mode_on_the_kubelet_node(
+    stack: Stack, cluster: LocalCluster, real_node: RealNode
+) -> None:
+    s = stack
+    s.start_agent()
+    ckpt, cold = await _checkpointed_graph(s)
+    assert ckpt["status"]["sourcePod"].startswith(f"{ckpt['metadata']['name']}-checkpoint-")
     expected = await asyncio.to_thread(_post, cold["status"]["podIP"])
 
     await s.kube.merge_patch(DGD, GRAPH, {"spec": {"services": {SERVICE: {"replicas": 4}}}}, s.namespace)
-
-    async def restored_ready() -> list[Obj]:
-        pods = await _pods(s, protocol.StartMode.RESTORE.value)
-        for p in pods:
-            status = (p["metadata"].get("annotations") or {}).get(
-                protocol.per_container(protocol.ANNOTATION_RESTORE_STATUS, "main")
-            )
-            assert status != "failed", p["metadata"]["annotations"]
-        ready = [p for p in pods if _ready(p)]
-        return ready if len(ready) == 3 else []
-
-    restored = await _eventually(restored_ready, 180, "3 restore pods to be Ready")
+    restored = await _restored_ready(s, 3)
     ips = {p["status"]["podIP"] for p in restored}
     assert len(ips) == 3
     assert cold["status"]["podIP"] not in ips
@@ -256,17 +300,16 @@ async def test_auto_mode_on_the_kubelet_node(
     svc = json.loads(cluster.kubectl("get", "-n", s.namespace, "service", "restored", "-o", "json").stdout)
     cluster_ip = svc["spec"]["clusterIP"]
 
-    def via_service() -> dict[str, Any] | None:
+    def via_service() -> dict[str, Any]:
         req = urllib.request.Request(f"http://{cluster_ip}:80/generate", data=PROMPT, method="POST")
         try:
             with urllib.request.urlopen(req, timeout=5) as resp:
                 answer: dict[str, Any] = json.loads(resp.read())
                 return answer
         except OSError:
-            return None
+            return {}
 
     answer = wait_for(via_service, within=30, what=f"service {cluster_ip}:80 to answer")
-    assert answer is not None
     assert answer["text"] == expected["text"]
     assert answer["pod"] in {p["metadata"]["name"] for p in restored}
 
@@ -303,3 +346,47 @@ async def test_auto_mode_on_the_kubelet_node(
         timeout=70,
     )
     wait_for(lambda: not pid_running(victim_pid), within=30, what="the deleted pod's restored worker to end")
+    assert _workers_outside_pods() == []
+
+
+async def test_agent_killed_mid_restore_then_kubelet_restarted(
+    stack: Stack, cluster: LocalCluster, real_node: RealNode
+) -> None:
+    s = stack
+    runtime = s.start_agent()
+    _, cold = await _checkpointed_graph(s)
+    expected = await asyncio.to_thread(_post, cold["status"]["podIP"])
+
+    # The agent dies after CRIU brought the tree back into the restore pod, before it told the worker so.
+    restored_tree = asyncio.Event()
+    real_restore = runtime.restore
+
+    async def restore_then_hang(*args: Any, **kwargs: Any) -> Any:
+        await real_restore(*args, **kwargs)
+        restored_tree.set()
+        await asyncio.Event().wait()
+
+    runtime.restore = restore_then_hang  # type: ignore[method-assign]
+    await s.kube.merge_patch(DGD, GRAPH, {"spec": {"services": {SERVICE: {"replicas": 2}}}}, s.namespace)
+    await asyncio.wait_for(restored_tree.wait(), 120)
+    await s.kill_agent()
+    assert _workers_outside_pods() == []
+
+    # A new agent process clears the half-done restore and ends with a serving restore pod (a restore
+    # into the container the kubelet started anew, or a replacement pod).
+    s.start_agent()
+    (pod,) = await _restored_ready(s, 1, failures_allowed=True)
+    answer = await asyncio.to_thread(_post, pod["status"]["podIP"])
+    assert answer == {**expected, "pod": pod["metadata"]["name"]}
+    assert _workers_outside_pods() == []
+
+    # A kubelet restart leaves the restored worker running, Ready and serving.
+    pid = await asyncio.to_thread(_restored_pid, pod)
+    await asyncio.to_thread(real_node.restart_kubelet)
+    await asyncio.sleep(3)
+    assert pid_running(pid)
+    (again,) = await _restored_ready(s, 1)
+    assert again["metadata"]["uid"] == pod["metadata"]["uid"]
+    assert await asyncio.to_thread(_restored_pid, again) == pid
+    answer = await asyncio.to_thread(_post, again["status"]["podIP"])
+    assert answer == {**expected, "pod": pod["metadata"]["name"]}

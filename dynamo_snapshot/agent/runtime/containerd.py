@@ -202,6 +202,11 @@ class ContainerdRuntime:
             )
         return Path(source)
 
+    def holds_restored(self, key: str) -> bool:
+        """Whether a restore put processes into the attached container."""
+        attached = self._attached.get(key)
+        return attached is not None and attached.restored_pid is not None
+
     def container_env(self, key: str) -> dict[str, str]:
         """The environment the attached container's process started with."""
         return self._get(key).container.env
@@ -226,9 +231,14 @@ class ContainerdRuntime:
     async def stop(self, key: str) -> None:
         """Kill what a restore put into the container (the placeholder then exits and the kubelet sees
         the container end); a checkpoint source is the kubelet's to stop."""
-        attached = self._attached.pop(key, None)
+        attached = self._attached.get(key)
         if attached is None or attached.restored_pid is None:
             return
+        # The placeholder exits with its restored tree; the one the kubelet starts next says anew that
+        # it waits.
+        with contextlib.suppress(WorkloadRuntimeError, OSError):
+            (self.control_dir(key) / protocol.FILE_RESTORE_STANDBY).unlink(missing_ok=True)
+        del self._attached[key]
         for pid in _descendants(attached.container.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
