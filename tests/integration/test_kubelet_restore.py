@@ -29,10 +29,10 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.artifact import ArtifactStore
 from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD
 from dynamo_snapshot.controller.manager import Controller, ControllerConfig
-from dynamo_snapshot.controller.runtime import POD, Kube, Obj
+from dynamo_snapshot.controller.runtime import EVENT, POD, Kube, Obj
 from dynamo_snapshot.criu import Criu
 from dynamo_snapshot.localcluster import LocalCluster
-from dynamo_snapshot.localcluster.realnode import REAL_NODE_TAINT, RUNC_ROOT, RealNode
+from dynamo_snapshot.localcluster.realnode import REAL_NODE_TAINT, RUNC_ROOT, TEST_IMAGE, RealNode
 from tests.helpers.polling import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.kubelet]
@@ -53,8 +53,8 @@ class Stack:
     agent_task: asyncio.Task[None] | None = None
     runtime: ContainerdRuntime | None = None
 
-    def start_agent(self, **settings: Any) -> ContainerdRuntime:
-        runtime = ContainerdRuntime(self.criu, self.state, runc_root=RUNC_ROOT)
+    def start_agent(self, runc_root: Path = RUNC_ROOT, **settings: Any) -> ContainerdRuntime:
+        runtime = ContainerdRuntime(self.criu, self.state, runc_root=runc_root)
         executor = Executor(
             runtime, ArtifactStore(self.store), self.criu, node_name=self.node.name, cuda=None, gpus=None
         )
@@ -390,3 +390,135 @@ async def test_agent_killed_mid_restore_then_kubelet_restarted(
     assert await asyncio.to_thread(_restored_pid, again) == pid
     answer = await asyncio.to_thread(_post, again["status"]["podIP"])
     assert answer == {**expected, "pod": pod["metadata"]["name"]}
+
+
+def _hand_made_restore_pod(
+    s: Stack, name: str, dgd: Obj, ckpt: Obj, image: str, command: list[str] | None, *, standby: bool
+) -> Obj:
+    """A restore pod of the graph's checkpoint, shaped by hand to be wrong in one way."""
+    env = [{"name": n, "value": protocol.CONTROL_MOUNT_PATH} for n in protocol.ENV_CONTROL_DIRS]
+    if standby:
+        env += [{"name": n, "value": "1"} for n in protocol.ENV_RESTORE_STANDBYS]
+    main: Obj = {
+        "name": "main",
+        "image": image,
+        "imagePullPolicy": "Never",
+        "env": env,
+        "volumeMounts": [{"name": protocol.CONTROL_VOLUME_NAME, "mountPath": protocol.CONTROL_MOUNT_PATH}],
+    }
+    if command:
+        main["command"] = command
+    ckpt_name = ckpt["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": s.namespace,
+            "labels": {protocol.LABEL_RESTORE_TARGET: protocol.TRUE, protocol.LABEL_CHECKPOINT_ID: ckpt_name},
+            "annotations": {protocol.ANNOTATION_RESTORE_FROM: ckpt_name},
+            # One of the graph's pods (the checkpoint is the graph's own), though not one it manages.
+            "ownerReferences": [
+                {
+                    "apiVersion": dgd["apiVersion"],
+                    "kind": dgd["kind"],
+                    "name": dgd["metadata"]["name"],
+                    "uid": dgd["metadata"]["uid"],
+                    "controller": False,
+                }
+            ],
+        },
+        "spec": {
+            **s.node.pod_overrides(),
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 1,
+            "containers": [main],
+            "volumes": [{"name": protocol.CONTROL_VOLUME_NAME, "emptyDir": {}}],
+        },
+    }
+
+
+async def _verdict(s: Stack, name: str) -> tuple[str, str]:
+    """The agent's failed verdict on pod ``name``: its message and the reason of its Warning Event."""
+
+    async def failed() -> str | None:
+        pod = await s.kube.get(POD, name, s.namespace)
+        ann = pod["metadata"].get("annotations") or {}
+        if _restore_status(pod) == "failed":
+            return str(ann[protocol.per_container(protocol.ANNOTATION_RESTORE_MESSAGE, "main")])
+        return None
+
+    message: str = await _eventually(failed, 60, f"the agent's verdict on {name}")
+
+    async def event() -> str | None:
+        events, _ = await s.kube.list_all(EVENT, s.namespace)
+        for e in events:
+            if e["involvedObject"].get("name") == name and e.get("type") == "Warning":
+                assert e["message"] == message
+                return str(e["reason"])
+        return None
+
+    reason: str = await _eventually(event, 30, f"a Warning Event on {name}")
+    return message, reason
+
+
+async def test_bad_restores_are_refused_with_a_clear_message(stack: Stack, real_node: RealNode) -> None:
+    s = stack
+    s.start_agent(standby_timeout=4)
+    ckpt, _ = await _checkpointed_graph(s)
+    dgd = await s.kube.get(DGD, GRAPH, s.namespace)
+    worker, busybox = real_node.worker_image.name, TEST_IMAGE.name
+    sentinel = f"{protocol.CONTROL_MOUNT_PATH}/{protocol.FILE_RESTORE_STANDBY}"
+    cases = {
+        # Started without standby: its entrypoint may have cold-started the worker.
+        "no-standby": (worker, None, False, "RestoreRefused", "is not in standby: it runs without"),
+        # Told to stand by, but its entrypoint never says it does.
+        "silent": (
+            busybox,
+            ["sleep", "3600"],
+            True,
+            "RestoreRefused",
+            "no restore-standby in its control dir",
+        ),
+        # A placeholder of another image: the checkpointed tree expects the worker image underneath.
+        "other-image": (
+            busybox,
+            ["sh", "-c", f"echo {{}} > {sentinel}; exec sleep 3600"],
+            True,
+            "RestoreFailed",
+            "image differs: the checkpoint was taken from image",
+        ),
+    }
+    for name, (image, command, standby, _, _) in cases.items():
+        await s.kube.create(POD, _hand_made_restore_pod(s, name, dgd, ckpt, image, command, standby=standby))
+    for name, (_, _, _, reason, text) in cases.items():
+        message, got = await _verdict(s, name)
+        assert got == reason, (name, message)
+        assert text in message, (name, message)
+    # Both images by digest, as the kubelet reports them.
+    placeholder = await s.kube.get(POD, "other-image", s.namespace)
+    message, _ = await _verdict(s, "other-image")
+    assert placeholder["status"]["containerStatuses"][0]["imageID"] in message
+    cold = (await _pods(s, protocol.StartMode.COLD.value))[0]
+    assert cold["status"]["containerStatuses"][0]["imageID"] in message
+    assert _workers_outside_pods() == []
+
+    # A writable-layer diff that no longer matches its checksum is refused before anything runs.
+    diff = next(s.store.rglob("criu/rootfs-diff.tar"))
+    data = bytearray(diff.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    diff.write_bytes(bytes(data))
+    await s.kube.create(POD, _hand_made_restore_pod(s, "corrupt", dgd, ckpt, worker, None, standby=True))
+    message, reason = await _verdict(s, "corrupt")
+    assert reason == "RestoreFailed"
+    assert "rootfs-diff.tar" in message
+    assert "refused" in message
+
+    # An agent that cannot reach the container runtime's state names the path and the Helm value.
+    await s.kill_agent()
+    s.start_agent(runc_root=s.state / "no-runc-root")
+    await s.kube.create(POD, _hand_made_restore_pod(s, "no-runtime", dgd, ckpt, worker, None, standby=True))
+    message, reason = await _verdict(s, "no-runtime")
+    assert reason == "RestoreFailed"
+    assert str(s.state / "no-runc-root") in message
+    assert "agent.containerRuntime.runcRoot" in message
