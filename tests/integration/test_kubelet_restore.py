@@ -10,69 +10,40 @@ its pod.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import urllib.request
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 from kubernetes_asyncio import client
 
-from dynamo_snapshot.agent.executor import Executor
 from dynamo_snapshot.agent.runtime.base import pid_running
-from dynamo_snapshot.agent.runtime.containerd import ContainerdRuntime
-from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.artifact import ArtifactStore
-from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD
-from dynamo_snapshot.controller.manager import Controller, ControllerConfig
+from dynamo_snapshot.controller.kinds import DGD
 from dynamo_snapshot.controller.runtime import EVENT, POD, Kube, Obj
 from dynamo_snapshot.criu import Criu
 from dynamo_snapshot.localcluster import LocalCluster
-from dynamo_snapshot.localcluster.realnode import REAL_NODE_TAINT, RUNC_ROOT, TEST_IMAGE, RealNode
+from dynamo_snapshot.localcluster.realnode import RUNC_ROOT, TEST_IMAGE, RealNode
+from tests.helpers.kubelet_stack import (
+    GRAPH,
+    MEMORY_LIMIT_BYTES,
+    PORT,
+    PROMPT,
+    SERVICE,
+    Stack,
+    checkpointed_graph,
+    eventually,
+    health,
+    pods,
+    post,
+    ready,
+    restore_pod,
+)
 from tests.helpers.polling import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.kubelet]
-
-GRAPH, SERVICE, PORT = "kub", "CpuWorker", 8000
-MEMORY_LIMIT = "160Mi"
-PROMPT = b"what does a restored worker answer?"
-
-
-@dataclass
-class Stack:
-    kube: Kube
-    namespace: str
-    node: RealNode
-    criu: Criu
-    state: Path
-    store: Path
-    agent_task: asyncio.Task[None] | None = None
-    runtime: ContainerdRuntime | None = None
-
-    def start_agent(self, runc_root: Path = RUNC_ROOT, **settings: Any) -> ContainerdRuntime:
-        runtime = ContainerdRuntime(self.criu, self.state, runc_root=runc_root)
-        executor = Executor(
-            runtime, ArtifactStore(self.store), self.criu, node_name=self.node.name, cuda=None, gpus=None
-        )
-        agent_settings = AgentSettings(
-            node_name=self.node.name, launch_workloads=False, ready_timeout=120, **settings
-        )
-        agent = NodeAgent(self.kube, executor, runtime, agent_settings)
-        self.agent_task = asyncio.create_task(agent.run_until(asyncio.Event()))
-        self.runtime = runtime
-        return runtime
-
-    async def kill_agent(self) -> None:
-        """End the agent at once, as a killed agent process ends (no clean-up of its own)."""
-        assert self.agent_task is not None
-        self.agent_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.agent_task
-        self.agent_task = None
 
 
 @pytest.fixture
@@ -84,107 +55,19 @@ async def stack(
     criu_bin: Path,
     tmp_path: Path,
 ) -> AsyncIterator[Stack]:
-    kube = Kube(api, field_manager="kubelet-e2e")
-    s = Stack(kube, namespace, real_node, Criu(criu_bin), tmp_path / "state", tmp_path / "artifacts")
-    config = ControllerConfig(
-        namespace=namespace, leader_elect=False, resync_seconds=5, metrics_port=0, drain_timeout=5
+    s = Stack(
+        Kube(api, field_manager="kubelet-e2e"),
+        namespace,
+        real_node,
+        Criu(criu_bin),
+        tmp_path / "state",
+        tmp_path / "artifacts",
     )
-    stop = asyncio.Event()
-    controller = asyncio.create_task(Controller(kube, config).run_until(stop))
+    s.start_controller()
     try:
         yield s
     finally:
-        stop.set()
-        if s.agent_task is not None:
-            await s.kill_agent()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(controller, 30)
-
-
-def _dgd(node: RealNode, replicas: int) -> Obj:
-    env = {
-        "WORKER_HOST": "0.0.0.0",
-        "WORKER_PORT": str(PORT),
-        "WORKER_WEIGHTS_MIB": "24",
-        "WORKER_COMPILE_ROUNDS": "20000",
-        "WORKER_SERVICE_MS": "1",
-    }
-    return {
-        "apiVersion": f"{protocol.API_GROUP}/{protocol.API_VERSION}",
-        "kind": "DynamoGraphDeployment",
-        "metadata": {"name": GRAPH},
-        "spec": {
-            "backendFramework": "vllm",
-            "services": {
-                SERVICE: {
-                    "componentType": "worker",
-                    "replicas": replicas,
-                    "extraPodSpec": {
-                        "nodeSelector": {"kubernetes.io/hostname": node.name},
-                        "tolerations": [
-                            {"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}
-                        ],
-                        "dnsPolicy": "Default",
-                        "terminationGracePeriodSeconds": 2,
-                        "mainContainer": {
-                            "image": node.worker_image.name,
-                            "imagePullPolicy": "Never",
-                            "env": [{"name": k, "value": v} for k, v in env.items()],
-                            "resources": {"limits": {"memory": MEMORY_LIMIT}},
-                            "readinessProbe": {
-                                "httpGet": {"path": "/health", "port": PORT},
-                                "periodSeconds": 1,
-                            },
-                        },
-                    },
-                    "checkpoint": {
-                        "enabled": True,
-                        "mode": "Auto",
-                        "identity": {"model": "cpu-reference", "backendFramework": "vllm"},
-                    },
-                }
-            },
-        },
-    }
-
-
-def _post(ip: str, path: str = "/generate", body: bytes = PROMPT) -> dict[str, Any]:
-    req = urllib.request.Request(f"http://{ip}:{PORT}{path}", data=body, method="POST")
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        answer: dict[str, Any] = json.loads(resp.read())
-    return answer
-
-
-def _health(ip: str) -> dict[str, Any]:
-    with urllib.request.urlopen(f"http://{ip}:{PORT}/health", timeout=5) as resp:
-        answer: dict[str, Any] = json.loads(resp.read())
-    return answer
-
-
-def _ready(pod: Obj) -> bool:
-    conds = (pod.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
-
-
-async def _pods(s: Stack, mode: str) -> list[Obj]:
-    pods, _ = await s.kube.list_all(POD, s.namespace)
-    return [
-        p
-        for p in pods
-        if (p["metadata"].get("labels") or {}).get(protocol.LABEL_START_MODE) == mode
-        and not p["metadata"].get("deletionTimestamp")
-    ]
-
-
-async def _eventually(check: Any, within: float, what: str) -> Any:
-    deadline = asyncio.get_running_loop().time() + within
-    last: Any = None
-    while asyncio.get_running_loop().time() < deadline:
-        last = await check()
-        if last:
-            return last
-        await asyncio.sleep(0.5)
-    raise AssertionError(f"timed out after {within:.0f}s waiting for {what} (last: {last!r})")
+        await s.close()
 
 
 def _restored_pid(pod: Obj) -> int:
@@ -202,43 +85,21 @@ def _memory_cgroup(pod: Obj) -> Path:
     return found[0]
 
 
-async def _checkpointed_graph(s: Stack) -> tuple[Obj, Obj]:
-    """The graph applied with one replica: its Ready Auto-mode checkpoint and its Ready cold worker."""
-    await s.kube.create(DGD, {**_dgd(s.node, 1), "metadata": {"name": GRAPH, "namespace": s.namespace}})
-
-    async def checkpoint_ready() -> Obj | None:
-        items, _ = await s.kube.list_all(CHECKPOINT, s.namespace)
-        for ckpt in items:
-            phase = (ckpt.get("status") or {}).get("phase")
-            assert phase != "Failed", ckpt["status"]
-            if phase == "Ready":
-                return ckpt
-        return None
-
-    ckpt = await _eventually(checkpoint_ready, 180, "the Auto-mode checkpoint to be Ready")
-
-    async def cold_ready() -> list[Obj]:
-        return [p for p in await _pods(s, protocol.StartMode.COLD.value) if _ready(p)]
-
-    (cold,) = await _eventually(cold_ready, 120, "the cold-started worker to be Ready")
-    return ckpt, cold
-
-
 def _restore_status(pod: Obj) -> str | None:
     ann = pod["metadata"].get("annotations") or {}
     return ann.get(protocol.per_container(protocol.ANNOTATION_RESTORE_STATUS, "main"))
 
 
 async def _restored_ready(s: Stack, count: int, *, failures_allowed: bool = False) -> list[Obj]:
-    async def ready() -> list[Obj]:
-        pods = await _pods(s, protocol.StartMode.RESTORE.value)
+    async def all_ready() -> list[Obj]:
+        restoring = await pods(s, protocol.StartMode.RESTORE.value)
         if not failures_allowed:
-            for p in pods:
+            for p in restoring:
                 assert _restore_status(p) != "failed", p["metadata"]["annotations"]
-        ready = [p for p in pods if _ready(p)]
-        return ready if len(ready) == count else []
+        done = [p for p in restoring if ready(p)]
+        return done if len(done) == count else []
 
-    found: list[Obj] = await _eventually(ready, 180, f"{count} restore pods to be Ready")
+    found: list[Obj] = await eventually(all_ready, 180, f"{count} restore pods to be Ready")
     return found
 
 
@@ -263,9 +124,9 @@ async def test_auto_mode_on_the_kubelet_node(
 ) -> None:
     s = stack
     s.start_agent()
-    ckpt, cold = await _checkpointed_graph(s)
+    ckpt, cold = await checkpointed_graph(s)
     assert ckpt["status"]["sourcePod"].startswith(f"{ckpt['metadata']['name']}-checkpoint-")
-    expected = await asyncio.to_thread(_post, cold["status"]["podIP"])
+    expected = await asyncio.to_thread(post, cold["status"]["podIP"])
 
     await s.kube.merge_patch(DGD, GRAPH, {"spec": {"services": {SERVICE: {"replicas": 4}}}}, s.namespace)
     restored = await _restored_ready(s, 3)
@@ -274,11 +135,11 @@ async def test_auto_mode_on_the_kubelet_node(
     assert cold["status"]["podIP"] not in ips
     for pod in restored:
         name, ip = pod["metadata"]["name"], pod["status"]["podIP"]
-        answer = await asyncio.to_thread(_post, ip)
+        answer = await asyncio.to_thread(post, ip)
         # The cold worker's output (its weights and compiled kernel came back with the process), under
         # the restore pod's own name (the identity the agent handed it).
         assert answer == {**expected, "pod": name}
-        assert (await asyncio.to_thread(_health, ip))["pod"] == name
+        assert (await asyncio.to_thread(health, ip))["pod"] == name
         ps = cluster.kubectl("exec", "-n", s.namespace, name, "--", "ps", "-o", "pid,args").stdout
         workers = [line.split(None, 1) for line in ps.splitlines() if "cpu_worker.py" in line]
         # The standby placeholder (the container's first process) and the restored worker under it.
@@ -320,7 +181,7 @@ async def test_auto_mode_on_the_kubelet_node(
     cgroup = await asyncio.to_thread(_memory_cgroup, target)
     procs = (cgroup / "cgroup.procs").read_text().split()
     assert str(pid) in procs
-    assert int((cgroup / "memory.limit_in_bytes").read_text()) == 160 << 20
+    assert int((cgroup / "memory.limit_in_bytes").read_text()) == MEMORY_LIMIT_BYTES
     assert int((cgroup / "memory.usage_in_bytes").read_text()) >= 24 << 20
     hog = cluster.kubectl(
         "exec", "-n", s.namespace, target["metadata"]["name"], "--",
@@ -354,8 +215,8 @@ async def test_agent_killed_mid_restore_then_kubelet_restarted(
 ) -> None:
     s = stack
     runtime = s.start_agent()
-    _, cold = await _checkpointed_graph(s)
-    expected = await asyncio.to_thread(_post, cold["status"]["podIP"])
+    _, cold = await checkpointed_graph(s)
+    expected = await asyncio.to_thread(post, cold["status"]["podIP"])
 
     # The agent dies after CRIU brought the tree back into the restore pod, before it told the worker so.
     restored_tree = asyncio.Event()
@@ -376,7 +237,7 @@ async def test_agent_killed_mid_restore_then_kubelet_restarted(
     # into the container the kubelet started anew, or a replacement pod).
     s.start_agent()
     (pod,) = await _restored_ready(s, 1, failures_allowed=True)
-    answer = await asyncio.to_thread(_post, pod["status"]["podIP"])
+    answer = await asyncio.to_thread(post, pod["status"]["podIP"])
     assert answer == {**expected, "pod": pod["metadata"]["name"]}
     assert _workers_outside_pods() == []
 
@@ -388,54 +249,8 @@ async def test_agent_killed_mid_restore_then_kubelet_restarted(
     (again,) = await _restored_ready(s, 1)
     assert again["metadata"]["uid"] == pod["metadata"]["uid"]
     assert await asyncio.to_thread(_restored_pid, again) == pid
-    answer = await asyncio.to_thread(_post, again["status"]["podIP"])
+    answer = await asyncio.to_thread(post, again["status"]["podIP"])
     assert answer == {**expected, "pod": pod["metadata"]["name"]}
-
-
-def _hand_made_restore_pod(
-    s: Stack, name: str, dgd: Obj, ckpt: Obj, image: str, command: list[str] | None, *, standby: bool
-) -> Obj:
-    """A restore pod of the graph's checkpoint, shaped by hand to be wrong in one way."""
-    env = [{"name": n, "value": protocol.CONTROL_MOUNT_PATH} for n in protocol.ENV_CONTROL_DIRS]
-    if standby:
-        env += [{"name": n, "value": "1"} for n in protocol.ENV_RESTORE_STANDBYS]
-    main: Obj = {
-        "name": "main",
-        "image": image,
-        "imagePullPolicy": "Never",
-        "env": env,
-        "volumeMounts": [{"name": protocol.CONTROL_VOLUME_NAME, "mountPath": protocol.CONTROL_MOUNT_PATH}],
-    }
-    if command:
-        main["command"] = command
-    ckpt_name = ckpt["metadata"]["name"]
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": name,
-            "namespace": s.namespace,
-            "labels": {protocol.LABEL_RESTORE_TARGET: protocol.TRUE, protocol.LABEL_CHECKPOINT_ID: ckpt_name},
-            "annotations": {protocol.ANNOTATION_RESTORE_FROM: ckpt_name},
-            # One of the graph's pods (the checkpoint is the graph's own), though not one it manages.
-            "ownerReferences": [
-                {
-                    "apiVersion": dgd["apiVersion"],
-                    "kind": dgd["kind"],
-                    "name": dgd["metadata"]["name"],
-                    "uid": dgd["metadata"]["uid"],
-                    "controller": False,
-                }
-            ],
-        },
-        "spec": {
-            **s.node.pod_overrides(),
-            "restartPolicy": "Never",
-            "terminationGracePeriodSeconds": 1,
-            "containers": [main],
-            "volumes": [{"name": protocol.CONTROL_VOLUME_NAME, "emptyDir": {}}],
-        },
-    }
 
 
 async def _verdict(s: Stack, name: str) -> tuple[str, str]:
@@ -448,7 +263,7 @@ async def _verdict(s: Stack, name: str) -> tuple[str, str]:
             return str(ann[protocol.per_container(protocol.ANNOTATION_RESTORE_MESSAGE, "main")])
         return None
 
-    message: str = await _eventually(failed, 60, f"the agent's verdict on {name}")
+    message: str = await eventually(failed, 60, f"the agent's verdict on {name}")
 
     async def event() -> str | None:
         events, _ = await s.kube.list_all(EVENT, s.namespace)
@@ -458,14 +273,14 @@ async def _verdict(s: Stack, name: str) -> tuple[str, str]:
                 return str(e["reason"])
         return None
 
-    reason: str = await _eventually(event, 30, f"a Warning Event on {name}")
+    reason: str = await eventually(event, 30, f"a Warning Event on {name}")
     return message, reason
 
 
 async def test_bad_restores_are_refused_with_a_clear_message(stack: Stack, real_node: RealNode) -> None:
     s = stack
     s.start_agent(standby_timeout=4)
-    ckpt, _ = await _checkpointed_graph(s)
+    ckpt, _ = await checkpointed_graph(s)
     dgd = await s.kube.get(DGD, GRAPH, s.namespace)
     worker, busybox = real_node.worker_image.name, TEST_IMAGE.name
     sentinel = f"{protocol.CONTROL_MOUNT_PATH}/{protocol.FILE_RESTORE_STANDBY}"
@@ -490,7 +305,7 @@ async def test_bad_restores_are_refused_with_a_clear_message(stack: Stack, real_
         ),
     }
     for name, (image, command, standby, _, _) in cases.items():
-        await s.kube.create(POD, _hand_made_restore_pod(s, name, dgd, ckpt, image, command, standby=standby))
+        await s.kube.create(POD, restore_pod(s, name, dgd, ckpt, image, command, standby=standby))
     for name, (_, _, _, reason, text) in cases.items():
         message, got = await _verdict(s, name)
         assert got == reason, (name, message)
@@ -499,7 +314,7 @@ async def test_bad_restores_are_refused_with_a_clear_message(stack: Stack, real_
     placeholder = await s.kube.get(POD, "other-image", s.namespace)
     message, _ = await _verdict(s, "other-image")
     assert placeholder["status"]["containerStatuses"][0]["imageID"] in message
-    cold = (await _pods(s, protocol.StartMode.COLD.value))[0]
+    cold = (await pods(s, protocol.StartMode.COLD.value))[0]
     assert cold["status"]["containerStatuses"][0]["imageID"] in message
     assert _workers_outside_pods() == []
 
@@ -508,7 +323,7 @@ async def test_bad_restores_are_refused_with_a_clear_message(stack: Stack, real_
     data = bytearray(diff.read_bytes())
     data[len(data) // 2] ^= 0xFF
     diff.write_bytes(bytes(data))
-    await s.kube.create(POD, _hand_made_restore_pod(s, "corrupt", dgd, ckpt, worker, None, standby=True))
+    await s.kube.create(POD, restore_pod(s, "corrupt", dgd, ckpt, worker, None, standby=True))
     message, reason = await _verdict(s, "corrupt")
     assert reason == "RestoreFailed"
     assert "rootfs-diff.tar" in message
@@ -517,7 +332,7 @@ async def test_bad_restores_are_refused_with_a_clear_message(stack: Stack, real_
     # An agent that cannot reach the container runtime's state names the path and the Helm value.
     await s.kill_agent()
     s.start_agent(runc_root=s.state / "no-runc-root")
-    await s.kube.create(POD, _hand_made_restore_pod(s, "no-runtime", dgd, ckpt, worker, None, standby=True))
+    await s.kube.create(POD, restore_pod(s, "no-runtime", dgd, ckpt, worker, None, standby=True))
     message, reason = await _verdict(s, "no-runtime")
     assert reason == "RestoreFailed"
     assert str(s.state / "no-runc-root") in message

@@ -131,6 +131,8 @@ class ContainerdRuntime:
         self.unshare = unshare
         self.cgroup_root = cgroup_root
         self._attached: dict[str, _Attached] = {}
+        # Seconds of each step of the last restore per workload key (benchmarks/kubelet_restore.py).
+        self.restore_phases: dict[str, dict[str, float]] = {}
 
     # ------------------------------------------------------------------ finding containers
     async def container(self, container_id: str) -> Container:
@@ -311,6 +313,8 @@ class ContainerdRuntime:
         except (OSError, ValueError) as e:
             raise WorkloadRuntimeError(f"checkpoint lacks its container description: {e}") from None
         mounts = _restore_mounts(target, [str(d) for d in meta.get("externalMounts") or []])
+        phases = self.restore_phases[key] = {}
+        started = time.monotonic()
         try:
             await asyncio.to_thread(
                 apply_diff,
@@ -320,6 +324,7 @@ class ContainerdRuntime:
             )
         except (RootfsDiffError, OSError) as e:
             raise WorkloadRuntimeError(f"writable layer not applied: {e}") from None
+        phases["rootfs_diff"] = time.monotonic() - started
         # CRIU writes the checkpointed host and domain names into the UTS namespace it joins: the
         # pod's, which must keep its own.
         names = await self._uts_names(target.pid)
@@ -332,6 +337,7 @@ class ContainerdRuntime:
                 self.nsenter, f"--pid=/proc/{target.pid}/ns/pid", "--",
                 self.unshare, "--mount", "--propagation", "private", "--mount-proc",
             ]  # fmt: skip
+            started = time.monotonic()
             try:
                 result = await self.criu.restore(
                     images_dir, log_dir=work, extra_args=args, wrapper=wrapper, pass_fds=fds
@@ -341,6 +347,7 @@ class ContainerdRuntime:
         finally:
             for fd in fds:
                 os.close(fd)
+        phases["criu"] = time.monotonic() - started
         await self._uts_names(target.pid, names)
         host_pid = await _host_pid(target.pid, result.pid)
         if host_pid is None:

@@ -1,0 +1,232 @@
+"""A controller and a node agent (runtime containerd) in-process against the real kubelet node, and the
+CPU reference worker's graph on it: shared by the kubelet-node tests and benchmarks/kubelet_restore.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dynamo_snapshot.agent.executor import Executor
+from dynamo_snapshot.agent.runtime.containerd import ContainerdRuntime
+from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.artifact import ArtifactStore
+from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD
+from dynamo_snapshot.controller.manager import Controller, ControllerConfig
+from dynamo_snapshot.controller.runtime import POD, Kube, Obj
+from dynamo_snapshot.criu import Criu
+from dynamo_snapshot.localcluster.realnode import REAL_NODE_TAINT, RUNC_ROOT, RealNode
+
+GRAPH, SERVICE, PORT = "kub", "CpuWorker", 8000
+MEMORY_LIMIT, MEMORY_LIMIT_BYTES = "160Mi", 160 << 20
+PROMPT = b"what does a restored worker answer?"
+
+
+@dataclass
+class Stack:
+    kube: Kube
+    namespace: str
+    node: RealNode
+    criu: Criu
+    state: Path
+    store: Path
+    agent_task: asyncio.Task[None] | None = None
+    runtime: ContainerdRuntime | None = None
+    _controller: asyncio.Task[None] | None = None
+    _stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def start_controller(self) -> None:
+        config = ControllerConfig(
+            namespace=self.namespace, leader_elect=False, resync_seconds=5, metrics_port=0, drain_timeout=5
+        )
+        self._controller = asyncio.create_task(Controller(self.kube, config).run_until(self._stop))
+
+    async def close(self) -> None:
+        self._stop.set()
+        if self.agent_task is not None:
+            await self.kill_agent()
+        if self._controller is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._controller, 30)
+
+    def start_agent(self, runc_root: Path = RUNC_ROOT, **settings: Any) -> ContainerdRuntime:
+        runtime = ContainerdRuntime(self.criu, self.state, runc_root=runc_root)
+        executor = Executor(
+            runtime, ArtifactStore(self.store), self.criu, node_name=self.node.name, cuda=None, gpus=None
+        )
+        agent_settings = AgentSettings(
+            node_name=self.node.name, launch_workloads=False, ready_timeout=120, **settings
+        )
+        agent = NodeAgent(self.kube, executor, runtime, agent_settings)
+        self.agent_task = asyncio.create_task(agent.run_until(asyncio.Event()))
+        self.runtime = runtime
+        return runtime
+
+    async def kill_agent(self) -> None:
+        """End the agent at once, as a killed agent process ends (no clean-up of its own)."""
+        assert self.agent_task is not None
+        self.agent_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.agent_task
+        self.agent_task = None
+
+
+def graph_manifest(node: RealNode, replicas: int) -> Obj:
+    env = {
+        "WORKER_HOST": "0.0.0.0",
+        "WORKER_PORT": str(PORT),
+        "WORKER_WEIGHTS_MIB": "24",
+        "WORKER_COMPILE_ROUNDS": "20000",
+        "WORKER_SERVICE_MS": "1",
+    }
+    return {
+        "apiVersion": f"{protocol.API_GROUP}/{protocol.API_VERSION}",
+        "kind": "DynamoGraphDeployment",
+        "metadata": {"name": GRAPH},
+        "spec": {
+            "backendFramework": "vllm",
+            "services": {
+                SERVICE: {
+                    "componentType": "worker",
+                    "replicas": replicas,
+                    "extraPodSpec": {
+                        "nodeSelector": {"kubernetes.io/hostname": node.name},
+                        "tolerations": [
+                            {"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}
+                        ],
+                        "dnsPolicy": "Default",
+                        "terminationGracePeriodSeconds": 2,
+                        "mainContainer": {
+                            "image": node.worker_image.name,
+                            "imagePullPolicy": "Never",
+                            "env": [{"name": k, "value": v} for k, v in env.items()],
+                            "resources": {"limits": {"memory": MEMORY_LIMIT}},
+                            "readinessProbe": {
+                                "httpGet": {"path": "/health", "port": PORT},
+                                "periodSeconds": 1,
+                            },
+                        },
+                    },
+                    "checkpoint": {
+                        "enabled": True,
+                        "mode": "Auto",
+                        "identity": {"model": "cpu-reference", "backendFramework": "vllm"},
+                    },
+                }
+            },
+        },
+    }
+
+
+def post(ip: str, path: str = "/generate", body: bytes = PROMPT) -> dict[str, Any]:
+    req = urllib.request.Request(f"http://{ip}:{PORT}{path}", data=body, method="POST")
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        answer: dict[str, Any] = json.loads(resp.read())
+    return answer
+
+
+def health(ip: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://{ip}:{PORT}/health", timeout=5) as resp:
+        answer: dict[str, Any] = json.loads(resp.read())
+    return answer
+
+
+def ready(pod: Obj) -> bool:
+    conds = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+
+
+async def pods(s: Stack, mode: str) -> list[Obj]:
+    pods, _ = await s.kube.list_all(POD, s.namespace)
+    return [
+        p
+        for p in pods
+        if (p["metadata"].get("labels") or {}).get(protocol.LABEL_START_MODE) == mode
+        and not p["metadata"].get("deletionTimestamp")
+    ]
+
+
+async def eventually(check: Any, within: float, what: str) -> Any:
+    deadline = asyncio.get_running_loop().time() + within
+    last: Any = None
+    while asyncio.get_running_loop().time() < deadline:
+        last = await check()
+        if last:
+            return last
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"timed out after {within:.0f}s waiting for {what} (last: {last!r})")
+
+
+async def checkpointed_graph(s: Stack) -> tuple[Obj, Obj]:
+    """The graph applied with one replica: its Ready Auto-mode checkpoint and its Ready cold worker."""
+    await s.kube.create(
+        DGD, {**graph_manifest(s.node, 1), "metadata": {"name": GRAPH, "namespace": s.namespace}}
+    )
+
+    async def checkpoint_ready() -> Obj | None:
+        items, _ = await s.kube.list_all(CHECKPOINT, s.namespace)
+        for ckpt in items:
+            phase = (ckpt.get("status") or {}).get("phase")
+            assert phase != "Failed", ckpt["status"]
+            if phase == "Ready":
+                return ckpt
+        return None
+
+    ckpt = await eventually(checkpoint_ready, 180, "the Auto-mode checkpoint to be Ready")
+
+    async def cold_ready() -> list[Obj]:
+        return [p for p in await pods(s, protocol.StartMode.COLD.value) if ready(p)]
+
+    (cold,) = await eventually(cold_ready, 120, "the cold-started worker to be Ready")
+    return ckpt, cold
+
+
+def restore_pod(
+    s: Stack, name: str, dgd: Obj, ckpt: Obj, image: str, command: list[str] | None, *, standby: bool
+) -> Obj:
+    """A restore pod of the graph's checkpoint, shaped by hand to be wrong in one way."""
+    env = [{"name": n, "value": protocol.CONTROL_MOUNT_PATH} for n in protocol.ENV_CONTROL_DIRS]
+    if standby:
+        env += [{"name": n, "value": "1"} for n in protocol.ENV_RESTORE_STANDBYS]
+    main: Obj = {
+        "name": "main",
+        "image": image,
+        "imagePullPolicy": "Never",
+        "env": env,
+        "volumeMounts": [{"name": protocol.CONTROL_VOLUME_NAME, "mountPath": protocol.CONTROL_MOUNT_PATH}],
+    }
+    if command:
+        main["command"] = command
+    ckpt_name = ckpt["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": s.namespace,
+            "labels": {protocol.LABEL_RESTORE_TARGET: protocol.TRUE, protocol.LABEL_CHECKPOINT_ID: ckpt_name},
+            "annotations": {protocol.ANNOTATION_RESTORE_FROM: ckpt_name},
+            # One of the graph's pods (the checkpoint is the graph's own), though not one it manages.
+            "ownerReferences": [
+                {
+                    "apiVersion": dgd["apiVersion"],
+                    "kind": dgd["kind"],
+                    "name": dgd["metadata"]["name"],
+                    "uid": dgd["metadata"]["uid"],
+                    "controller": False,
+                }
+            ],
+        },
+        "spec": {
+            **s.node.pod_overrides(),
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 1,
+            "containers": [main],
+            "volumes": [{"name": protocol.CONTROL_VOLUME_NAME, "emptyDir": {}}],
+        },
+    }
