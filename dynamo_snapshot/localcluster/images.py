@@ -417,8 +417,20 @@ def worker_image(repo: Path | None = None) -> ImageRef:
 def build_worker_rootfs(rootfs: Path, repo: Path | None = None) -> ImageRef:
     """Write the worker image's root filesystem to `rootfs`; the image it makes is named by the result."""
     entries = _worker_entries(repo or project_root())
-    _materialize(rootfs, entries)
+    _compile_bytecode(_materialize(rootfs, entries))
     return _worker_ref(entries)
+
+
+def _compile_bytecode(rootfs: Path) -> None:
+    """Compile the image's Python files ahead: a worker (and a restore pod's standby placeholder) then
+    starts without compiling its imports each time (0.55 s -> 0.1 s for the SDK on this machine).
+    Hash-based pycs that are never checked against their sources keep the layer reproducible."""
+    dirs = [rootfs / "usr/lib/python3.11", rootfs / WORKER_DIST_PACKAGES, rootfs / "app"]
+    argv = [str(WORKER_PYTHON), "-m", "compileall", "-q", "-j", "0", "--invalidation-mode", "unchecked-hash"]
+    argv += ["-s", str(rootfs), "-p", "/", *map(str, dirs)]
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False, env={"PATH": "/usr/bin:/bin"})
+    if proc.returncode != 0:
+        raise ImageBuildError(f"compiling the worker image's Python files failed: {proc.stdout}{proc.stderr}")
 
 
 def worker_image_archive(repo: Path | None = None, cache: Path | None = None) -> tuple[ImageRef, Path]:
@@ -435,6 +447,7 @@ def worker_image_archive(repo: Path | None = None, cache: Path | None = None) ->
     images.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="worker-build-", dir=images) as tmp:
         rootfs = _materialize(Path(tmp) / "rootfs", entries)
+        _compile_bytecode(rootfs)
         # A large layer that is written once and read from the same disk: speed over size.
         archive = write_oci_archive(
             Path(tmp) / "image.tar",

@@ -179,10 +179,15 @@ def test_worker_rootfs_imports_the_sdk_under_chroot(tmp_path: Path, repo: Path) 
     assert sh.stdout.strip() == "sh-ok", sh.stderr
 
     stdlib = rootfs / "usr/lib/python3.11"
-    for dropped in ("test", "lib2to3", "ensurepip", "config-3.11-x86_64-linux-gnu", "__pycache__"):
+    for dropped in ("test", "lib2to3", "ensurepip", "config-3.11-x86_64-linux-gnu"):
         assert not (stdlib / dropped).exists(), dropped
-    assert not list(rootfs.rglob("__pycache__"))
-    assert not list((rootfs / "app").rglob("*.pyc"))
+    # The image's own bytecode, compiled at build time: hash-based and never checked against the
+    # sources (flags 0b01 in the header), so the layer is the same on every build; none from this host.
+    for pyc in (
+        rootfs / "app/dynamo_snapshot/workload/__pycache__/standby.cpython-311.pyc",
+        stdlib / "json/__pycache__/__init__.cpython-311.pyc",
+    ):
+        assert int.from_bytes(pyc.read_bytes()[4:8], "little") == 0b01, pyc
     assert (rootfs / "tmp").stat().st_mode & 0o7777 == 0o1777
 
 
