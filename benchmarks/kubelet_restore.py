@@ -114,7 +114,7 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def main(restores: int, out: Path | None) -> None:
+async def main(restores: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kubelet-bench-") as tmp:
         work = Path(tmp)
         lc = LocalCluster(work / "cluster")
@@ -156,8 +156,7 @@ async def main(restores: int, out: Path | None) -> None:
         "samples": samples,
     }
     print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1))
-    if out is not None:
-        out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
 
 
 if __name__ == "__main__":
@@ -165,4 +164,6 @@ if __name__ == "__main__":
     parser.add_argument("--restores", type=int, default=12)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    asyncio.run(main(args.restores, args.out))
+    result = asyncio.run(main(args.restores))
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
