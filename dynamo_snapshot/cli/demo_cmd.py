@@ -1,8 +1,10 @@
 """`dynamo-snapshot demo`: the whole story on one machine, with real parts and real measurements.
 
-It starts the local control plane (etcd, kube-apiserver, scheduler, controller-manager, kwok with fake
-H200 nodes), Prometheus, the controller and one node agent per node (workers in runc containers, CRIU
-checkpoint/restore), applies a DynamoGraphDeployment in Auto mode running the CPU reference worker, then:
+It starts the local control plane (etcd, kube-apiserver, scheduler, controller-manager) with a real
+kubelet + containerd node, Prometheus, the controller and the node agent (workers in kubelet pods of the
+locally built worker image, checkpointed in place and restored into their restore pods' own containers
+with CRIU; `--kwok`: fake H200 nodes whose agents launch the workers as runc containers), applies a
+DynamoGraphDeployment in Auto mode running the CPU reference worker, then:
 cold start and checkpoint, load-driven scale-up by restore, a killed worker replaced by restore, and the
 scale-down. It ends with a table of measured times, `summary.json` and a PNG of load and replicas, and
 cleans up after itself.
@@ -44,7 +46,17 @@ def register(sub: Any) -> None:
     p.add_argument("--workdir", type=Path, help="cluster state, artifacts and logs (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the workdir (logs, artifacts) afterwards")
     p.add_argument("--apiserver-port", type=int, help="fixed kube-apiserver port (default: a free one)")
-    p.add_argument("--gpu-nodes", type=int, default=3, help="fake GPU nodes, one node agent each (default 3)")
+    p.add_argument(
+        "--kwok",
+        action="store_true",
+        help="fake GPU nodes (kwok) whose agents launch the workers, instead of the real kubelet node",
+    )
+    p.add_argument(
+        "--gpu-nodes",
+        type=int,
+        default=3,
+        help="with --kwok: fake GPU nodes, one node agent each (default 3)",
+    )
     p.add_argument("--quick", action="store_true", help="a smaller worker and a shorter story (tests, CI)")
     p.add_argument(
         "--setup-only",
@@ -87,14 +99,21 @@ def run(args: argparse.Namespace) -> int:
 async def _main(args: argparse.Namespace, console: Console, workdir: Path) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     setup_logging("info", path=args.out / "components.jsonl")  # controller and agents
-    stack = Stack(workdir, nodes=args.gpu_nodes, apiserver_port=args.apiserver_port, say=console.log)
+    stack = Stack(
+        workdir,
+        nodes=args.gpu_nodes,
+        kubelet=not args.kwok,
+        apiserver_port=args.apiserver_port,
+        say=console.log,
+    )
     try:
         if args.setup_only:
             await stack.start_cluster()
             assert stack.cluster is not None
-            console.print(
-                f"[green]ready[/] control plane at {stack.cluster.server}, {args.gpu_nodes} fake H200 nodes"
+            nodes = (
+                f"{args.gpu_nodes} fake H200 nodes" if args.kwok else f"kubelet node {stack.node_names[0]}"
             )
+            console.print(f"[green]ready[/] control plane at {stack.cluster.server}, {nodes}")
             if args.hold:
                 await _hold(stack, console)
             else:

@@ -11,10 +11,12 @@ import yaml
 from kubernetes_asyncio import client
 
 from dynamo_snapshot.agent.runtime import RuncRuntime
+from dynamo_snapshot.agent.runtime.containerd import ContainerdRuntime
 from dynamo_snapshot.cli import agent_cmd
 from dynamo_snapshot.cli.demo.stack import REPO, Stack
 from dynamo_snapshot.controller.runtime import Kube
 from dynamo_snapshot.criu.runner import ENV_CRIU
+from dynamo_snapshot.localcluster.realnode import RUNC_ROOT
 
 
 @pytest.fixture
@@ -28,7 +30,7 @@ async def test_demo_agents_come_from_an_agent_config(
     kube: Kube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(ENV_CRIU, "/bin/true")  # build() resolves CRIU; none runs here
-    stack = Stack(tmp_path / "work")
+    stack = Stack(tmp_path / "work", kubelet=False)
     config = stack.agent_config("gpu-node-1")
     # What the demo sets is what a config file could say: it survives the file's round trip.
     assert agent_cmd.AgentConfig.model_validate(config.model_dump(by_alias=True, mode="json")) == config
@@ -46,3 +48,17 @@ def test_writable_binds_is_a_setting_of_the_shipped_config() -> None:
     shipped = yaml.safe_load((REPO / "agent" / "config.yaml").read_text())
     assert shipped["writableBinds"] == []
     assert agent_cmd.AgentConfig.model_validate({**shipped, "nodeName": "n"}).writable_binds == []
+
+
+async def test_the_kubelet_nodes_agent_uses_the_shipped_defaults(
+    kube: Kube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENV_CRIU, "/bin/true")
+    stack = Stack(tmp_path / "work")
+    config = stack.agent_config("real-node")
+    assert agent_cmd.AgentConfig.model_validate(config.model_dump(by_alias=True, mode="json")) == config
+    assert (config.runtime, config.launch_workloads, config.runc_root) == ("containerd", False, RUNC_ROOT)
+    agent = agent_cmd.build(config, kube)
+    assert isinstance(agent.runtime, ContainerdRuntime)
+    assert agent.containers is agent.runtime, "the agent finds the kubelet's containers, it launches none"
+    assert agent.executor.store.root == stack.artifacts.root

@@ -1,5 +1,6 @@
-"""The README's first command, end to end: `dynamo-snapshot demo --quick` on the real control plane,
-Prometheus, controller, node agents with runc + CRIU, and the CPU reference worker."""
+"""The README's first command, end to end: `dynamo-snapshot demo --quick` on the real control plane and
+its real kubelet + containerd node, Prometheus, the controller, the node agent (CRIU into the pods'
+containers) and the CPU reference worker's image."""
 
 from __future__ import annotations
 
@@ -15,10 +16,12 @@ from pathlib import Path
 import pytest
 
 from dynamo_snapshot.artifact import ArtifactStore
-from dynamo_snapshot.cli.demo.stack import CPU_WORKER
 from tests.helpers.cli import run_cli
 
-pytestmark = [pytest.mark.cluster, pytest.mark.criu]
+# Where the worker image runs the reference worker.
+WORKER_SCRIPT = "/app/cpu_worker.py"
+
+pytestmark = [pytest.mark.cluster, pytest.mark.criu, pytest.mark.kubelet]
 
 
 @pytest.fixture
@@ -67,7 +70,8 @@ def test_demo_tells_the_whole_story_with_measured_numbers(tmp_path: Path, workdi
     assert modes == {"cold", "restore"}
     assert any(s["serving"] >= 2 for s in summary["timeline"])
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # It cleaned up after itself: no worker left running. Only the demo's worker, by its full path:
-    # tests/agent/cpu_worker.py workers of other tests may be running.
-    leftovers = subprocess.run(["pgrep", "-f", re.escape(str(CPU_WORKER))], capture_output=True, text=True)
+    # It cleaned up after itself: no worker of its image left running, nor its kubelet node.
+    leftovers = subprocess.run(["pgrep", "-f", re.escape(WORKER_SCRIPT)], capture_output=True, text=True)
     assert leftovers.stdout.strip() == "", leftovers.stdout
+    kubelets = subprocess.run(["pgrep", "-f", f"{workdir}/.*kubelet"], capture_output=True, text=True)
+    assert kubelets.stdout.strip() == "", kubelets.stdout

@@ -17,10 +17,19 @@ from typing import Any, TypeVar
 
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.artifact import artifact_key
-from dynamo_snapshot.cli.demo.stack import CPU_WORKER, NAMESPACE, DemoError, Endpoint, Stack, repo_env
+from dynamo_snapshot.cli.demo.stack import (
+    CPU_WORKER,
+    NAMESPACE,
+    WORKER_PORT,
+    DemoError,
+    Endpoint,
+    Stack,
+    repo_env,
+)
 from dynamo_snapshot.cli.demo.traffic import Load, Sample, Timeline
 from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD, SCALING_POLICY
 from dynamo_snapshot.controller.runtime import DELETED, POD, Informer, Kube, Obj
+from dynamo_snapshot.localcluster.realnode import REAL_NODE_TAINT
 
 GRAPH, SERVICE = "demo", "CpuWorker"
 SELECTOR = f"{protocol.LABEL_GRAPH}={GRAPH}"
@@ -81,13 +90,40 @@ class Results:
     requests_failed: int = 0
 
 
-def dgd_manifest(profile: Profile, endpoint_dir: str) -> Obj:
+def dgd_manifest(profile: Profile, stack: Stack) -> Obj:
+    """The demo's graph: one service of the CPU reference worker in Auto mode. On the kubelet node its
+    pods run the worker image there, listening on their pod IP; on kwok nodes the agents launch this
+    checkout's worker, which registers where it listens in the demo's endpoint directory."""
     env = {
-        **repo_env(),
-        "WORKER_ENDPOINT_DIR": endpoint_dir,
         "WORKER_WEIGHTS_MIB": str(profile.weights_mib),
         "WORKER_COMPILE_ROUNDS": str(profile.compile_rounds),
     }
+    pod_spec: Obj
+    if stack.real_node is not None:
+        env.update(WORKER_HOST="0.0.0.0", WORKER_PORT=str(WORKER_PORT))
+        pod_spec = {
+            "nodeSelector": {"kubernetes.io/hostname": stack.real_node.name},
+            "tolerations": [{"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
+            "dnsPolicy": "Default",
+            "terminationGracePeriodSeconds": 2,
+            "mainContainer": {
+                "image": stack.real_node.worker_image.name,
+                "imagePullPolicy": "Never",
+                "env": [{"name": k, "value": v} for k, v in env.items()],
+                "readinessProbe": {"httpGet": {"path": "/health", "port": WORKER_PORT}, "periodSeconds": 1},
+            },
+        }
+        resources: Obj = {}
+    else:
+        env.update(repo_env(), WORKER_ENDPOINT_DIR=str(stack.endpoint_dir))
+        pod_spec = {
+            "mainContainer": {
+                "image": "local/cpu-reference-worker:demo",
+                "command": [sys.executable, str(CPU_WORKER)],
+                "env": [{"name": k, "value": v} for k, v in env.items()],
+            }
+        }
+        resources = {"resources": {"limits": {"gpu": "1"}}}
     return {
         "apiVersion": f"{protocol.API_GROUP}/{protocol.API_VERSION}",
         "kind": "DynamoGraphDeployment",
@@ -98,14 +134,8 @@ def dgd_manifest(profile: Profile, endpoint_dir: str) -> Obj:
                 SERVICE: {
                     "componentType": "worker",
                     "replicas": 1,
-                    "resources": {"limits": {"gpu": "1"}},
-                    "extraPodSpec": {
-                        "mainContainer": {
-                            "image": "local/cpu-reference-worker:demo",
-                            "command": [sys.executable, str(CPU_WORKER)],
-                            "env": [{"name": k, "value": v} for k, v in env.items()],
-                        }
-                    },
+                    **resources,
+                    "extraPodSpec": pod_spec,
                     "checkpoint": {
                         "enabled": True,
                         "mode": "Auto",
@@ -305,7 +335,7 @@ class Scenario:
         )
         self.timeline.mark("DGD applied")
         applied = self.timeline.now()
-        await self.kube.create(DGD, dgd_manifest(self.profile, str(self.stack.endpoint_dir)), NAMESPACE)
+        await self.kube.create(DGD, dgd_manifest(self.profile, self.stack), NAMESPACE)
 
         def cold_serving() -> PodRecord | None:
             return next((r for r in self.pods.values() if r.mode == "cold" and r.serving is not None), None)

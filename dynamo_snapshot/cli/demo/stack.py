@@ -1,7 +1,8 @@
-"""Everything the demo runs, on one machine: the local control plane with fake GPU nodes, Prometheus,
-the controller, one node agent per node (runc containers, so several restored replicas of one checkpoint
-fit on one host; built from an AgentConfig as `dynamo-snapshot agent` builds its own), and the reference
-worker's registrations (who serves where)."""
+"""Everything the demo runs, on one machine: the local control plane with a real kubelet + containerd node
+(the default: workers are kubelet pods of the locally built worker image, restored into their own
+containers) or with fake GPU nodes (`kwok`: the agents launch the workers as runc containers), Prometheus,
+the controller, one node agent per node (built from an AgentConfig as `dynamo-snapshot agent` builds its
+own), and where the workers serve (pod IPs, or the registrations of launched workers)."""
 
 from __future__ import annotations
 
@@ -17,22 +18,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dynamo_snapshot.agent.pod_container import running_container
 from dynamo_snapshot.agent.watcher import NodeAgent, workload_key
 from dynamo_snapshot.artifact import ArtifactStore
 from dynamo_snapshot.cli import agent_cmd
 from dynamo_snapshot.cli.agent_cmd import AgentConfig
 from dynamo_snapshot.controller.config import CONTROLLER_NAME
 from dynamo_snapshot.controller.manager import Controller, ControllerConfig
-from dynamo_snapshot.controller.runtime import Kube, Obj, load_client
+from dynamo_snapshot.controller.runtime import POD, Kube, Obj, load_client
 from dynamo_snapshot.criu import Criu
 from dynamo_snapshot.localcluster import LocalCluster
 from dynamo_snapshot.localcluster.cluster import ClusterOptions
 from dynamo_snapshot.localcluster.prometheus import LocalPrometheus
+from dynamo_snapshot.localcluster.realnode import RUNC_ROOT, RealNode
 
 NAMESPACE = "demo"
 REPO = Path(__file__).resolve().parents[3]
 CPU_WORKER = REPO / "examples" / "reference_worker" / "cpu_worker.py"
 GPU_WORKER = REPO / "examples" / "reference_worker" / "worker.py"
+# Where the worker listens in a kubelet pod (its pod IP).
+WORKER_PORT = 8000
 
 
 class DemoError(RuntimeError):
@@ -55,13 +60,17 @@ class Endpoint:
 @dataclass
 class Stack:
     workdir: Path
-    nodes: int = 3
+    nodes: int = 3  # fake GPU nodes (kwok)
+    kubelet: bool = True  # a real kubelet node runs the workers; False: kwok nodes, launched workers
     apiserver_port: int | None = None
     say: Callable[[str], None] = print
     cluster: LocalCluster | None = None
     prometheus: LocalPrometheus | None = None
     kube: Kube | None = None
     agents: dict[str, NodeAgent] = field(default_factory=dict)
+    real_node: RealNode | None = None
+    # Pods the story stopped counting as serving (a killed worker) until they are gone.
+    forgotten: set[str] = field(default_factory=set)
     # pod -> where it serves: the registration directory as last read (by the discovery task, 5x a second)
     workers: dict[str, Endpoint] = field(default_factory=dict)
     # Shared by all nodes, like a RWX volume.
@@ -84,11 +93,15 @@ class Stack:
         )
         await asyncio.to_thread(self.cluster.start, progress=self.say)
         await asyncio.to_thread(self._install)
+        if self.kubelet:
+            self.real_node = await asyncio.to_thread(self.cluster.start_real_node, progress=self.say)
 
     async def start(self) -> None:
         """The cluster, then Prometheus, the controller and the agents."""
         if shutil.which("runc") is None:
             raise DemoError("runc is missing: run scripts/test-env.sh (it installs the Debian package)")
+        if self.kubelet and os.geteuid() != 0:
+            raise DemoError("the kubelet node needs root (bridge, mounts, cgroups): run with sudo, or --kwok")
         if not CPU_WORKER.exists():
             raise DemoError(f"{CPU_WORKER} is missing: run the demo from a checkout of the repository")
         criu = Criu(None)
@@ -109,17 +122,40 @@ class Stack:
         )
         controller = Controller(Kube(self._api, field_manager=CONTROLLER_NAME), config)
         self._tasks.append(asyncio.create_task(controller.run_until(self._stop), name="controller"))
-        for i in range(self.nodes):
-            node = f"gpu-node-{i}"
+        for node in self.node_names:
             kube = Kube(self._api, field_manager=agent_cmd.FIELD_MANAGER)
             agent = self.agents[node] = agent_cmd.build(self.agent_config(node), kube)
             self._tasks.append(asyncio.create_task(agent.run_until(self._stop), name=f"agent-{node}"))
         self._tasks.append(asyncio.create_task(self._discover(), name="discovery"))
-        self.say(f"controller and {self.nodes} node agents (runc) running")
+        if self.kubelet:
+            self.say(
+                f"controller and the node agent of kubelet node {self.node_names[0]} (containerd) running"
+            )
+        else:
+            self.say(f"controller and {self.nodes} node agents (runc) running")
+
+    @property
+    def node_names(self) -> list[str]:
+        if self.kubelet:
+            assert self.real_node is not None
+            return [self.real_node.name]
+        return [f"gpu-node-{i}" for i in range(self.nodes)]
 
     def agent_config(self, node: str) -> AgentConfig:
-        """What agent/config.yaml would say on this node: no kubelet, so the agent starts the workers."""
+        """What agent/config.yaml would say on this node: on the kubelet node the defaults (runtime
+        containerd); on a kwok node no kubelet runs pods, so the agent starts the workers."""
         base = self.workdir / "nodes" / node
+        if self.kubelet:
+            return AgentConfig(
+                node_name=node,
+                artifact_root=self.artifacts.root,
+                control_root=base / "control",
+                state_root=base / "state",
+                runc_root=RUNC_ROOT,
+                ready_timeout_seconds=600,
+                metrics_port=0,
+                health_port=0,
+            )
         return AgentConfig(
             node_name=node,
             artifact_root=self.artifacts.root,
@@ -139,10 +175,12 @@ class Stack:
     def _install(self) -> None:
         assert self.cluster is not None
         self.cluster.install_crds()
-        for i in range(self.nodes):
-            self.cluster.add_gpu_node(f"gpu-node-{i}")
+        if not self.kubelet:
+            for i in range(self.nodes):
+                self.cluster.add_gpu_node(f"gpu-node-{i}")
         self.cluster.kubectl("create", "namespace", NAMESPACE)
-        self.say(f"CRDs installed, {self.nodes} fake H200 nodes, namespace {NAMESPACE}")
+        nodes = "" if self.kubelet else f", {self.nodes} fake H200 nodes"
+        self.say(f"CRDs installed{nodes}, namespace {NAMESPACE}")
 
     async def stop(self) -> None:
         self._stop.set()
@@ -152,6 +190,8 @@ class Stack:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.gather(*self._tasks, return_exceptions=True), timeout=30)
         for node, agent in self.agents.items():
+            if self.kubelet:
+                break  # the kubelet's containers go with the node
             for key in await asyncio.to_thread(_workload_keys, self.agent_config(node).control_root):
                 with contextlib.suppress(Exception):
                     await agent.runtime.stop(key)
@@ -172,12 +212,28 @@ class Stack:
                 found[path.stem] = Endpoint(path.stem, f"{data['host']}:{data['port']}")
         return found
 
+    async def _pod_endpoints(self) -> dict[str, Endpoint]:
+        """Kubelet pods whose main container runs, at their pod IP."""
+        assert self.kube is not None
+        pods, _ = await self.kube.list_all(POD, NAMESPACE)
+        return {
+            p["metadata"]["name"]: Endpoint(p["metadata"]["name"], f"{p['status']['podIP']}:{WORKER_PORT}")
+            for p in pods
+            if not p["metadata"].get("deletionTimestamp")
+            and (p.get("status") or {}).get("podIP")
+            and running_container(p) is not None
+        }
+
     async def _discover(self) -> None:
         """The demo's service discovery: keep `workers` current and Prometheus scraping them."""
         assert self.prometheus is not None
         current: list[str] = []
         while True:
-            self.workers = await asyncio.to_thread(self._read_registrations)
+            if self.kubelet:
+                found = await self._pod_endpoints()
+            else:
+                found = await asyncio.to_thread(self._read_registrations)
+            self.workers = {name: e for name, e in found.items() if name not in self.forgotten}
             wanted = sorted(e.address for e in self.workers.values())
             if wanted != current:
                 await asyncio.to_thread(self.prometheus.set_targets, wanted)
@@ -185,6 +241,7 @@ class Stack:
             await asyncio.sleep(0.2)
 
     def forget_endpoint(self, pod: str) -> None:
+        self.forgotten.add(pod)
         self.workers.pop(pod, None)
         with contextlib.suppress(FileNotFoundError):
             (self.endpoint_dir / f"{pod}.json").unlink()
