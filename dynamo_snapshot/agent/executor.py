@@ -391,18 +391,22 @@ class Executor:
         identity_info: dict[str, Any] | None = None,
         manifest_digest: str | None = None,
         image_id: str | None = None,
+        visible_gpus: tuple[str, ...] | None = None,
     ) -> RestoreOutcome:
         """Restore the artifact ``artifact_key`` as workload ``key``: from the node cache's copy when it
         holds the store's current one (a refused copy is dropped and the store's used instead), else
         from the store, after which a copy is put into the node cache in the background. With
         ``manifest_digest``, only an artifact whose sealed manifest has exactly that digest is used;
-        with ``image_id`` (the image the restore container runs), only one taken from that image."""
+        with ``image_id`` (the image the restore container runs), only one taken from that image; with
+        ``visible_gpus`` (the restore container's GPUs), onto those."""
         if self._deleting[artifact_key]:
             FAILURES.labels("restore").inc()
             raise ArtifactRefused(f"artifact {artifact_key} refused: it is being deleted")
         self._reading[artifact_key] += 1
         try:
-            return await self._restore_reading(key, artifact_key, identity_info, manifest_digest, image_id)
+            return await self._restore_reading(
+                key, artifact_key, identity_info, manifest_digest, image_id, visible_gpus
+            )
         finally:
             self._reading[artifact_key] -= 1
             if not self._reading[artifact_key]:
@@ -415,6 +419,7 @@ class Executor:
         identity_info: dict[str, Any] | None,
         manifest_digest: str | None,
         image_id: str | None,
+        visible_gpus: tuple[str, ...] | None,
     ) -> RestoreOutcome:
         t = Timings()
         try:
@@ -425,6 +430,7 @@ class Executor:
                     raise ArtifactRefused(f"artifact {artifact_key} refused: {e}") from None
                 _check_digest(artifact, manifest_digest)
                 _check_image(artifact, image_id)
+                assigned_gpus(self.gpus, visible_gpus, artifact.manifest.gpus)
             if self.cache is not None:
                 cached = await self._restore_from_cache(
                     self.cache, key, artifact, t, identity_info, manifest_digest
@@ -745,7 +751,8 @@ class Executor:
                         raise ArtifactRefused(f"artifact {artifact.key} refused: {e}") from None
                 await self.runtime.resume(workload)
             with t.phase("restore", "cuda_restore"):
-                remap = _gpu_remap(artifact.manifest.gpus, self.gpus)
+                target = assigned_gpus(self.gpus, workload.visible_gpus, artifact.manifest.gpus)
+                remap = _gpu_remap(artifact.manifest.gpus, target)
                 await self._resume_cuda(await self._checkpointed_pids(workload.pid), remap)
         except BaseException:
             await self.runtime.stop(key)
@@ -1104,6 +1111,33 @@ def _control_dir_seen_by_worker(runtime: str, workload: Workload) -> str:
     if workload.worker_control_dir is not None:
         return workload.worker_control_dir
     return protocol.CONTROL_MOUNT_PATH if runtime == "runc" else str(workload.control_dir)
+
+
+def assigned_gpus(
+    node: GpuInfo | None, visible: tuple[str, ...] | None, checkpoint: GpuInfo | None
+) -> GpuInfo | None:
+    """The GPUs a restore goes onto: the container's (``visible``: UUIDs, or indices of the node's GPUs)
+    where its runtime says, else the node's. AgentError when they cannot hold the checkpoint's."""
+    if node is None or visible is None or checkpoint is None:
+        return node
+    uuids: list[str] = []
+    for token in visible:
+        if token.isdigit():
+            index = int(token)
+            if index >= len(node.uuids):
+                raise AgentError(
+                    f"the restore container was given GPU {index} (NVIDIA_VISIBLE_DEVICES); this node has "
+                    f"{len(node.uuids)}"
+                )
+            uuids.append(node.uuids[index])
+        else:
+            uuids.append(token)
+    if len(uuids) < checkpoint.count:
+        raise AgentError(
+            f"the restore container was given {len(uuids)} GPU(s) (NVIDIA_VISIBLE_DEVICES); the checkpoint "
+            f"was taken on {checkpoint.count}"
+        )
+    return node.model_copy(update={"uuids": uuids, "count": len(uuids)})
 
 
 def _gpu_remap(source: GpuInfo | None, target: GpuInfo | None) -> dict[str, str]:

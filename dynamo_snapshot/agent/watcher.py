@@ -546,6 +546,7 @@ class NodeAgent:
         )
         self._restoring.add(meta["uid"])
         image_id: str | None = None
+        visible_gpus: tuple[str, ...] | None = None
         if self.containers is not None:
             try:
                 target = await self._attach_restore_target(pod, self.containers, spent)
@@ -555,7 +556,7 @@ class NodeAgent:
             except (AgentError, WorkloadRuntimeError) as e:
                 await self._fail(pod, "RestoreFailed", protocol.ANNOTATION_RESTORE_STATUS, str(e))
                 return
-            image_id = target.image_id
+            image_id, visible_gpus = target.image_id, target.visible_gpus
         try:
             outcome = await self.executor.restore(
                 key,
@@ -572,6 +573,7 @@ class NodeAgent:
                     },
                 },
                 image_id=image_id,
+                visible_gpus=visible_gpus,
             )
         except (AgentError, WorkloadRuntimeError, ValueError) as e:
             with contextlib.suppress(Exception):

@@ -64,6 +64,15 @@ class AgentConfig(BaseModel):
         default=False, description="start pods' main containers here (nodes without a kubelet: demo, kwok)"
     )
     ready_timeout_seconds: float = Field(default=3600, gt=0)
+    container_start_timeout_seconds: float = Field(
+        default=600, gt=0, description="runtime containerd: how long a pod's main container may take to start"
+    )
+    standby_timeout_seconds: float = Field(
+        default=120,
+        gt=0,
+        description="runtime containerd: how long a restore pod's container may take to say it waits "
+        "in standby",
+    )
     verify_cache_seconds: float = Field(
         default=3600,
         ge=0,
@@ -151,6 +160,8 @@ _FLAGS = (
     "runc_root",
     "launch_workloads",
     "ready_timeout_seconds",
+    "container_start_timeout_seconds",
+    "standby_timeout_seconds",
     "verify_cache_seconds",
     "prefetch_node_files",
     "weights_check_idle_io",
@@ -208,6 +219,10 @@ def register(sub: Any) -> None:
     p.add_argument("--runc-root", type=Path, help=_described("runc_root"))
     _switch(p, "launch_workloads")
     p.add_argument("--ready-timeout-seconds", type=float, help="how long a worker may take to get ready")
+    p.add_argument(
+        "--container-start-timeout-seconds", type=float, help=_described("container_start_timeout_seconds")
+    )
+    p.add_argument("--standby-timeout-seconds", type=float, help=_described("standby_timeout_seconds"))
     p.add_argument(
         "--verify-cache-seconds",
         type=float,
@@ -268,6 +283,8 @@ def build(config: AgentConfig, kube: Kube) -> NodeAgent:
         node_name=config.node_name,
         launch_workloads=config.launch_workloads,
         ready_timeout=config.ready_timeout_seconds,
+        container_start_timeout=config.container_start_timeout_seconds,
+        standby_timeout=config.standby_timeout_seconds,
     )
     return NodeAgent(kube, executor, runtime, settings)
 

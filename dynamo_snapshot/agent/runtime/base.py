@@ -45,6 +45,9 @@ class Workload:
     worker_control_dir: str | None = None
     # The image the worker's container runs (the kubelet's imageID), where a kubelet started it.
     image_id: str | None = None
+    # The GPUs the device plugin gave the worker's container (NVIDIA_VISIBLE_DEVICES: UUIDs or indices
+    # of the node's GPUs); None where it does not say (all of the node's).
+    visible_gpus: tuple[str, ...] | None = None
 
 
 class WorkloadRuntimeError(Exception):

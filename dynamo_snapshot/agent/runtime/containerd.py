@@ -187,6 +187,7 @@ class ContainerdRuntime:
             container_id=c.id,
             worker_control_dir=_control_mount(c),
             image_id=attached.image_id,
+            visible_gpus=visible_gpus(c.env),
         )
 
     def _get(self, key: str) -> _Attached:
@@ -458,6 +459,17 @@ def _restore_mounts(target: Container, external: list[str]) -> dict[str, str]:
             "the restore container lacks mounts the checkpoint had: " + ", ".join(sorted(missing))
         )
     return out
+
+
+def visible_gpus(env: dict[str, str]) -> tuple[str, ...] | None:
+    """The GPUs NVIDIA_VISIBLE_DEVICES gives a container (UUIDs or indices, as the device plugin wrote
+    them); None when it names none in particular ("all", or unset: CDI injects devices without it)."""
+    value = env.get("NVIDIA_VISIBLE_DEVICES", "").strip()
+    if value in ("", "all"):
+        return None
+    if value in ("none", "void"):
+        return ()
+    return tuple(t.strip() for t in value.split(",") if t.strip())
 
 
 def _fd_target(pid: int, fd: int) -> str:

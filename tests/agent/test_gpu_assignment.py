@@ -1,0 +1,62 @@
+"""Which GPUs a restore into a kubelet pod goes onto: the ones the device plugin gave the restore
+container (NVIDIA_VISIBLE_DEVICES), not simply the node's first ones. Pure logic."""
+
+from __future__ import annotations
+
+import pytest
+
+from dynamo_snapshot.agent.executor import AgentError, _gpu_remap, assigned_gpus
+from dynamo_snapshot.agent.runtime.containerd import visible_gpus
+from dynamo_snapshot.artifact import GpuInfo
+
+NODE = GpuInfo(
+    product="NVIDIA-H200",
+    cuda_driver_major="580",
+    count=4,
+    uuids=[f"GPU-node-{i}" for i in range(4)],
+)
+CHECKPOINT = GpuInfo(product="NVIDIA-H200", cuda_driver_major="580", count=1, uuids=["GPU-source-0"])
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (None, None),
+        ("all", None),
+        ("", None),
+        ("none", ()),
+        ("void", ()),
+        ("2", ("2",)),
+        ("GPU-a, GPU-b", ("GPU-a", "GPU-b")),
+        ("MIG-x", ("MIG-x",)),
+    ],
+)
+def test_visible_gpus_reads_the_device_plugins_variable(value: str | None, expected: object) -> None:
+    env = {} if value is None else {"NVIDIA_VISIBLE_DEVICES": value}
+    assert visible_gpus(env) == expected
+
+
+def test_the_restore_goes_onto_the_containers_gpu_by_index_or_uuid() -> None:
+    by_index = assigned_gpus(NODE, ("2",), CHECKPOINT)
+    assert by_index is not None
+    assert by_index.uuids == ["GPU-node-2"]
+    assert _gpu_remap(CHECKPOINT, by_index) == {"GPU-source-0": "GPU-node-2"}
+    by_uuid = assigned_gpus(NODE, ("GPU-node-3",), CHECKPOINT)
+    assert by_uuid is not None
+    assert _gpu_remap(CHECKPOINT, by_uuid) == {"GPU-source-0": "GPU-node-3"}
+
+
+def test_without_an_assignment_the_nodes_gpus_are_used() -> None:
+    assert assigned_gpus(NODE, None, CHECKPOINT) == NODE
+    assert _gpu_remap(CHECKPOINT, NODE) == {"GPU-source-0": "GPU-node-0"}
+    assert assigned_gpus(NODE, ("1",), None) == NODE  # a CPU checkpoint needs no GPU
+
+
+def test_an_assignment_that_cannot_hold_the_checkpoint_is_refused() -> None:
+    with pytest.raises(AgentError, match="given 0 GPU"):
+        assigned_gpus(NODE, (), CHECKPOINT)
+    with pytest.raises(AgentError, match=r"given GPU 7 .*this node has 4"):
+        assigned_gpus(NODE, ("7",), CHECKPOINT)
+    two = CHECKPOINT.model_copy(update={"count": 2, "uuids": ["GPU-s0", "GPU-s1"]})
+    with pytest.raises(AgentError, match=r"given 1 GPU.*taken on 2"):
+        assigned_gpus(NODE, ("1",), two)
