@@ -325,6 +325,20 @@ class RealNode:
             "dnsPolicy": "Default",
         }
 
+    def pod(self, name: str, containers: list[dict[str, Any]], **spec: Any) -> dict[str, Any]:
+        """A Pod manifest for this node: its overrides, a 1 s grace period, then ``spec``."""
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name},
+            "spec": {
+                **self.pod_overrides(),
+                "terminationGracePeriodSeconds": 1,
+                "containers": containers,
+                **spec,
+            },
+        }
+
     def log_tail(self, name: str, lines: int = 20) -> str:
         log = self.workdir / "logs" / f"{name}.log"
         if not log.exists():

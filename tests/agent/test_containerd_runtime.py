@@ -23,6 +23,7 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.criu import Criu
 from dynamo_snapshot.localcluster import LocalCluster
 from dynamo_snapshot.localcluster.realnode import RUNC_ROOT, TEST_IMAGE, RealNode
+from tests.helpers.kubelet_stack import snapshot_pod
 from tests.helpers.polling import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.kubelet]
@@ -37,32 +38,8 @@ SOURCE_SCRIPT = (
 
 
 def _pod(node: RealNode, name: str, command: list[str], *, standby: bool = False) -> dict[str, Any]:
-    env = [{"name": n, "value": protocol.CONTROL_MOUNT_PATH} for n in protocol.ENV_CONTROL_DIRS]
-    if standby:
-        env += [{"name": n, "value": "1"} for n in protocol.ENV_RESTORE_STANDBYS]
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name},
-        "spec": {
-            **node.pod_overrides(),
-            "terminationGracePeriodSeconds": 1,
-            "containers": [
-                {
-                    "name": "main",
-                    "image": TEST_IMAGE.name,
-                    "imagePullPolicy": "Never",
-                    "command": command,
-                    "env": env,
-                    "resources": {"limits": {"memory": "64Mi"}},
-                    "volumeMounts": [
-                        {"name": protocol.CONTROL_VOLUME_NAME, "mountPath": protocol.CONTROL_MOUNT_PATH}
-                    ],
-                }
-            ],
-            "volumes": [{"name": protocol.CONTROL_VOLUME_NAME, "emptyDir": {}}],
-        },
-    }
+    main = {"image": TEST_IMAGE.name, "command": command, "resources": {"limits": {"memory": "64Mi"}}}
+    return snapshot_pod(node, name, main, standby=standby)
 
 
 def _run(cluster: LocalCluster, ns: str, manifest: dict[str, Any]) -> dict[str, Any]:

@@ -16,11 +16,12 @@ from dynamo_snapshot.agent.runtime.containerd import ContainerdRuntime
 from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.artifact import ArtifactStore
+from dynamo_snapshot.cli.demo.scenario import kubelet_worker_spec, worker_graph
 from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD
 from dynamo_snapshot.controller.manager import Controller, ControllerConfig
 from dynamo_snapshot.controller.runtime import POD, Kube, Obj
 from dynamo_snapshot.criu import Criu
-from dynamo_snapshot.localcluster.realnode import REAL_NODE_TAINT, RUNC_ROOT, RealNode
+from dynamo_snapshot.localcluster.realnode import RUNC_ROOT, RealNode
 
 GRAPH, SERVICE, PORT = "kub", "CpuWorker", 8000
 MEMORY_LIMIT, MEMORY_LIMIT_BYTES = "160Mi", 160 << 20
@@ -77,50 +78,9 @@ class Stack:
 
 
 def graph_manifest(node: RealNode, replicas: int) -> Obj:
-    env = {
-        "WORKER_HOST": "0.0.0.0",
-        "WORKER_PORT": str(PORT),
-        "WORKER_WEIGHTS_MIB": "24",
-        "WORKER_COMPILE_ROUNDS": "20000",
-        "WORKER_SERVICE_MS": "1",
-    }
-    return {
-        "apiVersion": f"{protocol.API_GROUP}/{protocol.API_VERSION}",
-        "kind": "DynamoGraphDeployment",
-        "metadata": {"name": GRAPH},
-        "spec": {
-            "backendFramework": "vllm",
-            "services": {
-                SERVICE: {
-                    "componentType": "worker",
-                    "replicas": replicas,
-                    "extraPodSpec": {
-                        "nodeSelector": {"kubernetes.io/hostname": node.name},
-                        "tolerations": [
-                            {"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}
-                        ],
-                        "dnsPolicy": "Default",
-                        "terminationGracePeriodSeconds": 2,
-                        "mainContainer": {
-                            "image": node.worker_image.name,
-                            "imagePullPolicy": "Never",
-                            "env": [{"name": k, "value": v} for k, v in env.items()],
-                            "resources": {"limits": {"memory": MEMORY_LIMIT}},
-                            "readinessProbe": {
-                                "httpGet": {"path": "/health", "port": PORT},
-                                "periodSeconds": 1,
-                            },
-                        },
-                    },
-                    "checkpoint": {
-                        "enabled": True,
-                        "mode": "Auto",
-                        "identity": {"model": "cpu-reference", "backendFramework": "vllm"},
-                    },
-                }
-            },
-        },
-    }
+    env = {"WORKER_WEIGHTS_MIB": "24", "WORKER_COMPILE_ROUNDS": "20000", "WORKER_SERVICE_MS": "1"}
+    spec = kubelet_worker_spec(node, env, port=PORT, memory=MEMORY_LIMIT)
+    return worker_graph(GRAPH, SERVICE, spec, replicas=replicas)
 
 
 def post(ip: str, path: str = "/generate", body: bytes = PROMPT) -> dict[str, Any]:
@@ -186,47 +146,43 @@ async def checkpointed_graph(s: Stack) -> tuple[Obj, Obj]:
     return ckpt, cold
 
 
+def snapshot_pod(node: RealNode, name: str, main: Obj, *, standby: bool, **spec: Any) -> Obj:
+    """A pod on the real node whose container ``main`` has the snapshot control volume and variables,
+    and with ``standby`` the restore pods' standby variables."""
+    env = [{"name": n, "value": protocol.CONTROL_MOUNT_PATH} for n in protocol.ENV_CONTROL_DIRS]
+    if standby:
+        env += [{"name": n, "value": "1"} for n in protocol.ENV_RESTORE_STANDBYS]
+    container = {
+        "name": "main",
+        "imagePullPolicy": "Never",
+        **main,
+        "env": env,
+        "volumeMounts": [{"name": protocol.CONTROL_VOLUME_NAME, "mountPath": protocol.CONTROL_MOUNT_PATH}],
+    }
+    volumes = [{"name": protocol.CONTROL_VOLUME_NAME, "emptyDir": {}}]
+    return node.pod(name, [container], volumes=volumes, **spec)
+
+
 def restore_pod(
     s: Stack, name: str, dgd: Obj, ckpt: Obj, image: str, command: list[str] | None, *, standby: bool
 ) -> Obj:
     """A restore pod of the graph's checkpoint, shaped by hand to be wrong in one way."""
-    env = [{"name": n, "value": protocol.CONTROL_MOUNT_PATH} for n in protocol.ENV_CONTROL_DIRS]
-    if standby:
-        env += [{"name": n, "value": "1"} for n in protocol.ENV_RESTORE_STANDBYS]
-    main: Obj = {
-        "name": "main",
-        "image": image,
-        "imagePullPolicy": "Never",
-        "env": env,
-        "volumeMounts": [{"name": protocol.CONTROL_VOLUME_NAME, "mountPath": protocol.CONTROL_MOUNT_PATH}],
-    }
-    if command:
-        main["command"] = command
+    main: Obj = {"image": image, **({"command": command} if command else {})}
+    pod = snapshot_pod(s.node, name, main, standby=standby, restartPolicy="Never")
     ckpt_name = ckpt["metadata"]["name"]
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": name,
-            "namespace": s.namespace,
-            "labels": {protocol.LABEL_RESTORE_TARGET: protocol.TRUE, protocol.LABEL_CHECKPOINT_ID: ckpt_name},
-            "annotations": {protocol.ANNOTATION_RESTORE_FROM: ckpt_name},
-            # One of the graph's pods (the checkpoint is the graph's own), though not one it manages.
-            "ownerReferences": [
-                {
-                    "apiVersion": dgd["apiVersion"],
-                    "kind": dgd["kind"],
-                    "name": dgd["metadata"]["name"],
-                    "uid": dgd["metadata"]["uid"],
-                    "controller": False,
-                }
-            ],
-        },
-        "spec": {
-            **s.node.pod_overrides(),
-            "restartPolicy": "Never",
-            "terminationGracePeriodSeconds": 1,
-            "containers": [main],
-            "volumes": [{"name": protocol.CONTROL_VOLUME_NAME, "emptyDir": {}}],
-        },
-    }
+    pod["metadata"].update(
+        namespace=s.namespace,
+        labels={protocol.LABEL_RESTORE_TARGET: protocol.TRUE, protocol.LABEL_CHECKPOINT_ID: ckpt_name},
+        annotations={protocol.ANNOTATION_RESTORE_FROM: ckpt_name},
+        # One of the graph's pods (the checkpoint is the graph's own), though not one it manages.
+        ownerReferences=[
+            {
+                "apiVersion": dgd["apiVersion"],
+                "kind": dgd["kind"],
+                "name": dgd["metadata"]["name"],
+                "uid": dgd["metadata"]["uid"],
+                "controller": False,
+            }
+        ],
+    )
+    return pod

@@ -233,19 +233,8 @@ def test_worker_image_outside_a_checkout_is_a_clear_error(tmp_path: Path) -> Non
 
 
 def _worker_pod(node: RealNode, name: str, container: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name},
-        "spec": {
-            **node.pod_overrides(),
-            "terminationGracePeriodSeconds": 1,
-            "restartPolicy": "Never",
-            "containers": [
-                {"name": "worker", "image": node.worker_image.name, "imagePullPolicy": "Never", **container}
-            ],
-        },
-    }
+    main = {"name": "worker", "image": node.worker_image.name, "imagePullPolicy": "Never", **container}
+    return node.pod(name, [main], restartPolicy="Never")
 
 
 @pytest.mark.cluster

@@ -363,7 +363,16 @@ class ContainerdRuntime:
         self, target: Container, meta: dict[str, Any], mounts: dict[str, str], fds: list[int]
     ) -> tuple[list[str], list[str]]:
         def inherit(path: str, flags: int) -> int:
-            fd = os.open(path, flags | os.O_CLOEXEC)
+            # Non-blocking: the placeholder is the tenant's process, and a FIFO it put where its pipe
+            # was would block an open for writing until someone reads it. Blocking again once open, as
+            # the restored worker had its pipes.
+            try:
+                fd = os.open(path, flags | os.O_CLOEXEC | os.O_NONBLOCK)
+            except OSError as e:
+                raise WorkloadRuntimeError(
+                    f"restore container {target.id[:12]}: {path}: {e.strerror}"
+                ) from None
+            os.set_blocking(fd, True)
             fds.append(fd)
             return fd
 
@@ -374,9 +383,9 @@ class ContainerdRuntime:
         # The placeholder's stdout/stderr are the pipes the runtime reads into the container's log.
         stdio = [str(s) for s in meta.get("stdio") or []]
         for n, source in enumerate(stdio[:3]):
-            if source.startswith("pipe:"):
-                mode = os.O_RDONLY if n == 0 else os.O_WRONLY
-                args += ["--inherit-fd", f"fd[{inherit(f'/proc/{target.pid}/fd/{n}', mode)}]:{source}"]
+            if source.startswith("pipe:") and _fd_target(target.pid, n).startswith("pipe:"):
+                fd = inherit(f"/proc/{target.pid}/fd/{n}", os.O_RDONLY if n == 0 else os.O_WRONLY)
+                args += ["--inherit-fd", f"fd[{fd}]:{source}"]
         for dest, source in sorted(mounts.items()):
             args += ["--ext-mount-map", f"{dest}:{source}"]
         cgroups = [str(p / "cgroup.procs") for p in self._cgroup_dirs(target)]

@@ -29,7 +29,7 @@ from dynamo_snapshot.cli.demo.stack import (
 from dynamo_snapshot.cli.demo.traffic import Load, Sample, Timeline
 from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD, SCALING_POLICY
 from dynamo_snapshot.controller.runtime import DELETED, POD, Informer, Kube, Obj
-from dynamo_snapshot.localcluster.realnode import REAL_NODE_TAINT
+from dynamo_snapshot.localcluster.realnode import REAL_NODE_TAINT, RealNode
 
 GRAPH, SERVICE = "demo", "CpuWorker"
 SELECTOR = f"{protocol.LABEL_GRAPH}={GRAPH}"
@@ -90,61 +90,66 @@ class Results:
     requests_failed: int = 0
 
 
+def kubelet_worker_spec(node: RealNode, env: dict[str, str], *, port: int, memory: str | None = None) -> Obj:
+    """The extraPodSpec that runs the CPU reference worker's image on the real node, listening on its
+    pod IP at ``port``, Ready once it serves."""
+    main: Obj = {
+        "image": node.worker_image.name,
+        "imagePullPolicy": "Never",
+        "env": [
+            {"name": k, "value": v}
+            for k, v in {**env, "WORKER_HOST": "0.0.0.0", "WORKER_PORT": str(port)}.items()
+        ],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 1},
+    }
+    if memory is not None:
+        main["resources"] = {"limits": {"memory": memory}}
+    return {
+        "nodeSelector": {"kubernetes.io/hostname": node.name},
+        "tolerations": [{"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
+        "dnsPolicy": "Default",
+        "terminationGracePeriodSeconds": 2,
+        "mainContainer": main,
+    }
+
+
+def worker_graph(name: str, service: str, extra_pod_spec: Obj, *, replicas: int = 1, gpus: int = 0) -> Obj:
+    """A DynamoGraphDeployment of one service of the CPU reference worker, in Auto mode."""
+    spec: Obj = {"componentType": "worker", "replicas": replicas, "extraPodSpec": extra_pod_spec}
+    if gpus:
+        spec["resources"] = {"limits": {"gpu": str(gpus)}}
+    spec["checkpoint"] = {
+        "enabled": True,
+        "mode": "Auto",
+        "identity": {"model": "cpu-reference", "backendFramework": "vllm"},
+    }
+    return {
+        "apiVersion": f"{protocol.API_GROUP}/{protocol.API_VERSION}",
+        "kind": "DynamoGraphDeployment",
+        "metadata": {"name": name},
+        "spec": {"backendFramework": "vllm", "services": {service: spec}},
+    }
+
+
 def dgd_manifest(profile: Profile, stack: Stack) -> Obj:
-    """The demo's graph: one service of the CPU reference worker in Auto mode. On the kubelet node its
-    pods run the worker image there, listening on their pod IP; on kwok nodes the agents launch this
-    checkout's worker, which registers where it listens in the demo's endpoint directory."""
+    """The demo's graph. On the kubelet node its pods run the worker image there; on kwok nodes the
+    agents launch this checkout's worker, which registers where it listens in the demo's endpoint
+    directory (the fake nodes offer GPUs, so it asks for one)."""
     env = {
         "WORKER_WEIGHTS_MIB": str(profile.weights_mib),
         "WORKER_COMPILE_ROUNDS": str(profile.compile_rounds),
     }
-    pod_spec: Obj
     if stack.real_node is not None:
-        env.update(WORKER_HOST="0.0.0.0", WORKER_PORT=str(WORKER_PORT))
-        pod_spec = {
-            "nodeSelector": {"kubernetes.io/hostname": stack.real_node.name},
-            "tolerations": [{"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
-            "dnsPolicy": "Default",
-            "terminationGracePeriodSeconds": 2,
-            "mainContainer": {
-                "image": stack.real_node.worker_image.name,
-                "imagePullPolicy": "Never",
-                "env": [{"name": k, "value": v} for k, v in env.items()],
-                "readinessProbe": {"httpGet": {"path": "/health", "port": WORKER_PORT}, "periodSeconds": 1},
-            },
+        return worker_graph(GRAPH, SERVICE, kubelet_worker_spec(stack.real_node, env, port=WORKER_PORT))
+    env.update(repo_env(), WORKER_ENDPOINT_DIR=str(stack.endpoint_dir))
+    launched = {
+        "mainContainer": {
+            "image": "local/cpu-reference-worker:demo",
+            "command": [sys.executable, str(CPU_WORKER)],
+            "env": [{"name": k, "value": v} for k, v in env.items()],
         }
-        resources: Obj = {}
-    else:
-        env.update(repo_env(), WORKER_ENDPOINT_DIR=str(stack.endpoint_dir))
-        pod_spec = {
-            "mainContainer": {
-                "image": "local/cpu-reference-worker:demo",
-                "command": [sys.executable, str(CPU_WORKER)],
-                "env": [{"name": k, "value": v} for k, v in env.items()],
-            }
-        }
-        resources = {"resources": {"limits": {"gpu": "1"}}}
-    return {
-        "apiVersion": f"{protocol.API_GROUP}/{protocol.API_VERSION}",
-        "kind": "DynamoGraphDeployment",
-        "metadata": {"name": GRAPH},
-        "spec": {
-            "backendFramework": "vllm",
-            "services": {
-                SERVICE: {
-                    "componentType": "worker",
-                    "replicas": 1,
-                    **resources,
-                    "extraPodSpec": pod_spec,
-                    "checkpoint": {
-                        "enabled": True,
-                        "mode": "Auto",
-                        "identity": {"model": "cpu-reference", "backendFramework": "vllm"},
-                    },
-                }
-            },
-        },
     }
+    return worker_graph(GRAPH, SERVICE, launched, gpus=1)
 
 
 def policy_manifest(profile: Profile) -> Obj:
