@@ -23,6 +23,14 @@ import time
 _STARTED_AT = time.time()  # process start, as far as Python code can see it
 _STARTED = time.monotonic()
 
+if __name__ == "__main__":
+    # A restore pod's container on a kubelet node: wait as its placeholder for the node agent's restore,
+    # before torch is imported (that import alone is seconds of every restore).
+    from dynamo_snapshot.workload.standby import run_standby, standby_requested
+
+    if standby_requested():
+        raise SystemExit(run_standby())
+
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import ctypes  # noqa: E402

@@ -1,0 +1,84 @@
+"""The standby placeholder as a restore pod's container runs it: the first process of a PID namespace
+(``unshare --pid``, as root), adopting the processes a restore puts into the namespace."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.workload import standby_requested
+from tests.helpers.polling import wait_for
+
+REPO = Path(__file__).resolve().parents[2]
+STANDBY = "import sys; from pathlib import Path; from dynamo_snapshot.workload.standby import run_standby; "
+STANDBY += "sys.exit(run_standby(Path(sys.argv[1])))"
+
+
+@pytest.fixture
+def placeholder(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    if os.geteuid() != 0:
+        pytest.skip("a PID namespace of its own needs root")
+    proc = subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-c", STANDBY, str(tmp_path)],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    wait_for(lambda: (tmp_path / protocol.FILE_RESTORE_STANDBY).is_file(), within=20, what="restore-standby")
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def _first_process_of_namespace(unshare_pid: int) -> int:
+    children = Path(f"/proc/{unshare_pid}/task/{unshare_pid}/children").read_text().split()
+    assert len(children) == 1, children
+    return int(children[0])
+
+
+def _put_into_namespace(standby: int, script: str) -> None:
+    """Start `script` in the standby's PID namespace and leave it orphaned there, as CRIU leaves the
+    restored tree: its parent exits at once, so the namespace's first process adopts it."""
+    subprocess.run(
+        ["nsenter", f"--pid=/proc/{standby}/ns/pid", "--", "sh", "-c", f"({script}) & exit 0"], check=True
+    )
+
+
+def test_standby_says_it_waits_then_ends_with_the_adopted_worker(
+    placeholder: subprocess.Popen[bytes], tmp_path: Path
+) -> None:
+    said = json.loads((tmp_path / protocol.FILE_RESTORE_STANDBY).read_text())
+    assert said["pid"] == 1, "the placeholder is the first process of the container's PID namespace"
+    standby = _first_process_of_namespace(placeholder.pid)
+    time.sleep(0.5)
+    assert placeholder.poll() is None, "with nothing restored yet it waits"
+    _put_into_namespace(standby, "sleep 0.5; exit 7")
+    assert placeholder.wait(timeout=20) == 7, "it ends with the restored worker's status"
+
+
+def test_sigterm_goes_to_the_restored_worker(placeholder: subprocess.Popen[bytes]) -> None:
+    standby = _first_process_of_namespace(placeholder.pid)
+    _put_into_namespace(standby, "exec sleep 300")
+    time.sleep(0.3)
+    os.kill(standby, signal.SIGTERM)
+    assert placeholder.wait(timeout=20) == 128 + signal.SIGTERM
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({protocol.ENV_RESTORE_STANDBY: "1"}, True),
+        ({protocol.ENV_RESTORE_STANDBY_DYNAMO: "1"}, True),
+        ({protocol.ENV_RESTORE_STANDBY: "0"}, False),
+        ({}, False),
+    ],
+)
+def test_standby_is_asked_for_by_either_name(env: dict[str, str], expected: bool) -> None:
+    assert standby_requested(env) is expected
