@@ -62,8 +62,9 @@ with_trixie() {
 
 apt_need ca-certificates curl runc prometheus iproute2 procps
 # the real node (localcluster.realnode): CNI bridge/host-local/loopback in /usr/lib/cni, iptables for the
-# kubelet and kube-proxy, busybox for the local test image
-apt_need containernetworking-plugins iptables busybox-static
+# kubelet and kube-proxy, busybox for the local test image, Debian's Python and util-linux (nsenter,
+# unshare) for the worker image and the agent's restore into a pod
+apt_need containernetworking-plugins iptables busybox-static python3.11 util-linux
 # criu build dependencies (bookworm versions are fine for criu 4.1)
 apt_need build-essential pkg-config libprotobuf-dev libprotobuf-c-dev protobuf-c-compiler protobuf-compiler \
   python3-protobuf libnl-3-dev libnet1-dev libcap-dev libbsd-dev libgnutls28-dev libnftables-dev libaio-dev \
