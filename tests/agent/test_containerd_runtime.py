@@ -142,3 +142,28 @@ async def test_an_unknown_container_id_is_refused(runtime: ContainerdRuntime, re
         await runtime.attach("k", "containerd://../../etc")
     with pytest.raises(WorkloadRuntimeError, match="not found"):
         await runtime.attach("k", "containerd://" + uuid.uuid4().hex * 2)
+
+
+async def test_a_socket_bound_to_the_old_pod_ip_is_refused_with_a_clear_message(
+    cluster: LocalCluster, real_node: RealNode, namespace: str, runtime: ContainerdRuntime, tmp_path: Path
+) -> None:
+    # httpd listening on the pod's own IP (from /etc/hosts), not on 0.0.0.0.
+    pinned = ["/bin/sh", "-c", "exec httpd -f -p $(hostname -i):8080 -h /www"]
+    source = _run(cluster, namespace, _pod(real_node, "pinned", pinned))
+    cid, _ = _status(source)
+    images = tmp_path / "images"
+    images.mkdir()
+    await runtime.dump(await runtime.attach("pinned", cid), images)
+
+    target = _run(cluster, namespace, _pod(real_node, "elsewhere", ["/bin/sleep", "100000"], standby=True))
+    tcid, _ = _status(target)
+    placeholder = await runtime.attach("elsewhere", tcid)
+    with pytest.raises(WorkloadRuntimeError, match="bound to its old pod IP"):
+        await runtime.restore("elsewhere", images, None)
+    # Nothing of the checkpoint runs in the pod, and the pod keeps its own host name.
+    children = await asyncio.to_thread(
+        Path(f"/proc/{placeholder.pid}/task/{placeholder.pid}/children").read_text
+    )
+    assert children.split() == []
+    hostname = cluster.kubectl("exec", "-n", namespace, "elsewhere", "--", "hostname").stdout.strip()
+    assert hostname == "elsewhere"

@@ -329,6 +329,7 @@ class ContainerdRuntime:
         # CRIU writes the checkpointed host and domain names into the UTS namespace it joins: the
         # pod's, which must keep its own.
         names = await self._uts_names(target.pid)
+        started = time.monotonic()
         fds: list[int] = []
         try:
             args, cgroups = self._restore_args(target, meta, mounts, fds)
@@ -338,7 +339,6 @@ class ContainerdRuntime:
                 self.nsenter, f"--pid=/proc/{target.pid}/ns/pid", "--",
                 self.unshare, "--mount", "--propagation", "private", "--mount-proc",
             ]  # fmt: skip
-            started = time.monotonic()
             try:
                 result = await self.criu.restore(
                     images_dir, log_dir=work, extra_args=args, wrapper=wrapper, pass_fds=fds
@@ -348,8 +348,10 @@ class ContainerdRuntime:
         finally:
             for fd in fds:
                 os.close(fd)
+            # Also after a failed restore: CRIU sets the names before it fails on, say, a socket.
+            with contextlib.suppress(WorkloadRuntimeError):
+                await self._uts_names(target.pid, names)
         phases["criu"] = time.monotonic() - started
-        await self._uts_names(target.pid, names)
         host_pid = await _host_pid(target.pid, result.pid)
         if host_pid is None:
             raise WorkloadRuntimeError(
