@@ -46,17 +46,24 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     lc.stop()
 
 
-@pytest.fixture(scope="session")
-def real_node(cluster: LocalCluster) -> Iterator[RealNode]:
-    """A real kubelet + containerd node in the session's cluster, started only for tests that ask for it
-    (mark them `kubelet`). It is tainted: its pods use `real_node.pod_overrides()`."""
+@pytest.fixture
+def real_node(cluster: LocalCluster) -> RealNode:
+    """The real kubelet + containerd node in the session's cluster, started (again) for tests that ask
+    for it (mark them `kubelet`); it stays up for the next one. It is tainted: its pods use
+    `real_node.pod_overrides()`."""
     if os.geteuid() != 0:
         _fail("the real node needs root: re-run the test command with sudo")
     try:
-        node = cluster.start_real_node()
+        return cluster.start_real_node()
     except (RealNodeError, ComponentsMissingError, LocalClusterError) as e:
         _fail(f"real node: {e}")
-    yield node
+        raise
+
+
+@pytest.fixture
+def no_real_node(cluster: LocalCluster) -> None:
+    """One real node per machine: tests that start their own (the demo, in a subprocess) stop the
+    session's first."""
     cluster.stop_real_node()
 
 

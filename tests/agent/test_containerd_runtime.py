@@ -164,6 +164,7 @@ async def test_a_socket_bound_to_the_old_pod_ip_is_refused_with_a_clear_message(
     children = await asyncio.to_thread(
         Path(f"/proc/{placeholder.pid}/task/{placeholder.pid}/children").read_text
     )
-    assert children.split() == []
+    # (busybox sleep, the placeholder here, reaps nothing: what CRIU killed may linger as a zombie)
+    assert [int(c) for c in children.split() if pid_running(int(c))] == []
     hostname = cluster.kubectl("exec", "-n", namespace, "elsewhere", "--", "hostname").stdout.strip()
     assert hostname == "elsewhere"

@@ -25,6 +25,7 @@ class FakeStack:
 
     def __init__(self, workdir: Path, **_: Any) -> None:
         self.workdir = workdir
+        self.node_names = ["real-node"]
         self.cluster: SimpleNamespace | None = None
         self.stopped = False
         FakeStack.made.append(self)

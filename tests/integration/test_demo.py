@@ -32,6 +32,7 @@ def workdir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.mark.usefixtures("no_real_node")
 def test_demo_tells_the_whole_story_with_measured_numbers(tmp_path: Path, workdir: Path) -> None:
     out = tmp_path / "out"
     proc = run_cli(

@@ -80,6 +80,7 @@ def test_demo_brings_up_cluster_with_crds_and_gpu_nodes(tmp_path: Path) -> None:
     proc = run_cli(
         "demo",
         "--setup-only",
+        "--kwok",
         "--gpu-nodes",
         "1",
         "--workdir",

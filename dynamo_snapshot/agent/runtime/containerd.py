@@ -242,9 +242,7 @@ class ContainerdRuntime:
         with contextlib.suppress(WorkloadRuntimeError, OSError):
             (self.control_dir(key) / protocol.FILE_RESTORE_STANDBY).unlink(missing_ok=True)
         del self._attached[key]
-        for pid in _descendants(attached.container.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        _kill_descendants(attached.container.pid)
 
     def tool_files(self) -> list[Path]:
         found = (shutil.which(t) for t in (self.runc, self.nsenter, self.unshare))
@@ -344,6 +342,9 @@ class ContainerdRuntime:
                     images_dir, log_dir=work, extra_args=args, wrapper=wrapper, pass_fds=fds
                 )
             except CriuError as e:
+                # CRIU kills what it restored when it fails; whatever it could not, goes too (the
+                # placeholder itself starts no process).
+                _kill_descendants(target.pid)
                 raise WorkloadRuntimeError(_explain(str(e))) from None
         finally:
             for fd in fds:
@@ -509,6 +510,12 @@ def _descendants(pid: int) -> Iterator[int]:
     for child in _children(pid):
         yield from _descendants(child)
         yield child
+
+
+def _kill_descendants(pid: int) -> None:
+    for child in _descendants(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
 
 
 def _nspids(pid: int) -> list[int]:
