@@ -1,16 +1,17 @@
 """The checkpoint and restore procedures on one node, over CUDA, CRIU (through the runtime) and the artifact
 store. Kubernetes-free: the watcher turns pods into calls here and results into annotations.
 
-Checkpoint: wait for `ready-for-checkpoint` → lock and checkpoint CUDA in every CUDA process of the tree
-→ CRIU dump → carry the worker's weights files (weights.json) → manifest, bound to the checkpoint and
-sealed by its digest → atomic publish under `<namespace>/<checkpoint uid>`. Restore: verify the
-artifact's manifest (its seal, its binding, the digest the checkpoint recorded), process images, the
-weights files' sizes and headers, GPU compatibility and free GPU memory before anything starts → CRIU
-restore and CUDA restore (GPU UUIDs remapped) while the weights' chunk digests are checked → weights
-linked back → `restore-complete` → `weights-verified`. A worker whose SDK waits for `weights-verified`
-gets `restore-complete` as soon as its process is back, so it loads its weights while the check still
-reads them; any other gets it only after the check. A failure leaves nothing running. An artifact is
-deleted only while no restore on this node reads it.
+Checkpoint: wait for `ready-for-snapshot` (or `ready-for-checkpoint`) → lock and checkpoint CUDA in every
+CUDA process of the tree → CRIU dump → carry the worker's weights files (weights.json) → manifest, bound
+to the checkpoint and sealed by its digest → atomic publish under `<namespace>/<checkpoint uid>` →
+`snapshot-complete` for a source left running. Restore: verify the artifact's manifest (its seal, its
+binding, the digest the checkpoint recorded), process images, the weights files' sizes and headers, GPU
+compatibility and free GPU memory before anything starts → CRIU restore and CUDA restore (GPU UUIDs
+remapped) while the weights' chunk digests are checked → weights linked back → `restore-context.json`
+(where the worker's standby left none) → `restore-complete` → `weights-verified`. A worker whose SDK
+waits for `weights-verified` gets `restore-complete` as soon as its process is back, so it loads its
+weights while the check still reads them; any other gets it only after the check. A failure leaves
+nothing running. An artifact is deleted only while no restore on this node reads it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import secrets
 import shutil
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -256,17 +257,18 @@ class Executor:
 
     # ------------------------------------------------------------------ checkpoint
     async def wait_ready(self, workload: Workload, within: float) -> None:
-        """Until the worker says it is safe to checkpoint; fails early if it dies first."""
-        sentinel = workload.control_dir / protocol.FILE_READY_FOR_CHECKPOINT
+        """Until the worker says it is safe to checkpoint (either generation's ready file); fails early if
+        it dies first."""
+        sentinels = [workload.control_dir / name for name in protocol.FILES_READY]
+        names = " or ".join(protocol.FILES_READY)
         deadline = time.monotonic() + within
-        while not sentinel.exists():
+        while not any(s.exists() for s in sentinels):
             if not pid_running(workload.pid):  # a zombie has exited too
-                raise AgentError(
-                    f"worker (pid {workload.pid}) exited before writing {protocol.FILE_READY_FOR_CHECKPOINT}"
-                )
+                raise AgentError(f"worker (pid {workload.pid}) exited before writing {names}")
             if time.monotonic() > deadline:
                 raise AgentError(
-                    f"worker did not write {protocol.FILE_READY_FOR_CHECKPOINT} within {within:.0f}s"
+                    f"worker did not write {names} in its control dir within {within:.0f}s "
+                    "(ready-timeout-seconds): is it snapshot-aware, and does it reach the handshake?"
                 )
             await asyncio.sleep(0.1)
 
@@ -392,20 +394,23 @@ class Executor:
         manifest_digest: str | None = None,
         image_id: str | None = None,
         visible_gpus: tuple[str, ...] | None = None,
+        restore_env: Mapping[str, str] | None = None,
     ) -> RestoreOutcome:
         """Restore the artifact ``artifact_key`` as workload ``key``: from the node cache's copy when it
         holds the store's current one (a refused copy is dropped and the store's used instead), else
         from the store, after which a copy is put into the node cache in the background. With
         ``manifest_digest``, only an artifact whose sealed manifest has exactly that digest is used;
         with ``image_id`` (the image the restore container runs), only one taken from that image; with
-        ``visible_gpus`` (the restore container's GPUs), onto those."""
+        ``visible_gpus`` (the restore container's GPUs), onto those. ``restore_env`` (the restore
+        container's environment) fills restore-context.json where the worker's standby left none."""
         if self._deleting[artifact_key]:
             FAILURES.labels("restore").inc()
             raise ArtifactRefused(f"artifact {artifact_key} refused: it is being deleted")
         self._reading[artifact_key] += 1
         try:
+            greeting = _Greeting(identity_info or {}, restore_env)
             return await self._restore_reading(
-                key, artifact_key, identity_info, manifest_digest, image_id, visible_gpus
+                key, artifact_key, greeting, manifest_digest, image_id, visible_gpus
             )
         finally:
             self._reading[artifact_key] -= 1
@@ -416,7 +421,7 @@ class Executor:
         self,
         key: str,
         artifact_key: str,
-        identity_info: dict[str, Any] | None,
+        greeting: _Greeting,
         manifest_digest: str | None,
         image_id: str | None,
         visible_gpus: tuple[str, ...] | None,
@@ -433,11 +438,11 @@ class Executor:
                 assigned_gpus(self.gpus, visible_gpus, artifact.manifest.gpus)
             if self.cache is not None:
                 cached = await self._restore_from_cache(
-                    self.cache, key, artifact, t, identity_info, manifest_digest
+                    self.cache, key, artifact, t, greeting, manifest_digest
                 )
                 if cached is not None:
                     return cached
-            outcome = await self._restore(key, artifact, t, identity_info, manifest_digest)
+            outcome = await self._restore(key, artifact, t, greeting, manifest_digest)
         except BaseException:
             FAILURES.labels("restore").inc()
             raise
@@ -452,7 +457,7 @@ class Executor:
         key: str,
         source: Artifact,
         t: Timings,
-        identity_info: dict[str, Any] | None,
+        greeting: _Greeting,
         manifest_digest: str | None,
     ) -> RestoreOutcome | None:
         """From the node cache's copy of ``source``; None where it has none, or its copy was refused
@@ -465,7 +470,7 @@ class Executor:
             if cached is None:
                 return None
             try:
-                outcome = await self._restore(key, cached, t, identity_info, manifest_digest)
+                outcome = await self._restore(key, cached, t, greeting, manifest_digest)
             except ArtifactRefused as e:
                 CACHE_RESTORES.labels("refused").inc()
                 log.warning(
@@ -523,7 +528,7 @@ class Executor:
         key: str,
         artifact: Artifact,
         t: Timings,
-        identity_info: dict[str, Any] | None,
+        greeting: _Greeting,
         manifest_digest: str | None,
     ) -> RestoreOutcome:
         artifact_key = artifact.key
@@ -603,11 +608,15 @@ class Executor:
                     if weights:
                         await asyncio.to_thread(self._place_weights, artifact, weights, workload)
                     with t.phase("restore", "signal"):
+                        if greeting.env is not None:
+                            await asyncio.to_thread(
+                                _ensure_restore_context, workload.control_dir, greeting.env
+                            )
                         # The workload SDK reads who it is now from here (podName, podIP, hostname, env).
                         info: dict[str, Any] = {
                             "node": self.node_name,
                             "restoredAt": time.time(),
-                            **(identity_info or {}),
+                            **greeting.identity,
                         }
                         if pending:
                             info[protocol.RESTORE_WEIGHTS_CHECK] = protocol.WEIGHTS_CHECK_PENDING
@@ -723,6 +732,10 @@ class Executor:
                 # What is left of the unpacking, which began with the check.
                 with t.phase("restore", "unpack_wait"):
                     staged = await staging
+            # Sentinels an earlier container of this pod left must not wake the tree about to come back.
+            ctl = self.runtime.control_dir(key)
+            for stale in (protocol.FILE_RESTORE_COMPLETE, protocol.FILE_SNAPSHOT_COMPLETE):
+                await asyncio.to_thread((ctl / stale).unlink, missing_ok=True)
             with t.phase("restore", "criu_restore"):
                 try:
                     source_ctl = extra.get("control_dir")
@@ -939,6 +952,24 @@ def _check_digest(artifact: Artifact, expected: str | None) -> None:
             f"artifact {artifact.key} is not the one checkpoint recorded "
             f"(manifest digest {artifact.manifest.digest or 'none'}, expected {expected})"
         )
+
+
+@dataclass(frozen=True)
+class _Greeting:
+    """What a restored worker is told: restore-complete's identity, and restore-context.json's env."""
+
+    identity: dict[str, Any]
+    env: Mapping[str, str] | None
+
+
+def _ensure_restore_context(control_dir: Path, env: Mapping[str, str]) -> None:
+    """restore-context.json for a Dynamo worker, from the restore container's env, unless its standby
+    entrypoint wrote one (it saw the env as Kubernetes resolved it: Secrets, the Downward API)."""
+    path = control_dir / protocol.FILE_RESTORE_CONTEXT
+    if path.exists():
+        return
+    context = {"env": {name: env.get(name) for name in sorted(protocol.RESTORE_CONTEXT_ENV_NAMES)}}
+    _write_atomic(path, json.dumps(context, sort_keys=True))
 
 
 def _check_image(artifact: Artifact, image_id: str | None) -> None:

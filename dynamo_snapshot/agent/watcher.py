@@ -419,9 +419,11 @@ class NodeAgent:
         while not containers.standby(key):
             if asyncio.get_running_loop().time() > deadline:
                 raise Refused(
-                    f"container {MAIN} is not in standby: no {protocol.FILE_RESTORE_STANDBY} in its control "
-                    f"dir after {self.settings.standby_timeout:.0f}s (its entrypoint must wait for the "
-                    f"restore when {protocol.ENV_RESTORE_STANDBY}=1: dynamo_snapshot.workload.run_standby)"
+                    f"container {MAIN} is not in standby: no {protocol.FILE_RESTORE_STANDBY} or "
+                    f"{protocol.FILE_RESTORE_CONTEXT} in its control dir after "
+                    f"{self.settings.standby_timeout:.0f}s (its entrypoint must wait for the restore when "
+                    f"{protocol.ENV_RESTORE_STANDBY}=1: dynamo_snapshot.workload.run_standby, or Dynamo's "
+                    "maybe_run_restore_standby_mode)"
                 )
             if ended(self.pods.get(object_key(pod)) or pod) is not None:
                 raise AgentError(f"container {MAIN} exited before the restore")
@@ -547,6 +549,7 @@ class NodeAgent:
         self._restoring.add(meta["uid"])
         image_id: str | None = None
         visible_gpus: tuple[str, ...] | None = None
+        restore_env: dict[str, str] = _pod_env(pod)
         if self.containers is not None:
             try:
                 target = await self._attach_restore_target(pod, self.containers, spent)
@@ -557,6 +560,7 @@ class NodeAgent:
                 await self._fail(pod, "RestoreFailed", protocol.ANNOTATION_RESTORE_STATUS, str(e))
                 return
             image_id, visible_gpus = target.image_id, target.visible_gpus
+            restore_env = self.containers.container_env(key)
         try:
             outcome = await self.executor.restore(
                 key,
@@ -574,6 +578,7 @@ class NodeAgent:
                 },
                 image_id=image_id,
                 visible_gpus=visible_gpus,
+                restore_env=restore_env,
             )
         except (AgentError, WorkloadRuntimeError, ValueError) as e:
             with contextlib.suppress(Exception):
@@ -668,22 +673,35 @@ class NodeAgent:
         )
 
 
-def _spec(pod: Obj, key: str, *, snapshot: bool) -> WorkloadSpec:
-    """The pod's main container, to launch. The caller says whether it is a checkpoint source, the only
-    launched worker told where its control dir is (a restore target is restored, never launched)."""
+def _main_container(pod: Obj) -> Obj:
     containers = pod["spec"].get("containers") or []
     main = next((c for c in containers if c.get("name") == MAIN), containers[0] if containers else None)
     if main is None:
         raise AgentError("pod has no containers")
+    return dict(main)
+
+
+def _pod_env(pod: Obj) -> dict[str, str]:
+    """The main container's environment as far as the pod spec says it (literal values), with the pod's
+    identity: what a worker the agent launches gets, and a restore's env where no kubelet resolved one."""
+    main = _main_container(pod)
+    env = {e["name"]: str(e.get("value", "")) for e in main.get("env") or [] if "value" in e}
+    meta = pod["metadata"]
+    env.update(POD_NAME=meta["name"], POD_NAMESPACE=meta["namespace"], POD_UID=meta.get("uid", ""))
+    return env
+
+
+def _spec(pod: Obj, key: str, *, snapshot: bool) -> WorkloadSpec:
+    """The pod's main container, to launch. The caller says whether it is a checkpoint source, the only
+    launched worker told where its control dir is (a restore target is restored, never launched)."""
+    main = _main_container(pod)
     command = [*(main.get("command") or []), *(main.get("args") or [])]
     if not command:
         raise AgentError("local mode needs the main container's command: images are not run here")
-    env = {e["name"]: str(e.get("value", "")) for e in main.get("env") or [] if "value" in e}
-    env.update(POD_NAME=pod["metadata"]["name"], POD_NAMESPACE=pod["metadata"]["namespace"])
     return WorkloadSpec(
         key=key,
         command=[str(c) for c in command],
-        env=env,
+        env=_pod_env(pod),
         workdir=main.get("workingDir"),
         snapshot=snapshot,
     )

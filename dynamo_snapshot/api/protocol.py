@@ -41,8 +41,11 @@ __all__ = [
     "ENV_RESTORE_STANDBY",
     "ENV_RESTORE_STANDBYS",
     "ENV_RESTORE_STANDBY_DYNAMO",
+    "FILES_READY",
     "FILE_READY_FOR_CHECKPOINT",
+    "FILE_READY_FOR_SNAPSHOT",
     "FILE_RESTORE_COMPLETE",
+    "FILE_RESTORE_CONTEXT",
     "FILE_RESTORE_STANDBY",
     "FILE_SNAPSHOT_COMPLETE",
     "FILE_WEIGHTS_MANIFEST",
@@ -64,6 +67,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "RESOURCE_GPU",
     "RESTORE_ATTEMPTS_MAX",
+    "RESTORE_CONTEXT_ENV_NAMES",
     "RESTORE_WEIGHTS_CHECK",
     "TRUE",
     "WEIGHTS_CHECK_PENDING",
@@ -72,7 +76,7 @@ __all__ = [
     "per_container",
 ]
 
-PROTOCOL_VERSION: Final = "1"
+PROTOCOL_VERSION: Final = "2"
 
 API_GROUP: Final = "nvidia.com"
 API_VERSION: Final = "v1alpha1"
@@ -188,20 +192,45 @@ ENV_CONTROL_DIR_LEGACY: Final = "DYN_SNAPSHOT_CONTROL_DIR"
 ENV_CONTROL_DIRS: Final = (ENV_CONTROL_DIR, ENV_CONTROL_DIR_LEGACY)
 # Set to "1" on a restore pod's main container on a kubelet node: the image's own entrypoint does not
 # cold-start the worker but waits as the container's placeholder until the agent restores the
-# checkpointed tree into the container (see FILE_RESTORE_STANDBY). Dynamo's entrypoints read the
-# second name; restore pods get both.
+# checkpointed tree into the container (see FILE_RESTORE_STANDBY). Dynamo 1.6's workers read the first
+# (dynamo.common.snapshot.restore_context), NVIDIA's snapshot operator sets the second; restore pods get
+# both.
 ENV_RESTORE_STANDBY: Final = "SNAPSHOT_RESTORE_STANDBY"
 ENV_RESTORE_STANDBY_DYNAMO: Final = "DYN_SNAPSHOT_RESTORE_STANDBY"
 ENV_RESTORE_STANDBYS: Final = (ENV_RESTORE_STANDBY, ENV_RESTORE_STANDBY_DYNAMO)
 
 # Sentinel files in the control directory.
-# Written by the workload once its engine is loaded and it is safe to checkpoint.
+# Written by the workload once its engine is loaded and it is safe to checkpoint: Dynamo >= 1.3 and this
+# SDK write the first (Dynamo's is the text "ready"), Dynamo <= 1.2.1 the second. The agent takes either.
+FILE_READY_FOR_SNAPSHOT: Final = "ready-for-snapshot"
 FILE_READY_FOR_CHECKPOINT: Final = "ready-for-checkpoint"
+FILES_READY: Final = (FILE_READY_FOR_SNAPSHOT, FILE_READY_FOR_CHECKPOINT)
 # Written by the agent once a restore has finished and the workload may resume.
 FILE_RESTORE_COMPLETE: Final = "restore-complete"
 # Written by a standby placeholder (ENV_RESTORE_STANDBY) once it waits for the restore: the agent
-# restores only into a container that says so, never over a worker that cold-started.
+# restores only into a container that says so (this file, or a Dynamo standby's FILE_RESTORE_CONTEXT),
+# never over a worker that cold-started.
 FILE_RESTORE_STANDBY: Final = "restore-standby"
+# {"env": {NAME: value or null}}: the restore pod's values of RESTORE_CONTEXT_ENV_NAMES, which a Dynamo
+# worker applies after restore-complete (and fails without). Written by the standby entrypoint (Dynamo's
+# and this SDK's), else by the agent before restore-complete.
+FILE_RESTORE_CONTEXT: Final = "restore-context.json"
+# The names Dynamo 1.6.1 carries across a restore (dynamo.common.snapshot.constants: the Kubernetes
+# identity, the runtime's discovery/planes/endpoints, health settings, failover and platform endpoints).
+RESTORE_CONTEXT_ENV_NAMES: Final = frozenset(
+    {
+        "DYN_NAMESPACE", "DYN_COMPONENT", "DYN_PARENT_DGD_K8S_NAME", "DYN_PARENT_DGD_K8S_NAMESPACE",
+        "POD_NAME", "POD_NAMESPACE", "POD_UID", "DYN_NAMESPACE_WORKER_SUFFIX",
+        "DYN_DISCOVERY_BACKEND", "DYN_REQUEST_PLANE", "DYN_EVENT_PLANE", "DYN_EVENT_PLANE_HOST",
+        "DYN_TCP_RPC_HOST", "DYN_TCP_RPC_PORT", "DYN_TCP_RESPONSE_STREAM_HOST",
+        "DYN_TCP_RESPONSE_STREAM_PORT", "DYN_TCP_LISTEN_BACKLOG", "NATS_SERVER", "ETCD_ENDPOINTS",
+        "DYN_SYSTEM_PORT", "DYN_HEALTH_CHECK_ENABLED", "DYN_SYSTEM_STARTING_HEALTH_STATUS",
+        "DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS", "DYN_SYSTEM_HOST", "DYN_SYSTEM_HEALTH_PATH",
+        "DYN_SYSTEM_LIVE_PATH", "DYN_KUBE_DISCOVERY_MODE", "CONTAINER_NAME", "ENGINE_ID",
+        "FAILOVER_LOCK_PATH", "DYN_VLLM_GMS_SHADOW_MODE", "DYN_GMS_USE_V1", "MODEL_EXPRESS_URL",
+        "PROMETHEUS_ENDPOINT",
+    }
+)  # fmt: skip
 # Written by the agent after a successful dump; Dynamo workloads that survive a dump wait for it.
 FILE_SNAPSHOT_COMPLETE: Final = "snapshot-complete"
 # Written by the workload SDK before ready-for-checkpoint when it took GPU memory out of the checkpoint:

@@ -11,11 +11,11 @@ A worker calls, once its engine is loaded and before it opens connections to the
 Outside snapshot-enabled pods, `maybe_checkpoint_and_wait()` returns None at once.
 
 Files (names from dynamo_snapshot.api.protocol, spelled as Dynamo spells them):
-- ready-for-checkpoint, written by the worker: JSON {"pid", "protocol", "timestamp", "info"?}.
+- ready-for-snapshot, written by the worker: JSON {"pid", "protocol", "timestamp", "info"?}.
 - restore-complete, written by the agent once this process was restored into a new pod.
 - snapshot-complete, written by the agent after a dump that left this process running.
 
-Hooks (add_hook) run around the checkpoint: before_checkpoint(handshake) before ready-for-checkpoint
+Hooks (add_hook) run around the checkpoint: before_checkpoint(handshake) before ready-for-snapshot
 is written, on_resume(handshake, info) once the wait ends (restored or dumped and left running).
 register_kv_cache and register_weights add the GPU offload hook (offload.GpuOffload), which releases
 KV caches and weights so the checkpoint does not carry them, and takes them back after. Without hooks
@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from dynamo_snapshot.api.protocol import (
     ENV_CONTROL_DIR,
     ENV_CONTROL_DIR_LEGACY,
-    FILE_READY_FOR_CHECKPOINT,
+    FILE_READY_FOR_SNAPSHOT,
     FILE_RESTORE_COMPLETE,
     FILE_SNAPSHOT_COMPLETE,
     PROTOCOL_VERSION,
@@ -196,7 +196,7 @@ def _identity(content: Any, restored: bool) -> tuple[str, str | None, str | None
 
 
 class SnapshotHook(Protocol):
-    """Work around a checkpoint: before_checkpoint runs before ready-for-checkpoint is written (an
+    """Work around a checkpoint: before_checkpoint runs before ready-for-snapshot is written (an
     exception there means no ready file), on_resume after the wait for the agent ended (info) or
     after a later hook's before_checkpoint failed (info None), to undo what before_checkpoint did."""
 
@@ -286,7 +286,7 @@ class SnapshotHandshake:
 
     @property
     def ready_path(self) -> Path:
-        return self.control_dir / FILE_READY_FOR_CHECKPOINT
+        return self.control_dir / FILE_READY_FOR_SNAPSHOT
 
     @property
     def restore_complete_path(self) -> Path:
@@ -296,7 +296,7 @@ class SnapshotHandshake:
     def snapshot_complete_path(self) -> Path:
         return self.control_dir / FILE_SNAPSHOT_COMPLETE
 
-    # ---- ready-for-checkpoint ----
+    # ---- ready-for-snapshot ----
 
     def signal_ready(self, info: Mapping[str, Any] | None = None) -> None:
         """Tell the agent this process may be checkpointed now.
@@ -334,9 +334,7 @@ class SnapshotHandshake:
     def _write_ready(self, data: bytes) -> None:
         for stale in (self.restore_complete_path, self.snapshot_complete_path):
             stale.unlink(missing_ok=True)
-        fd, tmp = tempfile.mkstemp(
-            dir=self.control_dir, prefix=f".{FILE_READY_FOR_CHECKPOINT}.", suffix=".tmp"
-        )
+        fd, tmp = tempfile.mkstemp(dir=self.control_dir, prefix=f".{FILE_READY_FOR_SNAPSHOT}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
                 os.fchmod(f.fileno(), 0o644)  # mkstemp made it 0600; agent and probes may be other users

@@ -1,6 +1,6 @@
 """The handshake hook that takes KV caches and weights out of the checkpoint and puts them back.
 
-Before ready-for-checkpoint is written: each registered WeightRegion is saved to its file (skipped when
+Before ready-for-snapshot is written: each registered WeightRegion is saved to its file (skipped when
 the file holds these bytes already), the weights and the KV caches are released, so the CUDA checkpoint
 has almost nothing to copy, and the control directory's weights.json names the files and the bytes
 released per GPU. After the

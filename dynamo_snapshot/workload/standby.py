@@ -3,7 +3,9 @@
 The controller sets ``SNAPSHOT_RESTORE_STANDBY=1`` on restore pods. A worker's entrypoint that sees it
 calls ``run_standby()`` instead of cold-starting: the process stays the container's first process (the
 kubelet's, probes', ``kubectl logs``' view of the container), says in the control dir that it waits, and
-the agent restores the checkpointed tree into the container's namespaces and cgroup. The restored
+the agent restores the checkpointed tree into the container's namespaces and cgroup. Like Dynamo's own
+standby it also leaves restore-context.json, this container's values of the environment a restored
+Dynamo worker reads again. The restored
 worker becomes this process's child; when the restored processes are gone, standby exits with the
 worker's status, so the kubelet sees the container end as the worker ended. SIGTERM (the kubelet
 stopping the pod) goes on to every process of the container.
@@ -19,7 +21,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
 
-from dynamo_snapshot.api.protocol import ENV_RESTORE_STANDBYS, FILE_RESTORE_STANDBY
+from dynamo_snapshot.api.protocol import (
+    ENV_RESTORE_STANDBYS,
+    FILE_RESTORE_CONTEXT,
+    FILE_RESTORE_STANDBY,
+    RESTORE_CONTEXT_ENV_NAMES,
+)
 from dynamo_snapshot.workload.handshake import control_dir
 
 __all__ = ["run_standby", "standby_requested"]
@@ -31,6 +38,12 @@ _IDLE_POLL_S = 0.2
 def standby_requested(environ: Mapping[str, str] | None = None) -> bool:
     env = os.environ if environ is None else environ
     return any(env.get(name) == "1" for name in ENV_RESTORE_STANDBYS)
+
+
+def _write(path: Path, content: dict[str, object]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(content, sort_keys=True))
+    os.replace(tmp, path)
 
 
 def _exit_code(status: int) -> int:
@@ -56,9 +69,11 @@ def run_standby(directory: Path | None = None) -> int:
         signal.signal(sig, _forward)
     if ctl is not None:
         ctl.mkdir(parents=True, exist_ok=True)
-        tmp = ctl / f".{FILE_RESTORE_STANDBY}.tmp"
-        tmp.write_text(json.dumps({"pid": os.getpid(), "since": time.time()}))
-        os.replace(tmp, ctl / FILE_RESTORE_STANDBY)
+        # As Dynamo's standby does: this container's values (Kubernetes resolved them) of what a restored
+        # Dynamo worker reads again.
+        env = {name: os.environ.get(name) for name in sorted(RESTORE_CONTEXT_ENV_NAMES)}
+        _write(ctl / FILE_RESTORE_CONTEXT, {"env": env})
+        _write(ctl / FILE_RESTORE_STANDBY, {"pid": os.getpid(), "since": time.time()})
     print("standby: waiting for the node agent to restore the checkpoint into this container", flush=True)
     first: int | None = None
     seen = False

@@ -38,7 +38,7 @@ def test_checkpoint_restore_inspect_round_trip(criu_bin: Path, tmp_path: Path) -
         start_new_session=True,
     )
     try:
-        wait_file(control / "ready-for-checkpoint", settle=0.05)
+        wait_file(control / "ready-for-snapshot", settle=0.05)
         identity = tmp_path / "identity.yaml"
         identity.write_text("model: Qwen/Qwen3-0.6B\nbackendFramework: sglang\n")
         done = run_cli(

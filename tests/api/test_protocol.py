@@ -27,6 +27,10 @@ DYNAMO_SPELLINGS = {
     "ENV_CONTROL_DIR": "SNAPSHOT_CONTROL_DIR",
     "ENV_CONTROL_DIR_LEGACY": "DYN_SNAPSHOT_CONTROL_DIR",
     "FILE_READY_FOR_CHECKPOINT": "ready-for-checkpoint",
+    "FILE_READY_FOR_SNAPSHOT": "ready-for-snapshot",
+    "FILE_RESTORE_CONTEXT": "restore-context.json",
+    "ENV_RESTORE_STANDBY": "SNAPSHOT_RESTORE_STANDBY",
+    "ENV_RESTORE_STANDBY_DYNAMO": "DYN_SNAPSHOT_RESTORE_STANDBY",
     "FILE_RESTORE_COMPLETE": "restore-complete",
     "FILE_SNAPSHOT_COMPLETE": "snapshot-complete",
     "LABEL_GPU_PRODUCT": "nvidia.com/gpu.product",
@@ -47,7 +51,9 @@ def test_spelling(name: str, value: str) -> None:
 
 
 def test_protocol_version_and_finalizer() -> None:
-    assert protocol.PROTOCOL_VERSION == "1"
+    # 2: ready-for-snapshot (Dynamo >= 1.3) beside ready-for-checkpoint, restore-context.json, standby.
+    assert protocol.PROTOCOL_VERSION == "2"
+    assert protocol.FILES_READY == ("ready-for-snapshot", "ready-for-checkpoint")
     assert protocol.FINALIZER == "snapshot.nvidia.com/finalizer"
     assert protocol.ENV_CONTROL_DIRS == ("SNAPSHOT_CONTROL_DIR", "DYN_SNAPSHOT_CONTROL_DIR")
 

@@ -384,7 +384,7 @@ def _write_atomic(path: Path, text: str) -> None:
 def _cycle(workdir: Path, mode: str, scratch: Path, report: dict[str, Any]) -> None:
     """One worker through lock, checkpoint, restore, unlock and its checks; measurements into `report`
     as they are taken, so a failure keeps what came before it."""
-    from dynamo_snapshot.api.protocol import FILE_READY_FOR_CHECKPOINT, FILE_RESTORE_COMPLETE
+    from dynamo_snapshot.api.protocol import FILE_READY_FOR_SNAPSHOT, FILE_RESTORE_COMPLETE
     from dynamo_snapshot.cuda import CudaCheckpointer, ProcessState, gpu_device_fds
 
     cp = CudaCheckpointer()
@@ -408,7 +408,7 @@ def _cycle(workdir: Path, mode: str, scratch: Path, report: dict[str, Any]) -> N
         )
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while not (control / FILE_READY_FOR_CHECKPOINT).exists():
+        while not (control / FILE_READY_FOR_SNAPSHOT).exists():
             check(proc.poll() is None, f"worker exited {proc.returncode} before ready:\n{_tail(log_path)}")
             check(
                 time.monotonic() < deadline,

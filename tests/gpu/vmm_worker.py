@@ -4,7 +4,7 @@ both, and the snapshot handshake.
 Usage: python -m tests.gpu.vmm_worker WORKDIR MODE WEIGHTS_FILE KV_MIB WEIGHTS_MIB
 
 MODE "release" registers the KV cache and the weights with the handshake, so they are released (the
-weights saved to WEIGHTS_FILE first) before ready-for-checkpoint and taken back after restore-complete;
+weights saved to WEIGHTS_FILE first) before ready-for-snapshot and taken back after restore-complete;
 MODE "keep" registers nothing, so the CUDA checkpoint carries all of it. Either way, once the wait ends
 the worker checks that the addresses did not move, the weights are bit-exact, a replay of the graph
 gives the result it gave before and a matmul on the weights is bit-exact, and writes

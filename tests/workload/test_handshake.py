@@ -17,7 +17,7 @@ import pytest
 from dynamo_snapshot.api.protocol import (
     ENV_CONTROL_DIR,
     ENV_CONTROL_DIR_LEGACY,
-    FILE_READY_FOR_CHECKPOINT,
+    FILE_READY_FOR_SNAPSHOT,
     FILE_RESTORE_COMPLETE,
     FILE_SNAPSHOT_COMPLETE,
 )
@@ -113,22 +113,22 @@ def test_no_control_dir_is_a_clear_error_except_for_maybe() -> None:
     assert time.monotonic() - t < 1
 
 
-# ---- ready-for-checkpoint ----
+# ---- ready-for-snapshot ----
 
 
 def test_signal_ready_writes_json_with_pid_and_info(ctl: Path) -> None:
     SnapshotHandshake().signal_ready({"model": "qwen3", "tp": 2})
-    ready = ctl / FILE_READY_FOR_CHECKPOINT
+    ready = ctl / FILE_READY_FOR_SNAPSHOT
     content = json.loads(ready.read_text())
     assert content["pid"] == os.getpid()
     assert content["info"] == {"model": "qwen3", "tp": 2}
     assert stat.S_IMODE(ready.stat().st_mode) == 0o644
-    assert sorted(p.name for p in ctl.iterdir()) == [FILE_READY_FOR_CHECKPOINT]  # no temp file left
+    assert sorted(p.name for p in ctl.iterdir()) == [FILE_READY_FOR_SNAPSHOT]  # no temp file left
 
 
 def test_signal_ready_without_info(ctl: Path) -> None:
     assert maybe_signal_ready() is True
-    assert "info" not in json.loads((ctl / FILE_READY_FOR_CHECKPOINT).read_text())
+    assert "info" not in json.loads((ctl / FILE_READY_FOR_SNAPSHOT).read_text())
 
 
 def test_unserialisable_info_writes_nothing(ctl: Path) -> None:
@@ -154,7 +154,7 @@ def test_signal_ready_clears_sentinels_of_an_earlier_run(ctl: Path) -> None:
 
 def test_ready_file_is_never_seen_partial(ctl: Path) -> None:
     h = SnapshotHandshake()
-    ready = ctl / FILE_READY_FOR_CHECKPOINT
+    ready = ctl / FILE_READY_FOR_SNAPSHOT
     big = {"blob": "x" * (256 << 10)}
     stop = threading.Event()
     seen: list[int] = []
@@ -297,7 +297,7 @@ def test_checkpoint_and_wait(ctl: Path) -> None:
     timer.join()
     assert info.restored
     assert info.content == 1
-    assert json.loads((ctl / FILE_READY_FOR_CHECKPOINT).read_text())["info"] == {"k": "v"}
+    assert json.loads((ctl / FILE_READY_FOR_SNAPSHOT).read_text())["info"] == {"k": "v"}
 
 
 @pytest.mark.usefixtures("etc")
@@ -337,7 +337,7 @@ async def test_async_variants_do_not_block_the_loop(ctl: Path) -> None:
     assert info.pod_ip == "10.2.2.2"
     assert len(ticker) >= 15  # the loop kept running while we waited
     assert max(b - a for a, b in itertools.pairwise(ticker)) < 0.2
-    assert json.loads((ctl / FILE_READY_FOR_CHECKPOINT).read_text())["info"] == {"async": True}
+    assert json.loads((ctl / FILE_READY_FOR_SNAPSHOT).read_text())["info"] == {"async": True}
 
 
 async def test_async_timeout(ctl: Path) -> None:

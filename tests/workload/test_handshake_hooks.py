@@ -1,5 +1,5 @@
 """Hooks around the checkpoint (SnapshotHandshake.add_hook) and the GPU offload hook built on them:
-KV caches and weights released before ready-for-checkpoint, taken back once the wait ends. GPU memory
+KV caches and weights released before ready-for-snapshot, taken back once the wait ends. GPU memory
 is the pure-Python stand-in of fake_cuda."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from dynamo_snapshot.api.protocol import (
-    FILE_READY_FOR_CHECKPOINT,
+    FILE_READY_FOR_SNAPSHOT,
     FILE_RESTORE_COMPLETE,
     FILE_SNAPSHOT_COMPLETE,
     FILE_WEIGHTS_VERIFIED,
@@ -44,7 +44,7 @@ class Recorder:
         self.infos: list[RestoreInfo | None] = []
 
     def before_checkpoint(self, handshake: SnapshotHandshake) -> None:
-        assert not (self.ctl / FILE_READY_FOR_CHECKPOINT).exists()  # the agent must not see ready yet
+        assert not (self.ctl / FILE_READY_FOR_SNAPSHOT).exists()  # the agent must not see ready yet
         self.events.append(f"{self.name}.before")
         if self.fail:
             raise RuntimeError(f"{self.name} failed")
@@ -61,10 +61,10 @@ def later(path: Path, text: str, delay: float = 0.2) -> threading.Thread:
 
 
 def once_ready(ctl: Path, name: str, text: str) -> threading.Thread:
-    """The agent's answer `name`, written once the worker said ready-for-checkpoint (its hooks ran)."""
+    """The agent's answer `name`, written once the worker said ready-for-snapshot (its hooks ran)."""
 
     def answer() -> None:
-        wait_file(ctl / FILE_READY_FOR_CHECKPOINT)
+        wait_file(ctl / FILE_READY_FOR_SNAPSHOT)
         (ctl / name).write_text(text)
 
     t = threading.Thread(target=answer, daemon=True)
@@ -80,7 +80,7 @@ def test_hooks_run_before_ready_and_after_the_wait_in_order(tmp_path: Path) -> N
     h.add_hook(b)
     h.signal_ready({"k": 1})
     assert events == ["a.before", "b.before"]
-    assert json.loads((tmp_path / FILE_READY_FOR_CHECKPOINT).read_text())["info"] == {"k": 1}
+    assert json.loads((tmp_path / FILE_READY_FOR_SNAPSHOT).read_text())["info"] == {"k": 1}
     later(tmp_path / FILE_RESTORE_COMPLETE, '{"podName": "p2"}')
     info = h.wait_for_restore(poll_interval=0.02, timeout=5)
     assert events == ["a.before", "b.before", "a.resume", "b.resume"]
@@ -106,7 +106,7 @@ def test_a_failing_hook_means_no_ready_file_and_undoes_the_others(tmp_path: Path
     h.add_hook(bad)
     with pytest.raises(RuntimeError, match="bad failed"):
         h.signal_ready()
-    assert not (tmp_path / FILE_READY_FOR_CHECKPOINT).exists()
+    assert not (tmp_path / FILE_READY_FOR_SNAPSHOT).exists()
     assert events == ["ok.before", "bad.before", "bad.resume", "ok.resume"]
     assert ok.infos == [None]
     # Nothing is armed any more: a later wait does not run the hooks a second time.
@@ -194,7 +194,7 @@ def test_gpu_offload_releases_before_ready_and_restores_after(cu: FakeDriver, tm
     seen_at_ready: dict[str, Any] = {}
 
     def agent() -> None:
-        wait_file(ctl / FILE_READY_FOR_CHECKPOINT)
+        wait_file(ctl / FILE_READY_FOR_SNAPSHOT)
         seen_at_ready["used"] = cu.used
         seen_at_ready["manifest"] = read_weights_manifest(ctl)
         seen_at_ready["offload"] = read_offload_manifest(ctl)
@@ -230,7 +230,7 @@ def test_gpu_offload_releases_before_ready_and_restores_after(cu: FakeDriver, tm
     # A second cycle: the file holds these weights already and is not written again.
     mtime = weights_file.stat().st_mtime_ns
     (ctl / FILE_RESTORE_COMPLETE).unlink()
-    (ctl / FILE_READY_FOR_CHECKPOINT).unlink()  # the first cycle's
+    (ctl / FILE_READY_FOR_SNAPSHOT).unlink()  # the first cycle's
     once_ready(ctl, FILE_SNAPSHOT_COMPLETE, "")
     h.checkpoint_and_wait(poll_interval=0.02, timeout=10)
     assert not h.gpu_offload.report.saved[0].written
@@ -273,7 +273,7 @@ def test_gpu_offload_failure_before_ready_takes_everything_back(cu: FakeDriver, 
     cu.fail["cuMemUnmap"] = CUresult.CUDA_ERROR_INVALID_VALUE
     with pytest.raises(CudaError, match="cuMemUnmap"):
         h.signal_ready()
-    assert not (tmp_path / FILE_READY_FOR_CHECKPOINT).exists()
+    assert not (tmp_path / FILE_READY_FOR_SNAPSHOT).exists()
     assert not kv.released
     assert not weights.released
 
@@ -294,7 +294,7 @@ def test_hooks_are_undone_when_the_ready_file_cannot_be_written(
         h.signal_ready()
     assert events == ["a.before", "a.resume"]
     assert hook.infos == [None]
-    assert not (tmp_path / FILE_READY_FOR_CHECKPOINT).exists()
+    assert not (tmp_path / FILE_READY_FOR_SNAPSHOT).exists()
 
 
 def test_gpu_offload_refuses_an_unknown_weights_encoding_when_made() -> None:

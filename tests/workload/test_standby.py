@@ -29,7 +29,7 @@ def placeholder(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
         pytest.skip("a PID namespace of its own needs root")
     proc = subprocess.Popen(
         ["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-c", STANDBY, str(tmp_path)],
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": str(REPO), "POD_NAME": "standby-pod"},
     )
     wait_for(lambda: (tmp_path / protocol.FILE_RESTORE_STANDBY).is_file(), within=20, what="restore-standby")
     yield proc
@@ -56,6 +56,10 @@ def test_standby_says_it_waits_then_ends_with_the_adopted_worker(
 ) -> None:
     said = json.loads((tmp_path / protocol.FILE_RESTORE_STANDBY).read_text())
     assert said["pid"] == 1, "the placeholder is the first process of the container's PID namespace"
+    context = json.loads((tmp_path / protocol.FILE_RESTORE_CONTEXT).read_text())
+    assert set(context["env"]) == protocol.RESTORE_CONTEXT_ENV_NAMES
+    assert context["env"]["POD_NAME"] == "standby-pod"  # this container's value
+    assert context["env"]["DYN_SYSTEM_PORT"] is None  # unset here: null, so a stale value is cleared
     standby = _first_process_of_namespace(placeholder.pid)
     time.sleep(0.5)
     assert placeholder.poll() is None, "with nothing restored yet it waits"

@@ -53,6 +53,8 @@ CONTAINERD_RUNC_ROOT = Path("/run/containerd/runc/k8s.io")
 # CRI-O's default runc root (crio.conf [crio.runtime.runtimes.runc] runtime_root).
 CRIO_RUNC_ROOT = Path("/run/runc")
 CONTAINER_META = "container.json"
+# What a placeholder in standby writes: this SDK's file, or a Dynamo worker's restore context.
+_STANDBY_FILES = (protocol.FILE_RESTORE_STANDBY, protocol.FILE_RESTORE_CONTEXT)
 _CGROUP_FS = Path("/sys/fs/cgroup")
 _CONTAINER_ID = re.compile(r"^[0-9a-f]{64}$")
 # Moves this shell into the cgroups named before "--", then runs the rest: CRIU's restored tasks are
@@ -215,8 +217,10 @@ class ContainerdRuntime:
         return self._get(key).container.env
 
     def standby(self, key: str) -> bool:
-        """Whether the attached container's placeholder says it waits for the restore."""
-        return (self.control_dir(key) / protocol.FILE_RESTORE_STANDBY).is_file()
+        """Whether the attached container's placeholder says it waits for the restore: this SDK's
+        standby file, or the restore context a Dynamo worker's standby writes."""
+        ctl = self.control_dir(key)
+        return any((ctl / name).is_file() for name in _STANDBY_FILES)
 
     async def launch(self, spec: WorkloadSpec) -> Workload:
         raise WorkloadRuntimeError("the kubelet starts containers on this node; the agent launches none")
@@ -240,7 +244,8 @@ class ContainerdRuntime:
         # The placeholder exits with its restored tree; the one the kubelet starts next says anew that
         # it waits.
         with contextlib.suppress(WorkloadRuntimeError, OSError):
-            (self.control_dir(key) / protocol.FILE_RESTORE_STANDBY).unlink(missing_ok=True)
+            for name in _STANDBY_FILES:
+                (self.control_dir(key) / name).unlink(missing_ok=True)
         del self._attached[key]
         _kill_descendants(attached.container.pid)
 
