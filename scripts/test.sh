@@ -7,6 +7,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 t0=$SECONDS
 bash scripts/test-env.sh
 source scripts/pyenv.sh
+VENV=$VENV bash scripts/dynamo-wheels.sh
 echo "[test] set-up took $((SECONDS - t0)) s"
 
 echo "[test] ruff";          ruff check . && ruff format --check --quiet .
