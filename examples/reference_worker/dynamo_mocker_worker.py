@@ -27,19 +27,19 @@ from dynamo.common.snapshot.restore_context import (
 if __name__ == "__main__":
     maybe_run_restore_standby_mode()  # never returns in standby: the process becomes `sleep infinity`
 
-import logging  # noqa: E402
-import sys  # noqa: E402
+import logging
+import sys
 
-import uvloop  # noqa: E402
-from dynamo.common.snapshot.lifecycle import (  # noqa: E402
+import uvloop
+from dynamo.common.snapshot.lifecycle import (
     SnapshotConfig,
     configure_snapshot_capture_env,
     elect_and_wake,
 )
-from dynamo.mocker.args import parse_args  # noqa: E402
-from dynamo.mocker.config import apply_worker_engine_args_overrides, load_mocker_engine_args  # noqa: E402
-from dynamo.mocker.main import launch_workers  # noqa: E402
-from dynamo.mocker.utils.kv_cache import compute_kv_bytes_per_token  # noqa: E402
+from dynamo.mocker.args import parse_args
+from dynamo.mocker.config import apply_worker_engine_args_overrides, load_mocker_engine_args
+from dynamo.mocker.main import launch_workers
+from dynamo.mocker.utils.kv_cache import compute_kv_bytes_per_token
 
 log = logging.getLogger("dynamo_mocker_worker")
 
