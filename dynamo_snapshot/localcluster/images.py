@@ -55,6 +55,10 @@ WORKER_REPOSITORY = "localhost/dynamo-snapshot/worker"
 WORKER_PYTHON = Path("/usr/bin/python3.11")
 WORKER_STDLIB = Path("/usr/lib/python3.11")
 WORKER_DIST_PACKAGES = "usr/lib/python3/dist-packages"
+# What manylinux wheels' compiled modules may expect from the system besides libc (PEP 600): C++ modules
+# (NVIDIA Dynamo's runtime, for one) need these, which the interpreter itself does not pull in.
+MANYLINUX_SYSTEM_LIBS = ("libstdc++.so.6", "libgcc_s.so.1")
+SYSTEM_LIB_DIRS = ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64")
 WORKER_SCRIPT = Path("examples/reference_worker/cpu_worker.py")
 WORKER_ENTRYPOINT = ("/usr/bin/python3.11", "/app/cpu_worker.py")
 WORKER_ENV = ("PATH=/usr/bin:/bin", "PYTHONPATH=/app", "PYTHONDONTWRITEBYTECODE=1", "PYTHONUNBUFFERED=1")
@@ -318,6 +322,15 @@ def _shared_libraries(binaries: Iterable[Path]) -> set[str]:
     return found
 
 
+def _system_library(name: str) -> Path:
+    for directory in SYSTEM_LIB_DIRS:
+        if (Path(directory) / name).exists():
+            return Path(directory) / name
+    raise ImageBuildError(
+        f"{name} is missing on this machine (the worker image carries it for wheels' modules)"
+    )
+
+
 def _tree(src: Path, dest: str, *, skip: frozenset[str] = frozenset(), suffix: str = "") -> Iterator[_Entry]:
     """The files under `src` as entries under `dest`, without __pycache__ and names in `skip`."""
     for dirpath, dirnames, filenames in os.walk(src):
@@ -396,7 +409,8 @@ def _worker_entries(repo: Path) -> list[_Entry]:
     entries += _tree(sdk, "app/dynamo_snapshot", suffix=".py")
     entries.append(_file("app/cpu_worker.py", script))
     binaries = [e.src for e in entries if e.src and (e.src == WORKER_PYTHON or e.dest.endswith(".so"))]
-    entries += (_file(lib.lstrip("/"), Path(lib)) for lib in sorted(_shared_libraries(binaries)))
+    libraries = _shared_libraries(binaries) | {str(_system_library(name)) for name in MANYLINUX_SYSTEM_LIBS}
+    entries += (_file(lib.lstrip("/"), Path(lib)) for lib in sorted(libraries))
     entries += _busybox_entries()
     return sorted(entries, key=lambda e: e.dest)
 

@@ -45,6 +45,20 @@ from dynamo_snapshot.localcluster.supervise import Proc, spawn_logged, terminate
 
 # Test-infrastructure names (not the product's protocol): the taint that keeps kwok-bound pods off the node.
 REAL_NODE_TAINT = "localcluster.dynamo-snapshot.dev/real-node"
+# The seccomp profile the Helm chart installs for workers (helm/dynamo-snapshot/templates/
+# seccomp-configmap.yaml): CRIU cannot dump an io_uring instance, so creating one fails with ENOSYS and
+# libraries (libuv, liburing) fall back to ordinary syscalls.
+NO_IO_URING_PROFILE = "profiles/dynamo-snapshot-no-io-uring.json"
+NO_IO_URING_SECCOMP = {
+    "defaultAction": "SCMP_ACT_ALLOW",
+    "syscalls": [
+        {
+            "names": ["io_uring_setup", "io_uring_enter", "io_uring_register"],
+            "action": "SCMP_ACT_ERRNO",
+            "errnoRet": 38,
+        }
+    ],
+}
 PAUSE_IMAGE = ImageRef("localhost/dynamo-snapshot/pause", "3.10")
 TEST_IMAGE = ImageRef("localhost/dynamo-snapshot/busybox", "1.35")
 # containerd's runc shim keeps runc state here whatever containerd's own state dir is.
@@ -240,6 +254,7 @@ class RealNode:
             self._ip_forward = IP_FORWARD.read_text().strip()
             self._write_record()
             self._setup_bridge()
+            self._install_seccomp_profiles()
             say("building the pause and test images")
             archives = self._build_images()
             self._write_cni_config()
@@ -403,6 +418,13 @@ class RealNode:
             "ip_forward": self._ip_forward,
         }
         self._record.write_text(json.dumps(record))
+
+    def _install_seccomp_profiles(self) -> None:
+        """What the chart's agent init container puts on every GPU node: the workers' io_uring-blocking
+        profile, for pods that name it (`localhostProfile: profiles/<name>`)."""
+        path = self.kubelet_root / "seccomp" / NO_IO_URING_PROFILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(NO_IO_URING_SECCOMP, indent=1))
 
     def _setup_bridge(self) -> None:
         br = self.options.bridge

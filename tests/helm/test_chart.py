@@ -17,6 +17,7 @@ from dynamo_snapshot.agent.runtime.runc import DEFAULT_HOST_BINDS
 from dynamo_snapshot.api import crdgen, protocol
 from dynamo_snapshot.cli.agent_cmd import AgentConfig
 from dynamo_snapshot.cli.controller_cmd import ControllerCommandConfig
+from dynamo_snapshot.localcluster.realnode import NO_IO_URING_SECCOMP
 from tests.helm import rbac
 from tests.helm.chart import (
     CHART,
@@ -291,7 +292,9 @@ def test_seccomp_profile_is_installed_for_workloads() -> None:
     objs = render()
     cm = one(objs, "ConfigMap", "-seccomp")
     profile = json.loads(cm["data"]["dynamo-snapshot-no-io-uring.json"])
-    assert profile == {
+    # The real node of the local cluster installs the same profile, as the agent's init container would.
+    assert profile == NO_IO_URING_SECCOMP
+    assert NO_IO_URING_SECCOMP == {
         "defaultAction": "SCMP_ACT_ALLOW",
         "syscalls": [
             {

@@ -28,15 +28,15 @@ def dynamo_version() -> str:
 
 
 def dynamo_site() -> Path:
-    """Where the pinned wheels are installed; fails with the fix when they are not."""
-    site = cache_dir() / f"dynamo-{dynamo_version()}"
-    if not (site / ".complete").is_file():
+    """The site-packages the pinned wheels are installed in; fails with the fix when they are not."""
+    venv = cache_dir() / f"dynamo-{dynamo_version()}"
+    if not (venv / ".complete").is_file():
         pytest.fail(
-            f"NVIDIA Dynamo {dynamo_version()} is not installed in {site}: run scripts/test.sh "
+            f"NVIDIA Dynamo {dynamo_version()} is not installed in {venv}: run scripts/test.sh "
             "(scripts/dynamo-wheels.sh installs it)",
             pytrace=False,
         )
-    return site
+    return venv / "lib" / "python3.11" / "site-packages"
 
 
 def dynamo_env(site: Path, **extra: str) -> dict[str, str]:
@@ -86,6 +86,8 @@ def write_tiny_model(directory: Path, name: str = "tiny-mocker") -> Path:
             "eos_token": "</s>",
             "unk_token": "<unk>",
             "model_max_length": 2048,
+            # The frontend builds its prompt formatter from it, for completions too.
+            "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}",
         },
         "config.json": {
             "architectures": ["LlamaForCausalLM"],

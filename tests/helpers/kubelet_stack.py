@@ -61,7 +61,7 @@ class Stack:
             runtime, ArtifactStore(self.store), self.criu, node_name=self.node.name, cuda=None, gpus=None
         )
         agent_settings = AgentSettings(
-            node_name=self.node.name, launch_workloads=False, ready_timeout=120, **settings
+            **{"node_name": self.node.name, "launch_workloads": False, "ready_timeout": 120, **settings}
         )
         agent = NodeAgent(self.kube, executor, runtime, agent_settings)
         self.agent_task = asyncio.create_task(agent.run_until(asyncio.Event()))

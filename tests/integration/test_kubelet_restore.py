@@ -12,18 +12,15 @@ from __future__ import annotations
 import asyncio
 import json
 import urllib.request
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes_asyncio import client
 
 from dynamo_snapshot.agent.runtime.base import pid_running
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.controller.kinds import DGD
-from dynamo_snapshot.controller.runtime import EVENT, POD, Kube, Obj
-from dynamo_snapshot.criu import Criu
+from dynamo_snapshot.controller.runtime import EVENT, POD, Obj
 from dynamo_snapshot.localcluster import LocalCluster
 from dynamo_snapshot.localcluster.realnode import RUNC_ROOT, TEST_IMAGE, RealNode
 from tests.helpers.kubelet_stack import (
@@ -44,30 +41,6 @@ from tests.helpers.kubelet_stack import (
 from tests.helpers.polling import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.kubelet]
-
-
-@pytest.fixture
-async def stack(
-    api: client.ApiClient,
-    namespace: str,
-    crds: list[str],
-    real_node: RealNode,
-    criu_bin: Path,
-    tmp_path: Path,
-) -> AsyncIterator[Stack]:
-    s = Stack(
-        Kube(api, field_manager="kubelet-e2e"),
-        namespace,
-        real_node,
-        Criu(criu_bin),
-        tmp_path / "state",
-        tmp_path / "artifacts",
-    )
-    s.start_controller()
-    try:
-        yield s
-    finally:
-        await s.close()
 
 
 def _restored_pid(pod: Obj) -> int:
