@@ -236,6 +236,28 @@ async def test_dynamo_workers_checkpoint_and_restore_through_dynamos_own_lifecyc
         answer = await asyncio.to_thread(_complete, url)
         assert answer["usage"]["completion_tokens"] == 4
 
+    # With the cold worker gone (its pod deleted: it leaves discovery), the restored ones answer alone.
+    cold = (await pods(s, protocol.StartMode.COLD.value))[0]
+    cluster.kubectl(
+        "delete",
+        "-n",
+        s.namespace,
+        "pod",
+        cold["metadata"]["name"],
+        "--wait=true",
+        "--timeout=60s",
+        timeout=70,
+    )
+
+    async def cold_gone() -> list[str]:
+        now = _registered(kv)
+        return now if cold_ip not in now else []
+
+    await eventually(cold_gone, 60, "the cold worker to leave Dynamo's discovery")
+    for _ in range(6):
+        answer = await asyncio.to_thread(_complete, url)
+        assert answer["usage"]["completion_tokens"] == 4
+
 
 async def test_a_worker_that_never_says_ready_fails_its_checkpoint_with_a_clear_message(
     stack: Stack, real_node: RealNode, tmp_path: Path
