@@ -223,12 +223,18 @@ class NodeAgent:
             restored = (pod["metadata"].get("labels") or {}).get(
                 protocol.LABEL_RESTORE_TARGET
             ) == protocol.TRUE
+            key = workload_key(pod)
+            containers = self.containers if etype == DELETED else None
             if self.settings.launch_workloads or restored:
                 # Whatever this agent started or restored goes with its pod (a kubelet stops only the
                 # containers it started itself).
-                stopping = asyncio.create_task(self.runtime.stop(workload_key(pod)))
+                stopping = asyncio.create_task(self.runtime.stop(key))
                 self._background.add(stopping)
                 stopping.add_done_callback(self._background.discard)
+                if containers is not None:
+                    stopping.add_done_callback(lambda _: containers.forget(key))
+            elif containers is not None:
+                containers.forget(key)  # the pod is gone: nothing of its container is needed again
             return
         if uid not in self._tasks:
             self._tasks[uid] = asyncio.create_task(self._handle(pod), name=f"pod-{workload_key(pod)}")

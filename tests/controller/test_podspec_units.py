@@ -48,6 +48,20 @@ def test_a_restore_pod_says_which_pod_it_replaces() -> None:
         protocol.ANNOTATION_REPLACES
         not in restore_pod(obj, dgd, "VllmWorker", ckpt)["metadata"]["annotations"]
     )
+    # The main container stands by (Dynamo 1.6 reads the first name, NVIDIA's operator sets the second)
+    # and finds the control dir under both names; a cold start gets none of them.
+    main = next(c for c in pod["spec"]["containers"] if c["name"] == MAIN_CONTAINER)
+    env = {e["name"]: e.get("value") for e in main["env"]}
+    assert {n: env.get(n) for n in protocol.ENV_RESTORE_STANDBYS} == {
+        "SNAPSHOT_RESTORE_STANDBY": "1",
+        "DYN_SNAPSHOT_RESTORE_STANDBY": "1",
+    }
+    assert {n: env.get(n) for n in protocol.ENV_CONTROL_DIRS} == {
+        n: protocol.CONTROL_MOUNT_PATH for n in protocol.ENV_CONTROL_DIRS
+    }
+    cold = cold_start_pod(obj, dgd, "VllmWorker")
+    cold_env = {e["name"] for c in cold["spec"]["containers"] for e in c.get("env") or []}
+    assert not cold_env & {*protocol.ENV_RESTORE_STANDBYS, *protocol.ENV_CONTROL_DIRS}
 
 
 def _pod_resources(resources: dict[str, Any]) -> tuple[dict[str, Any], int]:

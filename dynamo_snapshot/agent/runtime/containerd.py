@@ -207,6 +207,11 @@ class ContainerdRuntime:
             )
         return Path(source)
 
+    def forget(self, key: str) -> None:
+        """Drop what is known of ``key``'s container (its pod is gone), stopping nothing."""
+        self._attached.pop(key, None)
+        self.restore_phases.pop(key, None)
+
     def holds_restored(self, key: str) -> bool:
         """Whether a restore put processes into the attached container."""
         attached = self._attached.get(key)
@@ -316,7 +321,7 @@ class ContainerdRuntime:
             meta = json.loads(await asyncio.to_thread((images_dir / CONTAINER_META).read_text))
         except (OSError, ValueError) as e:
             raise WorkloadRuntimeError(f"checkpoint lacks its container description: {e}") from None
-        mounts = _restore_mounts(target, [str(d) for d in meta.get("externalMounts") or []])
+        mounts = _restore_mounts(target, [str(d) for d in meta.get("externalMounts") or []], self.cgroup_root)
         phases = self.restore_phases[key] = {}
         started = time.monotonic()
         try:
@@ -456,14 +461,14 @@ def _external_mounts(c: Container) -> set[str]:
     return out
 
 
-def _restore_mounts(target: Container, external: list[str]) -> dict[str, str]:
+def _restore_mounts(target: Container, external: list[str], cgroup_root: Path) -> dict[str, str]:
     """Each of the checkpoint's external mounts -> the restore container's own source for it."""
     out: dict[str, str] = {}
     missing: list[str] = []
     for dest in external:
         if dest.startswith("/sys/fs/cgroup/"):
             out[dest] = str(
-                _CGROUP_FS / dest.removeprefix("/sys/fs/cgroup/") / target.cgroups_path.lstrip("/")
+                cgroup_root / dest.removeprefix("/sys/fs/cgroup/") / target.cgroups_path.lstrip("/")
             )
             continue
         source = target.bind_source(dest)
