@@ -34,9 +34,9 @@ from benchmarks.controller_scale import (  # noqa: E402
     seed_bench_graph,
 )
 from dynamo_snapshot.autoscale.prometheus import PrometheusError, PrometheusSource  # noqa: E402
-from dynamo_snapshot.controller.kinds import SCALING_POLICY  # noqa: E402
 from dynamo_snapshot.controller.manager import Controller, ControllerConfig  # noqa: E402
-from dynamo_snapshot.controller.runtime import Kube  # noqa: E402
+from dynamo_snapshot.kube import Kube  # noqa: E402
+from dynamo_snapshot.kube.kinds import SCALING_POLICY  # noqa: E402
 from dynamo_snapshot.localcluster import LocalCluster, LocalPrometheus  # noqa: E402
 from tests.autoscale.exporter import FakeVllmExporter  # noqa: E402
 

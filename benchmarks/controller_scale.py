@@ -56,8 +56,8 @@ from kubernetes_asyncio import config as k8s_config
 
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.identity import compute_identity_hash
-from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD
-from dynamo_snapshot.controller.runtime import NAMESPACE, NODE, POD, ApiError, Kube, Obj, ResourceKind
+from dynamo_snapshot.kube import NAMESPACE, NODE, POD, ApiError, Kube, Obj, ResourceKind
+from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD
 from dynamo_snapshot.localcluster import LocalCluster, gpu_node_manifest
 
 REPO = Path(__file__).resolve().parent.parent

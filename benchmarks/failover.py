@@ -32,7 +32,7 @@ from benchmarks.controller_scale import (  # noqa: E402
     seed_bench_graph,
 )
 from dynamo_snapshot.controller.manager import Controller, ControllerConfig  # noqa: E402
-from dynamo_snapshot.controller.runtime import NODE, POD, Kube, Obj  # noqa: E402
+from dynamo_snapshot.kube import NODE, POD, Kube, Obj  # noqa: E402
 from dynamo_snapshot.localcluster import LocalCluster  # noqa: E402
 
 NS = "failover-bench"

@@ -35,9 +35,9 @@ from kubernetes_asyncio import client, config  # noqa: E402
 
 from dynamo_snapshot.agent.watcher import workload_key  # noqa: E402
 from dynamo_snapshot.api import protocol  # noqa: E402
-from dynamo_snapshot.controller.kinds import DGD  # noqa: E402
-from dynamo_snapshot.controller.runtime import POD, Kube, is_not_found  # noqa: E402
 from dynamo_snapshot.criu import Criu  # noqa: E402
+from dynamo_snapshot.kube import POD, Kube, is_not_found  # noqa: E402
+from dynamo_snapshot.kube.kinds import DGD  # noqa: E402
 from dynamo_snapshot.localcluster import LocalCluster  # noqa: E402
 from tests.helpers.kubelet_stack import (  # noqa: E402
     GRAPH,

@@ -26,7 +26,7 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointPhase
 from dynamo_snapshot.api.identity import CheckpointIdentity
 from dynamo_snapshot.artifact import Binding, artifact_key
-from dynamo_snapshot.controller.runtime import Obj, controller_ref
+from dynamo_snapshot.kube import Obj, controller_ref
 
 __all__ = [
     "CheckpointGrant",

@@ -36,8 +36,7 @@ from dynamo_snapshot.agent.runtime.containerd import ContainerdRuntime
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.artifact import ArtifactStore, artifact_key, validate_artifact_key
 from dynamo_snapshot.artifact.store import is_bound_key
-from dynamo_snapshot.controller.kinds import CHECKPOINT, JOB
-from dynamo_snapshot.controller.runtime import (
+from dynamo_snapshot.kube import (
     DELETED,
     POD,
     WARNING,
@@ -52,6 +51,7 @@ from dynamo_snapshot.controller.runtime import (
     is_not_found,
     object_key,
 )
+from dynamo_snapshot.kube.kinds import CHECKPOINT, JOB
 
 log = logging.getLogger(__name__)
 MAIN = "main"

@@ -43,9 +43,9 @@ from dynamo_snapshot.autoscale.prometheus import (
 )
 from dynamo_snapshot.controller import conditions as cond
 from dynamo_snapshot.controller.context import Context, validation_message
-from dynamo_snapshot.controller.kinds import DGD, SCALING_POLICY
 from dynamo_snapshot.controller.pods import pod_active, pod_ready
-from dynamo_snapshot.controller.runtime import NORMAL, WARNING, Obj, is_not_found
+from dynamo_snapshot.kube import NORMAL, WARNING, Obj, is_not_found
+from dynamo_snapshot.kube.kinds import DGD, SCALING_POLICY
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent
 from dynamo_snapshot.artifact import ArtifactCache, ArtifactStore
 from dynamo_snapshot.cli.health import distinct_ports, health_endpoints
 from dynamo_snapshot.cli.service import load_settings, run_service
-from dynamo_snapshot.controller.runtime import Kube, load_client
 from dynamo_snapshot.criu import Criu
+from dynamo_snapshot.kube import Kube, load_client
 
 FIELD_MANAGER = "dynamo-snapshot-agent"
 

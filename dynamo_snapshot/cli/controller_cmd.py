@@ -14,7 +14,7 @@ from dynamo_snapshot.cli.health import distinct_ports, health_endpoints
 from dynamo_snapshot.cli.service import load_settings, run_service
 from dynamo_snapshot.controller.config import CONTROLLER_NAME, ControllerConfig
 from dynamo_snapshot.controller.manager import Controller
-from dynamo_snapshot.controller.runtime import Kube, load_client
+from dynamo_snapshot.kube import Kube, load_client
 
 
 class ControllerCommandConfig(ControllerConfig):

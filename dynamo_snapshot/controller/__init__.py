@@ -1,1 +1,1 @@
-"""The dynamo-snapshot controller: reconcilers on top of the generic runtime in ``runtime``."""
+"""The dynamo-snapshot controller: reconcilers on the Kubernetes mechanics of ``dynamo_snapshot.kube``."""

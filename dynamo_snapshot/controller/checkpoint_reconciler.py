@@ -18,7 +18,6 @@ from dynamo_snapshot.api.checkpoint import CheckpointCompatibility, CheckpointPh
 from dynamo_snapshot.api.identity import compute_identity_hash
 from dynamo_snapshot.controller import conditions as cond
 from dynamo_snapshot.controller.context import Context, validation_message
-from dynamo_snapshot.controller.kinds import CHECKPOINT, JOB
 from dynamo_snapshot.controller.pods import pod_active
 from dynamo_snapshot.controller.podspec import (
     MAIN_CONTAINER,
@@ -26,7 +25,7 @@ from dynamo_snapshot.controller.podspec import (
     checkpoint_job_name,
     gpus_of_pod,
 )
-from dynamo_snapshot.controller.runtime import (
+from dynamo_snapshot.kube import (
     NORMAL,
     WARNING,
     Obj,
@@ -36,6 +35,7 @@ from dynamo_snapshot.controller.runtime import (
     is_not_found,
     object_key,
 )
+from dynamo_snapshot.kube.kinds import CHECKPOINT, JOB
 
 log = logging.getLogger(__name__)
 FINALIZE_RECHECK_S = 2.0

@@ -18,7 +18,7 @@ from dynamo_snapshot.controller.config import ControllerConfig
 from dynamo_snapshot.controller.expectations import Expectations
 from dynamo_snapshot.controller.failover import PAUSED, Failover, node_down, unhealthy_since
 from dynamo_snapshot.controller.podspec import keep_off_nodes
-from dynamo_snapshot.controller.runtime import EventRecorder, Informer, Kube, Obj
+from dynamo_snapshot.kube import EventRecorder, Informer, Kube, Obj
 
 PODS_CREATED = Counter(
     "dynsnap_worker_pods_created_total", "Worker pods created, by how they start", ["mode"]

@@ -24,7 +24,6 @@ from dynamo_snapshot.controller.batching import slow_start
 from dynamo_snapshot.controller.checkpoint_reconciler import agent_verdict
 from dynamo_snapshot.controller.context import PODS_CREATED, Context, validation_message
 from dynamo_snapshot.controller.failover import NO_COMPATIBLE_NODE, loss_cause, worker_lifetime
-from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD, POD
 from dynamo_snapshot.controller.pods import pod_active, pod_ready, unschedulable
 from dynamo_snapshot.controller.podspec import (
     auto_checkpoint_name,
@@ -36,7 +35,7 @@ from dynamo_snapshot.controller.podspec import (
     restore_pod,
     unsupported,
 )
-from dynamo_snapshot.controller.runtime import (
+from dynamo_snapshot.kube import (
     NORMAL,
     WARNING,
     ApiError,
@@ -47,6 +46,7 @@ from dynamo_snapshot.controller.runtime import (
     is_conflict,
     is_not_found,
 )
+from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD, POD
 
 log = logging.getLogger(__name__)
 STATUS_MIN_INTERVAL = 1.0  # seconds between status writes of one DGD that carry no new generation

@@ -32,7 +32,7 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.controller.conditions import parse_rfc3339
 from dynamo_snapshot.controller.config import ControllerConfig
 from dynamo_snapshot.controller.podspec import MAIN_CONTAINER
-from dynamo_snapshot.controller.runtime import NORMAL, WARNING, Obj
+from dynamo_snapshot.kube import NORMAL, WARNING, Obj
 
 FAILURES = Counter("dynsnap_worker_failures_total", "Worker losses detected, by cause", ["cause"])
 _LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)

@@ -14,8 +14,7 @@ from dynamo_snapshot.controller.config import CONTROLLER_NAME, ControllerConfig
 from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.controller.dgd_reconciler import DGDReconciler
 from dynamo_snapshot.controller.failover import FAILOVER_PAUSED, node_down, node_healthy, unhealthy_since
-from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD, JOB, NODE, POD, SCALING_POLICY
-from dynamo_snapshot.controller.runtime import (
+from dynamo_snapshot.kube import (
     DELETED,
     WARNING,
     EventRecorder,
@@ -27,6 +26,7 @@ from dynamo_snapshot.controller.runtime import (
     WorkQueue,
     object_key,
 )
+from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD, JOB, NODE, POD, SCALING_POLICY
 
 # ControllerConfig lives in controller.config (Context reads it too); callers keep importing it from here.
 __all__ = ["Controller", "ControllerConfig"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from dynamo_snapshot.controller.conditions import parse_rfc3339
-from dynamo_snapshot.controller.runtime import Obj
+from dynamo_snapshot.kube import Obj
 
 
 def pod_active(pod: Obj) -> bool:

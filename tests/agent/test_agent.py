@@ -25,11 +25,11 @@ from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent, workload_key
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.identity import compute_identity_hash
 from dynamo_snapshot.artifact import ArtifactCache, ArtifactStore, GpuInfo, artifact_key
-from dynamo_snapshot.controller.kinds import CHECKPOINT, JOB
 from dynamo_snapshot.controller.podspec import owner_reference
-from dynamo_snapshot.controller.runtime import EVENT, POD, ApiError, Kube, Obj, is_already_exists
 from dynamo_snapshot.criu import Criu
 from dynamo_snapshot.criu.packed import is_packed_pages
+from dynamo_snapshot.kube import EVENT, POD, ApiError, Kube, Obj, is_already_exists
+from dynamo_snapshot.kube.kinds import CHECKPOINT, JOB
 from tests.controller.conftest import eventually
 
 pytestmark = [pytest.mark.cluster, pytest.mark.criu]

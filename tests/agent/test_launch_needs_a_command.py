@@ -12,7 +12,7 @@ import pytest
 from kubernetes_asyncio import client
 
 from dynamo_snapshot.agent.watcher import workload_key
-from dynamo_snapshot.controller.runtime import POD, Kube, Obj
+from dynamo_snapshot.kube import POD, Kube, Obj
 from tests.agent.test_agent import _plain_pod, agents  # noqa: F401  (agents: the fixture)
 from tests.controller.conftest import eventually
 

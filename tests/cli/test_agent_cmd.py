@@ -14,8 +14,8 @@ from dynamo_snapshot.agent.executor import DEFAULT_RESTORE_SCRATCH
 from dynamo_snapshot.cli import agent_cmd
 from dynamo_snapshot.cli.main import build_parser
 from dynamo_snapshot.cli.service import ConfigError, load_settings
-from dynamo_snapshot.controller.runtime import Kube
 from dynamo_snapshot.criu.runner import ENV_CRIU
+from dynamo_snapshot.kube import Kube
 
 REPO = Path(__file__).resolve().parents[2]
 

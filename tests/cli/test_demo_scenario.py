@@ -13,7 +13,7 @@ import pytest
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.cli.demo.scenario import SERVICE, Profile, Scenario
 from dynamo_snapshot.cli.demo.stack import DemoError
-from dynamo_snapshot.controller.runtime import ADDED, DELETED, MODIFIED, Obj
+from dynamo_snapshot.kube import ADDED, DELETED, MODIFIED, Obj
 
 
 class FakeStack(SimpleNamespace):

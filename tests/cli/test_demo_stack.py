@@ -14,8 +14,8 @@ from dynamo_snapshot.agent.runtime import RuncRuntime
 from dynamo_snapshot.agent.runtime.containerd import ContainerdRuntime
 from dynamo_snapshot.cli import agent_cmd
 from dynamo_snapshot.cli.demo.stack import REPO, Stack
-from dynamo_snapshot.controller.runtime import Kube
 from dynamo_snapshot.criu.runner import ENV_CRIU
+from dynamo_snapshot.kube import Kube
 from dynamo_snapshot.localcluster.realnode import RUNC_ROOT
 
 

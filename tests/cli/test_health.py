@@ -23,7 +23,7 @@ from dynamo_snapshot.cli.health import HealthServer, health_endpoints, start_hea
 from dynamo_snapshot.cli.main import build_parser
 from dynamo_snapshot.cli.service import load_settings
 from dynamo_snapshot.controller.manager import Controller
-from dynamo_snapshot.controller.runtime import Kube
+from dynamo_snapshot.kube import Kube
 
 REPO = Path(__file__).resolve().parents[2]
 

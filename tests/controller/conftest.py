@@ -17,10 +17,10 @@ from kubernetes_asyncio import client
 
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.identity import compute_identity_hash
-from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD
 from dynamo_snapshot.controller.manager import Controller, ControllerConfig
 from dynamo_snapshot.controller.podspec import auto_checkpoint_name
-from dynamo_snapshot.controller.runtime import EVENT, POD, ApiError, Kube, Obj, is_not_found
+from dynamo_snapshot.kube import EVENT, POD, ApiError, Kube, Obj, is_not_found
+from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD
 
 IDENTITY = {"model": "Qwen/Qwen3-0.6B", "backendFramework": "vllm", "tensorParallelSize": 1}
 

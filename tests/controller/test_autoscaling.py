@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.controller.kinds import SCALING_POLICY
-from dynamo_snapshot.controller.runtime import Obj
+from dynamo_snapshot.kube import Obj
+from dynamo_snapshot.kube.kinds import SCALING_POLICY
 from dynamo_snapshot.localcluster import LocalPrometheus
 from tests.autoscale.exporter import FakeVllmExporter
 from tests.controller.conftest import Harness, dgd_manifest, eventually

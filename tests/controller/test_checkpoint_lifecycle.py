@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.controller.kinds import CHECKPOINT
-from dynamo_snapshot.controller.runtime import POD, ApiError, is_not_found
+from dynamo_snapshot.kube import POD, ApiError, is_not_found
+from dynamo_snapshot.kube.kinds import CHECKPOINT
 
 from .conftest import IDENTITY, Harness, dgd_manifest, eventually
 

@@ -19,7 +19,7 @@ from dynamo_snapshot.cli.service import load_settings
 from dynamo_snapshot.controller.config import ControllerConfig
 from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.controller.manager import Controller
-from dynamo_snapshot.controller.runtime import Kube
+from dynamo_snapshot.kube import Kube
 
 REPO = Path(__file__).resolve().parents[2]
 # Settings the shipped file sets on purpose to something other than the model's default.

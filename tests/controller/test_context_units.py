@@ -7,7 +7,7 @@ from typing import Any, cast
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointCompatibility
 from dynamo_snapshot.controller.context import Context
-from dynamo_snapshot.controller.runtime import Obj
+from dynamo_snapshot.kube import Obj
 
 
 class _Nodes:

@@ -15,8 +15,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD
-from dynamo_snapshot.controller.runtime import NODE, POD, Obj
+from dynamo_snapshot.kube import NODE, POD, Obj
+from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD
 from dynamo_snapshot.localcluster.nodes import KWOK_NODE_ANNOTATION, KWOK_NODE_VALUE
 from tests.controller.conftest import Harness, dgd_manifest, eventually
 

@@ -20,9 +20,9 @@ from kubernetes_asyncio import client
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.controller.config import ControllerConfig
 from dynamo_snapshot.controller.failover import node_healthy
-from dynamo_snapshot.controller.kinds import DGD
 from dynamo_snapshot.controller.manager import Controller
-from dynamo_snapshot.controller.runtime import EVENT, NODE, POD, ApiError, Kube, Obj
+from dynamo_snapshot.kube import EVENT, NODE, POD, ApiError, Kube, Obj
+from dynamo_snapshot.kube.kinds import DGD
 from dynamo_snapshot.localcluster import LocalCluster
 from tests.controller.conftest import Harness, dgd_manifest, eventually
 from tests.controller.test_failover import _fail_node, _heal_node, _mode, _replaced, _restored_service

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.controller.kinds import DGD
-from dynamo_snapshot.controller.runtime import POD, Obj, ResourceKind
+from dynamo_snapshot.kube import POD, Obj, ResourceKind
+from dynamo_snapshot.kube.kinds import DGD
 from dynamo_snapshot.localcluster import LocalCluster
 from dynamo_snapshot.localcluster.nodes import gpu_node_manifest
 from tests.api.examples import MANIFEST_DIR, load_manifest

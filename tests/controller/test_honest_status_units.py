@@ -12,7 +12,7 @@ from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment, ServiceSp
 from dynamo_snapshot.controller import conditions as cond
 from dynamo_snapshot.controller.dgd_reconciler import DGDReconciler, Refusal, ServiceOutcome, refused
 from dynamo_snapshot.controller.podspec import cold_start_pod, unsupported
-from dynamo_snapshot.controller.runtime import ApiError, Obj
+from dynamo_snapshot.kube import ApiError, Obj
 from tests.api.examples import MANIFEST_DIR, load_manifest
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.identity import compute_identity_hash
-from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD, JOB
+from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD, JOB
 
 from .conftest import IDENTITY, Harness, dgd_manifest, eventually
 

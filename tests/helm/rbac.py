@@ -9,7 +9,7 @@ Grant = tuple[str, str, str, str]
 OURS = "nvidia.com"
 LEASE_NAME = "dynamo-snapshot-controller"
 
-# The controller's ClusterRole: the calls in dynamo_snapshot/controller, controller/runtime and autoscale.
+# The controller's ClusterRole: the calls in dynamo_snapshot/controller, kube and autoscale.
 CONTROLLER: set[Grant] = (
     {("", "pods", "*", v) for v in ("list", "watch", "create", "delete")}
     | {("batch", "jobs", "*", v) for v in ("list", "watch", "create", "delete")}

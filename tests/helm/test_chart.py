@@ -533,7 +533,7 @@ def test_schema_rejects_bad_values_with_a_clear_message() -> None:
 
 
 def test_controller_rbac_is_exactly_what_the_code_calls() -> None:
-    """The calls in dynamo_snapshot/controller, controller/runtime and autoscale, verb for verb."""
+    """The calls in dynamo_snapshot/controller, kube and autoscale, verb for verb."""
     objs = render()
     assert rule_triples(one(objs, "ClusterRole", "-controller")) == rbac.CONTROLLER
     assert rule_triples(one(objs, "ClusterRole", "-controller-nodes")) == rbac.CONTROLLER_NODES

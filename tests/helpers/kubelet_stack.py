@@ -17,10 +17,10 @@ from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.artifact import ArtifactStore
 from dynamo_snapshot.cli.demo.scenario import kubelet_worker_spec, worker_graph
-from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD
 from dynamo_snapshot.controller.manager import Controller, ControllerConfig
-from dynamo_snapshot.controller.runtime import POD, Kube, Obj
 from dynamo_snapshot.criu import Criu
+from dynamo_snapshot.kube import POD, Kube, Obj
+from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD
 from dynamo_snapshot.localcluster.realnode import RUNC_ROOT, RealNode
 
 GRAPH, SERVICE, PORT = "kub", "CpuWorker", 8000

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from kubernetes_asyncio import client
 
-from dynamo_snapshot.controller.runtime import Kube
 from dynamo_snapshot.criu import Criu
+from dynamo_snapshot.kube import Kube
 from dynamo_snapshot.localcluster.realnode import RealNode
 from tests.helpers.kubelet_stack import Stack
 

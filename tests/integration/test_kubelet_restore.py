@@ -19,8 +19,8 @@ import pytest
 
 from dynamo_snapshot.agent.runtime.base import pid_running
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.controller.kinds import DGD
-from dynamo_snapshot.controller.runtime import EVENT, POD, Obj
+from dynamo_snapshot.kube import EVENT, POD, Obj
+from dynamo_snapshot.kube.kinds import DGD
 from dynamo_snapshot.localcluster import LocalCluster
 from dynamo_snapshot.localcluster.realnode import RUNC_ROOT, TEST_IMAGE, RealNode
 from tests.helpers.kubelet_stack import (

@@ -27,8 +27,8 @@ from dynamo_snapshot.cli.demo.stack import (
     repo_env,
 )
 from dynamo_snapshot.cli.demo.traffic import Load, Sample, Timeline
-from dynamo_snapshot.controller.kinds import CHECKPOINT, DGD, SCALING_POLICY
-from dynamo_snapshot.controller.runtime import DELETED, POD, Informer, Kube, Obj
+from dynamo_snapshot.kube import DELETED, POD, Informer, Kube, Obj
+from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD, SCALING_POLICY
 from dynamo_snapshot.localcluster.realnode import REAL_NODE_TAINT, RealNode
 
 GRAPH, SERVICE = "demo", "CpuWorker"

@@ -25,8 +25,8 @@ from dynamo_snapshot.cli import agent_cmd
 from dynamo_snapshot.cli.agent_cmd import AgentConfig
 from dynamo_snapshot.controller.config import CONTROLLER_NAME
 from dynamo_snapshot.controller.manager import Controller, ControllerConfig
-from dynamo_snapshot.controller.runtime import POD, Kube, Obj, load_client
 from dynamo_snapshot.criu import Criu
+from dynamo_snapshot.kube import POD, Kube, Obj, load_client
 from dynamo_snapshot.localcluster import LocalCluster
 from dynamo_snapshot.localcluster.cluster import ClusterOptions
 from dynamo_snapshot.localcluster.prometheus import LocalPrometheus

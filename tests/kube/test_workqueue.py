@@ -12,8 +12,8 @@ from collections.abc import Awaitable, Callable, Hashable
 
 import pytest
 
-from dynamo_snapshot.controller.runtime.workqueue import Result, WorkQueue
-from tests.controller_runtime.helpers import eventually
+from dynamo_snapshot.kube.workqueue import Result, WorkQueue
+from tests.kube.helpers import eventually
 
 
 class Recorder:
@@ -134,7 +134,7 @@ async def test_exception_is_logged_with_key(caplog: pytest.LogCaptureFixture) ->
 
     q: WorkQueue[tuple[str, str]] = WorkQueue("t-log", Recorder(boom), base_delay=10)
     q.start()
-    with caplog.at_level(logging.ERROR, logger="dynamo_snapshot.controller.runtime.workqueue"):
+    with caplog.at_level(logging.ERROR, logger="dynamo_snapshot.kube.workqueue"):
         q.add(("DynamoGraphDeployment", "ns/a"))
         await eventually(lambda: any(r.message == "reconcile failed" for r in caplog.records))
     rec = next(r for r in caplog.records if r.message == "reconcile failed")

@@ -8,9 +8,9 @@ import uuid
 import pytest
 from prometheus_client import REGISTRY
 
-from dynamo_snapshot.controller.runtime.informer import EventHandler, Informer
-from dynamo_snapshot.controller.runtime.kube import CONFIG_MAP, Kube, Obj, ResourceKind
-from tests.controller_runtime.helpers import eventually
+from dynamo_snapshot.kube.informer import EventHandler, Informer
+from dynamo_snapshot.kube.kube import CONFIG_MAP, Kube, Obj, ResourceKind
+from tests.kube.helpers import eventually
 
 pytestmark = pytest.mark.cluster
 

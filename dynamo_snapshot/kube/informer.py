@@ -19,7 +19,7 @@ from typing import Any, Final
 
 from prometheus_client import Counter, Gauge
 
-from dynamo_snapshot.controller.runtime.kube import (
+from dynamo_snapshot.kube.kube import (
     ApiError,
     Kube,
     Obj,

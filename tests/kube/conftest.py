@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from kubernetes_asyncio import client
 
-from dynamo_snapshot.controller.runtime.kube import Kube, ResourceKind
+from dynamo_snapshot.kube.kube import Kube, ResourceKind
 from dynamo_snapshot.localcluster import LocalCluster
 
 GADGET_CRD: dict[str, Any] = {

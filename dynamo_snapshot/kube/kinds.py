@@ -1,4 +1,4 @@
-"""The API kinds the controller reads and writes."""
+"""The API kinds the controller and the node agent read and write."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Final
 from dynamo_snapshot.api.checkpoint import DynamoCheckpoint
 from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment
 from dynamo_snapshot.api.scalingpolicy import DynamoScalingPolicy
-from dynamo_snapshot.controller.runtime import NODE, POD, ResourceKind
+from dynamo_snapshot.kube import NODE, POD, ResourceKind
 
 _dgd = DynamoGraphDeployment.resource
 _ckpt = DynamoCheckpoint.resource

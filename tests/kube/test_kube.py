@@ -9,7 +9,7 @@ from contextlib import aclosing
 
 import pytest
 
-from dynamo_snapshot.controller.runtime.kube import (
+from dynamo_snapshot.kube.kube import (
     CONFIG_MAP,
     NAMESPACE,
     POD,
@@ -25,7 +25,7 @@ from dynamo_snapshot.controller.runtime.kube import (
     load_client,
 )
 from dynamo_snapshot.localcluster import LocalCluster
-from tests.controller_runtime.helpers import eventually_async
+from tests.kube.helpers import eventually_async
 
 pytestmark = pytest.mark.cluster
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from prometheus_client import Gauge
 
-from dynamo_snapshot.controller.runtime.kube import (
+from dynamo_snapshot.kube.kube import (
     LEASE,
     ApiError,
     Kube,

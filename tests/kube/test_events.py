@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from dynamo_snapshot.controller.runtime.events import NORMAL, WARNING, EventRecorder, ObjectRef
-from dynamo_snapshot.controller.runtime.kube import CONFIG_MAP, EVENT, Kube, Obj
+from dynamo_snapshot.kube.events import NORMAL, WARNING, EventRecorder, ObjectRef
+from dynamo_snapshot.kube.kube import CONFIG_MAP, EVENT, Kube, Obj
 
 pytestmark = pytest.mark.cluster
 
@@ -75,7 +75,7 @@ async def test_recreated_after_the_event_expired(kube: Kube, namespace: str) -> 
 async def test_failures_are_logged_not_raised(kube: Kube, caplog: pytest.LogCaptureFixture) -> None:
     rec = EventRecorder(kube, "dynamo-snapshot-controller")
     missing_ns = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": "no-such-ns"}}
-    with caplog.at_level(logging.WARNING, logger="dynamo_snapshot.controller.runtime.events"):
+    with caplog.at_level(logging.WARNING, logger="dynamo_snapshot.kube.events"):
         rec.record(missing_ns, NORMAL, "Anything", "goes nowhere")
         rec.record({"not": "an object"}, NORMAL, "Broken", "no metadata")
         await rec.close()

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from dynamo_snapshot.controller.runtime.kube import LEASE, Kube
-from dynamo_snapshot.controller.runtime.leader import LeaderElector
-from tests.controller_runtime.helpers import eventually
+from dynamo_snapshot.kube.kube import LEASE, Kube
+from dynamo_snapshot.kube.leader import LeaderElector
+from tests.kube.helpers import eventually
 
 pytestmark = pytest.mark.cluster
 

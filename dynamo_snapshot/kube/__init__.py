@@ -1,11 +1,13 @@
-"""A small controller runtime over plain dicts: REST client, informers, workqueue, leader election, events.
+"""Kubernetes mechanics shared by the controller and the node agent, over plain dicts: REST client,
+informers, workqueue, leader election, events.
 
-Generic on purpose: nothing here knows Dynamo's resources, so it imports no ``dynamo_snapshot.api`` model.
+Generic on purpose: nothing in these modules knows Dynamo's resources; only ``kinds`` names them (from the
+``dynamo_snapshot.api`` models), for the controller and the agent alike.
 """
 
-from dynamo_snapshot.controller.runtime.events import NORMAL, WARNING, EventRecorder, ObjectRef
-from dynamo_snapshot.controller.runtime.informer import ADDED, DELETED, MODIFIED, EventHandler, Informer
-from dynamo_snapshot.controller.runtime.kube import (
+from dynamo_snapshot.kube.events import NORMAL, WARNING, EventRecorder, ObjectRef
+from dynamo_snapshot.kube.informer import ADDED, DELETED, MODIFIED, EventHandler, Informer
+from dynamo_snapshot.kube.kube import (
     CONFIG_MAP,
     EVENT,
     LEASE,
@@ -25,8 +27,8 @@ from dynamo_snapshot.controller.runtime.kube import (
     load_client,
     object_key,
 )
-from dynamo_snapshot.controller.runtime.leader import LeaderElector
-from dynamo_snapshot.controller.runtime.workqueue import Result, WorkQueue
+from dynamo_snapshot.kube.leader import LeaderElector
+from dynamo_snapshot.kube.workqueue import Result, WorkQueue
 
 __all__ = [
     "ADDED",

@@ -9,8 +9,8 @@ import pytest
 from kubernetes_asyncio import client
 from prometheus_client import REGISTRY
 
-from dynamo_snapshot.controller.runtime.informer import Informer
-from dynamo_snapshot.controller.runtime.kube import (
+from dynamo_snapshot.kube.informer import Informer
+from dynamo_snapshot.kube.kube import (
     CONFIG_MAP,
     LEASE,
     NODE,
@@ -25,7 +25,7 @@ from dynamo_snapshot.controller.runtime.kube import (
     is_not_found,
     object_key,
 )
-from tests.controller_runtime.helpers import eventually
+from tests.kube.helpers import eventually
 
 
 def test_paths() -> None:

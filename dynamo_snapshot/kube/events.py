@@ -18,7 +18,7 @@ from typing import Any, Final
 from cachetools import LRUCache
 from prometheus_client import Counter
 
-from dynamo_snapshot.controller.runtime.kube import EVENT, ApiError, Kube, Obj, is_not_found
+from dynamo_snapshot.kube.kube import EVENT, ApiError, Kube, Obj, is_not_found
 
 log = logging.getLogger(__name__)
 
