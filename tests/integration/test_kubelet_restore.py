@@ -266,7 +266,7 @@ async def test_bad_restores_are_refused_with_a_clear_message(stack: Stack, real_
             ["sleep", "3600"],
             True,
             "RestoreRefused",
-            "no restore-standby in its control dir",
+            "no restore-standby or restore-context.json in its control dir",
         ),
         # A placeholder of another image: the checkpointed tree expects the worker image underneath.
         "other-image": (
