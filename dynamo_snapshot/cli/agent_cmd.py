@@ -242,7 +242,7 @@ def register(sub: Any) -> None:
     p.add_argument("--cache-min-free", help=_described("cache_min_free"))
     p.add_argument("--metrics-port", type=int, help="Prometheus metrics port, 0 disables (default 9090)")
     p.add_argument("--health-port", type=int, help="/healthz and /readyz port, 0 disables (default 8082)")
-    p.add_argument("--criu", type=Path, help="criu binary (default: $DYNSNAP_CRIU, cache, PATH)")
+    p.add_argument("--criu", type=Path, help="criu binary (default: $DYNSNAP_CRIU, then PATH)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(run=run)
 

@@ -51,10 +51,3 @@ def set_condition(
     if generation is not None:
         new["observedGeneration"] = generation
     return [c for c in conditions if c.get("type") != type_] + [new]
-
-
-def condition_is(obj: dict[str, Any], type_: str) -> bool:
-    for cond in (obj.get("status") or {}).get("conditions") or []:
-        if cond.get("type") == type_:
-            return bool(cond.get("status") == "True")
-    return False

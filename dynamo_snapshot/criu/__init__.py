@@ -1,6 +1,6 @@
 """CRIU invocation: find the binary, check its version, dump and restore process trees.
 
-    criu = Criu()                                   # explicit path, $DYNSNAP_CRIU, the cache, PATH
+    criu = Criu()                                   # explicit path, $DYNSNAP_CRIU, PATH
     await criu.require(min=(4, 0)) -> CriuVersion   # CriuError("CRIU 3.17 is too old: ...")
     await criu.check() -> str                       # "Looks good." or CriuError
     await criu.dump(pid, images_dir, *, log_dir=None, leave_running=False, options=TreeOptions(),

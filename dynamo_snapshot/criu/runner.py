@@ -15,7 +15,6 @@ from pathlib import Path
 from dynamo_snapshot.criu.argv import DEFAULT_TREE_OPTIONS, TreeOptions, dump_argv, restore_argv
 from dynamo_snapshot.criu.errors import CriuError, log_excerpt, summary_line
 from dynamo_snapshot.criu.version import CriuVersion
-from dynamo_snapshot.localcluster.components import cache_dir
 
 __all__ = ["ENV_CRIU", "MIN_VERSION", "Criu", "DumpResult", "RestoreResult", "find_criu"]
 
@@ -43,7 +42,8 @@ def _executable(path: Path) -> bool:
 
 
 def find_criu(binary: Path | None = None) -> Path:
-    """The CRIU binary: ``binary``, else ``$DYNSNAP_CRIU``, else the component cache, else ``PATH``.
+    """The CRIU binary: ``binary``, else ``$DYNSNAP_CRIU``, else ``PATH`` (where scripts/pyenv.sh puts the
+    component cache that scripts/test-env.sh fills).
 
     An explicit choice that is wrong is an error rather than a reason to look further, so a
     misconfigured agent never silently runs some other CRIU.
@@ -57,14 +57,14 @@ def find_criu(binary: Path | None = None) -> Path:
         if not _executable(Path(env)):
             raise CriuError("find", None, f"criu not found: ${ENV_CRIU}={env} is not an executable file")
         return Path(env)
-    cached = cache_dir() / "bin" / "criu"
-    if _executable(cached):
-        return cached
     on_path = shutil.which("criu")
     if on_path:
         return Path(on_path)
     raise CriuError(
-        "find", None, f"criu not found: not in ${ENV_CRIU}, {cached} or PATH (run scripts/test-env.sh)"
+        "find",
+        None,
+        f"criu not found: neither ${ENV_CRIU} nor PATH names one (install CRIU >= 4, or run "
+        "scripts/test-env.sh and source scripts/pyenv.sh, which puts its build on PATH)",
     )
 
 

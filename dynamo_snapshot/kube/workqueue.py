@@ -156,10 +156,6 @@ class WorkQueue(Generic[K]):
     def __len__(self) -> int:
         return len(self._queue)
 
-    @property
-    def shutting_down(self) -> bool:
-        return self._shutting_down
-
     # ------------------------------------------------------------------ handing keys out
     def _notify(self, all_waiters: bool = False) -> None:
         # Plain futures rather than asyncio.Condition: add() stays synchronous (callable from informer

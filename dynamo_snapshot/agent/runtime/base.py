@@ -94,17 +94,6 @@ class Runtime(Protocol):
         ...
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether `pid` exists (a zombie counts until it is reaped)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class ProcStat(NamedTuple):
     state: str  # "R", "S", "Z" (a zombie), ...
     start_time: int  # clock ticks after boot
