@@ -136,14 +136,14 @@ def format_gpu_uuid(raw: bytes) -> str:
 # --- the driver ----------------------------------------------------------------------------------
 
 
-def _import_driver() -> Any:
+def import_driver() -> Any:
     try:
         return importlib.import_module("cuda.bindings.driver")
     except ImportError:
         raise CudaUnavailableError(f"cuda-python is not installed ({INSTALL_HINT})") from None
 
 
-def _result_name(result: Any) -> str:
+def result_name(result: Any) -> str:
     name = getattr(result, "name", None)
     return name if isinstance(name, str) else str(result)
 
@@ -184,18 +184,18 @@ class CudaCheckpointer:
         with self._lock:
             if self._ready:
                 return self._driver
-            driver = self._driver if self._driver is not None else _import_driver()
+            driver = self._driver if self._driver is not None else import_driver()
             missing = [s for s in _REQUIRED_SYMBOLS if not hasattr(driver, s)]
             if missing:
                 raise DriverTooOldError(
                     "this cuda-python has no process checkpoint API (missing "
                     f"{', '.join(missing)}): install cuda-python >= 12.8 ({INSTALL_HINT})"
                 )
-            err = _result_name(self._raw(driver, "cuInit", 0)[0])
+            err = result_name(self._raw(driver, "cuInit", 0)[0])
             if err != _SUCCESS:
                 raise CudaUnavailableError(f"no NVIDIA driver: cuInit failed with {err}")
             err_v, *rest = self._raw(driver, "cuDriverGetVersion")
-            version = int(rest[0]) if _result_name(err_v) == _SUCCESS and rest else 0
+            version = int(rest[0]) if result_name(err_v) == _SUCCESS and rest else 0
             if version < MIN_CUDA_DRIVER_VERSION:
                 kernel = _kernel_driver_version()
                 found = f"{_cuda_version_text(version)} (cuDriverGetVersion {version})"
@@ -272,14 +272,14 @@ class CudaCheckpointer:
             # cuda-bindings before the fix of NVIDIA/cuda-python#561 turned the garbage output of a
             # failed call into a CUprocessState and raised ValueError, hiding the CUresult.
             raise self._classify_unknown_target(op, pid, "unknown CUresult", str(e)) from e
-        name = _result_name(err)
+        name = result_name(err)
         if name != _SUCCESS:
             raise self._classify_unknown_target(op, pid, name, self._describe(driver, err))
         return self._to_state(driver, op, pid, rest[0] if rest else None)
 
     @staticmethod
     def _to_state(driver: Any, op: str, pid: int, value: Any) -> ProcessState:
-        by_name = _STATE_BY_DRIVER_NAME.get(_result_name(value))
+        by_name = _STATE_BY_DRIVER_NAME.get(result_name(value))
         if by_name is not None:
             return by_name
         try:
@@ -301,7 +301,7 @@ class CudaCheckpointer:
         self._check_target(op, pid)
         driver = self._ensure()
         err, *rest = self._raw(driver, op, pid)
-        name = _result_name(err)
+        name = result_name(err)
         if name != _SUCCESS:
             # Same classification as GetState: this call also has to find the target's CUDA state.
             raise self._classify_unknown_target(op, pid, name, self._describe(driver, err))
@@ -319,7 +319,7 @@ class CudaCheckpointer:
             raise WrongStateError(op, pid, current.value, expected.value)
         driver = self._ensure()
         err, *_ = self._raw(driver, op, pid, make_args(driver))
-        name = _result_name(err)
+        name = result_name(err)
         if name == _SUCCESS:
             return
         detail = self._describe(driver, err)
@@ -449,8 +449,8 @@ def cuda_available() -> bool:
     DriverTooOldError, which is more useful to see than a skipped test.
     """
     try:
-        driver = _import_driver()
+        driver = import_driver()
         err = CudaCheckpointer._raw(driver, "cuInit", 0)[0]
     except Exception:
         return False
-    return _result_name(err) == _SUCCESS
+    return result_name(err) == _SUCCESS

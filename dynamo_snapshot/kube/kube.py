@@ -116,28 +116,28 @@ class ApiError(Exception):
         return cls(http_status, "", raw[:512].decode("utf-8", "replace"))
 
 
-def _is(err: BaseException, status: int, reason: str | None = None) -> bool:
+def _has_status(err: BaseException, status: int, reason: str | None = None) -> bool:
     if not isinstance(err, ApiError):
         return False
     return err.status == status and (reason is None or err.reason == reason)
 
 
 def is_not_found(err: BaseException) -> bool:
-    return _is(err, 404)
+    return _has_status(err, 404)
 
 
 def is_conflict(err: BaseException) -> bool:
     """A stale resourceVersion or a failed precondition (409 Conflict), not "already exists"."""
-    return _is(err, 409) and not is_already_exists(err)
+    return _has_status(err, 409) and not is_already_exists(err)
 
 
 def is_already_exists(err: BaseException) -> bool:
-    return _is(err, 409, "AlreadyExists")
+    return _has_status(err, 409, "AlreadyExists")
 
 
 def is_gone(err: BaseException) -> bool:
     """410: the requested resourceVersion (or a list's continue token) is older than the server keeps."""
-    return _is(err, 410)
+    return _has_status(err, 410)
 
 
 async def conflict_retry(fn: Callable[[], Awaitable[T]], attempts: int = 5, base_delay: float = 0.01) -> T:
@@ -271,7 +271,7 @@ class Kube:
             raise ApiError(resp.status, "BadResponse", f"expected a JSON object from {method} {path}")
         return result
 
-    def _fm(self, field_manager: str | None) -> str | None:
+    def _field_manager(self, field_manager: str | None) -> str | None:
         return field_manager or self.field_manager or None
 
     # ------------------------------------------------------------------ reads
@@ -348,7 +348,9 @@ class Kube:
     ) -> Obj:
         ns = namespace or obj.get("metadata", {}).get("namespace")
         body = {"apiVersion": kind.api_version, "kind": kind.kind, **obj}
-        return await self._call("POST", kind.path(ns), _query(fieldManager=self._fm(field_manager)), body)
+        return await self._call(
+            "POST", kind.path(ns), _query(fieldManager=self._field_manager(field_manager)), body
+        )
 
     async def replace(
         self,
@@ -362,7 +364,7 @@ class Kube:
         meta = obj.get("metadata") or {}
         body = {"apiVersion": kind.api_version, "kind": kind.kind, **obj}
         path = kind.path(meta.get("namespace"), meta["name"], subresource)
-        return await self._call("PUT", path, _query(fieldManager=self._fm(field_manager)), body)
+        return await self._call("PUT", path, _query(fieldManager=self._field_manager(field_manager)), body)
 
     async def merge_patch(
         self,
@@ -376,7 +378,7 @@ class Kube:
     ) -> Obj:
         """RFC 7386 merge patch; a ``metadata.resourceVersion`` in the patch makes it conditional."""
         path = kind.path(namespace, name, subresource)
-        query = _query(fieldManager=self._fm(field_manager))
+        query = _query(fieldManager=self._field_manager(field_manager))
         return await self._call("PATCH", path, query, patch, _MERGE_PATCH)
 
     async def json_patch(
@@ -391,7 +393,7 @@ class Kube:
     ) -> Obj:
         """RFC 6902 patch; put a ``test`` op first to make it conditional on a value."""
         path = kind.path(namespace, name, subresource)
-        query = _query(fieldManager=self._fm(field_manager))
+        query = _query(fieldManager=self._field_manager(field_manager))
         return await self._call("PATCH", path, query, ops, _JSON_PATCH)
 
     async def apply(
@@ -405,7 +407,7 @@ class Kube:
         subresource: str | None = None,
     ) -> Obj:
         """Server-side apply of ``obj`` (which names only the fields this manager owns)."""
-        manager = self._fm(field_manager)
+        manager = self._field_manager(field_manager)
         if not manager:
             raise ValueError("server-side apply needs a field manager")
         meta = obj.get("metadata") or {}

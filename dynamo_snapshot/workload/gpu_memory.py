@@ -39,7 +39,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any, Final, Literal
 
-from dynamo_snapshot.cuda.checkpoint import _import_driver, _result_name
+from dynamo_snapshot.cuda.checkpoint import import_driver, result_name
 from dynamo_snapshot.cuda.errors import CudaError, CudaUnavailableError, describe_result
 
 __all__ = [
@@ -83,19 +83,19 @@ def _call(driver: Any, op: str, *args: Any) -> tuple[Any, ...]:
     """
     out = getattr(driver, op)(*args)
     result, *values = out if isinstance(out, tuple) else (out,)
-    name = _result_name(result)
+    name = result_name(result)
     if name != _SUCCESS:
         raise CudaError(op, None, name, _describe(driver, result))
     return tuple(values)
 
 
 def _driver(driver: Any | None) -> Any:
-    d = driver if driver is not None else _import_driver()
+    d = driver if driver is not None else import_driver()
     # cuInit is idempotent and cheap after the first call; a missing driver surfaces here, clearly.
     out = d.cuInit(0)
     result = out[0] if isinstance(out, tuple) else out
-    if _result_name(result) != _SUCCESS:
-        raise CudaUnavailableError(f"no NVIDIA driver: cuInit failed with {_result_name(result)}")
+    if result_name(result) != _SUCCESS:
+        raise CudaUnavailableError(f"no NVIDIA driver: cuInit failed with {result_name(result)}")
     return d
 
 

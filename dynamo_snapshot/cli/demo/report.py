@@ -11,7 +11,7 @@ from dynamo_snapshot.cli.demo.scenario import Results
 from dynamo_snapshot.cli.demo.traffic import Timeline
 
 
-def _s(value: float | None) -> str:
+def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f} s"
 
 
@@ -19,8 +19,8 @@ def table(r: Results) -> Table:
     t = Table(title="dynamo-snapshot demo: measured on this machine", title_justify="left")
     t.add_column("what")
     t.add_column("measured", justify="right")
-    t.add_row("cold start (pod created → worker serving)", _s(r.cold_start_s))
-    t.add_row("checkpoint (DGD applied → checkpoint Ready)", _s(r.checkpoint_s))
+    t.add_row("cold start (pod created → worker serving)", _seconds(r.cold_start_s))
+    t.add_row("checkpoint (DGD applied → checkpoint Ready)", _seconds(r.checkpoint_s))
     if r.artifact_mib is not None:
         t.add_row("artifact size", f"{r.artifact_mib:.0f} MiB")
     if r.restore_s:
@@ -29,8 +29,8 @@ def table(r: Results) -> Table:
             f"p50 {statistics.median(r.restore_s):.2f} s, max {max(r.restore_s):.2f} s",
         )
     for phase, seconds in sorted(r.restore_phases.items()):
-        t.add_row(f"  agent phase {phase} (median)", _s(seconds))
-    t.add_row("failover (worker killed → restored replacement serving)", _s(r.failover_s))
+        t.add_row(f"  agent phase {phase} (median)", _seconds(seconds))
+    t.add_row("failover (worker killed → restored replacement serving)", _seconds(r.failover_s))
     if r.cold_start_s and r.restore_s:
         t.add_row("restore vs cold start", f"{r.cold_start_s / statistics.median(r.restore_s):.1f}× faster")
     t.add_row("scaled up to / back down to", f"{r.scaled_to or '-'} / {r.scaled_down_to or '-'} replicas")
