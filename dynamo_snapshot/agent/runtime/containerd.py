@@ -95,7 +95,7 @@ class Container:
 
     def bind_source(self, destination: str) -> str | None:
         for m in self.mounts:
-            if m.get("destination") == destination and "bind" in _mount_kinds(m):
+            if m.get("destination") == destination and _is_bind(m):
                 return str(m.get("source"))
         return None
 
@@ -265,7 +265,11 @@ class ContainerdRuntime:
     async def dump(self, workload: Workload, images_dir: Path) -> float:
         c = self._get(workload.key).container
         started = time.monotonic()
-        external = _external_mounts(c)
+        try:
+            mountinfo = await asyncio.to_thread(Path(f"/proc/{c.pid}/mountinfo").read_text)
+        except OSError as e:
+            raise WorkloadRuntimeError(f"container {c.id[:12]} is gone: {e}") from None
+        external = _external_mounts(c, mountinfo)
         meta: dict[str, Any] = {
             "id": c.id,
             "image": c.image,
@@ -274,10 +278,7 @@ class ContainerdRuntime:
             "externalMounts": sorted(external),
             "controlDir": _control_mount(c),
         }
-        try:
-            upper = overlay_upperdir(await asyncio.to_thread(Path(f"/proc/{c.pid}/mountinfo").read_text))
-        except OSError as e:
-            raise WorkloadRuntimeError(f"container {c.id[:12]} is gone: {e}") from None
+        upper = overlay_upperdir(mountinfo)
         if upper is None:
             raise WorkloadRuntimeError(
                 f"container {c.id[:12]}'s root is not an overlay with a writable layer: its changes "
@@ -437,24 +438,22 @@ class ContainerdRuntime:
 
 
 # ---------------------------------------------------------------------- helpers
-def _mount_kinds(m: dict[str, Any]) -> set[str]:
-    return {str(m.get("type") or ""), *(str(o) for o in m.get("options") or [])}
+def _is_bind(m: dict[str, Any]) -> bool:
+    """An OCI mount of host content: type bind, or a bind/rbind option (runtimes write either)."""
+    kinds = {str(m.get("type") or ""), *(str(o) for o in m.get("options") or [])}
+    return bool(kinds & {"bind", "rbind"})
 
 
 def _control_mount(c: Container) -> str:
     return next((c.env[n] for n in protocol.ENV_CONTROL_DIRS if c.env.get(n)), protocol.CONTROL_MOUNT_PATH)
 
 
-def _external_mounts(c: Container) -> set[str]:
+def _external_mounts(c: Container, mountinfo: str) -> set[str]:
     """The container's mounts whose content lives outside it: binds (hosts, resolv.conf, volumes, the
     control dir, /dev/shm, the service-account token) and, on cgroup v1, the per-controller cgroup
     mounts (binds of the host's hierarchies)."""
-    out = {str(m["destination"]) for m in c.mounts if "bind" in _mount_kinds(m) or "rbind" in _mount_kinds(m)}
-    try:
-        lines = Path(f"/proc/{c.pid}/mountinfo").read_text().splitlines()
-    except OSError:
-        lines = []
-    for line in lines:
+    out = {str(m["destination"]) for m in c.mounts if _is_bind(m)}
+    for line in mountinfo.splitlines():
         head, _, tail = line.partition(" - ")
         if tail.split(" ", 1)[0] == "cgroup":
             out.add(head.split()[4])
