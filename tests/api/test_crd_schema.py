@@ -16,11 +16,13 @@ from dynamo_snapshot.api.checkpoint import (
     IDENTITY_IMMUTABLE_MESSAGE,
     DynamoCheckpoint,
 )
+from dynamo_snapshot.api.container import (
+    ENV_VALUE_AND_VALUE_FROM_MESSAGE,
+    GPU_COUNT_MESSAGE,
+)
 from dynamo_snapshot.api.crdgen import build_crd, render_crds
 from dynamo_snapshot.api.graphdeployment import (
     CHECKPOINT_NEEDS_SOURCE_MESSAGE,
-    ENV_VALUE_AND_VALUE_FROM_MESSAGE,
-    GPU_COUNT_MESSAGE,
     GRAPH_AND_SERVICE_MESSAGE,
     GRAPH_NAME_MESSAGE,
     MANUAL_NEEDS_REF_MESSAGE,

@@ -16,24 +16,26 @@ from dynamo_snapshot.api.checkpoint import (
     CHECKPOINT_NAME_MESSAGE,
     DynamoCheckpoint,
 )
-from dynamo_snapshot.api.graphdeployment import (
+from dynamo_snapshot.api.container import (
     ENV_NAME_MESSAGE,
     ENV_NAME_REQUIRED_MESSAGE,
     ENV_VALUE_AND_VALUE_FROM_MESSAGE,
     EXTENDED_RESOURCE_MESSAGE,
     GIVEN_TWICE_MESSAGE,
     GPU_COUNT_MESSAGE,
+    NOT_A_RESOURCE_MESSAGE,
+    REQUEST_ABOVE_LIMIT_MESSAGE,
+    REQUEST_NOT_LIMIT_MESSAGE,
+    Resources,
+)
+from dynamo_snapshot.api.graphdeployment import (
     GRAPH_AND_SERVICE_MAX_LENGTH,
     GRAPH_AND_SERVICE_MESSAGE,
     GRAPH_NAME_MAX_LENGTH,
     GRAPH_NAME_MESSAGE,
-    NOT_A_RESOURCE_MESSAGE,
-    REQUEST_ABOVE_LIMIT_MESSAGE,
-    REQUEST_NOT_LIMIT_MESSAGE,
     SERVICE_NAME_LENGTH_MESSAGE,
     SERVICE_NAME_MESSAGE,
     DynamoGraphDeployment,
-    Resources,
 )
 from dynamo_snapshot.api.kube import QUANTITY_MESSAGE, RESOURCE_NAME_MESSAGE, parse_quantity
 

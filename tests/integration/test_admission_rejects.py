@@ -11,15 +11,17 @@ from typing import Any
 import pytest
 
 from dynamo_snapshot.api.checkpoint import CHECKPOINT_NAME_MESSAGE
-from dynamo_snapshot.api.graphdeployment import (
+from dynamo_snapshot.api.container import (
     ENV_VALUE_AND_VALUE_FROM_MESSAGE,
     EXTENDED_RESOURCE_MESSAGE,
     GIVEN_TWICE_MESSAGE,
     GPU_COUNT_MESSAGE,
-    GRAPH_AND_SERVICE_MESSAGE,
-    GRAPH_NAME_MESSAGE,
     REQUEST_ABOVE_LIMIT_MESSAGE,
     REQUEST_NOT_LIMIT_MESSAGE,
+)
+from dynamo_snapshot.api.graphdeployment import (
+    GRAPH_AND_SERVICE_MESSAGE,
+    GRAPH_NAME_MESSAGE,
     SERVICE_NAME_LENGTH_MESSAGE,
     SERVICE_NAME_MESSAGE,
     DynamoGraphDeployment,
