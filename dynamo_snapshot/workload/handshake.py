@@ -19,7 +19,7 @@ Hooks (add_hook) run around the checkpoint: before_checkpoint(handshake) before 
 is written, on_resume(handshake, info) once the wait ends (restored or dumped and left running).
 register_kv_cache and register_weights add the GPU offload hook (offload.GpuOffload), which releases
 KV caches and weights so the checkpoint does not carry them, and takes them back after. Without hooks
-the handshake behaves exactly as it always did.
+the handshake only writes the sentinels and waits.
 
 What CRIU restores and what it does not: the process's memory comes back as it was at checkpoint
 time, environment included, so os.environ (POD_NAME, POD_IP, ...) still describes the checkpoint pod

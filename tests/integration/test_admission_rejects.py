@@ -1,5 +1,4 @@
-"""Specs the apiserver used to admit and Kubernetes then refused the pods of (the graph waited forever) are
-refused at admission by the generated CRDs, with the models' own message; what Dynamo writes is still
+"""Specs whose pods Kubernetes would refuse (the graph would wait forever) are refused at admission by the generated CRDs, with the models' own message; what Dynamo writes is still
 admitted: CamelCase service names, names at their limits, and resources in Dynamo's shape and in the
 Kubernetes shape its docs use (nvidia.com/gpu: "1")."""
 
