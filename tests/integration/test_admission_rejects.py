@@ -1,6 +1,7 @@
 """Specs whose pods Kubernetes would refuse (the graph would wait forever) are refused at admission by
-the generated CRDs, with the models' own message; what Dynamo writes is still admitted: CamelCase service names, names at their limits, and resources in Dynamo's shape and in the
-Kubernetes shape its docs use (nvidia.com/gpu: "1")."""
+the generated CRDs, with the models' own message; what Dynamo writes is still admitted: CamelCase
+service names, names at their limits, and resources in Dynamo's shape and in the Kubernetes shape its
+docs use (nvidia.com/gpu: "1")."""
 
 from __future__ import annotations
 
