@@ -34,7 +34,8 @@ from benchmarks.controller_scale import (  # noqa: E402
     seed_bench_graph,
 )
 from dynamo_snapshot.autoscale.prometheus import PrometheusError, PrometheusSource  # noqa: E402
-from dynamo_snapshot.controller.manager import Controller, ControllerConfig  # noqa: E402
+from dynamo_snapshot.cli.controller_cmd import build_controller  # noqa: E402
+from dynamo_snapshot.controller.manager import ControllerConfig  # noqa: E402
 from dynamo_snapshot.kube import Kube  # noqa: E402
 from dynamo_snapshot.kube.kinds import SCALING_POLICY  # noqa: E402
 from dynamo_snapshot.localcluster import LocalCluster, LocalPrometheus  # noqa: E402
@@ -88,7 +89,7 @@ async def bench(cluster: LocalCluster, prom: LocalPrometheus, exporter: FakeVllm
 
         config = ControllerConfig(namespace=NS, leader_elect=False, metrics_port=0)
         stop = asyncio.Event()
-        controller = Controller(kube, config)
+        controller = build_controller(kube, config)
         task = asyncio.create_task(controller.run_until(stop))
         source = PrometheusSource(prom.url, timeout_s=2)
         try:

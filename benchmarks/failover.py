@@ -31,7 +31,8 @@ from benchmarks.controller_scale import (  # noqa: E402
     make_client,
     seed_bench_graph,
 )
-from dynamo_snapshot.controller.manager import Controller, ControllerConfig  # noqa: E402
+from dynamo_snapshot.cli.controller_cmd import build_controller  # noqa: E402
+from dynamo_snapshot.controller.manager import ControllerConfig  # noqa: E402
 from dynamo_snapshot.kube import NODE, POD, Kube, Obj  # noqa: E402
 from dynamo_snapshot.localcluster import LocalCluster  # noqa: E402
 
@@ -80,7 +81,8 @@ async def bench(cluster: LocalCluster, samples: int) -> dict[str, Any]:
         kube = Kube(api, field_manager="bench")
         await seed_bench_graph(kube, NS, nodes=4, gpus=16, pods=30, replicas=REPLICAS)
         stop = asyncio.Event()
-        controller = Controller(kube, ControllerConfig(namespace=NS, leader_elect=False, metrics_port=0))
+        config = ControllerConfig(namespace=NS, leader_elect=False, metrics_port=0)
+        controller = build_controller(kube, config)
         task = asyncio.create_task(controller.run_until(stop))
         rng = random.Random(7)
         created: list[float] = []

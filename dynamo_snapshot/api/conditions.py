@@ -1,9 +1,12 @@
-"""metav1.Condition bookkeeping: a condition's lastTransitionTime moves only when its status changes."""
+"""metav1.Condition bookkeeping, as the controller's and the autoscaler's statuses write it: a condition's
+lastTransitionTime moves only when its status changes; a bad spec is said in one line."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
 from typing import Any
+
+from pydantic import ValidationError
 
 READY = "Ready"
 CHECKPOINT_READY = "CheckpointReady"
@@ -51,3 +54,11 @@ def set_condition(
     if generation is not None:
         new["observedGeneration"] = generation
     return [c for c in conditions if c.get("type") != type_] + [new]
+
+
+def validation_message(err: ValidationError) -> str:
+    """One line naming the first bad field, for Events and Conditions."""
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
+    return f"{loc}: {first['msg']}{more}"

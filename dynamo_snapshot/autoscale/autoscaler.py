@@ -16,13 +16,16 @@ import json
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import Counter, Histogram
 from pydantic import ValidationError
 
+from dynamo_snapshot.api import conditions as cond
 from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.conditions import validation_message
 from dynamo_snapshot.api.scalingpolicy import DynamoScalingPolicy, DynamoScalingPolicySpec
 from dynamo_snapshot.autoscale.engine import (
     Decision,
@@ -41,11 +44,9 @@ from dynamo_snapshot.autoscale.prometheus import (
     PrometheusSource,
     TickCache,
 )
-from dynamo_snapshot.controller import conditions as cond
-from dynamo_snapshot.controller.context import Context, validation_message
-from dynamo_snapshot.controller.pods import pod_active, pod_ready
-from dynamo_snapshot.kube import NORMAL, WARNING, Obj, is_not_found
+from dynamo_snapshot.kube import NORMAL, WARNING, EventRecorder, Informer, Kube, Obj, is_not_found
 from dynamo_snapshot.kube.kinds import DGD, SCALING_POLICY
+from dynamo_snapshot.kube.pods import pod_active, pod_ready, pods_of
 
 log = logging.getLogger(__name__)
 
@@ -79,17 +80,26 @@ class _State:
 
 
 class Autoscaler:
+    """Runs while its process leads (see run_until); reads the target DGDs and their pods from the caches
+    it is given and writes through `kube`."""
+
     def __init__(
         self,
-        ctx: Context,
-        policies: Any,
+        kube: Kube,
         *,
+        dgds: Informer,
+        pods: Informer,
+        policies: Informer,
+        recorder: EventRecorder,
         prometheus_url: str,
         tick_s: float = 0.25,
-        clock: Any = time.monotonic,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.ctx = ctx
-        self.policies = policies  # an Informer of DynamoScalingPolicies
+        self.kube = kube
+        self.dgds = dgds
+        self.pods = pods  # indexed by the graph label (see kube.pods.pods_of)
+        self.policies = policies
+        self.recorder = recorder
         self.prometheus_url = prometheus_url
         self.tick_s = tick_s
         self.clock = clock
@@ -153,49 +163,24 @@ class Autoscaler:
         generation = int(obj["metadata"].get("generation") or 0)
         status: dict[str, Any] = {"observedGeneration": generation}
         conditions: list[dict[str, Any]] = list((obj.get("status") or {}).get("conditions") or [])
-        try:
-            policy = DynamoScalingPolicy.model_validate(obj)
-            params = _params(policy.spec)
-        except (ValidationError, ValueError) as e:
-            message = validation_message(e) if isinstance(e, ValidationError) else str(e)
-            state = self._states.get(key)
-            if state is None or state.generation != generation:
-                state = self._states[key] = _State(generation, None)
-            state.next_due = self.clock() + INVALID_RECHECK_S
-            await self._finish(key, obj, status, conditions, invalid=message)
+        checked = self._check_spec(key, obj, generation)
+        if isinstance(checked, str):
+            await self._finish(key, obj, status, conditions, invalid=checked)
             return None
-        spec = policy.spec
-        state = self._states.get(key)
-        if state is None or state.generation != generation or state.engine is None:
-            state = self._states[key] = _State(generation, PolicyEngine(params))
-        engine = state.engine
-        assert engine is not None
-        state.next_due = self.clock() + float(spec.evaluation_interval_seconds)
+        spec, state = checked
         conditions = cond.set_condition(conditions, INVALID_SPEC, False, "Valid", "spec is valid", generation)
-
-        ns = obj["metadata"]["namespace"]
-        dgd = self.ctx.dgds.get(f"{ns}/{spec.target.dgd_name}")
-        service = ((dgd or {}).get("spec") or {}).get("services", {}).get(spec.target.service_name)
-        if dgd is None or service is None:
-            what = (
-                f"DynamoGraphDeployment {spec.target.dgd_name}"
-                if dgd is None
-                else f"service {spec.target.service_name} of {spec.target.dgd_name}"
-            )
+        found = self._target(obj, spec)
+        if isinstance(found, str):
             conditions = cond.set_condition(
-                conditions, cond.READY, False, "TargetNotFound", f"{what} does not exist", generation
+                conditions, cond.READY, False, "TargetNotFound", f"{found} does not exist", generation
             )
             await self._finish(key, obj, status, conditions)
             return None
-        current = int(service.get("replicas", 1) if service.get("replicas") is not None else 1)
-        if not state.seeded:
-            # No history after a restart or a spec change: the first scale-down waits a full window.
-            engine.seed(self.clock(), current)
-            state.seeded = True
+        dgd, current = found
+        engine = self._seeded_engine(state, current)
 
-        pods = [
-            p for p in self.ctx.pods_of(ns, spec.target.dgd_name, spec.target.service_name) if pod_active(p)
-        ]
+        ns, target = obj["metadata"]["namespace"], spec.target
+        pods = [p for p in pods_of(self.pods, ns, target.dgd_name, target.service_name) if pod_active(p)]
         ready = sum(1 for p in pods if pod_ready(p))
         wall = time.time()
         ages = tuple(wall - _created(p) for p in pods)
@@ -211,15 +196,7 @@ class Autoscaler:
                 replica_ages_s=ages,
             )
         )
-        if problems:
-            reason, message = problems[0]
-            conditions = cond.set_condition(
-                conditions, METRICS_AVAILABLE, False, reason, "; ".join(m for _, m in problems), generation
-            )
-        else:
-            conditions = cond.set_condition(
-                conditions, METRICS_AVAILABLE, True, "MetricsAvailable", "every query returned", generation
-            )
+        conditions = _metrics_condition(conditions, problems, generation)
         status.update(
             desiredReplicas=decision.desired,
             readyReplicas=ready,
@@ -237,24 +214,48 @@ class Autoscaler:
             "reason": decision.reason[:1024],
             "panic": decision.panic,
         }
-        conditions = cond.set_condition(
-            conditions,
-            SCALING_ACTIVE,
-            not decision.held,
-            "Holding" if decision.held else "Active",
-            decision.reason,
-            generation,
-        )
-        conditions = cond.set_condition(
-            conditions,
-            cond.READY,
-            not problems,
-            "Ready" if not problems else "MetricsUnavailable",
-            decision.reason,
-            generation,
-        )
+        conditions = _decision_conditions(conditions, decision, bool(problems), generation)
         await self._finish(key, obj, status, conditions)
         return decision
+
+    def _check_spec(
+        self, key: str, obj: Obj, generation: int
+    ) -> tuple[DynamoScalingPolicySpec, _State] | str:
+        """The policy's spec and its evaluation state (a fresh engine for a new generation); what is wrong
+        with the spec, in one line, when it is invalid."""
+        try:
+            policy = DynamoScalingPolicy.model_validate(obj)
+            params = _params(policy.spec)
+        except (ValidationError, ValueError) as e:
+            state = self._states.get(key)
+            if state is None or state.generation != generation:
+                state = self._states[key] = _State(generation, None)
+            state.next_due = self.clock() + INVALID_RECHECK_S
+            return validation_message(e) if isinstance(e, ValidationError) else str(e)
+        state = self._states.get(key)
+        if state is None or state.generation != generation or state.engine is None:
+            state = self._states[key] = _State(generation, PolicyEngine(params))
+        state.next_due = self.clock() + float(policy.spec.evaluation_interval_seconds)
+        return policy.spec, state
+
+    def _target(self, obj: Obj, spec: DynamoScalingPolicySpec) -> tuple[Obj, int] | str:
+        """The target DGD and its service's replicas; else what does not exist (the DGD or the service)."""
+        dgd = self.dgds.get(f"{obj['metadata']['namespace']}/{spec.target.dgd_name}")
+        service = ((dgd or {}).get("spec") or {}).get("services", {}).get(spec.target.service_name)
+        if dgd is None:
+            return f"DynamoGraphDeployment {spec.target.dgd_name}"
+        if service is None:
+            return f"service {spec.target.service_name} of {spec.target.dgd_name}"
+        return dgd, int(service.get("replicas", 1) if service.get("replicas") is not None else 1)
+
+    def _seeded_engine(self, state: _State, current: int) -> PolicyEngine:
+        engine = state.engine
+        assert engine is not None
+        if not state.seeded:
+            # No history after a restart or a spec change: the first scale-down waits a full window.
+            engine.seed(self.clock(), current)
+            state.seeded = True
+        return engine
 
     async def _sample(
         self, spec: DynamoScalingPolicySpec, cache: TickCache
@@ -286,13 +287,13 @@ class Autoscaler:
     ) -> None:
         svc = spec.target.service_name
         patch = {"spec": {"services": {svc: {"replicas": decision.desired}}}}
-        await self.ctx.kube.merge_patch(DGD, dgd["metadata"]["name"], patch, dgd["metadata"]["namespace"])
+        await self.kube.merge_patch(DGD, dgd["metadata"]["name"], patch, dgd["metadata"]["namespace"])
         direction = "up" if decision.desired > current else "down"
         DECISIONS.labels(direction).inc()
         reason = "ScaledUp" if direction == "up" else "ScaledDown"
         message = f"service {svc}: {current} -> {decision.desired} replicas: {decision.reason}"
-        self.ctx.recorder.record(obj, NORMAL, reason, message)
-        self.ctx.recorder.record(
+        self.recorder.record(obj, NORMAL, reason, message)
+        self.recorder.record(
             dgd, NORMAL, reason, f"by DynamoScalingPolicy {obj['metadata']['name']}: {message}"
         )
         log.info("scaled", extra={"policy": obj["metadata"]["name"], "detail": message})
@@ -312,7 +313,7 @@ class Autoscaler:
                 conditions, INVALID_SPEC, True, "InvalidSpec", invalid, generation
             )
             conditions = cond.set_condition(conditions, cond.READY, False, "InvalidSpec", invalid, generation)
-            self.ctx.recorder.record(obj, WARNING, "InvalidSpec", invalid)
+            self.recorder.record(obj, WARNING, "InvalidSpec", invalid)
         status["conditions"] = conditions
         state = self._states.get(key)
         now = self.clock()
@@ -326,7 +327,7 @@ class Autoscaler:
         ):
             return
         try:
-            await self.ctx.kube.patch_status(
+            await self.kube.patch_status(
                 SCALING_POLICY, obj["metadata"]["name"], status, obj["metadata"]["namespace"]
             )
         except Exception as e:
@@ -335,6 +336,40 @@ class Autoscaler:
             return
         if state is not None:
             state.last_status, state.last_status_at = comparable, now
+
+
+def _metrics_condition(
+    conditions: list[dict[str, Any]], problems: list[tuple[str, str]], generation: int
+) -> list[dict[str, Any]]:
+    if problems:
+        reason, _ = problems[0]
+        return cond.set_condition(
+            conditions, METRICS_AVAILABLE, False, reason, "; ".join(m for _, m in problems), generation
+        )
+    return cond.set_condition(
+        conditions, METRICS_AVAILABLE, True, "MetricsAvailable", "every query returned", generation
+    )
+
+
+def _decision_conditions(
+    conditions: list[dict[str, Any]], decision: Decision, metrics_missing: bool, generation: int
+) -> list[dict[str, Any]]:
+    conditions = cond.set_condition(
+        conditions,
+        SCALING_ACTIVE,
+        not decision.held,
+        "Holding" if decision.held else "Active",
+        decision.reason,
+        generation,
+    )
+    return cond.set_condition(
+        conditions,
+        cond.READY,
+        not metrics_missing,
+        "MetricsUnavailable" if metrics_missing else "Ready",
+        decision.reason,
+        generation,
+    )
 
 
 def _params(spec: DynamoScalingPolicySpec) -> PolicyParams:

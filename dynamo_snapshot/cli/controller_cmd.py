@@ -10,11 +10,13 @@ from typing import Any
 from prometheus_client import start_http_server
 from pydantic import Field, model_validator
 
+from dynamo_snapshot.autoscale.autoscaler import Autoscaler
 from dynamo_snapshot.cli.health import distinct_ports, health_endpoints
 from dynamo_snapshot.cli.service import load_settings, run_service
 from dynamo_snapshot.controller.config import CONTROLLER_NAME, ControllerConfig
 from dynamo_snapshot.controller.manager import Controller
-from dynamo_snapshot.kube import Kube, load_client
+from dynamo_snapshot.kube import Informer, Kube, load_client
+from dynamo_snapshot.kube.kinds import SCALING_POLICY
 
 
 class ControllerCommandConfig(ControllerConfig):
@@ -47,6 +49,25 @@ _OVERRIDES = (
     "prometheus_url",
     "health_port",
 )
+
+
+def build_controller(kube: Kube, config: ControllerConfig) -> Controller:
+    """The controller process's parts wired together: the reconcilers and, when `config.autoscale` is on,
+    the autoscaler, which runs only while the controller leads and reads the controller's caches."""
+    controller = Controller(kube, config)
+    if config.autoscale:
+        policies = Informer(kube, SCALING_POLICY, namespace=config.namespace)
+        autoscaler = Autoscaler(
+            kube,
+            dgds=controller.ctx.dgds,
+            pods=controller.ctx.pods,
+            policies=policies,
+            recorder=controller.ctx.recorder,
+            prometheus_url=config.prometheus_url,
+            tick_s=config.autoscale_tick_seconds,
+        )
+        controller.run_while_leading("autoscaler", autoscaler.run_until, informers=[policies])
+    return controller
 
 
 def _default(setting: str) -> Any:
@@ -144,6 +165,6 @@ async def _main(config: ControllerCommandConfig, kubeconfig: str | None, stop: a
     async with health_endpoints(config.health_port, starting="connecting to the API server") as health:
         api_client = await load_client(kubeconfig)
         async with api_client:
-            controller = Controller(Kube(api_client, field_manager=CONTROLLER_NAME), config)
+            controller = build_controller(Kube(api_client, field_manager=CONTROLLER_NAME), config)
             health.use(controller.readiness)
             await controller.run_until(stop)

@@ -13,12 +13,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from dynamo_snapshot.api import conditions as cond
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointCompatibility, CheckpointPhase, DynamoCheckpoint
+from dynamo_snapshot.api.conditions import validation_message
 from dynamo_snapshot.api.identity import compute_identity_hash
-from dynamo_snapshot.controller import conditions as cond
-from dynamo_snapshot.controller.context import Context, validation_message
-from dynamo_snapshot.controller.pods import pod_active
+from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.controller.podspec import (
     MAIN_CONTAINER,
     checkpoint_job,
@@ -36,6 +36,7 @@ from dynamo_snapshot.kube import (
     object_key,
 )
 from dynamo_snapshot.kube.kinds import CHECKPOINT, JOB
+from dynamo_snapshot.kube.pods import pod_active
 
 log = logging.getLogger(__name__)
 FINALIZE_RECHECK_S = 2.0

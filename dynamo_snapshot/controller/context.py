@@ -10,7 +10,6 @@ from datetime import UTC, datetime, timedelta
 
 from cachetools import TTLCache
 from prometheus_client import Counter, Histogram
-from pydantic import ValidationError
 
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointCompatibility
@@ -19,6 +18,7 @@ from dynamo_snapshot.controller.expectations import Expectations
 from dynamo_snapshot.controller.failover import PAUSED, Failover, node_down, unhealthy_since
 from dynamo_snapshot.controller.podspec import keep_off_nodes
 from dynamo_snapshot.kube import EventRecorder, Informer, Kube, Obj
+from dynamo_snapshot.kube.pods import pods_of
 
 PODS_CREATED = Counter(
     "dynsnap_worker_pods_created_total", "Worker pods created, by how they start", ["mode"]
@@ -85,14 +85,7 @@ class Context:
         self.failover.settings = self.settings
 
     def pods_of(self, namespace: str, graph: str, service: str | None = None) -> list[Obj]:
-        pods = [
-            p
-            for p in self.pods.by_label(protocol.LABEL_GRAPH, graph)
-            if p["metadata"]["namespace"] == namespace
-        ]
-        if service is not None:
-            pods = [p for p in pods if p["metadata"].get("labels", {}).get(protocol.LABEL_SERVICE) == service]
-        return pods
+        return pods_of(self.pods, namespace, graph, service)
 
     def checkpoint_by_hash(self, namespace: str, identity_hash: str, dgd_uid: str) -> Obj | None:
         """The checkpoint a DGD's Auto-mode service with `identity_hash` uses: one the DGD owns, or one a
@@ -227,11 +220,3 @@ def node_fits(node: Obj, compat: CheckpointCompatibility | None) -> bool:
         except ValueError:
             return False
     return True
-
-
-def validation_message(err: ValidationError) -> str:
-    """One line naming the first bad field, for Events and Conditions."""
-    first = err.errors()[0]
-    loc = ".".join(str(p) for p in first["loc"])
-    more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
-    return f"{loc}: {first['msg']}{more}"

@@ -15,16 +15,16 @@ from typing import Any, TypeGuard
 
 from pydantic import ValidationError
 
+from dynamo_snapshot.api import conditions as cond
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointPhase, DynamoCheckpoint
+from dynamo_snapshot.api.conditions import validation_message
 from dynamo_snapshot.api.graphdeployment import DGDState, DynamoGraphDeployment, ServiceSpec
 from dynamo_snapshot.api.identity import compute_identity_hash
-from dynamo_snapshot.controller import conditions as cond
 from dynamo_snapshot.controller.batching import slow_start
 from dynamo_snapshot.controller.checkpoint_reconciler import agent_verdict
-from dynamo_snapshot.controller.context import PODS_CREATED, Context, validation_message
+from dynamo_snapshot.controller.context import PODS_CREATED, Context
 from dynamo_snapshot.controller.failover import NO_COMPATIBLE_NODE, loss_cause, worker_lifetime
-from dynamo_snapshot.controller.pods import pod_active, pod_ready, unschedulable
 from dynamo_snapshot.controller.podspec import (
     auto_checkpoint_name,
     checkpoint_job_template,
@@ -47,6 +47,7 @@ from dynamo_snapshot.kube import (
     is_not_found,
 )
 from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD, POD
+from dynamo_snapshot.kube.pods import pod_active, pod_ready, unschedulable
 
 log = logging.getLogger(__name__)
 STATUS_MIN_INTERVAL = 1.0  # seconds between status writes of one DGD that carry no new generation

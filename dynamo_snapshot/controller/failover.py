@@ -29,7 +29,7 @@ from datetime import UTC, datetime, timedelta
 from prometheus_client import Counter, Gauge, Histogram
 
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.controller.conditions import parse_rfc3339
+from dynamo_snapshot.api.conditions import parse_rfc3339
 from dynamo_snapshot.controller.config import ControllerConfig
 from dynamo_snapshot.controller.podspec import MAIN_CONTAINER
 from dynamo_snapshot.kube import NORMAL, WARNING, Obj

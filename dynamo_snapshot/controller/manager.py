@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import dataclass
 
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.autoscale.autoscaler import Autoscaler
 from dynamo_snapshot.controller.checkpoint_reconciler import CheckpointReconciler
 from dynamo_snapshot.controller.config import CONTROLLER_NAME, ControllerConfig
 from dynamo_snapshot.controller.context import Context
@@ -26,7 +27,7 @@ from dynamo_snapshot.kube import (
     WorkQueue,
     object_key,
 )
-from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD, JOB, NODE, POD, SCALING_POLICY
+from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD, JOB, NODE, POD
 
 # ControllerConfig lives in controller.config (Context reads it too); callers keep importing it from here.
 __all__ = ["Controller", "ControllerConfig"]
@@ -35,6 +36,15 @@ log = logging.getLogger(__name__)
 
 DGD_KEY, CHECKPOINT_KEY = "DynamoGraphDeployment", "DynamoCheckpoint"
 QueueKey = tuple[str, str]
+# Work that runs only while this replica leads: started once the caches are synced, returns when `stop`
+# is set, cancelled when leadership is lost.
+LeaderTask = Callable[[asyncio.Event], Coroutine[object, object, None]]
+
+
+@dataclass(frozen=True)
+class _LeaderOnly:
+    name: str
+    run: LeaderTask
 
 
 class Controller:
@@ -63,16 +73,8 @@ class Controller:
         )
         self.dgd_reconciler = DGDReconciler(self.ctx)
         self.checkpoint_reconciler = CheckpointReconciler(self.ctx)
-        self.policies: Informer | None = None
-        self.autoscaler: Autoscaler | None = None
-        if config.autoscale:
-            self.policies = Informer(kube, SCALING_POLICY, namespace=ns)
-            self.autoscaler = Autoscaler(
-                self.ctx,
-                self.policies,
-                prometheus_url=config.prometheus_url,
-                tick_s=config.autoscale_tick_seconds,
-            )
+        self._leader_only: list[_LeaderOnly] = []
+        self._extra_informers: list[Informer] = []
         self.queue: WorkQueue[QueueKey] = WorkQueue(
             "controller", self._reconcile, workers=config.workers, kind_of=lambda k: k[0]
         )
@@ -84,6 +86,14 @@ class Controller:
             else None
         )
         self._wire()
+
+    def run_while_leading(self, name: str, task: LeaderTask, *, informers: Iterable[Informer] = ()) -> None:
+        """Run `task` whenever this replica leads, once every informer (these too) has synced.
+
+        `informers` are started and stopped with the controller's own and count in its readiness. Call
+        before `run_until`."""
+        self._leader_only.append(_LeaderOnly(name, task))
+        self._extra_informers.extend(informers)
 
     @property
     def leading(self) -> bool:
@@ -105,8 +115,7 @@ class Controller:
     @property
     def informers(self) -> list[Informer]:
         c = self.ctx
-        extra = [self.policies] if self.policies is not None else []
-        return [c.nodes, c.jobs, c.pods, c.checkpoints, c.dgds, *extra]
+        return [c.nodes, c.jobs, c.pods, c.checkpoints, c.dgds, *self._extra_informers]
 
     def _wire(self) -> None:
         ctx = self.ctx
@@ -225,7 +234,7 @@ class Controller:
 
     async def _lead(self, stop: asyncio.Event) -> None:
         ctx = self.ctx
-        scaling: asyncio.Task[None] | None = None
+        leader_only: list[asyncio.Task[None]] = []
         for inf in self.informers:
             inf.start()
         try:
@@ -235,14 +244,13 @@ class Controller:
             gc.freeze()
             self.queue.start()
             self.queue.resync(self._all_keys, self.config.resync_seconds)
-            if self.autoscaler is not None:
-                scaling = asyncio.create_task(self.autoscaler.run_until(stop), name="autoscaler")
+            leader_only = [asyncio.create_task(t.run(stop), name=t.name) for t in self._leader_only]
             await stop.wait()
         finally:
-            if scaling is not None:
-                # Stops between evaluations on `stop`; cancelled only when leadership is lost.
-                scaling.cancel()
-                await asyncio.gather(scaling, return_exceptions=True)
+            # Ended here on `stop` and on lost leadership alike; only reconciles get the drain below.
+            for task in leader_only:
+                task.cancel()
+            await asyncio.gather(*leader_only, return_exceptions=True)
             # In-flight reconciles finish their writes; nothing new starts.
             await asyncio.shield(self.queue.shutdown(self.config.drain_timeout))
             for inf in self.informers:

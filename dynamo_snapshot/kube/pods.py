@@ -1,11 +1,23 @@
-"""What a pod's status says, as the controller and the autoscaler both read it."""
+"""Worker pods as the controller and the autoscaler both read them: a graph service's pods from the pod
+cache, and what a pod's status says."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from dynamo_snapshot.controller.conditions import parse_rfc3339
-from dynamo_snapshot.kube import Obj
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.conditions import parse_rfc3339
+from dynamo_snapshot.kube.informer import Informer
+from dynamo_snapshot.kube.kube import Obj
+
+
+def pods_of(pods: Informer, namespace: str, graph: str, service: str | None = None) -> list[Obj]:
+    """The pods of graph `graph` in `namespace` (of its service `service` only, when given), from a pod
+    informer that indexes the graph label."""
+    found = [p for p in pods.by_label(protocol.LABEL_GRAPH, graph) if p["metadata"]["namespace"] == namespace]
+    if service is not None:
+        found = [p for p in found if p["metadata"].get("labels", {}).get(protocol.LABEL_SERVICE) == service]
+    return found
 
 
 def pod_active(pod: Obj) -> bool:

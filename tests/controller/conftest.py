@@ -17,6 +17,7 @@ from kubernetes_asyncio import client
 
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.identity import compute_identity_hash
+from dynamo_snapshot.cli.controller_cmd import build_controller
 from dynamo_snapshot.controller.manager import Controller, ControllerConfig
 from dynamo_snapshot.controller.podspec import auto_checkpoint_name
 from dynamo_snapshot.kube import EVENT, POD, ApiError, Kube, Obj, is_not_found
@@ -210,7 +211,7 @@ async def harness(
 
     async def start() -> None:
         stop = asyncio.Event()
-        ctrl = Controller(kube, config)
+        ctrl = build_controller(kube, config)
         state.update(stop=stop, task=asyncio.create_task(ctrl.run_until(stop)), ctrl=ctrl)
 
     async def kill() -> None:

@@ -14,11 +14,11 @@ import yaml
 from kubernetes_asyncio import client
 
 from dynamo_snapshot.cli import controller_cmd
+from dynamo_snapshot.cli.controller_cmd import build_controller
 from dynamo_snapshot.cli.main import build_parser
 from dynamo_snapshot.cli.service import load_settings
 from dynamo_snapshot.controller.config import ControllerConfig
 from dynamo_snapshot.controller.context import Context
-from dynamo_snapshot.controller.manager import Controller
 from dynamo_snapshot.kube import Kube
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,7 +62,7 @@ async def test_the_reconcilers_read_the_loaded_config_itself(kube: Kube) -> None
         "--no-leader-elect",
         "--no-autoscale",
     )
-    controller = Controller(kube, config)
+    controller = build_controller(kube, config)
     assert controller.ctx.settings is config
     assert controller.ctx.settings.restore_failure_threshold == 5
     assert controller.ctx.settings.restore_node_attempts == 4

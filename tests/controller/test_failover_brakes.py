@@ -18,9 +18,9 @@ import pytest
 from kubernetes_asyncio import client
 
 from dynamo_snapshot.api import protocol
+from dynamo_snapshot.cli.controller_cmd import build_controller
 from dynamo_snapshot.controller.config import ControllerConfig
 from dynamo_snapshot.controller.failover import node_healthy
-from dynamo_snapshot.controller.manager import Controller
 from dynamo_snapshot.kube import EVENT, NODE, POD, ApiError, Kube, Obj
 from dynamo_snapshot.kube.kinds import DGD
 from dynamo_snapshot.localcluster import LocalCluster
@@ -298,7 +298,7 @@ async def controller(api: client.ApiClient, namespace: str, crds: list[str]) -> 
         namespace=namespace, leader_elect=False, resync_seconds=5, metrics_port=0, drain_timeout=5
     )
     stop = asyncio.Event()
-    task = asyncio.create_task(Controller(kube, config).run_until(stop))
+    task = asyncio.create_task(build_controller(kube, config).run_until(stop))
     try:
         yield kube
     finally:

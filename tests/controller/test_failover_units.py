@@ -19,8 +19,8 @@ from dynamo_snapshot.controller.failover import (
     unhealthy_since,
     worker_lifetime,
 )
-from dynamo_snapshot.controller.pods import unschedulable
 from dynamo_snapshot.controller.podspec import keep_off_nodes
+from dynamo_snapshot.kube.pods import unschedulable
 
 
 def test_token_bucket_paces_after_its_burst() -> None:

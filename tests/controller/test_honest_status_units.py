@@ -8,8 +8,8 @@ from typing import Any, cast
 
 import pytest
 
+from dynamo_snapshot.api import conditions as cond
 from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment, ServiceSpec
-from dynamo_snapshot.controller import conditions as cond
 from dynamo_snapshot.controller.dgd_reconciler import DGDReconciler, Refusal, ServiceOutcome, refused
 from dynamo_snapshot.controller.podspec import cold_start_pod, unsupported
 from dynamo_snapshot.kube import ApiError, Obj

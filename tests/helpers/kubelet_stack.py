@@ -16,8 +16,9 @@ from dynamo_snapshot.agent.runtime.containerd import ContainerdRuntime
 from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.artifact import ArtifactStore
+from dynamo_snapshot.cli.controller_cmd import build_controller
 from dynamo_snapshot.cli.demo.scenario import kubelet_worker_spec, worker_graph
-from dynamo_snapshot.controller.manager import Controller, ControllerConfig
+from dynamo_snapshot.controller.manager import ControllerConfig
 from dynamo_snapshot.criu import Criu
 from dynamo_snapshot.kube import POD, Kube, Obj
 from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD
@@ -45,7 +46,7 @@ class Stack:
         config = ControllerConfig(
             namespace=self.namespace, leader_elect=False, resync_seconds=5, metrics_port=0, drain_timeout=5
         )
-        self._controller = asyncio.create_task(Controller(self.kube, config).run_until(self._stop))
+        self._controller = asyncio.create_task(build_controller(self.kube, config).run_until(self._stop))
 
     async def close(self) -> None:
         self._stop.set()

@@ -23,8 +23,9 @@ from dynamo_snapshot.agent.watcher import NodeAgent, workload_key
 from dynamo_snapshot.artifact import ArtifactStore
 from dynamo_snapshot.cli import agent_cmd
 from dynamo_snapshot.cli.agent_cmd import AgentConfig
+from dynamo_snapshot.cli.controller_cmd import build_controller
 from dynamo_snapshot.controller.config import CONTROLLER_NAME
-from dynamo_snapshot.controller.manager import Controller, ControllerConfig
+from dynamo_snapshot.controller.manager import ControllerConfig
 from dynamo_snapshot.criu import Criu
 from dynamo_snapshot.kube import POD, Kube, Obj, load_client
 from dynamo_snapshot.localcluster import LocalCluster
@@ -120,7 +121,7 @@ class Stack:
             resync_seconds=30,
             prometheus_url=self.prometheus.url,
         )
-        controller = Controller(Kube(self._api, field_manager=CONTROLLER_NAME), config)
+        controller = build_controller(Kube(self._api, field_manager=CONTROLLER_NAME), config)
         self._tasks.append(asyncio.create_task(controller.run_until(self._stop), name="controller"))
         for node in self.node_names:
             kube = Kube(self._api, field_manager=agent_cmd.FIELD_MANAGER)
