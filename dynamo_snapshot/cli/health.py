@@ -5,34 +5,28 @@ the same loop as the controller's or agent's work, so a loop that is blocked (a 
 runaway callback) answers nothing and the probe's timeout fails it. `GET /readyz` answers 200 when the
 service's own readiness check passes (caches synced, ...), 503 with the reason otherwise.
 
-A minimal HTTP/1.1 responder on `asyncio.start_server` rather than a web framework: two fixed paths, no
-bodies to parse, nothing that could block the loop, and no dependency beyond the standard library.
+Served by aiohttp, which the Kubernetes client already brings: request parsing and its limits are the
+framework's. No access log: kubelet probes every few seconds, and a line per probe would bury the rest.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from types import TracebackType
 from typing import Final
 
+from aiohttp import web
+
 log = logging.getLogger(__name__)
 
 # Returns None when healthy, else the reason it is not (one line).
 Check = Callable[[], str | None]
 
-_MAX_REQUEST_HEAD: Final = 8192
-# A probe sends its request at once; a client that trickles bytes must not hold a coroutine for long.
-_READ_TIMEOUT_S: Final = 5.0
-_REASONS: Final = {
-    200: "OK",
-    400: "Bad Request",
-    404: "Not Found",
-    405: "Method Not Allowed",
-    503: "Service Unavailable",
-}
+# Connections are closed after each answer (as kubelet's probes ask anyway), so a stop has no idle
+# keep-alive connection to wait for; this bounds the wait for one that is mid-request.
+_SHUTDOWN_TIMEOUT_S: Final = 1.0
 
 
 class HealthServer:
@@ -53,24 +47,32 @@ class HealthServer:
         self.host = host
         self.requested_port = port
         self._checks: dict[str, Check | None] = {"/healthz": live, "/readyz": ready}
-        self._server: asyncio.Server | None = None
+        self._runner: web.AppRunner | None = None
 
     @property
     def port(self) -> int:
-        if self._server is None or not self._server.sockets:
+        addresses = self._runner.addresses if self._runner is not None else []
+        if not addresses:
             raise RuntimeError("health server is not listening")
-        return int(self._server.sockets[0].getsockname()[1])
+        return int(addresses[0][1])
 
     async def start(self) -> None:
-        self._server = await asyncio.start_server(
-            self._handle, self.host, self.requested_port, limit=_MAX_REQUEST_HEAD
-        )
+        app = web.Application()
+        # Every path and method reaches one handler, so unknown ones get the same plain-text answers.
+        app.router.add_route("*", "/{path:.*}", self._handle)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=_SHUTDOWN_TIMEOUT_S)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, self.host, self.requested_port).start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
 
     async def __aenter__(self) -> HealthServer:
         await self.start()
@@ -94,35 +96,14 @@ class HealthServer:
             return 503, f"{problem}\n"
         return 200, "ok\n"
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            try:
-                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), _READ_TIMEOUT_S)
-            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ValueError):
-                return  # nothing sensible to answer; just hang up
-            method, path, ok = _request_line(head)
-            if not ok:
-                status, body = 400, "bad request\n"
-            elif method not in ("GET", "HEAD"):
-                status, body = 405, "only GET and HEAD\n"
-            else:
-                status, body = self.evaluate(path)
-            payload = body.encode()
-            response = (
-                f"HTTP/1.1 {status} {_REASONS[status]}\r\n"
-                "Content-Type: text/plain; charset=utf-8\r\n"
-                f"Content-Length: {len(payload)}\r\n"
-                "Connection: close\r\n\r\n"
-            ).encode("ascii")
-            writer.write(response if method == "HEAD" else response + payload)
-            with contextlib.suppress(ConnectionError):
-                await writer.drain()
-        except Exception:
-            log.exception("health request failed")
-        finally:
-            writer.close()
-            with contextlib.suppress(ConnectionError, OSError):
-                await writer.wait_closed()
+    async def _handle(self, request: web.Request) -> web.Response:
+        if request.method not in ("GET", "HEAD"):
+            status, body = 405, "only GET and HEAD\n"
+        else:
+            status, body = self.evaluate(request.rel_url.raw_path)
+        response = web.Response(status=status, text=body, charset="utf-8")
+        response.force_close()
+        return response
 
 
 def distinct_ports(metrics_port: int, health_port: int) -> None:
@@ -130,15 +111,6 @@ def distinct_ports(metrics_port: int, health_port: int) -> None:
     the metrics server (200 on any path) and pass however the process is doing."""
     if metrics_port and metrics_port == health_port:
         raise ValueError(f"metricsPort and healthPort are both {metrics_port}: give them different ports")
-
-
-def _request_line(head: bytes) -> tuple[str, str, bool]:
-    """(method, path without query, well-formed?) from the request head."""
-    line = head.split(b"\r\n", 1)[0].decode("latin-1")
-    parts = line.split(" ")
-    if len(parts) != 3 or not parts[2].startswith("HTTP/1.") or not parts[1].startswith("/"):
-        return "", "", False
-    return parts[0], parts[1].split("?", 1)[0], True
 
 
 async def start_health_server(port: int, *, ready: Check | None = None) -> HealthServer | None:
