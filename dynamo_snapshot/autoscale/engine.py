@@ -86,11 +86,11 @@ _EPS = 1e-9
 _MOST_REPLICAS = 2**31 - 1
 
 
-def _fmt(x: float) -> str:
+def _number_text(x: float) -> str:
     return f"{x:g}"
 
 
-def _fmt_value(x: float) -> str:
+def _value_text(x: float) -> str:
     """A metric value for a reason: one decimal, or four significant digits where that would be long."""
     return f"{x:.1f}" if abs(x) < 1e6 else f"{x:.4g}"
 
@@ -240,7 +240,7 @@ class Decision:
 
 
 @dataclass(frozen=True)
-class _Eval:
+class _MetricEstimate:
     name: str
     target: float
     value: float
@@ -267,133 +267,26 @@ class PolicyEngine:
 
     # ------------------------------------------------------------------------------------------ decide
     def decide(self, obs: Observation) -> Decision:
-        p = self._params
         current = obs.current_desired
-        capacity = obs.ready + obs.starting
-        horizon = self._horizon(obs)
+        estimates, per_metric, missing = self._estimate(obs)
+        if not estimates:
+            return self._hold(obs, per_metric, missing)
 
-        evals: list[_Eval] = []
-        per_metric: dict[str, int | None] = {}
-        missing: list[str] = []
-        for m in p.metrics:
-            sample = obs.metrics.get(m.name)
-            if sample is None or sample.value is None:
-                per_metric[m.name] = None
-                missing.append(f"{m.name} (no data)")
-                continue
-            if not (math.isfinite(sample.value) and sample.value >= 0):
-                per_metric[m.name] = None
-                missing.append(f"{m.name} (unusable value {_fmt_value(sample.value)})")
-                continue
-            if sample.age_s > p.stale_after_s:
-                per_metric[m.name] = None
-                missing.append(f"{m.name} (stale {_fmt(round(sample.age_s, 1))}s)")
-                continue
-            value = sample.value
-            projected = self._look_ahead(m.name, obs.now - sample.age_s, value, horizon)
-            wanted = self._proportional(projected, m.target_per_replica, capacity)
-            per_metric[m.name] = wanted
-            evals.append(_Eval(m.name, m.target_per_replica, value, projected, horizon, wanted))
-
-        if not evals:
-            desired = self._clamp(current)
-            if desired == current:
-                head = f"hold {current}"
-            else:
-                bound = "min_replicas" if desired > current else "max_replicas"
-                head = f"scale {'up' if desired > current else 'down'} {current} -> {desired} ({bound})"
-            return Decision(
-                desired=desired,
-                reason=f"{head}: metrics missing: {', '.join(missing)}",
-                panic=obs.now < self._panic_until,
-                recommendation=desired,
-                per_metric=per_metric,
-                held=True,
-            )
-
-        driver = max(evals, key=lambda e: e.wanted)  # first of the maximal ones
+        driver = max(estimates, key=lambda e: e.wanted)  # first of the maximal ones
         recommendation = self._clamp(driver.wanted)
         if missing:
             recommendation = max(recommendation, self._clamp(current))
         self._remember(obs.now, recommendation)
 
         # Panic (KPA): demand far above what is ready -> scale up at once, never down.
-        demand = any(e.value > 0 for e in evals)
-        if obs.ready > 0:
-            ratio = recommendation / obs.ready
-            triggered = ratio >= p.panic_threshold
-        else:
-            ratio = math.inf
-            triggered = demand and recommendation > 0
+        ratio, triggered = self._demand(obs, recommendation, estimates)
         if triggered:
-            self._panic_until = max(self._panic_until, obs.now + p.panic_window_s)
-        panic = triggered or obs.now < self._panic_until
+            self._panic_until = max(self._panic_until, obs.now + self._params.panic_window_s)
         notes = self._notes(driver, missing)
-        if panic:
-            # No stabilization window, but the same rate limit as any scale-up, then the bounds.
-            wanted = max(current, recommendation)
-            limit = self._up_limit(current)
-            limited = wanted if limit is None else min(wanted, current + limit)
-            desired = self._clamp(limited)
-            demand_txt = (
-                f"demand {ratio:.1f}x ready capacity" if obs.ready > 0 else "demand with no ready capacity"
-            )
-            if desired > current:
-                action = f"scaling {current} -> {desired}"
-                if desired > limited:
-                    action += " (min_replicas)"
-                elif desired < wanted:
-                    action += f" (at most +{limit} per step)"
-            elif desired < current:
-                action = f"scaling {current} -> {desired} (max_replicas)"
-            else:
-                action = f"holding {desired} (no scale-down while panicking)"
-            return Decision(
-                desired=desired,
-                reason=f"panic: {demand_txt}, {action}: {notes}",
-                panic=True,
-                recommendation=recommendation,
-                per_metric=per_metric,
-            )
+        if triggered or obs.now < self._panic_until:
+            return self._panic_decision(obs, recommendation, ratio, notes, per_metric)
 
-        # Stabilization (HPA): up to the lowest recommendation of the up window, down to the highest
-        # recommendation of the down window.
-        up_floor = min(r for t, r in self._recommendations if obs.now - t <= p.scale_up_window_s)
-        down_ceiling = max(r for t, r in self._recommendations if obs.now - t <= p.scale_down_window_s)
-        qualifiers: list[str] = []
-        if up_floor > current:
-            stabilized = up_floor
-            if up_floor < recommendation:
-                qualifiers.append(f"stabilized over {_fmt(p.scale_up_window_s)}s")
-            limit = self._up_limit(current)
-            desired = stabilized if limit is None else min(stabilized, current + limit)
-            if desired < stabilized:
-                qualifiers.append(f"at most +{limit} per step")
-        elif down_ceiling < current:
-            stabilized = down_ceiling
-            qualifiers.append(f"stabilized over {_fmt(p.scale_down_window_s)}s")
-            desired = stabilized
-            if p.scale_down_max_step > 0 and current - desired > p.scale_down_max_step:
-                desired = current - p.scale_down_max_step
-                qualifiers.append(f"at most {p.scale_down_max_step} per step")
-            removable = self._removable(obs)
-            if current - desired > removable:
-                desired = current - removable
-                qualifiers.append(f"replicas younger than {_fmt(p.scale_down_grace_s)}s protected")
-        else:
-            desired = current
-            if recommendation > current:
-                qualifiers.append(f"recommendation {recommendation} held back by the scale-up window")
-            elif recommendation < current:
-                qualifiers.append(
-                    f"recommendation {recommendation} held back by the "
-                    f"{_fmt(p.scale_down_window_s)}s scale-down window"
-                )
-        clamped = self._clamp(desired)
-        if clamped != desired:
-            qualifiers.append("min_replicas" if clamped > desired else "max_replicas")
-            desired = clamped
-
+        desired, qualifiers = self._stabilized(obs, recommendation)
         if desired > current:
             head = f"scale up {current} -> {desired}"
         elif desired < current:
@@ -408,6 +301,140 @@ class PolicyEngine:
             recommendation=recommendation,
             per_metric=per_metric,
         )
+
+    def _estimate(self, obs: Observation) -> tuple[list[_MetricEstimate], dict[str, int | None], list[str]]:
+        """Each usable metric's wanted count (steps 1-3), the count per metric (None where it is missing)
+        and why each missing one is."""
+        p = self._params
+        capacity = obs.ready + obs.starting
+        horizon = self._horizon(obs)
+        estimates: list[_MetricEstimate] = []
+        per_metric: dict[str, int | None] = {}
+        missing: list[str] = []
+        for m in p.metrics:
+            sample = obs.metrics.get(m.name)
+            if sample is None or sample.value is None:
+                per_metric[m.name] = None
+                missing.append(f"{m.name} (no data)")
+                continue
+            if not (math.isfinite(sample.value) and sample.value >= 0):
+                per_metric[m.name] = None
+                missing.append(f"{m.name} (unusable value {_value_text(sample.value)})")
+                continue
+            if sample.age_s > p.stale_after_s:
+                per_metric[m.name] = None
+                missing.append(f"{m.name} (stale {_number_text(round(sample.age_s, 1))}s)")
+                continue
+            value = sample.value
+            projected = self._look_ahead(m.name, obs.now - sample.age_s, value, horizon)
+            wanted = self._proportional(projected, m.target_per_replica, capacity)
+            per_metric[m.name] = wanted
+            estimates.append(_MetricEstimate(m.name, m.target_per_replica, value, projected, horizon, wanted))
+        return estimates, per_metric, missing
+
+    def _hold(self, obs: Observation, per_metric: dict[str, int | None], missing: list[str]) -> Decision:
+        """Every metric missing: keep the count, within the bounds."""
+        current = obs.current_desired
+        desired = self._clamp(current)
+        if desired == current:
+            head = f"hold {current}"
+        else:
+            bound = "min_replicas" if desired > current else "max_replicas"
+            head = f"scale {'up' if desired > current else 'down'} {current} -> {desired} ({bound})"
+        return Decision(
+            desired=desired,
+            reason=f"{head}: metrics missing: {', '.join(missing)}",
+            panic=obs.now < self._panic_until,
+            recommendation=desired,
+            per_metric=per_metric,
+            held=True,
+        )
+
+    def _demand(
+        self, obs: Observation, recommendation: int, estimates: list[_MetricEstimate]
+    ) -> tuple[float, bool]:
+        """The recommendation as a multiple of the ready replicas (inf with none ready), and whether that
+        is enough to panic."""
+        if obs.ready > 0:
+            ratio = recommendation / obs.ready
+            return ratio, ratio >= self._params.panic_threshold
+        return math.inf, any(e.value > 0 for e in estimates) and recommendation > 0
+
+    def _panic_decision(
+        self,
+        obs: Observation,
+        recommendation: int,
+        ratio: float,
+        notes: str,
+        per_metric: dict[str, int | None],
+    ) -> Decision:
+        """Scale up at once, never down: no stabilization window, but the same rate limit as any
+        scale-up, then the bounds."""
+        current = obs.current_desired
+        wanted = max(current, recommendation)
+        limit = self._up_limit(current)
+        limited = wanted if limit is None else min(wanted, current + limit)
+        desired = self._clamp(limited)
+        demand = f"demand {ratio:.1f}x ready capacity" if obs.ready > 0 else "demand with no ready capacity"
+        if desired > current:
+            action = f"scaling {current} -> {desired}"
+            if desired > limited:
+                action += " (min_replicas)"
+            elif desired < wanted:
+                action += f" (at most +{limit} per step)"
+        elif desired < current:
+            action = f"scaling {current} -> {desired} (max_replicas)"
+        else:
+            action = f"holding {desired} (no scale-down while panicking)"
+        return Decision(
+            desired=desired,
+            reason=f"panic: {demand}, {action}: {notes}",
+            panic=True,
+            recommendation=recommendation,
+            per_metric=per_metric,
+        )
+
+    def _stabilized(self, obs: Observation, recommendation: int) -> tuple[int, list[str]]:
+        """Stabilization (HPA) and the rate limits (steps 5-7): up to the lowest recommendation of the up
+        window, down to the highest of the down window. The count, and what held it back."""
+        p = self._params
+        current = obs.current_desired
+        up_floor = min(r for t, r in self._recommendations if obs.now - t <= p.scale_up_window_s)
+        down_ceiling = max(r for t, r in self._recommendations if obs.now - t <= p.scale_down_window_s)
+        qualifiers: list[str] = []
+        if up_floor > current:
+            stabilized = up_floor
+            if up_floor < recommendation:
+                qualifiers.append(f"stabilized over {_number_text(p.scale_up_window_s)}s")
+            limit = self._up_limit(current)
+            desired = stabilized if limit is None else min(stabilized, current + limit)
+            if desired < stabilized:
+                qualifiers.append(f"at most +{limit} per step")
+        elif down_ceiling < current:
+            stabilized = down_ceiling
+            qualifiers.append(f"stabilized over {_number_text(p.scale_down_window_s)}s")
+            desired = stabilized
+            if p.scale_down_max_step > 0 and current - desired > p.scale_down_max_step:
+                desired = current - p.scale_down_max_step
+                qualifiers.append(f"at most {p.scale_down_max_step} per step")
+            removable = self._removable(obs)
+            if current - desired > removable:
+                desired = current - removable
+                qualifiers.append(f"replicas younger than {_number_text(p.scale_down_grace_s)}s protected")
+        else:
+            desired = current
+            if recommendation > current:
+                qualifiers.append(f"recommendation {recommendation} held back by the scale-up window")
+            elif recommendation < current:
+                qualifiers.append(
+                    f"recommendation {recommendation} held back by the "
+                    f"{_number_text(p.scale_down_window_s)}s scale-down window"
+                )
+        clamped = self._clamp(desired)
+        if clamped != desired:
+            qualifiers.append("min_replicas" if clamped > desired else "max_replicas")
+            desired = clamped
+        return desired, qualifiers
 
     # ----------------------------------------------------------------------------------------- helpers
     def _clamp(self, n: int) -> int:
@@ -482,10 +509,11 @@ class PolicyEngine:
         return old + max(0, obs.current_desired - len(obs.replica_ages_s))
 
     @staticmethod
-    def _notes(driver: _Eval, missing: list[str]) -> str:
-        value, projected = _fmt_value(driver.value), _fmt_value(driver.projected)
-        rising = f" rising to {projected} in {_fmt(driver.horizon_s)}s" if projected != value else ""
-        text = f"{driver.name} {value}{rising} (target {_fmt(driver.target)}/replica) wants {driver.wanted}"
+    def _notes(driver: _MetricEstimate, missing: list[str]) -> str:
+        value, projected = _value_text(driver.value), _value_text(driver.projected)
+        rising = f" rising to {projected} in {_number_text(driver.horizon_s)}s" if projected != value else ""
+        target = _number_text(driver.target)
+        text = f"{driver.name} {value}{rising} (target {target}/replica) wants {driver.wanted}"
         if missing:
             text += f"; missing, not scaling below current: {', '.join(missing)}"
         return text

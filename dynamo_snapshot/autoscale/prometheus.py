@@ -4,7 +4,8 @@
 so in a worker thread, bounded by a timeout) and returns its single value.  Every way that can fail
 is an exception with a one-line message, so a policy's status can say exactly what is wrong:
 
-* ``MetricsUnavailable``: Prometheus cannot be reached, does not answer in time, or answers 5xx;
+* ``MetricsUnavailable``: Prometheus cannot be reached, does not answer in time, or fails (5xx, or
+  any answer but an error about the query or a Prometheus API result);
 * ``InvalidQuery``: Prometheus refused the query (its own error text is in the message);
 * ``NotOneSeries``: the query returned several series instead of one total;
 * ``NoData``: the query returned nothing (or NaN): a missing metric, never to be read as zero.
@@ -15,11 +16,9 @@ same query cost one request, even when they ask concurrently.
 
 from __future__ import annotations
 
-import ast
 import asyncio
-import json
 import math
-import re
+from collections.abc import Iterator
 from typing import Any
 
 import requests
@@ -62,46 +61,62 @@ class NoData(PrometheusError):
     """The query returned no series, or NaN: the metric is missing, which is not zero."""
 
 
-_STATUS = re.compile(r"^HTTP Status Code (\d+) \((.*)\)$", re.DOTALL)
-_ERRNO = re.compile(r"\[Errno -?\d+\] ([^'\")\]]+)")
-
-
 def _one_line(text: str, limit: int = 300) -> str:
     line = " ".join(text.split())
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-def _http_error(error: PrometheusApiClientException) -> tuple[int | None, str]:
-    """The status code and Prometheus' own error text from the client's exception.
+class _ErrorAnswer(Exception):
+    """Prometheus answered with a 4xx or 5xx status: the answer itself, status code and body."""
 
-    The client formats non-200 answers as ``HTTP Status Code 400 (b'{"status":"error",...}')``.
-    """
-    match = _STATUS.match(str(error))
-    if not match:
-        return None, _one_line(str(error))
-    status, body = int(match.group(1)), match.group(2)
+    def __init__(self, response: requests.Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+def _raise_on_error_status(response: requests.Response, *args: Any, **kwargs: Any) -> None:
+    """A session response hook: an error answer raises _ErrorAnswer, with the response, before the client
+    turns it into an exception that carries only text."""
+    if response.status_code >= 400:
+        raise _ErrorAnswer(response)
+
+
+def _error_text(response: requests.Response) -> str:
+    """Prometheus' own error (``errorType: error``) from an error answer, else its body, in one line."""
     try:
-        raw = ast.literal_eval(body)
-        text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
-    except (ValueError, SyntaxError):
-        text = body
-    try:
-        document = json.loads(text)
+        document = response.json()
     except ValueError:
-        return status, _one_line(text)
+        return _one_line(response.text)
     if isinstance(document, dict) and document.get("error"):
         kind = document.get("errorType")
         message = str(document["error"])
-        return status, _one_line(f"{kind}: {message}" if kind else message)
-    return status, _one_line(text)
+        return _one_line(f"{kind}: {message}" if kind else message)
+    return _one_line(response.text)
+
+
+def _causes(error: BaseException) -> Iterator[BaseException]:
+    """`error` and what it wraps: its cause and context, and urllib3's `reason` for giving up."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [error]
+    while todo:
+        current = todo.pop(0)
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        reason = getattr(current, "reason", None)
+        wrapped = [a for a in current.args if isinstance(a, BaseException)]
+        todo += [e for e in (reason, current.__cause__, current.__context__) if isinstance(e, BaseException)]
+        todo += wrapped
 
 
 def _connection_reason(error: requests.RequestException) -> str:
+    """Why a request got no answer, as the operating system said it (``connection refused``)."""
     if isinstance(error, requests.Timeout):
         return "timed out"
-    match = _ERRNO.search(str(error))
-    if match:
-        return match.group(1).strip().lower()
+    for cause in _causes(error):
+        if isinstance(cause, OSError) and cause.strerror:
+            return cause.strerror.strip().lower()
     return _one_line(f"{type(error).__name__}: {error}", 200)
 
 
@@ -136,12 +151,16 @@ class PrometheusSource:
     def __init__(self, url: str, *, timeout_s: float = 2.0) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
+        # The client reports an error answer only as text; this session's hook raises it with its response.
+        session = requests.Session()
+        session.hooks["response"].append(_raise_on_error_status)
         # No retries: a tick is seconds long; an unreachable Prometheus must be reported, not waited on.
         # The client annotates timeout as int; it hands it to requests, which takes seconds as a float.
         self._client = PrometheusConnect(
             url=self.url,
             retry=Retry(total=0, status_forcelist=(), raise_on_status=False),
             timeout=timeout_s,  # type: ignore[arg-type]
+            session=session,
         )
 
     def __repr__(self) -> str:
@@ -150,12 +169,16 @@ class PrometheusSource:
     def _query(self, promql: str) -> Any:
         try:
             return self._client.custom_query(promql)
-        except PrometheusApiClientException as e:
-            status, text = _http_error(e)
+        except _ErrorAnswer as e:
+            status, text = e.response.status_code, _error_text(e.response)
             if status in (400, 422):
                 raise InvalidQuery(f"prometheus refused the query: {text}") from None
-            where = f"HTTP {status}" if status is not None else "error"
-            raise MetricsUnavailable(f"prometheus at {self.url} unreachable: {where}: {text}") from None
+            raise MetricsUnavailable(f"prometheus at {self.url} unreachable: HTTP {status}: {text}") from None
+        except PrometheusApiClientException:
+            # Any other answer than 200 that is no error (a 204, a redirect not followed).
+            raise MetricsUnavailable(
+                f"prometheus at {self.url} unreachable: not a Prometheus API answer"
+            ) from None
         except (requests.JSONDecodeError, KeyError, TypeError) as e:  # a 200 that is not Prometheus' JSON
             detail = _one_line(f"{type(e).__name__}: {e}", 120)
             raise MetricsUnavailable(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 import urllib.request
@@ -244,6 +245,68 @@ async def test_server_error_is_unavailable() -> None:
         finally:
             src.close()
     assert str(caught.value) == f"prometheus at {url} unreachable: HTTP 503: unavailable: TSDB not ready"
+
+
+def _prometheus_error(status: int, kind: str, error: str) -> Response:
+    body = json.dumps({"status": "error", "errorType": kind, "error": error}).encode()
+    return status, "application/json", body
+
+
+@pytest.mark.parametrize(
+    ("answer", "error", "message"),
+    [
+        (
+            _prometheus_error(400, "bad_data", 'invalid parameter "query": 1:5: parse error'),
+            InvalidQuery,
+            'prometheus refused the query: bad_data: invalid parameter "query": 1:5: parse error',
+        ),
+        (
+            _prometheus_error(422, "execution", "query processing would load too many samples"),
+            InvalidQuery,
+            "prometheus refused the query: execution: query processing would load too many samples",
+        ),
+        (
+            _prometheus_error(503, "unavailable", "TSDB not ready"),
+            MetricsUnavailable,
+            "prometheus at {url} unreachable: HTTP 503: unavailable: TSDB not ready",
+        ),
+        (
+            (404, "text/plain", b"404 page not found\n"),
+            MetricsUnavailable,
+            "prometheus at {url} unreachable: HTTP 404: 404 page not found",
+        ),
+        (
+            (502, "text/html", b"<html>\n<body>Bad Gateway</body>\n</html>"),
+            MetricsUnavailable,
+            "prometheus at {url} unreachable: HTTP 502: <html> <body>Bad Gateway</body> </html>",
+        ),
+        (
+            (204, "text/plain", b""),
+            MetricsUnavailable,
+            "prometheus at {url} unreachable: not a Prometheus API answer",
+        ),
+        (
+            (200, "text/html", b"<html>a login page</html>"),
+            MetricsUnavailable,
+            "prometheus at {url} unreachable: not a Prometheus API answer (JSONDecodeError: ",
+        ),
+    ],
+    ids=["400", "422", "503", "404-text", "502-html", "204", "200-not-json"],
+)
+async def test_each_status_code_says_what_went_wrong(
+    answer: Response, error: type[PrometheusError], message: str
+) -> None:
+    with StubServer(lambda: answer) as server:
+        url = server.url
+        src = PrometheusSource(url, timeout_s=2.0)
+        try:
+            with pytest.raises(error) as caught:
+                await src.query_total("sum(x)")
+        finally:
+            src.close()
+    assert type(caught.value) is error
+    assert str(caught.value).startswith(message.format(url=url)), str(caught.value)
+    assert "\n" not in str(caught.value)
 
 
 # --- TickCache ------------------------------------------------------------------------------------
