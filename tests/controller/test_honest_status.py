@@ -296,7 +296,7 @@ async def test_a_quota_that_refuses_the_workers_is_a_condition_and_one_event_unt
     # Retried with backoff (1 s, 2 s, 4 s, ...), with one Event per service, not one per attempt.
     reconciler = h.controller().dgd_reconciler
     owner = (f"{h.namespace}/vllm-disagg", "VllmDecodeWorker")
-    await eventually(lambda: _attempts(reconciler.refusals, owner, 3), within=20)
+    await eventually(lambda: _attempts(reconciler.refusals.current, owner, 3), within=20)
     events = await h.events("PodCreateRejected")
     assert sorted(e["message"].split(":")[0] for e in events) == [
         "service VllmDecodeWorker",
@@ -311,7 +311,7 @@ async def test_a_quota_that_refuses_the_workers_is_a_condition_and_one_event_unt
     dgd = await eventually(lambda: _dgd_ready(h, "vllm-disagg"), within=90)
     assert _condition(dgd, "Degraded")["status"] == "False"
     assert await _counts(h, "vllm-disagg") == {"Frontend": 1, "VllmDecodeWorker": 2, "VllmPrefillWorker": 1}
-    assert not reconciler.refusals
+    assert not reconciler.refusals.current
     _no_traceback(caplog)
 
 

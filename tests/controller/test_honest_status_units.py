@@ -4,14 +4,15 @@ apiserver answers count as refusals, and how outcomes fold into the DGD's condit
 from __future__ import annotations
 
 import time
-from typing import Any, cast
+from typing import Any
 
 import pytest
 
 from dynamo_snapshot.api import conditions as cond
 from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment, ServiceSpec
-from dynamo_snapshot.controller.dgd_reconciler import DGDReconciler, Refusal, ServiceOutcome, refused
+from dynamo_snapshot.controller.dgd_status import ServiceOutcome, dgd_status
 from dynamo_snapshot.controller.podspec import cold_start_pod, unsupported
+from dynamo_snapshot.controller.refusals import Refusal, refused
 from dynamo_snapshot.kube import ApiError, Obj
 from tests.api.examples import MANIFEST_DIR, load_manifest
 
@@ -118,8 +119,7 @@ def test_a_connection_error_is_not_a_refusal() -> None:
 
 
 def _fold(outcomes: dict[str, ServiceOutcome]) -> dict[str, Any]:
-    reconciler = DGDReconciler(cast(Any, None))  # _status reads only its arguments
-    return reconciler._status({}, outcomes, 3)
+    return dgd_status({}, outcomes, 3)
 
 
 def _cond(status: dict[str, Any], type_: str) -> dict[str, Any]:
