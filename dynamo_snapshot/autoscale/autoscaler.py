@@ -183,7 +183,7 @@ class Autoscaler:
         pods = [p for p in pods_of(self.pods, ns, target.dgd_name, target.service_name) if pod_active(p)]
         ready = sum(1 for p in pods if pod_ready(p))
         wall = time.time()
-        ages = tuple(wall - _created(p) for p in pods)
+        ages = tuple(wall - _created_at(p) for p in pods)
         samples, problems = await self._sample(spec, cache)
         decision = engine.decide(
             Observation(
@@ -390,7 +390,7 @@ def _params(spec: DynamoScalingPolicySpec) -> PolicyParams:
     )
 
 
-def _created(pod: Obj) -> float:
+def _created_at(pod: Obj) -> float:
     stamp = pod["metadata"].get("creationTimestamp")
     if not stamp:
         return time.time()

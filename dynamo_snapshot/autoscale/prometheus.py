@@ -202,7 +202,7 @@ class PrometheusSource:
         self._client.close()
 
 
-def _retrieve(task: asyncio.Task[float]) -> None:
+def _mark_retrieved(task: asyncio.Task[float]) -> None:
     # A shared query's failure is reported to whoever awaits it; this only silences asyncio's
     # "exception was never retrieved" when every waiter was cancelled first.
     if not task.cancelled():
@@ -229,7 +229,7 @@ class TickCache:
         task = self._entries.get(key)
         if task is None:
             task = asyncio.ensure_future(source.query_total(promql))
-            task.add_done_callback(_retrieve)
+            task.add_done_callback(_mark_retrieved)
             self._entries[key] = task
             self.requests += 1
         else:

@@ -97,7 +97,7 @@ def register(sub: Any) -> None:
         "--leader-elect",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help=f"hold a Lease so only one replica acts (default {_on(_default('leader_elect'))})",
+        help=f"hold a Lease so only one replica acts (default {_on_off(_default('leader_elect'))})",
     )
     p.add_argument("--lease-name", help=f"Lease name (default {_default('lease_name')})")
     p.add_argument("--lease-namespace", help=f"Lease namespace (default: {_default('lease_namespace')})")
@@ -132,7 +132,7 @@ def register(sub: Any) -> None:
         "--autoscale",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help=f"run the DynamoScalingPolicy autoscaler (default {_on(_default('autoscale'))})",
+        help=f"run the DynamoScalingPolicy autoscaler (default {_on_off(_default('autoscale'))})",
     )
     p.add_argument(
         "--prometheus-url", help=f"Prometheus for policies that name none ({_default('prometheus_url')})"
@@ -146,7 +146,7 @@ def register(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
-def _on(flag: bool) -> str:
+def _on_off(flag: bool) -> str:
     return "on" if flag else "off"
 
 

@@ -310,7 +310,7 @@ class Failover:
     def _lapsed(self, backoff: CrashBackoff, now: float) -> bool:
         return now >= backoff.until and now - backoff.last >= self.settings.crash_backoff_reset_seconds
 
-    def _held(self, owner: tuple[str, str], now: float) -> int:
+    def _held_by_backoff(self, owner: tuple[str, str], now: float) -> int:
         """Losses whose replacement waits for the service's crash-loop backoff now."""
         backoff = self.backoffs.get(owner)
         if backoff is None or now >= backoff.until:
@@ -341,7 +341,7 @@ class Failover:
             bucket = self.services[owner] = TokenBucket(self.service_rate, self.service_burst)
         now = time.monotonic()  # not before the bucket's stamp: it would count negative time
         paced = min(missing, losses)
-        held = min(paced, self._held(owner, now))
+        held = min(paced, self._held_by_backoff(owner, now))
         if held:
             self._wake(owner, self.backoffs[owner].until - now)
         payable = paced - held
@@ -365,7 +365,7 @@ class Failover:
         """Replacements still owed, and wanted now, to services that go before `owner`."""
         mine = self._rank(owner)
         return sum(
-            len(lost) - self._held(o, now)
+            len(lost) - self._held_by_backoff(o, now)
             for o, lost in self.pending.items()
             if o != owner and lost and o not in self.waiting and self._rank(o) < mine
         )
@@ -432,7 +432,7 @@ class Failover:
         if not lost:
             return
         now = time.monotonic()
-        holding = self._held(owner, now) > 0
+        holding = self._held_by_backoff(owner, now) > 0
         oldest = sorted(lost.items(), key=lambda kv: (holding and kv[1].young, kv[1].seen))
         for (name, loss), new_pod in zip(oldest, new_pods, strict=False):
             OBSERVED_TO_CREATED.observe(now - loss.seen)
@@ -465,7 +465,7 @@ class Failover:
                 f"service {owner[1]}: recovering from lost workers "
                 f"({lost} not yet replaced, {starting} replacement(s) not Ready yet)"
             )
-            held = self._held(owner, time.monotonic())
+            held = self._held_by_backoff(owner, time.monotonic())
             if held:
                 backoff = self.backoffs[owner]
                 why += (
@@ -481,14 +481,14 @@ class Failover:
         for state in _SHOWN:
             if state in said:
                 return state
-        return CRASH_LOOP_BACKOFF if self._held(owner, time.monotonic()) else None
+        return CRASH_LOOP_BACKOFF if self._held_by_backoff(owner, time.monotonic()) else None
 
     def replacing(self, owner: tuple[str, str]) -> str:
         """How a WorkerLost event ends: what happens next about the loss."""
         if owner in self.waiting:
             return "its replacement waits for the service's checkpoint"
         backoff = self.backoffs.get(owner)
-        if self._held(owner, time.monotonic()) and backoff is not None:
+        if self._held_by_backoff(owner, time.monotonic()) and backoff is not None:
             return f"its replacement waits for the crash-loop backoff, until {backoff.until_wall}"
         return "replacing it"
 

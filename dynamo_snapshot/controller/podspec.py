@@ -149,7 +149,7 @@ def worker_pod_spec(dgd: DynamoGraphDeployment, service_name: str, *, snapshot_c
     return spec
 
 
-def _name(dgd: DynamoGraphDeployment) -> str:
+def _dgd_name(dgd: DynamoGraphDeployment) -> str:
     # Objects read from the apiserver always have a name; the model allows None only for manifests.
     return dgd.metadata.name or ""
 
@@ -159,7 +159,7 @@ def _base_labels(dgd: DynamoGraphDeployment, service_name: str) -> dict[str, str
         **(dgd.spec.labels or {}),
         **((dgd.spec.services or {})[service_name].labels or {}),
         protocol.LABEL_MANAGED_BY: protocol.MANAGED_BY_VALUE,
-        protocol.LABEL_GRAPH: _name(dgd),
+        protocol.LABEL_GRAPH: _dgd_name(dgd),
         protocol.LABEL_SERVICE: service_name,
     }
 
@@ -180,7 +180,7 @@ def cold_start_pod(
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
-            "name": name or new_pod_name(_name(dgd), service_name),
+            "name": name or new_pod_name(_dgd_name(dgd), service_name),
             "namespace": dgd.metadata.namespace,
             "labels": labels,
             "annotations": annotations,

@@ -69,6 +69,15 @@ async def test_the_reconcilers_read_the_loaded_config_itself(kube: Kube) -> None
     assert controller.ctx.settings.restore_pending_timeout_seconds == 7.5
 
 
+async def test_the_autoscaler_is_wired_in_only_when_configured(kube: Kube) -> None:
+    def kinds(config: controller_cmd.ControllerCommandConfig) -> list[str]:
+        return [inf.kind.kind for inf in build_controller(kube, config).informers]
+
+    # Its policies' cache counts in readiness (caches synced) like the reconcilers' own.
+    assert "DynamoScalingPolicy" in kinds(_settings("--no-leader-elect"))
+    assert "DynamoScalingPolicy" not in kinds(_settings("--no-leader-elect", "--no-autoscale"))
+
+
 def test_no_flag_given_means_the_model_defaults() -> None:
     assert _settings() == controller_cmd.ControllerCommandConfig()
     fields = controller_cmd.ControllerCommandConfig.model_fields
