@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 
 DGD_KEY, CHECKPOINT_KEY = "DynamoGraphDeployment", "DynamoCheckpoint"
 QueueKey = tuple[str, str]
-# Work that runs only while this replica leads: started once the caches are synced, returns when `stop`
-# is set, cancelled when leadership is lost.
+# Work that runs only while this replica leads, given the process's `stop`: started once the caches are
+# synced, cancelled when `stop` is set or leadership is lost.
 LeaderTask = Callable[[asyncio.Event], Coroutine[object, object, None]]
 
 

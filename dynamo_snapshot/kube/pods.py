@@ -1,5 +1,6 @@
 """Worker pods as the controller and the autoscaler both read them: a graph service's pods from the pod
-cache, and what a pod's status says."""
+cache (by the graph and service labels of ``api.protocol``, as ``kinds`` names the resources), and what a
+pod's status says."""
 
 from __future__ import annotations
 
