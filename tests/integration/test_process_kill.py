@@ -1,0 +1,463 @@
+"""The controller and the node agent as real processes, killed with SIGKILL at the worst moments.
+
+Unlike the in-process "controller killed" tests (a cancelled task still runs its ``finally`` blocks), a
+SIGKILLed process leaves exactly what it had done: half a CRIU dump in the store's staging, some restore
+pods of a scale-up, a lost worker force-deleted but not yet replaced. Each test restarts the killed process
+and waits for convergence, while an ``InvariantWatch`` started before anything else records, as it happens,
+every moment with more worker pods than replicas plus the surge, two DynamoCheckpoints or two artifacts for
+one identity, or a partial artifact visible in the store.
+
+The agent runs in its kwok mode (``--runtime runc --launch-workloads``, as ``dynamo-snapshot demo --kwok``
+runs it): the kwok node's pods become runc containers of the CPU reference worker
+(examples/reference_worker/cpu_worker.py, which also runs cold), checkpointed and restored by the real CRIU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import pytest
+import yaml
+from kubernetes_asyncio import client
+
+from dynamo_snapshot.agent.watcher import workload_key
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.identity import compute_identity_hash
+from dynamo_snapshot.kube import EVENT, POD, ApiError, Kube, Obj
+from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD
+from dynamo_snapshot.localcluster import LocalCluster
+from tests.helpers.cli import CLI
+from tests.helpers.invariants import InvariantWatch, holds_a_replica, leftover_staging, worker_owner
+
+pytestmark = [pytest.mark.cluster, pytest.mark.criu]
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = REPO / "examples" / "reference_worker" / "cpu_worker.py"
+GRAPH, SERVICE = "killed", "VllmWorker"
+IDENTITY = {"model": "cpu-reference", "backendFramework": "vllm"}
+HASH = compute_identity_hash(IDENTITY)
+RESTORE_STATUS = protocol.per_container(protocol.ANNOTATION_RESTORE_STATUS, "main")
+CHECKPOINT_STATUS = protocol.per_container(protocol.ANNOTATION_CHECKPOINT_STATUS, "main")
+
+
+@dataclass
+class Service:
+    """One ``dynamo-snapshot`` command as its own process: ``pid`` is the Python interpreter itself."""
+
+    name: str
+    args: list[str]
+    env: dict[str, str]
+    log_path: Path
+    popen: subprocess.Popen[bytes] | None = None
+    _log: TextIO | None = None
+    starts: int = 0
+
+    def start(self) -> None:
+        assert self.popen is None or self.popen.poll() is not None, f"{self.name} already runs"
+        if self._log is not None:
+            self._log.close()
+        self._log = self.log_path.open("a")
+        self._log.write(f"----- start {self.starts + 1}\n")
+        self._log.flush()
+        self.popen = subprocess.Popen([*CLI, *self.args], env=self.env, stdout=self._log, stderr=self._log)
+        self.starts += 1
+
+    def kill(self) -> None:
+        """SIGKILL: no finally, no atexit, no lease release, no report; children (runc, CRIU) live on."""
+        assert self.popen is not None
+        assert self.popen.poll() is None, f"{self.name} is not running: {self.tail()}"
+        os.kill(self.popen.pid, signal.SIGKILL)
+        self.popen.wait()
+        assert self.popen.returncode == -signal.SIGKILL
+
+    def stop(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def tail(self, lines: int = 30) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+
+@dataclass
+class Rig:
+    kube: Kube
+    namespace: str
+    cluster: LocalCluster
+    controller: Service
+    agent: Service
+    store: Path
+    scratch: Path
+    runc_root: Path
+    marker: str
+    watch: InvariantWatch
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def graph(self, replicas: int, state_mib: int) -> Obj:
+        env = {
+            "PYTHONPATH": str(REPO),
+            "WORKER_WEIGHTS_MIB": str(state_mib),
+            "WORKER_COMPILE_ROUNDS": "20000",
+            # Lets teardown find every worker process this test started, restored ones included.
+            "DYNSNAP_KILL_TEST": self.marker,
+        }
+        return {
+            "apiVersion": f"{protocol.API_GROUP}/{protocol.API_VERSION}",
+            "kind": "DynamoGraphDeployment",
+            "metadata": {"name": GRAPH},
+            "spec": {
+                "backendFramework": "vllm",
+                "services": {
+                    SERVICE: {
+                        "componentType": "worker",
+                        "replicas": replicas,
+                        "resources": {"limits": {"gpu": "1"}},
+                        "extraPodSpec": {
+                            "mainContainer": {
+                                "image": "local/cpu-worker:test",
+                                "command": [sys.executable, str(WORKER)],
+                                "env": [{"name": k, "value": v} for k, v in env.items()],
+                            }
+                        },
+                        "checkpoint": {"enabled": True, "mode": "Auto", "identity": IDENTITY},
+                    }
+                },
+            },
+        }
+
+    async def create_graph(self, replicas: int, state_mib: int = 16) -> None:
+        self.watch.allow(GRAPH, SERVICE, replicas)
+        await self.kube.create(DGD, self.graph(replicas, state_mib), self.namespace)
+
+    async def scale(self, replicas: int) -> None:
+        self.watch.allow(GRAPH, SERVICE, max(replicas, self.watch.allowed.get((GRAPH, SERVICE), 0)))
+        await self.kube.merge_patch(
+            DGD, GRAPH, {"spec": {"services": {SERVICE: {"replicas": replicas}}}}, self.namespace
+        )
+
+    async def workers(self) -> list[Obj]:
+        pods, _ = await self.kube.list_all(POD, self.namespace)
+        return [p for p in pods if worker_owner(p) is not None and holds_a_replica(p)]
+
+    async def story(self) -> str:
+        """The namespace's Events, oldest first: what a failed assertion should be read with."""
+        events, _ = await self.kube.list_all(EVENT, self.namespace)
+        events.sort(key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+        return "\n".join(
+            f"{e.get('reason')}: {e['involvedObject'].get('name')}: {e.get('message')}" for e in events
+        )
+
+    async def checkpoint(self) -> Obj | None:
+        items, _ = await self.kube.list_all(CHECKPOINT, self.namespace)
+        return items[0] if items else None
+
+    async def until(self, what: str, check: Callable[[], Awaitable[Any]], within: float) -> Any:
+        """Poll ``check`` for progress only (never for an invariant: those are the watch's)."""
+        deadline = time.monotonic() + within
+        last: Any = None
+        while time.monotonic() < deadline:
+            for svc in (self.controller, self.agent):
+                assert svc.alive(), f"{svc.name} exited while waiting for {what}:\n{svc.tail()}"
+            last = await check()
+            if last:
+                return last
+            await asyncio.sleep(0.2)
+        raise AssertionError(
+            f"{what}: not within {within:.0f}s (last {last!r})\n--- controller\n{self.controller.tail()}"
+            f"\n--- agent\n{self.agent.tail()}"
+        )
+
+    async def checkpoint_phase(self, *phases: str) -> Obj | None:
+        ckpt = await self.checkpoint()
+        return ckpt if ckpt is not None and (ckpt.get("status") or {}).get("phase") in phases else None
+
+    async def converged(self, replicas: int) -> list[Obj] | None:
+        """``replicas`` worker pods, each running a worker: a cold start the agent launched, or a restore
+        it reported completed (restore pods not yet restored, or being replaced, are not there yet)."""
+        pods = await self.workers()
+        if len(pods) != replicas:
+            return None
+        for pod in pods:
+            labels = pod["metadata"].get("labels") or {}
+            ann = pod["metadata"].get("annotations") or {}
+            if labels.get(protocol.LABEL_RESTORE_TARGET) == protocol.TRUE:
+                if ann.get(RESTORE_STATUS) != "completed":
+                    return None
+            elif (pod.get("status") or {}).get("phase") != "Running" or not await self.container_pid(pod):
+                return None
+        return pods
+
+    async def container_pid(self, pod: Obj) -> int | None:
+        """The pid (on this host) of the runc container the agent runs for ``pod``."""
+        proc = await asyncio.create_subprocess_exec(
+            "runc",
+            "--root",
+            str(self.runc_root),
+            "state",
+            workload_key(pod),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        out, _ = await proc.communicate()
+        if proc.returncode != 0:
+            return None
+        state = json.loads(out)
+        return int(state["pid"]) if state.get("status") == "running" else None
+
+    async def settled(self, replicas: int, quiet: float = 3.0) -> list[Obj]:
+        """Converged, and still so ``quiet`` seconds later: no late duplicate, no late deletion."""
+        await self.until(f"{replicas} workers", lambda: self.converged(replicas), 90)
+        await asyncio.sleep(quiet)
+        pods = await self.until(f"{replicas} workers, still", lambda: self.converged(replicas), 30)
+        dgd_uid = (await self.kube.get(DGD, GRAPH, self.namespace))["metadata"]["uid"]
+        for pod in pods:
+            assert [r["uid"] for r in pod["metadata"].get("ownerReferences") or []] == [dgd_uid]
+        return list(pods)
+
+    async def ready_checkpoint(self) -> Obj:
+        ckpt: Obj = await self.until(
+            "the checkpoint to be Ready", lambda: self.checkpoint_phase("Ready", "Failed"), 90
+        )
+        assert ckpt["status"]["phase"] == "Ready", ckpt.get("status")
+        return ckpt
+
+
+def _kill_marked(marker: str) -> None:
+    """SIGKILL every process whose environment carries ``marker``: the workers, restored or not."""
+    needle = f"DYNSNAP_KILL_TEST={marker}".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if needle in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                os.kill(int(entry), signal.SIGKILL)
+
+
+def _remove_containers(runc_root: Path) -> None:
+    listing = subprocess.run(
+        ["runc", "--root", str(runc_root), "list", "-q"], capture_output=True, text=True, check=False
+    )
+    for name in listing.stdout.split():
+        subprocess.run(
+            ["runc", "--root", str(runc_root), "delete", "-f", name], capture_output=True, check=False
+        )
+
+
+@pytest.fixture
+async def rig(
+    api: client.ApiClient,
+    cluster: LocalCluster,
+    namespace: str,
+    crds: list[str],
+    gpu_node: Callable[..., dict[str, Any]],
+    criu_bin: Path,
+    tmp_path: Path,
+) -> AsyncIterator[Rig]:
+    node = gpu_node(gpus=16)["metadata"]["name"]
+    store, scratch, base = tmp_path / "artifacts", tmp_path / "scratch", tmp_path / "node"
+    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "PYTHONPATH": str(REPO)}
+    agent_config = tmp_path / "agent.yaml"
+    # The containers see this interpreter, its virtualenv and the checkout, read-only.
+    binds = ["/usr", "/etc", "/opt", sys.prefix, sys.base_prefix, str(REPO)]
+    agent_config.write_text(yaml.safe_dump({"hostBinds": binds}))
+    agent = Service(
+        "agent",
+        [
+            "agent",
+            "--config",
+            str(agent_config),
+            "--node-name",
+            node,
+            "--artifact-root",
+            str(store),
+            "--control-root",
+            str(base / "control"),
+            "--state-root",
+            str(base / "state"),
+            "--restore-scratch",
+            str(scratch),
+            "--runtime",
+            "runc",
+            "--launch-workloads",
+            "--ready-timeout-seconds",
+            "60",
+            "--metrics-port",
+            "0",
+            "--health-port",
+            "0",
+            "--criu",
+            str(criu_bin),
+        ],
+        env,
+        tmp_path / "agent.log",
+    )
+    controller = Service(
+        "controller",
+        [
+            "controller",
+            "--namespace",
+            namespace,
+            "--no-leader-elect",
+            "--resync-seconds",
+            "5",
+            "--no-autoscale",
+            "--metrics-port",
+            "0",
+            "--health-port",
+            "0",
+        ],
+        env,
+        tmp_path / "controller.log",
+    )
+    kube = Kube(api, field_manager="process-kill-test")
+    watch = await InvariantWatch(kube, namespace, store_root=store).start()
+    marker = uuid.uuid4().hex
+    r = Rig(
+        kube, namespace, cluster, controller, agent, store, scratch, base / "state" / "runc", marker, watch
+    )
+    try:
+        yield r
+    finally:
+        await watch.stop()
+        controller.stop()
+        agent.stop()
+        await asyncio.to_thread(_kill_marked, marker)
+        await asyncio.to_thread(_remove_containers, r.runc_root)
+        # Nobody runs the controller's finalizers any more; they would keep the namespace Terminating.
+        for ckpt in (await kube.list_all(CHECKPOINT, namespace))[0]:
+            with contextlib.suppress(ApiError):
+                await kube.merge_patch(
+                    CHECKPOINT, ckpt["metadata"]["name"], {"metadata": {"finalizers": None}}, namespace
+                )
+
+
+def _restore(pod: Obj) -> bool:
+    return (pod["metadata"].get("labels") or {}).get(protocol.LABEL_RESTORE_TARGET) == protocol.TRUE
+
+
+def _dump_in_progress(store: Path) -> bool:
+    """CRIU writes images into a staging directory of the store (``.partial-*/criu``): it has begun."""
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(store):
+            criu = store / name / "criu"
+            if name.startswith(".partial-") and not name.endswith(".lock") and criu.is_dir():
+                with contextlib.suppress(FileNotFoundError):
+                    if any(n.endswith(".img") for n in os.listdir(criu)):
+                        return True
+    return False
+
+
+async def test_agent_killed_mid_checkpoint(rig: Rig) -> None:
+    """SIGKILL the agent while CRIU writes the checkpoint's images into the store's staging: nothing
+    partial is ever visible, the restarted agent removes the staging and fails the checkpoint (nothing was
+    published), and the graph keeps its cold-started replica."""
+    rig.controller.start()
+    rig.agent.start()
+    # Big enough that the dump and the compression of its pages take a few seconds on this machine.
+    await rig.create_graph(replicas=1, state_mib=192)
+    await rig.until(
+        "CRIU to write images into the store", lambda: asyncio.to_thread(_dump_in_progress, rig.store), 90
+    )
+    rig.agent.kill()
+    left = leftover_staging(rig.store)
+    assert left, "the killed agent's staging should still be there: the kill came too late to test anything"
+    rig.agent.start()
+    ckpt: Obj = await rig.until("the checkpoint to end", lambda: rig.checkpoint_phase("Ready", "Failed"), 60)
+    # Publishing is the checkpoint's last step: killed before it, nothing was published and the agent
+    # says so; the cold replica serves meanwhile.
+    assert ckpt["status"]["phase"] == "Failed", ckpt["status"]
+    assert "nothing was published" in json.dumps(ckpt["status"]), ckpt["status"]
+    await rig.settled(1)
+    await rig.until(
+        "the staging to be removed", lambda: asyncio.to_thread(lambda: not leftover_staging(rig.store)), 20
+    )
+    assert not [p for p in rig.store.rglob("manifest.json")], "a failed checkpoint publishes nothing"
+    await rig.watch.stop()
+    rig.watch.assert_clean()
+
+
+async def test_controller_killed_mid_scale_up_by_restore(rig: Rig) -> None:
+    """SIGKILL the controller right after its first restore pod of a scale-up 1 -> 6 exists (it creates
+    them in doubling batches): the restarted controller creates only the missing ones."""
+    rig.controller.start()
+    rig.agent.start()
+    await rig.create_graph(replicas=1)
+    await rig.ready_checkpoint()
+    await rig.settled(1, quiet=0.5)
+
+    first_restore = rig.watch.pod_event(
+        lambda etype, pod: (
+            etype == "ADDED"
+            and (pod["metadata"].get("labels") or {}).get(protocol.LABEL_RESTORE_TARGET) == protocol.TRUE
+        )
+    )
+    await rig.scale(6)
+    await asyncio.wait_for(first_restore, 30)
+    rig.controller.kill()
+    restores = [p for p in await rig.workers() if _restore(p)]
+    rig.notes["restore pods when killed"] = len(restores)
+    assert 0 < len(restores) < 5, f"{len(restores)} of 5 restore pods when the controller died"
+    await asyncio.sleep(1)  # the apiserver and the agent go on without it
+    rig.controller.start()
+    pods = await rig.settled(6)
+    restored = [
+        p for p in pods if p["metadata"]["labels"].get(protocol.LABEL_RESTORE_TARGET) == protocol.TRUE
+    ]
+    assert len(restored) == 5, await rig.story()
+    await rig.watch.stop()
+    rig.watch.assert_clean()
+    assert rig.watch.peak_workers[(GRAPH, SERVICE)] <= 6
+
+
+async def test_controller_killed_mid_failover(rig: Rig) -> None:
+    """Two restored workers' processes die; SIGKILL the controller the moment it has force-deleted the
+    first lost pod, before its replacement: the restarted controller sees missing replicas and restores
+    them, never more pods than replicas."""
+    rig.controller.start()
+    rig.agent.start()
+    await rig.create_graph(replicas=1)
+    await rig.ready_checkpoint()
+    await rig.scale(3)
+    pods = await rig.settled(3, quiet=0.5)
+    victims = [p for p in pods if p["metadata"]["labels"].get(protocol.LABEL_RESTORE_TARGET) == protocol.TRUE]
+    assert len(victims) == 2
+    names = {p["metadata"]["name"] for p in victims}
+    first_gone = rig.watch.pod_event(
+        lambda etype, pod: (
+            pod["metadata"]["name"] in names
+            and (etype == "DELETED" or bool(pod["metadata"].get("deletionTimestamp")))
+        )
+    )
+    for pod in victims:
+        pid = await rig.container_pid(pod)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+    await asyncio.wait_for(first_gone, 30)
+    rig.controller.kill()
+    rig.notes["workers when killed"] = len(await rig.workers())
+    await asyncio.sleep(1)
+    rig.controller.start()
+    final = await rig.settled(3)
+    assert not names & {p["metadata"]["name"] for p in final}
+    await rig.watch.stop()
+    rig.watch.assert_clean()
