@@ -20,7 +20,7 @@ from pathlib import Path, PurePosixPath
 from pydantic import JsonValue
 
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.artifact import copy_file
+from dynamo_snapshot.fileio import copy_file
 from dynamo_snapshot.workload.weights import OffloadManifest, WeightsFileError, read_header
 
 __all__ = [

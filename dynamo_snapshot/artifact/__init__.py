@@ -26,15 +26,30 @@ A file larger than ``DEFAULT_CHUNK_BYTES`` (64 MiB) is sealed as one SHA-256 per
 (``FileEntry.chunks``), so sealing, verifying and fetching spread even one huge file over
 ``HASH_PARALLEL`` threads; smaller files keep one whole-file ``sha256``.
 
-Large-file helpers (``dynamo_snapshot.artifact.io``): ``copy_file``, ``copy_tree``, ``sha256_file``,
-``hash_files`` (per-chunk digests of ``HashJob``s on one pool) and their ``a``-prefixed async forms,
-reporting ``IoStats``/``TreeStats`` (bytes, seconds, gbps). Verifying and sealing hash big files in a
-helper process (``dynamo_snapshot.artifact.isolated``; ``warm_up_hashing`` starts one ahead of time).
+Large-file helpers (``dynamo_snapshot.fileio``, re-exported here): ``copy_file``, ``copy_tree``,
+``sha256_file``, ``hash_files`` (per-chunk digests of ``HashJob``s on one pool) and their ``a``-prefixed
+async forms, reporting ``IoStats``/``TreeStats`` (bytes, seconds, gbps). Verifying and sealing hash big
+files in a helper process (``dynamo_snapshot.artifact.isolated``; ``warm_up_hashing`` starts one ahead of
+time).
 """
 
 from dynamo_snapshot.artifact.cache import ArtifactCache
 from dynamo_snapshot.artifact.errors import ArtifactError, ArtifactNotFoundError
-from dynamo_snapshot.artifact.io import (
+from dynamo_snapshot.artifact.isolated import warm_up as warm_up_hashing
+from dynamo_snapshot.artifact.manifest import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    Binding,
+    FileEntry,
+    GpuInfo,
+    Manifest,
+    validate_identity_hash,
+)
+from dynamo_snapshot.artifact.reader import Artifact, verify_files
+from dynamo_snapshot.artifact.store import ArtifactStore, artifact_key, validate_artifact_key
+from dynamo_snapshot.artifact.verified import VerifiedFiles
+from dynamo_snapshot.artifact.writer import ArtifactWriter, PublishResult, fetch
+from dynamo_snapshot.fileio import (
     DEFAULT_CHUNK_BYTES,
     HASH_PARALLEL,
     FileDigests,
@@ -50,20 +65,6 @@ from dynamo_snapshot.artifact.io import (
     hash_files,
     sha256_file,
 )
-from dynamo_snapshot.artifact.isolated import warm_up as warm_up_hashing
-from dynamo_snapshot.artifact.manifest import (
-    FORMAT_VERSION,
-    MANIFEST_NAME,
-    Binding,
-    FileEntry,
-    GpuInfo,
-    Manifest,
-    validate_identity_hash,
-)
-from dynamo_snapshot.artifact.reader import Artifact, verify_files
-from dynamo_snapshot.artifact.store import ArtifactStore, artifact_key, validate_artifact_key
-from dynamo_snapshot.artifact.verified import VerifiedFiles
-from dynamo_snapshot.artifact.writer import ArtifactWriter, PublishResult, fetch
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",

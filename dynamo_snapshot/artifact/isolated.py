@@ -26,7 +26,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from dynamo_snapshot.artifact.io import HASH_PARALLEL, FileDigests, HashJob, hash_files
+from dynamo_snapshot.fileio import HASH_PARALLEL, FileDigests, HashJob, hash_files
 
 __all__ = ["ISOLATE_MIN_BYTES", "hash_files_isolated", "helper_pid", "shutdown", "warm_up"]
 

@@ -39,7 +39,7 @@ from pydantic_core import ErrorDetails
 
 from dynamo_snapshot.api.identity import IDENTITY_HASH_LENGTH, CheckpointIdentity, compute_identity_hash
 from dynamo_snapshot.artifact.errors import ArtifactError
-from dynamo_snapshot.artifact.io import ALIGN, chunk_count
+from dynamo_snapshot.fileio import ALIGN, chunk_count
 
 __all__ = [
     "CHECKPOINT_UID_PATTERN",

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dynamo_snapshot.artifact.errors import ArtifactError, ArtifactNotFoundError
-from dynamo_snapshot.artifact.io import HASH_PARALLEL, FileDigests, HashJob, TreeStats
 from dynamo_snapshot.artifact.isolated import hash_files_isolated
 from dynamo_snapshot.artifact.manifest import (
     MANIFEST_NAME,
@@ -22,6 +21,7 @@ from dynamo_snapshot.artifact.manifest import (
     validate_identity_hash,
 )
 from dynamo_snapshot.artifact.verified import VerifiedFiles
+from dynamo_snapshot.fileio import HASH_PARALLEL, FileDigests, HashJob, TreeStats
 
 __all__ = ["Artifact", "verify_files"]
 

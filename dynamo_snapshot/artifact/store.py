@@ -106,14 +106,6 @@ def _try_lock(fd: int) -> bool:
     return True
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class ArtifactStore:
     """Published artifacts under ``root`` (shared storage or a node-local cache)."""
 

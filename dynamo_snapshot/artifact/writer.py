@@ -25,14 +25,6 @@ from pydantic import JsonValue
 from dynamo_snapshot import __version__
 from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_hash
 from dynamo_snapshot.artifact.errors import ArtifactError
-from dynamo_snapshot.artifact.io import (
-    ALIGN,
-    DEFAULT_CHUNK_BYTES,
-    HASH_PARALLEL,
-    FileDigests,
-    HashJob,
-    TreeStats,
-)
 from dynamo_snapshot.artifact.isolated import hash_files_isolated
 from dynamo_snapshot.artifact.manifest import (
     MANIFEST_NAME,
@@ -45,11 +37,19 @@ from dynamo_snapshot.artifact.manifest import (
 from dynamo_snapshot.artifact.reader import Artifact, check_sizes, hash_entries
 from dynamo_snapshot.artifact.store import (
     ArtifactStore,
-    fsync_dir,
     is_bound_key,
     validate_artifact_key,
 )
 from dynamo_snapshot.criu.version import CriuVersion
+from dynamo_snapshot.fileio import (
+    ALIGN,
+    DEFAULT_CHUNK_BYTES,
+    HASH_PARALLEL,
+    FileDigests,
+    HashJob,
+    TreeStats,
+    fsync_dir,
+)
 
 __all__ = ["ArtifactWriter", "PublishResult", "fetch"]
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TypeVar
 
-from dynamo_snapshot.artifact.io import chunk_count, pwrite_all, usable_cpus
+from dynamo_snapshot.fileio import chunk_count, pwrite_all, usable_cpus
 
 __all__ = [
     "CHUNK_BYTES",

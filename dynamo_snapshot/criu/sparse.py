@@ -223,6 +223,23 @@ def _head(pages_id: int) -> bytes:
     return bytes(out)
 
 
+def _read_pagemap(pagemap: Path) -> tuple[int, list[tuple[int, int, int]]]:
+    """(pages id, [(vaddr, pages, flags)]) of a pagemap image whose entries are all present pages."""
+    head, *raw_entries = _read_entries(pagemap, _PAGEMAP_MAGIC)
+    pages_id = _ints(head).get(1)
+    if pages_id is None:
+        raise ImageFormatError(f"{pagemap.name}: no pages id")
+    entries = []
+    for raw in raw_entries:
+        v = _ints(raw)
+        # PE_LAZY only says the pages could be served lazily; a plain restore reads them as any other.
+        flags = v.get(4, 0)
+        if v.get(3) or not flags & _PE_PRESENT or flags & ~(_PE_PRESENT | _PE_LAZY):
+            raise ImageFormatError(f"{pagemap.name}: entries other than present pages ({flags:#x})")
+        entries.append((v[1], v[2], flags))
+    return pages_id, entries
+
+
 def _sparsify_process(
     images: Path,
     pid: int,
@@ -236,18 +253,7 @@ def _sparsify_process(
     the pagemap is the one step that switches the process over, so a failure at any point leaves
     either the old images or the new ones, never a mix."""
     pagemap = images / f"pagemap-{pid}.img"
-    head, *raw_entries = _read_entries(pagemap, _PAGEMAP_MAGIC)
-    pages_id = _ints(head).get(1)
-    if pages_id is None:
-        raise ImageFormatError(f"{pagemap.name}: no pages id")
-    entries = []
-    for raw in raw_entries:
-        v = _ints(raw)
-        # PE_LAZY only says the pages could be served lazily; a plain restore reads them as any other.
-        flags = v.get(4, 0)
-        if v.get(3) or not flags & _PE_PRESENT or flags & ~(_PE_PRESENT | _PE_LAZY):
-            raise ImageFormatError(f"{pagemap.name}: entries other than present pages ({flags:#x})")
-        entries.append((v[1], v[2], flags))
+    pages_id, entries = _read_pagemap(pagemap)
     pages = images / f"pages-{pages_id}.img"
     if pages.stat().st_size != PAGE * sum(n for _, n, _ in entries):
         raise ImageFormatError(f"{pages.name}: size does not match {pagemap.name}")

@@ -20,7 +20,7 @@ from dynamo_snapshot.artifact import (
     hash_files,
     verify_files,
 )
-from dynamo_snapshot.artifact import io as io_module
+from dynamo_snapshot.fileio import hashing as io_module
 
 from .helpers import HASH, as_format, publish, read_manifest, refuse_direct_reads, stage, write_manifest
 

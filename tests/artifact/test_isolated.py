@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from dynamo_snapshot.agent.runtime.base import pid_running
-from dynamo_snapshot.artifact import io, isolated
-from dynamo_snapshot.artifact.io import HashJob, hash_files
+from dynamo_snapshot.artifact import isolated
+from dynamo_snapshot.fileio import HashJob, hash_files
+from dynamo_snapshot.fileio import hashing as io
 
 
 def _file(path: Path, nbytes: int) -> Path:

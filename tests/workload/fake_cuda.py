@@ -285,7 +285,7 @@ class FakeDriver:
 
 
 class FakeEngine:
-    """A TransferEngine over FakeDriver memory: what _TorchEngine does with CUDA copies, with slicing."""
+    """A TransferEngine over FakeDriver memory: what TorchEngine does with CUDA copies, with slicing."""
 
     instances: ClassVar[list[FakeEngine]] = []
 

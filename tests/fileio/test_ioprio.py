@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from dynamo_snapshot.artifact.io import HashJob, hash_files
-from dynamo_snapshot.artifact.ioprio import BEST_EFFORT_DEFAULT, IDLE, get_thread_ioprio, set_thread_ioprio
+from dynamo_snapshot.fileio import HashJob, hash_files
+from dynamo_snapshot.fileio.ioprio import BEST_EFFORT_DEFAULT, IDLE, get_thread_ioprio, set_thread_ioprio
 
 linux = pytest.mark.skipif(
     platform.system() != "Linux" or platform.machine() not in ("x86_64", "aarch64"), reason="ioprio_set(2)"

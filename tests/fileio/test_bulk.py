@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dynamo_snapshot.artifact.io import acopy_tree, asha256_file, copy_file, copy_tree, sha256_file
-
-from .helpers import refuse_direct_reads
+from dynamo_snapshot.fileio import acopy_tree, asha256_file, copy_file, copy_tree, sha256_file
+from tests.artifact.helpers import refuse_direct_reads
 
 MIB = 1 << 20
 SMALL_BLOCK = 64 * 1024

@@ -1,0 +1,57 @@
+"""Making writes durable: a file replaced whole or not at all, and the directory entries that name it
+flushed to disk (an fsync of a file does not persist a rename or a create in its directory)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TypeVar
+
+__all__ = ["fsync_dir", "fsync_dirs", "write_atomic", "write_replacing"]
+
+T = TypeVar("T")
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush the directory ``path`` (its entries: creates, renames, unlinks) to disk."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dirs(dirs: Iterable[Path]) -> None:
+    for d in dirs:
+        fsync_dir(d)
+
+
+def write_replacing(path: Path, write: Callable[[Path], T]) -> T:
+    """``write(tmp)`` fills a new file beside ``path``, which then replaces ``path`` in one rename (the
+    directory flushed best-effort: some filesystems refuse that); ``write``'s result. A reader sees the
+    old file or the new one, never a part; a failed ``write`` leaves no temporary file behind."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        result = write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    with contextlib.suppress(OSError):
+        fsync_dir(path.parent)
+    return result
+
+
+def write_atomic(path: Path, data: bytes, *, mode: int = 0o644) -> None:
+    """Replace ``path`` with ``data`` (see ``write_replacing``), on disk when this returns."""
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+
+    write_replacing(path, write)
