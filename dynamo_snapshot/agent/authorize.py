@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from dynamo_snapshot.agent.executor import AgentError
+from dynamo_snapshot.agent.errors import AgentError
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointPhase
 from dynamo_snapshot.api.identity import CheckpointIdentity

@@ -31,6 +31,7 @@ __all__ = [
     "gpu_memory_problem",
     "host_path",
     "place_weights",
+    "weights_features",
 ]
 
 _MIB = 1 << 20
@@ -196,3 +197,18 @@ def gpu_memory_problem(free_mib: list[int], held_mib: int, released_mib: int) ->
 
 def mib(nbytes: int) -> int:
     return -(-nbytes // _MIB)
+
+
+def weights_features(files: list[Path]) -> set[str]:
+    """The artifact features carried weights files need: ``<encoding>-weights`` for each encoding other
+    than plain (split-nibble: ``split-nibble-weights``), so a reader that cannot hand such files to a
+    worker refuses the artifact by that name."""
+    features = set()
+    for path in files:
+        try:
+            header, _ = read_header(path)
+        except (OSError, WeightsFileError) as e:
+            raise WeightsPlacementError(f"weights file {path.name}: {e}") from None
+        if header.encoding is not None:
+            features.add(f"{header.encoding.name}-weights")
+    return features

@@ -14,6 +14,13 @@ checkpoint recorded, so a restore can insist on exactly that one.
 
 Format 3 also binds an artifact made for a Kubernetes checkpoint to it (``Binding``: namespace,
 checkpoint name and UID, source pod); CLI artifacts have no binding.
+
+From format version 4 the manifest lists the optional formats its files use (``features``), each of
+which a reader must know to restore the artifact: ``compressed-pages`` (CRIU pages images stored packed,
+see criu.packed), ``split-nibble-weights`` (carried weights files in that encoding), ``rootfs-diff`` (the
+container's writable layer, applied into the restore container). A reader refuses an artifact that needs
+a feature it does not know, before it reads anything else, naming the feature; a new optional format is
+then a new feature name, not a new format version. The list is part of the sealed content.
 """
 
 from __future__ import annotations
@@ -43,16 +50,21 @@ from dynamo_snapshot.fileio import ALIGN, chunk_count
 
 __all__ = [
     "CHECKPOINT_UID_PATTERN",
+    "FEATURE_COMPRESSED_PAGES",
+    "FEATURE_ROOTFS_DIFF",
+    "FEATURE_SPLIT_NIBBLE_WEIGHTS",
     "FORMAT_VERSION",
     "IDENTITY_HASH_PATTERN",
     "MANIFEST_NAME",
     "NAMESPACE_MAX_LENGTH",
     "NAMESPACE_PATTERN",
+    "SUPPORTED_FEATURES",
     "Binding",
     "FileEntry",
     "GpuInfo",
     "Manifest",
     "canonical_digest",
+    "supported_features",
     "validate_checkpoint_uid",
     "validate_identity_hash",
     "validate_namespace",
@@ -61,9 +73,25 @@ __all__ = [
 
 # 2: a file may be sealed as per-chunk digests (``chunk_bytes``/``chunks``) instead of one ``sha256``.
 # 3: the manifest's own ``digest``, and the ``binding`` to a Kubernetes checkpoint.
-FORMAT_VERSION = 3
+# 4: ``features``, the optional formats a reader must know.
+FORMAT_VERSION = 4
 _FIRST_CHUNKED_VERSION = 2
 _FIRST_SEALED_VERSION = 3
+_FIRST_FEATURES_VERSION = 4
+FEATURE_COMPRESSED_PAGES = "compressed-pages"
+FEATURE_SPLIT_NIBBLE_WEIGHTS = "split-nibble-weights"
+FEATURE_ROOTFS_DIFF = "rootfs-diff"
+# What this version reads (and so may write). Read at call time, so a test can stand for an older reader.
+SUPPORTED_FEATURES: frozenset[str] = frozenset(
+    {FEATURE_COMPRESSED_PAGES, FEATURE_SPLIT_NIBBLE_WEIGHTS, FEATURE_ROOTFS_DIFF}
+)
+# Before format 4 a manifest listed no features, though its writer could already produce these three
+# without saying so; each is taken as needed. Every reader of format 4 reads all three, so such artifacts
+# still restore; a reader that one day drops one of them refuses them rather than misread them.
+_UNLISTED_FEATURES: frozenset[str] = frozenset(
+    {FEATURE_COMPRESSED_PAGES, FEATURE_SPLIT_NIBBLE_WEIGHTS, FEATURE_ROOTFS_DIFF}
+)
+_FEATURE = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
 MANIFEST_NAME = "manifest.json"
 DIGEST_FIELD = "digest"
 IDENTITY_HASH_PATTERN = rf"^[0-9a-f]{{{IDENTITY_HASH_LENGTH}}}$"
@@ -81,6 +109,11 @@ _MAX_PATH = 4096
 StrictNonNegative = Annotated[int, Field(strict=True, ge=0)]
 StrictPositive = Annotated[int, Field(strict=True, ge=1)]
 Sha256Hex = Annotated[str, Field(strict=True, pattern=_SHA256)]
+
+
+def supported_features() -> frozenset[str]:
+    """The features this version reads: ``SUPPORTED_FEATURES`` as it stands now."""
+    return SUPPORTED_FEATURES
 
 
 def validate_identity_hash(value: object) -> str:
@@ -261,6 +294,10 @@ class Manifest(_Model):
     files: list[FileEntry]
     timings: dict[str, float] = Field(default_factory=dict, description="Seconds per phase.")
     extra: dict[str, JsonValue] = Field(default_factory=dict, description="Caller's JSON data.")
+    features: list[str] | None = Field(
+        default=None,
+        description="Optional formats the files use, which a reader must know (format 4; sorted, unique).",
+    )
     digest: Sha256Hex | None = Field(
         default=None, description="SHA-256 of the manifest without this field (format 3); set by sealed()."
     )
@@ -276,6 +313,18 @@ class Manifest(_Model):
     @classmethod
     def _hash(cls, v: str) -> str:
         return validate_identity_hash(v)
+
+    @field_validator("features")
+    @classmethod
+    def _feature_names(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return v
+        bad = [name for name in v if not _FEATURE.fullmatch(name)]
+        if bad:
+            raise ValueError(f"feature names are lowercase words joined by '-': {', '.join(map(repr, bad))}")
+        if v != sorted(set(v)):
+            raise ValueError("features must be sorted, each listed once")
+        return v
 
     @field_validator("timings")
     @classmethod
@@ -304,6 +353,13 @@ class Manifest(_Model):
                     f"format_version {self.format_version} has no {' or '.join(new)} "
                     f"(format_version {_FIRST_SEALED_VERSION} has)"
                 )
+        if self.features is not None and self.format_version < _FIRST_FEATURES_VERSION:
+            raise ValueError(
+                f"format_version {self.format_version} has no features "
+                f"(format_version {_FIRST_FEATURES_VERSION} has)"
+            )
+        if self.features is None and self.format_version >= _FIRST_FEATURES_VERSION:
+            raise ValueError(f"a format_version {self.format_version} manifest lists its features (none: [])")
         if self.identity is not None:
             computed = compute_identity_hash(self.identity)
             if computed != self.identity_hash:
@@ -321,6 +377,16 @@ class Manifest(_Model):
     def key(self) -> str:
         """The store key this manifest belongs under: its binding's ``<namespace>/<uid>``, else the hash."""
         return self.binding.key if self.binding is not None else self.identity_hash
+
+    @property
+    def required_features(self) -> frozenset[str]:
+        """The optional formats a reader must know to restore this artifact."""
+        return frozenset(self.features) if self.features is not None else _UNLISTED_FEATURES
+
+    def unsupported_features(self, known: frozenset[str] | None = None) -> list[str]:
+        """The features this artifact needs that a reader knowing ``known`` (default: this version's
+        ``SUPPORTED_FEATURES``) does not; empty when it can read the artifact."""
+        return sorted(self.required_features - (supported_features() if known is None else known))
 
     def compute_digest(self) -> str:
         """The digest of this manifest's content as ``to_json`` writes it (``digest`` aside): what

@@ -18,6 +18,7 @@ from dynamo_snapshot.artifact.manifest import (
     FileEntry,
     GpuInfo,
     Manifest,
+    supported_features,
     validate_identity_hash,
 )
 from dynamo_snapshot.artifact.verified import VerifiedFiles
@@ -57,6 +58,17 @@ class Artifact:
         if rel not in {f.path for f in self.manifest.files}:
             raise KeyError(f"{rel} is not a file of this artifact")
         return self.path / rel
+
+    def check_features(self, known: frozenset[str] | None = None) -> None:
+        """``ArtifactError`` naming the features this artifact needs that a reader knowing ``known``
+        (default: this version's) does not: the first check of a reader, before it reads any file."""
+        missing = self.manifest.unsupported_features(known)
+        if missing:
+            supported = supported_features() if known is None else known
+            raise ArtifactError(
+                f"it needs format feature(s) this reader does not support: {', '.join(missing)} "
+                f"(format_version {self.manifest.format_version}; supported: {', '.join(sorted(supported))})"
+            )
 
     def compatibility(self, node_gpus: GpuInfo | None) -> list[str]:
         """Reasons a node with ``node_gpus`` cannot restore this checkpoint (empty: it can)."""

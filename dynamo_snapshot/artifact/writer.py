@@ -14,7 +14,7 @@ import os
 import platform
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -32,6 +32,7 @@ from dynamo_snapshot.artifact.manifest import (
     FileEntry,
     GpuInfo,
     Manifest,
+    supported_features,
     validate_identity_hash,
 )
 from dynamo_snapshot.artifact.reader import Artifact, check_sizes, hash_entries
@@ -158,6 +159,7 @@ class ArtifactWriter:
         parallel: int = HASH_PARALLEL,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         binding: Binding | None = None,
+        features: Collection[str] = (),
     ) -> PublishResult:
         """Hash and seal the staged files, then make them visible as ``store/<key>`` atomically.
 
@@ -165,11 +167,16 @@ class ArtifactWriter:
         multiple of 4096) are sealed as one SHA-256 per chunk, so ``parallel`` threads share even a
         single huge file.  ``timings`` gains a ``"hash"`` entry with the seconds spent hashing.  The
         manifest records ``binding`` (required for, and matching, a ``<namespace>/<uid>`` key; none for a
-        hash key) and is sealed with its own digest.
+        hash key) and ``features``, the optional formats the staged files use (names of
+        ``SUPPORTED_FEATURES``: a writer records only what its own version reads), and is sealed with its
+        own digest.
         """
         if chunk_bytes <= 0 or chunk_bytes % ALIGN:
             raise ValueError(f"chunk_bytes must be a positive multiple of {ALIGN}, not {chunk_bytes}")
         self._check_binding(binding)
+        unknown = sorted(set(features) - supported_features())
+        if unknown:
+            raise ValueError(f"unknown artifact feature(s): {', '.join(unknown)}")
         if identity is not None and compute_identity_hash(identity) != self.identity_hash:
             raise ArtifactError(
                 f"identity hash mismatch: writer is for {self.identity_hash}, "
@@ -189,6 +196,7 @@ class ArtifactWriter:
                 files=files,
                 timings={**(timings or {}), "hash": io.seconds},
                 extra=extra or {},
+                features=sorted(set(features)),
             ).sealed()
 
         return await asyncio.to_thread(self._hash_and_seal, manifest_for, parallel, chunk_bytes)

@@ -20,6 +20,7 @@ from prometheus_client import REGISTRY
 
 from dynamo_snapshot.agent.executor import AgentError, Executor
 from dynamo_snapshot.agent.prefetch import PREFETCH_FILE, read_plan
+from dynamo_snapshot.agent.restore import RestoreRun
 from dynamo_snapshot.agent.runtime import ProcessRuntime
 from dynamo_snapshot.agent.runtime.base import pid_running
 from dynamo_snapshot.agent.weights import WeightsPlacementError, gpu_memory_problem, host_path
@@ -85,17 +86,17 @@ async def test_weights_travel_in_the_artifact_and_come_back(criu_bin: Path, tmp_
         await runtime.stop("restored")
 
 
-def _hold_weights_check(executor: Executor) -> asyncio.Event:
+def _hold_weights_check(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
     """Keep the agent's weights check from starting until the returned event is set, as a big file
     on a slow disk would."""
     release = asyncio.Event()
-    check = executor._verify_weights
+    check = RestoreRun.verify_weights
 
-    async def held(*args: Any, **kwargs: Any) -> Any:
+    async def held(self: RestoreRun, *args: Any, **kwargs: Any) -> Any:
         await release.wait()
-        return await check(*args, **kwargs)
+        return await check(self, *args, **kwargs)
 
-    executor._verify_weights = held  # type: ignore[method-assign]
+    monkeypatch.setattr(RestoreRun, "verify_weights", held)
     return release
 
 
@@ -108,11 +109,11 @@ async def _appears(path: Path, within: float = 30) -> None:
 
 @pytest.mark.criu
 async def test_a_worker_that_waits_for_the_verdict_resumes_before_the_check_ends(
-    criu_bin: Path, tmp_path: Path
+    criu_bin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     executor, runtime, ctl = await _checkpoint(tmp_path, criu_bin)
     assert executor.store.open(HASH).manifest.extra["weightsEarlyLoad"] is True
-    release = _hold_weights_check(executor)
+    release = _hold_weights_check(monkeypatch)
     restoring = asyncio.create_task(executor.restore("restored", HASH))
     try:
         # Resumed and told the check is pending: it may load now, but it waits for the verdict.
@@ -134,10 +135,12 @@ async def test_a_worker_that_waits_for_the_verdict_resumes_before_the_check_ends
 
 
 @pytest.mark.criu
-async def test_a_bad_verdict_after_the_early_resume_stops_the_worker(criu_bin: Path, tmp_path: Path) -> None:
+async def test_a_bad_verdict_after_the_early_resume_stops_the_worker(
+    criu_bin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     executor, runtime, ctl = await _checkpoint(tmp_path, criu_bin)
     _flip_a_byte(executor.store.path_for(HASH) / WEIGHTS)
-    release = _hold_weights_check(executor)
+    release = _hold_weights_check(monkeypatch)
     restoring = asyncio.create_task(executor.restore("restored", HASH))
     await _appears(ctl / "loading-before-verdict")
     release.set()
@@ -151,10 +154,12 @@ async def test_a_bad_verdict_after_the_early_resume_stops_the_worker(criu_bin: P
 
 
 @pytest.mark.criu
-async def test_a_worker_of_an_older_sdk_resumes_only_after_the_check(criu_bin: Path, tmp_path: Path) -> None:
+async def test_a_worker_of_an_older_sdk_resumes_only_after_the_check(
+    criu_bin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     executor, runtime, ctl = await _checkpoint(tmp_path, criu_bin, waits_for_check=False)
     assert executor.store.open(HASH).manifest.extra["weightsEarlyLoad"] is False
-    release = _hold_weights_check(executor)
+    release = _hold_weights_check(monkeypatch)
     restoring = asyncio.create_task(executor.restore("restored", HASH))
     try:
         await asyncio.sleep(1.0)  # CRIU is done with this small worker by now; the check is held
@@ -234,13 +239,13 @@ async def test_bad_weights_are_refused_before_the_worker_resumes(
 
 @pytest.mark.criu
 async def test_a_refused_process_image_cancels_the_weights_check_begun_beside_it(
-    criu_bin: Path, tmp_path: Path
+    criu_bin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     executor, runtime, ctl = await _checkpoint(tmp_path, criu_bin)
     assert executor.weights_check_idle_io  # the default: the check starts with the process check
     began, cancelled = asyncio.Event(), asyncio.Event()
 
-    async def endless(*args: Any, **kwargs: Any) -> Any:
+    async def endless(self: RestoreRun, *args: Any, **kwargs: Any) -> Any:
         began.set()
         try:
             await asyncio.Event().wait()
@@ -248,7 +253,7 @@ async def test_a_refused_process_image_cancels_the_weights_check_begun_beside_it
             cancelled.set()
             raise
 
-    executor._verify_weights = endless  # type: ignore[method-assign]
+    monkeypatch.setattr(RestoreRun, "verify_weights", endless)
     images = executor.store.path_for(HASH) / "criu"
     victim = max((p for p in images.glob("core-*.img")), key=lambda p: p.stat().st_size)
     _flip_a_byte(victim)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dynamo_snapshot.agent.executor import AgentError, _gpu_remap, assigned_gpus
+from dynamo_snapshot.agent.errors import AgentError
+from dynamo_snapshot.agent.gpu_assignment import assigned_gpus, gpu_remap
 from dynamo_snapshot.agent.runtime.containerd import visible_gpus
 from dynamo_snapshot.artifact import GpuInfo
 
@@ -40,15 +41,15 @@ def test_the_restore_goes_onto_the_containers_gpu_by_index_or_uuid() -> None:
     by_index = assigned_gpus(NODE, ("2",), CHECKPOINT)
     assert by_index is not None
     assert by_index.uuids == ["GPU-node-2"]
-    assert _gpu_remap(CHECKPOINT, by_index) == {"GPU-source-0": "GPU-node-2"}
+    assert gpu_remap(CHECKPOINT, by_index) == {"GPU-source-0": "GPU-node-2"}
     by_uuid = assigned_gpus(NODE, ("GPU-node-3",), CHECKPOINT)
     assert by_uuid is not None
-    assert _gpu_remap(CHECKPOINT, by_uuid) == {"GPU-source-0": "GPU-node-3"}
+    assert gpu_remap(CHECKPOINT, by_uuid) == {"GPU-source-0": "GPU-node-3"}
 
 
 def test_without_an_assignment_the_nodes_gpus_are_used() -> None:
     assert assigned_gpus(NODE, None, CHECKPOINT) == NODE
-    assert _gpu_remap(CHECKPOINT, NODE) == {"GPU-source-0": "GPU-node-0"}
+    assert gpu_remap(CHECKPOINT, NODE) == {"GPU-source-0": "GPU-node-0"}
     assert assigned_gpus(NODE, ("1",), None) == NODE  # a CPU checkpoint needs no GPU
 
 

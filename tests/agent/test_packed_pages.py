@@ -169,7 +169,7 @@ async def test_an_unusable_scratch_falls_back_beside_the_control_dir(
     not_a_dir.write_text("")
     executor, runtime, ctl = await _checkpoint(tmp_path, criu_bin, scratch=not_a_dir)
     calls = RestoreCalls(runtime)
-    with caplog.at_level(logging.WARNING, logger="dynamo_snapshot.agent.executor"):
+    with caplog.at_level(logging.WARNING, logger="dynamo_snapshot.agent.page_images"):
         phases = await _restored_intact(executor, runtime, ctl)
     assert "unpack_wait" in phases
     fallback = runtime.control_dir("restored").parent / ".restore-images"

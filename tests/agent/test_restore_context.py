@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dynamo_snapshot.agent.executor import _ensure_restore_context
+from dynamo_snapshot.agent.restore import ensure_restore_context
 from dynamo_snapshot.api import protocol
 
 
 def test_the_agent_writes_the_restore_containers_values_with_nulls_for_the_rest(tmp_path: Path) -> None:
     env = {"POD_NAME": "worker-r1", "DYN_SYSTEM_PORT": "9090", "SECRET_TOKEN": "s3cr3t"}
-    _ensure_restore_context(tmp_path, env)
+    ensure_restore_context(tmp_path, env)
     written = json.loads((tmp_path / protocol.FILE_RESTORE_CONTEXT).read_text())
     assert set(written) == {"env"}
     assert set(written["env"]) == protocol.RESTORE_CONTEXT_ENV_NAMES
@@ -27,5 +27,5 @@ def test_the_agent_writes_the_restore_containers_values_with_nulls_for_the_rest(
 def test_a_standbys_own_context_is_kept(tmp_path: Path) -> None:
     own = {"env": {"POD_NAME": "resolved-by-kubernetes"}}
     (tmp_path / protocol.FILE_RESTORE_CONTEXT).write_text(json.dumps(own))
-    _ensure_restore_context(tmp_path, {"POD_NAME": "from-the-spec"})
+    ensure_restore_context(tmp_path, {"POD_NAME": "from-the-spec"})
     assert json.loads((tmp_path / protocol.FILE_RESTORE_CONTEXT).read_text()) == own

@@ -103,8 +103,8 @@ def write_manifest(artifact_dir: Path, raw: dict[str, Any], *, reseal: bool = Fa
 
 
 def as_format(raw: dict[str, Any], version: int) -> dict[str, Any]:
-    """``raw`` as an older agent wrote it: ``format_version`` ``version``, unsealed, unbound."""
-    older = {k: v for k, v in raw.items() if k not in ("digest", "binding")}
+    """``raw`` as an older agent wrote it: ``format_version`` ``version``, unsealed, unbound, no features."""
+    older = {k: v for k, v in raw.items() if k not in ("digest", "binding", "features")}
     return {**older, "format_version": version}
 
 

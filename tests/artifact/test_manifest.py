@@ -48,6 +48,9 @@ def manifest_dict(**changes: Any) -> dict[str, Any]:
         "timings": {"dump": 1.0},
         "extra": {"k": [1, 2]},
     }
+    version = changes.get("format_version", base["format_version"])
+    if isinstance(version, int) and version >= 4:
+        base["features"] = []  # from format 4 on a manifest lists its features, none here
     return {**base, **changes}
 
 

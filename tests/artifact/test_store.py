@@ -569,12 +569,14 @@ async def test_namespace_named_like_a_hash_never_mixes_with_that_artifact(store:
     store.open(HASH).verify()
 
 
-async def test_format_3_refused_by_a_reader_of_format_2(
+async def test_the_current_format_refused_by_a_reader_of_the_previous_one(
     store: ArtifactStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     await publish(store, sample_files(), binding=BINDING)
-    monkeypatch.setattr(manifest_module, "FORMAT_VERSION", 2)
-    with pytest.raises(ArtifactError, match=r"^manifest format_version 3 is newer than supported 2$"):
+    older = FORMAT_VERSION - 1
+    monkeypatch.setattr(manifest_module, "FORMAT_VERSION", older)
+    message = rf"^manifest format_version {FORMAT_VERSION} is newer than supported {older}$"
+    with pytest.raises(ArtifactError, match=message):
         store.open(KEY)
 
 

@@ -305,7 +305,7 @@ def test_stage_images_refuses_ambiguous_or_escaping_names(tmp_path: Path) -> Non
 async def test_a_cancelled_checkpoint_waits_for_the_compression_to_stop(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dynamo_snapshot.agent.executor import _compress_pages
+    from dynamo_snapshot.agent.page_images import compress_pages as _compress_pages
 
     (tmp_path / "pages-1.img").write_bytes(TEXT[: 1 << 20] * 48)  # 12 chunks of 4 MiB
     gate = Gate(monkeypatch, at=2)

@@ -227,7 +227,7 @@ def test_file_backed_pages_and_a_stop_leave_the_images_as_they_were(tmp_path: Pa
 
 
 async def test_a_cancelled_checkpoint_waits_for_the_rewrite_to_stop(tmp_path: Path) -> None:
-    from dynamo_snapshot.agent.executor import _drop_zero_pages
+    from dynamo_snapshot.agent.page_images import drop_zero_pages_of as _drop_zero_pages
 
     # 64 MiB of alternating pages: the slow, page-by-page path, still running when the cancel comes.
     pages = [(b"z" * PAGE if i % 2 else bytes(PAGE)) for i in range((64 << 20) // PAGE)]

@@ -1,0 +1,82 @@
+"""Artifacts of deleted checkpoints removed from this node's store and cache: when the deletion is seen,
+after the first sync (deletions while no agent watched), and now and then (events missed)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from dynamo_snapshot.agent.executor import Executor
+from dynamo_snapshot.artifact import ArtifactStore, artifact_key, validate_artifact_key
+from dynamo_snapshot.artifact.store import is_bound_key
+from dynamo_snapshot.kube import DELETED, Informer, Obj
+
+log = logging.getLogger(__name__)
+
+__all__ = ["REMOVE_RETRY_S", "SWEEP_EVERY_S", "ArtifactSweeper"]
+
+# How often an artifact whose checkpoint is gone is tried again while a restore on this node reads it,
+# and how often the store is swept for artifacts of checkpoints deleted while no agent watched.
+REMOVE_RETRY_S, SWEEP_EVERY_S = 5.0, 600.0
+
+
+class ArtifactSweeper:
+    def __init__(self, executor: Executor, checkpoints: Informer) -> None:
+        self.executor = executor
+        self.checkpoints = checkpoints
+        self._removing: set[str] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    async def on_checkpoint(self, etype: str, ckpt: Obj, old: Obj | None) -> None:
+        if etype == DELETED:
+            meta = ckpt["metadata"]
+            self.remove_soon(artifact_key(meta["namespace"], meta["uid"]))
+
+    async def sweep_forever(self) -> None:
+        """Remove the artifacts whose checkpoint no longer exists: after the first sync (checkpoints
+        deleted while no agent ran), then now and then (deletions whose event was missed)."""
+        await self.checkpoints.wait_synced()
+        while True:
+            live = {
+                artifact_key(c["metadata"]["namespace"], c["metadata"]["uid"])
+                for c in self.checkpoints.list()
+            }
+            for key in await asyncio.to_thread(self._namespaced_keys):
+                if key not in live:
+                    self.remove_soon(key)
+            await asyncio.sleep(SWEEP_EVERY_S)
+
+    def _stores(self) -> list[ArtifactStore]:
+        return [self.executor.store] + ([self.executor.cache.store] if self.executor.cache else [])
+
+    def _namespaced_keys(self) -> set[str]:
+        # Keys of the `<namespace>/<uid>` form belong to checkpoint objects; bare hashes are CLI artifacts.
+        return {key for store in self._stores() for key in store.list() if is_bound_key(key)}
+
+    def _holds(self, key: str) -> bool:
+        return any(store.exists(key) for store in self._stores())
+
+    def remove_soon(self, key: str) -> None:
+        if key in self._removing:
+            return
+        self._removing.add(key)
+        task = asyncio.create_task(self._remove_artifact(key), name=f"remove-{key}")
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _remove_artifact(self, key: str) -> None:
+        """Delete `key`'s artifact from the store and the node cache, waiting while a restore reads it."""
+        try:
+            validate_artifact_key(key)
+            if not await asyncio.to_thread(self._holds, key):
+                return  # most deleted checkpoints left nothing in this node's store
+            # Nothing signals the end of a restore that reads it: look again now and then.
+            while not await self.executor.delete_artifact(key):  # noqa: ASYNC110
+                await asyncio.sleep(REMOVE_RETRY_S)
+            log.info("removed the artifact of a deleted checkpoint", extra={"key": key})
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("could not remove the artifact of a deleted checkpoint", extra={"key": key})
+        finally:
+            self._removing.discard(key)

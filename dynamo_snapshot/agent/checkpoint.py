@@ -1,0 +1,264 @@
+"""One checkpoint on this node, as stages: wait for the worker's ready file → find its CUDA processes and
+what it offloaded → record the node files it maps → lock and checkpoint CUDA → CRIU dump → drop zero pages
+→ compress pages → carry the weights files → publish the sealed manifest (with the format features the
+files use) → `snapshot-complete` for a source left running.
+
+Until the artifact is published, a failure (or a cancellation) discards the staging directory and counts
+a failed checkpoint; a failed dump gives the worker its GPU back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import JsonValue
+
+from dynamo_snapshot import __version__
+from dynamo_snapshot.agent.cuda_processes import resume_cuda, suspend_cuda
+from dynamo_snapshot.agent.errors import AgentError
+from dynamo_snapshot.agent.files import write_atomic
+from dynamo_snapshot.agent.gpu_assignment import gpu_memory_held_mib
+from dynamo_snapshot.agent.metrics import BYTES, FAILURES, THROUGHPUT
+from dynamo_snapshot.agent.node import Node
+from dynamo_snapshot.agent.page_images import compress_pages, drop_zero_pages_of, has_packed_pages
+from dynamo_snapshot.agent.prefetch import plan_for_tree, write_plan
+from dynamo_snapshot.agent.runtime.base import Workload, WorkloadRuntimeError, pid_running
+from dynamo_snapshot.agent.runtime.rootfs_diff import DIFF_FILE
+from dynamo_snapshot.agent.timings import Timings
+from dynamo_snapshot.agent.weights import (
+    CarriedWeights,
+    WeightsPlacementError,
+    capture_weights,
+    host_path,
+    mib,
+    weights_features,
+)
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.identity import CheckpointIdentity
+from dynamo_snapshot.artifact import ArtifactWriter, Binding, PublishResult
+from dynamo_snapshot.artifact.manifest import FEATURE_COMPRESSED_PAGES, FEATURE_ROOTFS_DIFF
+from dynamo_snapshot.criu.packed import PagesPacked
+from dynamo_snapshot.criu.sparse import SparseStats
+from dynamo_snapshot.cuda import find_cuda_pids, process_tree
+from dynamo_snapshot.workload.weights import OffloadManifest, read_offload_manifest
+
+__all__ = ["CheckpointOutcome", "CheckpointRun", "wait_ready"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CheckpointOutcome:
+    location: str
+    artifact_bytes: int
+    timings: Timings
+    # The store key published under: "<namespace>/<checkpoint uid>" with a binding, else the identity hash.
+    key: str
+    # The sealed manifest's digest: what a restore passes as manifest_digest to get exactly this artifact
+    # ("" only for an unsealed format-2 artifact another writer had published under the hash first).
+    manifest_digest: str
+
+
+async def wait_ready(workload: Workload, within: float) -> None:
+    """Until the worker says it is safe to checkpoint (either generation's ready file); fails early if it
+    dies first."""
+    sentinels = [workload.control_dir / name for name in protocol.FILES_READY]
+    names = " or ".join(protocol.FILES_READY)
+    deadline = time.monotonic() + within
+    while not any(s.exists() for s in sentinels):
+        if not pid_running(workload.pid):  # a zombie has exited too
+            raise AgentError(f"worker (pid {workload.pid}) exited before writing {names}")
+        if time.monotonic() > deadline:
+            raise AgentError(
+                f"worker did not write {names} in its control dir within {within:.0f}s "
+                "(ready-timeout-seconds): is it snapshot-aware, and does it reach the handshake?"
+            )
+        await asyncio.sleep(0.1)
+
+
+class CheckpointRun:
+    """One checkpoint of ``workload`` into the store under ``key``; ``run`` goes through the stages."""
+
+    def __init__(
+        self,
+        node: Node,
+        workload: Workload,
+        identity_hash: str,
+        identity: CheckpointIdentity | None,
+        binding: Binding | None,
+    ) -> None:
+        self.node = node
+        self.workload = workload
+        self.identity_hash = identity_hash
+        self.identity = identity
+        self.binding = binding
+        self.key = binding.key if binding is not None else identity_hash
+        self.timings = Timings()
+        self.seen_ctl = node.control_dir_seen_by_worker(workload)
+        # What the stages find, for the manifest.
+        self.cuda_pids: list[int] = []
+        self.offload: OffloadManifest | None = None
+        self.held_mib = 0
+        self.sparse: SparseStats | None = None
+        self.packed = PagesPacked()
+        self.carried: list[CarriedWeights] = []
+
+    async def run(self) -> CheckpointOutcome:
+        await self.inspect_worker()
+        async with contextlib.AsyncExitStack() as undo:
+            writer = ArtifactWriter(self.node.store, self.identity_hash, key=self.key)
+            # Until it is published, whatever ends the checkpoint leaves no staging and counts a failure.
+            undo.callback(writer.discard)
+            undo.callback(FAILURES.labels("checkpoint").inc)
+            if self.node.prefetch_node_files:
+                with self.timings.phase("checkpoint", "prefetch_plan"):
+                    await asyncio.to_thread(_record_prefetch_plan, self.workload.pid, writer.directory)
+            with self.timings.phase("checkpoint", "cuda_checkpoint"):
+                await suspend_cuda(self.node.cuda, self.cuda_pids, self.node.cuda_lock_timeout_ms)
+            images = writer.directory / "criu"
+            images.mkdir(parents=True, exist_ok=True)
+            await self.dump(images)
+            await self.shrink_pages(images)
+            await self.carry_weights(writer)
+            published = await self.publish(writer, images)
+            undo.pop_all()
+        await self.tell_source()
+        return self.outcome(published)
+
+    async def inspect_worker(self) -> None:
+        """The worker's CUDA processes, the weights it offloaded (weights.json) and the GPU memory it
+        holds; nothing is written yet."""
+        if self.node.cuda is not None:
+            self.cuda_pids = await asyncio.to_thread(find_cuda_pids, self.workload.pid)
+        try:
+            self.offload = await asyncio.to_thread(read_offload_manifest, self.workload.control_dir)
+        except ValueError as e:
+            raise AgentError(f"worker's {protocol.FILE_WEIGHTS_MANIFEST} is unreadable: {e}") from None
+        self.held_mib = await asyncio.to_thread(gpu_memory_held_mib, self.cuda_pids)
+
+    async def dump(self, images: Path) -> None:
+        with self.timings.phase("checkpoint", "criu_dump"):
+            try:
+                await self.node.runtime.dump(self.workload, images)
+            except WorkloadRuntimeError as e:
+                # CRIU left the tree running: give it its GPU back so the worker carries on. Only a dump
+                # that failed is known to have done so, so this is not an undo of the CUDA stage.
+                await resume_cuda(self.node.cuda, self.cuda_pids, {}, best_effort=True)
+                raise AgentError(f"CRIU dump failed: {e}") from None
+
+    async def shrink_pages(self, images: Path) -> None:
+        if self.node.drop_zero_pages:
+            with self.timings.phase("checkpoint", "drop_zero_pages"):
+                self.sparse = await drop_zero_pages_of(images)
+        if self.node.compress_pages:
+            with self.timings.phase("checkpoint", "compress_pages"):
+                self.packed = await compress_pages(images, self.node.pages_threads)
+
+    async def carry_weights(self, writer: ArtifactWriter) -> None:
+        offload = self.offload
+        if offload is None or not offload.files:
+            return
+        with self.timings.phase("checkpoint", "weights_capture"):
+            self.carried = await asyncio.to_thread(self._capture_weights, offload, writer)
+
+    def _capture_weights(self, offload: OffloadManifest, writer: ArtifactWriter) -> list[CarriedWeights]:
+        containerized = self.node.runtime.name == "runc"
+        try:
+            to_host = {
+                f.path: host_path(
+                    f.path, self.seen_ctl, self.workload.control_dir, containerized=containerized
+                )
+                for f in offload.files
+            }
+            return capture_weights(offload, to_host, writer.directory)
+        except WeightsPlacementError as e:
+            raise AgentError(f"cannot carry the worker's weights: {e}") from None
+
+    async def publish(self, writer: ArtifactWriter, images: Path) -> PublishResult:
+        features = await asyncio.to_thread(self._features, writer, images)
+        with self.timings.phase("checkpoint", "publish"):
+            return await writer.publish(
+                identity=self.identity,
+                source_node=self.node.node_name,
+                gpus=self.node.gpus,
+                criu_version=await self.node.criu.version(),
+                agent_version=__version__,
+                binding=self.binding,
+                timings=dict(self.timings.phases),
+                extra=self._extra(),
+                features=features,
+            )
+
+    def _features(self, writer: ArtifactWriter, images: Path) -> set[str]:
+        """The optional formats the staged files use, which a reader must know (see artifact.manifest)."""
+        try:
+            used = weights_features([writer.directory / w.file for w in self.carried])
+        except WeightsPlacementError as e:
+            raise AgentError(f"cannot carry the worker's weights: {e}") from None
+        if has_packed_pages(images):
+            used.add(FEATURE_COMPRESSED_PAGES)
+        if (images / DIFF_FILE).exists():
+            used.add(FEATURE_ROOTFS_DIFF)
+        return used
+
+    def _extra(self) -> dict[str, JsonValue]:
+        offload, packed = self.offload, self.packed
+        released_mib = mib(sum(offload.released_bytes.values())) if offload is not None else 0
+        return {
+            "runtime": self.node.runtime.name,
+            "image": self.workload.image_id,
+            "control_dir": self.seen_ctl,
+            "cuda_pids": list(self.cuda_pids),
+            "weights": [w.to_json() for w in self.carried],
+            "gpuMemory": {"heldMiB": self.held_mib, "releasedMiB": released_mib},
+            "zeroPagesDropped": self.sparse.pages_dropped if self.sparse is not None else 0,
+            "pagesCompressed": {
+                "files": packed.files,
+                "bytesBefore": packed.bytes_before,
+                "bytesAfter": packed.bytes_after,
+            },
+            # The worker waits for weights-verified: a restore may signal it before then.
+            "weightsEarlyLoad": bool(self.carried)
+            and offload is not None
+            and offload.waits_for_weights_check,
+        }
+
+    async def tell_source(self) -> None:
+        if pid_running(self.workload.pid):
+            # A source the runtime left running (a kubelet's container) learns that its checkpoint is
+            # published, and ends.
+            await asyncio.to_thread(
+                write_atomic,
+                self.workload.control_dir / protocol.FILE_SNAPSHOT_COMPLETE,
+                json.dumps({"key": self.key}),
+            )
+
+    def outcome(self, published: PublishResult) -> CheckpointOutcome:
+        artifact = published.artifact
+        size = sum(f.size for f in artifact.manifest.files)
+        BYTES.labels("checkpoint").inc(size)
+        if published.io.seconds > 0:
+            THROUGHPUT.labels("checkpoint").set(published.io.bytes / published.io.seconds / 1e9)
+        return CheckpointOutcome(
+            str(artifact.path), size, self.timings, artifact.key, artifact.manifest.digest or ""
+        )
+
+
+def _record_prefetch_plan(root_pid: int, directory: Path) -> None:
+    """The tree's mapped node files into the artifact; a checkpoint never fails for want of it."""
+    try:
+        plan = plan_for_tree(process_tree(root_pid) or [root_pid])
+        write_plan(plan, directory)
+    except (OSError, ValueError) as e:
+        log.warning("no prefetch plan", extra={"pid": root_pid, "error": str(e)})
+        return
+    log.info(
+        "prefetch plan recorded",
+        extra={"files": len(plan.files), "bytes": plan.bytes, "unresolved": plan.unresolved},
+    )

@@ -1,0 +1,96 @@
+"""Which GPUs a checkpoint records and a restore goes onto, and whether they can hold the worker."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+from pydantic import JsonValue
+
+from dynamo_snapshot.agent.errors import AgentError
+from dynamo_snapshot.agent.weights import gpu_memory_problem
+from dynamo_snapshot.artifact import GpuInfo
+from dynamo_snapshot.cuda import CudaError, cuda_available, gpu_memory_by_pid, list_gpus, node_gpus
+
+log = logging.getLogger(__name__)
+
+__all__ = ["assigned_gpus", "check_gpu_memory", "gpu_memory_held_mib", "gpu_remap", "local_gpus"]
+
+
+def local_gpus() -> GpuInfo | None:
+    """This node's GPUs as the manifest records them; None on a node without NVIDIA GPUs."""
+    if not cuda_available():
+        return None
+    try:
+        gpus = node_gpus()
+    except CudaError as e:
+        log.warning("no GPU inventory", extra={"error": str(e)})
+        return None
+    return GpuInfo.model_validate(dataclasses.asdict(gpus))
+
+
+def assigned_gpus(
+    node: GpuInfo | None, visible: tuple[str, ...] | None, checkpoint: GpuInfo | None
+) -> GpuInfo | None:
+    """The GPUs a restore goes onto: the container's (``visible``: UUIDs, or indices of the node's GPUs)
+    where its runtime says, else the node's. AgentError when they cannot hold the checkpoint's."""
+    if node is None or visible is None or checkpoint is None:
+        return node
+    uuids: list[str] = []
+    for token in visible:
+        if token.isdigit():
+            index = int(token)
+            if index >= len(node.uuids):
+                raise AgentError(
+                    f"the restore container was given GPU {index} (NVIDIA_VISIBLE_DEVICES); this node has "
+                    f"{len(node.uuids)}"
+                )
+            uuids.append(node.uuids[index])
+        else:
+            uuids.append(token)
+    if len(uuids) < checkpoint.count:
+        raise AgentError(
+            f"the restore container was given {len(uuids)} GPU(s) (NVIDIA_VISIBLE_DEVICES); the checkpoint "
+            f"was taken on {checkpoint.count}"
+        )
+    return node.model_copy(update={"uuids": uuids, "count": len(uuids)})
+
+
+def gpu_remap(source: GpuInfo | None, target: GpuInfo | None) -> dict[str, str]:
+    """Old GPU UUID -> new one for every checkpointed GPU (the driver wants all or none); none when the
+    restore lands on the very GPUs it was taken on."""
+    if source is None or target is None or list(source.uuids) == list(target.uuids[: len(source.uuids)]):
+        return {}
+    return dict(zip(source.uuids, target.uuids, strict=False))
+
+
+def gpu_memory_held_mib(pids: list[int]) -> int:
+    """GPU memory the worker's CUDA processes hold (after their own releases); 0 when NVML cannot say."""
+    if not pids:
+        return 0
+    try:
+        used = gpu_memory_by_pid()
+    except CudaError as e:
+        log.warning("no per-process GPU memory", extra={"error": str(e)})
+        return 0
+    return sum(used.get(pid, 0) for pid in pids)
+
+
+async def check_gpu_memory(extra: dict[str, JsonValue], gpus: GpuInfo | None) -> None:
+    """AgentError before anything starts when the GPUs cannot hold what the worker had at checkpoint
+    (as the manifest's ``extra.gpuMemory`` records it)."""
+    need = extra.get("gpuMemory")
+    if gpus is None or not isinstance(need, dict):
+        return
+    held, released = need.get("heldMiB"), need.get("releasedMiB")
+    if not isinstance(held, int) or not isinstance(released, int):
+        return
+    try:
+        free = [g.memory_free_mib for g in await asyncio.to_thread(list_gpus)][: gpus.count]
+    except CudaError as e:
+        log.warning("cannot read free GPU memory; restoring anyway", extra={"error": str(e)})
+        return
+    problem = gpu_memory_problem(free, held, released)
+    if problem:
+        raise AgentError(problem)

@@ -1,0 +1,81 @@
+"""A pod's main container as the kubelet runs it: found from the pod watch once it runs, and, for a
+restore, attached once its placeholder says it waits in standby."""
+
+from __future__ import annotations
+
+import asyncio
+
+from dynamo_snapshot.agent.authorize import Refused
+from dynamo_snapshot.agent.errors import AgentError
+from dynamo_snapshot.agent.pod_container import RunningContainer, ended, running_container
+from dynamo_snapshot.agent.pod_spec import MAIN, workload_key
+from dynamo_snapshot.agent.runtime.base import Workload
+from dynamo_snapshot.agent.runtime.containerd import ContainerdRuntime
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.kube import Informer, Obj, object_key
+
+__all__ = ["KubeletContainers"]
+
+
+class KubeletContainers:
+    """The kubelet's containers of this node's pods, through ``runtime``, as ``pods`` (the watch) shows
+    them."""
+
+    def __init__(self, runtime: ContainerdRuntime, pods: Informer) -> None:
+        self.runtime = runtime
+        self.pods = pods
+
+    async def running(self, pod: Obj, within: float, spent: str | None = None) -> RunningContainer:
+        """The pod's main container once the kubelet runs it (read from the watch cache); not ``spent``."""
+        deadline = asyncio.get_running_loop().time() + within
+        while True:
+            latest = self.pods.get(object_key(pod)) or pod
+            if latest["metadata"].get("uid") != pod["metadata"].get("uid") or latest["metadata"].get(
+                "deletionTimestamp"
+            ):
+                raise AgentError("the pod is being deleted")
+            running = running_container(latest)
+            if running is not None and running.container_id != spent:
+                return running
+            why = ended(latest)
+            if why is not None and spent is None:
+                raise AgentError(why)
+            if asyncio.get_running_loop().time() > deadline:
+                raise AgentError(f"container {MAIN} did not start within {within:.0f}s")
+            await asyncio.sleep(0.1)
+
+    async def attach(self, pod: Obj, within: float) -> Workload:
+        """The pod's main container, attached once the kubelet runs it."""
+        running = await self.running(pod, within)
+        return await self.runtime.attach(workload_key(pod), running.container_id, image_id=running.image_id)
+
+    async def attach_restore_target(
+        self, pod: Obj, start_within: float, standby_within: float, spent: str | None = None
+    ) -> Workload:
+        """The restore pod's main container (not the ``spent`` one), once its placeholder says it waits in
+        standby."""
+        key = workload_key(pod)
+        containers = self.runtime
+        running = await self.running(pod, start_within, spent)
+        workload = await containers.attach(key, running.container_id, image_id=running.image_id)
+        env = containers.container_env(key)
+        if not any(env.get(name) == "1" for name in protocol.ENV_RESTORE_STANDBYS):
+            raise Refused(
+                f"container {MAIN} is not in standby: it runs without {protocol.ENV_RESTORE_STANDBY}=1, so "
+                "its image's entrypoint may have cold-started the worker (the controller sets it on the "
+                "restore pods it makes)"
+            )
+        deadline = asyncio.get_running_loop().time() + standby_within
+        while not containers.standby(key):
+            if asyncio.get_running_loop().time() > deadline:
+                raise Refused(
+                    f"container {MAIN} is not in standby: no {protocol.FILE_RESTORE_STANDBY} or "
+                    f"{protocol.FILE_RESTORE_CONTEXT} in its control dir after "
+                    f"{standby_within:.0f}s (its entrypoint must wait for the restore when "
+                    f"{protocol.ENV_RESTORE_STANDBY}=1: dynamo_snapshot.workload.run_standby, or Dynamo's "
+                    "maybe_run_restore_standby_mode)"
+                )
+            if ended(self.pods.get(object_key(pod)) or pod) is not None:
+                raise AgentError(f"container {MAIN} exited before the restore")
+            await asyncio.sleep(0.05)
+        return workload

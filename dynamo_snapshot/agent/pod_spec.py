@@ -1,0 +1,87 @@
+"""What the agent reads from a pod: its workload key, its per-container annotations (as the controller
+writes and reads them), and its main container as a workload to launch."""
+
+from __future__ import annotations
+
+from dynamo_snapshot.agent.errors import AgentError
+from dynamo_snapshot.agent.runtime.base import WorkloadSpec
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.kube import Obj
+
+__all__ = [
+    "MAIN",
+    "annotation",
+    "pod_env",
+    "restore_attempts",
+    "status",
+    "workload_key",
+    "workload_spec",
+]
+
+MAIN = "main"
+Status = protocol.SnapshotStatus
+
+
+def workload_key(pod: Obj) -> str:
+    meta = pod["metadata"]
+    return f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}"
+
+
+def annotation(pod: Obj, key: str) -> str | None:
+    """The main container's annotation ``key``."""
+    return (pod["metadata"].get("annotations") or {}).get(protocol.per_container(key, MAIN))
+
+
+def restore_attempts(pod: Obj) -> int:
+    """Restores into the pod started so far (by any agent process)."""
+    raw = (pod["metadata"].get("annotations") or {}).get(protocol.ANNOTATION_RESTORE_ATTEMPTS)
+    if raw is None:
+        return 0
+    try:
+        return max(0, int(raw))
+    except ValueError:
+        # An unreadable count is taken as used up rather than as a fresh start.
+        return protocol.RESTORE_ATTEMPTS_MAX
+
+
+def status(pod: Obj, key: str) -> Status | None:
+    """The checkpoint or restore status annotation ``key``; an unreadable one counts as failed."""
+    raw = annotation(pod, key)
+    try:
+        return Status.parse(raw) if raw else None
+    except ValueError:
+        return Status.FAILED
+
+
+def _main_container(pod: Obj) -> Obj:
+    containers = pod["spec"].get("containers") or []
+    main = next((c for c in containers if c.get("name") == MAIN), containers[0] if containers else None)
+    if main is None:
+        raise AgentError("pod has no containers")
+    return dict(main)
+
+
+def pod_env(pod: Obj) -> dict[str, str]:
+    """The main container's environment as far as the pod spec says it (literal values), with the pod's
+    identity: what a worker the agent launches gets, and a restore's env where no kubelet resolved one."""
+    main = _main_container(pod)
+    env = {e["name"]: str(e.get("value", "")) for e in main.get("env") or [] if "value" in e}
+    meta = pod["metadata"]
+    env.update(POD_NAME=meta["name"], POD_NAMESPACE=meta["namespace"], POD_UID=meta.get("uid", ""))
+    return env
+
+
+def workload_spec(pod: Obj, key: str, *, snapshot: bool) -> WorkloadSpec:
+    """The pod's main container, to launch. The caller says whether it is a checkpoint source, the only
+    launched worker told where its control dir is (a restore target is restored, never launched)."""
+    main = _main_container(pod)
+    command = [*(main.get("command") or []), *(main.get("args") or [])]
+    if not command:
+        raise AgentError("local mode needs the main container's command: images are not run here")
+    return WorkloadSpec(
+        key=key,
+        command=[str(c) for c in command],
+        env=pod_env(pod),
+        workdir=main.get("workingDir"),
+        snapshot=snapshot,
+    )

@@ -1,0 +1,440 @@
+"""One restore on this node, as stages, each registering on one exit stack what undoes it, so a failure
+or a cancellation at any stage undoes exactly what was done:
+
+verify (the manifest's digest and weights entries, GPU compatibility and free memory, the process images,
+the weights files' sizes and headers; meanwhile the node files are read ahead, the compressed pages
+unpacked and, at idle I/O priority, the weights checked) → restore the process (CRIU) → resume it (the
+pages' check, where it overlapped CRIU; CUDA restored onto the assigned GPUs) → hand it over (the
+weights' verdict, the weights linked back, `restore-context.json`, `restore-complete`).
+
+Undo, last registered first: the go-ahead withdrawn, the restored workload stopped, the weights check and
+the pages check cancelled, the unpacked pages removed (or their unpacking stopped), the read-ahead waited
+for. A worker whose SDK waits for `weights-verified` gets `restore-complete` as soon as its process is
+back, so it loads its weights while the check still reads them; any other gets it only after the check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import JsonValue
+
+from dynamo_snapshot.agent.cuda_processes import checkpointed_pids, resume_cuda
+from dynamo_snapshot.agent.errors import AgentError, ArtifactRefused
+from dynamo_snapshot.agent.files import write_atomic
+from dynamo_snapshot.agent.gpu_assignment import assigned_gpus, check_gpu_memory, gpu_remap
+from dynamo_snapshot.agent.metrics import BYTES, PREFETCH_BYTES, PREFETCH_SKIPPED, THROUGHPUT
+from dynamo_snapshot.agent.node import Node
+from dynamo_snapshot.agent.page_images import PagesScratch, StagedPages
+from dynamo_snapshot.agent.prefetch import PREFETCH_FILE, PrefetchStats, prefetch, read_plan, read_whole
+from dynamo_snapshot.agent.runtime.base import Workload, WorkloadRuntimeError
+from dynamo_snapshot.agent.timings import Timings
+from dynamo_snapshot.agent.weights import (
+    CarriedWeights,
+    WeightsPlacementError,
+    check_carried,
+    host_path,
+    place_weights,
+)
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.artifact import HASH_PARALLEL, Artifact, ArtifactError, GpuInfo, TreeStats
+from dynamo_snapshot.criu import CriuError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Greeting", "RestoreOutcome", "RestoreRun", "check_before_reading", "ensure_restore_context"]
+
+
+@dataclass
+class RestoreOutcome:
+    workload: Workload
+    timings: Timings
+    prefetch: PrefetchStats | None = None
+    # Where the artifact was read: "store", or "cache" (the node cache's copy).
+    source: str = "store"
+
+
+@dataclass(frozen=True)
+class Greeting:
+    """What a restored worker is told: restore-complete's identity, and restore-context.json's env."""
+
+    identity: dict[str, Any]
+    env: Mapping[str, str] | None
+
+
+def check_before_reading(
+    artifact: Artifact,
+    manifest_digest: str | None,
+    image_id: str | None,
+    node_gpus: GpuInfo | None,
+    visible_gpus: tuple[str, ...] | None,
+) -> None:
+    """Refuse, from its manifest alone, an artifact this restore must not read: not the one the
+    checkpoint recorded, needing a format feature this agent does not know, taken from another image, or
+    needing more GPUs than the restore container has."""
+    check_digest(artifact, manifest_digest)
+    try:
+        artifact.check_features()
+    except ArtifactError as e:
+        raise ArtifactRefused(f"artifact {artifact.key} refused: {e}") from None
+    _check_image(artifact, image_id)
+    assigned_gpus(node_gpus, visible_gpus, artifact.manifest.gpus)
+
+
+def check_digest(artifact: Artifact, expected: str | None) -> None:
+    """``ArtifactRefused`` unless the artifact's sealed manifest has the digest the checkpoint recorded."""
+    if expected is not None and artifact.manifest.digest != expected:
+        raise ArtifactRefused(
+            f"artifact {artifact.key} is not the one checkpoint recorded "
+            f"(manifest digest {artifact.manifest.digest or 'none'}, expected {expected})"
+        )
+
+
+def _check_image(artifact: Artifact, image_id: str | None) -> None:
+    """The process tree and its writable layer expect the image they were taken from underneath."""
+    recorded = artifact.manifest.extra.get("image")
+    if image_id and isinstance(recorded, str) and recorded and recorded != image_id:
+        raise AgentError(
+            f"image differs: the checkpoint was taken from image {recorded}, this container runs {image_id}"
+        )
+
+
+class RestoreRun:
+    """One restore of ``artifact`` as workload ``key``; ``run`` goes through the stages."""
+
+    def __init__(
+        self,
+        node: Node,
+        key: str,
+        artifact: Artifact,
+        timings: Timings,
+        greeting: Greeting,
+        manifest_digest: str | None,
+    ) -> None:
+        self.node = node
+        self.key = key
+        self.artifact = artifact
+        self.timings = timings
+        self.greeting = greeting
+        self.manifest_digest = manifest_digest
+        # What the stages start and find.
+        self.weights: list[CarriedWeights] = []
+        self.prefetching: asyncio.Task[PrefetchStats] | None = None
+        self.staging: StagedPages | None = None
+        self.weights_check: asyncio.Task[TreeStats] | None = None
+        self.pages_check: asyncio.Task[TreeStats] | None = None
+        self.pages: list[str] = []  # pages images checked while CRIU restores them
+        self.process_stats = TreeStats(0, 0.0)
+        self.verified_bytes = 0
+
+    @property
+    def weight_files(self) -> list[str]:
+        return sorted({w.file for w in self.weights})
+
+    async def run(self) -> RestoreOutcome:
+        async with contextlib.AsyncExitStack() as undo:
+            with self.timings.phase("restore", "verify"):
+                await self.verify(undo)
+            # The weights are checked while CRIU restores the process: the same read fills the page
+            # cache the worker loads them from.
+            if self.weights and self.weights_check is None:
+                self.start_weights_check(undo)
+            if self.pages:
+                self.pages_check = asyncio.create_task(
+                    self.artifact.averify(files=self.pages, verified=self.node.verified)
+                )
+                undo.push_async_callback(_cancel, self.pages_check)
+            workload = await self.restore_process(undo)
+            await self.resume_process(workload)
+            await self.hand_over(workload, undo)
+            undo.pop_all()  # the restored worker runs on
+        BYTES.labels("restore").inc(self.verified_bytes)
+        if self.process_stats.seconds > 0:
+            THROUGHPUT.labels("restore").set(self.process_stats.bytes / self.process_stats.seconds / 1e9)
+        return RestoreOutcome(workload, self.timings, await _prefetch_result(self.prefetching))
+
+    # ------------------------------------------------------------------ verify
+    async def verify(self, undo: contextlib.AsyncExitStack) -> None:
+        """Everything CRIU acts on checked before it starts; the read-ahead, the unpacking of compressed
+        pages and (at idle I/O priority) the weights check begin meanwhile."""
+        self.check_manifest()
+        if self.node.cuda is not None:
+            await check_gpu_memory(self.artifact.manifest.extra, self.artifact.manifest.gpus)
+        await self.read_tools()
+        self.prefetching = await self.start_prefetch()
+        if self.prefetching is not None:
+            # Its thread ends on its own: just collect it.
+            undo.push_async_callback(_collect_quietly, self.prefetching)
+        # Compressed pages are unpacked (into a directory of this restore's own) while they are checked;
+        # CRIU starts on them only once the check passed.
+        scratch = PagesScratch(self.node.restore_scratch, self.node.pages_threads, self.node.scratch_cleaned)
+        fallback = self.node.runtime.control_dir(self.key).parent / ".restore-images"
+        self.staging = scratch.start(self.artifact, fallback, self.key, self.timings)
+        if self.staging is not None:
+            undo.push_async_callback(self.staging.discard)
+        if self.weights and self.node.weights_check_idle_io:
+            # At idle I/O priority the weights check takes only the disk time nobody else wants, so it
+            # can start now, beside the check of what CRIU needs.
+            self.start_weights_check(undo)
+        await self.verify_process_images()
+        await self.verify_weights_files()
+
+    def check_manifest(self) -> None:
+        # The store's artifact passed this already; the node cache's copy is held to it too.
+        check_digest(self.artifact, self.manifest_digest)
+        try:
+            entries = _list(self.artifact.manifest.extra, "weights")
+            self.weights = [CarriedWeights.from_json(w) for w in entries]
+        except (ValueError, WeightsPlacementError) as e:
+            raise ArtifactRefused(f"artifact {self.artifact.key} refused: {e}") from None
+        problems = self.artifact.compatibility(self.node.gpus)
+        if problems:
+            raise AgentError("incompatible node: " + "; ".join(problems))
+
+    async def read_tools(self) -> None:
+        """CRIU's (and the runtime's) own files into the page cache before the bulk reads begin."""
+        if not self.node.prefetch_node_files:
+            return
+        try:
+            files = [*await self.node.criu.files(), *self.node.runtime.tool_files()]
+        except (CriuError, OSError) as e:
+            log.warning("cannot list CRIU's files to read ahead", extra={"error": str(e)})
+            return
+        stats = await asyncio.to_thread(read_whole, files)
+        log.debug("tools read ahead", extra={"files": stats.files, "bytes": stats.bytes, "s": stats.seconds})
+
+    async def start_prefetch(self) -> asyncio.Task[PrefetchStats] | None:
+        """Start reading the node files the checkpoint's plan names; None without a (valid) plan."""
+        artifact = self.artifact
+        if not self.node.prefetch_node_files or not any(
+            f.path == PREFETCH_FILE for f in artifact.manifest.files
+        ):
+            return None
+        try:
+            await artifact.averify(files=[PREFETCH_FILE], verified=self.node.verified)
+            plan = await asyncio.to_thread(read_plan, artifact.file_path(PREFETCH_FILE))
+        except (ArtifactError, ValueError, OSError) as e:
+            # Only a hint: the full check below refuses the artifact if the plan was tampered with.
+            log.warning("prefetch plan unusable", extra={"error": str(e)})
+            return None
+        return asyncio.create_task(asyncio.to_thread(prefetch, plan))
+
+    def start_weights_check(self, undo: contextlib.AsyncExitStack) -> None:
+        self.weights_check = asyncio.create_task(self.verify_weights(self.weight_files))
+        undo.push_async_callback(_cancel, self.weights_check)
+
+    async def verify_process_images(self) -> None:
+        """The process images CRIU acts on. The memory pages are most of the bytes: where the runtime can
+        hold the restored tree stopped, they are checked while CRIU restores them and the tree runs only
+        once they passed. Compressed pages are not plain pages-N.img: they are checked here."""
+        artifact = self.artifact
+        weight_files = set(self.weight_files)
+        process_files = [f.path for f in artifact.manifest.files if f.path not in weight_files]
+        overlap = self.node.overlap_page_check and self.node.runtime.restores_stopped
+        self.pages = [f for f in process_files if _is_pages(f)] if overlap else []
+        try:
+            # Concurrent restores of one artifact wait for the first one's hashing and then find its
+            # files verified, instead of all reading the same bytes at once.
+            async with self.node.verifying.setdefault(str(artifact.path), asyncio.Lock()):
+                self.process_stats = await artifact.averify(
+                    files=[f for f in process_files if f not in self.pages], verified=self.node.verified
+                )
+            self.verified_bytes = self.process_stats.bytes
+        except (ArtifactError, ValueError) as e:
+            raise ArtifactRefused(f"artifact {artifact.key} refused: {e}") from None
+
+    async def verify_weights_files(self) -> None:
+        """The weights files' sizes and headers; their bytes are checked beside CRIU."""
+        try:
+            await self.artifact.averify(files=self.weight_files, check_checksums=False)
+            for w in self.weights:
+                await asyncio.to_thread(check_carried, self.artifact.path / w.file, w)
+        except (ArtifactError, ValueError, WeightsPlacementError) as e:
+            raise ArtifactRefused(f"weights of artifact {self.artifact.key} refused: {e}") from None
+
+    async def verify_weights(self, files: list[str]) -> TreeStats:
+        # Timed apart from the phases it overlaps; "weights_wait" is what it added to the restore.
+        started = time.monotonic()
+        try:
+            # Linking the weights into a worker's control dir changes their status-change time, so
+            # the cache rarely spares this check; it stays correct either way.
+            return await self.artifact.averify(
+                files=files,
+                verified=self.node.verified,
+                idle_io=self.node.weights_check_idle_io,
+                parallel=self.node.weights_check_parallel or HASH_PARALLEL,
+            )
+        except (ArtifactError, ValueError) as e:
+            raise ArtifactRefused(f"weights of artifact {self.artifact.key} refused: {e}") from None
+        finally:
+            self.timings.overlapped["weights_verify"] = round(time.monotonic() - started, 4)
+
+    # ------------------------------------------------------------------ process
+    async def restore_process(self, undo: contextlib.AsyncExitStack) -> Workload:
+        """CRIU restores the tree (stopped, where its pages are still being checked)."""
+        staged: Path | None = None
+        if self.staging is not None:
+            # What is left of the unpacking, which began with the check.
+            with self.timings.phase("restore", "unpack_wait"):
+                staged = await self.staging.wait()
+        # Sentinels an earlier container of this pod left must not wake the tree about to come back.
+        ctl = self.node.runtime.control_dir(self.key)
+        for stale in (protocol.FILE_RESTORE_COMPLETE, protocol.FILE_SNAPSHOT_COMPLETE):
+            await asyncio.to_thread((ctl / stale).unlink, missing_ok=True)
+        source_ctl = self.artifact.manifest.extra.get("control_dir")
+        with self.timings.phase("restore", "criu_restore"):
+            try:
+                workload = await self.node.runtime.restore(
+                    self.key,
+                    staged or self.artifact.path / "criu",
+                    source_ctl if isinstance(source_ctl, str) else None,
+                    stopped=self.pages_check is not None,
+                )
+            except WorkloadRuntimeError as e:
+                raise AgentError(f"CRIU restore failed: {e}") from None
+            finally:
+                # CRIU (runc restore -d too) returns once every process has its memory back: the pages
+                # are read by then, and the staged copy can go, whatever came of it.
+                if self.staging is not None:
+                    await self.staging.discard()
+        undo.push_async_callback(self.node.runtime.stop, self.key)
+        return workload
+
+    async def resume_process(self, workload: Workload) -> None:
+        """The tree runs once its pages passed; its CUDA state comes back on the GPUs it was assigned."""
+        if self.pages_check is not None:
+            with self.timings.phase("restore", "pages_wait"):
+                try:
+                    await self.pages_check
+                except (ArtifactError, ValueError) as e:
+                    raise ArtifactRefused(f"artifact {self.artifact.key} refused: {e}") from None
+            await self.node.runtime.resume(workload)
+        with self.timings.phase("restore", "cuda_restore"):
+            target = assigned_gpus(self.node.gpus, workload.visible_gpus, self.artifact.manifest.gpus)
+            remap = gpu_remap(self.artifact.manifest.gpus, target)
+            cuda = self.node.cuda
+            await resume_cuda(cuda, await checkpointed_pids(cuda, workload.pid), remap)
+        if self.pages_check is not None:
+            self.verified_bytes += self.pages_check.result().bytes
+
+    # ------------------------------------------------------------------ hand over
+    async def hand_over(self, workload: Workload, undo: contextlib.AsyncExitStack) -> None:
+        """The weights back in place and the worker told to go on. A worker that waits for
+        weights-verified is told to resume (and load) before the check ends; any other only once it
+        passed."""
+        verdict = workload.control_dir / protocol.FILE_WEIGHTS_VERIFIED
+        # Left by an earlier restore into this control dir; the worker is still waiting for
+        # restore-complete, so it cannot have read it.
+        await asyncio.to_thread(verdict.unlink, missing_ok=True)
+        check = self.weights_check
+        early = check is not None and self.artifact.manifest.extra.get("weightsEarlyLoad") is True
+        # Still running: a worker that waits for the verdict resumes now and loads meanwhile.
+        pending = early and check is not None and not check.done()
+        if check is not None and not pending:
+            self.verified_bytes += await _weights_verdict(check, verdict if early else None, self.timings)
+        if self.weights:
+            await asyncio.to_thread(self._place_weights, workload)
+        # A worker restored here later must not find this restore's go-ahead.
+        undo.push_async_callback(_withdraw_go_ahead, workload.control_dir)
+        with self.timings.phase("restore", "signal"):
+            await self.signal(workload, pending)
+        if pending and check is not None:
+            self.verified_bytes += await _weights_verdict(check, verdict, self.timings)
+
+    def _place_weights(self, workload: Workload) -> None:
+        seen_ctl = self.node.control_dir_seen_by_worker(workload)
+        containerized = self.node.runtime.name == "runc"
+        try:
+            for w in self.weights:
+                target = host_path(w.worker_path, seen_ctl, workload.control_dir, containerized=containerized)
+                place_weights(self.artifact.path / w.file, target, w)
+        except (WeightsPlacementError, OSError) as e:
+            raise AgentError(f"cannot put the weights back: {e}") from None
+
+    async def signal(self, workload: Workload, weights_pending: bool) -> None:
+        """restore-context.json where the standby left none, then restore-complete: the worker's go-ahead."""
+        if self.greeting.env is not None:
+            await asyncio.to_thread(ensure_restore_context, workload.control_dir, self.greeting.env)
+        # The workload SDK reads who it is now from here (podName, podIP, hostname, env).
+        info: dict[str, Any] = {
+            "node": self.node.node_name,
+            "restoredAt": time.time(),
+            **self.greeting.identity,
+        }
+        if weights_pending:
+            info[protocol.RESTORE_WEIGHTS_CHECK] = protocol.WEIGHTS_CHECK_PENDING
+        await asyncio.to_thread(
+            write_atomic, workload.control_dir / protocol.FILE_RESTORE_COMPLETE, json.dumps(info)
+        )
+
+
+def ensure_restore_context(control_dir: Path, env: Mapping[str, str]) -> None:
+    """restore-context.json for a Dynamo worker, from the restore container's env, unless its standby
+    entrypoint wrote one (it saw the env as Kubernetes resolved it: Secrets, the Downward API)."""
+    path = control_dir / protocol.FILE_RESTORE_CONTEXT
+    if path.exists():
+        return
+    context = {"env": {name: env.get(name) for name in sorted(protocol.RESTORE_CONTEXT_ENV_NAMES)}}
+    write_atomic(path, json.dumps(context, sort_keys=True))
+
+
+async def _withdraw_go_ahead(control_dir: Path) -> None:
+    with contextlib.suppress(OSError):
+        go_ahead = control_dir / protocol.FILE_RESTORE_COMPLETE
+        await asyncio.to_thread(go_ahead.unlink, missing_ok=True)
+
+
+async def _weights_verdict(check: asyncio.Task[TreeStats], verdict: Path | None, timings: Timings) -> int:
+    """The bytes the weights check read, once it passed; then `verdict` (weights-verified) written."""
+    with timings.phase("restore", "weights_wait"):
+        checked = (await check).bytes
+    if verdict is not None:
+        await asyncio.to_thread(write_atomic, verdict, "{}")
+    return checked
+
+
+async def _cancel(task: asyncio.Task[Any]) -> None:
+    """Cancel a task that may still run, and wait until it has ended."""
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+
+
+async def _prefetch_result(task: asyncio.Task[PrefetchStats] | None) -> PrefetchStats | None:
+    if task is None:
+        return None
+    try:
+        stats = await task
+    except OSError as e:
+        log.warning("prefetch failed", extra={"error": str(e)})
+        return None
+    PREFETCH_BYTES.inc(stats.bytes)
+    PREFETCH_SKIPPED.inc(stats.skipped)
+    return stats
+
+
+async def _collect_quietly(task: asyncio.Task[PrefetchStats]) -> None:
+    with contextlib.suppress(BaseException):
+        await _prefetch_result(task)
+
+
+def _is_pages(rel: str) -> bool:
+    # CRIU's memory contents (pages-N.img); the other images describe the tree it rebuilds.
+    name = rel.rsplit("/", 1)[-1]
+    return name.startswith("pages-") and name.endswith(".img")
+
+
+def _list(extra: dict[str, JsonValue], key: str) -> list[JsonValue]:
+    value = extra.get(key, [])
+    if not isinstance(value, list):
+        raise ValueError(f"manifest extra.{key} is not a list")
+    return value

@@ -1,0 +1,77 @@
+"""An artifact that needs a format feature (or a format version) the agent does not read is refused before
+anything of it is read or run: no CRIU, no runtime, the feature or version named in the message that
+becomes the pod's failed status."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+from dynamo_snapshot.agent.executor import ArtifactRefused, Executor
+from dynamo_snapshot.agent.runtime.base import Runtime
+from dynamo_snapshot.artifact import FORMAT_VERSION, ArtifactStore, ArtifactWriter
+from dynamo_snapshot.artifact import manifest as manifest_module
+from dynamo_snapshot.artifact.manifest import FEATURE_COMPRESSED_PAGES, SUPPORTED_FEATURES, canonical_digest
+from dynamo_snapshot.criu import Criu
+from tests.artifact.helpers import read_manifest, write_manifest
+
+HASH = "0123456789abcdef"
+
+
+class Untouchable:
+    """A runtime or CRIU that fails the test on any use but naming itself."""
+
+    name = "process"
+    restores_stopped = False
+
+    def __getattr__(self, attr: str) -> Any:
+        raise AssertionError(f"{attr} used for a refused artifact")
+
+
+async def _executor(tmp_path: Path, features: list[str]) -> Executor:
+    store = ArtifactStore(tmp_path / "store")
+    with ArtifactWriter(store, HASH) as writer:
+        (writer.directory / "criu").mkdir()
+        (writer.directory / "criu" / "core-1.img").write_bytes(b"core")
+        await writer.publish(criu_version="4.1.1", source_node="node-a", features=features)
+    untouchable = Untouchable()
+    return Executor(
+        cast(Runtime, untouchable), store, cast(Criu, untouchable), node_name="node-a", cuda=None, gpus=None
+    )
+
+
+async def test_an_unknown_feature_is_refused_up_front(tmp_path: Path) -> None:
+    executor = await _executor(tmp_path, [FEATURE_COMPRESSED_PAGES])
+    artifact_dir = executor.store.path_for(HASH)
+    raw = read_manifest(artifact_dir)
+    raw["features"] = [FEATURE_COMPRESSED_PAGES, "holographic-pages"]
+    write_manifest(artifact_dir, raw, reseal=True)
+    with pytest.raises(ArtifactRefused) as refused:
+        await executor.restore("restored", HASH, manifest_digest=canonical_digest(raw))
+    assert str(refused.value).startswith(
+        f"artifact {HASH} refused: it needs format feature(s) this reader does not support: holographic-pages"
+    )
+
+
+async def test_an_older_reader_refuses_a_feature_it_predates(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    executor = await _executor(tmp_path, [FEATURE_COMPRESSED_PAGES])
+    monkeypatch.setattr(
+        manifest_module, "SUPPORTED_FEATURES", SUPPORTED_FEATURES - {FEATURE_COMPRESSED_PAGES}
+    )
+    with pytest.raises(ArtifactRefused, match=r"does not support: compressed-pages \(format_version 4;"):
+        await executor.restore("restored", HASH)
+
+
+async def test_an_older_reader_refuses_a_newer_format(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    executor = await _executor(tmp_path, [])
+    older = FORMAT_VERSION - 1
+    monkeypatch.setattr(manifest_module, "FORMAT_VERSION", older)
+    message = f"format_version {FORMAT_VERSION} is newer than supported {older}"
+    with pytest.raises(ArtifactRefused, match=message):
+        await executor.restore("restored", HASH)
