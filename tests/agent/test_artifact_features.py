@@ -11,13 +11,27 @@ import pytest
 
 from dynamo_snapshot.agent.executor import ArtifactRefused, Executor
 from dynamo_snapshot.agent.runtime.base import Runtime
+from dynamo_snapshot.agent.weights import weights_features
 from dynamo_snapshot.artifact import FORMAT_VERSION, ArtifactStore, ArtifactWriter
 from dynamo_snapshot.artifact import manifest as manifest_module
-from dynamo_snapshot.artifact.manifest import FEATURE_COMPRESSED_PAGES, SUPPORTED_FEATURES, canonical_digest
+from dynamo_snapshot.artifact.manifest import (
+    FEATURE_COMPRESSED_PAGES,
+    FEATURE_SPLIT_NIBBLE_WEIGHTS,
+    SUPPORTED_FEATURES,
+    canonical_digest,
+)
 from dynamo_snapshot.criu import Criu
+from dynamo_snapshot.workload.weights import (
+    ENCODING_SPLIT_NIBBLE,
+    Encoding,
+    WeightsHeader,
+    data_digest,
+    plan_layout,
+)
 from tests.artifact.helpers import read_manifest, write_manifest
 
 HASH = "0123456789abcdef"
+SHA = "a" * 64
 
 
 class Untouchable:
@@ -75,3 +89,23 @@ async def test_an_older_reader_refuses_a_newer_format(
     message = f"format_version {FORMAT_VERSION} is newer than supported {older}"
     with pytest.raises(ArtifactRefused, match=message):
         await executor.restore("restored", HASH)
+
+
+def test_encoded_weights_files_need_their_feature(tmp_path: Path) -> None:
+    def header(encoding: Encoding | None) -> WeightsHeader:
+        specs, _ = plan_layout([("w", "uint8", (8192,), 8192)], 256)
+        return WeightsHeader(
+            tensors=tuple(specs),
+            data_bytes=8192,
+            device_bytes=8192,
+            chunk_bytes=4096,
+            chunk_sha256=(SHA, SHA),
+            data_digest=data_digest([SHA, SHA]),
+            encoding=encoding,
+        )
+
+    plain, nibble = tmp_path / "plain.dsw", tmp_path / "nibble.dsw"
+    plain.write_bytes(header(None).encode() + bytes(8192))
+    nibble.write_bytes(header(Encoding(ENCODING_SPLIT_NIBBLE, (-1, -1))).encode() + bytes(8192))
+    assert weights_features([plain]) == set()
+    assert weights_features([plain, nibble]) == {FEATURE_SPLIT_NIBBLE_WEIGHTS}

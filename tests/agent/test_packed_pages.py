@@ -84,6 +84,7 @@ async def test_pages_are_stored_compressed_and_restored_from_a_staging_dir(
     assert before == sum(unpacked_size(p) for p in packed)
     assert after < before / 2, (before, after)  # three quarters of the state in four letters
     assert "compress_pages" in artifact.manifest.timings
+    assert artifact.manifest.features == ["compressed-pages"], "a reader must know to unpack them"
     assert REGISTRY.get_sample_value(SAVED) == saved_before + before - after
 
     calls = RestoreCalls(runtime)
@@ -154,6 +155,7 @@ async def test_an_artifact_of_plain_pages_restores_as_before(criu_bin: Path, tmp
     artifact = executor.store.open(HASH)
     assert not [f.path for f in artifact.manifest.files if is_packed_pages(f.path)]
     assert artifact.manifest.extra["pagesCompressed"] == {"files": 0, "bytesBefore": 0, "bytesAfter": 0}
+    assert artifact.manifest.features == []
     executor.compress_pages = True  # the restoring agent compresses its own checkpoints
     calls = RestoreCalls(runtime)
     phases = await _restored_intact(executor, runtime, ctl)
