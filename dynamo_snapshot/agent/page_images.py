@@ -132,8 +132,11 @@ class PagesScratch:
     threads: int
     cleaned: set[Path] = field(default_factory=set)
 
-    def start(self, artifact: Artifact, fallback: Path, key: str, timings: Timings) -> StagedPages | None:
-        """Unpack the artifact's compressed pages for CRIU, in a task; None where it has none."""
+    def start(
+        self, artifact: Artifact, fallback: Callable[[], Path], key: str, timings: Timings
+    ) -> StagedPages | None:
+        """Unpack the artifact's compressed pages for CRIU, in a task; None where it has none. ``fallback``
+        gives the other place, asked only when there are pages to unpack."""
         criu_files = [
             f.path.removeprefix("criu/") for f in artifact.manifest.files if f.path.startswith("criu/")
         ]
@@ -149,7 +152,7 @@ class PagesScratch:
         return StagedPages(asyncio.create_task(stage()))
 
     async def stage(
-        self, images: Path, files: list[str], artifact_key: str, fallback: Path, key: str
+        self, images: Path, files: list[str], artifact_key: str, fallback: Callable[[], Path], key: str
     ) -> Path:
         """A new images directory for CRIU: the artifact's compressed pages unpacked, its other images
         copied. Only the files the artifact seals (``files``); they are being checked meanwhile, and CRIU
@@ -158,7 +161,7 @@ class PagesScratch:
             need = await asyncio.to_thread(staged_bytes, images, files)
         except (PackedFormatError, OSError) as e:
             raise ArtifactRefused(f"artifact {artifact_key} refused: {e}") from None
-        bases = [b for b in (self.base, fallback) if b is not None]
+        bases = [b for b in (self.base, fallback()) if b is not None]
         problems = []
         for base in bases:
             try:

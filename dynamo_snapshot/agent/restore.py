@@ -176,8 +176,10 @@ class RestoreRun:
         # Compressed pages are unpacked (into a directory of this restore's own) while they are checked;
         # CRIU starts on them only once the check passed.
         scratch = PagesScratch(self.node.restore_scratch, self.node.pages_threads, self.node.scratch_cleaned)
-        fallback = self.node.runtime.control_dir(self.key).parent / ".restore-images"
-        self.staging = scratch.start(self.artifact, fallback, self.key, self.timings)
+        runtime, key = self.node.runtime, self.key
+        self.staging = scratch.start(
+            self.artifact, lambda: runtime.control_dir(key).parent / ".restore-images", key, self.timings
+        )
         if self.staging is not None:
             undo.push_async_callback(self.staging.discard)
         if self.weights and self.node.weights_check_idle_io:
