@@ -66,6 +66,7 @@ class InvariantWatch:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _started: float = field(default_factory=time.monotonic)
     _synced: dict[str, asyncio.Event] = field(default_factory=lambda: defaultdict(asyncio.Event))
+    _reported: set[str] = field(default_factory=set)
     _waiters: list[tuple[Callable[[str, Obj], bool], asyncio.Future[Obj]]] = field(default_factory=list)
 
     # ------------------------------------------------------------------ lifecycle
@@ -115,7 +116,10 @@ class InvariantWatch:
         assert not self.violations, "invariants broken during the run:\n  " + "\n  ".join(self.violations)
 
     def _record(self, what: str) -> None:
-        self.violations.append(f"t+{time.monotonic() - self._started:.2f}s: {what}")
+        # Once each: every later event of the same pods (status updates) would repeat it.
+        if what not in self._reported:
+            self._reported.add(what)
+            self.violations.append(f"t+{time.monotonic() - self._started:.2f}s: {what}")
 
     # ------------------------------------------------------------------ the apiserver
     async def _watch(self, kind: ResourceKind, seen: dict[str, Obj], check: Callable[[], None]) -> None:
@@ -178,12 +182,9 @@ class InvariantWatch:
     # ------------------------------------------------------------------ the artifact store
     async def _poll_store(self) -> None:
         assert self.store_root is not None
-        reported: set[str] = set()
         while True:
             for problem in await asyncio.to_thread(store_problems, self.store_root, self.namespace):
-                if problem not in reported:  # once each: a poll every 20 ms would repeat it
-                    reported.add(problem)
-                    self._record(problem)
+                self._record(problem)
             self.store_scans += 1
             await asyncio.sleep(self.store_every)
 

@@ -39,7 +39,13 @@ from dynamo_snapshot.kube import EVENT, POD, ApiError, Kube, Obj
 from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD
 from dynamo_snapshot.localcluster import LocalCluster
 from tests.helpers.cli import CLI
-from tests.helpers.invariants import InvariantWatch, holds_a_replica, leftover_staging, worker_owner
+from tests.helpers.invariants import (
+    WORKER_SURGE,
+    InvariantWatch,
+    holds_a_replica,
+    leftover_staging,
+    worker_owner,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.criu]
 
@@ -234,6 +240,14 @@ class Rig:
             assert [r["uid"] for r in pod["metadata"].get("ownerReferences") or []] == [dgd_uid]
         return list(pods)
 
+    async def finish(self) -> None:
+        """The run's verdict: no invariant broken at any moment, and no staging left by a killed agent
+        once its successor runs (store ``.partial-``/``.deleting-``, restore scratch of dead pids)."""
+        left = await asyncio.to_thread(leftover_staging, self.store, [self.scratch])
+        await self.watch.stop()
+        self.watch.assert_clean()
+        assert not left, f"staging nobody will finish: {left}"
+
     async def ready_checkpoint(self) -> Obj:
         ckpt: Obj = await self.until(
             "the checkpoint to be Ready", lambda: self.checkpoint_phase("Ready", "Failed"), 90
@@ -392,8 +406,7 @@ async def test_agent_killed_mid_checkpoint(rig: Rig) -> None:
         "the staging to be removed", lambda: asyncio.to_thread(lambda: not leftover_staging(rig.store)), 20
     )
     assert not [p for p in rig.store.rglob("manifest.json")], "a failed checkpoint publishes nothing"
-    await rig.watch.stop()
-    rig.watch.assert_clean()
+    await rig.finish()
 
 
 async def test_controller_killed_mid_scale_up_by_restore(rig: Rig) -> None:
@@ -424,8 +437,7 @@ async def test_controller_killed_mid_scale_up_by_restore(rig: Rig) -> None:
         p for p in pods if p["metadata"]["labels"].get(protocol.LABEL_RESTORE_TARGET) == protocol.TRUE
     ]
     assert len(restored) == 5, await rig.story()
-    await rig.watch.stop()
-    rig.watch.assert_clean()
+    await rig.finish()
     assert rig.watch.peak_workers[(GRAPH, SERVICE)] <= 6
 
 
@@ -459,5 +471,61 @@ async def test_controller_killed_mid_failover(rig: Rig) -> None:
     rig.controller.start()
     final = await rig.settled(3)
     assert not names & {p["metadata"]["name"] for p in final}
-    await rig.watch.stop()
-    rig.watch.assert_clean()
+    await rig.finish()
+
+
+async def test_invariant_watch_sees_violations(
+    api: client.ApiClient, namespace: str, crds: list[str], tmp_path: Path
+) -> None:
+    """The watch is not vacuous: a second checkpoint of one identity, a pod beyond replicas plus the surge
+    and an artifact directory without its manifest are each recorded as they appear."""
+    kube = Kube(api, field_manager="process-kill-test")
+    watch = await InvariantWatch(kube, namespace, store_root=tmp_path).start()
+    try:
+        watch.allow("g", "s", 1)
+        for i in range(1 + 1 + WORKER_SURGE):
+            await kube.create(
+                POD,
+                {
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {
+                        "name": f"w{i}",
+                        "labels": {protocol.LABEL_GRAPH: "g", protocol.LABEL_SERVICE: "s"},
+                    },
+                    # No node fits: it stays Pending (unbound, so it goes at once with the namespace),
+                    # and a Pending pod holds a replica.
+                    "spec": {
+                        "nodeSelector": {"process-kill-test": "no-such-node"},
+                        "containers": [{"name": "main", "image": "x"}],
+                    },
+                },
+                namespace,
+            )
+        for name in ("a", "b"):
+            await kube.create(
+                CHECKPOINT,
+                {
+                    "apiVersion": f"{protocol.API_GROUP}/{protocol.API_VERSION}",
+                    "kind": "DynamoCheckpoint",
+                    "metadata": {"name": name, "labels": {protocol.LABEL_CHECKPOINT_HASH: HASH}},
+                    "spec": {"identity": IDENTITY, "job": {"podTemplateSpec": {"spec": {"containers": []}}}},
+                },
+                namespace,
+            )
+        (tmp_path / namespace / "0b5a1c52-0000-4000-8000-000000000001").mkdir(parents=True)
+        for _ in range(200):  # 10 s for the watch to see all three
+            if len(watch.violations) >= 3:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        await watch.stop()
+    seen = "\n".join(watch.violations)
+    assert "3 worker pods of g/s with 1 replicas" in seen, seen
+    assert f"2 DynamoCheckpoints for identity hash {HASH}" in seen, seen
+    assert "partial artifact visible" in seen, seen
+    with pytest.raises(AssertionError):
+        watch.assert_clean()
+    for name in ("a", "b"):  # no finalizers on these: the namespace goes with them
+        with contextlib.suppress(ApiError):
+            await kube.delete(CHECKPOINT, name, namespace)
