@@ -99,110 +99,22 @@ class LocalCluster:
             ensure_port_free(self.options.apiserver_port, "kube-apiserver")
         self.apiserver_port = self.options.apiserver_port or free_port()
         etcd_port, etcd_peer = free_port(), free_port()
-        try:
-            self._pki = pki = make_pki(
-                self.workdir / "pki",
-                ["127.0.0.1", "localhost", "10.96.0.1", "kubernetes", "kubernetes.default.svc"],
-            )
-        except PkiError as e:
-            raise LocalClusterError(str(e)) from None
+        pki = self._make_pki()
         self._write_kubeconfig(pki)
         deadline = time.monotonic() + timeout
 
         say("starting etcd")
-        self._spawn(
-            "etcd",
-            [
-                str(comps.etcd),
-                "--name=local",
-                f"--data-dir={self.workdir / 'etcd'}",
-                f"--listen-client-urls=http://127.0.0.1:{etcd_port}",
-                f"--advertise-client-urls=http://127.0.0.1:{etcd_port}",
-                f"--listen-peer-urls=http://127.0.0.1:{etcd_peer}",
-                f"--initial-advertise-peer-urls=http://127.0.0.1:{etcd_peer}",
-                f"--initial-cluster=local=http://127.0.0.1:{etcd_peer}",
-                # Tests and the demo value speed over durability; the data dies with the cluster anyway.
-                "--unsafe-no-fsync",
-                "--quota-backend-bytes=8589934592",
-                "--log-level=warn",
-            ],
-        )
+        self._spawn("etcd", self._etcd_argv(comps, etcd_port, etcd_peer))
         self._wait("etcd", lambda: _http_ok(f"http://127.0.0.1:{etcd_port}/health"), deadline)
 
         say("starting kube-apiserver")
-        self._spawn(
-            "kube-apiserver",
-            [
-                str(comps.kube_apiserver),
-                f"--etcd-servers=http://127.0.0.1:{etcd_port}",
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
-                f"--secure-port={self.apiserver_port}",
-                f"--tls-cert-file={pki.server_cert}",
-                f"--tls-private-key-file={pki.server_key}",
-                f"--client-ca-file={pki.ca_cert}",
-                "--authorization-mode=Node,RBAC",
-                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-                f"--service-account-key-file={pki.sa_pub}",
-                f"--service-account-signing-key-file={pki.sa_key}",
-                "--service-cluster-ip-range=10.96.0.0/16",
-                "--allow-privileged=true",
-                "--profiling=false",
-                # No real network here: the `kubernetes` Service endpoint would be loopback, which is refused.
-                "--endpoint-reconciler-type=none",
-                "--max-requests-inflight=1600",
-                "--max-mutating-requests-inflight=800",
-                # For a real node (logs, exec, port-forward): the admin cert passes the kubelet's webhook
-                # authorization, and the node name does not resolve here, its InternalIP does.
-                f"--kubelet-client-certificate={pki.admin_cert}",
-                f"--kubelet-client-key={pki.admin_key}",
-                "--kubelet-preferred-address-types=InternalIP,Hostname",
-                *self.options.extra_apiserver_args,
-            ],
-        )
+        self._spawn("kube-apiserver", self._apiserver_argv(comps, pki, etcd_port))
         self._wait("kube-apiserver", lambda: self._api_ok("/readyz"), deadline)
 
-        common = [f"--kubeconfig={self.kubeconfig}", "--leader-elect=false"]
         say("starting kube-controller-manager, kube-scheduler and kwok")
-        self._spawn(
-            "kube-controller-manager",
-            [
-                str(comps.kube_controller_manager),
-                *common,
-                "--secure-port=0",
-                f"--service-account-private-key-file={pki.sa_key}",
-                f"--root-ca-file={pki.ca_cert}",
-                "--use-service-account-credentials=false",
-                "--cluster-name=dynamo-snapshot-local",
-                f"--node-monitor-grace-period={self.options.node_monitor_grace_period}",
-                "--kube-api-qps=200",
-                "--kube-api-burst=400",
-            ],
-        )
-        self._spawn(
-            "kube-scheduler",
-            [
-                str(comps.kube_scheduler),
-                *common,
-                "--secure-port=0",
-                "--kube-api-qps=200",
-                "--kube-api-burst=400",
-            ],
-        )
-        self._spawn(
-            "kwok",
-            [
-                str(comps.kwok),
-                f"--kubeconfig={self.kubeconfig}",
-                f"--config={comps.kwok_stages}",
-                "--manage-all-nodes=false",
-                f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}={KWOK_NODE_VALUE}",
-                f"--cidr={self.options.pod_cidr}",
-                "--node-ip=10.255.0.1",
-                "--node-lease-duration-seconds=40",
-                f"--server-address=127.0.0.1:{free_port()}",
-            ],
-        )
+        self._spawn("kube-controller-manager", self._controller_manager_argv(comps, pki))
+        self._spawn("kube-scheduler", self._scheduler_argv(comps))
+        self._spawn("kwok", self._kwok_argv(comps))
         # The service-account controller proves the controller-manager is working, not merely alive.
         self._wait("kube-controller-manager", lambda: self._has_default_sa("default"), deadline)
         say(f"control plane ready at {self.server} (kubeconfig {self.kubeconfig})")
@@ -212,6 +124,100 @@ class LocalCluster:
             except BaseException:
                 self.stop()
                 raise
+
+    # ------------------------------------------------------------------ the control plane's pieces
+    def _make_pki(self) -> Pki:
+        try:
+            self._pki = make_pki(
+                self.workdir / "pki",
+                ["127.0.0.1", "localhost", "10.96.0.1", "kubernetes", "kubernetes.default.svc"],
+            )
+        except PkiError as e:
+            raise LocalClusterError(str(e)) from None
+        return self._pki
+
+    def _etcd_argv(self, comps: Components, port: int, peer_port: int) -> list[str]:
+        return [
+            str(comps.etcd),
+            "--name=local",
+            f"--data-dir={self.workdir / 'etcd'}",
+            f"--listen-client-urls=http://127.0.0.1:{port}",
+            f"--advertise-client-urls=http://127.0.0.1:{port}",
+            f"--listen-peer-urls=http://127.0.0.1:{peer_port}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{peer_port}",
+            f"--initial-cluster=local=http://127.0.0.1:{peer_port}",
+            # Tests and the demo value speed over durability; the data dies with the cluster anyway.
+            "--unsafe-no-fsync",
+            "--quota-backend-bytes=8589934592",
+            "--log-level=warn",
+        ]
+
+    def _apiserver_argv(self, comps: Components, pki: Pki, etcd_port: int) -> list[str]:
+        return [
+            str(comps.kube_apiserver),
+            f"--etcd-servers=http://127.0.0.1:{etcd_port}",
+            "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1",
+            f"--secure-port={self.apiserver_port}",
+            f"--tls-cert-file={pki.server_cert}",
+            f"--tls-private-key-file={pki.server_key}",
+            f"--client-ca-file={pki.ca_cert}",
+            "--authorization-mode=Node,RBAC",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--service-account-key-file={pki.sa_pub}",
+            f"--service-account-signing-key-file={pki.sa_key}",
+            "--service-cluster-ip-range=10.96.0.0/16",
+            "--allow-privileged=true",
+            "--profiling=false",
+            # No real network here: the `kubernetes` Service endpoint would be loopback, which is refused.
+            "--endpoint-reconciler-type=none",
+            "--max-requests-inflight=1600",
+            "--max-mutating-requests-inflight=800",
+            # For a real node (logs, exec, port-forward): the admin cert passes the kubelet's webhook
+            # authorization, and the node name does not resolve here, its InternalIP does.
+            f"--kubelet-client-certificate={pki.admin_cert}",
+            f"--kubelet-client-key={pki.admin_key}",
+            "--kubelet-preferred-address-types=InternalIP,Hostname",
+            *self.options.extra_apiserver_args,
+        ]
+
+    def _controller_manager_argv(self, comps: Components, pki: Pki) -> list[str]:
+        return [
+            str(comps.kube_controller_manager),
+            f"--kubeconfig={self.kubeconfig}",
+            "--leader-elect=false",
+            "--secure-port=0",
+            f"--service-account-private-key-file={pki.sa_key}",
+            f"--root-ca-file={pki.ca_cert}",
+            "--use-service-account-credentials=false",
+            "--cluster-name=dynamo-snapshot-local",
+            f"--node-monitor-grace-period={self.options.node_monitor_grace_period}",
+            "--kube-api-qps=200",
+            "--kube-api-burst=400",
+        ]
+
+    def _scheduler_argv(self, comps: Components) -> list[str]:
+        return [
+            str(comps.kube_scheduler),
+            f"--kubeconfig={self.kubeconfig}",
+            "--leader-elect=false",
+            "--secure-port=0",
+            "--kube-api-qps=200",
+            "--kube-api-burst=400",
+        ]
+
+    def _kwok_argv(self, comps: Components) -> list[str]:
+        return [
+            str(comps.kwok),
+            f"--kubeconfig={self.kubeconfig}",
+            f"--config={comps.kwok_stages}",
+            "--manage-all-nodes=false",
+            f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}={KWOK_NODE_VALUE}",
+            f"--cidr={self.options.pod_cidr}",
+            "--node-ip=10.255.0.1",
+            "--node-lease-duration-seconds=40",
+            f"--server-address=127.0.0.1:{free_port()}",
+        ]
 
     @property
     def real_node(self) -> RealNode | None:

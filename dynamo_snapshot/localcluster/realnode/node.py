@@ -1,157 +1,40 @@
-"""A real Kubernetes node on this machine: kubelet + containerd 2.x + runc + CNI bridge (+ kube-proxy).
+"""`RealNode`: start, use and stop kubelet + containerd (+ kube-proxy) as one node of a `LocalCluster`.
 
-It joins a running `LocalCluster` next to the kwok nodes. Pods on it are real containers (runc state under
-/run/containerd/runc/k8s.io/<containerID>), addressed on a bridge that lives only on this machine; images
-come from local OCI archives (`images.py`), so pods use `imagePullPolicy: Never`.
-
-The node is tainted (`REAL_NODE_TAINT`) so that pods written for kwok nodes never land on it; pods meant for
-it tolerate the taint (`pod_overrides`). One real node per machine: a lock under /run refuses a second one,
-and a start after a killed run first removes what that run left (processes, mounts, cgroups, netns, the
-bridge, iptables chains).
+The pieces it puts together live next to it: the host it runs on (`host`), its daemons' configuration
+(`configs`), its pods' images and seccomp profile (`pod_images`) and what it leaves on the host (`traces`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
-import hashlib
 import json
 import os
-import shlex
-import shutil
 import signal
-import ssl
 import subprocess
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from dynamo_snapshot.localcluster.components import SETUP_HINT, ComponentsMissingError, cache_dir
-from dynamo_snapshot.localcluster.images import (
-    ImageBuildError,
-    ImageRef,
-    build_busybox_rootfs,
-    build_pause_rootfs,
-    worker_image_archive,
-    write_oci_archive,
-)
+from dynamo_snapshot.localcluster.images import ImageRef
 from dynamo_snapshot.localcluster.pki import Pki, PkiError, make_node_certs
+from dynamo_snapshot.localcluster.realnode import configs
+from dynamo_snapshot.localcluster.realnode.configs import REAL_NODE_TAINT, RealNodeOptions
+from dynamo_snapshot.localcluster.realnode.host import (
+    CONTAINERD_NAMESPACE,
+    IP_FORWARD,
+    LOCK_PATH,
+    NodeComponents,
+    RealNodeError,
+    find_node_components,
+    free_port,
+    http_ok,
+    run,
+)
+from dynamo_snapshot.localcluster.realnode.pod_images import build_node_images, install_seccomp_profiles
+from dynamo_snapshot.localcluster.realnode.traces import HostTraces, cmdline, kill
 from dynamo_snapshot.localcluster.supervise import Proc, spawn_logged, terminate
-
-# Test-infrastructure names (not the product's protocol): the taint that keeps kwok-bound pods off the node.
-REAL_NODE_TAINT = "localcluster.dynamo-snapshot.dev/real-node"
-# The seccomp profile the Helm chart installs for workers (helm/dynamo-snapshot/templates/
-# seccomp-configmap.yaml): CRIU cannot dump an io_uring instance, so creating one fails with ENOSYS and
-# libraries (libuv, liburing) fall back to ordinary syscalls.
-NO_IO_URING_PROFILE = "profiles/dynamo-snapshot-no-io-uring.json"
-NO_IO_URING_SECCOMP = {
-    "defaultAction": "SCMP_ACT_ALLOW",
-    "syscalls": [
-        {
-            "names": ["io_uring_setup", "io_uring_enter", "io_uring_register"],
-            "action": "SCMP_ACT_ERRNO",
-            "errnoRet": 38,
-        }
-    ],
-}
-PAUSE_IMAGE = ImageRef("localhost/dynamo-snapshot/pause", "3.10")
-TEST_IMAGE = ImageRef("localhost/dynamo-snapshot/busybox", "1.35")
-# containerd's runc shim keeps runc state here whatever containerd's own state dir is.
-RUNC_ROOT = Path("/run/containerd/runc/k8s.io")
-CONTAINERD_NAMESPACE = "k8s.io"
-CNI_BIN_DIR = Path("/usr/lib/cni")
-RUNC = Path("/usr/sbin/runc")
-CGROUP_ROOT = Path("/sys/fs/cgroup")
-CNI_NETWORK = "dsnap-pods"
-# Host paths the kubelet, containerd and libcni use whatever they are configured with. A stop removes
-# what this node put there and each directory once it is empty (never one that holds anything else).
-CNI_RESULTS = Path("/var/lib/cni/results")
-KUBELET_DEVICE_PLUGINS = Path("/var/lib/kubelet/device-plugins")
-CONTAINER_LOG_LINKS = Path("/var/log/containers")
-SYSTEM_CONTAINERD = Path("/run/containerd")
-SHIM_SOCKETS = SYSTEM_CONTAINERD / "s"
-IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
-# The kubelet creates these iptables chains by itself (kube-proxy --cleanup leaves them).
-KUBELET_CHAINS = ("KUBE-FIREWALL", "KUBE-KUBELET-CANARY", "KUBE-IPTABLES-HINT")
-KUBE_PROXY_CHAINS = (
-    "KUBE-PROXY-CANARY", "KUBE-SERVICES", "KUBE-EXTERNAL-SERVICES", "KUBE-NODEPORTS", "KUBE-POSTROUTING",
-    "KUBE-MARK-MASQ", "KUBE-FORWARD", "KUBE-PROXY-FIREWALL", "KUBE-PROXY-FIREWALL",
-)  # fmt: skip
-# One real node per machine whatever its name: the kubelet port, /kubepods cgroups and the kubelet's
-# iptables chains are machine-wide.
-LOCK_PATH = Path("/run/dynamo-snapshot-real-node.lock")
-_MNT_DETACH = 2
-
-
-class RealNodeError(RuntimeError):
-    """A one-line, actionable reason the real node could not start, answer or stop cleanly."""
-
-
-@dataclass(frozen=True)
-class NodeComponents:
-    kubelet: Path
-    kube_proxy: Path
-    containerd: Path
-    containerd_shim: Path
-    ctr: Path
-    criu: Path
-
-    @property
-    def bin_dir(self) -> Path:
-        return self.kubelet.parent
-
-
-def find_node_components(bin_dir: Path | None = None) -> NodeComponents:
-    """Locate the node's binaries (cache and Debian packages), or raise one error naming all missing ones."""
-    base = bin_dir or cache_dir() / "bin"
-    names = {
-        "kubelet": "kubelet",
-        "kube_proxy": "kube-proxy",
-        "containerd": "containerd",
-        "containerd_shim": "containerd-shim-runc-v2",
-        "ctr": "ctr",
-        "criu": "criu",
-    }
-    paths = {attr: base / exe for attr, exe in names.items()}
-    missing = [str(paths[a]) for a in names if not os.access(paths[a], os.X_OK)]
-    system = [RUNC, *(CNI_BIN_DIR / p for p in ("bridge", "host-local", "loopback"))]
-    missing += [str(p) for p in system if not os.access(p, os.X_OK)]
-    missing += [tool for tool in ("ip", "iptables", "iptables-save") if shutil.which(tool) is None]
-    if missing:
-        raise ComponentsMissingError(f"the real node needs: {', '.join(missing)} — {SETUP_HINT}")
-    return NodeComponents(**paths)
-
-
-@dataclass(frozen=True)
-class RealNodeOptions:
-    name: str = "real-node"
-    bridge: str = "dsnap-cni0"
-    pod_subnet: str = "10.244.0.0/24"
-    node_ip: str = "10.244.0.1"
-    kubelet_port: int = 10250
-    kube_proxy: bool = True
-    labels: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def prefix_len(self) -> int:
-        return int(self.pod_subnet.split("/")[1])
-
-
-def _run(
-    argv: list[str], *, check: bool = True, timeout: float = 60.0, **kw: Any
-) -> subprocess.CompletedProcess[str]:
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False, **kw)
-    except subprocess.TimeoutExpired:
-        raise RealNodeError(f"{shlex.join(argv)} did not finish in {timeout:.0f} s") from None
-    if check and proc.returncode != 0:
-        raise RealNodeError(f"{shlex.join(argv)} failed: {(proc.stderr or proc.stdout).strip()}")
-    return proc
 
 
 class RealNode:
@@ -228,6 +111,10 @@ class RealNode:
         return LOCK_PATH
 
     @property
+    def _traces(self) -> HostTraces:
+        return HostTraces(self.workdir, self.state_dir, self.containerd_socket, self.options.bridge)
+
+    @property
     def worker_image(self) -> ImageRef:
         """The CPU reference worker image this node imported (its tag hashes the files it holds)."""
         if self._worker_image is None:
@@ -254,9 +141,9 @@ class RealNode:
             self._ip_forward = IP_FORWARD.read_text().strip()
             self._write_record()
             self._setup_bridge()
-            self._install_seccomp_profiles()
+            install_seccomp_profiles(self.kubelet_root)
             say("building the pause and test images")
-            archives = self._build_images()
+            self._worker_image, archives = build_node_images(self.workdir / "images")
             self._write_cni_config()
             say("starting containerd")
             self._start_containerd(comps, deadline)
@@ -293,7 +180,7 @@ class RealNode:
             for proc in self._procs:
                 proc.log_handle.close()
             self._procs.clear()
-            self._cleanup_host(errors)
+            self._traces.remove(errors)
             self._restore_ip_forward()
             if self._api_ok():
                 self.kubectl("delete", "node", self.name, "--ignore-not-found", "--wait=false", check=False)
@@ -311,7 +198,7 @@ class RealNode:
             self._procs.remove(proc)
         self._start_kubelet(self.components)
         healthz = f"http://127.0.0.1:{self._ports['kubelet-healthz']}/healthz"
-        self._wait("the restarted kubelet", lambda: _http_ok(healthz), time.monotonic() + timeout)
+        self._wait("the restarted kubelet", lambda: http_ok(healthz), time.monotonic() + timeout)
 
     def ctr(self, *args: str, timeout: float = 60.0) -> str:
         argv = [
@@ -321,12 +208,12 @@ class RealNode:
             CONTAINERD_NAMESPACE,
             *args,
         ]
-        return _run(argv, timeout=timeout).stdout
+        return run(argv, timeout=timeout).stdout
 
     def kubectl(
         self, *args: str, check: bool = True, timeout: float = 60.0
     ) -> subprocess.CompletedProcess[str]:
-        return _run(
+        return run(
             [str(self.kubectl_bin), f"--kubeconfig={self.admin_kubeconfig}", *args],
             check=check,
             timeout=timeout,
@@ -365,24 +252,7 @@ class RealNode:
 
     def leftovers(self) -> list[str]:
         """Node traces on the host now (none after a clean stop): mounts, cgroups, shims, bridge, chains."""
-        found = [f"mount {m}" for m in self._our_mounts()]
-        found += [f"cgroup {c}" for c in _kubepods_cgroups()]
-        found += [f"process {pid} ({_cmdline(pid)[:80]})" for pid in self._our_pids()]
-        if Path(f"/sys/class/net/{self.options.bridge}").exists():
-            found.append(f"bridge {self.options.bridge}")
-        found += [f"iptables {c}" for c in _iptables_chains(KUBELET_CHAINS + KUBE_PROXY_CHAINS)]
-        if self.state_dir.exists():
-            found.append(f"dir {self.state_dir}")
-        if CNI_RESULTS.is_dir():
-            found += [
-                f"CNI result {f}" for f in CNI_RESULTS.iterdir() if f.name.startswith(f"{CNI_NETWORK}-")
-            ]
-        containers = self._our_runc_containers()
-        found += [f"runc state {RUNC_ROOT / c}" for c in containers]
-        found += [f"shim socket {p}" for p in self._our_shim_sockets(containers)]
-        if (KUBELET_DEVICE_PLUGINS / "kubelet.sock").exists():
-            found.append(f"socket {KUBELET_DEVICE_PLUGINS / 'kubelet.sock'}")
-        return found
+        return self._traces.found()
 
     # ------------------------------------------------------------------ start pieces
     def _take_lock(self) -> None:
@@ -419,106 +289,27 @@ class RealNode:
         }
         self._record.write_text(json.dumps(record))
 
-    def _install_seccomp_profiles(self) -> None:
-        """What the chart's agent init container puts on every GPU node: the workers' io_uring-blocking
-        profile, for pods that name it (`localhostProfile: profiles/<name>`)."""
-        path = self.kubelet_root / "seccomp" / NO_IO_URING_PROFILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(NO_IO_URING_SECCOMP, indent=1))
-
     def _setup_bridge(self) -> None:
         br = self.options.bridge
-        _run(["ip", "link", "add", br, "type", "bridge"])
-        _run(["ip", "addr", "add", f"{self.node_ip}/{self.options.prefix_len}", "dev", br])
-        _run(["ip", "link", "set", br, "up"])
-
-    def _build_images(self) -> list[Path]:
-        d = self.workdir / "images"
-        shutil.rmtree(d, ignore_errors=True)
-        try:
-            pause = write_oci_archive(
-                d / "pause.tar", build_pause_rootfs(d / "pause-rootfs"), PAUSE_IMAGE, entrypoint=["/pause"]
-            )
-            busybox = write_oci_archive(
-                d / "busybox.tar",
-                build_busybox_rootfs(d / "busybox-rootfs"),
-                TEST_IMAGE,
-                entrypoint=["/bin/sh"],
-            )
-            self._worker_image, worker = worker_image_archive()
-        except ImageBuildError as e:
-            raise RealNodeError(str(e)) from None
-        return [pause, busybox, worker]
+        run(["ip", "link", "add", br, "type", "bridge"])
+        run(["ip", "addr", "add", f"{self.node_ip}/{self.options.prefix_len}", "dev", br])
+        run(["ip", "link", "set", br, "up"])
 
     def _write_cni_config(self) -> None:
         net = self.workdir / "cni" / "net.d"
         net.mkdir(parents=True, exist_ok=True)
-        conf = {
-            "cniVersion": "0.4.0",
-            "name": CNI_NETWORK,
-            "plugins": [
-                {
-                    "type": "bridge",
-                    "bridge": self.options.bridge,
-                    "isGateway": True,
-                    # No egress: pods talk only to the host and each other, so no NAT rules on the host.
-                    "ipMasq": False,
-                    "hairpinMode": True,
-                    "ipam": {
-                        "type": "host-local",
-                        "ranges": [[{"subnet": self.options.pod_subnet, "gateway": self.node_ip}]],
-                        "routes": [{"dst": "0.0.0.0/0"}],
-                        "dataDir": str(self.state_dir / "ipam"),
-                    },
-                },
-                {"type": "loopback"},
-            ],
-        }
+        conf = configs.cni_conflist(self.options, self.state_dir)
         (net / "10-pods.conflist").write_text(json.dumps(conf, indent=2))
-
-    def _containerd_config(self) -> str:
-        net = self.workdir / "cni" / "net.d"
-        return f"""version = 3
-root = "{self.workdir / "containerd"}"
-state = "{self.state_dir}"
-[grpc]
-  address = "{self.containerd_socket}"
-[ttrpc]
-  address = "{self.state_dir / "containerd.sock.ttrpc"}"
-[debug]
-  address = ""
-[metrics]
-  address = ""
-[plugins."io.containerd.nri.v1.nri"]
-  disable = true
-[plugins."io.containerd.cri.v1.images"]
-  snapshotter = "overlayfs"
-  [plugins."io.containerd.cri.v1.images".pinned_images]
-    sandbox = "{PAUSE_IMAGE.name}"
-[plugins."io.containerd.cri.v1.runtime"]
-  enable_cdi = false
-  # root has no CAP_SYS_RESOURCE in this VM: lowering the pause process's oom_score_adj is refused.
-  restrict_oom_score_adj = true
-  enable_criu = true
-  enable_experimental_restore_via_create = true
-  # Pod network namespaces under our state dir, so a stop finds and unmounts every one of them.
-  netns_mounts_under_state_dir = true
-  [plugins."io.containerd.cri.v1.runtime".containerd]
-    default_runtime_name = "runc"
-    [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
-      runtime_type = "io.containerd.runc.v2"
-      [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
-        SystemdCgroup = false
-        BinaryName = "{RUNC}"
-  [plugins."io.containerd.cri.v1.runtime".cni]
-    bin_dirs = ["{CNI_BIN_DIR}"]
-    conf_dir = "{net}"
-    max_conf_num = 1
-"""
 
     def _start_containerd(self, comps: NodeComponents, deadline: float) -> None:
         config = self.workdir / "containerd.toml"
-        config.write_text(self._containerd_config())
+        toml = configs.containerd_toml(
+            root=self.workdir / "containerd",
+            state_dir=self.state_dir,
+            socket=self.containerd_socket,
+            cni_conf_dir=self.workdir / "cni" / "net.d",
+        )
+        config.write_text(toml)
         # The shim and runc (spawned by it) find containerd-shim-runc-v2 and criu on PATH.
         env = {**os.environ, "PATH": f"{comps.bin_dir}:{os.environ.get('PATH', '')}"}
         self._spawn("containerd", [str(comps.containerd), f"--config={config}"], env=env)
@@ -528,107 +319,48 @@ state = "{self.state_dir}"
         if not self.containerd_socket.exists():
             return False
         argv = [str(self.components.ctr), f"--address={self.containerd_socket}", "version"]
-        return _run(argv, check=False, timeout=10).returncode == 0
-
-    def _kubeconfig(self, path: Path, cert: Path, key: Path) -> Path:
-        config = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [
-                {
-                    "name": "local",
-                    "cluster": {"server": self.server, "certificate-authority": str(self.pki.ca_cert)},
-                }
-            ],
-            "users": [{"name": "node", "user": {"client-certificate": str(cert), "client-key": str(key)}}],
-            "contexts": [{"name": "local", "context": {"cluster": "local", "user": "node"}}],
-            "current-context": "local",
-        }
-        path.write_text(json.dumps(config, indent=2))
-        return path
+        return run(argv, check=False, timeout=10).returncode == 0
 
     def _start_kubelet(self, comps: NodeComponents) -> None:
         try:
             certs = make_node_certs(self.pki, self.name, self.node_ip)
         except PkiError as e:
             raise RealNodeError(str(e)) from None
-        kubeconfig = self._kubeconfig(
-            self.workdir / "kubelet.kubeconfig", certs.client_cert, certs.client_key
+        kubeconfig = self.workdir / "kubelet.kubeconfig"
+        kubeconfig.write_text(
+            json.dumps(
+                configs.kubeconfig(
+                    server=self.server, ca_cert=self.pki.ca_cert, cert=certs.client_cert, key=certs.client_key
+                ),
+                indent=2,
+            )
         )
-        self._ports["kubelet-healthz"] = healthz = _free_port()
-        sock = f"unix://{self.containerd_socket}"
-        config = {
-            "apiVersion": "kubelet.config.k8s.io/v1beta1",
-            "kind": "KubeletConfiguration",
-            # cgroup v1 only here; 1.37 refuses it unless told otherwise (then a deprecation warning only).
-            "failCgroupV1": False,
-            "cgroupDriver": "cgroupfs",
-            "failSwapOn": False,
-            "address": self.node_ip,
-            "port": self.options.kubelet_port,
-            "readOnlyPort": 0,
-            "healthzBindAddress": "127.0.0.1",
-            "healthzPort": healthz,
-            "tlsCertFile": str(certs.serving_cert),
-            "tlsPrivateKeyFile": str(certs.serving_key),
-            "authentication": {
-                "anonymous": {"enabled": False},
-                "webhook": {"enabled": True},
-                "x509": {"clientCAFile": str(self.pki.ca_cert)},
-            },
-            "authorization": {"mode": "Webhook"},
-            "containerRuntimeEndpoint": sock,
-            "imageServiceEndpoint": sock,
-            "podCIDR": self.options.pod_subnet,
-            "clusterDomain": "cluster.local",
-            "resolvConf": "/etc/resolv.conf",
-            "podLogsDir": str(self.pod_logs_dir),
-            "evictionHard": {
-                "memory.available": "100Mi",
-                "nodefs.available": "1%",
-                "imagefs.available": "1%",
-            },
-            # Local images cannot be pulled again: image GC must never remove them.
-            "imageGCHighThresholdPercent": 100,
-            "imageGCLowThresholdPercent": 99,
-            "registerWithTaints": [{"key": REAL_NODE_TAINT, "value": "true", "effect": "NoSchedule"}],
-            "serializeImagePulls": False,
-        }
+        self._ports["kubelet-healthz"] = healthz = free_port()
+        config = configs.kubelet_configuration(
+            self.options,
+            pki=self.pki,
+            certs=certs,
+            containerd_socket=self.containerd_socket,
+            pod_logs_dir=self.pod_logs_dir,
+            healthz_port=healthz,
+        )
         config_path = self.workdir / "kubelet-config.json"
         config_path.write_text(json.dumps(config, indent=2))
-        labels = ",".join(f"{k}={v}" for k, v in self.options.labels.items())
-        self._spawn(
-            "kubelet",
-            [
-                str(comps.kubelet),
-                f"--config={config_path}",
-                f"--kubeconfig={kubeconfig}",
-                f"--hostname-override={self.name}",
-                f"--node-ip={self.node_ip}",
-                f"--root-dir={self.kubelet_root}",
-                *([f"--node-labels={labels}"] if labels else []),
-                "--v=1",
-            ],
+        argv = configs.kubelet_argv(
+            comps.kubelet, self.options, config=config_path, kubeconfig=kubeconfig, root_dir=self.kubelet_root
         )
+        self._spawn("kubelet", argv)
 
     def _start_kube_proxy(self, comps: NodeComponents) -> None:
-        self._ports["kube-proxy-healthz"] = healthz = _free_port()
-        self._spawn(
-            "kube-proxy",
-            [
-                str(comps.kube_proxy),
-                f"--kubeconfig={self.admin_kubeconfig}",
-                "--proxy-mode=iptables",
-                f"--hostname-override={self.name}",
-                f"--cluster-cidr={self.options.pod_subnet}",
-                # Leave the host's conntrack and route_localnet sysctls alone.
-                "--conntrack-max-per-core=0",
-                "--iptables-localhost-nodeports=false",
-                f"--healthz-bind-address=127.0.0.1:{healthz}",
-                f"--metrics-bind-address=127.0.0.1:{_free_port()}",
-                "--v=1",
-            ],
+        self._ports["kube-proxy-healthz"] = healthz = free_port()
+        argv = configs.kube_proxy_argv(
+            comps.kube_proxy,
+            self.options,
+            kubeconfig=self.admin_kubeconfig,
+            healthz_port=healthz,
+            metrics_port=free_port(),
         )
+        self._spawn("kube-proxy", argv)
 
     # ------------------------------------------------------------------ stop pieces
     def _drain_pods(self) -> None:
@@ -676,10 +408,10 @@ state = "{self.state_dir}"
                     self._ip_forward = str(record["ip_forward"])
         for name, pid in pids.items():
             # Only if that pid is still the binary we started (pids are reused).
-            if Path(_cmdline(pid).split(" ")[0] or "/").name == Path(name).name:
-                _kill(pid, signal.SIGKILL)
+            if Path(cmdline(pid).split(" ")[0] or "/").name == Path(name).name:
+                kill(pid, signal.SIGKILL)
         errors: list[str] = []
-        self._cleanup_host(errors, extra_workdirs=workdirs)
+        self._traces.remove(errors, extra_workdirs=workdirs)
         self._restore_ip_forward()
         if errors:
             raise RealNodeError("could not remove what an earlier real node left: " + "; ".join(errors))
@@ -689,77 +421,6 @@ state = "{self.state_dir}"
             with contextlib.suppress(OSError):
                 IP_FORWARD.write_text(self._ip_forward + "\n")
             self._ip_forward = None
-
-    def _cleanup_host(self, errors: list[str], extra_workdirs: set[Path] | None = None) -> None:
-        roots = {self.state_dir, *(extra_workdirs or {self.workdir})}
-        # runc's state of our containers lives outside our dirs; `runc delete --force` also kills them.
-        containers = self._our_runc_containers()
-        for cid in containers:
-            _run([str(RUNC), "--root", str(RUNC_ROOT), "delete", "--force", cid], check=False)
-            shutil.rmtree(RUNC_ROOT / cid, ignore_errors=True)
-        for sock in self._our_shim_sockets(containers):
-            sock.unlink(missing_ok=True)
-        # Container processes next (a killed run's pods keep running under their shims), then the shims.
-        for cg in _kubepods_cgroups():
-            for pid in _cgroup_pids(cg):
-                _kill(pid, signal.SIGKILL)
-        for pid in self._our_pids():
-            _kill(pid, signal.SIGKILL)
-        _wait_until(
-            lambda: not self._our_pids() and not any(_cgroup_pids(c) for c in _kubepods_cgroups()), 10
-        )
-        for mount in self._our_mounts(roots):
-            if not _umount(mount):
-                errors.append(f"umount {mount} failed")
-        for cg in _kubepods_cgroups():
-            with contextlib.suppress(FileNotFoundError):
-                try:
-                    cg.rmdir()
-                except OSError as e:
-                    errors.append(f"rmdir {cg}: {e.strerror}")
-        _remove_iptables_chains(KUBELET_CHAINS + KUBE_PROXY_CHAINS)
-        if Path(f"/sys/class/net/{self.options.bridge}").exists():
-            proc = _run(["ip", "link", "del", self.options.bridge], check=False)
-            if proc.returncode != 0:
-                errors.append(f"ip link del {self.options.bridge}: {proc.stderr.strip()}")
-        _remove_container_log_links(roots)
-        _tidy_shared_dirs()
-        if not self._our_mounts(roots):
-            shutil.rmtree(self.state_dir, ignore_errors=True)
-
-    def _our_mounts(self, roots: set[Path] | None = None) -> list[str]:
-        prefixes = [str(r).rstrip("/") + "/" for r in (roots or {self.state_dir, self.workdir})]
-        found = [m for m in _mountpoints() if any((m + "/").startswith(p) for p in prefixes)]
-        # Deepest first: an overlay rootfs inside the kubelet root's own bind mount goes before it.
-        return sorted(set(found), key=lambda m: (-m.count("/"), m))
-
-    def _our_runc_containers(self) -> list[str]:
-        """Containers in the runc root whose bundle is in this node's containerd state dir."""
-        prefix = f"bundle={self.state_dir}/"
-        found: list[str] = []
-        if not RUNC_ROOT.is_dir():
-            return found
-        for state in RUNC_ROOT.glob("*/state.json"):
-            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-                labels = json.loads(state.read_text())["config"].get("labels") or []
-                if any(str(label).startswith(prefix) for label in labels):
-                    found.append(state.parent.name)
-        return found
-
-    def _our_shim_sockets(self, containers: list[str]) -> list[Path]:
-        """The shims' sockets in /run/containerd/s: named sha256(<containerd address>/<namespace>/<id>)."""
-        tasks = self.state_dir / "io.containerd.runtime.v2.task" / CONTAINERD_NAMESPACE
-        ids = set(containers) | ({d.name for d in tasks.iterdir()} if tasks.is_dir() else set())
-        names = {
-            hashlib.sha256(f"{self.containerd_socket}/{CONTAINERD_NAMESPACE}/{i}".encode()).hexdigest()
-            for i in ids
-        }
-        return [SHIM_SOCKETS / n for n in sorted(names) if (SHIM_SOCKETS / n).exists()]
-
-    def _our_pids(self) -> list[int]:
-        """Shims (and anything else) started with this node's containerd socket or state dir."""
-        needles = (str(self.containerd_socket), str(self.state_dir) + "/")
-        return [pid for pid in _pids() if pid != os.getpid() and any(n in _cmdline(pid) for n in needles)]
 
     # ------------------------------------------------------------------ process helpers
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
@@ -802,165 +463,4 @@ state = "{self.state_dir}"
 
     def _kube_proxy_ready(self) -> bool:
         url = f"http://127.0.0.1:{self._ports['kube-proxy-healthz']}/healthz"
-        return _http_ok(url)
-
-
-# ---------------------------------------------------------------------- host helpers
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _http_ok(url: str, context: ssl.SSLContext | None = None) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2, context=context) as resp:
-            return bool(resp.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-def _wait_until(cond: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return cond()
-
-
-def _pids() -> Iterator[int]:
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            yield int(entry.name)
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
-
-
-def _kill(pid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, sig)
-
-
-def _kubepods_cgroups() -> list[Path]:
-    """Every kubepods cgroup dir in every v1 hierarchy (and v2 if mounted), deepest first."""
-    found: list[Path] = []
-    if not CGROUP_ROOT.is_dir():
-        return found
-    for hierarchy in CGROUP_ROOT.iterdir():
-        top = hierarchy / "kubepods"
-        if top.is_dir() and not top.is_symlink():
-            for dirpath, _dirs, _files in os.walk(top):
-                found.append(Path(dirpath))
-    return sorted(set(found), key=lambda p: -len(p.parts))
-
-
-def _cgroup_pids(cg: Path) -> list[int]:
-    try:
-        return [int(x) for x in (cg / "cgroup.procs").read_text().split()]
-    except (OSError, ValueError):
-        return []
-
-
-def _mountpoints() -> list[str]:
-    points: list[str] = []
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fields = line.split(" ")
-        if len(fields) > 4:
-            # mountinfo escapes space, tab, newline and backslash as octal.
-            points.append(fields[4].encode().decode("unicode_escape"))
-    return points
-
-
-def _umount(path: str) -> bool:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    for _ in range(5):
-        if path not in _mountpoints():
-            return True
-        libc.umount2(path.encode(), _MNT_DETACH)
-    return path not in _mountpoints()
-
-
-def _iptables_chains(chains: tuple[str, ...]) -> list[str]:
-    found: list[str] = []
-    for family in ("iptables", "ip6tables"):
-        save = shutil.which(f"{family}-save")
-        if save is None:
-            continue
-        out = _run([save], check=False, timeout=30).stdout
-        table = ""
-        for line in out.splitlines():
-            if line.startswith("*"):
-                table = line[1:]
-            elif line.startswith(":") and line[1:].split(" ")[0] in chains:
-                found.append(f"{family} -t {table} {line[1:].split(' ')[0]}")
-    return found
-
-
-def _remove_iptables_chains(chains: tuple[str, ...]) -> None:
-    """Delete `chains` and every rule that jumps to them, in filter/nat/mangle, for IPv4 and IPv6."""
-    for family in ("iptables", "ip6tables"):
-        tool, save = shutil.which(family), shutil.which(f"{family}-save")
-        if tool is None or save is None:
-            continue
-        out = _run([save], check=False, timeout=30).stdout
-        table = ""
-        jumps: list[tuple[str, list[str]]] = []
-        present: list[tuple[str, str]] = []
-        for line in out.splitlines():
-            if line.startswith("*"):
-                table = line[1:]
-            elif line.startswith(":"):
-                name = line[1:].split(" ")[0]
-                if name in chains:
-                    present.append((table, name))
-            elif line.startswith("-A "):
-                args = shlex.split(line)
-                target = args[args.index("-j") + 1] if "-j" in args else ""
-                if target in chains and args[1] not in chains:
-                    jumps.append((table, ["-D", *args[1:]]))
-        for table, rule in jumps:
-            _run([tool, "-w", "-t", table, *rule], check=False)
-        for table, name in present:
-            _run([tool, "-w", "-t", table, "-F", name], check=False)
-        for table, name in present:
-            _run([tool, "-w", "-t", table, "-X", name], check=False)
-
-
-def _remove_container_log_links(roots: set[Path]) -> None:
-    """The kubelet links /var/log/containers/*.log to its pod logs whatever podLogsDir is; drop ours."""
-    links = CONTAINER_LOG_LINKS
-    if not links.is_dir():
-        return
-    prefixes = tuple(str(r).rstrip("/") + "/" for r in roots)
-    for link in links.iterdir():
-        if link.is_symlink() and os.readlink(link).startswith(prefixes):
-            link.unlink(missing_ok=True)
-
-
-def _tidy_shared_dirs() -> None:
-    # libcni caches one result per sandbox and interface; sandboxes removed without a CNI DEL (a killed
-    # run, a stop that outran the kubelet) leave theirs. Ours are named after our network and sandbox ids.
-    if CNI_RESULTS.is_dir():
-        ours = [f for f in CNI_RESULTS.iterdir() if f.name.startswith(f"{CNI_NETWORK}-")]
-        sandbox_ids = {f.name.removeprefix(f"{CNI_NETWORK}-").rsplit("-", 1)[0] for f in ours}
-        ours += [f for f in CNI_RESULTS.iterdir() if f.name.startswith("cni-loopback-")
-                 and f.name.removeprefix("cni-loopback-").rsplit("-", 1)[0] in sandbox_ids]  # fmt: skip
-        for f in ours:
-            f.unlink(missing_ok=True)
-    (KUBELET_DEVICE_PLUGINS / "kubelet.sock").unlink(missing_ok=True)
-    empty_ok = [CNI_RESULTS, CNI_RESULTS.parent, KUBELET_DEVICE_PLUGINS, KUBELET_DEVICE_PLUGINS.parent]
-    empty_ok.append(CONTAINER_LOG_LINKS)
-    # The shim's socket dir and runc root under /run/containerd, unless a containerd of the system runs.
-    if not (SYSTEM_CONTAINERD / "containerd.sock").exists():
-        empty_ok += [RUNC_ROOT, RUNC_ROOT.parent, SHIM_SOCKETS, SYSTEM_CONTAINERD]
-    for d in empty_ok:
-        with contextlib.suppress(OSError):
-            d.rmdir()
+        return http_ok(url)

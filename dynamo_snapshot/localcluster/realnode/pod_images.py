@@ -1,0 +1,63 @@
+"""What the real node's pods run: the images it imports into containerd, and the seccomp profile that
+workers name, as on a GPU node the Helm chart set up."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from dynamo_snapshot.localcluster.images import (
+    ImageBuildError,
+    ImageRef,
+    build_busybox_rootfs,
+    build_pause_rootfs,
+    worker_image_archive,
+    write_oci_archive,
+)
+from dynamo_snapshot.localcluster.realnode.host import RealNodeError
+
+# The seccomp profile the Helm chart installs for workers (helm/dynamo-snapshot/templates/
+# seccomp-configmap.yaml): CRIU cannot dump an io_uring instance, so creating one fails with ENOSYS and
+# libraries (libuv, liburing) fall back to ordinary syscalls.
+NO_IO_URING_PROFILE = "profiles/dynamo-snapshot-no-io-uring.json"
+NO_IO_URING_SECCOMP = {
+    "defaultAction": "SCMP_ACT_ALLOW",
+    "syscalls": [
+        {
+            "names": ["io_uring_setup", "io_uring_enter", "io_uring_register"],
+            "action": "SCMP_ACT_ERRNO",
+            "errnoRet": 38,
+        }
+    ],
+}
+PAUSE_IMAGE = ImageRef("localhost/dynamo-snapshot/pause", "3.10")
+TEST_IMAGE = ImageRef("localhost/dynamo-snapshot/busybox", "1.35")
+
+
+def install_seccomp_profiles(kubelet_root: Path) -> None:
+    """What the chart's agent init container puts on every GPU node: the workers' io_uring-blocking
+    profile, for pods that name it (`localhostProfile: profiles/<name>`)."""
+    path = kubelet_root / "seccomp" / NO_IO_URING_PROFILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(NO_IO_URING_SECCOMP, indent=1))
+
+
+def build_node_images(d: Path) -> tuple[ImageRef, list[Path]]:
+    """The pause, test and worker images as OCI archives under `d` (the worker's is cached elsewhere);
+    returns the worker image's reference (its tag hashes the files it holds) and the archives."""
+    shutil.rmtree(d, ignore_errors=True)
+    try:
+        pause = write_oci_archive(
+            d / "pause.tar", build_pause_rootfs(d / "pause-rootfs"), PAUSE_IMAGE, entrypoint=["/pause"]
+        )
+        busybox = write_oci_archive(
+            d / "busybox.tar",
+            build_busybox_rootfs(d / "busybox-rootfs"),
+            TEST_IMAGE,
+            entrypoint=["/bin/sh"],
+        )
+        worker_image, worker = worker_image_archive()
+    except ImageBuildError as e:
+        raise RealNodeError(str(e)) from None
+    return worker_image, [pause, busybox, worker]
