@@ -232,7 +232,7 @@ def test_save_writes_the_region_in_the_documented_format(cu: FakeDriver, tmp_pat
     assert result.bytes == len(raw) == data_offset + region.data_bytes
     assert raw[data_offset:] == data
     assert result.sha256 == hashlib.sha256(raw).hexdigest()
-    assert not (tmp_path / "m.dsw.sha256").exists()  # the header's chunk digests seal the file
+    assert (tmp_path / "m.dsw.sha256").read_text() == f"{result.sha256}  m.dsw\n"  # sha256sum -c format
     assert header.tensors == tuple(region.specs)
     assert header.data_bytes == region.data_bytes
     assert region.data_bytes % ALIGN == 0
@@ -467,6 +467,10 @@ def test_save_skips_an_identical_file_and_rewrites_a_different_one(cu: FakeDrive
     assert (again.sha256, again.bytes) == (first.sha256, first.bytes)
     assert path.stat().st_mtime_ns == stat.st_mtime_ns
     assert path.stat().st_ino == stat.st_ino
+
+    (tmp_path / "m.dsw.sha256").unlink()  # the sidecar is rebuilt from the file when missing
+    assert region.save(path, chunk_bytes=CHUNK).sha256 == first.sha256
+    assert (tmp_path / "m.dsw.sha256").exists()
 
     fill_random(cu, region, seed=2)
     changed = region.save(path, chunk_bytes=CHUNK)

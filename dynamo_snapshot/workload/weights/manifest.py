@@ -42,7 +42,7 @@ class WeightsFile:
 
     path: str  # absolute, as the worker sees it
     bytes: int  # file size
-    sha256: str  # of the whole file, as `sha256sum` gives it (the agent checks size and data_digest)
+    sha256: str  # of the whole file (what FILE.sha256 and `sha256sum` give)
     data_digest: str  # the header's digest of the data section
     device: int  # CUDA device ordinal of the region
 

@@ -15,6 +15,7 @@ from dynamo_snapshot.fileio import (
     page_cache_fraction,
     sha256_file,
     spans,
+    write_atomic,
     write_replacing,
 )
 from dynamo_snapshot.workload.gpu_memory import KIND_WEIGHTS, RegionPool, VmmRegion, _import_torch, round_up
@@ -48,6 +49,9 @@ DEFAULT_BLOCK_BYTES: Final = 64 << 20
 # load(direct=None) reads through the page cache when at least this much of the file is in it (the
 # agent warmed it): O_DIRECT would ignore those pages and go to the disk again.
 _RESIDENT_FOR_BUFFERED: Final = 0.5
+# PATH.sha256 beside a weights file: its whole-file SHA-256 in `sha256sum` format, so a save that finds
+# the file unchanged gives weights.json that digest without reading the whole file again.
+_SHA256_SUFFIX: Final = ".sha256"
 
 
 @dataclass(frozen=True)
@@ -209,8 +213,8 @@ class WeightRegion:
         threads: int = 8,
         encoding: str = ENCODING_SPLIT_NIBBLE,
     ) -> SaveResult:
-        """Write the region to `path`, unless a file with the same header (so the same content, stored
-        the same way) is there already. Needs the region mapped.
+        """Write the region to `path` (and its SHA-256 to PATH.sha256), unless a file with the same
+        header (so the same content, stored the same way) is there already. Needs the region mapped.
 
         `encoding`: ENCODING_SPLIT_NIBBLE (default; ~1.33x smaller for bf16/fp16 weights, so a load
         reads that much less) or ENCODING_RAW (version 1, as on the GPU)."""
@@ -241,9 +245,11 @@ class WeightRegion:
             if written:
                 sha = _write_replacing(path, engine, bufs, head, header, threads)
             else:
-                sha = _whole_file_sha256(path)
+                sha = _read_sidecar(path) or _whole_file_sha256(path)
         finally:
             engine.close()
+        if written or _read_sidecar(path) != sha:
+            write_atomic(_sidecar(path), f"{sha}  {path.name}\n".encode())
         done = time.monotonic()
         return SaveResult(
             path=str(path),
@@ -393,6 +399,28 @@ def _load_records(header: WeightsHeader, block: int, verify: bool) -> tuple[int,
     if verify or header.encoding is not None:
         return header.chunk_bytes, header.records()
     return block, [ChunkRecord(i, off, n, off) for i, (off, n) in enumerate(spans(header.data_bytes, block))]
+
+
+def _sidecar(path: Path) -> Path:
+    return path.with_name(path.name + _SHA256_SUFFIX)
+
+
+def _read_sidecar(path: Path) -> str | None:
+    """The whole-file SHA-256 from PATH.sha256 when it is there and not older than the file."""
+    side = _sidecar(path)
+    try:
+        if side.stat().st_mtime_ns < path.stat().st_mtime_ns:
+            return None
+        text = side.read_text(encoding="ascii").split()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if len(text) == 2 and text[1] == path.name and len(text[0]) == 64:
+        try:
+            bytes.fromhex(text[0])
+        except ValueError:
+            return None
+        return text[0].lower()
+    return None
 
 
 def _same_file(path: Path, header: WeightsHeader, head_len: int) -> bool:
