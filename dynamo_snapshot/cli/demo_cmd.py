@@ -19,21 +19,17 @@ import shutil
 import signal
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
-from dynamo_snapshot.cli.demo.report import plot, table
-from dynamo_snapshot.cli.demo.scenario import Profile, Scenario
-from dynamo_snapshot.cli.demo.stack import DemoError, Stack
+from dynamo_snapshot.cli import demo_absent
 from dynamo_snapshot.cli.logs import setup_logging
-from dynamo_snapshot.criu import CriuError
-from dynamo_snapshot.localcluster import LocalClusterError
-from dynamo_snapshot.localcluster.components import ComponentsMissingError
-from dynamo_snapshot.localcluster.prometheus import LocalPrometheusError
+
+if TYPE_CHECKING:
+    from dynamo_snapshot.cli.demo.stack import Stack
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
-_FAILURES = (DemoError, LocalClusterError, ComponentsMissingError, LocalPrometheusError, CriuError)
 
 
 def register(sub: Any) -> None:
@@ -74,6 +70,13 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        # The demo and the local cluster it runs on: a source checkout has them, the images do not.
+        import dynamo_snapshot.cli.demo.stack  # noqa: F401
+    except ModuleNotFoundError as e:
+        if not demo_absent.is_missing_demo(e):
+            raise
+        return demo_absent.not_installed(args)
     console = Console(stderr=True)
     own_workdir = args.workdir is None
     # Not under /tmp: the workers' registration directory is bind-mounted into their containers, whose
@@ -96,7 +99,25 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"workdir kept: {workdir}")
 
 
+def _failures() -> tuple[type[Exception], ...]:
+    """What ends the demo with one line instead of a traceback: the errors that name their fix."""
+    from dynamo_snapshot.cli.demo.stack import DemoError
+    from dynamo_snapshot.criu import CriuError
+    from dynamo_snapshot.localcluster import LocalClusterError
+    from dynamo_snapshot.localcluster.components import ComponentsMissingError
+    from dynamo_snapshot.localcluster.prometheus import LocalPrometheusError
+
+    return (DemoError, LocalClusterError, ComponentsMissingError, LocalPrometheusError, CriuError)
+
+
 async def _main(args: argparse.Namespace, console: Console, workdir: Path) -> int:
+    # Imported here, not at the top: `dynamo-snapshot --help` and the other commands build this command's
+    # parser, and must not load the local cluster to do it.
+    from dynamo_snapshot.cli.demo.report import plot, table
+    from dynamo_snapshot.cli.demo.scenario import Profile, Scenario
+    from dynamo_snapshot.cli.demo.stack import Stack
+
+    failures = _failures()
     args.out.mkdir(parents=True, exist_ok=True)
     setup_logging("info", path=args.out / "components.jsonl")  # controller and agents
     stack = Stack(
@@ -133,7 +154,7 @@ async def _main(args: argparse.Namespace, console: Console, workdir: Path) -> in
         if args.hold:
             await _hold(stack, console)
         return EXIT_OK
-    except _FAILURES as e:
+    except failures as e:
         console.print(f"[red]demo failed:[/] {e}")
         return EXIT_FAILED
     finally:

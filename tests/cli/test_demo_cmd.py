@@ -15,6 +15,7 @@ import pytest
 from rich.console import Console
 
 from dynamo_snapshot.cli import demo_cmd
+from dynamo_snapshot.cli.demo import stack as stack_module
 from dynamo_snapshot.cli.main import build_parser
 
 
@@ -49,7 +50,7 @@ class FakeStack:
 @pytest.fixture
 def stack(monkeypatch: pytest.MonkeyPatch) -> type[FakeStack]:
     FakeStack.made = []
-    monkeypatch.setattr(demo_cmd, "Stack", FakeStack)
+    monkeypatch.setattr(stack_module, "Stack", FakeStack)
     return FakeStack
 
 
