@@ -489,6 +489,35 @@ async def test_controller_killed_mid_failover(rig: Rig) -> None:
     assert rig.watch.peak_workers[(GRAPH, SERVICE)] == 3
 
 
+def _scratch_in_use(scratch: Path) -> bool:
+    """A restore is unpacking pages into the scratch (``<agent pid>-<workload>-<id>/``)."""
+    with contextlib.suppress(FileNotFoundError):
+        return any(n.split("-", 1)[0].isdigit() for n in os.listdir(scratch))
+    return False
+
+
+async def test_agent_killed_mid_restore(rig: Rig) -> None:
+    """SIGKILL the agent while restores of a scale-up unpack their pages into the restore scratch: the
+    restarted agent restores those pods again, and the dead agent's scratch directories are removed."""
+    rig.controller.start()
+    rig.agent.start()
+    await rig.create_graph(replicas=1, state_mib=96)
+    await rig.ready_checkpoint()
+    await rig.scale(3)
+    deadline = time.monotonic() + 60
+    while not await asyncio.to_thread(_scratch_in_use, rig.scratch):
+        assert rig.agent.alive(), rig.agent.tail()
+        assert time.monotonic() < deadline, f"no restore unpacked pages in 60s:\n{rig.agent.tail()}"
+        await asyncio.sleep(0.02)
+    rig.agent.kill()
+    assert leftover_staging(rig.store, [rig.scratch]), "the kill came too late: no restore was under way"
+    rig.agent.start()
+    pods = await rig.settled(3)
+    assert len([p for p in pods if _restore(p)]) == 2, await rig.story()
+    await rig.finish()
+    assert rig.watch.peak_workers[(GRAPH, SERVICE)] == 3
+
+
 async def test_invariant_watch_sees_violations(
     api: client.ApiClient, namespace: str, crds: list[str], tmp_path: Path
 ) -> None:
