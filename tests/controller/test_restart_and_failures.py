@@ -48,37 +48,36 @@ async def test_killed_controller_converges_without_duplicates(
     await h.kill_controller()
     # Watching from before the DGD exists: two checkpoints for its identity, or more worker pods than
     # replicas (plus the surge), at any moment of the run fail the test at its end.
-    watch = await InvariantWatch(h.kube, h.namespace).start()
-    watch.allow("crash", "VllmWorker", 1)
-    await h.apply_dgd(dgd_manifest("crash", replicas=1))
-    # Point 1: the controller starts, creates the checkpoint and the first worker, and dies early.
-    await h.start_controller()
-    await asyncio.sleep(kill_after)
-    await h.kill_controller()
-    await h.start_controller()
-    await _assert_final(h, "crash", 1)
+    async with InvariantWatch(h.kube, h.namespace) as watch:
+        watch.allow("crash", "VllmWorker", 1)
+        await h.apply_dgd(dgd_manifest("crash", replicas=1))
+        # Point 1: the controller starts, creates the checkpoint and the first worker, and dies early.
+        await h.start_controller()
+        await asyncio.sleep(kill_after)
+        await h.kill_controller()
+        await h.start_controller()
+        await _assert_final(h, "crash", 1)
 
-    async def ckpt_ready() -> bool:
-        ckpt = await h.kube.get(CHECKPOINT, await h.auto_checkpoint("crash"), h.namespace)
-        return (ckpt.get("status") or {}).get("phase") == "Ready"
+        async def ckpt_ready() -> bool:
+            ckpt = await h.kube.get(CHECKPOINT, await h.auto_checkpoint("crash"), h.namespace)
+            return (ckpt.get("status") or {}).get("phase") == "Ready"
 
-    await eventually(ckpt_ready, within=45)
-    # Point 2: killed in the middle of a scale-up by restore.
-    watch.allow("crash", "VllmWorker", 5)
-    await h.scale("crash", 5)
-    await asyncio.sleep(kill_after)
-    await h.kill_controller()
-    await h.start_controller()
-    await _assert_final(h, "crash", 5)
-    # Point 3: killed in the middle of a scale-down.
-    await h.scale("crash", 2)
-    await asyncio.sleep(kill_after)
-    await h.kill_controller()
-    await h.start_controller()
-    await _assert_final(h, "crash", 2)
-    jobs, _ = await h.kube.list_all(JOB, h.namespace)
-    assert jobs == [], "the checkpoint Job is released once the checkpoint is Ready"
-    await watch.stop()
+        await eventually(ckpt_ready, within=45)
+        # Point 2: killed in the middle of a scale-up by restore.
+        watch.allow("crash", "VllmWorker", 5)
+        await h.scale("crash", 5)
+        await asyncio.sleep(kill_after)
+        await h.kill_controller()
+        await h.start_controller()
+        await _assert_final(h, "crash", 5)
+        # Point 3: killed in the middle of a scale-down.
+        await h.scale("crash", 2)
+        await asyncio.sleep(kill_after)
+        await h.kill_controller()
+        await h.start_controller()
+        await _assert_final(h, "crash", 2)
+        jobs, _ = await h.kube.list_all(JOB, h.namespace)
+        assert jobs == [], "the checkpoint Job is released once the checkpoint is Ready"
     watch.assert_clean()
 
 

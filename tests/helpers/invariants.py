@@ -19,7 +19,7 @@ from pathlib import Path
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.artifact.manifest import MANIFEST_NAME, Manifest
 from dynamo_snapshot.artifact.store import DELETING_PREFIX, PARTIAL_PREFIX
-from dynamo_snapshot.kube import POD, ApiError, Kube, Obj
+from dynamo_snapshot.kube import POD, ApiError, Kube, Obj, is_gone
 from dynamo_snapshot.kube.kinds import CHECKPOINT, ResourceKind
 
 # Worker pods a service may have beyond its replicas at any moment. The controller replaces a failed or
@@ -62,7 +62,6 @@ class InvariantWatch:
     pods: dict[str, Obj] = field(default_factory=dict)
     checkpoints: dict[str, Obj] = field(default_factory=dict)
     peak_workers: Counter[tuple[str, str]] = field(default_factory=Counter)
-    store_scans: int = 0
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _started: float = field(default_factory=time.monotonic)
     _synced: dict[str, asyncio.Event] = field(default_factory=lambda: defaultdict(asyncio.Event))
@@ -73,7 +72,9 @@ class InvariantWatch:
     async def start(self) -> InvariantWatch:
         self._tasks.append(asyncio.create_task(self._watch(POD, self.pods, self._check_pods), name="pods"))
         self._tasks.append(
-            asyncio.create_task(self._watch(CHECKPOINT, self.checkpoints, self._check_checkpoints))
+            asyncio.create_task(
+                self._watch(CHECKPOINT, self.checkpoints, self._check_checkpoints), name="checkpoints"
+            )
         )
         if self.store_root is not None:
             self._tasks.append(asyncio.create_task(self._poll_store(), name="store"))
@@ -82,6 +83,7 @@ class InvariantWatch:
         return self
 
     async def stop(self) -> None:
+        self._note_dead_watchers()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -105,15 +107,24 @@ class InvariantWatch:
                 fut.set_result(pod)
                 self._waiters.remove(entry)
 
+    async def __aenter__(self) -> InvariantWatch:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
     def allow(self, graph: str, service: str, replicas: int) -> None:
         self.allowed[(graph, service)] = replicas
 
     def assert_clean(self) -> None:
         """Fail with every violation seen (and if a watcher died, which would have hidden some)."""
+        self._note_dead_watchers()
+        assert not self.violations, "invariants broken during the run:\n  " + "\n  ".join(self.violations)
+
+    def _note_dead_watchers(self) -> None:
         for task in self._tasks:
             if task.done() and not task.cancelled() and task.exception() is not None:
-                self.violations.append(f"the {task.get_name()} watcher died: {task.exception()!r}")
-        assert not self.violations, "invariants broken during the run:\n  " + "\n  ".join(self.violations)
+                self._record(f"the {task.get_name()} watcher died: {task.exception()!r}")
 
     def _record(self, what: str) -> None:
         # Once each: every later event of the same pods (status updates) would repeat it.
@@ -123,19 +134,23 @@ class InvariantWatch:
 
     # ------------------------------------------------------------------ the apiserver
     async def _watch(self, kind: ResourceKind, seen: dict[str, Obj], check: Callable[[], None]) -> None:
-        """List, then watch from the list's resourceVersion; a watch that ends or expires lists again, so
-        one resourceVersion-ordered stream of the namespace is seen, never two out of step."""
+        """List, then watch from the list's resourceVersion and on from the last event's, so that one
+        resourceVersion-ordered stream of the namespace is seen without a gap; only an expired
+        resourceVersion (410) lists again."""
+        rv = ""
         while True:
-            items, rv = await self.kube.list_all(kind, self.namespace)
-            seen.clear()
-            seen.update({o["metadata"]["name"]: o for o in items})
-            check()
-            self._synced[kind.plural].set()
+            if not rv:
+                items, rv = await self.kube.list_all(kind, self.namespace)
+                seen.clear()
+                seen.update({o["metadata"]["name"]: o for o in items})
+                check()
+                self._synced[kind.plural].set()
             try:
                 async with contextlib.aclosing(
                     self.kube.watch(kind, self.namespace, resource_version=rv, timeout_seconds=60)
                 ) as events:
                     async for etype, obj in events:
+                        rv = obj["metadata"].get("resourceVersion") or rv
                         if etype == "BOOKMARK":
                             continue
                         name = obj["metadata"]["name"]
@@ -146,8 +161,10 @@ class InvariantWatch:
                         check()
                         if kind is POD:
                             self._wake(etype, obj)
-            except (ApiError, TimeoutError, OSError):
-                await asyncio.sleep(0.2)  # 410 Gone or a dropped connection: list again
+            except (ApiError, TimeoutError, OSError) as e:
+                if is_gone(e):
+                    rv = ""  # compacted away: only a list can say where things are now
+                await asyncio.sleep(0.2)
 
     def _check_pods(self) -> None:
         counts: Counter[tuple[str, str]] = Counter()
@@ -185,7 +202,6 @@ class InvariantWatch:
         while True:
             for problem in await asyncio.to_thread(store_problems, self.store_root, self.namespace):
                 self._record(problem)
-            self.store_scans += 1
             await asyncio.sleep(self.store_every)
 
 
