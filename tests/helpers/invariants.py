@@ -19,8 +19,8 @@ from pathlib import Path
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.artifact.manifest import MANIFEST_NAME, Manifest
 from dynamo_snapshot.artifact.store import DELETING_PREFIX, PARTIAL_PREFIX
-from dynamo_snapshot.kube import POD, ApiError, Kube, Obj, is_gone
-from dynamo_snapshot.kube.kinds import CHECKPOINT, ResourceKind
+from dynamo_snapshot.kube import POD, ApiError, Kube, Obj, ResourceKind, is_gone
+from dynamo_snapshot.kube.kinds import CHECKPOINT
 
 # Worker pods a service may have beyond its replicas at any moment. The controller replaces a failed or
 # unschedulable restore pod by creating the replacement *before* deleting the pod ("the replacement exists

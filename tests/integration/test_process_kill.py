@@ -1,8 +1,9 @@
 """The controller and the node agent as real processes, killed with SIGKILL at the worst moments.
 
 Unlike the in-process "controller killed" tests (a cancelled task still runs its ``finally`` blocks), a
-SIGKILLed process leaves exactly what it had done: half a CRIU dump in the store's staging, some restore
-pods of a scale-up, a lost worker force-deleted but not yet replaced. Each test restarts the killed process
+SIGKILLed process leaves exactly what it had done: half a CRIU dump in the store's staging, a restore's
+pages half unpacked in the scratch, some restore pods of a scale-up, a lost worker force-deleted but not
+yet replaced. Each test restarts the killed process
 and waits for convergence, while an ``InvariantWatch`` started before anything else records, as it happens,
 every moment with more worker pods than replicas plus the surge, two DynamoCheckpoints or two artifacts for
 one identity, or a partial artifact visible in the store.
