@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -22,7 +21,6 @@ from pydantic import JsonValue
 from dynamo_snapshot import __version__
 from dynamo_snapshot.agent.cuda_processes import resume_cuda, suspend_cuda
 from dynamo_snapshot.agent.errors import AgentError
-from dynamo_snapshot.agent.files import write_atomic
 from dynamo_snapshot.agent.gpu_assignment import gpu_memory_held_mib
 from dynamo_snapshot.agent.metrics import BYTES, FAILURES, THROUGHPUT
 from dynamo_snapshot.agent.node import Node
@@ -30,6 +28,7 @@ from dynamo_snapshot.agent.page_images import compress_pages, drop_zero_pages_of
 from dynamo_snapshot.agent.prefetch import plan_for_tree, write_plan
 from dynamo_snapshot.agent.runtime.base import Workload, WorkloadRuntimeError, pid_running
 from dynamo_snapshot.agent.runtime.rootfs_diff import DIFF_FILE
+from dynamo_snapshot.agent.sentinels import write_sentinel
 from dynamo_snapshot.agent.timings import Timings
 from dynamo_snapshot.agent.weights import (
     CarriedWeights,
@@ -234,9 +233,7 @@ class CheckpointRun:
             # A source the runtime left running (a kubelet's container) learns that its checkpoint is
             # published, and ends.
             await asyncio.to_thread(
-                write_atomic,
-                self.workload.control_dir / protocol.FILE_SNAPSHOT_COMPLETE,
-                json.dumps({"key": self.key}),
+                write_sentinel, self.workload.control_dir / protocol.FILE_SNAPSHOT_COMPLETE, {"key": self.key}
             )
 
     def outcome(self, published: PublishResult) -> CheckpointOutcome:

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from dynamo_snapshot.agent.errors import AgentError, ArtifactRefused
-from dynamo_snapshot.agent.files import remove_abandoned
 from dynamo_snapshot.agent.metrics import PAGES_COMPRESSED_SAVED, ZERO_PAGES_DROPPED
+from dynamo_snapshot.agent.runtime.base import pid_running
 from dynamo_snapshot.agent.timings import Timings
 from dynamo_snapshot.artifact import Artifact
 from dynamo_snapshot.criu.packed import (
@@ -211,3 +211,11 @@ class PagesScratch:
         staged = base / f"{os.getpid()}-{key}-{secrets.token_hex(4)}"
         staged.mkdir(mode=0o700)
         return staged
+
+
+def remove_abandoned(base: Path) -> None:
+    """Staging images directories under ``base`` whose agent process is gone (killed mid-restore)."""
+    for entry in base.iterdir():
+        owner = entry.name.split("-", 1)[0]
+        if owner.isdigit() and int(owner) != os.getpid() and not pid_running(int(owner)):
+            shutil.rmtree(entry, ignore_errors=True)

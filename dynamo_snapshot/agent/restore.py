@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Mapping
@@ -29,13 +28,13 @@ from pydantic import JsonValue
 
 from dynamo_snapshot.agent.cuda_processes import checkpointed_pids, resume_cuda
 from dynamo_snapshot.agent.errors import AgentError, ArtifactRefused
-from dynamo_snapshot.agent.files import write_atomic
 from dynamo_snapshot.agent.gpu_assignment import assigned_gpus, check_gpu_memory, gpu_remap
 from dynamo_snapshot.agent.metrics import BYTES, PREFETCH_BYTES, PREFETCH_SKIPPED, THROUGHPUT
 from dynamo_snapshot.agent.node import Node
 from dynamo_snapshot.agent.page_images import PagesScratch, StagedPages
 from dynamo_snapshot.agent.prefetch import PREFETCH_FILE, PrefetchStats, prefetch, read_plan, read_whole
 from dynamo_snapshot.agent.runtime.base import Workload, WorkloadRuntimeError
+from dynamo_snapshot.agent.sentinels import write_sentinel
 from dynamo_snapshot.agent.timings import Timings
 from dynamo_snapshot.agent.weights import (
     CarriedWeights,
@@ -373,9 +372,7 @@ class RestoreRun:
         }
         if weights_pending:
             info[protocol.RESTORE_WEIGHTS_CHECK] = protocol.WEIGHTS_CHECK_PENDING
-        await asyncio.to_thread(
-            write_atomic, workload.control_dir / protocol.FILE_RESTORE_COMPLETE, json.dumps(info)
-        )
+        await asyncio.to_thread(write_sentinel, workload.control_dir / protocol.FILE_RESTORE_COMPLETE, info)
 
 
 def ensure_restore_context(control_dir: Path, env: Mapping[str, str]) -> None:
@@ -385,7 +382,7 @@ def ensure_restore_context(control_dir: Path, env: Mapping[str, str]) -> None:
     if path.exists():
         return
     context = {"env": {name: env.get(name) for name in sorted(protocol.RESTORE_CONTEXT_ENV_NAMES)}}
-    write_atomic(path, json.dumps(context, sort_keys=True))
+    write_sentinel(path, context)
 
 
 async def _withdraw_go_ahead(control_dir: Path) -> None:
@@ -399,7 +396,7 @@ async def _weights_verdict(check: asyncio.Task[TreeStats], verdict: Path | None,
     with timings.phase("restore", "weights_wait"):
         checked = (await check).bytes
     if verdict is not None:
-        await asyncio.to_thread(write_atomic, verdict, "{}")
+        await asyncio.to_thread(write_sentinel, verdict, {})
     return checked
 
 

@@ -1,26 +1,17 @@
-"""Small file helpers of the checkpoint and restore procedures: sentinel files written whole, and staging
-directories of agent processes that died mid-restore."""
+"""Sentinel files the agent writes into a worker's control directory (restore-complete,
+snapshot-complete, weights-verified, restore-context.json): JSON, seen whole or not at all."""
 
 from __future__ import annotations
 
-import os
-import shutil
+import json
 from pathlib import Path
+from typing import Any
 
-from dynamo_snapshot.agent.runtime.base import pid_running
+from dynamo_snapshot.fileio import write_atomic
 
-__all__ = ["remove_abandoned", "write_atomic"]
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+__all__ = ["write_sentinel"]
 
 
-def remove_abandoned(base: Path) -> None:
-    """Staging images directories under ``base`` whose agent process is gone (killed mid-restore)."""
-    for entry in base.iterdir():
-        owner = entry.name.split("-", 1)[0]
-        if owner.isdigit() and int(owner) != os.getpid() and not pid_running(int(owner)):
-            shutil.rmtree(entry, ignore_errors=True)
+def write_sentinel(path: Path, doc: dict[str, Any]) -> None:
+    # Not durable: the control directory does not outlive its pod, and the worker polls for the name.
+    write_atomic(path, json.dumps(doc, sort_keys=True).encode(), durable=False)

@@ -28,10 +28,11 @@ def fsync_dirs(dirs: Iterable[Path]) -> None:
         fsync_dir(d)
 
 
-def write_replacing(path: Path, write: Callable[[Path], T]) -> T:
-    """``write(tmp)`` fills a new file beside ``path``, which then replaces ``path`` in one rename (the
-    directory flushed best-effort: some filesystems refuse that); ``write``'s result. A reader sees the
-    old file or the new one, never a part; a failed ``write`` leaves no temporary file behind."""
+def write_replacing(path: Path, write: Callable[[Path], T], *, durable: bool = True) -> T:
+    """``write(tmp)`` fills a new file beside ``path``, which then replaces ``path`` in one rename (with
+    ``durable``, the directory flushed best-effort: some filesystems refuse that); ``write``'s result. A
+    reader sees the old file or the new one, never a part; a failed ``write`` leaves no temporary file
+    behind."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         result = write(tmp)
@@ -39,19 +40,23 @@ def write_replacing(path: Path, write: Callable[[Path], T]) -> T:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    with contextlib.suppress(OSError):
-        fsync_dir(path.parent)
+    if durable:
+        with contextlib.suppress(OSError):
+            fsync_dir(path.parent)
     return result
 
 
-def write_atomic(path: Path, data: bytes, *, mode: int = 0o644) -> None:
-    """Replace ``path`` with ``data`` (see ``write_replacing``), on disk when this returns."""
+def write_atomic(path: Path, data: bytes, *, mode: int = 0o644, durable: bool = True) -> None:
+    """Replace ``path`` with ``data`` (see ``write_replacing``); with ``durable``, on disk when this
+    returns. Without it, only whole: what another process must never see half-written (a sentinel in a
+    control directory that does not outlive its pod) need not wait for the disk."""
 
     def write(tmp: Path) -> None:
         with open(tmp, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         os.chmod(tmp, mode)
 
-    write_replacing(path, write)
+    write_replacing(path, write, durable=durable)

@@ -31,12 +31,10 @@ mounts into the new container (/etc/hostname, /etc/hosts), then from uname.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
 import socket
-import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -51,6 +49,7 @@ from dynamo_snapshot.api.protocol import (
     FILE_SNAPSHOT_COMPLETE,
     PROTOCOL_VERSION,
 )
+from dynamo_snapshot.fileio import write_atomic
 
 if TYPE_CHECKING:
     from dynamo_snapshot.workload.offload import GpuOffload, ReleasableCache, SavableWeights
@@ -323,28 +322,12 @@ class SnapshotHandshake:
             if self._armed:
                 self._resume_hooks(None, quiet=True)
             raise
-        # Directory fsync is not supported everywhere (some FUSE and overlay setups); the rename is done.
-        with contextlib.suppress(OSError):
-            dir_fd = os.open(self.control_dir, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)  # the rename itself survives a crash of the node
-            finally:
-                os.close(dir_fd)
 
     def _write_ready(self, data: bytes) -> None:
         for stale in (self.restore_complete_path, self.snapshot_complete_path):
             stale.unlink(missing_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.control_dir, prefix=f".{FILE_READY_FOR_SNAPSHOT}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                os.fchmod(f.fileno(), 0o644)  # mkstemp made it 0600; agent and probes may be other users
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.ready_path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        # 0644: the agent and probes may be other users. Durable: the rename survives a crash of the node.
+        write_atomic(self.ready_path, data, mode=0o644)
 
     async def signal_ready_async(self, info: Mapping[str, Any] | None = None) -> None:
         # fsync can take a while on a busy disk: keep it off the event loop.

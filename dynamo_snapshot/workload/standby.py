@@ -27,6 +27,7 @@ from dynamo_snapshot.api.protocol import (
     FILE_RESTORE_STANDBY,
     RESTORE_CONTEXT_ENV_NAMES,
 )
+from dynamo_snapshot.fileio import write_atomic
 from dynamo_snapshot.workload.handshake import control_dir
 
 __all__ = ["run_standby", "standby_requested"]
@@ -41,9 +42,8 @@ def standby_requested(environ: Mapping[str, str] | None = None) -> bool:
 
 
 def _write(path: Path, content: dict[str, object]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(content, sort_keys=True))
-    os.replace(tmp, path)
+    # Whole, not durable: the control directory does not outlive the pod.
+    write_atomic(path, json.dumps(content, sort_keys=True).encode(), durable=False)
 
 
 def _exit_code(status: int) -> int:
