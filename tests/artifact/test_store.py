@@ -27,9 +27,9 @@ from dynamo_snapshot.artifact import (
     fetch,
 )
 from dynamo_snapshot.artifact import manifest as manifest_module
+from dynamo_snapshot.artifact.manifest import canonical_digest
 from dynamo_snapshot.fileio import HashJob
 from dynamo_snapshot.fileio import hashing as io_module
-from dynamo_snapshot.artifact.manifest import canonical_digest
 
 from .helpers import (
     BINDING,
