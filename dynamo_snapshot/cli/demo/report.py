@@ -46,7 +46,7 @@ def plot(timeline: Timeline, path: Path) -> str | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "matplotlib is not installed (pip install matplotlib) — no plot"
+        return "matplotlib is not installed (pip install -e '.[demo]') — no plot"
     s = timeline.samples
     t = [x.t for x in s]
     fig, (ax1, ax2) = plt.subplots(2, 1, sharex=True, figsize=(10, 6))
