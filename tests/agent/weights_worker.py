@@ -40,10 +40,10 @@ path = handshake.control_dir / "weights" / "model.dsw"
 path.parent.mkdir(parents=True, exist_ok=True)
 content = header.encode() + data
 path.write_bytes(content)
-whole = hashlib.sha256(content).hexdigest()
+whole = hashlib.sha256(content).hexdigest()  # what the restored worker must read back
 write_weights_manifest(
     handshake.control_dir,
-    [WeightsFile(str(path), len(content), whole, header.data_digest, 0)],
+    [WeightsFile(str(path), len(content), header.data_digest, 0)],
     {0: nbytes},
     # As GpuOffload does: this worker waits for the agent's verdict before it uses the weights.
     waits_for_weights_check=os.environ.get("WORKER_WAITS_FOR_CHECK", "1") == "1",

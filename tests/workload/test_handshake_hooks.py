@@ -5,7 +5,6 @@ is the pure-Python stand-in of fake_cuda."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import threading
 import time
@@ -33,7 +32,7 @@ from dynamo_snapshot.workload import (
 )
 from dynamo_snapshot.workload import handshake as hs
 from dynamo_snapshot.workload.gpu_memory import RegionPool
-from dynamo_snapshot.workload.weights import ENCODINGS
+from dynamo_snapshot.workload.weights import ENCODINGS, read_header
 from tests.helpers.polling import wait_file
 from tests.workload.fake_cuda import CUresult, FakeDriver, FakeEngine
 
@@ -211,7 +210,7 @@ def test_gpu_offload_releases_before_ready_and_restores_after(cu: FakeDriver, tm
     weights_file = tmp_path / "cache" / "model.dsw"
     assert entry.path == str(weights_file)
     assert entry.bytes == weights_file.stat().st_size
-    assert entry.sha256 == hashlib.sha256(weights_file.read_bytes()).hexdigest()
+    assert entry.data_digest == read_header(weights_file)[0].data_digest
     assert (ctl / FILE_WEIGHTS_MANIFEST).exists()
     # The agent learns how much GPU memory comes back after a restore, per device.
     assert seen_at_ready["offload"].released_bytes == {0: used_before}

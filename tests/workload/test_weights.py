@@ -231,8 +231,7 @@ def test_save_writes_the_region_in_the_documented_format(cu: FakeDriver, tmp_pat
     assert result.written
     assert result.bytes == len(raw) == data_offset + region.data_bytes
     assert raw[data_offset:] == data
-    assert result.sha256 == hashlib.sha256(raw).hexdigest()
-    assert (tmp_path / "m.dsw.sha256").read_text() == f"{result.sha256}  m.dsw\n"  # sha256sum -c format
+    assert [p.name for p in tmp_path.iterdir()] == ["m.dsw"]  # nothing beside it: the header is the check
     assert header.tensors == tuple(region.specs)
     assert header.data_bytes == region.data_bytes
     assert region.data_bytes % ALIGN == 0
@@ -298,7 +297,6 @@ def test_split_nibble_files_are_smaller_and_in_the_documented_format(cu: FakeDri
     assert decode_split_by_hand(raw) == data
     # bf16-like data: ~1.33x smaller (less here, where 64 KiB chunks pad their records to 4 KiB)
     assert result.bytes == len(raw) < data_offset + 0.85 * region.data_bytes
-    assert result.sha256 == hashlib.sha256(raw).hexdigest()
     # The data's identity is the same however it is stored.
     raw_result = region.save(tmp_path / "r.dsw", chunk_bytes=CHUNK, encoding=ENCODING_RAW)
     assert raw_result.data_digest == result.data_digest
@@ -464,19 +462,15 @@ def test_save_skips_an_identical_file_and_rewrites_a_different_one(cu: FakeDrive
 
     again = region.save(path, chunk_bytes=CHUNK)
     assert not again.written
-    assert (again.sha256, again.bytes) == (first.sha256, first.bytes)
+    assert (again.data_digest, again.bytes) == (first.data_digest, first.bytes)
     assert path.stat().st_mtime_ns == stat.st_mtime_ns
     assert path.stat().st_ino == stat.st_ino
-
-    (tmp_path / "m.dsw.sha256").unlink()  # the sidecar is rebuilt from the file when missing
-    assert region.save(path, chunk_bytes=CHUNK).sha256 == first.sha256
-    assert (tmp_path / "m.dsw.sha256").exists()
 
     fill_random(cu, region, seed=2)
     changed = region.save(path, chunk_bytes=CHUNK)
     assert changed.written
     assert changed.data_digest != first.data_digest
-    assert changed.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert read_header(path)[0].data_digest == changed.data_digest
 
     other_chunks = region.save(path, chunk_bytes=2 * CHUNK)  # another layout of digests: rewritten
     assert other_chunks.written
@@ -562,17 +556,16 @@ def test_reader_falls_back_to_buffered_reads_when_o_direct_refuses(tmp_path: Pat
 def test_weights_manifest_round_trip(tmp_path: Path) -> None:
     assert read_weights_manifest(tmp_path) == []
     assert read_offload_manifest(tmp_path) is None
-    files = [WeightsFile("/models/a.dsw", 4096 * 3, "ab" * 32, "cd" * 32, 0)]
+    files = [WeightsFile("/models/a.dsw", 4096 * 3, "cd" * 32, 0)]
     path = write_weights_manifest(tmp_path, files, {0: 2 << 30})
     assert path == tmp_path / FILE_WEIGHTS_MANIFEST == tmp_path / "weights.json"
     doc = json.loads(path.read_text())
     assert doc == {
-        "version": 2,
+        "version": 3,
         "files": [
             {
                 "path": "/models/a.dsw",
                 "bytes": 12288,
-                "sha256": "ab" * 32,
                 "data_digest": "cd" * 32,
                 "device": 0,
             }
@@ -582,9 +575,12 @@ def test_weights_manifest_round_trip(tmp_path: Path) -> None:
     }
     assert read_weights_manifest(tmp_path) == files
     assert read_offload_manifest(tmp_path) == OffloadManifest(files, {0: 2 << 30})
-    # Version 1 (no released_bytes) still reads.
-    path.write_text(json.dumps({"version": 1, "files": doc["files"]}))
+    # Versions 1 (no released_bytes) and 2 still read; the whole-file sha256 they list is read past.
+    older = [{**doc["files"][0], "sha256": "ab" * 32}]
+    path.write_text(json.dumps({"version": 1, "files": older}))
     assert read_offload_manifest(tmp_path) == OffloadManifest(files, {})
+    path.write_text(json.dumps({"version": 2, "files": older, "released_bytes": {"0": 7}}))
+    assert read_offload_manifest(tmp_path) == OffloadManifest(files, {0: 7})
     # Written by an SDK that waits for the agent's verdict on the weights; absent means it does not.
     w.write_weights_manifest(tmp_path, files, {0: 1}, waits_for_weights_check=True)
     assert read_offload_manifest(tmp_path) == OffloadManifest(files, {0: 1}, waits_for_weights_check=True)
@@ -598,7 +594,7 @@ def test_weights_manifest_round_trip(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not JSON"):
         read_offload_manifest(tmp_path)
     path.write_text('{"version": 9, "files": []}')
-    with pytest.raises(ValueError, match="version 2"):
+    with pytest.raises(ValueError, match="version 3"):
         read_weights_manifest(tmp_path)
     path.write_text('{"version": 1, "files": [{"path": "/x"}]}')
     with pytest.raises(ValueError, match="bad entry"):
@@ -630,6 +626,6 @@ def test_warm_weights_from_the_control_dir(cu: FakeDriver, tmp_path: Path) -> No
     region = make_region(cu)
     fill_random(cu, region)
     saved = region.save(tmp_path / "m.dsw")
-    write_weights_manifest(tmp_path, [saved.manifest_entry(0), WeightsFile("/absent", 1, "0", "0", 0)])
+    write_weights_manifest(tmp_path, [saved.manifest_entry(0), WeightsFile("/absent", 1, "0", 0)])
     (warm,) = w.warm_weights(tmp_path, threads=2)
     assert warm.bytes == saved.bytes

@@ -19,9 +19,8 @@ soon as it is full, so reading and copying overlap.
 
 The header's per-chunk SHA-256 digests are the file's integrity check: a load verifies them with
 verify=True, and the node agent seals the file with the artifact's own chunk digests. weights.json lists
-each file with its size, whole-file SHA-256 (kept beside the file as FILE.sha256, so a save that finds the
-file unchanged need not read it again) and data digest, so the agent can check the file and warm the page
-cache with it (warm_page_cache) while CRIU restores the process.
+each file with its size and data digest (the digest of the header's chunk digests), so the agent can check
+the file and warm the page cache with it (warm_page_cache) while CRIU restores the process.
 
 torch is needed only to move bytes (pack, save, load use it through TransferEngine); everything else,
 the format included, is plain Python.

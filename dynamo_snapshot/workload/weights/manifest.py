@@ -32,8 +32,10 @@ __all__ = [
     "write_weights_manifest",
 ]
 
-_MANIFEST_VERSION: Final = 2
-_MANIFEST_VERSIONS_READ: Final = (1, 2)
+# Version 3 lists no whole-file SHA-256: the header's chunk digests and data digest are the file's check,
+# and the artifact's chunk digests seal it once carried. Older versions' `sha256` is read past.
+_MANIFEST_VERSION: Final = 3
+_MANIFEST_VERSIONS_READ: Final = (1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,6 @@ class WeightsFile:
 
     path: str  # absolute, as the worker sees it
     bytes: int  # file size
-    sha256: str  # of the whole file (what FILE.sha256 and `sha256sum` give)
     data_digest: str  # the header's digest of the data section
     device: int  # CUDA device ordinal of the region
 
@@ -97,7 +98,6 @@ def read_offload_manifest(control_dir: Path | str) -> OffloadManifest | None:
                 WeightsFile(
                     path=str(entry["path"]),
                     bytes=int(entry["bytes"]),
-                    sha256=str(entry["sha256"]),
                     data_digest=str(entry["data_digest"]),
                     device=int(entry["device"]),
                 )

@@ -67,26 +67,21 @@ def write_file(
     head: bytes,
     records: Sequence[ChunkRecord],
     threads: int,
-) -> str:
-    """Write `head` then every chunk record to `path` (created); the whole file's SHA-256.
+) -> None:
+    """Write `head` then every chunk record to `path` (created).
 
-    Downloads (coded records: made by the engine) in order; each record is hashed in file order by one
-    thread and written by another, so hashing, writing and the next download overlap.
+    Downloads (coded records: made by the engine) in order; writer threads write each record while the
+    next one downloads.
     """
-    file_hash = hashlib.sha256(head)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         pwrite_all(fd, memoryview(head), 0)
-        busy: dict[int, tuple[Future[None], Future[None]]] = {}
-        with (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-sha") as hasher,
-            ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="weights-write") as writers,
-        ):
+        busy: dict[int, Future[None]] = {}
+        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="weights-write") as writers:
             for i, rec in enumerate(records):
                 b = i % len(bufs)
                 if b in busy:
-                    for fut in busy.pop(b):
-                        fut.result()
+                    busy.pop(b).result()
                 view = bufs[b].view()
                 if rec.coded:
                     length = engine.download_coded(rec.data_offset, bufs[b], rec.nbytes)
@@ -96,18 +91,12 @@ def write_file(
                     view[length : rec.stored] = bytes(rec.stored - length)
                 else:
                     engine.download(rec.data_offset, bufs[b], rec.nbytes)
-                part = view[: rec.stored]
-                busy[b] = (
-                    hasher.submit(file_hash.update, part),
-                    writers.submit(pwrite_all, fd, part, len(head) + rec.offset),
-                )
-            for pair in busy.values():
-                for fut in pair:
-                    fut.result()
+                busy[b] = writers.submit(pwrite_all, fd, view[: rec.stored], len(head) + rec.offset)
+            for fut in busy.values():
+                fut.result()
         os.fsync(fd)
     finally:
         os.close(fd)
-    return file_hash.hexdigest()
 
 
 def read_into_region(

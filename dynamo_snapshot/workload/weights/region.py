@@ -13,9 +13,7 @@ from dynamo_snapshot.fileio import (
     ALIGN,
     DirectReader,
     page_cache_fraction,
-    sha256_file,
     spans,
-    write_atomic,
     write_replacing,
 )
 from dynamo_snapshot.workload.gpu_memory import KIND_WEIGHTS, RegionPool, VmmRegion, _import_torch, round_up
@@ -49,9 +47,6 @@ DEFAULT_BLOCK_BYTES: Final = 64 << 20
 # load(direct=None) reads through the page cache when at least this much of the file is in it (the
 # agent warmed it): O_DIRECT would ignore those pages and go to the disk again.
 _RESIDENT_FOR_BUFFERED: Final = 0.5
-# PATH.sha256 beside a weights file: its whole-file SHA-256 in `sha256sum` format, so a save that finds
-# the file unchanged gives weights.json that digest without reading the whole file again.
-_SHA256_SUFFIX: Final = ".sha256"
 
 
 @dataclass(frozen=True)
@@ -59,7 +54,6 @@ class SaveResult:
     path: str
     bytes: int  # file size
     data_bytes: int
-    sha256: str  # of the whole file
     data_digest: str
     written: bool  # False: an identical file was there already
     seconds: float  # in total
@@ -67,7 +61,7 @@ class SaveResult:
     write_seconds: float
 
     def manifest_entry(self, device: int) -> WeightsFile:
-        return WeightsFile(self.path, self.bytes, self.sha256, self.data_digest, device)
+        return WeightsFile(self.path, self.bytes, self.data_digest, device)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -213,7 +207,7 @@ class WeightRegion:
         threads: int = 8,
         encoding: str = ENCODING_SPLIT_NIBBLE,
     ) -> SaveResult:
-        """Write the region to `path` (and its SHA-256 to PATH.sha256), unless a file with the same
+        """Write the region to `path`, unless a file with the same
         header (so the same content, stored the same way) is there already. Needs the region mapped.
 
         `encoding`: ENCODING_SPLIT_NIBBLE (default; ~1.33x smaller for bf16/fp16 weights, so a load
@@ -243,19 +237,14 @@ class WeightRegion:
             hashed = time.monotonic()
             written = not _same_file(path, header, len(head))
             if written:
-                sha = _write_replacing(path, engine, bufs, head, header, threads)
-            else:
-                sha = _read_sidecar(path) or _whole_file_sha256(path)
+                _write_replacing(path, engine, bufs, head, header, threads)
         finally:
             engine.close()
-        if written or _read_sidecar(path) != sha:
-            write_atomic(_sidecar(path), f"{sha}  {path.name}\n".encode())
         done = time.monotonic()
         return SaveResult(
             path=str(path),
             bytes=len(head) + header.stored_bytes,
             data_bytes=self.data_bytes,
-            sha256=sha,
             data_digest=header.data_digest,
             written=written,
             seconds=done - started,
@@ -380,17 +369,10 @@ def _write_replacing(
     head: bytes,
     header: WeightsHeader,
     threads: int,
-) -> str:
-    """Write the file beside `path` and rename it over `path` once complete; its SHA-256."""
+) -> None:
+    """Write the file beside `path` and rename it over `path` once complete."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    return write_replacing(path, lambda tmp: write_file(tmp, engine, bufs, head, header.records(), threads))
-
-
-def _whole_file_sha256(path: Path) -> str:
-    got = sha256_file(path)
-    if got.sha256 is None:
-        raise AssertionError("sha256_file returned no digest")
-    return got.sha256
+    write_replacing(path, lambda tmp: write_file(tmp, engine, bufs, head, header.records(), threads))
 
 
 def _load_records(header: WeightsHeader, block: int, verify: bool) -> tuple[int, list[ChunkRecord]]:
@@ -399,28 +381,6 @@ def _load_records(header: WeightsHeader, block: int, verify: bool) -> tuple[int,
     if verify or header.encoding is not None:
         return header.chunk_bytes, header.records()
     return block, [ChunkRecord(i, off, n, off) for i, (off, n) in enumerate(spans(header.data_bytes, block))]
-
-
-def _sidecar(path: Path) -> Path:
-    return path.with_name(path.name + _SHA256_SUFFIX)
-
-
-def _read_sidecar(path: Path) -> str | None:
-    """The whole-file SHA-256 from PATH.sha256 when it is there and not older than the file."""
-    side = _sidecar(path)
-    try:
-        if side.stat().st_mtime_ns < path.stat().st_mtime_ns:
-            return None
-        text = side.read_text(encoding="ascii").split()
-    except (OSError, UnicodeDecodeError):
-        return None
-    if len(text) == 2 and text[1] == path.name and len(text[0]) == 64:
-        try:
-            bytes.fromhex(text[0])
-        except ValueError:
-            return None
-        return text[0].lower()
-    return None
 
 
 def _same_file(path: Path, header: WeightsHeader, head_len: int) -> bool:
