@@ -44,8 +44,9 @@ from dynamo_snapshot.agent.weights import (
     place_weights,
 )
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.artifact import HASH_PARALLEL, Artifact, ArtifactError, GpuInfo, TreeStats
+from dynamo_snapshot.artifact import Artifact, ArtifactError, GpuInfo
 from dynamo_snapshot.criu import CriuError
+from dynamo_snapshot.fileio import HASH_PARALLEL, TreeStats
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@
                         timings=..., extra=..., binding=Binding(...)) -> PublishResult(artifact, won, io)
     # leaving the block unpublished (or w.discard()) removes the staging dir
 
-    artifact.manifest.digest                        # SHA-256 of the manifest itself (format 3)
+    artifact.manifest.digest                        # SHA-256 of the manifest itself (format >= 3)
     artifact.manifest.binding                       # namespace, checkpoint name/uid, source pod (or None)
 
     artifact.verify(*, check_checksums=True, expect_hash=None, files=None) -> TreeStats  # or ArtifactError
@@ -26,11 +26,9 @@ A file larger than ``DEFAULT_CHUNK_BYTES`` (64 MiB) is sealed as one SHA-256 per
 (``FileEntry.chunks``), so sealing, verifying and fetching spread even one huge file over
 ``HASH_PARALLEL`` threads; smaller files keep one whole-file ``sha256``.
 
-Large-file helpers (``dynamo_snapshot.fileio``, re-exported here): ``copy_file``, ``copy_tree``,
-``sha256_file``, ``hash_files`` (per-chunk digests of ``HashJob``s on one pool) and their ``a``-prefixed
-async forms, reporting ``IoStats``/``TreeStats`` (bytes, seconds, gbps). Verifying and sealing hash big
-files in a helper process (``dynamo_snapshot.artifact.isolated``; ``warm_up_hashing`` starts one ahead of
-time).
+The hashing and copying underneath are ``dynamo_snapshot.fileio``'s (``hash_files``, ``copy_tree``, …,
+reporting ``TreeStats``). Verifying and sealing hash big files in a helper process
+(``dynamo_snapshot.artifact.isolated``; ``warm_up_hashing`` starts one ahead of time).
 """
 
 from dynamo_snapshot.artifact.cache import ArtifactCache
@@ -49,27 +47,9 @@ from dynamo_snapshot.artifact.reader import Artifact, verify_files
 from dynamo_snapshot.artifact.store import ArtifactStore, artifact_key, validate_artifact_key
 from dynamo_snapshot.artifact.verified import VerifiedFiles
 from dynamo_snapshot.artifact.writer import ArtifactWriter, PublishResult, fetch
-from dynamo_snapshot.fileio import (
-    DEFAULT_CHUNK_BYTES,
-    HASH_PARALLEL,
-    FileDigests,
-    HashJob,
-    IoStats,
-    TreeStats,
-    acopy_file,
-    acopy_tree,
-    ahash_files,
-    asha256_file,
-    copy_file,
-    copy_tree,
-    hash_files,
-    sha256_file,
-)
 
 __all__ = [
-    "DEFAULT_CHUNK_BYTES",
     "FORMAT_VERSION",
-    "HASH_PARALLEL",
     "MANIFEST_NAME",
     "Artifact",
     "ArtifactCache",
@@ -78,25 +58,13 @@ __all__ = [
     "ArtifactStore",
     "ArtifactWriter",
     "Binding",
-    "FileDigests",
     "FileEntry",
     "GpuInfo",
-    "HashJob",
-    "IoStats",
     "Manifest",
     "PublishResult",
-    "TreeStats",
     "VerifiedFiles",
-    "acopy_file",
-    "acopy_tree",
-    "ahash_files",
     "artifact_key",
-    "asha256_file",
-    "copy_file",
-    "copy_tree",
     "fetch",
-    "hash_files",
-    "sha256_file",
     "validate_artifact_key",
     "validate_identity_hash",
     "verify_files",

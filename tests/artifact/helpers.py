@@ -14,7 +14,6 @@ from pydantic import JsonValue
 
 from dynamo_snapshot.api.identity import CheckpointIdentity
 from dynamo_snapshot.artifact import (
-    DEFAULT_CHUNK_BYTES,
     MANIFEST_NAME,
     ArtifactStore,
     ArtifactWriter,
@@ -23,6 +22,7 @@ from dynamo_snapshot.artifact import (
     PublishResult,
 )
 from dynamo_snapshot.artifact.manifest import canonical_digest
+from dynamo_snapshot.fileio import DEFAULT_CHUNK_BYTES
 
 IDENTITY = CheckpointIdentity(model="meta-llama/Llama-3-8B", backend_framework="vllm", dtype="bfloat16")
 HASH = IDENTITY.compute_hash()

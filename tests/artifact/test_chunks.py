@@ -15,11 +15,10 @@ from dynamo_snapshot.artifact import (
     ArtifactError,
     ArtifactStore,
     ArtifactWriter,
-    HashJob,
     fetch,
-    hash_files,
     verify_files,
 )
+from dynamo_snapshot.fileio import HashJob, hash_files
 from dynamo_snapshot.fileio import hashing as io_module
 
 from .helpers import HASH, as_format, publish, read_manifest, refuse_direct_reads, stage, write_manifest
