@@ -8,6 +8,7 @@ import collections
 from pathlib import Path
 
 from dynamo_snapshot.agent.gpu_assignment import local_gpus
+from dynamo_snapshot.agent.page_images import remove_abandoned
 from dynamo_snapshot.agent.runtime.base import Runtime, Workload
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.artifact import ArtifactCache, ArtifactStore, GpuInfo, VerifiedFiles, warm_up_hashing
@@ -85,6 +86,15 @@ class Node:
         self.deleting: collections.Counter[str] = collections.Counter()
         # Big files are hashed in a helper process (see artifact.isolated); start it before it is needed.
         warm_up_hashing()
+
+    async def remove_abandoned_scratch(self) -> None:
+        """The restore staging of agent processes that died mid-restore, removed when this one starts:
+        the scratch is a tmpfs by default, so what they left holds node memory until then."""
+        base = self.restore_scratch
+        if base is None or not await asyncio.to_thread(base.is_dir):
+            return
+        await asyncio.to_thread(remove_abandoned, base)
+        self.scratch_cleaned.add(base)
 
     def control_dir_seen_by_worker(self, workload: Workload) -> str:
         # Inside a container the worker sees the mount path; a host process sees the host directory.

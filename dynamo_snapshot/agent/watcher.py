@@ -110,6 +110,7 @@ class NodeAgent:
         self.checkpoints.add_handler(self.sweeper.on_checkpoint)
 
     async def run_until(self, stop: asyncio.Event) -> None:
+        await self.executor.remove_abandoned_scratch()
         self.pods.start()
         self.checkpoints.start()
         sweeping = asyncio.create_task(self.sweeper.sweep_forever(), name="artifact-sweep")

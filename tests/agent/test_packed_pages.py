@@ -2,7 +2,7 @@
 packed, a restore unpacks them into a staging images directory that CRIU restores from (the worker has
 its memory back) and that is gone afterwards; a damaged packed file is refused before anything runs,
 whether the manifest's digest or the format's own checks find it; an artifact of plain pages (written
-before packing, or with it off) restores as it always did; an unusable scratch falls back beside the
+with packing off) restores from the artifact itself; an unusable scratch falls back beside the
 workload's control dir."""
 
 from __future__ import annotations
@@ -191,4 +191,17 @@ async def test_staging_dirs_of_a_dead_agent_are_removed(criu_bin: Path, tmp_path
     (scratch / f"{dead.pid}-old-restore-1234").mkdir(parents=True)
     (scratch / f"{os.getppid()}-other-agent-5678").mkdir()
     await _restored_intact(executor, runtime, ctl)
+    assert _leftovers(scratch) == [f"{os.getppid()}-other-agent-5678"]
+
+
+async def test_staging_of_a_dead_agent_is_removed_when_the_agent_starts(
+    criu_bin: Path, tmp_path: Path
+) -> None:
+    executor, _, _ = await _checkpoint(tmp_path, criu_bin)
+    scratch = tmp_path / "scratch"
+    dead = await asyncio.create_subprocess_exec("true")
+    await dead.wait()
+    (scratch / f"{dead.pid}-old-restore-1234").mkdir(parents=True)
+    (scratch / f"{os.getppid()}-other-agent-5678").mkdir()
+    await executor.remove_abandoned_scratch()  # what NodeAgent.run_until does first, before any restore
     assert _leftovers(scratch) == [f"{os.getppid()}-other-agent-5678"]
