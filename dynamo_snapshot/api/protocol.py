@@ -15,6 +15,7 @@ from typing import Final
 
 __all__ = [
     "ANNOTATION_ARTIFACT_DIGEST",
+    "ANNOTATION_ARTIFACT_VERSION",
     "ANNOTATION_AVOID_NODES",
     "ANNOTATION_CHECKPOINT_LOCATION",
     "ANNOTATION_CHECKPOINT_MESSAGE",
@@ -24,6 +25,7 @@ __all__ = [
     "ANNOTATION_REPLACES",
     "ANNOTATION_RESTORE_ATTEMPTS",
     "ANNOTATION_RESTORE_CONTAINER_ID",
+    "ANNOTATION_RESTORE_CONTAINER_MAP",
     "ANNOTATION_RESTORE_FROM",
     "ANNOTATION_RESTORE_MESSAGE",
     "ANNOTATION_RESTORE_STATUS",
@@ -35,6 +37,7 @@ __all__ = [
     "ARTIFACT_WEIGHTS_DIR",
     "CONTROL_MOUNT_PATH",
     "CONTROL_VOLUME_NAME",
+    "DEFAULT_TARGET_CONTAINER",
     "ENV_CONTROL_DIR",
     "ENV_CONTROL_DIRS",
     "ENV_CONTROL_DIR_LEGACY",
@@ -51,6 +54,8 @@ __all__ = [
     "FILE_WEIGHTS_MANIFEST",
     "FILE_WEIGHTS_VERIFIED",
     "FINALIZER",
+    "FINALIZER_CONTENT_CLEANUP",
+    "LABEL_CAPTURE_ELIGIBLE",
     "LABEL_CHECKPOINT_HASH",
     "LABEL_CHECKPOINT_ID",
     "LABEL_CHECKPOINT_SOURCE",
@@ -62,8 +67,12 @@ __all__ = [
     "LABEL_MANAGED_BY",
     "LABEL_RESTORE_TARGET",
     "LABEL_SERVICE",
+    "LABEL_SNAPSHOT_JOB",
+    "LABEL_SNAPSHOT_JOB_UID",
+    "LABEL_SNAPSHOT_NODE",
     "LABEL_START_MODE",
     "MANAGED_BY_VALUE",
+    "POD_CONDITION_RESTORED",
     "PROTOCOL_VERSION",
     "RESOURCE_GPU",
     "RESTORE_ATTEMPTS_MAX",
@@ -71,6 +80,7 @@ __all__ = [
     "RESTORE_WEIGHTS_CHECK",
     "TRUE",
     "WEIGHTS_CHECK_PENDING",
+    "RestoredReason",
     "SnapshotStatus",
     "StartMode",
     "per_container",
@@ -250,6 +260,37 @@ ARTIFACT_WEIGHTS_DIR: Final = "weights"
 # Held on DynamoCheckpoints by the controller until no restore from them is under way; once the object
 # is gone, node agents remove its artifact.
 FINALIZER: Final = "snapshot.nvidia.com/finalizer"
+
+# --- The generic snapshot API (PodSnapshot, PodSnapshotContent, SnapshotJob), spelled as NVIDIA Snapshot's
+# api/v1alpha1 spells it -------------------------------------------------------------------------------
+# The container a checkpoint captures when nothing names one.
+DEFAULT_TARGET_CONTAINER: Final = "main"
+# On a PodSnapshotContent: the node whose agent captures it (agents select their own node's contents).
+LABEL_SNAPSHOT_NODE: Final = "nvidia.com/snapshot-node"
+# On a SnapshotJob's pod and the PodSnapshot it produces: the SnapshotJob's name and UID.
+LABEL_SNAPSHOT_JOB: Final = "nvidia.com/snapshot-job"
+LABEL_SNAPSHOT_JOB_UID: Final = "nvidia.com/snapshot-job-uid"
+# On a source pod, by the node agent: it checked the pod and may capture it.
+LABEL_CAPTURE_ELIGIBLE: Final = "nvidia.com/snapshot-capture-eligible"
+# On a restore pod beside nvidia.com/restore-from: "source=destination,..." when the captured container
+# goes into a container of another name (absent: the same name).
+ANNOTATION_RESTORE_CONTAINER_MAP: Final = "nvidia.com/restore-container-map"
+# On a source pod: the version directory of the artifact the capture writes.
+ANNOTATION_ARTIFACT_VERSION: Final = "nvidia.com/snapshot-artifact-version"
+# Held on a PodSnapshot until the PodSnapshotContent it bound is deleted.
+FINALIZER_CONTENT_CLEANUP: Final = "nvidia.com/podsnapshotcontent-cleanup"
+# The pod condition a restore's outcome is written to; a pod may gate its readiness on it.
+POD_CONDITION_RESTORED: Final = "nvidia.com/Restored"
+
+
+class RestoredReason(StrEnum):
+    """Reasons of the nvidia.com/Restored pod condition."""
+
+    IN_PROGRESS = "RestoreInProgress"  # False
+    SUCCEEDED = "RestoreSucceeded"  # True
+    FAILED = "RestoreFailed"  # False
+    PARTIALLY_SUCCEEDED = "RestorePartiallySucceeded"  # False
+
 
 # --- GPU node labels (NVIDIA GPU feature discovery) and the device-plugin resource -----------------
 LABEL_GPU_PRODUCT: Final = "nvidia.com/gpu.product"

@@ -9,7 +9,9 @@ from __future__ import annotations
 from dynamo_snapshot.api.checkpoint import DynamoCheckpoint
 from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment
 from dynamo_snapshot.api.kube import CustomResource
+from dynamo_snapshot.api.podsnapshot import PodSnapshot, PodSnapshotContent
 from dynamo_snapshot.api.scalingpolicy import DynamoScalingPolicy
+from dynamo_snapshot.api.snapshotjob import SnapshotJob
 
 __all__ = ["CUSTOM_RESOURCES"]
 
@@ -17,4 +19,7 @@ CUSTOM_RESOURCES: tuple[type[CustomResource], ...] = (
     DynamoGraphDeployment,
     DynamoCheckpoint,
     DynamoScalingPolicy,
+    PodSnapshot,
+    PodSnapshotContent,
+    SnapshotJob,
 )

@@ -31,6 +31,9 @@ def test_rendering_is_deterministic() -> None:
         "nvidia.com_dynamocheckpoints.yaml",
         "nvidia.com_dynamographdeployments.yaml",
         "nvidia.com_dynamoscalingpolicies.yaml",
+        "nvidia.com_podsnapshotcontents.yaml",
+        "nvidia.com_podsnapshots.yaml",
+        "nvidia.com_snapshotjobs.yaml",
     ]
 
 

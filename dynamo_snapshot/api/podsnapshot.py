@@ -1,0 +1,204 @@
+"""PodSnapshot and PodSnapshotContent (nvidia.com/v1alpha1): the generic snapshot API of NVIDIA Snapshot.
+
+A user asks for a checkpoint of a running pod with a PodSnapshot (namespaced); the controller binds it to
+a cluster-scoped PodSnapshotContent, named after the PodSnapshot's UID, which says where the capture runs
+and, once it is Ready, what was captured. Field for field as ai-dynamo/snapshot's api/v1alpha1
+(podsnapshot_types.go, podsnapshotcontent_types.go): objects written for NVIDIA's operator apply here
+unchanged. Status fields beyond upstream's (the artifact and what a node needs to restore it) are
+additive: an upstream reader ignores them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import ConfigDict, Field, JsonValue
+
+from dynamo_snapshot.api.kube import (
+    Condition,
+    CustomResource,
+    KubeModel,
+    NonNegativeInt32,
+    PrinterColumn,
+    ResourceInfo,
+)
+from dynamo_snapshot.api.protocol import API_GROUP, API_VERSION
+
+__all__ = [
+    "CONTAINER_NAME_PATTERN",
+    "CONTENT_NAME_PREFIX",
+    "SPEC_IMMUTABLE_MESSAGE",
+    "ContainerName",
+    "PodReference",
+    "PodSnapshot",
+    "PodSnapshotArtifact",
+    "PodSnapshotCompatibility",
+    "PodSnapshotContent",
+    "PodSnapshotContentSource",
+    "PodSnapshotContentSpec",
+    "PodSnapshotContentStatus",
+    "PodSnapshotReference",
+    "PodSnapshotSource",
+    "PodSnapshotSpec",
+    "PodSnapshotStatus",
+    "content_name",
+]
+
+SPEC_IMMUTABLE_MESSAGE = "spec is immutable"
+# A DNS-1123 label: what Kubernetes allows as a container name.
+CONTAINER_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# PodSnapshotContent names: this prefix and the PodSnapshot's UID, so one PodSnapshot binds one content.
+CONTENT_NAME_PREFIX = "podsnapshotcontent-"
+
+_IMMUTABLE: dict[str, JsonValue] = {
+    "x-kubernetes-validations": [{"rule": "self == oldSelf", "message": SPEC_IMMUTABLE_MESSAGE}]
+}
+_CONDITIONS: dict[str, JsonValue] = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
+
+ContainerName = Annotated[str, Field(min_length=1, max_length=63, pattern=CONTAINER_NAME_PATTERN)]
+
+
+def content_name(snapshot_uid: str) -> str:
+    """The PodSnapshotContent a PodSnapshot with this UID binds."""
+    return f"{CONTENT_NAME_PREFIX}{snapshot_uid}"
+
+
+class PodReference(KubeModel):
+    """A pod in the PodSnapshot's own namespace, and the container to capture."""
+
+    name: str = Field(min_length=1, description="Name of the pod.")
+    uid: str | None = Field(
+        default=None, description="UID of the pod; when set, a pod of that name with another UID is refused."
+    )
+    # One container: a checkpoint captures one process tree.
+    containers: list[ContainerName] = Field(
+        min_length=1, max_length=1, description="The container to capture (exactly one)."
+    )
+
+
+class PodSnapshotSource(KubeModel):
+    """What to capture: a struct, so that other kinds of source can be added beside podRef."""
+
+    pod_ref: PodReference = Field(description="The running pod to capture.")
+
+
+class PodSnapshotSpec(KubeModel):
+    model_config = ConfigDict(json_schema_extra=_IMMUTABLE)
+
+    source: PodSnapshotSource
+
+
+class PodSnapshotStatus(KubeModel):
+    bound_snapshot_content_name: str | None = Field(
+        default=None, description="The PodSnapshotContent bound to this PodSnapshot."
+    )
+    conditions: list[Condition] | None = Field(
+        default=None,
+        description="Ready (captured and verified) and Failed (terminal); both False or absent: in progress.",
+        json_schema_extra=_CONDITIONS,
+    )
+
+
+class PodSnapshot(CustomResource):
+    """A request to checkpoint a running pod; pods restore from it with nvidia.com/restore-from."""
+
+    resource: ClassVar[ResourceInfo] = ResourceInfo(
+        group=API_GROUP,
+        version=API_VERSION,
+        kind="PodSnapshot",
+        plural="podsnapshots",
+        singular="podsnapshot",
+        short_names=("podsnap",),
+        printer_columns=(
+            PrinterColumn("Pod", ".spec.source.podRef.name", description="Captured pod"),
+            PrinterColumn(
+                "Content", ".status.boundSnapshotContentName", description="Bound PodSnapshotContent"
+            ),
+            PrinterColumn(
+                "Ready", ".status.conditions[?(@.type=='Ready')].status", description="Ready condition"
+            ),
+            PrinterColumn("Age", ".metadata.creationTimestamp", type="date"),
+        ),
+    )
+
+    api_version: Literal["nvidia.com/v1alpha1"] = "nvidia.com/v1alpha1"
+    kind: Literal["PodSnapshot"] = "PodSnapshot"
+    spec: PodSnapshotSpec
+    status: PodSnapshotStatus | None = None
+
+
+class PodSnapshotReference(KubeModel):
+    """The PodSnapshot a content is bound to."""
+
+    namespace: str = Field(description="Namespace of the PodSnapshot.")
+    name: str = Field(description="Name of the PodSnapshot.")
+    uid: str | None = Field(default=None, description="UID of the PodSnapshot at binding.")
+
+
+class PodSnapshotContentSource(KubeModel):
+    pod_ref: PodReference = Field(description="The captured pod, its UID pinned at binding.")
+    node_name: str = Field(min_length=1, description="The node the pod runs on: its agent captures it.")
+
+
+class PodSnapshotContentSpec(KubeModel):
+    model_config = ConfigDict(json_schema_extra=_IMMUTABLE)
+
+    snapshot_ref: PodSnapshotReference
+    source: PodSnapshotContentSource
+
+
+class PodSnapshotArtifact(KubeModel):
+    """Where the captured artifact is, and the digest every restore checks it against."""
+
+    location: str | None = Field(default=None, description="The artifact's path in the store.")
+    digest: str | None = Field(
+        default=None, pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the artifact's sealed manifest."
+    )
+    size_bytes: int | None = Field(default=None, ge=0, description="Bytes in the artifact's files.")
+
+
+class PodSnapshotCompatibility(KubeModel):
+    """What a node and a container need to restore the snapshot."""
+
+    gpu_product: str | None = Field(default=None, description="nvidia.com/gpu.product of the source node.")
+    cuda_driver_major: str | None = Field(default=None, description="CUDA driver major version.")
+    gpu_count: NonNegativeInt32 | None = Field(default=None, description="GPUs the captured process used.")
+    image_id: str | None = Field(
+        default=None, description="The image (by digest) the captured container ran: a restore needs it."
+    )
+
+
+class PodSnapshotContentStatus(KubeModel):
+    conditions: list[Condition] | None = Field(
+        default=None, description="Ready (captured and verified) and Failed.", json_schema_extra=_CONDITIONS
+    )
+    artifact: PodSnapshotArtifact | None = None
+    compatibility: PodSnapshotCompatibility | None = None
+
+
+class PodSnapshotContent(CustomResource):
+    """A captured (or capturing) pod checkpoint: cluster-scoped, made by the controller for a PodSnapshot."""
+
+    resource: ClassVar[ResourceInfo] = ResourceInfo(
+        group=API_GROUP,
+        version=API_VERSION,
+        kind="PodSnapshotContent",
+        plural="podsnapshotcontents",
+        singular="podsnapshotcontent",
+        short_names=("podsnapcontent",),
+        scope="Cluster",
+        printer_columns=(
+            PrinterColumn("PodSnapshot", ".spec.snapshotRef.name", description="Bound PodSnapshot"),
+            PrinterColumn("Namespace", ".spec.snapshotRef.namespace", description="PodSnapshot namespace"),
+            PrinterColumn(
+                "Ready", ".status.conditions[?(@.type=='Ready')].status", description="Ready condition"
+            ),
+            PrinterColumn("Size", ".status.artifact.sizeBytes", type="integer", description="Artifact bytes"),
+            PrinterColumn("Age", ".metadata.creationTimestamp", type="date"),
+        ),
+    )
+
+    api_version: Literal["nvidia.com/v1alpha1"] = "nvidia.com/v1alpha1"
+    kind: Literal["PodSnapshotContent"] = "PodSnapshotContent"
+    spec: PodSnapshotContentSpec
+    status: PodSnapshotContentStatus | None = None
