@@ -10,6 +10,7 @@ additive: an upstream reader ignores them.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Annotated, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, JsonValue
@@ -37,6 +38,7 @@ __all__ = [
     "PodSnapshotContentSource",
     "PodSnapshotContentSpec",
     "PodSnapshotContentStatus",
+    "PodSnapshotReason",
     "PodSnapshotReference",
     "PodSnapshotSource",
     "PodSnapshotSpec",
@@ -56,6 +58,19 @@ _IMMUTABLE: dict[str, JsonValue] = {
 _CONDITIONS: dict[str, JsonValue] = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]}
 
 ContainerName = Annotated[str, Field(min_length=1, max_length=63, pattern=CONTAINER_NAME_PATTERN)]
+
+
+class PodSnapshotReason(StrEnum):
+    """Reasons of a PodSnapshot's and a PodSnapshotContent's Ready and Failed conditions."""
+
+    PENDING = "Pending"  # Ready False: bound, the node agent has not captured it yet
+    CAPTURED = "Captured"  # Ready True
+    SOURCE_POD_NOT_FOUND = "SourcePodNotFound"
+    STALE_POD_REFERENCE = "StalePodReference"  # podRef.uid names another pod than the one of that name
+    CONTENT_CONFLICT = "ContentConflict"  # the content of this name is bound to another PodSnapshot
+    INVALID_TARGET_CONTAINER = "InvalidTargetContainer"  # the pod has no container of that name
+    INVALID_SPEC = "InvalidSpec"
+    CHECKPOINT_FAILED = "CheckpointFailed"  # the node agent's capture failed
 
 
 def content_name(snapshot_uid: str) -> str:

@@ -15,6 +15,7 @@ from dynamo_snapshot.controller.config import CONTROLLER_NAME, ControllerConfig
 from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.controller.dgd_reconciler import DGDReconciler
 from dynamo_snapshot.controller.failover import FAILOVER_PAUSED, node_down, node_healthy, unhealthy_since
+from dynamo_snapshot.controller.podsnapshot_reconciler import PodSnapshotReconciler
 from dynamo_snapshot.kube import (
     DELETED,
     WARNING,
@@ -27,14 +28,14 @@ from dynamo_snapshot.kube import (
     WorkQueue,
     object_key,
 )
-from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD, JOB, NODE, POD
+from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD, JOB, NODE, POD, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
 
 # ControllerConfig lives in controller.config (Context reads it too); callers keep importing it from here.
 __all__ = ["Controller", "ControllerConfig"]
 
 log = logging.getLogger(__name__)
 
-DGD_KEY, CHECKPOINT_KEY = "DynamoGraphDeployment", "DynamoCheckpoint"
+DGD_KEY, CHECKPOINT_KEY, POD_SNAPSHOT_KEY = "DynamoGraphDeployment", "DynamoCheckpoint", "PodSnapshot"
 QueueKey = tuple[str, str]
 # Work that runs only while this replica leads, given the process's `stop`: started once the caches are
 # synced, cancelled when `stop` is set or leadership is lost.
@@ -73,6 +74,12 @@ class Controller:
         )
         self.dgd_reconciler = DGDReconciler(self.ctx)
         self.checkpoint_reconciler = CheckpointReconciler(self.ctx)
+        # The generic layer: PodSnapshots of the namespace, and their contents (cluster-scoped).
+        self.snapshots = Informer(kube, POD_SNAPSHOT, namespace=ns)
+        self.contents = Informer(kube, POD_SNAPSHOT_CONTENT)
+        self.podsnapshot_reconciler = PodSnapshotReconciler(
+            kube, self.snapshots, self.contents, self.ctx.recorder
+        )
         self._leader_only: list[_LeaderOnly] = []
         self._extra_informers: list[Informer] = []
         self.queue: WorkQueue[QueueKey] = WorkQueue(
@@ -115,7 +122,8 @@ class Controller:
     @property
     def informers(self) -> list[Informer]:
         c = self.ctx
-        return [c.nodes, c.jobs, c.pods, c.checkpoints, c.dgds, *self._extra_informers]
+        generic = [self.contents, self.snapshots]
+        return [c.nodes, c.jobs, c.pods, *generic, c.checkpoints, c.dgds, *self._extra_informers]
 
     def _wire(self) -> None:
         ctx = self.ctx
@@ -196,6 +204,23 @@ class Controller:
         ctx.pods.add_handler(on_pod)
         ctx.jobs.add_handler(on_job)
         ctx.nodes.add_handler(on_node)
+        self._wire_snapshots()
+
+    def _wire_snapshots(self) -> None:
+        namespace = self.config.namespace
+
+        async def on_snapshot(etype: str, obj: Obj, old: Obj | None) -> None:
+            if etype != DELETED:
+                self.queue.add((POD_SNAPSHOT_KEY, object_key(obj)))
+
+        async def on_content(etype: str, obj: Obj, old: Obj | None) -> None:
+            # A content wakes the PodSnapshot it is bound to: its conditions are mirrored there.
+            ref = (obj.get("spec") or {}).get("snapshotRef") or {}
+            if ref.get("namespace") and ref.get("name") and namespace in (None, ref["namespace"]):
+                self.queue.add((POD_SNAPSHOT_KEY, f"{ref['namespace']}/{ref['name']}"))
+
+        self.snapshots.add_handler(on_snapshot)
+        self.contents.add_handler(on_content)
 
     def _deleted_unexpectedly(self, owner: tuple[str, str], pod: Obj) -> None:
         """A worker pod deleted by someone else (a user, an eviction, node cleanup): a loss, unless its
@@ -217,6 +242,8 @@ class Controller:
         kind, obj_key = key
         if kind == DGD_KEY:
             return await self.dgd_reconciler.reconcile(obj_key)
+        if kind == POD_SNAPSHOT_KEY:
+            return await self.podsnapshot_reconciler.reconcile(obj_key)
         return await self.checkpoint_reconciler.reconcile(obj_key)
 
     async def run_until(self, stop: asyncio.Event) -> None:
@@ -260,6 +287,7 @@ class Controller:
     def _all_keys(self) -> list[QueueKey]:
         # Informer.keys() is a method returning the cache keys, not a dict view.
         keys: list[QueueKey] = [(CHECKPOINT_KEY, k) for k in self.ctx.checkpoints.keys()]  # noqa: SIM118
+        keys += [(POD_SNAPSHOT_KEY, k) for k in self.snapshots.keys()]  # noqa: SIM118
         return keys + [(DGD_KEY, k) for k in self.ctx.dgds.keys()]  # noqa: SIM118
 
 

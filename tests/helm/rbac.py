@@ -18,12 +18,18 @@ CONTROLLER: set[Grant] = (
     | {(OURS, "dynamographdeployments/status", "*", "update")}
     | {(OURS, "dynamocheckpoints", "*", v) for v in ("get", "list", "watch", "create", "patch")}
     | {(OURS, "dynamocheckpoints/status", "*", "patch")}
+    | {(OURS, "podsnapshots", "*", v) for v in ("list", "watch", "patch")}
+    | {(OURS, "podsnapshots/status", "*", "patch")}
+    | {("", "pods", "*", "get")}
     | {(OURS, f"{r}/finalizers", "*", "update") for r in ("dynamographdeployments", "dynamocheckpoints")}
     | {(OURS, "dynamoscalingpolicies", "*", v) for v in ("list", "watch")}
     | {(OURS, "dynamoscalingpolicies/status", "*", "patch")}
 )
-# The controller's second ClusterRole, bound cluster-wide even when one namespace is watched.
-CONTROLLER_NODES: set[Grant] = {("", "nodes", "*", "list"), ("", "nodes", "*", "watch")}
+# The controller's second ClusterRole, for cluster-scoped kinds: bound cluster-wide even when one namespace
+# is watched.
+CONTROLLER_CLUSTER_SCOPED: set[Grant] = {("", "nodes", "*", "list"), ("", "nodes", "*", "watch")} | {
+    (OURS, "podsnapshotcontents", "*", v) for v in ("get", "list", "watch", "create", "delete")
+}
 # The leader-election Role, in the release's namespace.
 LEADER_ELECTION: set[Grant] = {
     ("coordination.k8s.io", "leases", "*", "create"),

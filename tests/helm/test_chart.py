@@ -536,7 +536,9 @@ def test_controller_rbac_is_exactly_what_the_code_calls() -> None:
     """The calls in dynamo_snapshot/controller, kube and autoscale, verb for verb."""
     objs = render()
     assert rule_triples(one(objs, "ClusterRole", "-controller")) == rbac.CONTROLLER
-    assert rule_triples(one(objs, "ClusterRole", "-controller-nodes")) == rbac.CONTROLLER_NODES
+    assert (
+        rule_triples(one(objs, "ClusterRole", "-controller-cluster-scoped")) == rbac.CONTROLLER_CLUSTER_SCOPED
+    )
     lease = one(objs, "Role", "-leader-election")
     assert lease["metadata"]["namespace"] == "ns1"
     assert rule_triples(lease) == rbac.LEADER_ELECTION
@@ -551,7 +553,10 @@ def test_controller_rbac_follows_autoscale_and_watch_namespace() -> None:
     assert binding["metadata"]["namespace"] == "team-a"
     assert binding["roleRef"]["name"].endswith("-controller")
     cluster_bindings = [o["roleRef"]["name"] for o in objs if o["kind"] == "ClusterRoleBinding"]
-    assert sorted(cluster_bindings) == ["t-dynamo-snapshot-agent", "t-dynamo-snapshot-controller-nodes"]
+    assert sorted(cluster_bindings) == [
+        "t-dynamo-snapshot-agent",
+        "t-dynamo-snapshot-controller-cluster-scoped",
+    ]
     assert _config(objs, "controller")["namespace"] == "team-a"
 
 

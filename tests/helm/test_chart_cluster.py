@@ -190,7 +190,7 @@ def test_rbac_is_as_narrow_as_claimed(
 
     # Everything the chart grants (test_chart.py checks the rendered Roles grant exactly this) ...
     allowed = [(agent, *rbac.can_i(g)) for g in sorted(rbac.AGENT)]
-    controller = rbac.CONTROLLER | rbac.CONTROLLER_NODES | rbac.LEADER_ELECTION
+    controller = rbac.CONTROLLER | rbac.CONTROLLER_CLUSTER_SCOPED | rbac.LEADER_ELECTION
     allowed += [(ctrl, *rbac.can_i(g)) for g in sorted(controller)]
     # ... and none of what it must not.
     denied = [

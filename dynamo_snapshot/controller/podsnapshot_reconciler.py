@@ -1,0 +1,264 @@
+"""PodSnapshot reconcile: bind each PodSnapshot to its PodSnapshotContent, and keep its Ready and Failed
+conditions true to the content's, where the node agent writes the capture's outcome.
+
+A PodSnapshot names a running pod of its own namespace. Its content is created once the pod is on a node
+(the content names that node, whose agent captures it) and is called after the PodSnapshot's UID, so a
+reconcile that crashed after creating it finds it again instead of making a second one. Failed is terminal.
+Deleting a PodSnapshot deletes its content first (finalizer nvidia.com/podsnapshotcontent-cleanup), as
+NVIDIA Snapshot's operator does.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pydantic import ValidationError
+
+from dynamo_snapshot.api import conditions as cond
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.conditions import validation_message
+from dynamo_snapshot.api.podsnapshot import PodSnapshot, PodSnapshotReason, content_name
+from dynamo_snapshot.kube import (
+    NORMAL,
+    WARNING,
+    EventRecorder,
+    Informer,
+    Kube,
+    Obj,
+    Result,
+    is_already_exists,
+    is_not_found,
+)
+from dynamo_snapshot.kube.kinds import POD, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
+
+log = logging.getLogger(__name__)
+
+FAILED = "Failed"
+PENDING_MESSAGE = "Waiting for node agent to capture the checkpoint"
+UNSCHEDULED_MESSAGE = "Waiting for the source pod to be scheduled"
+# How soon an unscheduled source pod, and a content being deleted, are looked at again.
+RECHECK_S = 1.0
+
+
+class PodSnapshotReconciler:
+    def __init__(self, kube: Kube, snapshots: Informer, contents: Informer, recorder: EventRecorder) -> None:
+        self.kube = kube
+        self.snapshots = snapshots
+        self.contents = contents
+        self.recorder = recorder
+
+    async def reconcile(self, key: str) -> Result | None:
+        obj = self.snapshots.get(key)
+        if obj is None:
+            return None
+        if obj["metadata"].get("deletionTimestamp"):
+            return await self._finalize(obj)
+        await self._hold(obj)
+        if _condition(obj, FAILED) == "True":
+            return None  # terminal: a new PodSnapshot is a new capture
+        try:
+            snapshot = PodSnapshot.model_validate(obj)
+        except ValidationError as e:
+            return await self._fail(obj, PodSnapshotReason.INVALID_SPEC, validation_message(e))
+        content = self.contents.get(content_name(obj["metadata"]["uid"]))
+        if content is None:
+            return await self._bind(obj, snapshot)
+        return await self._mirror(obj, content)
+
+    # ------------------------------------------------------------------ binding
+    async def _bind(self, obj: Obj, snapshot: PodSnapshot) -> Result | None:
+        meta = obj["metadata"]
+        ref = snapshot.spec.source.pod_ref
+        try:
+            pod = await self.kube.get(POD, ref.name, meta["namespace"])
+        except Exception as e:
+            if not is_not_found(e):
+                raise
+            return await self._fail(
+                obj, PodSnapshotReason.SOURCE_POD_NOT_FOUND, f"source pod {ref.name!r} does not exist"
+            )
+        if ref.uid and pod["metadata"]["uid"] != ref.uid:
+            return await self._fail(
+                obj,
+                PodSnapshotReason.STALE_POD_REFERENCE,
+                f"source pod {ref.name!r} has UID {pod['metadata']['uid']}, not {ref.uid}: it was replaced",
+            )
+        names = [c.get("name") for c in (pod.get("spec") or {}).get("containers") or []]
+        missing = [c for c in ref.containers if c not in names]
+        if missing:
+            has = ", ".join(map(str, names))
+            return await self._fail(
+                obj,
+                PodSnapshotReason.INVALID_TARGET_CONTAINER,
+                f"source pod {ref.name!r} has no container {missing[0]!r} (it has {has})",
+            )
+        node = (pod.get("spec") or {}).get("nodeName")
+        if not node:
+            await self._write(obj, _pending(obj, UNSCHEDULED_MESSAGE))
+            return Result(requeue_after=RECHECK_S)
+        content = _content(obj, pod, list(ref.containers), node)
+        try:
+            await self.kube.create(POD_SNAPSHOT_CONTENT, content)
+        except Exception as e:
+            if not is_already_exists(e):
+                raise
+            existing = await self.kube.get(POD_SNAPSHOT_CONTENT, content["metadata"]["name"])
+            if (existing["spec"].get("snapshotRef") or {}).get("uid") != meta["uid"]:
+                return await self._fail(
+                    obj,
+                    PodSnapshotReason.CONTENT_CONFLICT,
+                    f"PodSnapshotContent {content['metadata']['name']} is bound to another PodSnapshot",
+                )
+        else:
+            self.recorder.record(
+                obj,
+                NORMAL,
+                "ContentBound",
+                f"{content['metadata']['name']} on node {node} captures {ref.name}",
+            )
+        status = _pending(obj, PENDING_MESSAGE)
+        status["boundSnapshotContentName"] = content["metadata"]["name"]
+        await self._write(obj, status)
+        return None
+
+    # ------------------------------------------------------------------ mirroring
+    async def _mirror(self, obj: Obj, content: Obj) -> Result | None:
+        """The PodSnapshot says what its content says: Ready, Failed (terminal), or still pending."""
+        status = dict(obj.get("status") or {})
+        status["boundSnapshotContentName"] = content["metadata"]["name"]
+        generation = obj["metadata"].get("generation")
+        ready, failed = _find(content, cond.READY), _find(content, FAILED)
+        if failed is not None and failed.get("status") == "True":
+            reason, message = failed.get("reason") or "CheckpointFailed", failed.get("message") or ""
+            return await self._fail(obj, reason, message, base=status)
+        conditions = list(status.get("conditions") or [])
+        if ready is not None and ready.get("status") == "True":
+            reason, message = ready.get("reason") or "Captured", ready.get("message") or ""
+            conditions = cond.set_condition(conditions, cond.READY, True, reason, message, generation)
+            conditions = cond.set_condition(conditions, FAILED, False, reason, message, generation)
+            if _condition(obj, cond.READY) != "True":
+                self.recorder.record(obj, NORMAL, "SnapshotReady", message or "captured")
+        else:
+            conditions = cond.set_condition(
+                conditions, cond.READY, False, PodSnapshotReason.PENDING, PENDING_MESSAGE, generation
+            )
+        status["conditions"] = conditions
+        await self._write(obj, status)
+        return None
+
+    # ------------------------------------------------------------------ writes
+    async def _hold(self, obj: Obj) -> None:
+        meta = obj["metadata"]
+        finalizers = list(meta.get("finalizers") or [])
+        if protocol.FINALIZER_CONTENT_CLEANUP in finalizers:
+            return
+        patch = {
+            "metadata": {
+                "finalizers": [*finalizers, protocol.FINALIZER_CONTENT_CLEANUP],
+                "resourceVersion": meta["resourceVersion"],
+            }
+        }
+        updated = await self.kube.merge_patch(POD_SNAPSHOT, meta["name"], patch, meta["namespace"])
+        meta["resourceVersion"] = updated["metadata"]["resourceVersion"]
+
+    async def _fail(
+        self, obj: Obj, reason: str, message: str, *, base: dict[str, Any] | None = None
+    ) -> Result | None:
+        status = dict(base if base is not None else obj.get("status") or {})
+        generation = obj["metadata"].get("generation")
+        conditions = list(status.get("conditions") or [])
+        conditions = cond.set_condition(conditions, FAILED, True, reason, message, generation)
+        conditions = cond.set_condition(conditions, cond.READY, False, reason, message, generation)
+        status["conditions"] = conditions
+        if _condition(obj, FAILED) != "True":
+            self.recorder.record(obj, WARNING, reason, message)
+        await self._write(obj, status)
+        return None
+
+    async def _write(self, obj: Obj, status: dict[str, Any]) -> None:
+        if status == (obj.get("status") or {}):
+            return
+        meta = obj["metadata"]
+        # Only this reconcile writes a PodSnapshot's status, one at a time per object (the work queue).
+        await self.kube.patch_status(POD_SNAPSHOT, meta["name"], status, meta["namespace"])
+
+    async def _finalize(self, obj: Obj) -> Result | None:
+        meta = obj["metadata"]
+        finalizers = list(meta.get("finalizers") or [])
+        if protocol.FINALIZER_CONTENT_CLEANUP not in finalizers:
+            return None
+        name = (obj.get("status") or {}).get("boundSnapshotContentName") or content_name(meta["uid"])
+        try:
+            await self.kube.get(POD_SNAPSHOT_CONTENT, name)
+        except Exception as e:
+            if not is_not_found(e):
+                raise
+        else:
+            try:
+                await self.kube.delete(POD_SNAPSHOT_CONTENT, name)
+            except Exception as e:
+                if not is_not_found(e):
+                    raise
+            return Result(requeue_after=RECHECK_S)  # released once the content is gone
+        patch = {
+            "metadata": {
+                "finalizers": [f for f in finalizers if f != protocol.FINALIZER_CONTENT_CLEANUP],
+                "resourceVersion": meta["resourceVersion"],
+            }
+        }
+        try:
+            await self.kube.merge_patch(POD_SNAPSHOT, meta["name"], patch, meta["namespace"])
+        except Exception as e:
+            if not is_not_found(e):
+                raise
+        return None
+
+
+def _content(obj: Obj, pod: Obj, containers: list[str], node: str) -> Obj:
+    meta = obj["metadata"]
+    return {
+        "apiVersion": f"{protocol.API_GROUP}/{protocol.API_VERSION}",
+        "kind": "PodSnapshotContent",
+        "metadata": {
+            "name": content_name(meta["uid"]),
+            "labels": {protocol.LABEL_SNAPSHOT_NODE: node},
+        },
+        "spec": {
+            "snapshotRef": {"namespace": meta["namespace"], "name": meta["name"], "uid": meta["uid"]},
+            "source": {
+                "nodeName": node,
+                "podRef": {
+                    "name": pod["metadata"]["name"],
+                    "uid": pod["metadata"]["uid"],
+                    "containers": containers,
+                },
+            },
+        },
+    }
+
+
+def _pending(obj: Obj, message: str) -> dict[str, Any]:
+    status = dict(obj.get("status") or {})
+    status["conditions"] = cond.set_condition(
+        list(status.get("conditions") or []),
+        cond.READY,
+        False,
+        PodSnapshotReason.PENDING,
+        message,
+        obj["metadata"].get("generation"),
+    )
+    return status
+
+
+def _find(obj: Obj, type_: str) -> dict[str, Any] | None:
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c.get("type") == type_:
+            found: dict[str, Any] = c
+            return found
+    return None
+
+
+def _condition(obj: Obj, type_: str) -> str | None:
+    found = _find(obj, type_)
+    return None if found is None else found.get("status")
