@@ -9,7 +9,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from dynamo_snapshot import __version__
-from dynamo_snapshot.cli import agent_cmd, controller_cmd, crds_cmd, demo_absent, identity_cmd, snapshot_cmds
+from dynamo_snapshot.cli import (
+    agent_cmd,
+    controller_cmd,
+    crds_cmd,
+    demo_absent,
+    identity_cmd,
+    podsnapshot_cmds,
+    snapshot_cmds,
+)
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -33,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     controller_cmd.register(sub)
     agent_cmd.register(sub)
     snapshot_cmds.register(sub)
+    podsnapshot_cmds.register(sub)
     identity_cmd.register(sub)
     crds_cmd.register(sub)
     return parser
