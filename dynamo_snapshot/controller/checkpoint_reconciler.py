@@ -35,6 +35,7 @@ from dynamo_snapshot.kube import (
     is_not_found,
     object_key,
 )
+from dynamo_snapshot.kube.finalizers import remove_finalizer
 from dynamo_snapshot.kube.kinds import CHECKPOINT, JOB
 from dynamo_snapshot.kube.pods import pod_active
 
@@ -247,18 +248,7 @@ class CheckpointReconciler:
             msg = f"deleting once no restore reads it; restores under way: {', '.join(sorted(restoring))}"
             ctx.recorder.record(obj, NORMAL, "DeletionWaits", msg)
             return Result(requeue_after=FINALIZE_RECHECK_S)
-        patch = {
-            "metadata": {
-                "finalizers": [f for f in finalizers if f != protocol.FINALIZER],
-                "resourceVersion": meta["resourceVersion"],
-            }
-        }
-        try:
-            await ctx.kube.merge_patch(CHECKPOINT, meta["name"], patch, meta["namespace"])
-        except Exception as e:
-            if is_not_found(e):
-                return None
-            raise
+        await remove_finalizer(ctx.kube, CHECKPOINT, obj, protocol.FINALIZER)
         log.info("checkpoint released for deletion", extra={"checkpoint": object_key(obj)})
         return None
 

@@ -30,6 +30,7 @@ from dynamo_snapshot.kube import (
     is_already_exists,
     is_not_found,
 )
+from dynamo_snapshot.kube.finalizers import add_finalizer, remove_finalizer
 from dynamo_snapshot.kube.kinds import POD, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
 
 log = logging.getLogger(__name__)
@@ -149,18 +150,7 @@ class PodSnapshotReconciler:
 
     # ------------------------------------------------------------------ writes
     async def _hold(self, obj: Obj) -> None:
-        meta = obj["metadata"]
-        finalizers = list(meta.get("finalizers") or [])
-        if protocol.FINALIZER_CONTENT_CLEANUP in finalizers:
-            return
-        patch = {
-            "metadata": {
-                "finalizers": [*finalizers, protocol.FINALIZER_CONTENT_CLEANUP],
-                "resourceVersion": meta["resourceVersion"],
-            }
-        }
-        updated = await self.kube.merge_patch(POD_SNAPSHOT, meta["name"], patch, meta["namespace"])
-        meta["resourceVersion"] = updated["metadata"]["resourceVersion"]
+        await add_finalizer(self.kube, POD_SNAPSHOT, obj, protocol.FINALIZER_CONTENT_CLEANUP)
 
     async def _fail(
         self, obj: Obj, reason: str, message: str, *, base: dict[str, Any] | None = None
@@ -185,8 +175,7 @@ class PodSnapshotReconciler:
 
     async def _finalize(self, obj: Obj) -> Result | None:
         meta = obj["metadata"]
-        finalizers = list(meta.get("finalizers") or [])
-        if protocol.FINALIZER_CONTENT_CLEANUP not in finalizers:
+        if protocol.FINALIZER_CONTENT_CLEANUP not in (meta.get("finalizers") or []):
             return None
         name = (obj.get("status") or {}).get("boundSnapshotContentName") or content_name(meta["uid"])
         try:
@@ -201,17 +190,7 @@ class PodSnapshotReconciler:
                 if not is_not_found(e):
                     raise
             return Result(requeue_after=RECHECK_S)  # released once the content is gone
-        patch = {
-            "metadata": {
-                "finalizers": [f for f in finalizers if f != protocol.FINALIZER_CONTENT_CLEANUP],
-                "resourceVersion": meta["resourceVersion"],
-            }
-        }
-        try:
-            await self.kube.merge_patch(POD_SNAPSHOT, meta["name"], patch, meta["namespace"])
-        except Exception as e:
-            if not is_not_found(e):
-                raise
+        await remove_finalizer(self.kube, POD_SNAPSHOT, obj, protocol.FINALIZER_CONTENT_CLEANUP)
         return None
 
 
