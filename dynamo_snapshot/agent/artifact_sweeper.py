@@ -1,5 +1,8 @@
 """Artifacts of deleted checkpoints removed from this node's store and cache: when the deletion is seen,
-after the first sync (deletions while no agent watched), and now and then (events missed)."""
+after the first sync (deletions while no agent watched), and now and then (events missed).
+
+An artifact stored under ``<namespace>/<uid>`` belongs to the object with that UID: a DynamoCheckpoint or
+a PodSnapshot (the owners' informers); it lives as long as its owner does."""
 
 from __future__ import annotations
 
@@ -21,25 +24,27 @@ REMOVE_RETRY_S, SWEEP_EVERY_S = 5.0, 600.0
 
 
 class ArtifactSweeper:
-    def __init__(self, executor: Executor, checkpoints: Informer) -> None:
+    def __init__(self, executor: Executor, owners: list[Informer]) -> None:
         self.executor = executor
-        self.checkpoints = checkpoints
+        self.owners = owners
         self._removing: set[str] = set()
         self.tasks: set[asyncio.Task[None]] = set()
 
-    async def on_checkpoint(self, etype: str, ckpt: Obj, old: Obj | None) -> None:
+    async def on_owner(self, etype: str, owner: Obj, old: Obj | None) -> None:
         if etype == DELETED:
-            meta = ckpt["metadata"]
+            meta = owner["metadata"]
             self.remove_soon(artifact_key(meta["namespace"], meta["uid"]))
 
     async def sweep_forever(self) -> None:
         """Remove the artifacts whose checkpoint no longer exists: after the first sync (checkpoints
         deleted while no agent ran), then now and then (deletions whose event was missed)."""
-        await self.checkpoints.wait_synced()
+        for owners in self.owners:
+            await owners.wait_synced()
         while True:
             live = {
                 artifact_key(c["metadata"]["namespace"], c["metadata"]["uid"])
-                for c in self.checkpoints.list()
+                for owners in self.owners
+                for c in owners.list()
             }
             for key in await asyncio.to_thread(self._namespaced_keys):
                 if key not in live:

@@ -30,10 +30,12 @@ from dynamo_snapshot.kube import Obj, controller_ref
 
 __all__ = [
     "CheckpointGrant",
+    "ContentRefused",
     "Refused",
     "RestoreGrant",
     "checkpoint_grant",
     "checkpoint_name_to_restore",
+    "content_grant",
     "restore_grant",
 ]
 
@@ -43,6 +45,14 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 class Refused(AgentError):
     """The pod asked for something no object in its namespace grants; the message says what is missing."""
+
+
+class ContentRefused(Refused):
+    """A PodSnapshotContent this agent must not capture; ``reason`` is its Failed condition's reason."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -150,3 +160,61 @@ def restore_grant(pod: Obj, ckpt: Obj | None) -> RestoreGrant:
                 f"pod {meta['name']} is not one of its pods"
             )
     return RestoreGrant(name, artifact_key(meta["namespace"], ckpt["metadata"]["uid"]), digest)
+
+
+def content_grant(content: Obj, snapshot: Obj | None, pod: Obj | None, node_name: str) -> Binding:
+    """What the agent may capture for a PodSnapshotContent of its node; ``ContentRefused`` otherwise.
+
+    The content is cluster-scoped and made by the controller, but the grant still comes from the
+    namespace: ``snapshot`` is the PodSnapshot it names, read in that namespace (None: not there), which
+    must be the one it was bound to (same UID) and bind it; ``pod`` is the pod of that namespace the
+    content names (None: not there), which must be that very pod (same UID), on this node, with the
+    container.
+    """
+    spec = content.get("spec") or {}
+    ref = spec.get("snapshotRef") or {}
+    source = spec.get("source") or {}
+    pod_ref = source.get("podRef") or {}
+    namespace, name = str(ref.get("namespace") or ""), str(ref.get("name") or "")
+    if snapshot is None or snapshot["metadata"].get("uid") != ref.get("uid"):
+        raise ContentRefused(
+            "SnapshotNotFound", f"PodSnapshot {namespace}/{name} of this content does not exist"
+        )
+    if snapshot["metadata"].get("deletionTimestamp"):
+        raise ContentRefused("SnapshotDeleted", f"PodSnapshot {namespace}/{name} is being deleted")
+    bound = (snapshot.get("status") or {}).get("boundSnapshotContentName")
+    if bound and bound != content["metadata"]["name"]:
+        raise ContentRefused("ContentConflict", f"PodSnapshot {namespace}/{name} is bound to {bound}")
+    if source.get("nodeName") != node_name:
+        raise ContentRefused("InvalidDestination", f"the content names node {source.get('nodeName')!r}")
+    pod_name = str(pod_ref.get("name") or "")
+    if pod is None:
+        raise ContentRefused("SourcePodNotFound", f"source pod {namespace}/{pod_name} does not exist")
+    if pod["metadata"].get("uid") != pod_ref.get("uid"):
+        raise ContentRefused(
+            "StalePodReference", f"source pod {namespace}/{pod_name} was replaced (its UID differs)"
+        )
+    if pod["metadata"].get("deletionTimestamp"):
+        raise ContentRefused("SourcePodGone", f"source pod {namespace}/{pod_name} is being deleted")
+    if (pod.get("spec") or {}).get("nodeName") != node_name:
+        raise ContentRefused("InvalidDestination", f"source pod {namespace}/{pod_name} is not on this node")
+    containers = [str(c) for c in pod_ref.get("containers") or []]
+    names = [c.get("name") for c in (pod.get("spec") or {}).get("containers") or []]
+    if len(containers) != 1 or containers[0] not in names:
+        raise ContentRefused(
+            "InvalidTargetContainer", f"source pod {namespace}/{pod_name} has no container {containers!r}"
+        )
+    if containers[0] != protocol.DEFAULT_TARGET_CONTAINER:
+        # The agent captures and restores the container called main (what Dynamo's workers run in).
+        raise ContentRefused(
+            "InvalidTargetContainer",
+            f"container {containers[0]!r}: this agent captures only the container called "
+            f"{protocol.DEFAULT_TARGET_CONTAINER!r}",
+        )
+    return Binding(
+        namespace=namespace,
+        checkpoint_name=name,
+        checkpoint_uid=ref["uid"],
+        source_pod=pod_name,
+        source_pod_uid=pod["metadata"]["uid"],
+    )

@@ -41,6 +41,7 @@ from dynamo_snapshot.agent.pod_spec import (
 )
 from dynamo_snapshot.agent.runtime.base import Runtime, Workload, WorkloadRuntimeError, wait_exit
 from dynamo_snapshot.agent.runtime.containerd import ContainerdRuntime
+from dynamo_snapshot.agent.snapshot_capture import SnapshotCapture
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.artifact import artifact_key
 from dynamo_snapshot.kube import (
@@ -55,7 +56,7 @@ from dynamo_snapshot.kube import (
     is_not_found,
     object_key,
 )
-from dynamo_snapshot.kube.kinds import CHECKPOINT, JOB
+from dynamo_snapshot.kube.kinds import CHECKPOINT, JOB, POD_SNAPSHOT
 
 __all__ = ["AGENT_NAME", "MAIN", "AgentSettings", "NodeAgent", "workload_key"]
 
@@ -98,29 +99,48 @@ class NodeAgent:
         self.kubelet = KubeletContainers(self.containers, self.pods) if self.containers is not None else None
         # Every namespace's checkpoints: an artifact is removed once its checkpoint is gone.
         self.checkpoints = Informer(kube, CHECKPOINT)
+        # Every namespace's PodSnapshots: their artifacts live as long as they do.
+        self.snapshots = Informer(kube, POD_SNAPSHOT)
         self.recorder = EventRecorder(kube, AGENT_NAME)
         self.reports = PodReporter(kube, self.recorder)
-        self.sweeper = ArtifactSweeper(executor, self.checkpoints)
+        self.sweeper = ArtifactSweeper(executor, [self.checkpoints, self.snapshots])
+        self.capture = SnapshotCapture(
+            kube,
+            executor,
+            self.pods,
+            self.recorder,
+            settings.node_name,
+            lambda pod: self._ensure_running(pod, snapshot=True),
+            settings.ready_timeout,
+        )
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[None]] = set()
         # Pods whose restore this process marked running: a retry after an unexpected error resumes
         # them, where a "running" left by an earlier agent process means that process died mid-restore.
         self._restoring: set[str] = set()
         self.pods.add_handler(self._on_pod)
-        self.checkpoints.add_handler(self.sweeper.on_checkpoint)
+        self.checkpoints.add_handler(self.sweeper.on_owner)
+        self.snapshots.add_handler(self.sweeper.on_owner)
 
     async def run_until(self, stop: asyncio.Event) -> None:
         await self.executor.remove_abandoned_scratch()
-        self.pods.start()
-        self.checkpoints.start()
+        informers = [self.pods, self.checkpoints, self.snapshots, self.capture.contents]
+        for informer in informers:
+            informer.start()
         sweeping = asyncio.create_task(self.sweeper.sweep_forever(), name="artifact-sweep")
         try:
             await stop.wait()
         finally:
             sweeping.cancel()
-            await self.pods.stop()
-            await self.checkpoints.stop()
-            tasks = [*self._tasks.values(), *self._background, *self.sweeper.tasks, sweeping]
+            for informer in informers:
+                await informer.stop()
+            tasks = [
+                *self._tasks.values(),
+                *self._background,
+                *self.sweeper.tasks,
+                *self.capture.tasks.values(),
+                sweeping,
+            ]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -47,6 +47,12 @@ AGENT: set[Grant] = {
     (OURS, "dynamocheckpoints", "*", "get"),
     (OURS, "dynamocheckpoints", "*", "list"),
     (OURS, "dynamocheckpoints", "*", "watch"),
+    (OURS, "podsnapshots", "*", "get"),
+    (OURS, "podsnapshots", "*", "list"),
+    (OURS, "podsnapshots", "*", "watch"),
+    (OURS, "podsnapshotcontents", "*", "list"),
+    (OURS, "podsnapshotcontents", "*", "watch"),
+    (OURS, "podsnapshotcontents/status", "*", "patch"),
 }
 
 

@@ -560,7 +560,7 @@ def test_controller_rbac_follows_autoscale_and_watch_namespace() -> None:
     assert _config(objs, "controller")["namespace"] == "team-a"
 
 
-def test_agent_rbac_is_list_watch_patch_pods_and_get_checkpoints() -> None:
+def test_agent_rbac_is_exactly_what_the_code_calls() -> None:
     objs = render()
     assert rule_triples(one(objs, "ClusterRole", "-agent")) == rbac.AGENT
 

@@ -1,0 +1,194 @@
+"""PodSnapshotContents of this node: capture the pod each one names, once, and write the outcome on it.
+
+The controller binds a PodSnapshot to a content labelled with the source pod's node; the agent of that node
+watches its own contents only. A content is captured when the PodSnapshot and the pod of its namespace grant
+it (``authorize.content_grant``): the artifact is stored under ``<namespace>/<PodSnapshot uid>``, bound to the
+PodSnapshot and the pod. The content's status then says Ready (reason Captured, the artifact's location,
+digest and size, what a restore needs) or Failed with the reason; the controller mirrors it onto the
+PodSnapshot. A capture cut short by an agent restart is not started again: the store says whether it was
+published, as for a DynamoCheckpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from dynamo_snapshot.agent.authorize import ContentRefused, content_grant
+from dynamo_snapshot.agent.errors import AgentError
+from dynamo_snapshot.agent.executor import Executor
+from dynamo_snapshot.agent.runtime.base import Workload, WorkloadRuntimeError
+from dynamo_snapshot.api import conditions as cond
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.podsnapshot import PodSnapshotReason
+from dynamo_snapshot.artifact import Artifact, Binding
+from dynamo_snapshot.kube import DELETED, NORMAL, WARNING, EventRecorder, Informer, Kube, Obj, is_not_found
+from dynamo_snapshot.kube.kinds import POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
+
+__all__ = ["CAPTURED_MESSAGE", "SnapshotCapture", "snapshot_identity_hash"]
+
+log = logging.getLogger(__name__)
+CAPTURED_MESSAGE = "Checkpoint captured and verified"
+FAILED = "Failed"
+# The pod a content names may reach this node's pod cache a moment after the content: wait that long.
+POD_CACHE_WAIT_S = 10.0
+
+
+def snapshot_identity_hash(snapshot_uid: str) -> str:
+    """The identity hash a PodSnapshot's artifact is sealed with. A PodSnapshot captures a pod, not a Dynamo
+    identity: the hash names the PodSnapshot (the first 16 hex digits of its UID's SHA-256)."""
+    return hashlib.sha256(snapshot_uid.encode()).hexdigest()[:16]
+
+
+class SnapshotCapture:
+    def __init__(
+        self,
+        kube: Kube,
+        executor: Executor,
+        pods: Informer,
+        recorder: EventRecorder,
+        node_name: str,
+        ensure_running: Callable[[Obj], Awaitable[Workload]],
+        ready_timeout: float,
+    ) -> None:
+        self.kube = kube
+        self.executor = executor
+        self.pods = pods
+        self.recorder = recorder
+        self.node_name = node_name
+        self.ensure_running = ensure_running
+        self.ready_timeout = ready_timeout
+        self.contents = Informer(
+            kube, POD_SNAPSHOT_CONTENT, label_selector=f"{protocol.LABEL_SNAPSHOT_NODE}={node_name}"
+        )
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.contents.add_handler(self.on_content)
+
+    async def on_content(self, etype: str, content: Obj, old: Obj | None) -> None:
+        uid = content["metadata"]["uid"]
+        if etype == DELETED or content["metadata"].get("deletionTimestamp"):
+            task = self.tasks.pop(uid, None)
+            if task is not None:
+                task.cancel()
+            return
+        if _ended(content) or uid in self.tasks:
+            return
+        task = asyncio.create_task(self._capture(content), name=f"capture-{content['metadata']['name']}")
+        self.tasks[uid] = task
+        task.add_done_callback(lambda _: self.tasks.pop(uid, None))
+
+    async def _capture(self, content: Obj) -> None:
+        try:
+            binding, pod = await self._grant(content)
+        except ContentRefused as e:
+            await self._fail(content, e.reason, str(e))
+            return
+        published = await asyncio.to_thread(self.executor.published, binding.key)
+        if published is not None:
+            # An earlier agent process published it and died before saying so.
+            await self._ready(content, published, binding)
+            return
+        try:
+            workload = await self.ensure_running(pod)
+            await self.executor.wait_ready(workload, within=self.ready_timeout)
+            outcome = await self.executor.checkpoint(
+                workload, snapshot_identity_hash(binding.checkpoint_uid), binding=binding
+            )
+        except (AgentError, WorkloadRuntimeError, ValueError) as e:
+            await self._fail(content, PodSnapshotReason.CHECKPOINT_FAILED, str(e))
+            return
+        artifact = await asyncio.to_thread(self.executor.published, outcome.key)
+        if artifact is None:
+            await self._fail(
+                content, PodSnapshotReason.CHECKPOINT_FAILED, "the published artifact is unreadable"
+            )
+            return
+        await self._ready(content, artifact, binding)
+
+    async def _grant(self, content: Obj) -> tuple[Binding, Obj]:
+        spec = content.get("spec") or {}
+        ref = spec.get("snapshotRef") or {}
+        namespace = str(ref.get("namespace") or "")
+        try:
+            snapshot: Obj | None = await self.kube.get(POD_SNAPSHOT, str(ref.get("name") or ""), namespace)
+        except Exception as e:
+            if not is_not_found(e):
+                raise
+            snapshot = None
+        pod_name = ((spec.get("source") or {}).get("podRef") or {}).get("name")
+        pod = await self._pod(f"{namespace}/{pod_name}")
+        binding = content_grant(content, snapshot, pod, self.node_name)
+        assert pod is not None  # content_grant refuses a missing pod
+        return binding, pod
+
+    async def _pod(self, key: str) -> Obj | None:
+        await self.pods.wait_synced()
+        # The cache has no per-key signal, and a content is looked at once: poll it for a moment.
+        for _ in range(int(POD_CACHE_WAIT_S / 0.2)):
+            pod = self.pods.get(key)
+            if pod is not None:
+                return pod
+            await asyncio.sleep(0.2)
+        return self.pods.get(key)
+
+    # ------------------------------------------------------------------ the outcome, on the content
+    async def _ready(self, content: Obj, artifact: Artifact, binding: Binding) -> None:
+        manifest = artifact.manifest
+        gpus = manifest.gpus
+        status: dict[str, Any] = {
+            "conditions": _conditions(content, True, PodSnapshotReason.CAPTURED, CAPTURED_MESSAGE),
+            "artifact": {
+                "location": str(artifact.path),
+                "digest": manifest.digest or None,
+                "sizeBytes": sum(f.size for f in manifest.files),
+            },
+            "compatibility": {
+                "gpuProduct": gpus.product if gpus else None,
+                "cudaDriverMajor": gpus.cuda_driver_major if gpus else None,
+                "gpuCount": gpus.count if gpus else 0,
+                "imageId": manifest.extra.get("image") or None,
+            },
+        }
+        await self._write(content, status)
+        log.info("pod snapshot captured", extra={"content": content["metadata"]["name"], "key": binding.key})
+
+    async def _fail(self, content: Obj, reason: str, message: str) -> None:
+        await self._write(content, {"conditions": _conditions(content, False, reason, message)})
+        log.warning(
+            "pod snapshot not captured", extra={"content": content["metadata"]["name"], "why": message}
+        )
+
+    async def _write(self, content: Obj, status: dict[str, Any]) -> None:
+        ready = next(c for c in status["conditions"] if c["type"] == cond.READY)
+        ref = (content.get("spec") or {}).get("snapshotRef") or {}
+        event_on = {
+            "apiVersion": f"{protocol.API_GROUP}/{protocol.API_VERSION}",
+            "kind": "PodSnapshot",
+            "metadata": {"name": ref.get("name"), "namespace": ref.get("namespace"), "uid": ref.get("uid")},
+        }
+        if ready["status"] == "True":
+            self.recorder.record(event_on, NORMAL, ready["reason"], f"captured on node {self.node_name}")
+        else:
+            self.recorder.record(event_on, WARNING, ready["reason"], ready["message"])
+        try:
+            await self.kube.patch_status(POD_SNAPSHOT_CONTENT, content["metadata"]["name"], status)
+        except Exception as e:
+            if not is_not_found(e):  # the content went away meanwhile: nobody to tell
+                raise
+
+
+def _conditions(content: Obj, ready: bool, reason: str, message: str) -> list[dict[str, Any]]:
+    conditions = list((content.get("status") or {}).get("conditions") or [])
+    generation = content["metadata"].get("generation")
+    conditions = cond.set_condition(conditions, cond.READY, ready, reason, message, generation)
+    return cond.set_condition(conditions, FAILED, not ready, reason, message, generation)
+
+
+def _ended(content: Obj) -> bool:
+    return any(
+        c.get("type") in (cond.READY, FAILED) and c.get("status") == "True"
+        for c in (content.get("status") or {}).get("conditions") or []
+    )
