@@ -185,6 +185,18 @@ def content_grant(content: Obj, snapshot: Obj | None, pod: Obj | None, node_name
     bound = (snapshot.get("status") or {}).get("boundSnapshotContentName")
     if bound and bound != content["metadata"]["name"]:
         raise ContentRefused("ContentConflict", f"PodSnapshot {namespace}/{name} is bound to {bound}")
+    # Whoever made the content, the PodSnapshot says which pod and container it asks for.
+    asked = ((snapshot.get("spec") or {}).get("source") or {}).get("podRef") or {}
+    if (
+        asked.get("name") != pod_ref.get("name")
+        or (asked.get("uid") and asked.get("uid") != pod_ref.get("uid"))
+        or list(asked.get("containers") or []) != list(pod_ref.get("containers") or [])
+    ):
+        raise ContentRefused(
+            "ContentConflict",
+            f"PodSnapshot {namespace}/{name} asks for pod {asked.get('name')!r} "
+            f"{list(asked.get('containers') or [])}, not what this content names",
+        )
     if source.get("nodeName") != node_name:
         raise ContentRefused("InvalidDestination", f"the content names node {source.get('nodeName')!r}")
     pod_name = str(pod_ref.get("name") or "")

@@ -136,7 +136,11 @@ async def test_a_content_of_this_node_is_captured_and_its_artifact_goes_with_its
 
 @pytest.mark.parametrize(
     ("case", "reason"),
-    [("replaced-pod", "StalePodReference"), ("no-snapshot", "SnapshotNotFound")],
+    [
+        ("replaced-pod", "StalePodReference"),
+        ("no-snapshot", "SnapshotNotFound"),
+        ("another-pod", "ContentConflict"),
+    ],
 )
 async def test_a_content_nothing_grants_fails_with_its_reason_and_stores_nothing(
     api: Any,
@@ -155,6 +159,12 @@ async def test_a_content_nothing_grants_fails_with_its_reason_and_stores_nothing
     if case == "no-snapshot":
         await kube.delete(POD_SNAPSHOT, snapshot["metadata"]["name"], namespace)
         content = await contents(snapshot, source, node)
+    elif case == "another-pod":
+        # A content someone else made, naming a pod of the namespace that the PodSnapshot does not ask for.
+        manifest = pod("bystander", node, {})
+        del manifest["metadata"]["labels"][protocol.LABEL_MANAGED_BY]
+        bystander = await kube.create(POD, manifest, namespace)
+        content = await contents(snapshot, bystander, node)
     else:
         content = await contents(snapshot, source, node, pod_uid="00000000-0000-4000-8000-000000000000")
 
