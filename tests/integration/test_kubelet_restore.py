@@ -19,8 +19,9 @@ import pytest
 
 from dynamo_snapshot.agent.runtime.base import pid_running
 from dynamo_snapshot.api import protocol
+from dynamo_snapshot.artifact import ArtifactStore, artifact_key
 from dynamo_snapshot.kube import EVENT, POD, Obj
-from dynamo_snapshot.kube.kinds import DGD
+from dynamo_snapshot.kube.kinds import DGD, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
 from dynamo_snapshot.localcluster import LocalCluster
 from dynamo_snapshot.localcluster.realnode import RUNC_ROOT, TEST_IMAGE, RealNode
 from tests.helpers.kubelet_stack import (
@@ -37,6 +38,7 @@ from tests.helpers.kubelet_stack import (
     post,
     ready,
     restore_pod,
+    snapshot_pod,
 )
 from tests.helpers.polling import wait_for
 
@@ -310,3 +312,41 @@ async def test_bad_restores_are_refused_with_a_clear_message(stack: Stack, real_
     assert reason == "RestoreFailed"
     assert str(s.state / "no-runc-root") in message
     assert "agent.containerRuntime.runcRoot" in message
+
+
+async def test_a_podsnapshot_of_a_kubelet_pod_is_captured_in_place(stack: Stack, real_node: RealNode) -> None:
+    """NVIDIA Snapshot's generic API on the real node: a PodSnapshot of a running kubelet pod is bound by
+    the controller, captured in place by the node's agent from the kubelet's container, and Ready with the
+    artifact the content names, bound to that pod."""
+    s = stack
+    s.start_agent()
+    env = [{"name": "WORKER_HOST", "value": "0.0.0.0"}, {"name": "WORKER_PORT", "value": str(PORT)}]
+    source = snapshot_pod(real_node, "snap-source", {"image": real_node.worker_image.name}, standby=False)
+    source["spec"]["containers"][0]["env"] += env
+    created = await s.kube.create(
+        POD, {**source, "metadata": {**source["metadata"], "namespace": s.namespace}}
+    )
+    await s.kube.create(
+        POD_SNAPSHOT,
+        {
+            "apiVersion": "nvidia.com/v1alpha1",
+            "kind": "PodSnapshot",
+            "metadata": {"name": "snap", "namespace": s.namespace},
+            "spec": {"source": {"podRef": {"name": "snap-source", "containers": ["main"]}}},
+        },
+    )
+
+    async def snapshot_ready() -> Obj | None:
+        obj = await s.kube.get(POD_SNAPSHOT, "snap", s.namespace)
+        conds = {c["type"]: c for c in (obj.get("status") or {}).get("conditions") or []}
+        assert conds.get("Failed", {}).get("status") != "True", conds
+        return obj if conds.get("Ready", {}).get("status") == "True" else None
+
+    snapshot = await eventually(snapshot_ready, 180, "the PodSnapshot to be Ready")
+    content = await s.kube.get(POD_SNAPSHOT_CONTENT, snapshot["status"]["boundSnapshotContentName"])
+    stored = ArtifactStore(s.store).open(artifact_key(s.namespace, snapshot["metadata"]["uid"]))
+    assert content["status"]["artifact"]["digest"] == stored.manifest.digest
+    assert content["status"]["artifact"]["location"] == str(stored.path)
+    assert stored.manifest.binding is not None
+    assert stored.manifest.binding.source_pod_uid == created["metadata"]["uid"]
+    assert content["status"]["compatibility"]["imageId"]  # the kubelet's imageID of the captured container
