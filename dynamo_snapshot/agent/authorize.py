@@ -33,10 +33,12 @@ __all__ = [
     "ContentRefused",
     "Refused",
     "RestoreGrant",
+    "asks_to_be_restored",
     "checkpoint_grant",
     "checkpoint_name_to_restore",
     "content_grant",
     "restore_grant",
+    "snapshot_restore_grant",
 ]
 
 DGD_KIND = "DynamoGraphDeployment"
@@ -71,6 +73,15 @@ class RestoreGrant:
 
 def _where(pod: Obj) -> str:
     return f"namespace {pod['metadata']['namespace']}"
+
+
+def asks_to_be_restored(pod: Obj) -> bool:
+    """A restore pod of ours is labelled; any other pod asks with nvidia.com/restore-from alone. Asking
+    grants nothing: the object it names does (``restore_grant``, ``snapshot_restore_grant``)."""
+    meta = pod["metadata"]
+    return (meta.get("labels") or {}).get(protocol.LABEL_RESTORE_TARGET) == protocol.TRUE or bool(
+        (meta.get("annotations") or {}).get(protocol.ANNOTATION_RESTORE_FROM)
+    )
 
 
 def checkpoint_name_to_restore(pod: Obj) -> str:
@@ -230,3 +241,36 @@ def content_grant(content: Obj, snapshot: Obj | None, pod: Obj | None, node_name
         source_pod=pod_name,
         source_pod_uid=pod["metadata"]["uid"],
     )
+
+
+def snapshot_restore_grant(pod: Obj, snapshot: Obj, content: Obj | None) -> RestoreGrant:
+    """What the agent may restore into a pod whose ``nvidia.com/restore-from`` names a PodSnapshot of its
+    own namespace (``snapshot``, read there); ``Refused`` otherwise. ``content`` is the PodSnapshotContent
+    the PodSnapshot is bound to (None: none), whose status records the artifact's digest."""
+    meta = pod["metadata"]
+    name = snapshot["metadata"]["name"]
+    if snapshot["metadata"].get("deletionTimestamp"):
+        raise Refused(f"PodSnapshot {name!r} is being deleted")
+    conditions = {c.get("type"): c for c in (snapshot.get("status") or {}).get("conditions") or []}
+    ready = conditions.get("Ready") or {}
+    if ready.get("status") != "True":
+        why = ready.get("message") or ready.get("reason") or "not captured yet"
+        raise Refused(f"PodSnapshot {name!r} is not Ready ({why})")
+    ref = (content or {}).get("spec", {}).get("snapshotRef") or {}
+    if (
+        content is None
+        or ref.get("uid") != snapshot["metadata"]["uid"]
+        or ref.get("namespace") != meta["namespace"]
+    ):
+        raise Refused(f"PodSnapshot {name!r} has no content bound to it")
+    digest = ((content.get("status") or {}).get("artifact") or {}).get("digest") or ""
+    if not _SHA256.fullmatch(digest):
+        raise Refused(f"the content of PodSnapshot {name!r} records no artifact digest")
+    mapping = (meta.get("annotations") or {}).get(protocol.ANNOTATION_RESTORE_CONTAINER_MAP)
+    main = protocol.DEFAULT_TARGET_CONTAINER
+    if mapping and mapping.replace(" ", "") != f"{main}={main}":
+        raise Refused(
+            f"{protocol.ANNOTATION_RESTORE_CONTAINER_MAP}={mapping!r}: this agent restores the captured "
+            f"container into the container called {main!r} only"
+        )
+    return RestoreGrant(name, artifact_key(meta["namespace"], snapshot["metadata"]["uid"]), digest)

@@ -21,9 +21,11 @@ from dynamo_snapshot.agent.artifact_sweeper import ArtifactSweeper
 from dynamo_snapshot.agent.authorize import (
     Refused,
     RestoreGrant,
+    asks_to_be_restored,
     checkpoint_grant,
     checkpoint_name_to_restore,
     restore_grant,
+    snapshot_restore_grant,
 )
 from dynamo_snapshot.agent.errors import AgentError
 from dynamo_snapshot.agent.executor import Executor, RestoreOutcome
@@ -56,7 +58,7 @@ from dynamo_snapshot.kube import (
     is_not_found,
     object_key,
 )
-from dynamo_snapshot.kube.kinds import CHECKPOINT, JOB, POD_SNAPSHOT
+from dynamo_snapshot.kube.kinds import CHECKPOINT, JOB, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
 
 __all__ = ["AGENT_NAME", "MAIN", "AgentSettings", "NodeAgent", "workload_key"]
 
@@ -211,7 +213,7 @@ class NodeAgent:
 
     async def _dispatch(self, pod: Obj) -> None:
         labels = pod["metadata"].get("labels") or {}
-        if labels.get(protocol.LABEL_RESTORE_TARGET) == protocol.TRUE:
+        if asks_to_be_restored(pod):
             await self._restore(pod)
         elif labels.get(protocol.LABEL_CHECKPOINT_SOURCE) == protocol.TRUE:
             await self._checkpoint(pod)
@@ -347,10 +349,8 @@ class NodeAgent:
         attempts = restore_attempts(pod)
         if state is Status.RUNNING and not await self._clear_cut_short(pod, attempts):
             return
-        meta = pod["metadata"]
-        name = checkpoint_name_to_restore(pod)
         try:
-            grant = restore_grant(pod, await self._get(CHECKPOINT, name, meta["namespace"]) if name else None)
+            grant = await self._restore_grant(pod)
         except Refused as e:
             await self.reports.refuse(pod, "RestoreRefused", protocol.ANNOTATION_RESTORE_STATUS, str(e))
             return
@@ -362,7 +362,7 @@ class NodeAgent:
             "restoring",
             extra={protocol.ANNOTATION_RESTORE_ATTEMPTS: str(attempts + 1)},
         )
-        self._restoring.add(meta["uid"])
+        self._restoring.add(pod["metadata"]["uid"])
         target = await self._restore_target(pod, spent)
         if target is None:
             return
@@ -386,6 +386,20 @@ class NodeAgent:
             until_written=True,
         )
         await self._supervise(pod, outcome.workload)
+
+    async def _restore_grant(self, pod: Obj) -> RestoreGrant:
+        """The grant of the object ``restore-from`` names in the pod's namespace: a DynamoCheckpoint (the
+        Dynamo layer), else a PodSnapshot (NVIDIA Snapshot's generic API)."""
+        namespace = pod["metadata"]["namespace"]
+        name = checkpoint_name_to_restore(pod)
+        ckpt = await self._get(CHECKPOINT, name, namespace) if name else None
+        if ckpt is None and name:
+            snapshot = await self._get(POD_SNAPSHOT, name, namespace)
+            if snapshot is not None:
+                bound = (snapshot.get("status") or {}).get("boundSnapshotContentName")
+                content = await self._get(POD_SNAPSHOT_CONTENT, bound, "") if bound else None
+                return snapshot_restore_grant(pod, snapshot, content)
+        return restore_grant(pod, ckpt)
 
     async def _retake_container(self, pod: Obj, state: Status | None) -> str | None:
         """After an agent restart, on a kubelet node: take the pod's container again, to watch or clear

@@ -205,3 +205,58 @@ async def test_a_podsnapshot_is_bound_captured_and_ready_with_the_controller(
         return False
 
     await eventually(content_gone, within=30)
+
+
+async def _restore_status(kube: Kube, namespace: str, name: str) -> tuple[str, str] | None:
+    ann = (await kube.get(POD, name, namespace))["metadata"].get("annotations") or {}
+    state = ann.get(protocol.per_container(protocol.ANNOTATION_RESTORE_STATUS, "main"))
+    message = ann.get(protocol.per_container(protocol.ANNOTATION_RESTORE_MESSAGE, "main"), "")
+    return (state, message) if state in ("completed", "failed") else None
+
+
+async def test_any_pod_restores_from_a_podsnapshot_of_its_namespace(
+    api: Any,
+    namespace: str,
+    gpu_node: Callable[..., Obj],
+    agents: Any,  # noqa: F811
+    harness: Harness,  # noqa: F811
+) -> None:
+    """NVIDIA Snapshot's restore: a plain pod (no labels of ours) with nvidia.com/restore-from naming a Ready
+    PodSnapshot of its namespace is restored by the agent of the node it lands on; one naming a PodSnapshot
+    that is not Ready is refused, with the reason on the pod."""
+    kube = Kube(api, field_manager="capture-test")
+    node_a, node_b = gpu_node()["metadata"]["name"], gpu_node()["metadata"]["name"]
+    await agents(node_a)
+    await agents(node_b)
+    _, snapshot = await _source_and_snapshot(kube, namespace, node_a, "worker-3")
+
+    async def ready() -> bool:
+        obj = await kube.get(POD_SNAPSHOT, snapshot["metadata"]["name"], namespace)
+        return any(
+            c["type"] == "Ready" and c["status"] == "True"
+            for c in (obj.get("status") or {}).get("conditions") or []
+        )
+
+    await eventually(ready, within=90)
+    pending = await kube.create(
+        POD_SNAPSHOT,
+        {
+            "apiVersion": "nvidia.com/v1alpha1",
+            "kind": "PodSnapshot",
+            "metadata": {"name": "never-captured"},
+            "spec": {"source": {"podRef": {"name": "absent", "containers": ["main"]}}},
+        },
+        namespace,
+    )
+    for name, source in (("restored", snapshot), ("refused", pending)):
+        manifest = pod(name, node_b, {})
+        del manifest["metadata"]["labels"][protocol.LABEL_MANAGED_BY]
+        manifest["metadata"]["annotations"] = {protocol.ANNOTATION_RESTORE_FROM: source["metadata"]["name"]}
+        await kube.create(POD, manifest, namespace)
+
+    state, message = await eventually(lambda: _restore_status(kube, namespace, "restored"), within=90)
+    assert state == "completed", message
+    assert f"restored from {snapshot['metadata']['name']}" in message
+    state, message = await eventually(lambda: _restore_status(kube, namespace, "refused"), within=30)
+    assert state == "failed"
+    assert "PodSnapshot 'never-captured' is not Ready" in message

@@ -50,6 +50,7 @@ AGENT: set[Grant] = {
     (OURS, "podsnapshots", "*", "get"),
     (OURS, "podsnapshots", "*", "list"),
     (OURS, "podsnapshots", "*", "watch"),
+    (OURS, "podsnapshotcontents", "*", "get"),
     (OURS, "podsnapshotcontents", "*", "list"),
     (OURS, "podsnapshotcontents", "*", "watch"),
     (OURS, "podsnapshotcontents/status", "*", "patch"),
