@@ -118,7 +118,7 @@ class StartMode(StrEnum):
 
 
 # --- Pod annotations -----------------------------------------------------------------------------
-# Names the checkpoint (a DynamoCheckpoint in the pod's namespace) to restore into the pod.
+# Names what to restore into the pod: a DynamoCheckpoint of the pod's namespace, else a PodSnapshot there.
 ANNOTATION_RESTORE_FROM: Final = "nvidia.com/restore-from"
 # Comma-separated container names to checkpoint or restore; other containers are left alone.
 ANNOTATION_TARGET_CONTAINERS: Final = "nvidia.com/snapshot-target-containers"
