@@ -5,8 +5,9 @@ watches its own contents only. A content is captured when the PodSnapshot and th
 it (``authorize.content_grant``): the artifact is stored under ``<namespace>/<PodSnapshot uid>``, bound to the
 PodSnapshot and the pod. The content's status then says Ready (reason Captured, the artifact's location,
 digest and size, what a restore needs) or Failed with the reason; the controller mirrors it onto the
-PodSnapshot. A capture cut short by an agent restart is not started again: the store says whether it was
-published, as for a DynamoCheckpoint.
+PodSnapshot. After an agent restart, a content without an outcome is looked at again: an artifact already
+published for it (the earlier process died before writing the outcome) is reported Ready; otherwise the
+capture runs again, and fails with the reason if the worker no longer waits for it.
 """
 
 from __future__ import annotations
