@@ -314,10 +314,13 @@ async def test_bad_restores_are_refused_with_a_clear_message(stack: Stack, real_
     assert "agent.containerRuntime.runcRoot" in message
 
 
-async def test_a_podsnapshot_of_a_kubelet_pod_is_captured_in_place(stack: Stack, real_node: RealNode) -> None:
+async def test_a_podsnapshot_of_a_kubelet_pod_is_captured_and_restored_by_restore_from(
+    stack: Stack, real_node: RealNode
+) -> None:
     """NVIDIA Snapshot's generic API on the real node: a PodSnapshot of a running kubelet pod is bound by
     the controller, captured in place by the node's agent from the kubelet's container, and Ready with the
-    artifact the content names, bound to that pod."""
+    artifact the content names, bound to that pod. A plain standby pod annotated nvidia.com/restore-from
+    with its name is then restored into its own container and serves on its own pod IP."""
     s = stack
     s.start_agent()
     env = [{"name": "WORKER_HOST", "value": "0.0.0.0"}, {"name": "WORKER_PORT", "value": str(PORT)}]
@@ -350,3 +353,17 @@ async def test_a_podsnapshot_of_a_kubelet_pod_is_captured_in_place(stack: Stack,
     assert stored.manifest.binding is not None
     assert stored.manifest.binding.source_pod_uid == created["metadata"]["uid"]
     assert content["status"]["compatibility"]["imageId"]  # the kubelet's imageID of the captured container
+
+    restored = snapshot_pod(real_node, "snap-restored", {"image": real_node.worker_image.name}, standby=True)
+    restored["metadata"].update(namespace=s.namespace, annotations={protocol.ANNOTATION_RESTORE_FROM: "snap"})
+    await s.kube.create(POD, restored)
+
+    async def restore_done() -> Obj | None:
+        pod = await s.kube.get(POD, "snap-restored", s.namespace)
+        state = _restore_status(pod)
+        assert state != "failed", pod["metadata"].get("annotations")
+        return pod if state == "completed" and pod["status"].get("podIP") else None
+
+    pod = await eventually(restore_done, 180, "the restore-from pod to be restored")
+    answer = await asyncio.to_thread(post, pod["status"]["podIP"])
+    assert answer
