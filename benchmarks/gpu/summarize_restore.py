@@ -14,17 +14,17 @@ from typing import Any
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 GIB = 2**30
-# The reference worker with the Qwen3 model depths (session 5). Run 4 is before the node-file prefetch
-# (its diagnostics tried the weights check before CRIU and with 4 threads), runs 5 and 6 are with it;
-# run 6 (decoupled only, plus CRIU's own files read ahead) met a slower disk (1.35 and 1.61 GB/s).
-# Runs 1-3 (benchmarks/results/gpu-restore/run{1,2,3}-*.json) are of the earlier 8/10-layer presets,
-# a different worker, and are reported apart in BENCHMARKS.md. Session 6: run 7 (1g) hashes in a helper
-# process and signals a waiting worker before the weights check ends; run 8 adds the zero-page drop.
-# Session 7: weights stored split-nibble (expanded on the GPU) and CRIU pages packed (unpacked beside the
-# check): run 10 (8g), run 11 (1g, all modes), run 12 (8g, weights check at idle I/O priority by
-# default), run 13 (8g, that check started beside the process-file check). Run 9 (8g) stored the weights
-# split-deflate (inflated on the CPU, since replaced) on a tree with uncommitted work: BENCHMARKS.md
-# reports it apart and it is not a sample here.
+# The reference worker with the Qwen3 model depths, runs 4-13, each by the commit it measured (RUNS). Run 4:
+# no node-file prefetch (its diagnostics tried the weights check before CRIU and with 4 threads); runs 5
+# and 6: with it; run 6 (decoupled only, plus CRIU's own files read ahead) met a slower disk (1.35 and
+# 1.61 GB/s). Runs 1-3 (benchmarks/results/gpu-restore/run{1,2,3}-*.json) are of the shallower 8/10-layer
+# presets, a different worker, reported apart in BENCHMARKS.md. Run 7 (1g) hashes in a helper process and
+# signals a waiting worker before the weights check ends; run 8 adds the zero-page drop. Runs 10-13 store
+# the weights split-nibble (expanded on the GPU) and the CRIU pages packed (unpacked beside the check): run
+# 10 (8g), run 11 (1g, all modes), run 12 (8g, weights check at idle I/O priority by default), run 13 (8g,
+# that check started beside the process-file check). Run 9 (8g) stored the weights split-deflate (inflated
+# on the CPU, since replaced) on a tree with uncommitted work: BENCHMARKS.md reports it apart and it is
+# not a sample here.
 RUNS = {
     "run4-1g": "fd112b3",
     "run5-1g": "7aa6fa4",
@@ -43,7 +43,7 @@ PICK = {
     ("1g", "plain"): "run11-1g",
     ("1g", "kv"): "run11-1g",
     ("1g", "decoupled"): "run11-1g",
-    # 8g plain and kv were not run again in session 7 (device time): their records are run 8's.
+    # 8g plain and kv have no run with the packed pages and split-nibble weights: their records are run 8's.
     ("8g", "plain"): "run8-8g",
     ("8g", "kv"): "run8-8g",
     ("8g", "decoupled"): "run13-8g",

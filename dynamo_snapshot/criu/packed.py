@@ -2,8 +2,9 @@
 
 After the zero pages are dropped (criu.sparse) a GPU worker's pages images still hold about a gigabyte:
 the H200 reference worker's, stored this way, went from 1.08 to 0.26 GB (1 GiB model) and 1.28 to
-0.31 GB (8 GiB model), about 4.2x (BENCHMARKS.md, session 7 runs). Its disk read 1.5-2.1 GB/s in those
-runs, so storing the pages compressed saves most of that read and shrinks the artifact.
+0.31 GB (8 GiB model), about 4.2x (BENCHMARKS.md, "Restore of the reference worker on the H200"). Its
+disk read 1.5-2.1 GB/s in those runs, so storing the pages compressed saves most of that read and shrinks
+the artifact.
 CRIU itself reads only plain images (it preads pages at their offsets), so a restore unpacks the file
 first, into a staging images directory on a tmpfs, with a copy of every other (small) image there
 (``stage_images``).
