@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from dynamo_snapshot.agent.errors import AgentError
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointPhase
+from dynamo_snapshot.api.conditions import READY, find_condition
 from dynamo_snapshot.api.identity import CheckpointIdentity
 from dynamo_snapshot.artifact import Binding, artifact_key
 from dynamo_snapshot.kube import Obj, controller_ref
@@ -251,8 +252,7 @@ def snapshot_restore_grant(pod: Obj, snapshot: Obj, content: Obj | None) -> Rest
     name = snapshot["metadata"]["name"]
     if snapshot["metadata"].get("deletionTimestamp"):
         raise Refused(f"PodSnapshot {name!r} is being deleted")
-    conditions = {c.get("type"): c for c in (snapshot.get("status") or {}).get("conditions") or []}
-    ready = conditions.get("Ready") or {}
+    ready = find_condition(snapshot, READY) or {}
     if ready.get("status") != "True":
         why = ready.get("message") or ready.get("reason") or "not captured yet"
         raise Refused(f"PodSnapshot {name!r} is not Ready ({why})")

@@ -33,7 +33,6 @@ __all__ = ["CAPTURED_MESSAGE", "SnapshotCapture", "snapshot_identity_hash"]
 
 log = logging.getLogger(__name__)
 CAPTURED_MESSAGE = "Checkpoint captured and verified"
-FAILED = "Failed"
 # The pod a content names may reach this node's pod cache a moment after the content: wait that long.
 POD_CACHE_WAIT_S = 10.0
 
@@ -75,7 +74,7 @@ class SnapshotCapture:
             if task is not None:
                 task.cancel()
             return
-        if _ended(content) or uid in self.tasks:
+        if cond.is_true(content, cond.READY) or cond.is_true(content, cond.FAILED) or uid in self.tasks:
             return
         task = asyncio.create_task(self._capture(content), name=f"capture-{content['metadata']['name']}")
         self.tasks[uid] = task
@@ -183,13 +182,4 @@ class SnapshotCapture:
 
 def _conditions(content: Obj, ready: bool, reason: str, message: str) -> list[dict[str, Any]]:
     conditions = list((content.get("status") or {}).get("conditions") or [])
-    generation = content["metadata"].get("generation")
-    conditions = cond.set_condition(conditions, cond.READY, ready, reason, message, generation)
-    return cond.set_condition(conditions, FAILED, not ready, reason, message, generation)
-
-
-def _ended(content: Obj) -> bool:
-    return any(
-        c.get("type") in (cond.READY, FAILED) and c.get("status") == "True"
-        for c in (content.get("status") or {}).get("conditions") or []
-    )
+    return cond.set_outcome(conditions, ready, reason, message, content["metadata"].get("generation"))

@@ -12,6 +12,8 @@ READY = "Ready"
 CHECKPOINT_READY = "CheckpointReady"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
+# Terminal failure beside Ready, as NVIDIA Snapshot's PodSnapshot and PodSnapshotContent say it.
+FAILED = "Failed"
 
 # Reasons of the Ready and Degraded conditions (and of the Warning Events that go with them) that name a
 # cause a reader can act on; anything else is reported under the generic ones.
@@ -54,6 +56,27 @@ def set_condition(
     if generation is not None:
         new["observedGeneration"] = generation
     return [c for c in conditions if c.get("type") != type_] + [new]
+
+
+def find_condition(obj: dict[str, Any], type_: str) -> dict[str, Any] | None:
+    """The object's condition of ``type_`` (from ``status.conditions``), or None."""
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c.get("type") == type_:
+            found: dict[str, Any] = c
+            return found
+    return None
+
+
+def is_true(obj: dict[str, Any], type_: str) -> bool:
+    return (find_condition(obj, type_) or {}).get("status") == "True"
+
+
+def set_outcome(
+    conditions: list[dict[str, Any]], ready: bool, reason: str, message: str, generation: int | None
+) -> list[dict[str, Any]]:
+    """Ready and Failed set together, as opposites, with one reason and message: a capture's outcome."""
+    conditions = set_condition(conditions, READY, ready, reason, message, generation)
+    return set_condition(conditions, FAILED, not ready, reason, message, generation)
 
 
 def validation_message(err: ValidationError) -> str:

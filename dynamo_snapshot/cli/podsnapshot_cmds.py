@@ -18,6 +18,7 @@ import sys
 import time
 from typing import Any
 
+from dynamo_snapshot.api.conditions import FAILED, READY, find_condition
 from dynamo_snapshot.api.kube import LABEL_VALUE_MAX_LENGTH
 from dynamo_snapshot.api.protocol import API_GROUP, API_VERSION, DEFAULT_TARGET_CONTAINER
 from dynamo_snapshot.kube import POD, ApiError, Kube, Obj, is_not_found, load_client
@@ -143,12 +144,11 @@ async def _wait(kube: Kube, namespace: str, name: str, within: float) -> int:
 
 def snapshot_state(obj: Obj) -> tuple[str, str, str]:
     """(Ready | Failed | Pending, reason, message) from the PodSnapshot's conditions."""
-    conditions = {c.get("type"): c for c in (obj.get("status") or {}).get("conditions") or []}
-    for type_ in ("Failed", "Ready"):
-        c = conditions.get(type_)
+    for type_ in (FAILED, READY):
+        c = find_condition(obj, type_)
         if c is not None and c.get("status") == "True":
             return type_, c.get("reason") or "", c.get("message") or ""
-    ready = conditions.get("Ready") or {}
+    ready = find_condition(obj, READY) or {}
     return "Pending", ready.get("reason") or "Pending", ready.get("message") or "not bound yet"
 
 

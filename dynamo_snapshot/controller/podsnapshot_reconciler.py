@@ -35,7 +35,6 @@ from dynamo_snapshot.kube.kinds import POD, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
 
 log = logging.getLogger(__name__)
 
-FAILED = "Failed"
 PENDING_MESSAGE = "Waiting for node agent to capture the checkpoint"
 UNSCHEDULED_MESSAGE = "Waiting for the source pod to be scheduled"
 # How soon an unscheduled source pod, and a content being deleted, are looked at again.
@@ -56,7 +55,7 @@ class PodSnapshotReconciler:
         if obj["metadata"].get("deletionTimestamp"):
             return await self._finalize(obj)
         await self._hold(obj)
-        if _condition(obj, FAILED) == "True":
+        if cond.is_true(obj, cond.FAILED):
             return None  # terminal: a new PodSnapshot is a new capture
         try:
             snapshot = PodSnapshot.model_validate(obj)
@@ -129,16 +128,15 @@ class PodSnapshotReconciler:
         status = dict(obj.get("status") or {})
         status["boundSnapshotContentName"] = content["metadata"]["name"]
         generation = obj["metadata"].get("generation")
-        ready, failed = _find(content, cond.READY), _find(content, FAILED)
+        ready, failed = cond.find_condition(content, cond.READY), cond.find_condition(content, cond.FAILED)
         if failed is not None and failed.get("status") == "True":
             reason, message = failed.get("reason") or "CheckpointFailed", failed.get("message") or ""
             return await self._fail(obj, reason, message, base=status)
         conditions = list(status.get("conditions") or [])
         if ready is not None and ready.get("status") == "True":
             reason, message = ready.get("reason") or "Captured", ready.get("message") or ""
-            conditions = cond.set_condition(conditions, cond.READY, True, reason, message, generation)
-            conditions = cond.set_condition(conditions, FAILED, False, reason, message, generation)
-            if _condition(obj, cond.READY) != "True":
+            conditions = cond.set_outcome(conditions, True, reason, message, generation)
+            if not cond.is_true(obj, cond.READY):
                 self.recorder.record(obj, NORMAL, "SnapshotReady", message or "captured")
         else:
             conditions = cond.set_condition(
@@ -157,11 +155,10 @@ class PodSnapshotReconciler:
     ) -> Result | None:
         status = dict(base if base is not None else obj.get("status") or {})
         generation = obj["metadata"].get("generation")
-        conditions = list(status.get("conditions") or [])
-        conditions = cond.set_condition(conditions, FAILED, True, reason, message, generation)
-        conditions = cond.set_condition(conditions, cond.READY, False, reason, message, generation)
-        status["conditions"] = conditions
-        if _condition(obj, FAILED) != "True":
+        status["conditions"] = cond.set_outcome(
+            list(status.get("conditions") or []), False, reason, message, generation
+        )
+        if not cond.is_true(obj, cond.FAILED):
             self.recorder.record(obj, WARNING, reason, message)
         await self._write(obj, status)
         return None
@@ -228,16 +225,3 @@ def _pending(obj: Obj, message: str) -> dict[str, Any]:
         obj["metadata"].get("generation"),
     )
     return status
-
-
-def _find(obj: Obj, type_: str) -> dict[str, Any] | None:
-    for c in (obj.get("status") or {}).get("conditions") or []:
-        if c.get("type") == type_:
-            found: dict[str, Any] = c
-            return found
-    return None
-
-
-def _condition(obj: Obj, type_: str) -> str | None:
-    found = _find(obj, type_)
-    return None if found is None else found.get("status")
