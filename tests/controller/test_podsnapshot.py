@@ -5,6 +5,7 @@ takes its content with it when deleted."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
 from collections.abc import Callable
@@ -181,8 +182,12 @@ async def test_a_failed_capture_fails_the_snapshot_for_good(
     await harness.kube.merge_patch(
         POD_SNAPSHOT, "snap-b", {"metadata": {"annotations": {"touch": uuid.uuid4().hex}}}, harness.namespace
     )
-    for _ in range(10):
-        assert _conditions(await _status(harness, "snap-b"))["Failed"]["status"] == "True"
+    # The touch and the content's change each wake a reconcile at once: watch long enough for both to have
+    # run (the queue answers within a fraction of a second here), and more.
+    for _ in range(15):
+        conds = _conditions(await _status(harness, "snap-b"))
+        assert (conds["Failed"]["status"], conds["Ready"]["status"]) == ("True", "False")
+        await asyncio.sleep(0.2)
 
 
 @pytest.mark.parametrize(
