@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -237,10 +238,11 @@ def _pending(fo: Failover, owner: tuple[str, str]) -> list[str]:
 
 class _Clock:
     """time.monotonic for the failover module, moved by hand; ahead of the real one, so token buckets made
-    during the test never see time run backwards."""
+    during the test never see time run backwards. It starts on a whole second so that whole-second steps add
+    up exactly, however long the machine has been up."""
 
     def __init__(self) -> None:
-        self.now = time.monotonic() + 1.0
+        self.now = float(math.ceil(time.monotonic()) + 1)
 
     def __call__(self) -> float:
         return self.now
