@@ -11,10 +11,11 @@ from typing import Any
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointCompatibility, DynamoCheckpoint
 from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment, ServiceSpec
+from dynamo_snapshot.api.podsnapshot import PodSnapshotCompatibility
 
 Obj = dict[str, Any]
 
-MAIN_CONTAINER = "main"
+MAIN_CONTAINER = protocol.DEFAULT_TARGET_CONTAINER
 # Kubernetes names are at most 63 characters in labels and 253 for pods; keep the prefix short enough
 # that the random suffix always fits in a DNS label.
 _PREFIX_MAX = 63 - 6
@@ -121,10 +122,7 @@ def worker_pod_spec(dgd: DynamoGraphDeployment, service_name: str, *, snapshot_c
     spec: Obj = copy.deepcopy(extra)
     main: Obj = {"name": MAIN_CONTAINER, **copy.deepcopy(main_override)}
     _default_command(service, main)
-    control_env = [{"name": n, "value": protocol.CONTROL_MOUNT_PATH} for n in protocol.ENV_CONTROL_DIRS]
-    main["env"] = _env_list(
-        dgd.spec.envs, service.envs, main.get("env"), control_env if snapshot_control else []
-    )
+    main["env"] = _env_list(dgd.spec.envs, service.envs, main.get("env"))
     if service.env_from_secret:
         main.setdefault("envFrom", []).append({"secretRef": {"name": service.env_from_secret}})
     resources = _resources(service)
@@ -139,14 +137,38 @@ def worker_pod_spec(dgd: DynamoGraphDeployment, service_name: str, *, snapshot_c
     others = [c for c in spec.get("containers", []) if c.get("name") != MAIN_CONTAINER]
     spec["containers"] = [main, *others]
     if snapshot_control:
-        mounts = [m for m in main.get("volumeMounts", []) if m.get("name") != protocol.CONTROL_VOLUME_NAME]
-        main["volumeMounts"] = [
-            *mounts,
-            {"name": protocol.CONTROL_VOLUME_NAME, "mountPath": protocol.CONTROL_MOUNT_PATH},
-        ]
-        volumes = [v for v in spec.get("volumes", []) if v.get("name") != protocol.CONTROL_VOLUME_NAME]
-        spec["volumes"] = [*volumes, {"name": protocol.CONTROL_VOLUME_NAME, "emptyDir": {}}]
+        add_snapshot_control(spec, MAIN_CONTAINER)
     return spec
+
+
+def _container(spec: Obj, name: str) -> Obj:
+    found: list[Obj] = [c for c in spec.get("containers") or [] if c.get("name") == name]
+    if len(found) != 1:
+        raise ValueError(f"the pod has no container {name!r}")
+    return found[0]
+
+
+def add_snapshot_control(spec: Obj, container: str) -> None:
+    """Give ``container`` the snapshot control directory (an emptyDir the node agent reaches through the
+    container's mount) and the variables that name it. Idempotent; raises ValueError without the container."""
+    target = _container(spec, container)
+    control_env = [{"name": n, "value": protocol.CONTROL_MOUNT_PATH} for n in protocol.ENV_CONTROL_DIRS]
+    target["env"] = _env_list(target.get("env"), control_env)
+    mounts = [m for m in target.get("volumeMounts") or [] if m.get("name") != protocol.CONTROL_VOLUME_NAME]
+    target["volumeMounts"] = [
+        *mounts,
+        {"name": protocol.CONTROL_VOLUME_NAME, "mountPath": protocol.CONTROL_MOUNT_PATH},
+    ]
+    volumes = [v for v in spec.get("volumes") or [] if v.get("name") != protocol.CONTROL_VOLUME_NAME]
+    spec["volumes"] = [*volumes, {"name": protocol.CONTROL_VOLUME_NAME, "emptyDir": {}}]
+
+
+def add_restore_standby(spec: Obj, container: str) -> None:
+    """Tell ``container``'s entrypoint to wait as the placeholder a restore goes into, instead of
+    cold-starting the worker (on a kubelet node the image's entrypoint always starts first). Idempotent."""
+    target = _container(spec, container)
+    standby = [{"name": n, "value": "1"} for n in protocol.ENV_RESTORE_STANDBYS]
+    target["env"] = _env_list(target.get("env"), standby)
 
 
 def _dgd_name(dgd: DynamoGraphDeployment) -> str:
@@ -190,7 +212,7 @@ def cold_start_pod(
     }
 
 
-def compatibility_affinity(compat: CheckpointCompatibility | None) -> list[Obj]:
+def compatibility_affinity(compat: CheckpointCompatibility | PodSnapshotCompatibility | None) -> list[Obj]:
     """Node-selector requirements that place a restore only where the checkpoint's GPU state fits."""
     if compat is None:
         return []
@@ -208,7 +230,8 @@ def compatibility_affinity(compat: CheckpointCompatibility | None) -> list[Obj]:
     return exprs
 
 
-def _add_required_affinity(spec: Obj, exprs: list[Obj]) -> None:
+def require_node_affinity(spec: Obj, exprs: list[Obj]) -> None:
+    """AND ``exprs`` into the pod's required node affinity."""
     if not exprs:
         return
     required = (
@@ -234,7 +257,7 @@ def keep_off_nodes(spec: Obj, nodes: list[str], *, required: bool) -> None:
         return
     expr = {"key": HOSTNAME_LABEL, "operator": "NotIn", "values": sorted(nodes)}
     if required:
-        _add_required_affinity(spec, [expr])
+        require_node_affinity(spec, [expr])
         return
     preferred = (
         spec.setdefault("affinity", {})
@@ -255,11 +278,7 @@ def restore_pod(
 ) -> Obj:
     pod = cold_start_pod(dgd_obj, dgd, service_name, name=name, replaces=replaces)
     pod["spec"] = worker_pod_spec(dgd, service_name, snapshot_control=True)
-    # On a kubelet node the image's entrypoint starts first: told so, it waits as the placeholder the
-    # agent restores into instead of cold-starting the worker.
-    main = next(c for c in pod["spec"]["containers"] if c.get("name") == MAIN_CONTAINER)
-    standby = [{"name": n, "value": "1"} for n in protocol.ENV_RESTORE_STANDBYS]
-    main["env"] = _env_list(main.get("env"), standby)
+    add_restore_standby(pod["spec"], MAIN_CONTAINER)
     status = ckpt.status
     labels = pod["metadata"]["labels"]
     labels[protocol.LABEL_START_MODE] = protocol.StartMode.RESTORE.value
@@ -272,7 +291,7 @@ def restore_pod(
     ann[protocol.ANNOTATION_TARGET_CONTAINERS] = MAIN_CONTAINER
     if status and status.location:
         ann[protocol.ANNOTATION_CHECKPOINT_LOCATION] = status.location
-    _add_required_affinity(pod["spec"], compatibility_affinity(status.compatibility if status else None))
+    require_node_affinity(pod["spec"], compatibility_affinity(status.compatibility if status else None))
     return pod
 
 
