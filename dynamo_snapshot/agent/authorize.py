@@ -24,8 +24,9 @@ from pydantic import ValidationError
 from dynamo_snapshot.agent.errors import AgentError
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointPhase
-from dynamo_snapshot.api.conditions import READY, find_condition
+from dynamo_snapshot.api.conditions import FAILED, READY, find_condition
 from dynamo_snapshot.api.identity import CheckpointIdentity
+from dynamo_snapshot.api.podsnapshot import PodSnapshotReason
 from dynamo_snapshot.artifact import Binding, artifact_key
 from dynamo_snapshot.kube import Obj, controller_ref
 
@@ -190,13 +191,24 @@ def content_grant(content: Obj, snapshot: Obj | None, pod: Obj | None, node_name
     namespace, name = str(ref.get("namespace") or ""), str(ref.get("name") or "")
     if snapshot is None or snapshot["metadata"].get("uid") != ref.get("uid"):
         raise ContentRefused(
-            "SnapshotNotFound", f"PodSnapshot {namespace}/{name} of this content does not exist"
+            PodSnapshotReason.SNAPSHOT_NOT_FOUND,
+            f"PodSnapshot {namespace}/{name} of this content does not exist",
         )
     if snapshot["metadata"].get("deletionTimestamp"):
-        raise ContentRefused("SnapshotDeleted", f"PodSnapshot {namespace}/{name} is being deleted")
+        raise ContentRefused(
+            PodSnapshotReason.SNAPSHOT_DELETED, f"PodSnapshot {namespace}/{name} is being deleted"
+        )
+    failed = find_condition(snapshot, FAILED) or {}
+    if failed.get("status") == "True":
+        raise ContentRefused(
+            PodSnapshotReason.SNAPSHOT_FAILED,
+            f"PodSnapshot {namespace}/{name} failed already ({failed.get('reason')}): nothing to capture",
+        )
     bound = (snapshot.get("status") or {}).get("boundSnapshotContentName")
     if bound and bound != content["metadata"]["name"]:
-        raise ContentRefused("ContentConflict", f"PodSnapshot {namespace}/{name} is bound to {bound}")
+        raise ContentRefused(
+            PodSnapshotReason.CONTENT_CONFLICT, f"PodSnapshot {namespace}/{name} is bound to {bound}"
+        )
     # Whoever made the content, the PodSnapshot says which pod and container it asks for.
     asked = ((snapshot.get("spec") or {}).get("source") or {}).get("podRef") or {}
     if (
@@ -205,33 +217,43 @@ def content_grant(content: Obj, snapshot: Obj | None, pod: Obj | None, node_name
         or list(asked.get("containers") or []) != list(pod_ref.get("containers") or [])
     ):
         raise ContentRefused(
-            "ContentConflict",
+            PodSnapshotReason.CONTENT_CONFLICT,
             f"PodSnapshot {namespace}/{name} asks for pod {asked.get('name')!r} "
             f"{list(asked.get('containers') or [])}, not what this content names",
         )
     if source.get("nodeName") != node_name:
-        raise ContentRefused("InvalidDestination", f"the content names node {source.get('nodeName')!r}")
+        raise ContentRefused(
+            PodSnapshotReason.INVALID_DESTINATION, f"the content names node {source.get('nodeName')!r}"
+        )
     pod_name = str(pod_ref.get("name") or "")
     if pod is None:
-        raise ContentRefused("SourcePodNotFound", f"source pod {namespace}/{pod_name} does not exist")
+        raise ContentRefused(
+            PodSnapshotReason.SOURCE_POD_NOT_FOUND, f"source pod {namespace}/{pod_name} does not exist"
+        )
     if pod["metadata"].get("uid") != pod_ref.get("uid"):
         raise ContentRefused(
-            "StalePodReference", f"source pod {namespace}/{pod_name} was replaced (its UID differs)"
+            PodSnapshotReason.STALE_POD_REFERENCE,
+            f"source pod {namespace}/{pod_name} was replaced (its UID differs)",
         )
     if pod["metadata"].get("deletionTimestamp"):
-        raise ContentRefused("SourcePodGone", f"source pod {namespace}/{pod_name} is being deleted")
+        raise ContentRefused(
+            PodSnapshotReason.SOURCE_POD_GONE, f"source pod {namespace}/{pod_name} is being deleted"
+        )
     if (pod.get("spec") or {}).get("nodeName") != node_name:
-        raise ContentRefused("InvalidDestination", f"source pod {namespace}/{pod_name} is not on this node")
+        raise ContentRefused(
+            PodSnapshotReason.INVALID_DESTINATION, f"source pod {namespace}/{pod_name} is not on this node"
+        )
     containers = [str(c) for c in pod_ref.get("containers") or []]
     names = [c.get("name") for c in (pod.get("spec") or {}).get("containers") or []]
     if len(containers) != 1 or containers[0] not in names:
         raise ContentRefused(
-            "InvalidTargetContainer", f"source pod {namespace}/{pod_name} has no container {containers!r}"
+            PodSnapshotReason.INVALID_TARGET_CONTAINER,
+            f"source pod {namespace}/{pod_name} has no container {containers!r}",
         )
     if containers[0] != protocol.DEFAULT_TARGET_CONTAINER:
         # The agent captures and restores the container called main (what Dynamo's workers run in).
         raise ContentRefused(
-            "InvalidTargetContainer",
+            PodSnapshotReason.INVALID_TARGET_CONTAINER,
             f"container {containers[0]!r}: this agent captures only the container called "
             f"{protocol.DEFAULT_TARGET_CONTAINER!r}",
         )

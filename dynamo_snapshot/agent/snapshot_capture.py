@@ -3,11 +3,13 @@
 The controller binds a PodSnapshot to a content labelled with the source pod's node; the agent of that node
 watches its own contents only. A content is captured when the PodSnapshot and the pod of its namespace grant
 it (``authorize.content_grant``): the artifact is stored under ``<namespace>/<PodSnapshot uid>``, bound to the
-PodSnapshot and the pod. The content's status then says Ready (reason Captured, the artifact's location,
-digest and size, what a restore needs) or Failed with the reason; the controller mirrors it onto the
-PodSnapshot. After an agent restart, a content without an outcome is looked at again: an artifact already
-published for it (the earlier process died before writing the outcome) is reported Ready; otherwise the
-capture runs again, and fails with the reason if the worker no longer waits for it.
+PodSnapshot and the pod. The content says at once that the agent took it up (Ready False, reason
+CaptureInProgress), then Ready (reason Captured, the artifact's location, digest and size, what a restore
+needs) or Failed with the reason; the controller mirrors it onto the PodSnapshot. A source pod deleted
+before the capture ends is not snapshotted: what the capture published is removed (reason SourcePodGone).
+After an agent restart, a content without an outcome is looked at again: an artifact already published
+for it (the earlier process died before writing the outcome) is reported Ready; otherwise the capture runs
+again, and fails with the reason if the worker no longer waits for it.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class SnapshotCapture:
             # An earlier agent process published it and died before saying so.
             await self._ready(content, published, binding)
             return
+        await self._taken_up(content, binding)
         try:
             workload = await self.ensure_running(pod)
             await self.executor.wait_ready(workload, within=self.ready_timeout)
@@ -98,7 +101,10 @@ class SnapshotCapture:
                 workload, snapshot_identity_hash(binding.checkpoint_uid), binding=binding
             )
         except (AgentError, WorkloadRuntimeError, ValueError) as e:
-            await self._fail(content, PodSnapshotReason.CHECKPOINT_FAILED, str(e))
+            if not await self._source_gone(content, pod, binding):
+                await self._fail(content, PodSnapshotReason.CHECKPOINT_FAILED, str(e))
+            return
+        if await self._source_gone(content, pod, binding):
             return
         artifact = await asyncio.to_thread(self.executor.published, outcome.key)
         if artifact is None:
@@ -134,7 +140,41 @@ class SnapshotCapture:
             await asyncio.sleep(0.2)
         return self.pods.get(key)
 
+    async def _source_gone(self, content: Obj, pod: Obj, binding: Binding) -> bool:
+        """Whether the source pod was deleted while it was being captured. A pod deleted mid-capture is not
+        snapshotted: whatever the capture published is removed, and the content fails with the reason."""
+        latest = self.pods.get(f"{binding.namespace}/{binding.source_pod}")
+        if (
+            latest is not None
+            and latest["metadata"].get("uid") == pod["metadata"]["uid"]
+            and not latest["metadata"].get("deletionTimestamp")
+        ):
+            return False
+        await self.executor.delete_artifact(binding.key)
+        await self._fail(
+            content,
+            PodSnapshotReason.SOURCE_POD_GONE,
+            f"source pod {binding.namespace}/{binding.source_pod} was deleted during the capture; "
+            "nothing was published",
+        )
+        return True
+
     # ------------------------------------------------------------------ the outcome, on the content
+    async def _taken_up(self, content: Obj, binding: Binding) -> None:
+        """Say on the content that this agent captures it (the controller fails one no agent takes up)."""
+        container = ",".join(
+            ((content.get("spec") or {}).get("source") or {}).get("podRef", {}).get("containers") or []
+        )
+        conditions = cond.set_condition(
+            list((content.get("status") or {}).get("conditions") or []),
+            cond.READY,
+            False,
+            PodSnapshotReason.CAPTURE_IN_PROGRESS,
+            f"the node agent of {self.node_name} captures container {container} of pod {binding.source_pod}",
+            content["metadata"].get("generation"),
+        )
+        await self._write(content, {"conditions": conditions})
+
     async def _ready(self, content: Obj, artifact: Artifact, binding: Binding) -> None:
         manifest = artifact.manifest
         gpus = manifest.gpus
@@ -171,6 +211,8 @@ class SnapshotCapture:
         }
         if ready["status"] == "True":
             self.recorder.record(event_on, NORMAL, ready["reason"], f"captured on node {self.node_name}")
+        elif ready["reason"] == PodSnapshotReason.CAPTURE_IN_PROGRESS:
+            self.recorder.record(event_on, NORMAL, ready["reason"], ready["message"])
         else:
             self.recorder.record(event_on, WARNING, ready["reason"], ready["message"])
         try:

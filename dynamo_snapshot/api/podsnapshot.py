@@ -71,6 +71,13 @@ class PodSnapshotReason(StrEnum):
     INVALID_TARGET_CONTAINER = "InvalidTargetContainer"  # the pod has no container of that name
     INVALID_SPEC = "InvalidSpec"
     CHECKPOINT_FAILED = "CheckpointFailed"  # the node agent's capture failed
+    CAPTURE_IN_PROGRESS = "CaptureInProgress"  # Ready False: the node agent took the capture up
+    SOURCE_POD_GONE = "SourcePodGone"  # the source pod was deleted before the capture ended
+    SNAPSHOT_FAILED = "SnapshotFailed"  # the content's PodSnapshot failed already: nothing to capture
+    NO_NODE_AGENT = "NoNodeAgent"  # no node agent took the capture up in time
+    SNAPSHOT_NOT_FOUND = "SnapshotNotFound"  # the content's PodSnapshot does not exist
+    SNAPSHOT_DELETED = "SnapshotDeleted"  # the content's PodSnapshot is being deleted
+    INVALID_DESTINATION = "InvalidDestination"  # the content or its pod is not on the capturing node
 
 
 def content_name(snapshot_uid: str) -> str:

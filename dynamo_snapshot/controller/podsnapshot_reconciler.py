@@ -11,6 +11,7 @@ NVIDIA Snapshot's operator does.
 from __future__ import annotations
 
 import logging
+from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import ValidationError
@@ -39,14 +40,25 @@ PENDING_MESSAGE = "Waiting for node agent to capture the checkpoint"
 UNSCHEDULED_MESSAGE = "Waiting for the source pod to be scheduled"
 # How soon an unscheduled source pod, and a content being deleted, are looked at again.
 RECHECK_S = 1.0
+# How long a bound content may wait for its node's agent to take it up (a pod on a node without one).
+DEFAULT_PICKUP_TIMEOUT_S = 60.0
 
 
 class PodSnapshotReconciler:
-    def __init__(self, kube: Kube, snapshots: Informer, contents: Informer, recorder: EventRecorder) -> None:
+    def __init__(
+        self,
+        kube: Kube,
+        snapshots: Informer,
+        contents: Informer,
+        recorder: EventRecorder,
+        *,
+        pickup_timeout_s: float = DEFAULT_PICKUP_TIMEOUT_S,
+    ) -> None:
         self.kube = kube
         self.snapshots = snapshots
         self.contents = contents
         self.recorder = recorder
+        self.pickup_timeout_s = pickup_timeout_s
 
     async def reconcile(self, key: str) -> Result | None:
         obj = self.snapshots.get(key)
@@ -138,10 +150,29 @@ class PodSnapshotReconciler:
             conditions = cond.set_outcome(conditions, True, reason, message, generation)
             if not cond.is_true(obj, cond.READY):
                 self.recorder.record(obj, NORMAL, "SnapshotReady", message or "captured")
+        elif ready is not None:  # the node agent took it up
+            reason, message = (
+                ready.get("reason") or PodSnapshotReason.CAPTURE_IN_PROGRESS,
+                ready.get("message") or "",
+            )
+            conditions = cond.set_condition(conditions, cond.READY, False, reason, message, generation)
         else:
+            waited = _age_s(content)
+            if waited >= self.pickup_timeout_s:
+                node = ((content.get("spec") or {}).get("source") or {}).get("nodeName")
+                return await self._fail(
+                    obj,
+                    PodSnapshotReason.NO_NODE_AGENT,
+                    f"no node agent on node {node} took the capture up within {self.pickup_timeout_s:g}s: "
+                    "is the snapshot agent running there?",
+                    base=status,
+                )
             conditions = cond.set_condition(
                 conditions, cond.READY, False, PodSnapshotReason.PENDING, PENDING_MESSAGE, generation
             )
+            status["conditions"] = conditions
+            await self._write(obj, status)
+            return Result(requeue_after=self.pickup_timeout_s - waited)
         status["conditions"] = conditions
         await self._write(obj, status)
         return None
@@ -212,6 +243,13 @@ def _content(obj: Obj, pod: Obj, containers: list[str], node: str) -> Obj:
             },
         },
     }
+
+
+def _age_s(obj: Obj) -> float:
+    created = obj["metadata"].get("creationTimestamp")
+    if not created:
+        return 0.0
+    return (datetime.now(UTC) - datetime.fromisoformat(created.replace("Z", "+00:00"))).total_seconds()
 
 
 def _pending(obj: Obj, message: str) -> dict[str, Any]:
