@@ -15,6 +15,8 @@ from dynamo_snapshot.workload import SnapshotHandshake
 size = int(os.environ.get("WORKER_STATE_MIB", "32")) << 20
 state = bytearray(os.urandom(size // 4) + os.urandom(size - size // 4).translate(b"acgt" * 64))
 digest = hashlib.sha256(state).hexdigest()
+# A worker that loads for a while, as an engine loading its model does.
+time.sleep(float(os.environ.get("WORKER_READY_DELAY_S", "0")))
 handshake = SnapshotHandshake()
 handshake.signal_ready({"digest": digest})
 info = handshake.wait_for_restore()

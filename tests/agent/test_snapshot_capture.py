@@ -175,6 +175,55 @@ async def test_a_content_nothing_grants_fails_with_its_reason_and_stores_nothing
     )
 
 
+async def test_a_source_pod_deleted_mid_capture_fails_it_and_publishes_nothing(
+    api: Any,
+    namespace: str,
+    gpu_node: Callable[..., Obj],
+    agents: Any,  # noqa: F811
+    contents: Any,
+    tmp_path: Path,
+) -> None:
+    kube = Kube(api, field_manager="capture-test")
+    node = gpu_node()["metadata"]["name"]
+    await agents(node)
+    manifest = pod("slow-worker", node, {})
+    del manifest["metadata"]["labels"][protocol.LABEL_MANAGED_BY]
+    manifest["spec"]["containers"][0]["env"].append({"name": "WORKER_READY_DELAY_S", "value": "30"})
+    source = await kube.create(POD, manifest, namespace)
+    snapshot = await kube.create(
+        POD_SNAPSHOT,
+        {
+            "apiVersion": "nvidia.com/v1alpha1",
+            "kind": "PodSnapshot",
+            "metadata": {"name": "slow-snapshot"},
+            "spec": {"source": {"podRef": {"name": "slow-worker", "containers": ["main"]}}},
+        },
+        namespace,
+    )
+    content = await contents(snapshot, source, node)
+    name = content["metadata"]["name"]
+
+    async def taken_up() -> dict[str, Any] | None:
+        conds = {
+            c["type"]: c
+            for c in ((await kube.get(POD_SNAPSHOT_CONTENT, name)).get("status") or {}).get("conditions")
+            or []
+        }
+        return conds.get("Ready") if conds.get("Ready", {}).get("reason") == "CaptureInProgress" else None
+
+    ready = await eventually(taken_up, within=30)
+    assert ready["status"] == "False"
+    assert node in ready["message"]
+    await kube.delete(POD, "slow-worker", namespace)
+
+    failed = (await _ended(kube, name))["by_type"]["Failed"]
+    assert (failed["status"], failed["reason"]) == ("True", "SourcePodGone")
+    assert "nothing was published" in failed["message"]
+    assert not ArtifactStore(tmp_path / "artifacts").exists(
+        artifact_key(namespace, snapshot["metadata"]["uid"])
+    )
+
+
 async def test_a_podsnapshot_is_bound_captured_and_ready_with_the_controller(
     api: Any,
     namespace: str,
