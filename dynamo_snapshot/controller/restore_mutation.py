@@ -1,0 +1,288 @@
+"""What the restore webhook does to a pod created with ``nvidia.com/restore-from``: pure, over the pod and
+the objects the server looked up in the pod's namespace; the answer is JSON Patch operations and
+warnings, or a denial.
+
+A pod is shaped so that the node agent can restore into it and nothing cold-starts by mistake: the
+control volume, mount and variables on the target container, the standby variables (the image's
+entrypoint waits as the restore placeholder), the restore-target and checkpoint-id labels, a readiness
+gate on the ``nvidia.com/Restored`` condition the node agent writes, and required node affinity to the
+nodes the captured GPU state fits. Shaping is idempotent: a pod that is shaped already (the controller's
+own DGD restore pods) gets no duplicate entries and, when nothing is missing, no patch at all.
+
+A request that cannot be right is denied (a name of another namespace or no valid name, a malformed
+``nvidia.com/restore-container-map``, a pod without the target container). A snapshot that is missing
+or not Ready yet is admitted with a warning, still shaped to standby: the node agent then reports why
+the restore does not happen on the pod's ``nvidia.com/Restored`` condition.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.checkpoint import CheckpointCompatibility, CheckpointPhase
+from dynamo_snapshot.api.conditions import READY, find_condition, validation_message
+from dynamo_snapshot.api.kube import (
+    DNS1123_SUBDOMAIN_MAX_LENGTH,
+    DNS1123_SUBDOMAIN_PATTERN,
+    LABEL_VALUE_MAX_LENGTH,
+)
+from dynamo_snapshot.api.podsnapshot import CONTAINER_NAME_PATTERN, PodSnapshotCompatibility
+from dynamo_snapshot.controller.podspec import (
+    add_restore_standby,
+    add_snapshot_control,
+    compatibility_affinity,
+    require_node_affinity,
+)
+
+__all__ = [
+    "Found",
+    "Outcome",
+    "mutate",
+    "name_problem",
+    "parse_container_map",
+    "requested_name",
+]
+
+Obj = dict[str, Any]
+
+_SUBDOMAIN = re.compile(DNS1123_SUBDOMAIN_PATTERN)
+_CONTAINER = re.compile(CONTAINER_NAME_PATTERN)
+# What a pod that is not restored is told, after why: it waits, it is not cold-started.
+_STANDBY = (
+    f"the pod waits as a restore placeholder; the node agent reports {protocol.POD_CONDITION_RESTORED}=False"
+)
+
+
+@dataclass(frozen=True)
+class Found:
+    """What ``nvidia.com/restore-from`` names, read in the pod's namespace (None: not there): a
+    DynamoCheckpoint, else a PodSnapshot and the PodSnapshotContent it is bound to."""
+
+    checkpoint: Obj | None = None
+    snapshot: Obj | None = None
+    content: Obj | None = None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """``denied`` (the message) or admitted with ``patch`` (empty: unchanged) and ``warnings``."""
+
+    patch: list[Obj] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    denied: str | None = None
+    target: str | None = None
+
+
+def requested_name(pod: Obj) -> str | None:
+    """The value of ``nvidia.com/restore-from``; None when the pod has no such annotation."""
+    value = ((pod.get("metadata") or {}).get("annotations") or {}).get(protocol.ANNOTATION_RESTORE_FROM)
+    return None if value is None else str(value)
+
+
+def name_problem(name: str, namespace: str) -> str | None:
+    """Why ``name`` cannot be what a pod of ``namespace`` restores from, else None."""
+    key = protocol.ANNOTATION_RESTORE_FROM
+    if "/" in name:
+        return (
+            f"{key}={name!r}: there is no cross-namespace restore; a pod is restored only from a "
+            f"PodSnapshot or DynamoCheckpoint of its own namespace ({namespace}): give that object's "
+            "name alone"
+        )
+    if not name.strip():
+        return f"{key} is empty: give the name of a PodSnapshot or DynamoCheckpoint of namespace {namespace}"
+    if len(name) > DNS1123_SUBDOMAIN_MAX_LENGTH or not _SUBDOMAIN.match(name):
+        return (
+            f"{key}={name!r} is not an object name (a DNS-1123 subdomain: lowercase letters, digits, "
+            "'-' and '.', starting and ending with a letter or digit)"
+        )
+    if len(name) > LABEL_VALUE_MAX_LENGTH:
+        return (
+            f"{key}={name!r} is longer than {LABEL_VALUE_MAX_LENGTH} characters: the restore pod carries "
+            f"it as the label {protocol.LABEL_CHECKPOINT_ID}, whose values are at most that long"
+        )
+    return None
+
+
+def parse_container_map(value: str) -> tuple[str, str]:
+    """The (source, destination) of ``nvidia.com/restore-container-map`` ("source=destination");
+    ValueError with the reason when it is not one such pair of container names."""
+    key = protocol.ANNOTATION_RESTORE_CONTAINER_MAP
+    pairs = [p.strip() for p in value.split(",") if p.strip()]
+    if not pairs:
+        raise ValueError(f"{key} is empty: give source=destination, or leave the annotation out")
+    if len(pairs) > 1:
+        raise ValueError(
+            f"{key}={value!r} names {len(pairs)} pairs: a restore goes into one container, give one "
+            "source=destination"
+        )
+    source, eq, dest = (part.strip() for part in pairs[0].partition("="))
+    if not eq or not source or not dest:
+        raise ValueError(f"{key}={value!r} is not source=destination")
+    for role, name in (("source", source), ("destination", dest)):
+        if len(name) > LABEL_VALUE_MAX_LENGTH or not _CONTAINER.match(name):
+            raise ValueError(f"{key}={value!r}: {role} {name!r} is not a container name (a DNS-1123 label)")
+    return source, dest
+
+
+def _captured(found: Found) -> str | None:
+    """The container the named object captured; None when nothing of the name was found."""
+    if found.checkpoint is not None:
+        # A DynamoCheckpoint's Job captures the worker's main container.
+        return protocol.DEFAULT_TARGET_CONTAINER
+    if found.snapshot is not None:
+        source = (found.snapshot.get("spec") or {}).get("source") or {}
+        containers = (source.get("podRef") or {}).get("containers")
+        return str(containers[0]) if containers else None
+    return None
+
+
+def _target(pod: Obj, found: Found) -> str:
+    """The container to restore into; ValueError with the reason when the request cannot be right."""
+    captured = _captured(found)
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    mapping = annotations.get(protocol.ANNOTATION_RESTORE_CONTAINER_MAP)
+    if mapping is not None:
+        source, dest = parse_container_map(str(mapping))
+        if captured is not None and source != captured:
+            raise ValueError(
+                f"{protocol.ANNOTATION_RESTORE_CONTAINER_MAP}={mapping!r}: the snapshot captured container "
+                f"{captured!r}, not {source!r}: write {captured}={dest}"
+            )
+        return dest
+    return captured or protocol.DEFAULT_TARGET_CONTAINER
+
+
+def _checkpoint_state(name: str, ckpt: Obj) -> tuple[str | None, CheckpointCompatibility | None]:
+    """(warning, compatibility) of a DynamoCheckpoint: a warning unless it can be restored now."""
+    status = ckpt.get("status") or {}
+    if ckpt["metadata"].get("deletionTimestamp"):
+        return f"DynamoCheckpoint {name!r} is being deleted", None
+    if status.get("phase") != CheckpointPhase.READY.value:
+        return f"DynamoCheckpoint {name!r} is not Ready (phase {status.get('phase') or 'Pending'})", None
+    if not status.get("compatibility"):
+        return None, None
+    try:
+        return None, CheckpointCompatibility.model_validate(status["compatibility"])
+    except ValidationError as e:
+        return f"DynamoCheckpoint {name!r} has an unreadable compatibility ({validation_message(e)})", None
+
+
+def _snapshot_state(name: str, found: Found) -> tuple[str | None, PodSnapshotCompatibility | None]:
+    """(warning, compatibility) of a PodSnapshot and its content: a warning unless it can be restored now."""
+    snapshot = found.snapshot or {}
+    if snapshot["metadata"].get("deletionTimestamp"):
+        return f"PodSnapshot {name!r} is being deleted", None
+    ready = find_condition(snapshot, READY) or {}
+    if ready.get("status") != "True":
+        why = ready.get("message") or ready.get("reason") or "not captured yet"
+        return f"PodSnapshot {name!r} is not Ready ({why})", None
+    content = found.content
+    ref = ((content or {}).get("spec") or {}).get("snapshotRef") or {}
+    if content is None or ref.get("uid") != snapshot["metadata"].get("uid"):
+        return f"PodSnapshot {name!r} has no PodSnapshotContent bound to it", None
+    compat = (content.get("status") or {}).get("compatibility")
+    if not compat:
+        return None, None
+    try:
+        return None, PodSnapshotCompatibility.model_validate(compat)
+    except ValidationError as e:
+        return (
+            f"PodSnapshot {name!r}'s content has an unreadable compatibility ({validation_message(e)})",
+            None,
+        )
+
+
+def _dedupe_affinity(spec: Obj) -> None:
+    """Each required node-selector term lists an expression once, however often the pod was shaped."""
+    terms = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution", {}
+    ).get("nodeSelectorTerms") or []
+    for term in terms:
+        unique: list[Obj] = []
+        for expr in term.get("matchExpressions") or []:
+            if expr not in unique:
+                unique.append(expr)
+        if "matchExpressions" in term:
+            term["matchExpressions"] = unique
+
+
+def _escape(key: str) -> str:
+    """A JSON Pointer reference token (RFC 6901)."""
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def _json_patch(before: Obj, after: Obj) -> list[Obj]:
+    """The operations that turn ``before`` into ``after`` over the fields shaping touches: labels one key
+    at a time, containers one at a time, the other lists and the affinity whole."""
+    ops: list[Obj] = []
+    old_labels = (before.get("metadata") or {}).get("labels")
+    new_labels = after["metadata"]["labels"]
+    if old_labels is None:
+        ops.append({"op": "add", "path": "/metadata/labels", "value": new_labels})
+    else:
+        for key, value in new_labels.items():
+            if old_labels.get(key) != value:
+                ops.append({"op": "add", "path": f"/metadata/labels/{_escape(key)}", "value": value})
+    old_spec, new_spec = before.get("spec") or {}, after["spec"]
+    pairs = zip(old_spec.get("containers") or [], new_spec["containers"], strict=True)
+    for i, (old, new) in enumerate(pairs):
+        if old != new:
+            ops.append({"op": "replace", "path": f"/spec/containers/{i}", "value": new})
+    for name in ("volumes", "readinessGates", "affinity"):
+        if name in new_spec and old_spec.get(name) != new_spec[name]:
+            ops.append({"op": "add", "path": f"/spec/{name}", "value": new_spec[name]})
+    return ops
+
+
+def _state(name: str, namespace: str, found: Found) -> tuple[str | None, Any]:
+    if found.checkpoint is not None:
+        return _checkpoint_state(name, found.checkpoint)
+    if found.snapshot is not None:
+        return _snapshot_state(name, found)
+    return f"no DynamoCheckpoint or PodSnapshot named {name!r} in namespace {namespace}", None
+
+
+def mutate(pod: Obj, namespace: str, found: Found) -> Outcome:
+    """The webhook's answer for a pod of ``namespace`` being created, given what its
+    ``nvidia.com/restore-from`` names (``found``, read in that namespace)."""
+    name = requested_name(pod)
+    if name is None:
+        return Outcome()
+    problem = name_problem(name, namespace)
+    if problem:
+        return Outcome(denied=problem)
+    try:
+        target = _target(pod, found)
+    except ValueError as e:
+        return Outcome(denied=str(e))
+    names = [str(c.get("name")) for c in (pod.get("spec") or {}).get("containers") or []]
+    if target not in names:
+        return Outcome(
+            denied=f"the pod has no container {target!r} to restore into (it has "
+            f"{', '.join(names) or 'none'}): rename it, or map the captured container onto one with "
+            f"{protocol.ANNOTATION_RESTORE_CONTAINER_MAP}"
+        )
+    warning, compat = _state(name, namespace, found)
+    shaped = copy.deepcopy(pod)
+    spec = shaped.setdefault("spec", {})
+    add_snapshot_control(spec, target)
+    add_restore_standby(spec, target)
+    labels = shaped.setdefault("metadata", {}).get("labels") or {}
+    shaped["metadata"]["labels"] = {
+        **labels,
+        protocol.LABEL_RESTORE_TARGET: protocol.TRUE,
+        protocol.LABEL_CHECKPOINT_ID: name,
+    }
+    gates = list(spec.get("readinessGates") or [])
+    if not any(g.get("conditionType") == protocol.POD_CONDITION_RESTORED for g in gates):
+        spec["readinessGates"] = [*gates, {"conditionType": protocol.POD_CONDITION_RESTORED}]
+    require_node_affinity(spec, compatibility_affinity(compat))
+    _dedupe_affinity(spec)
+    warnings = [f"{warning}: {_STANDBY}"] if warning else []
+    return Outcome(patch=_json_patch(pod, shaped), warnings=warnings, target=target)
