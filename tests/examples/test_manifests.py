@@ -46,6 +46,12 @@ FRAMEWORKS = ("vllm", "sglang", "trtllm")
 NAMESPACE = "dynamo-inference"
 
 DGD, CKPT, POLICY = "DynamoGraphDeployment", "DynamoCheckpoint", "DynamoScalingPolicy"
+SNAPSHOT_JOB = "SnapshotJob"
+# Kubernetes' own kinds an example may hold (the plain Deployment restored through restore-from), as
+# `kubectl apply` names them; the apiserver's dry run is their model.
+BUILTIN = {("apps/v1", "Deployment"): "deployment.apps", ("v1", "Service"): "service"}
+# Directories of the generic layer (a SnapshotJob and a plain Deployment), beside the Dynamo frameworks.
+PLAIN = ("plain-vllm",)
 
 # How each framework's Dynamo worker spells the identity's fields on its command line.
 FLAGS: dict[str, dict[str, str]] = {
@@ -162,9 +168,17 @@ def test_readme_links_resolve() -> None:
 # --- models ----------------------------------------------------------------------------------------
 
 
+def _builtin(doc: dict[str, Any]) -> str | None:
+    """How `kubectl apply` names a document of Kubernetes' own kinds; None for ours."""
+    return BUILTIN.get((doc.get("apiVersion", ""), doc.get("kind", "")))
+
+
 @pytest.mark.parametrize("path", MANIFEST_FILES, ids=IDS)
 def test_validates_with_its_model_and_loses_nothing(path: Path) -> None:
     for doc in _documents(path):
+        if _builtin(doc) is not None:
+            assert "namespace" not in doc["metadata"], f"{path}: remove metadata.namespace"
+            continue  # Kubernetes' own kinds: the apiserver's dry run below is their model
         assert doc.get("apiVersion") == f"{protocol.API_GROUP}/{protocol.API_VERSION}", path
         assert doc.get("kind") in MODELS, f"{path}: unknown kind {doc.get('kind')!r}"
         # No namespace in the file: `kubectl apply -n NS` puts it anywhere.
@@ -232,6 +246,42 @@ def test_prewarmed_checkpoint_runs_the_worker_its_users_run() -> None:
     assert users == 2 * len(FRAMEWORKS)  # each pre-warm: its checkpointRef user and its Auto user
 
 
+def _pod_template_container(spec: dict[str, Any], name: str, where: str) -> dict[str, Any]:
+    found = [c for c in spec["containers"] if c["name"] == name]
+    assert len(found) == 1, f"{where}: no single container named {name!r}"
+    container: dict[str, Any] = found[0]
+    return container
+
+
+@pytest.mark.parametrize("directory", PLAIN)
+def test_a_plain_deployment_restores_the_snapshot_its_snapshot_job_takes(directory: str) -> None:
+    """restore-from names the PodSnapshot the directory's SnapshotJob leaves (it is named after the job), in
+    the container that job captures, running the very image and command: a restore brings back the captured
+    process, so anything else would silently serve the job's. The snapshot plumbing (control volume,
+    standby, affinity, readiness gate) is left to the restore webhook, so none is written by hand."""
+    jobs = {doc["metadata"]["name"]: doc for _, doc in _all(SNAPSHOT_JOB, EXAMPLES / directory)}
+    deployments = [doc for _, doc in _all("Deployment", EXAMPLES / directory)]
+    assert jobs, f"{directory}: no SnapshotJob"
+    assert deployments, f"{directory}: no Deployment"
+    for deployment in deployments:
+        template = deployment["spec"]["template"]
+        where = f"{directory}/{deployment['metadata']['name']}"
+        name = template["metadata"]["annotations"][protocol.ANNOTATION_RESTORE_FROM]
+        assert name in jobs, f"{where}: restore-from {name!r} is not a SnapshotJob of {directory}"
+        job_spec = jobs[name]["spec"]
+        [target] = job_spec["podSnapshotTemplate"]["targetContainers"]
+        source = _pod_template_container(job_spec["podTemplate"]["spec"], target, name)
+        restored = _pod_template_container(template["spec"], target, where)
+        for key in ("image", "command", "args", "workingDir", "env", "resources"):
+            assert restored.get(key) == source.get(key), f"{where}: {key} differs from the SnapshotJob's"
+        env = {e["name"] for e in restored.get("env") or []}
+        assert not env & {*protocol.ENV_CONTROL_DIRS, *protocol.ENV_RESTORE_STANDBYS}, where
+        assert protocol.CONTROL_VOLUME_NAME not in {v["name"] for v in template["spec"].get("volumes") or []}
+        # The engine knows nothing of snapshots: the SDK's wrapper gives it the workload contract.
+        assert restored["command"][:3] == ["python3", "-m", "dynamo_snapshot.workload.wrap"], where
+        assert "--ready-url" in restored["command"], where
+
+
 def _identities() -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
     for path, ckpt in _all(CKPT):
         yield f"{path.relative_to(EXAMPLES)}", ckpt["spec"]["identity"], _checkpoint_container(ckpt)
@@ -290,23 +340,31 @@ def test_applies_with_server_side_dry_run(
 ) -> None:
     answer = json.loads(server_dry_run(cluster, namespace, path, check=True).stdout)
     stored_by_name = {
-        item["metadata"]["name"]: item for item in (answer["items"] if answer["kind"] == "List" else [answer])
+        (item["kind"], item["metadata"]["name"]): item
+        for item in (answer["items"] if answer["kind"] == "List" else [answer])
     }
     for doc in _documents(path):
-        stored = stored_by_name[doc["metadata"]["name"]]
+        stored = stored_by_name[doc["kind"], doc["metadata"]["name"]]
         assert stored["metadata"]["namespace"] == namespace
         # The apiserver kept every field (only defaults added), and the result is still a valid object.
         assert lost(doc["spec"], stored["spec"]) == []
-        MODELS[doc["kind"]].model_validate(stored)
+        builtin = _builtin(doc)
+        if builtin is None:
+            MODELS[doc["kind"]].model_validate(stored)
         # A dry run: nothing was stored.
-        plural = MODELS[doc["kind"]].resource.crd_name
+        plural = builtin or MODELS[doc["kind"]].resource.crd_name
         got = cluster.kubectl("get", plural, doc["metadata"]["name"], "-n", namespace, check=False)
         assert got.returncode != 0
         assert "NotFound" in got.stderr
 
 
+def _applied_name(doc: dict[str, Any]) -> str:
+    kind = _builtin(doc) or f"{MODELS[doc['kind']].resource.singular}.{protocol.API_GROUP}"
+    return f"{kind}/{doc['metadata']['name']}"
+
+
 @pytest.mark.cluster
-@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("framework", FRAMEWORKS + PLAIN)
 def test_directory_applies_as_the_readme_says(
     cluster: LocalCluster, crds: list[str], namespace: str, framework: str
 ) -> None:
@@ -316,10 +374,7 @@ def test_directory_applies_as_the_readme_says(
         line.split()[0] for line in out.splitlines() if line.endswith("created (server dry run)")
     )
     expected = sorted(
-        f"{MODELS[doc['kind']].resource.singular}.{protocol.API_GROUP}/{doc['metadata']['name']}"
-        for path in MANIFEST_FILES
-        if path.parent == directory
-        for doc in _documents(path)
+        _applied_name(doc) for path in MANIFEST_FILES if path.parent == directory for doc in _documents(path)
     )
     assert created == expected, out
 
