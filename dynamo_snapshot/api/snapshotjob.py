@@ -6,6 +6,7 @@ NVIDIA's operator apply here unchanged.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, JsonValue, field_validator, model_validator
@@ -29,9 +30,11 @@ __all__ = [
     "TARGET_CONTAINERS_MESSAGE",
     "PodSnapshotTemplate",
     "SnapshotJob",
+    "SnapshotJobCondition",
     "SnapshotJobContainer",
     "SnapshotJobPodSpec",
     "SnapshotJobPodTemplate",
+    "SnapshotJobReason",
     "SnapshotJobSpec",
     "SnapshotJobStatus",
 ]
@@ -42,6 +45,36 @@ SNAPSHOT_JOB_NAME_MESSAGE = (
     f"metadata.name must be no more than {LABEL_VALUE_MAX_LENGTH} characters because SnapshotJob uses it "
     "as a label value"
 )
+
+
+class SnapshotJobCondition(StrEnum):
+    """Condition types of a SnapshotJob's status, beside Failed (api.conditions.FAILED)."""
+
+    RUNNING = "Running"  # the source pod is ready
+    CAPTURED = "Captured"  # its PodSnapshot is Ready
+    COMPLETED = "Completed"  # captured and the source pod removed: terminal
+
+
+class SnapshotJobReason(StrEnum):
+    """Reasons of a SnapshotJob's conditions (and of the Events that go with them), spelled as upstream."""
+
+    POD_PENDING = "PodPending"  # Running False: the source pod is not ready (yet)
+    POD_READY = "PodReady"  # Running True
+    CAPTURE_IN_PROGRESS = "CaptureInProgress"  # Captured False: the PodSnapshot is not Ready yet
+    CAPTURE_COMPLETED = "CaptureCompleted"  # Captured True
+    WAITING_FOR_POD_COMPLETION = "WaitingForPodCompletion"
+    JOB_COMPLETED = "JobCompleted"  # Completed True
+    CAPTURE_FAILED = "CaptureFailed"
+    POD_SNAPSHOT_FAILED = "PodSnapshotFailed"  # the PodSnapshot it made says Failed
+    POD_SNAPSHOT_DELETED = "PodSnapshotDeleted"  # the PodSnapshot it made was deleted before its outcome
+    JOB_FAILED = "JobFailed"  # the source pod failed, or went away, before the capture
+    DEADLINE_EXCEEDED = "DeadlineExceeded"  # activeDeadlineSeconds passed before the capture completed
+    SOURCE_COMPLETED_WITHOUT_CAPTURE = "SourceCompletedWithoutCapture"  # the pod exited 0 uncaptured
+    POD_SNAPSHOT_NAME_CONFLICT = "PodSnapshotNameConflict"  # a PodSnapshot of its name is not its own
+    JOB_NAME_CONFLICT = "JobNameConflict"  # a Job of its name is not its own
+    JOB_DELETED = "JobDeleted"  # someone deleted its Job before the end
+    INVALID_SPEC = "InvalidSpec"
+
 
 _SPEC_RULES: dict[str, JsonValue] = {
     "x-kubernetes-validations": [

@@ -16,6 +16,7 @@ from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.controller.dgd_reconciler import DGDReconciler
 from dynamo_snapshot.controller.failover import FAILOVER_PAUSED, node_down, node_healthy, unhealthy_since
 from dynamo_snapshot.controller.podsnapshot_reconciler import PodSnapshotReconciler
+from dynamo_snapshot.controller.snapshotjob_reconciler import SnapshotJobReconciler
 from dynamo_snapshot.kube import (
     DELETED,
     WARNING,
@@ -26,9 +27,19 @@ from dynamo_snapshot.kube import (
     Obj,
     Result,
     WorkQueue,
+    controller_ref,
     object_key,
 )
-from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD, JOB, NODE, POD, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
+from dynamo_snapshot.kube.kinds import (
+    CHECKPOINT,
+    DGD,
+    JOB,
+    NODE,
+    POD,
+    POD_SNAPSHOT,
+    POD_SNAPSHOT_CONTENT,
+    SNAPSHOT_JOB,
+)
 
 # ControllerConfig lives in controller.config (Context reads it too); callers keep importing it from here.
 __all__ = ["Controller", "ControllerConfig"]
@@ -36,6 +47,7 @@ __all__ = ["Controller", "ControllerConfig"]
 log = logging.getLogger(__name__)
 
 DGD_KEY, CHECKPOINT_KEY, POD_SNAPSHOT_KEY = "DynamoGraphDeployment", "DynamoCheckpoint", "PodSnapshot"
+SNAPSHOT_JOB_KEY = "SnapshotJob"
 QueueKey = tuple[str, str]
 # Work that runs only while this replica leads, given the process's `stop`: started once the caches are
 # synced, cancelled when `stop` is set or leadership is lost.
@@ -65,7 +77,11 @@ class Controller:
                 POD,
                 namespace=ns,
                 label_selector=managed,
-                indexed_labels=[protocol.LABEL_GRAPH, protocol.LABEL_CHECKPOINT_ID],
+                indexed_labels=[
+                    protocol.LABEL_GRAPH,
+                    protocol.LABEL_CHECKPOINT_ID,
+                    protocol.LABEL_SNAPSHOT_JOB_UID,
+                ],
             ),
             jobs=Informer(kube, JOB, namespace=ns, label_selector=managed),
             nodes=Informer(kube, NODE),
@@ -79,6 +95,17 @@ class Controller:
         self.contents = Informer(kube, POD_SNAPSHOT_CONTENT)
         self.podsnapshot_reconciler = PodSnapshotReconciler(
             kube, self.snapshots, self.contents, self.ctx.recorder
+        )
+        # SnapshotJobs: their Jobs and pods come through the managed-by informers above.
+        self.snapshot_jobs = Informer(kube, SNAPSHOT_JOB, namespace=ns)
+        self.snapshotjob_reconciler = SnapshotJobReconciler(
+            kube,
+            self.snapshot_jobs,
+            self.ctx.jobs,
+            self.ctx.pods,
+            self.snapshots,
+            self.contents,
+            self.ctx.recorder,
         )
         self._leader_only: list[_LeaderOnly] = []
         self._extra_informers: list[Informer] = []
@@ -122,7 +149,7 @@ class Controller:
     @property
     def informers(self) -> list[Informer]:
         c = self.ctx
-        generic = [self.contents, self.snapshots]
+        generic = [self.contents, self.snapshots, self.snapshot_jobs]
         return [c.nodes, c.jobs, c.pods, *generic, c.checkpoints, c.dgds, *self._extra_informers]
 
     def _wire(self) -> None:
@@ -212,6 +239,23 @@ class Controller:
         async def on_snapshot(etype: str, obj: Obj, old: Obj | None) -> None:
             if etype != DELETED:
                 self.queue.add((POD_SNAPSHOT_KEY, object_key(obj)))
+            # The SnapshotJob that made it follows its outcome, and its deletion.
+            job = (obj["metadata"].get("labels") or {}).get(protocol.LABEL_SNAPSHOT_JOB)
+            if job:
+                self.queue.add((SNAPSHOT_JOB_KEY, f"{obj['metadata']['namespace']}/{job}"))
+
+        async def on_snapshot_job(etype: str, obj: Obj, old: Obj | None) -> None:
+            if etype != DELETED:
+                self.queue.add((SNAPSHOT_JOB_KEY, object_key(obj)))
+
+        async def on_snapshot_job_part(etype: str, obj: Obj, old: Obj | None) -> None:
+            # A SnapshotJob's Job (its controller) and the Job's pod (labelled with the SnapshotJob's name).
+            meta = obj["metadata"]
+            owner = controller_ref(obj) or {}
+            name = owner.get("name") if owner.get("kind") == SNAPSHOT_JOB.kind else None
+            name = name or (meta.get("labels") or {}).get(protocol.LABEL_SNAPSHOT_JOB)
+            if name:
+                self.queue.add((SNAPSHOT_JOB_KEY, f"{meta['namespace']}/{name}"))
 
         async def on_content(etype: str, obj: Obj, old: Obj | None) -> None:
             # A content wakes the PodSnapshot it is bound to: its conditions are mirrored there.
@@ -220,6 +264,9 @@ class Controller:
                 self.queue.add((POD_SNAPSHOT_KEY, f"{ref['namespace']}/{ref['name']}"))
 
         self.snapshots.add_handler(on_snapshot)
+        self.snapshot_jobs.add_handler(on_snapshot_job)
+        self.ctx.jobs.add_handler(on_snapshot_job_part)
+        self.ctx.pods.add_handler(on_snapshot_job_part)
         self.contents.add_handler(on_content)
 
     def _deleted_unexpectedly(self, owner: tuple[str, str], pod: Obj) -> None:
@@ -244,6 +291,8 @@ class Controller:
             return await self.dgd_reconciler.reconcile(obj_key)
         if kind == POD_SNAPSHOT_KEY:
             return await self.podsnapshot_reconciler.reconcile(obj_key)
+        if kind == SNAPSHOT_JOB_KEY:
+            return await self.snapshotjob_reconciler.reconcile(obj_key)
         return await self.checkpoint_reconciler.reconcile(obj_key)
 
     async def run_until(self, stop: asyncio.Event) -> None:
@@ -288,6 +337,7 @@ class Controller:
         # Informer.keys() is a method returning the cache keys, not a dict view.
         keys: list[QueueKey] = [(CHECKPOINT_KEY, k) for k in self.ctx.checkpoints.keys()]  # noqa: SIM118
         keys += [(POD_SNAPSHOT_KEY, k) for k in self.snapshots.keys()]  # noqa: SIM118
+        keys += [(SNAPSHOT_JOB_KEY, k) for k in self.snapshot_jobs.keys()]  # noqa: SIM118
         return keys + [(DGD_KEY, k) for k in self.ctx.dgds.keys()]  # noqa: SIM118
 
 

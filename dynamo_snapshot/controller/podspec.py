@@ -1,5 +1,6 @@
-"""Pod and Job manifests the controller creates for a DGD service: cold-start workers, restore workers and
-the checkpoint Job. Pure functions over plain dicts, so the reconcilers stay small and this stays testable.
+"""Pod and Job manifests the controller creates: for a DGD service, cold-start workers, restore workers and
+the checkpoint Job; for a SnapshotJob, the Job that runs its pod to be captured. Pure functions over plain
+dicts, so the reconcilers stay small and this stays testable.
 """
 
 from __future__ import annotations
@@ -362,3 +363,57 @@ def auto_checkpoint_name(dgd_name: str, identity_hash: str, dgd_uid: str) -> str
 
 def checkpoint_job_name(checkpoint_name: str) -> str:
     return f"{checkpoint_name}-checkpoint"[:63].rstrip("-")
+
+
+# The node agent captures a SnapshotJob's pod once this file says the workload is ready; the pod's
+# readiness probe reads it, so the Job's pod turns Ready exactly when it may be captured.
+SNAPSHOT_READINESS_PROBE: Obj = {
+    "exec": {"command": ["cat", f"{protocol.CONTROL_MOUNT_PATH}/{protocol.FILE_READY_FOR_SNAPSHOT}"]},
+    "periodSeconds": 1,
+}
+
+
+def snapshot_job_labels(name: str, uid: str) -> dict[str, str]:
+    """What a SnapshotJob's Job, pod and PodSnapshot carry: the SnapshotJob's name and UID."""
+    return {
+        protocol.LABEL_MANAGED_BY: protocol.MANAGED_BY_VALUE,
+        protocol.LABEL_SNAPSHOT_JOB: name,
+        protocol.LABEL_SNAPSHOT_JOB_UID: uid,
+    }
+
+
+def snapshot_job_source(sj_obj: Obj, target: str, active_deadline_seconds: int) -> Obj:
+    """The batch/v1 Job that runs a SnapshotJob's pod template until the node agent captures ``target``.
+
+    The Job has the SnapshotJob's name, and the SnapshotJob as controller; it runs one pod once
+    (backoffLimit 0, restartPolicy Never). ``target`` gets the control directory and a readiness probe on
+    ``ready-for-snapshot`` instead of its own probes: no liveness or startup probe may kill it while it is
+    quiesced for the capture. Raises ValueError when the template has no container ``target``.
+    """
+    meta = sj_obj["metadata"]
+    labels = snapshot_job_labels(meta["name"], meta["uid"])
+    template = copy.deepcopy((sj_obj.get("spec") or {}).get("podTemplate") or {})
+    template_meta = template.get("metadata") or {}
+    template["metadata"] = {**template_meta, "labels": {**(template_meta.get("labels") or {}), **labels}}
+    spec = template.setdefault("spec", {})
+    spec["restartPolicy"] = "Never"
+    add_snapshot_control(spec, target)
+    container = _container(spec, target)
+    container["readinessProbe"] = copy.deepcopy(SNAPSHOT_READINESS_PROBE)
+    container.pop("livenessProbe", None)
+    container.pop("startupProbe", None)
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "labels": labels,
+            "ownerReferences": [owner_reference(sj_obj)],
+        },
+        "spec": {
+            "backoffLimit": 0,
+            "activeDeadlineSeconds": active_deadline_seconds,
+            "template": template,
+        },
+    }
