@@ -12,16 +12,21 @@ LEASE_NAME = "dynamo-snapshot-controller"
 # The controller's ClusterRole: the calls in dynamo_snapshot/controller, kube and autoscale.
 CONTROLLER: set[Grant] = (
     {("", "pods", "*", v) for v in ("list", "watch", "create", "delete")}
-    | {("batch", "jobs", "*", v) for v in ("list", "watch", "create", "delete")}
+    | {("batch", "jobs", "*", v) for v in ("get", "list", "watch", "create", "delete")}
     | {("", "events", "*", "create"), ("", "events", "*", "patch")}
     | {(OURS, "dynamographdeployments", "*", v) for v in ("list", "watch", "patch")}
     | {(OURS, "dynamographdeployments/status", "*", "update")}
     | {(OURS, "dynamocheckpoints", "*", v) for v in ("get", "list", "watch", "create", "patch")}
     | {(OURS, "dynamocheckpoints/status", "*", "patch")}
-    | {(OURS, "podsnapshots", "*", v) for v in ("list", "watch", "patch")}
+    | {(OURS, "podsnapshots", "*", v) for v in ("get", "list", "watch", "create", "patch", "delete")}
     | {(OURS, "podsnapshots/status", "*", "patch")}
+    | {(OURS, "snapshotjobs", "*", v) for v in ("list", "watch")}
+    | {(OURS, "snapshotjobs/status", "*", "patch")}
     | {("", "pods", "*", "get")}
-    | {(OURS, f"{r}/finalizers", "*", "update") for r in ("dynamographdeployments", "dynamocheckpoints")}
+    | {
+        (OURS, f"{r}/finalizers", "*", "update")
+        for r in ("dynamographdeployments", "dynamocheckpoints", "snapshotjobs")
+    }
     | {(OURS, "dynamoscalingpolicies", "*", v) for v in ("list", "watch")}
     | {(OURS, "dynamoscalingpolicies/status", "*", "patch")}
 )
