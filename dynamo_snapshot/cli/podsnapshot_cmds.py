@@ -2,7 +2,8 @@
 
     dynamo-snapshot snapshot worker-0 -n inference             # PodSnapshot worker-0-snapshot (main)
     dynamo-snapshot snapshot worker-0 -n inference --wait 600  # and wait: exit 0 Ready, 1 Failed
-    dynamo-snapshot snapshots -n inference                     # every PodSnapshot: pod, content, state
+    dynamo-snapshot snapshots -n inference                     # every PodSnapshot: pod, content, state,
+                                                               # then every SnapshotJob's state
     dynamo-snapshot snapshots -A                               # in every namespace
 
 The PodSnapshot pins the pod's UID, so a pod replaced under the same name is refused, not captured.
@@ -16,13 +17,15 @@ import argparse
 import asyncio
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from dynamo_snapshot.api.conditions import FAILED, READY, find_condition
 from dynamo_snapshot.api.kube import LABEL_VALUE_MAX_LENGTH
 from dynamo_snapshot.api.protocol import API_GROUP, API_VERSION, DEFAULT_TARGET_CONTAINER
+from dynamo_snapshot.api.snapshotjob import SnapshotJobCondition
 from dynamo_snapshot.kube import POD, ApiError, Kube, Obj, is_not_found, load_client
-from dynamo_snapshot.kube.kinds import POD_SNAPSHOT
+from dynamo_snapshot.kube.kinds import POD_SNAPSHOT, SNAPSHOT_JOB
 
 SUFFIX = "-snapshot"
 WAIT_POLL_S = 1.0
@@ -47,8 +50,8 @@ def register(sub: Any) -> None:
 
     ls: argparse.ArgumentParser = sub.add_parser(
         "snapshots",
-        help="list PodSnapshots and their state",
-        description="List PodSnapshots and their state.",
+        help="list PodSnapshots and SnapshotJobs and their state",
+        description="List PodSnapshots and their state, then SnapshotJobs (when there are any) and theirs.",
     )
     scope = ls.add_mutually_exclusive_group()
     scope.add_argument("-n", "--namespace", default="default", help="namespace (default: default)")
@@ -152,10 +155,25 @@ def snapshot_state(obj: Obj) -> tuple[str, str, str]:
     return "Pending", ready.get("reason") or "Pending", ready.get("message") or "not bound yet"
 
 
+def snapshot_job_state(obj: Obj) -> tuple[str, str]:
+    """(Completed | Failed | Capturing | Pending, reason) from the SnapshotJob's conditions."""
+    for type_ in (SnapshotJobCondition.COMPLETED, FAILED):
+        c = find_condition(obj, type_)
+        if c is not None and c.get("status") == "True":
+            return type_, c.get("reason") or ""
+    captured = find_condition(obj, SnapshotJobCondition.CAPTURED)
+    if captured is not None:
+        return "Capturing", captured.get("reason") or ""
+    running = find_condition(obj, SnapshotJobCondition.RUNNING) or {}
+    return "Pending", running.get("reason") or "-"
+
+
 async def _list(args: argparse.Namespace) -> int:
+    namespace = None if args.all_namespaces else args.namespace
     async with await load_client(args.kubeconfig) as api_client:
         kube = Kube(api_client, field_manager="dynamo-snapshot-cli")
-        items, _ = await kube.list_all(POD_SNAPSHOT, None if args.all_namespaces else args.namespace)
+        items, _ = await kube.list_all(POD_SNAPSHOT, namespace)
+        jobs, _ = await kube.list_all(SNAPSHOT_JOB, namespace)
     rows = [("NAMESPACE", "NAME", "POD", "CONTAINER", "STATE", "REASON", "CONTENT")]
     for obj in sorted(items, key=lambda o: (o["metadata"]["namespace"], o["metadata"]["name"])):
         ref = ((obj.get("spec") or {}).get("source") or {}).get("podRef") or {}
@@ -171,7 +189,19 @@ async def _list(args: argparse.Namespace) -> int:
                 (obj.get("status") or {}).get("boundSnapshotContentName") or "-",
             )
         )
+    _print_table(rows)
+    if jobs:
+        print()
+        job_rows = [("NAMESPACE", "SNAPSHOTJOB", "STATE", "REASON", "PODSNAPSHOT")]
+        for obj in sorted(jobs, key=lambda o: (o["metadata"]["namespace"], o["metadata"]["name"])):
+            state, reason = snapshot_job_state(obj)
+            made = (obj.get("status") or {}).get("podSnapshotName") or "-"
+            job_rows.append((obj["metadata"]["namespace"], obj["metadata"]["name"], state, reason, made))
+        _print_table(job_rows)
+    return 0
+
+
+def _print_table(rows: Sequence[tuple[str, ...]]) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
-    return 0

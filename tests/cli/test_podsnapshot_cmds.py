@@ -1,6 +1,6 @@
 """`dynamo-snapshot snapshot POD` and `dynamo-snapshot snapshots` against the real apiserver: the PodSnapshot
-made pins the pod's UID and its container, the list shows each one's state, and a missing pod or container
-is one clear line with exit code 1."""
+made pins the pod's UID and its container, the list shows each one's state (and each SnapshotJob's), and a
+missing pod or container is one clear line with exit code 1."""
 
 from __future__ import annotations
 
@@ -9,7 +9,12 @@ import json
 import pytest
 
 from dynamo_snapshot.api.podsnapshot import PodSnapshot
-from dynamo_snapshot.cli.podsnapshot_cmds import pick_container, snapshot_name, snapshot_state
+from dynamo_snapshot.cli.podsnapshot_cmds import (
+    pick_container,
+    snapshot_job_state,
+    snapshot_name,
+    snapshot_state,
+)
 from dynamo_snapshot.localcluster import LocalCluster
 from tests.helpers.cli import run_cli
 
@@ -89,3 +94,40 @@ def test_names_containers_and_states() -> None:
     }
     assert snapshot_state(failed) == ("Failed", "SourcePodNotFound", "gone")
     assert snapshot_state({}) == ("Pending", "Pending", "not bound yet")
+
+
+def test_snapshots_lists_snapshot_jobs_after_the_podsnapshots(
+    cluster: LocalCluster, crds: list[str], namespace: str
+) -> None:
+    job = {
+        "apiVersion": "nvidia.com/v1alpha1",
+        "kind": "SnapshotJob",
+        "metadata": {"name": "warm"},
+        "spec": {
+            "podSnapshotTemplate": {},
+            "podTemplate": {"spec": {"containers": [{"name": "main", "image": "w:1"}]}},
+        },
+    }
+    cluster.apply(job, namespace)
+    listed = run_cli("snapshots", "-n", namespace, "--kubeconfig", str(cluster.kubeconfig))
+    assert listed.returncode == 0, listed.stderr
+    lines = listed.stdout.splitlines()
+    assert lines[0].split()[:2] == ["NAMESPACE", "NAME"]  # no PodSnapshots: the header alone
+    assert lines[1] == ""
+    assert lines[2].split() == ["NAMESPACE", "SNAPSHOTJOB", "STATE", "REASON", "PODSNAPSHOT"]
+    assert lines[3].split() == [namespace, "warm", "Pending", "-", "-"]  # no controller runs here
+
+
+def _job_status(*conds: tuple[str, str, str]) -> dict[str, object]:
+    return {"status": {"conditions": [{"type": t, "status": s, "reason": r} for t, s, r in conds]}}
+
+
+def test_snapshot_job_states() -> None:
+    assert snapshot_job_state({}) == ("Pending", "-")
+    assert snapshot_job_state(_job_status(("Running", "False", "PodPending"))) == ("Pending", "PodPending")
+    capturing = _job_status(("Running", "True", "PodReady"), ("Captured", "False", "CaptureInProgress"))
+    assert snapshot_job_state(capturing) == ("Capturing", "CaptureInProgress")
+    done = _job_status(("Captured", "True", "CaptureCompleted"), ("Completed", "True", "JobCompleted"))
+    assert snapshot_job_state(done) == ("Completed", "JobCompleted")
+    failed = _job_status(("Captured", "False", "DeadlineExceeded"), ("Failed", "True", "DeadlineExceeded"))
+    assert snapshot_job_state(failed) == ("Failed", "DeadlineExceeded")
