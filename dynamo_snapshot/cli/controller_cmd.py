@@ -15,20 +15,33 @@ from dynamo_snapshot.cli.health import distinct_ports, health_endpoints
 from dynamo_snapshot.cli.service import load_settings, run_service
 from dynamo_snapshot.controller.config import CONTROLLER_NAME, ControllerConfig
 from dynamo_snapshot.controller.manager import Controller
+from dynamo_snapshot.controller.webhook_server import WebhookServer
 from dynamo_snapshot.kube import Informer, Kube, load_client
 from dynamo_snapshot.kube.kinds import SCALING_POLICY
 
 
 class ControllerCommandConfig(ControllerConfig):
-    """ControllerConfig plus what only the process needs (the health endpoints); same YAML file."""
+    """ControllerConfig plus what only the process needs (the health endpoints, the restore webhook);
+    same YAML file."""
 
     health_port: int = Field(
         default=8081, ge=0, le=65535, description="/healthz and /readyz; 0 disables them."
+    )
+    webhook_port: int = Field(
+        default=0, ge=0, le=65535, description="HTTPS port of the restore webhook; 0 serves none."
+    )
+    webhook_cert_dir: str = Field(
+        default="/etc/dynamo-snapshot/webhook-certs",
+        min_length=1,
+        description="Directory of the webhook's tls.crt and tls.key, read again when they change.",
     )
 
     @model_validator(mode="after")
     def _ports(self) -> ControllerCommandConfig:
         distinct_ports(self.metrics_port, self.health_port)
+        for name, port in (("metricsPort", self.metrics_port), ("healthPort", self.health_port)):
+            if self.webhook_port and port == self.webhook_port:
+                raise ValueError(f"webhookPort and {name} are both {port}: give them different ports")
         return self
 
 
@@ -48,6 +61,8 @@ _OVERRIDES = (
     "autoscale",
     "prometheus_url",
     "health_port",
+    "webhook_port",
+    "webhook_cert_dir",
 )
 
 
@@ -142,6 +157,16 @@ def register(sub: Any) -> None:
         type=int,
         help=f"/healthz and /readyz port, 0 to disable (default {_default('health_port')})",
     )
+    p.add_argument(
+        "--webhook-port",
+        type=int,
+        help="HTTPS port of the restore webhook (pods created with nvidia.com/restore-from), served by "
+        f"every replica; 0 serves none (default {_default('webhook_port')})",
+    )
+    p.add_argument(
+        "--webhook-cert-dir",
+        help=f"directory of the webhook's tls.crt and tls.key (default {_default('webhook_cert_dir')})",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(run=run)
 
@@ -150,11 +175,16 @@ def _on_off(flag: bool) -> str:
     return "on" if flag else "off"
 
 
+def load_config(args: argparse.Namespace) -> ControllerCommandConfig:
+    """The settings of `dynamo-snapshot controller ARGS`: the --config file, then the flags given."""
+    return load_settings(ControllerCommandConfig, args.config, args, _OVERRIDES)
+
+
 def run(args: argparse.Namespace) -> int:
     return run_service(
         "controller",
         args,
-        lambda: load_settings(ControllerCommandConfig, args.config, args, _OVERRIDES),
+        lambda: load_config(args),
         lambda config, stop: _main(config, args.kubeconfig, stop),
     )
 
@@ -165,6 +195,30 @@ async def _main(config: ControllerCommandConfig, kubeconfig: str | None, stop: a
     async with health_endpoints(config.health_port, starting="connecting to the API server") as health:
         api_client = await load_client(kubeconfig)
         async with api_client:
-            controller = build_controller(Kube(api_client, field_manager=CONTROLLER_NAME), config)
-            health.use(controller.readiness)
-            await controller.run_until(stop)
+            kube = Kube(api_client, field_manager=CONTROLLER_NAME)
+            controller = build_controller(kube, config)
+            if not config.webhook_port:
+                health.use(controller.readiness)
+                await controller.run_until(stop)
+                return
+            webhook = WebhookServer(kube, Path(config.webhook_cert_dir), config.webhook_port)
+            health.use(lambda: controller.readiness() or webhook.readiness())
+            await _with_webhook(controller, webhook, stop)
+
+
+async def _with_webhook(controller: Controller, webhook: WebhookServer, stop: asyncio.Event) -> None:
+    """Run the controller and the webhook (every replica serves it, leading or not) until ``stop``; when
+    either fails, the other is stopped (the controller drains) and the failure is the process's."""
+
+    async def serve() -> None:
+        try:
+            await webhook.run_until(stop)
+        finally:
+            stop.set()
+
+    task = asyncio.create_task(serve(), name="restore-webhook")
+    try:
+        await controller.run_until(stop)
+    finally:
+        stop.set()
+        await task

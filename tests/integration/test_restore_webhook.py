@@ -1,0 +1,414 @@
+"""The restore webhook served by this process, called by the real kube-apiserver of the `cluster` fixture
+through the MutatingWebhookConfiguration the chart renders (its url and caBundle pointed at this server,
+its namespaceSelector at the test's namespace only): a restore-from pod is stored shaped, a plain pod never
+reaches the server, a missing snapshot is admitted with the warning on standby, another namespace's name is
+refused with the reason, and with the server down a restore-from pod is refused naming the webhook while a
+plain pod is still admitted. Pods are created with kubectl (its warnings are the apiserver's), off the
+event loop that serves the webhook."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import inspect
+import json
+import shutil
+import socket
+import ssl
+import subprocess
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from kubernetes_asyncio import client
+
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.conditions import now_rfc3339
+from dynamo_snapshot.api.podsnapshot import content_name
+from dynamo_snapshot.controller.webhook_server import CERT_FILE, KEY_FILE, MUTATE_PATH, WebhookServer
+from dynamo_snapshot.kube import ApiError, Kube, Obj, ResourceKind, is_not_found
+from dynamo_snapshot.kube.kinds import POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
+from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot.localcluster.pki import make_pki
+from tests.helm.chart import one, render
+
+WEBHOOK_CONFIG = ResourceKind(
+    "admissionregistration.k8s.io",
+    "v1",
+    "mutatingwebhookconfigurations",
+    "MutatingWebhookConfiguration",
+    namespaced=False,
+)
+SERVICE_ACCOUNT = ResourceKind("", "v1", "serviceaccounts", "ServiceAccount")
+COMPAT = {"gpuProduct": "NVIDIA-H200", "cudaDriverMajor": "570", "gpuCount": 1}
+
+
+@dataclass(frozen=True)
+class Certs:
+    directory: Path  # tls.crt and tls.key, as the chart mounts them
+    ca: bytes
+
+
+def make_certs(root: Path) -> Certs:
+    """A CA and a serving certificate for 127.0.0.1 (what the apiserver dials), with openssl."""
+    pki = make_pki(root / "pki", ["127.0.0.1"])
+    directory = root / "serving"
+    directory.mkdir(parents=True)
+    shutil.copy(pki.server_cert, directory / CERT_FILE)
+    shutil.copy(pki.server_key, directory / KEY_FILE)
+    return Certs(directory, pki.ca_cert.read_bytes())
+
+
+@contextlib.asynccontextmanager
+async def serving(kube: Kube, certs: Path, **kw: Any) -> AsyncIterator[tuple[WebhookServer, asyncio.Event]]:
+    server = WebhookServer(kube, certs, 0, host="127.0.0.1", **kw)
+    stop = asyncio.Event()
+    task = asyncio.create_task(server.run_until(stop))
+    try:
+        yield server, stop
+    finally:
+        stop.set()
+        await task
+
+
+async def until(cond: Any, what: str, within: float = 30.0) -> Any:
+    deadline = asyncio.get_running_loop().time() + within
+    while asyncio.get_running_loop().time() < deadline:
+        value = cond()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out after {within}s waiting for {what}")
+
+
+def plain_pod(name: str, **annotations: str) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "annotations": annotations},
+        # Never scheduled: the test reads what the apiserver stored, nothing runs.
+        "spec": {
+            "nodeSelector": {"dynamo-snapshot.test/nowhere": "true"},
+            "containers": [{"name": "main", "image": "worker:1"}, {"name": "sidecar", "image": "proxy:1"}],
+        },
+    }
+
+
+def restore_pod(name: str, restore_from: str) -> Obj:
+    return plain_pod(name, **{protocol.ANNOTATION_RESTORE_FROM: restore_from})
+
+
+async def kubectl_create(cluster: LocalCluster, namespace: str, pod: Obj) -> subprocess.CompletedProcess[str]:
+    # Off the loop: the webhook that answers the apiserver runs on it.
+    return await asyncio.to_thread(
+        cluster.kubectl,
+        "create",
+        "-n",
+        namespace,
+        "-o",
+        "json",
+        "-f",
+        "-",
+        input=json.dumps(pod),
+        check=False,
+    )
+
+
+def stored(proc: subprocess.CompletedProcess[str]) -> Obj:
+    assert proc.returncode == 0, proc.stderr
+    pod: Obj = json.loads(proc.stdout)
+    return pod
+
+
+def env_of(pod: Obj, container: str) -> dict[str, str]:
+    c = next(c for c in pod["spec"]["containers"] if c["name"] == container)
+    return {e["name"]: e.get("value", "") for e in c.get("env") or []}
+
+
+# --------------------------------------------------------------------------- the apiserver calls it
+
+
+@pytest.fixture
+async def kube(api: client.ApiClient) -> Kube:
+    return Kube(api, field_manager="restore-webhook-test")
+
+
+@pytest.fixture
+def certs(tmp_path: Path) -> Certs:
+    return make_certs(tmp_path)
+
+
+@dataclass
+class Registered:
+    server: WebhookServer
+    stop: asyncio.Event
+    name: str  # the configuration's
+    webhook: str  # the webhook's name in it
+
+
+@pytest.fixture
+async def registered(
+    cluster: LocalCluster, crds: list[str], namespace: str, kube: Kube, certs: Certs
+) -> AsyncIterator[Registered]:
+    """This process's webhook, registered with the apiserver as the chart registers it, for ``namespace``."""
+    chart = one(render({"webhook": {"enabled": True}}), "MutatingWebhookConfiguration")
+    config = json.loads(json.dumps(chart))
+    config["metadata"] = {"name": f"restore-{namespace}"}
+    hook = config["webhooks"][0]
+    async with serving(kube, certs.directory, reload_interval_s=0.2) as (server, stop):
+        await until(lambda: server.readiness() is None, "the webhook to listen")
+        hook["clientConfig"] = {
+            "url": f"https://127.0.0.1:{server.port}{MUTATE_PATH}",
+            "caBundle": base64.b64encode(certs.ca).decode(),
+        }
+        hook["namespaceSelector"] = {"matchLabels": {"kubernetes.io/metadata.name": namespace}}
+        await kube.create(WEBHOOK_CONFIG, config)
+        try:
+            await until(
+                lambda: _exists(kube, SERVICE_ACCOUNT, "default", namespace), "the default ServiceAccount"
+            )
+            reg = Registered(server, stop, config["metadata"]["name"], hook["name"])
+            await _until_in_effect(cluster, namespace, reg)
+            yield reg
+        finally:
+            await kube.delete(WEBHOOK_CONFIG, config["metadata"]["name"])
+
+
+async def _exists(kube: Kube, kind: ResourceKind, name: str, namespace: str) -> bool:
+    try:
+        await kube.get(kind, name, namespace)
+    except ApiError as e:
+        if is_not_found(e):
+            return False
+        raise
+    return True
+
+
+async def _until_in_effect(cluster: LocalCluster, namespace: str, reg: Registered) -> None:
+    """The apiserver picks a new configuration up a moment after it is stored: dry-run restore pods until
+    one comes back shaped."""
+
+    async def shaped() -> bool:
+        proc = await asyncio.to_thread(
+            cluster.kubectl, "create", "-n", namespace, "--dry-run=server", "-o", "json", "-f", "-",
+            input=json.dumps(restore_pod("probe", "probe")), check=False,
+        )  # fmt: skip
+        labels = json.loads(proc.stdout or "{}").get("metadata", {}).get("labels") or {}
+        return labels.get(protocol.LABEL_RESTORE_TARGET) == protocol.TRUE
+
+    await until(shaped, "the webhook configuration to take effect")
+
+
+async def ready_snapshot(kube: Kube, namespace: str, name: str) -> Obj:
+    """A PodSnapshot bound to a content whose status the node agent would have written."""
+    snap = await kube.create(
+        POD_SNAPSHOT,
+        {
+            "apiVersion": "nvidia.com/v1alpha1",
+            "kind": "PodSnapshot",
+            "metadata": {"name": name},
+            "spec": {"source": {"podRef": {"name": "worker-0", "containers": ["main"]}}},
+        },
+        namespace,
+    )
+    uid = snap["metadata"]["uid"]
+    await kube.create(
+        POD_SNAPSHOT_CONTENT,
+        {
+            "apiVersion": "nvidia.com/v1alpha1",
+            "kind": "PodSnapshotContent",
+            "metadata": {"name": content_name(uid)},
+            "spec": {
+                "snapshotRef": {"namespace": namespace, "name": name, "uid": uid},
+                "source": {"nodeName": "gpu-a", "podRef": {"name": "worker-0", "containers": ["main"]}},
+            },
+        },
+    )
+    ready = {"type": "Ready", "status": "True", "reason": "Captured", "message": "captured",
+             "lastTransitionTime": now_rfc3339()}  # fmt: skip
+    await kube.patch_status(
+        POD_SNAPSHOT_CONTENT,
+        content_name(uid),
+        {"conditions": [ready], "artifact": {"digest": "a" * 64}, "compatibility": COMPAT},
+    )
+    await kube.patch_status(
+        POD_SNAPSHOT, name, {"boundSnapshotContentName": content_name(uid), "conditions": [ready]}, namespace
+    )
+    return snap
+
+
+@pytest.mark.cluster
+async def test_a_restore_from_pod_is_stored_shaped_for_the_agent(
+    cluster: LocalCluster, namespace: str, kube: Kube, registered: Registered
+) -> None:
+    snap = await ready_snapshot(kube, namespace, "snap-a")
+    try:
+        proc = await kubectl_create(cluster, namespace, restore_pod("restored", "snap-a"))
+        pod = stored(proc)
+        assert "Warning" not in proc.stderr, proc.stderr
+        labels = pod["metadata"]["labels"]
+        assert labels[protocol.LABEL_RESTORE_TARGET] == protocol.TRUE
+        assert labels[protocol.LABEL_CHECKPOINT_ID] == "snap-a"
+        assert {"conditionType": protocol.POD_CONDITION_RESTORED} in pod["spec"]["readinessGates"]
+        assert {"name": protocol.CONTROL_VOLUME_NAME, "emptyDir": {}} in pod["spec"]["volumes"]
+        env = env_of(pod, "main")
+        assert env[protocol.ENV_CONTROL_DIR] == protocol.CONTROL_MOUNT_PATH
+        assert all(env[n] == "1" for n in protocol.ENV_RESTORE_STANDBYS)
+        main = pod["spec"]["containers"][0]
+        assert {"name": protocol.CONTROL_VOLUME_NAME, "mountPath": protocol.CONTROL_MOUNT_PATH} in main[
+            "volumeMounts"
+        ]
+        assert env_of(pod, "sidecar") == {}
+        terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert terms["nodeSelectorTerms"] == [
+            {
+                "matchExpressions": [
+                    {"key": protocol.LABEL_GPU_PRODUCT, "operator": "In", "values": ["NVIDIA-H200"]},
+                    {"key": protocol.LABEL_CUDA_DRIVER_MAJOR, "operator": "In", "values": ["570"]},
+                    {"key": protocol.LABEL_GPU_COUNT, "operator": "Gt", "values": ["0"]},
+                ]
+            }
+        ]
+    finally:
+        await kube.delete(POD_SNAPSHOT_CONTENT, content_name(snap["metadata"]["uid"]))
+
+
+@pytest.mark.cluster
+async def test_a_pod_without_the_annotation_never_reaches_the_webhook(
+    cluster: LocalCluster, namespace: str, registered: Registered
+) -> None:
+    before = registered.server.reviews
+    pod = stored(await kubectl_create(cluster, namespace, plain_pod("plain", note="x")))
+    assert registered.server.reviews == before
+    assert "labels" not in pod["metadata"]
+    assert "readinessGates" not in pod["spec"]
+    assert all("env" not in c for c in pod["spec"]["containers"])
+
+
+@pytest.mark.cluster
+async def test_a_missing_snapshot_is_admitted_with_the_warning_and_waits_on_standby(
+    cluster: LocalCluster, namespace: str, registered: Registered
+) -> None:
+    proc = await kubectl_create(cluster, namespace, restore_pod("early", "not-yet"))
+    pod = stored(proc)
+    assert f"no DynamoCheckpoint or PodSnapshot named 'not-yet' in namespace {namespace}" in proc.stderr
+    assert f"{protocol.POD_CONDITION_RESTORED}=False" in proc.stderr
+    assert all(env_of(pod, "main")[n] == "1" for n in protocol.ENV_RESTORE_STANDBYS)
+    assert pod["metadata"]["labels"][protocol.LABEL_CHECKPOINT_ID] == "not-yet"
+    assert "affinity" not in pod["spec"]
+
+
+@pytest.mark.cluster
+async def test_another_namespaces_snapshot_is_refused_with_the_reason(
+    cluster: LocalCluster, namespace: str, kube: Kube, registered: Registered
+) -> None:
+    proc = await kubectl_create(cluster, namespace, restore_pod("cross", "other/x"))
+    assert proc.returncode != 0, proc.stdout
+    assert f'admission webhook "{registered.webhook}" denied the request' in proc.stderr, proc.stderr
+    assert "there is no cross-namespace restore" in proc.stderr
+
+
+@pytest.mark.cluster
+async def test_with_the_webhook_down_restore_pods_are_refused_and_other_pods_admitted(
+    cluster: LocalCluster, namespace: str, registered: Registered
+) -> None:
+    registered.stop.set()
+    await until(lambda: registered.server.readiness() is not None, "the webhook to stop")
+    proc = await kubectl_create(cluster, namespace, restore_pod("while-down", "snap-a"))
+    assert proc.returncode != 0, proc.stdout
+    assert f'failed calling webhook "{registered.webhook}"' in proc.stderr, proc.stderr
+    plain = stored(await kubectl_create(cluster, namespace, plain_pod("plain-while-down")))
+    assert plain["metadata"]["name"] == "plain-while-down"
+
+
+# --------------------------------------------------------------------------- the server itself
+
+
+def served_cert(port: int) -> bytes:
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw, context.wrap_socket(raw) as tls:
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return der
+
+
+def pem_to_der(path: Path) -> bytes:
+    return ssl.PEM_cert_to_DER_cert(path.read_text())
+
+
+async def test_the_certificate_is_waited_for_and_a_rotated_one_served_without_a_restart(
+    tmp_path: Path,
+) -> None:
+    a, b = make_certs(tmp_path / "a"), make_certs(tmp_path / "b")
+    live = tmp_path / "live"
+    live.mkdir()
+    async with (
+        client.ApiClient(client.Configuration()) as unused,  # nothing here is looked up
+        serving(Kube(unused), live, reload_interval_s=0.1) as (server, _),
+    ):
+        await until(
+            lambda: "no usable TLS certificate" in (server.readiness() or ""), "the missing cert reported"
+        )
+        for name in (CERT_FILE, KEY_FILE):
+            shutil.copy(a.directory / name, live / name)
+        await until(lambda: server.readiness() is None, "the webhook to listen once the cert is there")
+        assert await asyncio.to_thread(served_cert, server.port) == pem_to_der(a.directory / CERT_FILE)
+
+        for name in (CERT_FILE, KEY_FILE):
+            shutil.copy(b.directory / name, live / name)
+
+        async def serves_b() -> bool:
+            return await asyncio.to_thread(served_cert, server.port) == pem_to_der(b.directory / CERT_FILE)
+
+        await until(serves_b, "the rotated certificate to be served")
+        # A pair that does not match is not taken: the last good one is still served.
+        shutil.copy(a.directory / KEY_FILE, live / KEY_FILE)
+        await asyncio.sleep(0.5)
+        assert server.readiness() is None
+        assert await serves_b()
+
+
+async def test_what_is_not_a_restore_create_is_allowed_unchanged_and_garbage_is_a_400(tmp_path: Path) -> None:
+    certs = make_certs(tmp_path)
+    async with (
+        client.ApiClient(client.Configuration()) as unused,  # nothing here is looked up
+        serving(Kube(unused), certs.directory) as (server, _),
+    ):
+        await until(lambda: server.readiness() is None, "the webhook to listen")
+        context = ssl.create_default_context(cadata=certs.ca.decode())
+        url = f"https://127.0.0.1:{server.port}{MUTATE_PATH}"
+        review = {
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "request": {
+                "uid": "u-1",
+                "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                "operation": "UPDATE",
+                "namespace": "ns",
+                "object": restore_pod("p", "other/x"),
+            },
+        }
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url, json=review, ssl=context) as resp:
+                assert resp.status == 200
+                assert await resp.json() == {
+                    "apiVersion": "admission.k8s.io/v1",
+                    "kind": "AdmissionReview",
+                    "response": {"uid": "u-1", "allowed": True},
+                }
+            review["request"]["operation"] = "CREATE"
+            async with session.post(url, json=review, ssl=context) as resp:
+                answer = (await resp.json())["response"]
+                assert answer["allowed"] is False
+                assert "there is no cross-namespace restore" in answer["status"]["message"]
+            async with session.post(url, data=b"{not json", ssl=context) as resp:
+                assert resp.status == 400
+                assert "not an admission.k8s.io/v1 AdmissionReview" in (await resp.json())["error"]
