@@ -13,10 +13,14 @@ import base64
 import contextlib
 import inspect
 import json
+import os
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,8 +37,11 @@ from dynamo_snapshot.controller.webhook_server import CERT_FILE, KEY_FILE, MUTAT
 from dynamo_snapshot.kube import ApiError, Kube, Obj, ResourceKind, is_not_found
 from dynamo_snapshot.kube.kinds import POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
 from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot.localcluster.cluster import free_port
 from dynamo_snapshot.localcluster.pki import make_pki
 from tests.helm.chart import one, render
+from tests.helpers.cli import CLI
+from tests.helpers.polling import wait_for
 
 WEBHOOK_CONFIG = ResourceKind(
     "admissionregistration.k8s.io",
@@ -412,3 +419,65 @@ async def test_what_is_not_a_restore_create_is_allowed_unchanged_and_garbage_is_
             async with session.post(url, data=b"{not json", ssl=context) as resp:
                 assert resp.status == 400
                 assert "not an admission.k8s.io/v1 AdmissionReview" in (await resp.json())["error"]
+
+
+# --------------------------------------------------------------------------- the controller process
+
+
+def _get(url: str, context: ssl.SSLContext | None = None, body: bytes | None = None) -> tuple[int, str]:
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=5, context=context) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except (urllib.error.URLError, OSError) as e:
+        return 0, str(e)
+
+
+@pytest.mark.cluster
+def test_the_controller_process_serves_the_webhook_and_is_ready_only_once_it_does(
+    cluster: LocalCluster, namespace: str, crds: list[str], tmp_path: Path
+) -> None:
+    certs = make_certs(tmp_path / "certs")
+    live = tmp_path / "live"
+    live.mkdir()
+    health, webhook = free_port(), free_port()
+    args = [*CLI, "controller", "--namespace", namespace, "--no-leader-elect", "--metrics-port", "0"]
+    args += ["--health-port", str(health), "--webhook-port", str(webhook), "--webhook-cert-dir", str(live)]
+    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
+    with (tmp_path / "controller.log").open("w") as log:
+        proc = subprocess.Popen(args, env=env, stdout=log, stderr=log)
+        try:
+            readyz = f"http://127.0.0.1:{health}/readyz"
+            status, body = wait_for(
+                lambda: (r := _get(readyz))[0] == 503 and "TLS" in r[1] and r, 30, "/readyz"
+            )
+            assert f"no usable TLS certificate in {live}" in body
+            for name in (CERT_FILE, KEY_FILE):
+                shutil.copy(certs.directory / name, live / name)
+            wait_for(lambda: _get(readyz)[0] == 200, 30, "/readyz to pass once the webhook serves")
+            review = {
+                "apiVersion": "admission.k8s.io/v1",
+                "kind": "AdmissionReview",
+                "request": {
+                    "uid": "u-1",
+                    "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                    "operation": "CREATE",
+                    "namespace": namespace,
+                    "object": restore_pod("p", "other/x"),
+                },
+            }
+            context = ssl.create_default_context(cadata=certs.ca.decode())
+            url = f"https://127.0.0.1:{webhook}{MUTATE_PATH}"
+            status, body = _get(url, context, json.dumps(review).encode())
+            assert status == 200, body
+            answer = json.loads(body)["response"]
+            assert answer["uid"] == "u-1"
+            assert answer["allowed"] is False
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
