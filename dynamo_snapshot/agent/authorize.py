@@ -175,19 +175,12 @@ def restore_grant(pod: Obj, ckpt: Obj | None) -> RestoreGrant:
     return RestoreGrant(name, artifact_key(meta["namespace"], ckpt["metadata"]["uid"]), digest)
 
 
-def content_grant(content: Obj, snapshot: Obj | None, pod: Obj | None, node_name: str) -> Binding:
-    """What the agent may capture for a PodSnapshotContent of its node; ``ContentRefused`` otherwise.
-
-    The content is cluster-scoped and made by the controller, but the grant still comes from the
-    namespace: ``snapshot`` is the PodSnapshot it names, read in that namespace (None: not there), which
-    must be the one it was bound to (same UID) and bind it; ``pod`` is the pod of that namespace the
-    content names (None: not there), which must be that very pod (same UID), on this node, with the
-    container.
-    """
+def _snapshot_grants_content(content: Obj, snapshot: Obj | None) -> None:
+    """The PodSnapshot a content names exists, lives, has not failed, is bound to this content (or not yet
+    to any) and asks for the pod and container the content names; ``ContentRefused`` otherwise."""
     spec = content.get("spec") or {}
     ref = spec.get("snapshotRef") or {}
-    source = spec.get("source") or {}
-    pod_ref = source.get("podRef") or {}
+    pod_ref = (spec.get("source") or {}).get("podRef") or {}
     namespace, name = str(ref.get("namespace") or ""), str(ref.get("name") or "")
     if snapshot is None or snapshot["metadata"].get("uid") != ref.get("uid"):
         raise ContentRefused(
@@ -221,6 +214,23 @@ def content_grant(content: Obj, snapshot: Obj | None, pod: Obj | None, node_name
             f"PodSnapshot {namespace}/{name} asks for pod {asked.get('name')!r} "
             f"{list(asked.get('containers') or [])}, not what this content names",
         )
+
+
+def content_grant(content: Obj, snapshot: Obj | None, pod: Obj | None, node_name: str) -> Binding:
+    """What the agent may capture for a PodSnapshotContent of its node; ``ContentRefused`` otherwise.
+
+    The content is cluster-scoped and made by the controller, but the grant still comes from the
+    namespace: ``snapshot`` is the PodSnapshot it names, read in that namespace (None: not there), which
+    must be the one it was bound to (same UID) and bind it; ``pod`` is the pod of that namespace the
+    content names (None: not there), which must be that very pod (same UID), on this node, with the
+    container.
+    """
+    spec = content.get("spec") or {}
+    ref = spec.get("snapshotRef") or {}
+    source = spec.get("source") or {}
+    pod_ref = source.get("podRef") or {}
+    namespace, name = str(ref.get("namespace") or ""), str(ref.get("name") or "")
+    _snapshot_grants_content(content, snapshot)
     if source.get("nodeName") != node_name:
         raise ContentRefused(
             PodSnapshotReason.INVALID_DESTINATION, f"the content names node {source.get('nodeName')!r}"
