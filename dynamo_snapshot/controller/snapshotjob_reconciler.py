@@ -3,10 +3,12 @@ PodSnapshot, then remove the pod; or fail with the reason, publishing nothing.
 
 Each reconcile reads the world and moves one step: the Job (named like the SnapshotJob, controlled by it),
 then, once its pod is Ready, the PodSnapshot (named like the SnapshotJob, labelled with its UID, without an
-ownerReference: the artifact outlives the job), then, once the PodSnapshot is Ready, the Job deleted and
-Completed. Names are deterministic, so a reconcile that crashed after a create finds what it made instead of
+ownerReference: the artifact outlives the job), then, once the PodSnapshot is Ready, Completed and the Job
+deleted. Names are deterministic, so a reconcile that crashed after a create finds what it made instead of
 making a second one. Completed=True and Failed=True are terminal. A failure deletes the Job and any
-PodSnapshot it made that is not Ready, so a capture still under way cannot publish afterwards.
+PodSnapshot it made that is not Ready, so a capture still under way cannot publish afterwards. Status
+writes are conditional on the version read, and a terminal one comes before its cleanup: a reconcile from
+a stale cache acts on nothing, and a crash after the write leaves the cleanup to the next reconcile.
 """
 
 from __future__ import annotations
@@ -89,9 +91,13 @@ class SnapshotJobReconciler:
     async def _step(self, obj: Obj) -> Result | None:
         meta = obj["metadata"]
         if cond.is_true(obj, COMPLETED) or cond.is_true(obj, cond.FAILED):
+            # What a crash after the terminal status write left (the cache only: this runs every resync).
             left = self.jobs.get(f"{meta['namespace']}/{meta['name']}")
             if left is not None and _ours(left, obj):
-                await self._delete_job(left)  # its delete failed after the terminal status was written
+                await self._delete_job(left)
+            failed = cond.find_condition(obj, cond.FAILED) or {}
+            if failed.get("status") == "True" and failed.get("reason") != Reason.POD_SNAPSHOT_FAILED:
+                await self._unpublish(obj, cached_only=True)
             return None
         job = await self._job(obj)
         try:
@@ -261,8 +267,6 @@ class SnapshotJobReconciler:
             return await self._fail(obj, Reason.POD_SNAPSHOT_FAILED, message, job, keep_snapshot=True)
         if not cond.is_true(snapshot, cond.READY):
             return None
-        if job is not None:
-            await self._delete_job(job)
         status = dict(obj.get("status") or {})
         generation = obj["metadata"].get("generation")
         message = f"PodSnapshot {name} is Ready"
@@ -277,6 +281,8 @@ class SnapshotJobReconciler:
         )
         status.setdefault("completedAt", cond.now_rfc3339())
         await self._write(obj, status)
+        if job is not None:
+            await self._delete_job(job)
         self.recorder.record(obj, NORMAL, "Completed", f"captured into PodSnapshot {name}")
         log.info(
             "snapshot job completed", extra={"snapshot_job": obj["metadata"]["name"], "podsnapshot": name}
@@ -312,12 +318,11 @@ class SnapshotJobReconciler:
     async def _fail(
         self, obj: Obj, reason: str, message: str, job: Obj | None, *, keep_snapshot: bool = False
     ) -> Result | None:
-        """Failed=True, terminal: the Job deleted, a PodSnapshot it made that is not Ready deleted (nothing
-        is published), the conditions never set back-filled as upstream does, then the status written."""
-        if job is not None and _ours(job, obj):
-            await self._delete_job(job)
-        if not keep_snapshot:
-            await self._unpublish(obj)
+        """Failed=True, terminal, with the conditions never set back-filled as upstream does; then the Job
+        deleted, and a PodSnapshot it made that is not Ready (nothing is published).
+
+        The status is written first, conditional on the version read: a reconcile from a stale cache fails
+        there before touching anything, and a crash after it leaves the cleanup to the terminal path."""
         status = dict(obj.get("status") or {})
         generation = obj["metadata"].get("generation")
         conditions = list(status.get("conditions") or [])
@@ -337,6 +342,10 @@ class SnapshotJobReconciler:
         status["conditions"] = cond.set_condition(conditions, cond.FAILED, True, reason, message, generation)
         status.setdefault("completedAt", cond.now_rfc3339())
         await self._write(obj, status)
+        if job is not None and _ours(job, obj):
+            await self._delete_job(job)
+        if not keep_snapshot:
+            await self._unpublish(obj)
         self.recorder.record(obj, WARNING, reason, message)
         log.info(
             "snapshot job failed",
@@ -344,11 +353,13 @@ class SnapshotJobReconciler:
         )
         return None
 
-    async def _unpublish(self, obj: Obj) -> None:
+    async def _unpublish(self, obj: Obj, *, cached_only: bool = False) -> None:
         """Delete the PodSnapshot this SnapshotJob made unless it is Ready: a failed job publishes nothing."""
         meta = obj["metadata"]
         name = (obj.get("status") or {}).get("podSnapshotName") or meta["name"]
         snapshot = self.snapshots.get(f"{meta['namespace']}/{name}")
+        if snapshot is None and cached_only:
+            return
         if snapshot is None:
             try:  # made by a reconcile that crashed before its status write, and not cached yet
                 snapshot = await self.kube.get(POD_SNAPSHOT, name, meta["namespace"])

@@ -313,3 +313,34 @@ async def test_a_restart_after_a_lost_status_write_finds_what_it_made(
 
     await _agent_captured(harness, before["podSnapshotUid"])
     await _until(harness, "again", "Completed")
+
+
+async def test_a_failed_capture_fails_the_job_with_the_podsnapshots_reason(
+    harness: Harness, made: Callable[..., Any], gpu_node: Callable[..., Obj]
+) -> None:
+    node = gpu_node()["metadata"]["name"]
+    await made(_snapshot_job("broken", node))
+    status = (await _capturing(harness, "broken"))["status"]
+    name = content_name(status["podSnapshotUid"])
+    await eventually(lambda: harness.kube.get(POD_SNAPSHOT_CONTENT, name))
+    now = now_rfc3339()
+    conds = [
+        {
+            "type": t,
+            "status": s,
+            "reason": "CheckpointFailed",
+            "message": "criu dump: exit 1",
+            "lastTransitionTime": now,
+        }
+        for t, s in (("Failed", "True"), ("Ready", "False"))
+    ]
+    await harness.kube.patch_status(POD_SNAPSHOT_CONTENT, name, {"conditions": conds})
+
+    cond = _conditions(await _until(harness, "broken", "Failed"))["Failed"]
+    assert cond["reason"] == SnapshotJobReason.POD_SNAPSHOT_FAILED
+    assert "CheckpointFailed: criu dump: exit 1" in cond["message"]
+    await harness.event("PodSnapshotFailed", "criu dump: exit 1")
+    await _gone(harness, JOB, "broken")
+    # The failed PodSnapshot stays, saying why; it can never be restored from.
+    snap = await harness.kube.get(POD_SNAPSHOT, "broken", harness.namespace)
+    assert _conditions(snap)["Failed"]["status"] == "True"
