@@ -36,6 +36,12 @@ class ControllerConfig(BaseModel):
         gt=0,
         description="Seconds a restore pod may stay unschedulable before a cold start replaces it.",
     )
+    snapshot_pickup_timeout_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        description="Seconds a PodSnapshot's content may wait for the node agent of its pod's node to take "
+        "the capture up before the PodSnapshot fails (NoNodeAgent: a pod on a node without an agent).",
+    )
     node_loss_grace_seconds: float = Field(
         default=300.0,
         ge=0,

@@ -94,7 +94,11 @@ class Controller:
         self.snapshots = Informer(kube, POD_SNAPSHOT, namespace=ns)
         self.contents = Informer(kube, POD_SNAPSHOT_CONTENT)
         self.podsnapshot_reconciler = PodSnapshotReconciler(
-            kube, self.snapshots, self.contents, self.ctx.recorder
+            kube,
+            self.snapshots,
+            self.contents,
+            self.ctx.recorder,
+            pickup_timeout_s=config.snapshot_pickup_timeout_seconds,
         )
         # SnapshotJobs: their Jobs and pods come through the managed-by informers above.
         self.snapshot_jobs = Informer(kube, SNAPSHOT_JOB, namespace=ns)

@@ -40,7 +40,8 @@ PENDING_MESSAGE = "Waiting for node agent to capture the checkpoint"
 UNSCHEDULED_MESSAGE = "Waiting for the source pod to be scheduled"
 # How soon an unscheduled source pod, and a content being deleted, are looked at again.
 RECHECK_S = 1.0
-# How long a bound content may wait for its node's agent to take it up (a pod on a node without one).
+# How long a bound content may wait for its node's agent to take it up (a pod on a node without one):
+# ControllerConfig.snapshot_pickup_timeout_seconds.
 DEFAULT_PICKUP_TIMEOUT_S = 60.0
 
 

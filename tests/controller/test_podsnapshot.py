@@ -239,3 +239,57 @@ async def test_an_unscheduled_pod_is_waited_for(harness: Harness, snapshots: Cal
     assert "Failed" not in _conditions(await _status(harness, "snap-d"))
     with pytest.raises(ApiError):
         await harness.kube.get(POD_SNAPSHOT_CONTENT, content_name(snap["metadata"]["uid"]))
+
+
+@pytest.mark.parametrize("harness", [{"snapshot_pickup_timeout_seconds": 3}], indirect=True)
+async def test_a_content_no_node_agent_takes_up_fails_the_snapshot_but_one_taken_up_waits(
+    harness: Harness, snapshots: Callable[..., Any], gpu_node: Callable[..., Obj]
+) -> None:
+    """A pod on a node where no agent runs: its content is never taken up, and the PodSnapshot says so
+    instead of pending for ever. A content the agent took up (CaptureInProgress) waits past that time."""
+    lonely, busy = gpu_node()["metadata"]["name"], gpu_node()["metadata"]["name"]
+    await harness.kube.create(POD, _pod("on-lonely-node", lonely), harness.namespace)
+    await harness.kube.create(POD, _pod("on-busy-node", busy), harness.namespace)
+    await snapshots(_snapshot("snap-lonely", "on-lonely-node"))
+    busy_snap = await snapshots(_snapshot("snap-busy", "on-busy-node"))
+    busy_content = content_name(busy_snap["metadata"]["uid"])
+
+    async def content_made() -> bool:
+        return bool((await _status(harness, "snap-busy")).get("status", {}).get("boundSnapshotContentName"))
+
+    await eventually(content_made)
+    taking = "the node agent of busy captures container main of pod on-busy-node"
+    # What the node agent writes when it takes a content up: Ready False, no Failed yet.
+    await harness.kube.patch_status(
+        POD_SNAPSHOT_CONTENT,
+        busy_content,
+        {
+            "conditions": [
+                {
+                    "type": "Ready",
+                    "status": "False",
+                    "reason": "CaptureInProgress",
+                    "message": taking,
+                    "lastTransitionTime": now_rfc3339(),
+                }
+            ]
+        },
+    )
+
+    async def failed() -> dict[str, Any] | None:
+        conds = _conditions(await _status(harness, "snap-lonely"))
+        return conds["Failed"] if conds.get("Failed", {}).get("status") == "True" else None
+
+    cond = await eventually(failed, within=20)
+    assert cond["reason"] == "NoNodeAgent"
+    assert lonely in cond["message"]
+    await harness.event("NoNodeAgent", lonely)
+    # Well past the pickup time, the content taken up still waits, saying who captures it.
+    await asyncio.sleep(4)
+    conds = _conditions(await _status(harness, "snap-busy"))
+    assert conds.get("Failed", {}).get("status") != "True"
+    assert (conds["Ready"]["status"], conds["Ready"]["reason"], conds["Ready"]["message"]) == (
+        "False",
+        "CaptureInProgress",
+        taking,
+    )
