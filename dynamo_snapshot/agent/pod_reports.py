@@ -1,16 +1,30 @@
 """What the agent says on a pod: its checkpoint or restore status and message (per container, as the
-controller reads them), Warning Events for refusals and failures, and a worker's exit; retried where a
-dispatch of the pod anew must not stand in for the report."""
+controller reads them), a restore's outcome as the pod condition nvidia.com/Restored (which a pod may gate
+its readiness on), Warning Events for refusals and failures, a Normal Event for a restore done, and a
+worker's exit; retried where a dispatch of the pod anew must not stand in for the report."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from typing import Any
 
 from dynamo_snapshot.agent.pod_spec import MAIN, workload_key
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.kube import POD, WARNING, ApiError, EventRecorder, Kube, Obj, ObjectRef, is_not_found
+from dynamo_snapshot.kube import (
+    NORMAL,
+    POD,
+    WARNING,
+    ApiError,
+    EventRecorder,
+    Kube,
+    Obj,
+    ObjectRef,
+    is_not_found,
+)
 
 log = logging.getLogger(__name__)
 
@@ -18,6 +32,8 @@ __all__ = ["RETRY_BASE_S", "RETRY_CAP_S", "PodReporter", "backoff"]
 
 RETRY_BASE_S, RETRY_CAP_S = 1.0, 60.0
 Status = protocol.SnapshotStatus
+Restored = protocol.RestoredReason
+_MESSAGE_MAX = 4000
 # Answers in 4xx that a retry can change: credentials since refreshed (401), a timeout (408), a
 # conflict (409), throttling (429).
 _RETRYABLE_4XX = frozenset({401, 408, 409, 429})
@@ -33,10 +49,27 @@ def _permanent(err: ApiError) -> bool:
     return 400 <= err.status < 500 and err.status not in _RETRYABLE_4XX
 
 
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _restored_condition(pod: Obj) -> Obj | None:
+    for cond in (pod.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == protocol.POD_CONDITION_RESTORED:
+            found: Obj = cond
+            return found
+    return None
+
+
 class PodReporter:
-    def __init__(self, kube: Kube, recorder: EventRecorder) -> None:
+    def __init__(self, kube: Kube, recorder: EventRecorder, field_manager: str) -> None:
         self.kube = kube
         self.recorder = recorder
+        # The manager of the pods' nvidia.com/Restored condition (server-side apply owns it by manager).
+        self.field_manager = field_manager
+        # Pod UID -> (status, lastTransitionTime) of the Restored condition this agent wrote last, for
+        # writes that follow it before the pod's watch shows it; dropped with an outcome or the pod.
+        self._restored: dict[str, tuple[str, str]] = {}
 
     async def report(
         self,
@@ -51,7 +84,7 @@ class PodReporter:
     ) -> None:
         ann: dict[str, str] = {
             protocol.per_container(status_key, MAIN): state.value,
-            protocol.per_container(message_key, MAIN): message[:4000],
+            protocol.per_container(message_key, MAIN): message[:_MESSAGE_MAX],
             **(extra or {}),
         }
         if until_written:
@@ -81,6 +114,86 @@ class PodReporter:
             until_written=True,
         )
 
+    async def report_restored(self, pod: Obj, message: str, extra: dict[str, str]) -> None:
+        """A finished restore: the completed status, Restored True (RestoreSucceeded) and a Normal Event.
+        Retried here, never raised: the pod's handler would dispatch the pod again, find the restore
+        still running and tear the healthy restored worker down to restore it anew."""
+        await self.report(
+            pod,
+            protocol.ANNOTATION_RESTORE_STATUS,
+            protocol.ANNOTATION_RESTORE_MESSAGE,
+            Status.COMPLETED,
+            message,
+            extra=extra,
+            until_written=True,
+        )
+        await self.set_restored(pod, Restored.SUCCEEDED, message, until_written=True)
+        self._event(pod, NORMAL, Restored.SUCCEEDED.value, message)
+
+    async def report_restore_failed(self, pod: Obj, message: str) -> None:
+        """A restore that ended without an Event of its own (cut short too often): the failed status and
+        Restored False (RestoreFailed), both with ``message``."""
+        keys = (protocol.ANNOTATION_RESTORE_STATUS, protocol.ANNOTATION_RESTORE_MESSAGE)
+        await self.report(pod, *keys, Status.FAILED, message)
+        await self.set_restored(pod, Restored.FAILED, message, until_written=True)
+
+    async def set_restored(
+        self, pod: Obj, reason: protocol.RestoredReason, message: str, *, until_written: bool = False
+    ) -> bool:
+        """Write the pod's nvidia.com/Restored condition: True for RestoreSucceeded, else False. A
+        server-side apply to pods/status of this one entry of the conditions (a list keyed by type), so
+        the kubelet's conditions stay its own. lastTransitionTime changes only with the status. With
+        ``until_written`` retried like annotate_until_written and never raised (for an outcome, which no
+        dispatch anew writes again); else a pod gone already is no error and others raise. True once
+        written."""
+        meta = pod["metadata"]
+        status = "True" if reason is Restored.SUCCEEDED else "False"
+        since = self._transition_time(pod, status)
+        condition = {
+            "type": protocol.POD_CONDITION_RESTORED,
+            "status": status,
+            "reason": reason.value,
+            "message": message[:_MESSAGE_MAX],
+            "lastTransitionTime": since,
+        }
+        body = {
+            "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
+            "status": {"conditions": [condition]},
+        }
+
+        async def write() -> None:
+            # Forced: the agent is the one writer of this condition, whoever set it before (a user, a
+            # tool that fills in readiness gates).
+            await self.kube.apply(
+                POD, body, field_manager=self.field_manager, force=True, subresource="status"
+            )
+
+        if until_written:
+            written = await self._until_written(pod, write, "Restored condition", reason.value)
+        else:
+            written = await self._once(write)
+        uid = meta.get("uid", "")
+        if written and reason is Restored.IN_PROGRESS:
+            self._restored[uid] = (status, since)
+        else:
+            self._restored.pop(uid, None)
+        if written:
+            log.info("restored condition", extra={"pod": workload_key(pod), "reason": reason.value})
+        return written
+
+    def forget(self, uid: str) -> None:
+        """The pod is gone: nothing more is written on it."""
+        self._restored.pop(uid, None)
+
+    def _transition_time(self, pod: Obj, status: str) -> str:
+        written = self._restored.get(pod["metadata"].get("uid", ""))
+        if written is None:
+            cond = _restored_condition(pod)
+            written = (cond.get("status", ""), cond.get("lastTransitionTime", "")) if cond else None
+        if written is not None and written[0] == status and written[1]:
+            return written[1]
+        return _now()
+
     async def report_exit(self, pod: Obj, message: str) -> None:
         """Say on the pod that its worker is gone. Never raises: an error that reached the pod's handler
         would dispatch the pod again, and with no exit on the pod yet a launched worker would be launched
@@ -94,36 +207,43 @@ class PodReporter:
         await self.fail(pod, reason, status_key, f"refused: {message}")
 
     async def fail(self, pod: Obj, reason: str, status_key: str, message: str) -> None:
-        """Say on the pod, as its status and as a Warning Event, why its checkpoint or restore failed."""
-        meta = pod["metadata"]
-        self.recorder.record(
-            ObjectRef("Pod", meta["name"], meta["namespace"], meta.get("uid", ""), "v1"),
-            WARNING,
-            reason,
-            message,
-        )
+        """Say on the pod, as its status and as a Warning Event, why its checkpoint or restore failed; a
+        restore's also as Restored False (RestoreFailed) with the same message. A failed status is
+        never acted on again, so that condition is retried until written."""
+        self._event(pod, WARNING, reason, message)
+        restore = status_key != protocol.ANNOTATION_CHECKPOINT_STATUS
         message_key = (
-            protocol.ANNOTATION_CHECKPOINT_MESSAGE
-            if status_key == protocol.ANNOTATION_CHECKPOINT_STATUS
-            else protocol.ANNOTATION_RESTORE_MESSAGE
+            protocol.ANNOTATION_RESTORE_MESSAGE if restore else protocol.ANNOTATION_CHECKPOINT_MESSAGE
         )
         await self.report(pod, status_key, message_key, Status.FAILED, message)
+        if restore:
+            await self.set_restored(pod, Restored.FAILED, message, until_written=True)
+
+    def _event(self, pod: Obj, kind: str, reason: str, message: str) -> None:
+        meta = pod["metadata"]
+        ref = ObjectRef("Pod", meta["name"], meta["namespace"], meta.get("uid", ""), "v1")
+        self.recorder.record(ref, kind, reason, message)
 
     async def annotate_until_written(self, pod: Obj, ann: dict[str, str], what: str) -> bool:
         """Write `ann` on the pod, retrying transient errors with backoff; True once written. Never
         raises, for reports that a dispatch of the pod anew must not stand in for. An answer no retry
         changes (_permanent; a 404 for a pod deleted meanwhile among them) is logged and gives up: False.
         A deleted pod's task is cancelled besides."""
+        return await self._until_written(pod, lambda: self._patch(pod, ann), "annotations", what)
+
+    async def _until_written(
+        self, pod: Obj, write: Callable[[], Awaitable[Any]], subject: str, what: str
+    ) -> bool:
         attempt = 0
         while True:
             try:
-                await self._patch(pod, ann)
+                await write()
                 return True
             except Exception as e:
                 if isinstance(e, ApiError) and _permanent(e):
                     log.log(
                         logging.WARNING if is_not_found(e) else logging.ERROR,
-                        "giving up on the pod's annotations: the apiserver refused them for good",
+                        f"giving up on the pod's {subject}: the apiserver refused them for good",
                         extra={
                             "pod": workload_key(pod),
                             "what": what,
@@ -137,18 +257,25 @@ class PodReporter:
                 attempt += 1
                 delay = backoff(attempt)
                 log.exception(
-                    "writing the pod's annotations failed; retrying",
+                    f"writing the pod's {subject} failed; retrying",
                     extra={"pod": workload_key(pod), "what": what, "attempt": attempt, "retry_in_s": delay},
                 )
                 await asyncio.sleep(delay)
 
     async def annotate(self, pod: Obj, ann: dict[str, str]) -> None:
         """Write `ann` on the pod; a pod gone already is no error."""
+        await self._once(lambda: self._patch(pod, ann))
+
+    @staticmethod
+    async def _once(write: Callable[[], Awaitable[Any]]) -> bool:
+        """One write; False for a pod gone already, other errors raised."""
         try:
-            await self._patch(pod, ann)
+            await write()
         except Exception as e:
             if not is_not_found(e):
                 raise
+            return False
+        return True
 
     async def _patch(self, pod: Obj, ann: dict[str, str]) -> None:
         await self.kube.merge_patch(

@@ -1,5 +1,6 @@
 """The agent's Kubernetes side: watch only pods bound to this node, run one task per pod, and report in
-the pod's annotations (per container, as the controller reads them).
+the pod's annotations (per container, as the controller reads them) and, for a restore, in its
+nvidia.com/Restored condition.
 
 On a kubelet node (the default) the kubelet runs every container: the agent checkpoints the container the
 pod's status names, and restores into the restore pod's own main container once it waits in standby.
@@ -104,7 +105,7 @@ class NodeAgent:
         # Every namespace's PodSnapshots: their artifacts live as long as they do.
         self.snapshots = Informer(kube, POD_SNAPSHOT)
         self.recorder = EventRecorder(kube, AGENT_NAME)
-        self.reports = PodReporter(kube, self.recorder)
+        self.reports = PodReporter(kube, self.recorder, AGENT_NAME)
         self.sweeper = ArtifactSweeper(executor, [self.checkpoints, self.snapshots])
         self.capture = SnapshotCapture(
             kube,
@@ -155,6 +156,7 @@ class NodeAgent:
             return  # never touch another node's pod, whatever the watch delivers
         if etype == DELETED or pod["metadata"].get("deletionTimestamp"):
             self._restoring.discard(uid)
+            self.reports.forget(uid)
             task = self._tasks.pop(uid, None)
             if task is not None:
                 task.cancel()
@@ -354,6 +356,11 @@ class NodeAgent:
         except Refused as e:
             await self.reports.refuse(pod, "RestoreRefused", protocol.ANNOTATION_RESTORE_STATUS, str(e))
             return
+        # Written before the running status: where it raises, the pod is dispatched anew without one, and
+        # no restore is taken for cut short.
+        await self.reports.set_restored(
+            pod, protocol.RestoredReason.IN_PROGRESS, f"restoring from {grant.checkpoint_name}"
+        )
         await self.reports.report(
             pod,
             protocol.ANNOTATION_RESTORE_STATUS,
@@ -369,21 +376,15 @@ class NodeAgent:
         outcome = await self._run_restore(pod, grant, target)
         if outcome is None:
             return
-        # Retried here, never raised: _handle would dispatch the pod again, find the restore still
-        # running and tear the healthy restored worker down to restore it anew.
-        await self.reports.report(
+        await self.reports.report_restored(
             pod,
-            protocol.ANNOTATION_RESTORE_STATUS,
-            protocol.ANNOTATION_RESTORE_MESSAGE,
-            Status.COMPLETED,
             f"restored from {grant.checkpoint_name} in {outcome.timings.total():.2f}s"
             + (" (node cache)" if outcome.source == "cache" else ""),
-            extra={
+            {
                 protocol.ANNOTATION_RESTORE_TIMINGS: json.dumps(outcome.timings.phases),
                 protocol.ANNOTATION_RESTORE_CONTAINER_ID: outcome.workload.container_id
                 or str(outcome.workload.pid),
             },
-            until_written=True,
         )
         await self._supervise(pod, outcome.workload)
 
@@ -433,11 +434,8 @@ class NodeAgent:
         failure unless it keeps happening."""
         await self.runtime.stop(workload_key(pod))
         if pod["metadata"]["uid"] not in self._restoring and attempts >= protocol.RESTORE_ATTEMPTS_MAX:
-            await self.reports.report(
+            await self.reports.report_restore_failed(
                 pod,
-                protocol.ANNOTATION_RESTORE_STATUS,
-                protocol.ANNOTATION_RESTORE_MESSAGE,
-                Status.FAILED,
                 f"the restore was cut short {attempts} times (node agent restarts); "
                 "the partial restore was removed",
             )
