@@ -46,6 +46,7 @@ AGENT: set[Grant] = {
     ("", "pods", "*", "list"),
     ("", "pods", "*", "watch"),
     ("", "pods", "*", "patch"),
+    ("", "pods/status", "*", "patch"),
     ("", "events", "*", "create"),
     ("", "events", "*", "patch"),
     ("batch", "jobs", "*", "get"),

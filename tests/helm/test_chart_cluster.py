@@ -199,7 +199,9 @@ def test_rbac_is_as_narrow_as_claimed(
         (agent, "delete", "pods"),
         (agent, "update", "pods"),
         (agent, "get", "pods"),
-        (agent, "patch", "pods", "--subresource=status"),
+        (agent, "update", "pods", "--subresource=status"),
+        (agent, "patch", "pods", "--subresource=ephemeralcontainers"),
+        (agent, "patch", "pods", "--subresource=resize"),
         (agent, "create", "pods", "--subresource=exec"),
         (agent, "create", "pods", "--subresource=eviction"),
         (agent, "get", "secrets"),
@@ -334,11 +336,13 @@ def _patch(
     *,
     subresource: str = "",
     content_type: str = "application/merge-patch+json",
+    query: str = "",
 ) -> tuple[int, str]:
     """One PATCH as the token's user, as the agent sends it (no GET first, unlike kubectl patch)."""
     url = f"{cluster.server}/api/v1/namespaces/{namespace}/pods/{pod}" + (
         f"/{subresource}" if subresource else ""
     )
+    url += f"?{query}" if query else ""
     ctx = ssl.create_default_context(cafile=_ca(cluster))
     status, text = _http(
         url,
@@ -352,6 +356,19 @@ def _patch(
     return status, str(json.loads(text).get("message", text))
 
 
+def _wait_enforced(cluster: LocalCluster, token: str, namespace: str, pod: str) -> None:
+    """The policy takes effect once the apiserver has loaded it: poll with a change it must refuse."""
+    wait_for(
+        # A fresh value each time: a change the apiserver let through before the policy was loaded
+        # would make a repeat of it a no-op, which the policy rightly allows.
+        lambda: (
+            _patch(cluster, token, namespace, pod, {"metadata": {"labels": {"x": uuid.uuid4().hex}}})[0]
+            == 403
+        ),
+        what="the ValidatingAdmissionPolicy to be enforced",
+    )
+
+
 def test_agent_may_only_annotate_pods_of_its_own_node(cluster: LocalCluster, agent_nodes: AgentNodes) -> None:
     a, b = agent_nodes.nodes
     ns = agent_nodes.inst.namespace
@@ -362,13 +379,7 @@ def test_agent_may_only_annotate_pods_of_its_own_node(cluster: LocalCluster, age
     def ann(values: dict[str, str | None]) -> Obj:
         return {"metadata": {"annotations": values}}
 
-    # The policy takes effect once the apiserver has loaded it: poll with a change it must refuse.
-    wait_for(
-        # A fresh value each time: a change the apiserver let through before the policy was loaded
-        # would make a repeat of it a no-op, which the policy rightly allows.
-        lambda: _patch(cluster, token, ns, mine, {"metadata": {"labels": {"x": uuid.uuid4().hex}}})[0] == 403,
-        what="the ValidatingAdmissionPolicy to be enforced",
-    )
+    _wait_enforced(cluster, token, ns, mine)
 
     ok = _patch(cluster, token, ns, mine, ann({status_key: "running"}))
     assert ok == (200, ""), ok
@@ -404,8 +415,10 @@ def test_agent_may_only_annotate_pods_of_its_own_node(cluster: LocalCluster, age
     status, text = _patch(cluster, agent_nodes.token(None), ns, mine, ann({status_key: "x"}))
     assert (status, "token bound to its pod" in text) == (403, True), text
 
-    # Subresources are covered even where RBAC were widened to them.
-    cluster.kubectl("create", "role", "widen", "-n", ns, "--verb=patch", "--resource=pods/status")
+    # Subresources other than status are covered even where RBAC were widened to them.
+    cluster.kubectl(
+        "create", "role", "widen", "-n", ns, "--verb=patch", "--resource=pods/ephemeralcontainers"
+    )
     cluster.kubectl(
         "create",
         "rolebinding",
@@ -415,18 +428,191 @@ def test_agent_may_only_annotate_pods_of_its_own_node(cluster: LocalCluster, age
         "--role=widen",
         f"--serviceaccount={ns}:{agent_nodes.inst.sa('agent')}",
     )
-    wait_for(
-        lambda: (
-            "cannot patch"
-            not in _patch(cluster, token, ns, mine, {"status": {"message": "x"}}, subresource="status")[1]
-        ),
-        what="the widened RBAC",
-    )
-    status, text = _patch(cluster, token, ns, mine, {"status": {"message": "x"}}, subresource="status")
+    debug = {"spec": {"ephemeralContainers": [{"name": "debug", "image": "busybox"}]}}
+
+    def ephemeral() -> tuple[int, str]:
+        return _patch(cluster, token, ns, mine, debug, subresource="ephemeralcontainers")
+
+    wait_for(lambda: "cannot patch" not in ephemeral()[1], what="the widened RBAC")
+    status, text = ephemeral()
     assert (status, own_only in text) == (403, True), text
 
     # Everyone else is untouched by the policy.
     cluster.kubectl("label", "pod", mine, "-n", ns, "x=by-admin", "--overwrite")
+
+
+APPLY = "application/apply-patch+yaml"
+RESTORED = protocol.POD_CONDITION_RESTORED
+
+
+def _restored(reason: str, status: str | None = None) -> Obj:
+    """A Restored condition with ``reason`` (status: True for RestoreSucceeded unless given)."""
+    if status is None:
+        status = "True" if reason == protocol.RestoredReason.SUCCEEDED else "False"
+    return {
+        "type": RESTORED,
+        "status": status,
+        "reason": reason,
+        "message": f"test {reason}",
+        "lastTransitionTime": "2026-01-02T03:04:05Z",
+    }
+
+
+def _apply_conditions(name: str, namespace: str, *conditions: Obj) -> Obj:
+    """A server-side apply body of pods/status that names only ``conditions``, as the agent sends it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace},
+        "status": {"conditions": list(conditions)},
+    }
+
+
+def _pod_json(cluster: LocalCluster, namespace: str, name: str, *more: str) -> Obj:
+    out = cluster.kubectl("get", "pod", name, "-n", namespace, "-o", "json", *more)
+    pod: Obj = json.loads(out.stdout)
+    return pod
+
+
+def _conditions(pod: Obj) -> dict[str, Obj]:
+    return {c["type"]: c for c in (pod.get("status") or {}).get("conditions") or []}
+
+
+def test_agent_may_set_only_the_restored_condition_on_pods_of_its_node(
+    cluster: LocalCluster, agent_nodes: AgentNodes
+) -> None:
+    """With a token bound to its pod, the agent applies nvidia.com/Restored (every reason of
+    protocol.RestoredReason) on pods/status of a pod of its node; any other change through pods/status
+    (another condition, another status field, the metadata, a reason not of the protocol, another node's
+    pod) is refused by the policy, each with its own message."""
+    a, b = agent_nodes.nodes
+    ns = agent_nodes.inst.namespace
+    token = agent_nodes.token(a)
+    mine, theirs = agent_nodes.workers[a], agent_nodes.workers[b]
+    _wait_enforced(cluster, token, ns, mine)
+    # kwok reports the pods running once: from then on their status is only what is written here.
+    for pod in (mine, theirs):
+        wait_for(
+            lambda pod=pod: _conditions(_pod_json(cluster, ns, pod)).get("Ready", {}).get("status") == "True",
+            what=f"{pod} running",
+        )
+    before = _pod_json(cluster, ns, mine)["status"]
+    ssa = "fieldManager=dynamo-snapshot-agent&force=true"
+
+    def apply(pod: str, *conditions: Obj) -> tuple[int, str]:
+        body = _apply_conditions(pod, ns, *conditions)
+        return _patch(cluster, token, ns, pod, body, subresource="status", content_type=APPLY, query=ssa)
+
+    for reason in protocol.RestoredReason:
+        assert apply(mine, _restored(reason)) == (200, ""), reason
+        restored = _conditions(_pod_json(cluster, ns, mine))[RESTORED]
+        assert (restored["reason"], restored["message"]) == (reason, f"test {reason}")
+    pod = _pod_json(cluster, ns, mine, "--show-managed-fields")
+    after = pod["status"]
+    assert {k: v for k, v in after.items() if k != "conditions"} == {
+        k: v for k, v in before.items() if k != "conditions"
+    }
+    assert {t: c for t, c in _conditions(pod).items() if t != RESTORED} == _conditions({"status": before})
+    [entry] = [m for m in pod["metadata"]["managedFields"] if m["manager"] == "dynamo-snapshot-agent"]
+    assert (entry["operation"], entry["subresource"]) == ("Apply", "status")
+    assert list(entry["fieldsV1"]["f:status"]["f:conditions"]) == [f'k:{{"type":"{RESTORED}"}}']
+
+    only = f"on pods/status the node agent may change only the {RESTORED} condition, not "
+    bad_reason = f"the {RESTORED} condition is True with reason RestoreSucceeded or False with reason"
+    ready_false = {"type": "Ready", "status": "False", "reason": "Hijacked"}
+    merge = "application/merge-patch+json"
+    refused: list[tuple[str, str, Any, str, str]] = [
+        (
+            "Ready set False",
+            mine,
+            _apply_conditions(mine, ns, ready_false),
+            APPLY,
+            only + "the condition Ready",
+        ),
+        (
+            "a condition of its own",
+            mine,
+            _apply_conditions(mine, ns, {"type": "example.com/Drained", "status": "True"}),
+            APPLY,
+            only + "the condition example.com/Drained",
+        ),
+        (
+            "the conditions replaced by Restored alone",
+            mine,
+            {"status": {"conditions": [_restored("RestoreFailed")]}},
+            merge,
+            only + "the condition ",
+        ),
+        ("the pod IP", mine, {"status": {"podIP": "10.99.0.1"}}, merge, only + "status.podIP"),
+        # (podIPs alone is no change: the apiserver keeps podIPs[0] equal to podIP.)
+        (
+            "the start time",
+            mine,
+            {"status": {"startTime": "2020-01-01T00:00:00Z"}},
+            merge,
+            only + "status.startTime",
+        ),
+        ("a status reason", mine, {"status": {"reason": "Evicted"}}, merge, only + "status.reason"),
+        ("the phase", mine, {"status": {"phase": "Failed"}}, merge, only + "status.phase"),
+        ("a status message", mine, {"status": {"message": "x"}}, merge, only + "status.message"),
+        (
+            "the container statuses",
+            mine,
+            {"status": {"containerStatuses": []}},
+            merge,
+            only + "status.containerStatuses",
+        ),
+        (
+            "a label through pods/status",
+            mine,
+            {"metadata": {"labels": {"x": "via-status"}}},
+            merge,
+            only + "the metadata or spec",
+        ),
+        (
+            "an annotation of ours through pods/status",
+            mine,
+            {"metadata": {"annotations": {"nvidia.com/snapshot-restore-status.main": "completed"}}},
+            merge,
+            only + "the metadata or spec",
+        ),
+        (
+            "an unknown reason",
+            mine,
+            _apply_conditions(mine, ns, _restored("Whatever", "True")),
+            APPLY,
+            bad_reason,
+        ),
+        (
+            "True with RestoreFailed",
+            mine,
+            _apply_conditions(mine, ns, _restored("RestoreFailed", "True")),
+            APPLY,
+            bad_reason,
+        ),
+        (
+            "False with RestoreSucceeded",
+            mine,
+            _apply_conditions(mine, ns, _restored("RestoreSucceeded", "False")),
+            APPLY,
+            bad_reason,
+        ),
+        (
+            "another node's pod",
+            theirs,
+            _apply_conditions(theirs, ns, _restored("RestoreSucceeded")),
+            APPLY,
+            f"agent of node {a} may only update pods on that node, not on {b}",
+        ),
+    ]
+    for what, pod_name, body, ctype, message in refused:
+        q = ssa if ctype == APPLY else ""
+        status, text = _patch(
+            cluster, token, ns, pod_name, body, subresource="status", content_type=ctype, query=q
+        )
+        assert (status, message in text) == (403, True), f"{what}: {status} {text}"
+    assert _pod_json(cluster, ns, mine)["status"] == after, "a refused request changed the pod"
+    assert RESTORED not in _conditions(_pod_json(cluster, ns, theirs))
 
 
 # --------------------------------------------------------------------------- the processes, as their SAs
@@ -523,7 +709,8 @@ def test_agent_runs_and_reports_through_the_policy(
     cluster: LocalCluster, agent_nodes: AgentNodes, criu_bin: Path, tmp_path: Path
 ) -> None:
     """The agent process as its service account, with a token bound to its DaemonSet pod (what the
-    kubelet mounts): it lists its node's pods and its annotation reports pass the admission policy."""
+    kubelet mounts): it lists its node's pods, and its annotation reports and its Restored condition
+    pass RBAC and the admission policy."""
     a, b = agent_nodes.nodes
     ns = agent_nodes.inst.namespace
     config = tmp_path / "config.yaml"
@@ -555,6 +742,21 @@ def test_agent_runs_and_reports_through_the_policy(
 
             wait_for(lambda: status(f"restore-{a}") == "failed", what="the agent's report on its node's pod")
             assert status(f"restore-{b}") == "", "the agent touched another node's pod"
+            # The same outcome as the pod's nvidia.com/Restored condition, through RBAC and the policy.
+            refused = wait_for(
+                lambda: _conditions(_pod_json(cluster, ns, f"restore-{a}")).get(RESTORED),
+                what="the Restored condition",
+            )
+            message = _pod_json(cluster, ns, f"restore-{a}")["metadata"]["annotations"][
+                protocol.per_container(protocol.ANNOTATION_RESTORE_MESSAGE, "main")
+            ]
+            assert (refused["status"], refused["reason"], refused["message"]) == (
+                "False",
+                protocol.RestoredReason.FAILED,
+                message,
+            )
+            assert message.startswith("refused: "), message
+            assert RESTORED not in _conditions(_pod_json(cluster, ns, f"restore-{b}"))
     finally:
         rc = _stop(proc)
     assert rc == 0, log.read_text()[-3000:]
