@@ -9,9 +9,6 @@ event loop that serves the webhook."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import contextlib
-import inspect
 import json
 import os
 import shutil
@@ -22,9 +19,7 @@ import subprocess
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
@@ -33,65 +28,24 @@ from kubernetes_asyncio import client
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.conditions import now_rfc3339
 from dynamo_snapshot.api.podsnapshot import content_name
-from dynamo_snapshot.controller.webhook_server import CERT_FILE, KEY_FILE, MUTATE_PATH, WebhookServer
-from dynamo_snapshot.kube import ApiError, Kube, Obj, ResourceKind, is_not_found
+from dynamo_snapshot.controller.webhook_server import CERT_FILE, KEY_FILE, MUTATE_PATH
+from dynamo_snapshot.kube import Kube, Obj
 from dynamo_snapshot.kube.kinds import POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
 from dynamo_snapshot.localcluster import LocalCluster
 from dynamo_snapshot.localcluster.cluster import free_port
-from dynamo_snapshot.localcluster.pki import make_pki
-from tests.helm.chart import one, render
 from tests.helpers.cli import CLI
 from tests.helpers.polling import wait_for
-
-WEBHOOK_CONFIG = ResourceKind(
-    "admissionregistration.k8s.io",
-    "v1",
-    "mutatingwebhookconfigurations",
-    "MutatingWebhookConfiguration",
-    namespaced=False,
+from tests.helpers.webhook import (
+    Certs,
+    Registered,
+    make_certs,
+    probe_pod,
+    registered_webhook,
+    serving,
+    until,
 )
-SERVICE_ACCOUNT = ResourceKind("", "v1", "serviceaccounts", "ServiceAccount")
+
 COMPAT = {"gpuProduct": "NVIDIA-H200", "cudaDriverMajor": "570", "gpuCount": 1}
-
-
-@dataclass(frozen=True)
-class Certs:
-    directory: Path  # tls.crt and tls.key, as the chart mounts them
-    ca: bytes
-
-
-def make_certs(root: Path) -> Certs:
-    """A CA and a serving certificate for 127.0.0.1 (what the apiserver dials), with openssl."""
-    pki = make_pki(root / "pki", ["127.0.0.1"])
-    directory = root / "serving"
-    directory.mkdir(parents=True)
-    shutil.copy(pki.server_cert, directory / CERT_FILE)
-    shutil.copy(pki.server_key, directory / KEY_FILE)
-    return Certs(directory, pki.ca_cert.read_bytes())
-
-
-@contextlib.asynccontextmanager
-async def serving(kube: Kube, certs: Path, **kw: Any) -> AsyncIterator[tuple[WebhookServer, asyncio.Event]]:
-    server = WebhookServer(kube, certs, 0, host="127.0.0.1", **kw)
-    stop = asyncio.Event()
-    task = asyncio.create_task(server.run_until(stop))
-    try:
-        yield server, stop
-    finally:
-        stop.set()
-        await task
-
-
-async def until(cond: Any, what: str, within: float = 30.0) -> Any:
-    deadline = asyncio.get_running_loop().time() + within
-    while asyncio.get_running_loop().time() < deadline:
-        value = cond()
-        if inspect.isawaitable(value):
-            value = await value
-        if value:
-            return value
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out after {within}s waiting for {what}")
 
 
 def plain_pod(name: str, **annotations: str) -> Obj:
@@ -108,7 +62,7 @@ def plain_pod(name: str, **annotations: str) -> Obj:
 
 
 def restore_pod(name: str, restore_from: str) -> Obj:
-    return plain_pod(name, **{protocol.ANNOTATION_RESTORE_FROM: restore_from})
+    return probe_pod(name, restore_from)
 
 
 async def kubectl_create(cluster: LocalCluster, namespace: str, pod: Obj) -> subprocess.CompletedProcess[str]:
@@ -151,65 +105,13 @@ def certs(tmp_path: Path) -> Certs:
     return make_certs(tmp_path)
 
 
-@dataclass
-class Registered:
-    server: WebhookServer
-    stop: asyncio.Event
-    name: str  # the configuration's
-    webhook: str  # the webhook's name in it
-
-
 @pytest.fixture
 async def registered(
     cluster: LocalCluster, crds: list[str], namespace: str, kube: Kube, certs: Certs
 ) -> AsyncIterator[Registered]:
     """This process's webhook, registered with the apiserver as the chart registers it, for ``namespace``."""
-    chart = one(render({"webhook": {"enabled": True}}), "MutatingWebhookConfiguration")
-    config = json.loads(json.dumps(chart))
-    config["metadata"] = {"name": f"restore-{namespace}"}
-    hook = config["webhooks"][0]
-    async with serving(kube, certs.directory, reload_interval_s=0.2) as (server, stop):
-        await until(lambda: server.readiness() is None, "the webhook to listen")
-        hook["clientConfig"] = {
-            "url": f"https://127.0.0.1:{server.port}{MUTATE_PATH}",
-            "caBundle": base64.b64encode(certs.ca).decode(),
-        }
-        hook["namespaceSelector"] = {"matchLabels": {"kubernetes.io/metadata.name": namespace}}
-        await kube.create(WEBHOOK_CONFIG, config)
-        try:
-            await until(
-                lambda: _exists(kube, SERVICE_ACCOUNT, "default", namespace), "the default ServiceAccount"
-            )
-            reg = Registered(server, stop, config["metadata"]["name"], hook["name"])
-            await _until_in_effect(cluster, namespace, reg)
-            yield reg
-        finally:
-            await kube.delete(WEBHOOK_CONFIG, config["metadata"]["name"])
-
-
-async def _exists(kube: Kube, kind: ResourceKind, name: str, namespace: str) -> bool:
-    try:
-        await kube.get(kind, name, namespace)
-    except ApiError as e:
-        if is_not_found(e):
-            return False
-        raise
-    return True
-
-
-async def _until_in_effect(cluster: LocalCluster, namespace: str, reg: Registered) -> None:
-    """The apiserver picks a new configuration up a moment after it is stored: dry-run restore pods until
-    one comes back shaped."""
-
-    async def shaped() -> bool:
-        proc = await asyncio.to_thread(
-            cluster.kubectl, "create", "-n", namespace, "--dry-run=server", "-o", "json", "-f", "-",
-            input=json.dumps(restore_pod("probe", "probe")), check=False,
-        )  # fmt: skip
-        labels = json.loads(proc.stdout or "{}").get("metadata", {}).get("labels") or {}
-        return labels.get(protocol.LABEL_RESTORE_TARGET) == protocol.TRUE
-
-    await until(shaped, "the webhook configuration to take effect")
+    async with registered_webhook(cluster, kube, namespace, certs) as reg:
+        yield reg
 
 
 async def ready_snapshot(kube: Kube, namespace: str, name: str) -> Obj:
