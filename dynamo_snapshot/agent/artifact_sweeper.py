@@ -1,8 +1,12 @@
-"""Artifacts of deleted checkpoints removed from this node's store and cache: when the deletion is seen,
+"""Artifacts of deleted PodSnapshots removed from this node's store and cache: when the deletion is seen,
 after the first sync (deletions while no agent watched), and now and then (events missed).
 
-An artifact stored under ``<namespace>/<uid>`` belongs to the object with that UID: a DynamoCheckpoint or
-a PodSnapshot (the owners' informers); it lives as long as its owner does."""
+An artifact stored under ``<namespace>/<uid>`` belongs to the PodSnapshot with that UID (the owners'
+informer); it lives as long as that PodSnapshot does. A DynamoCheckpoint's artifact is its PodSnapshot's
+(the checkpoint controls the PodSnapshot, so the garbage collector deletes the PodSnapshot with it).
+DynamoCheckpoints are no owners: no capture stores under a DynamoCheckpoint's UID, and no restore reads
+such a key (a restore from a DynamoCheckpoint reads the PodSnapshot it records), so an artifact an older
+agent stored under one is unreachable and is removed like any other key without an owner."""
 
 from __future__ import annotations
 
@@ -18,8 +22,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["REMOVE_RETRY_S", "SWEEP_EVERY_S", "ArtifactSweeper"]
 
-# How often an artifact whose checkpoint is gone is tried again while a restore on this node reads it,
-# and how often the store is swept for artifacts of checkpoints deleted while no agent watched.
+# How often an artifact whose owner is gone is tried again while a restore on this node reads it, and
+# how often the store is swept for artifacts of owners deleted while no agent watched.
 REMOVE_RETRY_S, SWEEP_EVERY_S = 5.0, 600.0
 
 
@@ -36,7 +40,7 @@ class ArtifactSweeper:
             self.remove_soon(artifact_key(meta["namespace"], meta["uid"]))
 
     async def sweep_forever(self) -> None:
-        """Remove the artifacts whose checkpoint no longer exists: after the first sync (checkpoints
+        """Remove the artifacts whose owner no longer exists: after the first sync (owners
         deleted while no agent ran), then now and then (deletions whose event was missed)."""
         for owners in self.owners:
             await owners.wait_synced()
@@ -55,7 +59,7 @@ class ArtifactSweeper:
         return [self.executor.store] + ([self.executor.cache.store] if self.executor.cache else [])
 
     def _namespaced_keys(self) -> set[str]:
-        # Keys of the `<namespace>/<uid>` form belong to checkpoint objects; bare hashes are CLI artifacts.
+        # Keys of the `<namespace>/<uid>` form belong to owners; bare hashes are CLI artifacts.
         return {key for store in self._stores() for key in store.list() if is_bound_key(key)}
 
     def _holds(self, key: str) -> bool:
@@ -74,14 +78,14 @@ class ArtifactSweeper:
         try:
             validate_artifact_key(key)
             if not await asyncio.to_thread(self._holds, key):
-                return  # most deleted checkpoints left nothing in this node's store
+                return  # most deleted owners left nothing in this node's store
             # Nothing signals the end of a restore that reads it: look again now and then.
             while not await self.executor.delete_artifact(key):  # noqa: ASYNC110
                 await asyncio.sleep(REMOVE_RETRY_S)
-            log.info("removed the artifact of a deleted checkpoint", extra={"key": key})
+            log.info("removed the artifact of a deleted owner", extra={"key": key})
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("could not remove the artifact of a deleted checkpoint", extra={"key": key})
+            log.exception("could not remove the artifact of a deleted owner", extra={"key": key})
         finally:
             self._removing.discard(key)

@@ -2,16 +2,19 @@
 
 The agent is privileged on every GPU node, and anyone who can create a pod can put any label or
 annotation on it. So labels and annotations only say what a pod *asks* for; the grant comes from the
-DynamoCheckpoint the pod names, read from the apiserver in the pod's namespace:
+objects it names, read from the apiserver in the pod's namespace:
 
-- a checkpoint is taken only of a pod that the checkpoint's own Job controls, while the checkpoint is
-  still being taken; the artifact is bound to that checkpoint's UID and that pod (``Binding``) and stored
-  under ``<namespace>/<checkpoint uid>``, so no other namespace or checkpoint can publish in its place;
-- a restore is made only into a pod of the checkpoint's namespace, from a checkpoint that is Ready, not
-  being deleted, and records the digest of the artifact it published (a DGD's own checkpoint only into
-  that DGD's pods); the agent then restores exactly the artifact with that digest.
+- a capture is made only of a PodSnapshotContent of this node whose PodSnapshot (same UID, bound to it)
+  asks for that very pod (``content_grant``); the artifact is bound to the PodSnapshot's UID and the pod
+  (``Binding``) and stored under ``<namespace>/<PodSnapshot uid>``, so no other namespace or PodSnapshot can
+  publish in its place. A PodSnapshot controlled by a DynamoCheckpoint of its namespace is sealed with that
+  checkpoint's identity, which must be valid;
+- a restore is made only into a pod whose ``nvidia.com/restore-from`` names a Ready PodSnapshot of its
+  namespace with a bound content that records the artifact's digest, or a DynamoCheckpoint of its
+  namespace that is Ready, records that digest and controls that PodSnapshot (a DGD's own checkpoint only
+  into that DGD's pods); the agent then restores exactly the artifact with that digest (``restore_grant``).
 
-Pure functions over plain dicts: the watcher fetches the objects, this module decides.
+Pure functions over plain dicts: the watcher and the capture fetch the objects, this module decides.
 """
 
 from __future__ import annotations
@@ -31,18 +34,20 @@ from dynamo_snapshot.artifact import Binding, artifact_key
 from dynamo_snapshot.kube import Obj, controller_ref
 
 __all__ = [
-    "CheckpointGrant",
+    "CHECKPOINT_KIND",
+    "CaptureGrant",
     "ContentRefused",
     "Refused",
     "RestoreGrant",
     "asks_to_be_restored",
-    "checkpoint_grant",
-    "checkpoint_name_to_restore",
+    "capture_checkpoint_name",
     "content_grant",
+    "name_to_restore",
     "restore_grant",
-    "snapshot_restore_grant",
+    "snapshot_to_restore",
 ]
 
+CHECKPOINT_KIND = "DynamoCheckpoint"
 DGD_KIND = "DynamoGraphDeployment"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -60,10 +65,12 @@ class ContentRefused(Refused):
 
 
 @dataclass(frozen=True)
-class CheckpointGrant:
-    identity_hash: str
-    identity: CheckpointIdentity
+class CaptureGrant:
+    """What a capture is bound to, and the DynamoCheckpoint identity it is sealed with (None: the
+    PodSnapshot is no DynamoCheckpoint's)."""
+
     binding: Binding
+    identity: CheckpointIdentity | None
 
 
 @dataclass(frozen=True)
@@ -73,106 +80,43 @@ class RestoreGrant:
     manifest_digest: str
 
 
-def _where(pod: Obj) -> str:
-    return f"namespace {pod['metadata']['namespace']}"
-
-
 def asks_to_be_restored(pod: Obj) -> bool:
     """A restore pod of ours is labelled; any other pod asks with nvidia.com/restore-from alone. Asking
-    grants nothing: the object it names does (``restore_grant``, ``snapshot_restore_grant``)."""
+    grants nothing: the object it names does (``restore_grant``)."""
     meta = pod["metadata"]
     return (meta.get("labels") or {}).get(protocol.LABEL_RESTORE_TARGET) == protocol.TRUE or bool(
         (meta.get("annotations") or {}).get(protocol.ANNOTATION_RESTORE_FROM)
     )
 
 
-def checkpoint_name_to_restore(pod: Obj) -> str:
-    """The checkpoint a restore pod asks for: `nvidia.com/restore-from`, else the checkpoint-id label."""
-    meta = pod["metadata"]
-    named = (meta.get("annotations") or {}).get(protocol.ANNOTATION_RESTORE_FROM) or (
-        meta.get("labels") or {}
-    ).get(protocol.LABEL_CHECKPOINT_ID)
-    return str(named or "")
+def name_to_restore(pod: Obj) -> str:
+    """What a restore pod asks to be restored from: the name in its ``nvidia.com/restore-from``."""
+    annotations = pod["metadata"].get("annotations") or {}
+    return str(annotations.get(protocol.ANNOTATION_RESTORE_FROM) or "").strip()
 
 
-def checkpoint_grant(pod: Obj, ckpt: Obj | None, job: Obj | None) -> CheckpointGrant:
-    """What the agent may checkpoint this source pod as; `Refused` when nothing grants it.
-
-    `ckpt` is the DynamoCheckpoint the pod's checkpoint-id label names (None: not found in the pod's
-    namespace) and `job` the Job that controls the pod (None: none found).
-    """
-    meta = pod["metadata"]
-    name = (meta.get("labels") or {}).get(protocol.LABEL_CHECKPOINT_ID, "")
-    if not name:
-        raise Refused(f"the pod names no DynamoCheckpoint (label {protocol.LABEL_CHECKPOINT_ID})")
-    if ckpt is None:
-        raise Refused(f"DynamoCheckpoint {name!r} not found in {_where(pod)}")
-    if ckpt["metadata"].get("deletionTimestamp"):
-        raise Refused(f"DynamoCheckpoint {name!r} is being deleted")
-    phase = (ckpt.get("status") or {}).get("phase")
-    if phase in (CheckpointPhase.READY.value, CheckpointPhase.FAILED.value):
-        raise Refused(f"DynamoCheckpoint {name!r} is {phase} already: a checkpoint is taken once")
-    owner = controller_ref(pod)
-    if (
-        job is None
-        or owner is None
-        or owner.get("kind") != "Job"
-        or owner.get("uid") != job["metadata"].get("uid")
-        or (controller_ref(job) or {}).get("uid") != ckpt["metadata"]["uid"]
-    ):
-        raise Refused(
-            f"pod {meta['name']} is not run by the checkpoint Job of DynamoCheckpoint {name!r}: "
-            "only that Job's pod is checkpointed"
-        )
-    try:
-        identity = CheckpointIdentity.model_validate((ckpt.get("spec") or {}).get("identity"))
-    except ValidationError as e:
-        raise Refused(f"DynamoCheckpoint {name!r} has an invalid identity: {e.errors()[0]['msg']}") from None
-    binding = Binding(
-        namespace=meta["namespace"],
-        checkpoint_name=name,
-        checkpoint_uid=ckpt["metadata"]["uid"],
-        source_pod=meta["name"],
-        source_pod_uid=meta["uid"],
-    )
-    return CheckpointGrant(identity.compute_hash(), identity, binding)
+def _controlled_by_checkpoint(obj: Obj) -> dict[str, str] | None:
+    ref = controller_ref(obj)
+    if ref is None or ref.get("kind") != CHECKPOINT_KIND:
+        return None
+    if ref.get("apiVersion", "").split("/")[0] != protocol.API_GROUP:
+        return None
+    return ref
 
 
-def restore_grant(pod: Obj, ckpt: Obj | None) -> RestoreGrant:
-    """What the agent may restore into this pod; `Refused` when nothing grants it.
+def capture_checkpoint_name(snapshot: Obj | None) -> str | None:
+    """The DynamoCheckpoint (of the PodSnapshot's namespace) whose identity a capture of ``snapshot`` is
+    sealed with: its controller, where that is a DynamoCheckpoint; else None."""
+    ref = _controlled_by_checkpoint(snapshot) if snapshot is not None else None
+    return ref.get("name") if ref is not None else None
 
-    `ckpt` is the DynamoCheckpoint the pod names (`checkpoint_name_to_restore`), read in the pod's own
-    namespace (None: not found there).
-    """
-    meta = pod["metadata"]
-    name = checkpoint_name_to_restore(pod)
-    if not name:
-        raise Refused(f"the pod names no DynamoCheckpoint (annotation {protocol.ANNOTATION_RESTORE_FROM})")
-    if ckpt is None:
-        raise Refused(
-            f"DynamoCheckpoint {name!r} not found in {_where(pod)}: a pod is restored only from a "
-            "checkpoint in its own namespace"
-        )
-    if ckpt["metadata"].get("deletionTimestamp"):
-        raise Refused(f"DynamoCheckpoint {name!r} is being deleted")
-    status = ckpt.get("status") or {}
-    if status.get("phase") != CheckpointPhase.READY.value:
-        raise Refused(f"DynamoCheckpoint {name!r} is not Ready (phase {status.get('phase') or 'Pending'})")
-    digest = status.get("artifactDigest") or ""
-    if not _SHA256.fullmatch(digest):
-        raise Refused(
-            f"DynamoCheckpoint {name!r} records no artifact digest (status.artifactDigest): "
-            "take the checkpoint again"
-        )
-    dgd = controller_ref(ckpt)
-    if dgd is not None and dgd.get("kind") == DGD_KIND:
-        pod_owners = {ref.get("uid") for ref in meta.get("ownerReferences") or []}
-        if dgd.get("uid") not in pod_owners:
-            raise Refused(
-                f"DynamoCheckpoint {name!r} belongs to DynamoGraphDeployment {dgd.get('name')!r}; "
-                f"pod {meta['name']} is not one of its pods"
-            )
-    return RestoreGrant(name, artifact_key(meta["namespace"], ckpt["metadata"]["uid"]), digest)
+
+def snapshot_to_restore(name: str, ckpt: Obj | None) -> str:
+    """The PodSnapshot a restore from ``name`` reads: the one the DynamoCheckpoint of that name records
+    (``status.podSnapshotName``, "" while it records none), else the PodSnapshot of that name."""
+    if ckpt is not None:
+        return str((ckpt.get("status") or {}).get("podSnapshotName") or "")
+    return name
 
 
 def _snapshot_grants_content(content: Obj, snapshot: Obj | None) -> None:
@@ -216,14 +160,17 @@ def _snapshot_grants_content(content: Obj, snapshot: Obj | None) -> None:
         )
 
 
-def content_grant(content: Obj, snapshot: Obj | None, pod: Obj | None, node_name: str) -> Binding:
+def content_grant(
+    content: Obj, snapshot: Obj | None, pod: Obj | None, node_name: str, ckpt: Obj | None = None
+) -> CaptureGrant:
     """What the agent may capture for a PodSnapshotContent of its node; ``ContentRefused`` otherwise.
 
     The content is cluster-scoped and made by the controller, but the grant still comes from the
     namespace: ``snapshot`` is the PodSnapshot it names, read in that namespace (None: not there), which
     must be the one it was bound to (same UID) and bind it; ``pod`` is the pod of that namespace the
     content names (None: not there), which must be that very pod (same UID), on this node, with the
-    container.
+    container; ``ckpt`` is the DynamoCheckpoint ``capture_checkpoint_name`` names, read in that namespace
+    (None: not there or none named), whose identity the artifact is sealed with.
     """
     spec = content.get("spec") or {}
     ref = spec.get("snapshotRef") or {}
@@ -231,6 +178,8 @@ def content_grant(content: Obj, snapshot: Obj | None, pod: Obj | None, node_name
     pod_ref = source.get("podRef") or {}
     namespace, name = str(ref.get("namespace") or ""), str(ref.get("name") or "")
     _snapshot_grants_content(content, snapshot)
+    assert snapshot is not None  # _snapshot_grants_content refuses a missing PodSnapshot
+    identity = _capture_identity(snapshot, ckpt)
     if source.get("nodeName") != node_name:
         raise ContentRefused(
             PodSnapshotReason.INVALID_DESTINATION, f"the content names node {source.get('nodeName')!r}"
@@ -267,19 +216,114 @@ def content_grant(content: Obj, snapshot: Obj | None, pod: Obj | None, node_name
             f"container {containers[0]!r}: this agent captures only the container called "
             f"{protocol.DEFAULT_TARGET_CONTAINER!r}",
         )
-    return Binding(
+    binding = Binding(
         namespace=namespace,
         checkpoint_name=name,
         checkpoint_uid=ref["uid"],
         source_pod=pod_name,
         source_pod_uid=pod["metadata"]["uid"],
     )
+    return CaptureGrant(binding, identity)
 
 
-def snapshot_restore_grant(pod: Obj, snapshot: Obj, content: Obj | None) -> RestoreGrant:
-    """What the agent may restore into a pod whose ``nvidia.com/restore-from`` names a PodSnapshot of its
-    own namespace (``snapshot``, read there); ``Refused`` otherwise. ``content`` is the PodSnapshotContent
-    the PodSnapshot is bound to (None: none), whose status records the artifact's digest."""
+def _capture_identity(snapshot: Obj, ckpt: Obj | None) -> CheckpointIdentity | None:
+    """The identity a capture of ``snapshot`` is sealed with: that of the DynamoCheckpoint controlling it
+    (``ckpt``, read by name in its namespace; None: not there), which must be that very one (same UID),
+    live and hold a valid identity; None for a PodSnapshot no DynamoCheckpoint controls."""
+    ref = _controlled_by_checkpoint(snapshot)
+    if ref is None:
+        return None
+    where = f"DynamoCheckpoint {snapshot['metadata'].get('namespace')}/{ref.get('name')}"
+    if ckpt is None:
+        raise ContentRefused(
+            PodSnapshotReason.CHECKPOINT_NOT_FOUND, f"{where}, which controls the PodSnapshot, does not exist"
+        )
+    if ckpt["metadata"].get("uid") != ref.get("uid"):
+        raise ContentRefused(
+            PodSnapshotReason.CHECKPOINT_NOT_FOUND,
+            f"{where} is not the one that controls the PodSnapshot (its UID differs)",
+        )
+    if ckpt["metadata"].get("deletionTimestamp"):
+        raise ContentRefused(PodSnapshotReason.CHECKPOINT_DELETED, f"{where} is being deleted")
+    try:
+        return CheckpointIdentity.model_validate((ckpt.get("spec") or {}).get("identity"))
+    except ValidationError as e:
+        raise ContentRefused(
+            PodSnapshotReason.INVALID_IDENTITY, f"{where} has an invalid identity: {e.errors()[0]['msg']}"
+        ) from None
+
+
+def restore_grant(pod: Obj, ckpt: Obj | None, snapshot: Obj | None, content: Obj | None) -> RestoreGrant:
+    """What the agent may restore into this pod; ``Refused`` when nothing grants it.
+
+    The pod's ``nvidia.com/restore-from`` names a DynamoCheckpoint or a PodSnapshot of its own namespace:
+    ``ckpt`` is the DynamoCheckpoint of that name read there (None: none), ``snapshot`` the PodSnapshot
+    ``snapshot_to_restore`` names, read there (None: none), ``content`` the PodSnapshotContent that
+    PodSnapshot is bound to (None: none), whose status records the artifact's digest.
+    """
+    meta = pod["metadata"]
+    name = name_to_restore(pod)
+    if not name:
+        raise Refused(
+            f"the pod names nothing to restore from (annotation {protocol.ANNOTATION_RESTORE_FROM})"
+        )
+    if ckpt is None:
+        if snapshot is None:
+            raise Refused(
+                f"neither a DynamoCheckpoint nor a PodSnapshot named {name!r} exists in namespace "
+                f"{meta['namespace']}: a pod is restored only from one of its own namespace"
+            )
+        key, digest = _snapshot_grant(pod, snapshot, content)
+        return RestoreGrant(name, key, digest)
+    recorded = _checkpoint_grant(pod, ckpt)
+    snapshot_name = snapshot_to_restore(name, ckpt)
+    if not snapshot_name:
+        raise Refused(f"DynamoCheckpoint {name!r} records no PodSnapshot (status.podSnapshotName)")
+    if snapshot is None:
+        raise Refused(f"PodSnapshot {snapshot_name!r} of DynamoCheckpoint {name!r} does not exist")
+    owner = _controlled_by_checkpoint(snapshot)
+    if owner is None or owner.get("uid") != ckpt["metadata"].get("uid"):
+        raise Refused(f"PodSnapshot {snapshot_name!r} is not controlled by DynamoCheckpoint {name!r}")
+    key, digest = _snapshot_grant(pod, snapshot, content)
+    if digest != recorded:
+        raise Refused(
+            f"artifact digest mismatch: the content of PodSnapshot {snapshot_name!r} records {digest}, "
+            f"DynamoCheckpoint {name!r} records {recorded} (status.artifactDigest)"
+        )
+    return RestoreGrant(name, key, digest)
+
+
+def _checkpoint_grant(pod: Obj, ckpt: Obj) -> str:
+    """The DynamoCheckpoint part of a restore: it lives, is Ready, records the digest of its artifact
+    (returned), and a DGD's own checkpoint goes only into that DGD's pods."""
+    meta = pod["metadata"]
+    name = ckpt["metadata"]["name"]
+    if ckpt["metadata"].get("deletionTimestamp"):
+        raise Refused(f"DynamoCheckpoint {name!r} is being deleted")
+    status = ckpt.get("status") or {}
+    if status.get("phase") != CheckpointPhase.READY.value:
+        raise Refused(f"DynamoCheckpoint {name!r} is not Ready (phase {status.get('phase') or 'Pending'})")
+    digest = str(status.get("artifactDigest") or "")
+    if not _SHA256.fullmatch(digest):
+        raise Refused(
+            f"DynamoCheckpoint {name!r} records no artifact digest (status.artifactDigest): "
+            "take the checkpoint again"
+        )
+    dgd = controller_ref(ckpt)
+    if dgd is not None and dgd.get("kind") == DGD_KIND:
+        pod_owners = {ref.get("uid") for ref in meta.get("ownerReferences") or []}
+        if dgd.get("uid") not in pod_owners:
+            raise Refused(
+                f"DynamoCheckpoint {name!r} belongs to DynamoGraphDeployment {dgd.get('name')!r}; "
+                f"pod {meta['name']} is not one of its pods"
+            )
+    return digest
+
+
+def _snapshot_grant(pod: Obj, snapshot: Obj, content: Obj | None) -> tuple[str, str]:
+    """The PodSnapshot part of a restore, whether the pod names it or a DynamoCheckpoint records it: it
+    lives, is Ready, is bound to a content of the pod's namespace that records the artifact's digest, and
+    the pod asks for no container map this agent cannot follow. The artifact's key and digest."""
     meta = pod["metadata"]
     name = snapshot["metadata"]["name"]
     if snapshot["metadata"].get("deletionTimestamp"):
@@ -295,7 +339,7 @@ def snapshot_restore_grant(pod: Obj, snapshot: Obj, content: Obj | None) -> Rest
         or ref.get("namespace") != meta["namespace"]
     ):
         raise Refused(f"PodSnapshot {name!r} has no content bound to it")
-    digest = ((content.get("status") or {}).get("artifact") or {}).get("digest") or ""
+    digest = str(((content.get("status") or {}).get("artifact") or {}).get("digest") or "")
     if not _SHA256.fullmatch(digest):
         raise Refused(f"the content of PodSnapshot {name!r} records no artifact digest")
     mapping = (meta.get("annotations") or {}).get(protocol.ANNOTATION_RESTORE_CONTAINER_MAP)
@@ -305,4 +349,4 @@ def snapshot_restore_grant(pod: Obj, snapshot: Obj, content: Obj | None) -> Rest
             f"{protocol.ANNOTATION_RESTORE_CONTAINER_MAP}={mapping!r}: this agent restores the captured "
             f"container into the container called {main!r} only"
         )
-    return RestoreGrant(name, artifact_key(meta["namespace"], snapshot["metadata"]["uid"]), digest)
+    return artifact_key(meta["namespace"], snapshot["metadata"]["uid"]), digest

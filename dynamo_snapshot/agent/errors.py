@@ -1,9 +1,26 @@
-"""What a checkpoint or restore on this node fails with; the message goes into the pod's annotation as it
-is."""
+"""What a checkpoint or restore on this node fails with (the message goes into the pod's annotation as it
+is), and how a write to the apiserver that failed is retried."""
 
 from __future__ import annotations
 
-__all__ = ["AgentError", "ArtifactRefused"]
+from dynamo_snapshot.kube import ApiError
+
+__all__ = ["RETRY_BASE_S", "RETRY_CAP_S", "AgentError", "ArtifactRefused", "backoff", "permanent"]
+
+RETRY_BASE_S, RETRY_CAP_S = 1.0, 60.0
+# Answers in 4xx that a retry can change: credentials since refreshed (401), a timeout (408), a
+# conflict (409), throttling (429).
+_RETRYABLE_4XX = frozenset({401, 408, 409, 429})
+
+
+def backoff(attempt: int) -> float:
+    return min(RETRY_CAP_S, RETRY_BASE_S * 2.0 ** (attempt - 1))
+
+
+def permanent(err: ApiError) -> bool:
+    """Whether no retry can change the apiserver's answer: the agent may not write the object (403), it is
+    gone (404), the patch is invalid (422), say. 5xx, throttling and connection errors pass."""
+    return 400 <= err.status < 500 and err.status not in _RETRYABLE_4XX
 
 
 class AgentError(Exception):

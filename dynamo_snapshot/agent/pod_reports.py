@@ -1,17 +1,18 @@
-"""What the agent says on a pod: its checkpoint or restore status and message (per container, as the
-controller reads them), a restore's outcome as the pod condition nvidia.com/Restored (which a pod may gate
-its readiness on), Warning Events for refusals and failures, a Normal Event for a restore done, and a
-worker's exit; retried where a dispatch of the pod anew must not stand in for the report."""
+"""What the agent says on a pod: its restore status and message (per container, as the controller reads
+them), a restore's outcome as the pod condition nvidia.com/Restored (which a pod may gate its readiness
+on), Warning Events for refusals and failures, a Normal Event for a restore done, and a worker's exit;
+retried where a dispatch of the pod anew must not stand in for the report. A capture's outcome is said on
+its PodSnapshotContent (agent.snapshot_capture)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from dynamo_snapshot.agent.errors import backoff, permanent
 from dynamo_snapshot.agent.pod_spec import MAIN, workload_key
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.kube import (
@@ -28,25 +29,11 @@ from dynamo_snapshot.kube import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RETRY_BASE_S", "RETRY_CAP_S", "PodReporter", "backoff"]
+__all__ = ["PodReporter"]
 
-RETRY_BASE_S, RETRY_CAP_S = 1.0, 60.0
 Status = protocol.SnapshotStatus
 Restored = protocol.RestoredReason
 _MESSAGE_MAX = 4000
-# Answers in 4xx that a retry can change: credentials since refreshed (401), a timeout (408), a
-# conflict (409), throttling (429).
-_RETRYABLE_4XX = frozenset({401, 408, 409, 429})
-
-
-def backoff(attempt: int) -> float:
-    return min(RETRY_CAP_S, RETRY_BASE_S * 2.0 ** (attempt - 1))
-
-
-def _permanent(err: ApiError) -> bool:
-    """Whether no retry can change the apiserver's answer: the agent may not write the pod (403), the
-    pod is gone (404), the patch is invalid (422), say. 5xx, throttling and connection errors pass."""
-    return 400 <= err.status < 500 and err.status not in _RETRYABLE_4XX
 
 
 def _now() -> str:
@@ -93,26 +80,6 @@ class PodReporter:
         else:
             await self.annotate(pod, ann)
         log.info("reported", extra={"pod": workload_key(pod), "status": state.value, "detail": message})
-
-    async def report_checkpointed(
-        self, pod: Obj, location: str, digest: str, timings: dict[str, float], message: str
-    ) -> None:
-        # Retried here, never raised: the outcome is in hand, where a dispatch anew would find the
-        # checkpoint still running and have to read it back from the store.
-        await self.report(
-            pod,
-            protocol.ANNOTATION_CHECKPOINT_STATUS,
-            protocol.ANNOTATION_CHECKPOINT_MESSAGE,
-            Status.COMPLETED,
-            message,
-            extra={
-                protocol.ANNOTATION_CHECKPOINT_LOCATION: location,
-                protocol.ANNOTATION_CHECKPOINT_STORAGE_TYPE: "pvc",
-                protocol.ANNOTATION_CHECKPOINT_TIMINGS: json.dumps(timings),
-                protocol.ANNOTATION_ARTIFACT_DIGEST: digest,
-            },
-            until_written=True,
-        )
 
     async def report_restored(self, pod: Obj, message: str, extra: dict[str, str]) -> None:
         """A finished restore: the completed status, Restored True (RestoreSucceeded) and a Normal Event.
@@ -202,22 +169,18 @@ class PodReporter:
         key = protocol.per_container(protocol.ANNOTATION_WORKLOAD_EXITED, MAIN)
         await self.annotate_until_written(pod, {key: message}, "workload exit")
 
-    async def refuse(self, pod: Obj, reason: str, status_key: str, message: str) -> None:
-        """Say on the pod, as its status and as an Event, why the agent will not act on it."""
-        await self.fail(pod, reason, status_key, f"refused: {message}")
+    async def refuse(self, pod: Obj, message: str) -> None:
+        """Say on the pod, as its restore status and as an Event, why the agent will not restore it."""
+        await self.fail(pod, f"refused: {message}", reason="RestoreRefused")
 
-    async def fail(self, pod: Obj, reason: str, status_key: str, message: str) -> None:
-        """Say on the pod, as its status and as a Warning Event, why its checkpoint or restore failed; a
-        restore's also as Restored False (RestoreFailed) with the same message. A failed status is
-        never acted on again, so that condition is retried until written."""
+    async def fail(self, pod: Obj, message: str, *, reason: str = Restored.FAILED.value) -> None:
+        """Say on the pod why its restore failed: the failed status, a Warning Event and Restored False
+        (RestoreFailed), all with ``message``. A failed status is never acted on again, so that condition
+        is retried until written."""
         self._event(pod, WARNING, reason, message)
-        restore = status_key != protocol.ANNOTATION_CHECKPOINT_STATUS
-        message_key = (
-            protocol.ANNOTATION_RESTORE_MESSAGE if restore else protocol.ANNOTATION_CHECKPOINT_MESSAGE
-        )
-        await self.report(pod, status_key, message_key, Status.FAILED, message)
-        if restore:
-            await self.set_restored(pod, Restored.FAILED, message, until_written=True)
+        keys = (protocol.ANNOTATION_RESTORE_STATUS, protocol.ANNOTATION_RESTORE_MESSAGE)
+        await self.report(pod, *keys, Status.FAILED, message)
+        await self.set_restored(pod, Restored.FAILED, message, until_written=True)
 
     def _event(self, pod: Obj, kind: str, reason: str, message: str) -> None:
         meta = pod["metadata"]
@@ -227,8 +190,8 @@ class PodReporter:
     async def annotate_until_written(self, pod: Obj, ann: dict[str, str], what: str) -> bool:
         """Write `ann` on the pod, retrying transient errors with backoff; True once written. Never
         raises, for reports that a dispatch of the pod anew must not stand in for. An answer no retry
-        changes (_permanent; a 404 for a pod deleted meanwhile among them) is logged and gives up: False.
-        A deleted pod's task is cancelled besides."""
+        changes (errors.permanent; a 404 for a pod deleted meanwhile among them) is logged and gives up:
+        False. A deleted pod's task is cancelled besides."""
         return await self._until_written(pod, lambda: self._patch(pod, ann), "annotations", what)
 
     async def _until_written(
@@ -240,7 +203,7 @@ class PodReporter:
                 await write()
                 return True
             except Exception as e:
-                if isinstance(e, ApiError) and _permanent(e):
+                if isinstance(e, ApiError) and permanent(e):
                     log.log(
                         logging.WARNING if is_not_found(e) else logging.ERROR,
                         f"giving up on the pod's {subject}: the apiserver refused them for good",

@@ -11,6 +11,7 @@ from dynamo_snapshot.kube import Obj
 __all__ = [
     "MAIN",
     "annotation",
+    "declares_control_dir",
     "pod_env",
     "restore_attempts",
     "status",
@@ -59,6 +60,16 @@ def _main_container(pod: Obj) -> Obj:
     if main is None:
         raise AgentError("pod has no containers")
     return dict(main)
+
+
+def declares_control_dir(pod: Obj) -> bool:
+    """Whether the pod's main container is given the snapshot control directory (what a capture's source
+    and a restore pod get; a cold start never does)."""
+    try:
+        main = _main_container(pod)
+    except AgentError:
+        return False
+    return any(e.get("name") in protocol.ENV_CONTROL_DIRS for e in main.get("env") or [])
 
 
 def pod_env(pod: Obj) -> dict[str, str]:

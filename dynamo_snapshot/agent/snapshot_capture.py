@@ -2,14 +2,16 @@
 
 The controller binds a PodSnapshot to a content labelled with the source pod's node; the agent of that node
 watches its own contents only. A content is captured when the PodSnapshot and the pod of its namespace grant
-it (``authorize.content_grant``): the artifact is stored under ``<namespace>/<PodSnapshot uid>``, bound to the
-PodSnapshot and the pod. The content says at once that the agent took it up (Ready False, reason
-CaptureInProgress), then Ready (reason Captured, the artifact's location, digest and size, what a restore
-needs) or Failed with the reason; the controller mirrors it onto the PodSnapshot. A source pod deleted
-before the capture ends is not snapshotted: what the capture published is removed (reason SourcePodGone).
-After an agent restart, a content without an outcome is looked at again: an artifact already published
-for it (the earlier process died before writing the outcome) is reported Ready; otherwise the capture runs
-again, and fails with the reason if the worker no longer waits for it.
+it (``authorize.content_grant``): the artifact is stored under ``<namespace>/<PodSnapshot uid>``, bound to
+the PodSnapshot and the pod, and sealed with the identity of the DynamoCheckpoint that controls the
+PodSnapshot (how a DynamoCheckpoint is taken), else with a hash of the PodSnapshot's UID. The content says
+at once that the agent took it up (Ready False, reason CaptureInProgress), then Ready (reason Captured, the
+artifact's location, digest and size, what a restore needs) or Failed with the reason; the controller
+mirrors it onto the PodSnapshot. A source pod deleted before the capture ends is not snapshotted: what the
+capture published is removed (reason SourcePodGone). After an agent restart, a content without an outcome
+is looked at again: an artifact already published for it (the earlier process died before writing the
+outcome) is reported Ready; otherwise the capture runs again, and fails with the reason if the worker no
+longer waits for it.
 """
 
 from __future__ import annotations
@@ -20,16 +22,32 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from dynamo_snapshot.agent.authorize import ContentRefused, content_grant
-from dynamo_snapshot.agent.errors import AgentError
+from dynamo_snapshot.agent.authorize import (
+    CaptureGrant,
+    ContentRefused,
+    capture_checkpoint_name,
+    content_grant,
+)
+from dynamo_snapshot.agent.errors import AgentError, backoff, permanent
 from dynamo_snapshot.agent.executor import Executor
 from dynamo_snapshot.agent.runtime.base import Workload, WorkloadRuntimeError
 from dynamo_snapshot.api import conditions as cond
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.podsnapshot import PodSnapshotReason
 from dynamo_snapshot.artifact import Artifact, Binding
-from dynamo_snapshot.kube import DELETED, NORMAL, WARNING, EventRecorder, Informer, Kube, Obj, is_not_found
-from dynamo_snapshot.kube.kinds import POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
+from dynamo_snapshot.kube import (
+    DELETED,
+    NORMAL,
+    WARNING,
+    ApiError,
+    EventRecorder,
+    Informer,
+    Kube,
+    Obj,
+    ResourceKind,
+    is_not_found,
+)
+from dynamo_snapshot.kube.kinds import CHECKPOINT, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
 
 __all__ = ["CAPTURED_MESSAGE", "SnapshotCapture", "snapshot_identity_hash"]
 
@@ -43,6 +61,12 @@ def snapshot_identity_hash(snapshot_uid: str) -> str:
     """The identity hash a PodSnapshot's artifact is sealed with. A PodSnapshot captures a pod, not a Dynamo
     identity: the hash names the PodSnapshot (the first 16 hex digits of its UID's SHA-256)."""
     return hashlib.sha256(snapshot_uid.encode()).hexdigest()[:16]
+
+
+def _identity_hash(grant: CaptureGrant) -> str:
+    if grant.identity is not None:
+        return grant.identity.compute_hash()
+    return snapshot_identity_hash(grant.binding.checkpoint_uid)
 
 
 class SnapshotCapture:
@@ -84,10 +108,11 @@ class SnapshotCapture:
 
     async def _capture(self, content: Obj) -> None:
         try:
-            binding, pod = await self._grant(content)
+            grant, pod = await self._grant(content)
         except ContentRefused as e:
             await self._fail(content, e.reason, str(e))
             return
+        binding = grant.binding
         published = await asyncio.to_thread(self.executor.published, binding.key)
         if published is not None:
             # An earlier agent process published it and died before saying so.
@@ -98,7 +123,7 @@ class SnapshotCapture:
             workload = await self.ensure_running(pod)
             await self.executor.wait_ready(workload, within=self.ready_timeout)
             outcome = await self.executor.checkpoint(
-                workload, snapshot_identity_hash(binding.checkpoint_uid), binding=binding
+                workload, _identity_hash(grant), grant.identity, binding=binding
             )
         except (AgentError, WorkloadRuntimeError, ValueError) as e:
             if not await self._source_gone(content, pod, binding):
@@ -114,21 +139,27 @@ class SnapshotCapture:
             return
         await self._ready(content, artifact, binding)
 
-    async def _grant(self, content: Obj) -> tuple[Binding, Obj]:
+    async def _grant(self, content: Obj) -> tuple[CaptureGrant, Obj]:
         spec = content.get("spec") or {}
         ref = spec.get("snapshotRef") or {}
         namespace = str(ref.get("namespace") or "")
+        snapshot = await self._get(POD_SNAPSHOT, str(ref.get("name") or ""), namespace)
+        ckpt_name = capture_checkpoint_name(snapshot)
+        ckpt = await self._get(CHECKPOINT, ckpt_name, namespace) if ckpt_name else None
+        pod_name = ((spec.get("source") or {}).get("podRef") or {}).get("name")
+        pod = await self._pod(f"{namespace}/{pod_name}")
+        grant = content_grant(content, snapshot, pod, self.node_name, ckpt)
+        assert pod is not None  # content_grant refuses a missing pod
+        return grant, pod
+
+    async def _get(self, kind: ResourceKind, name: str, namespace: str) -> Obj | None:
         try:
-            snapshot: Obj | None = await self.kube.get(POD_SNAPSHOT, str(ref.get("name") or ""), namespace)
+            found: Obj = await self.kube.get(kind, name, namespace)
         except Exception as e:
             if not is_not_found(e):
                 raise
-            snapshot = None
-        pod_name = ((spec.get("source") or {}).get("podRef") or {}).get("name")
-        pod = await self._pod(f"{namespace}/{pod_name}")
-        binding = content_grant(content, snapshot, pod, self.node_name)
-        assert pod is not None  # content_grant refuses a missing pod
-        return binding, pod
+            return None
+        return found
 
     async def _pod(self, key: str) -> Obj | None:
         await self.pods.wait_synced()
@@ -215,11 +246,38 @@ class SnapshotCapture:
             self.recorder.record(event_on, NORMAL, ready["reason"], ready["message"])
         else:
             self.recorder.record(event_on, WARNING, ready["reason"], ready["message"])
-        try:
-            await self.kube.patch_status(POD_SNAPSHOT_CONTENT, content["metadata"]["name"], status)
-        except Exception as e:
-            if not is_not_found(e):  # the content went away meanwhile: nobody to tell
-                raise
+        await self._patch_until_written(content["metadata"]["name"], status)
+
+    async def _patch_until_written(self, name: str, status: dict[str, Any]) -> None:
+        """Write the content's status, retrying what a retry can change: a capture's outcome is in hand
+        once, and a content is looked at again only by a new agent process. A content gone meanwhile has
+        nobody to tell; an answer no retry changes is logged and given up."""
+        attempt = 0
+        while True:
+            try:
+                await self.kube.patch_status(POD_SNAPSHOT_CONTENT, name, status)
+                return
+            except Exception as e:
+                if is_not_found(e):
+                    return
+                if isinstance(e, ApiError) and permanent(e):
+                    log.error(
+                        "giving up on the content's status: the apiserver refused it for good",
+                        extra={
+                            "content": name,
+                            "http_status": e.status,
+                            "reason": e.reason,
+                            "detail": e.message,
+                        },
+                    )
+                    return
+                attempt += 1
+                delay = backoff(attempt)
+                log.exception(
+                    "writing the content's status failed; retrying",
+                    extra={"content": name, "attempt": attempt, "retry_in_s": delay},
+                )
+                await asyncio.sleep(delay)
 
 
 def _conditions(content: Obj, ready: bool, reason: str, message: str) -> list[dict[str, Any]]:

@@ -1,9 +1,9 @@
-"""The agent's Kubernetes side: watch only pods bound to this node, run one task per pod, and report in
-the pod's annotations (per container, as the controller reads them) and, for a restore, in its
-nvidia.com/Restored condition.
+"""The agent's Kubernetes side: watch only pods bound to this node, run one task per pod, and report a
+restore in the pod's annotations (per container, as the controller reads them) and its nvidia.com/Restored
+condition; capture the PodSnapshotContents of this node (agent.snapshot_capture, the one capture path).
 
-On a kubelet node (the default) the kubelet runs every container: the agent checkpoints the container the
-pod's status names, and restores into the restore pod's own main container once it waits in standby.
+On a kubelet node (the default) the kubelet runs every container: a capture takes the container the pod's
+status names, and a restore goes into the restore pod's own main container once it waits in standby.
 In local mode (no kubelet on the node, e.g. kwok nodes in the demo and tests) the agent also starts the
 pod's main container itself through its runtime, and stops it when the pod goes away. A worker the agent
 started or restored is watched while its pod exists: when it dies, the pod is annotated so the controller
@@ -23,19 +23,19 @@ from dynamo_snapshot.agent.authorize import (
     Refused,
     RestoreGrant,
     asks_to_be_restored,
-    checkpoint_grant,
-    checkpoint_name_to_restore,
+    name_to_restore,
     restore_grant,
-    snapshot_restore_grant,
+    snapshot_to_restore,
 )
-from dynamo_snapshot.agent.errors import AgentError
+from dynamo_snapshot.agent.errors import AgentError, backoff
 from dynamo_snapshot.agent.executor import Executor, RestoreOutcome
 from dynamo_snapshot.agent.kubelet_containers import KubeletContainers
 from dynamo_snapshot.agent.pod_container import running_container
-from dynamo_snapshot.agent.pod_reports import PodReporter, backoff
+from dynamo_snapshot.agent.pod_reports import PodReporter
 from dynamo_snapshot.agent.pod_spec import (
     MAIN,
     annotation,
+    declares_control_dir,
     pod_env,
     restore_attempts,
     status,
@@ -46,7 +46,6 @@ from dynamo_snapshot.agent.runtime.base import Runtime, Workload, WorkloadRuntim
 from dynamo_snapshot.agent.runtime.containerd import ContainerdRuntime
 from dynamo_snapshot.agent.snapshot_capture import SnapshotCapture
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.artifact import artifact_key
 from dynamo_snapshot.kube import (
     DELETED,
     POD,
@@ -55,11 +54,10 @@ from dynamo_snapshot.kube import (
     Kube,
     Obj,
     ResourceKind,
-    controller_ref,
     is_not_found,
     object_key,
 )
-from dynamo_snapshot.kube.kinds import CHECKPOINT, JOB, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
+from dynamo_snapshot.kube.kinds import CHECKPOINT, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
 
 __all__ = ["AGENT_NAME", "MAIN", "AgentSettings", "NodeAgent", "workload_key"]
 
@@ -100,13 +98,11 @@ class NodeAgent:
         )
         self.pods = Informer(kube, POD, field_selector=f"spec.nodeName={settings.node_name}")
         self.kubelet = KubeletContainers(self.containers, self.pods) if self.containers is not None else None
-        # Every namespace's checkpoints: an artifact is removed once its checkpoint is gone.
-        self.checkpoints = Informer(kube, CHECKPOINT)
         # Every namespace's PodSnapshots: their artifacts live as long as they do.
         self.snapshots = Informer(kube, POD_SNAPSHOT)
         self.recorder = EventRecorder(kube, AGENT_NAME)
         self.reports = PodReporter(kube, self.recorder, AGENT_NAME)
-        self.sweeper = ArtifactSweeper(executor, [self.checkpoints, self.snapshots])
+        self.sweeper = ArtifactSweeper(executor, [self.snapshots])
         self.capture = SnapshotCapture(
             kube,
             executor,
@@ -122,12 +118,14 @@ class NodeAgent:
         # them, where a "running" left by an earlier agent process means that process died mid-restore.
         self._restoring: set[str] = set()
         self.pods.add_handler(self._on_pod)
-        self.checkpoints.add_handler(self.sweeper.on_owner)
         self.snapshots.add_handler(self.sweeper.on_owner)
 
     async def run_until(self, stop: asyncio.Event) -> None:
         await self.executor.remove_abandoned_scratch()
-        informers = [self.pods, self.checkpoints, self.snapshots, self.capture.contents]
+        # The staging of captures cut short (an agent that died mid-capture); writers still at work, on
+        # this node or another sharing the store, hold their lock and are left alone.
+        await asyncio.to_thread(self.executor.store.gc_partial)
+        informers = [self.pods, self.snapshots, self.capture.contents]
         for informer in informers:
             informer.start()
         sweeping = asyncio.create_task(self.sweeper.sweep_forever(), name="artifact-sweep")
@@ -182,13 +180,12 @@ class NodeAgent:
     # ------------------------------------------------------------------ per pod
     async def _handle(self, pod: Obj) -> None:
         """Dispatch the pod, retrying with backoff on unexpected errors (a transient apiserver error,
-        say): checkpoints and restores report their own failures, anything else would otherwise leave
-        the pod unhandled until the agent restarts. Each retry reads the pod afresh and dispatches it
-        from the start, so every step up to supervision must be safe to repeat. The reports a repeat
-        would get wrong are retried where they are made (_annotate_until_written): a finished restore,
-        which a repeat would find still running and restore anew, a worker's exit, which a repeat would
-        find gone and not yet reported, and a published checkpoint, which a repeat would find still
-        running (it then reads the outcome from the store, as after an agent restart)."""
+        say): restores report their own failures, anything else would otherwise leave the pod unhandled
+        until the agent restarts. Each retry reads the pod afresh and dispatches it from the start, so
+        every step up to supervision must be safe to repeat. The reports a repeat would get wrong are
+        retried where they are made (annotate_until_written): a finished restore, which a repeat would
+        find still running and restore anew, and a worker's exit, which a repeat would find gone and not
+        yet reported."""
         attempt = 0
         while True:
             try:
@@ -217,12 +214,13 @@ class NodeAgent:
         labels = pod["metadata"].get("labels") or {}
         if asks_to_be_restored(pod):
             await self._restore(pod)
-        elif labels.get(protocol.LABEL_CHECKPOINT_SOURCE) == protocol.TRUE:
-            await self._checkpoint(pod)
         elif (
             self.settings.launch_workloads
             and labels.get(protocol.LABEL_MANAGED_BY) == protocol.MANAGED_BY_VALUE
             and annotation(pod, protocol.ANNOTATION_WORKLOAD_EXITED) is None
+            # A pod given the snapshot control directory is a capture's source: the capture of its
+            # content launches it, told where that directory is (a cold start never is).
+            and not declares_control_dir(pod)
         ):
             try:
                 workload_spec(pod, workload_key(pod), snapshot=False)
@@ -251,84 +249,6 @@ class NodeAgent:
             raise AgentError(f"no running container found for {key}")
         return await self.runtime.launch(workload_spec(pod, key, snapshot=snapshot))
 
-    async def _checkpoint(self, pod: Obj) -> None:
-        state = status(pod, protocol.ANNOTATION_CHECKPOINT_STATUS)
-        if state is not None and state.terminal:
-            return
-        try:
-            grant = checkpoint_grant(pod, *await self._checkpoint_objects(pod))
-        except Refused as e:
-            await self.reports.refuse(pod, "CheckpointRefused", protocol.ANNOTATION_CHECKPOINT_STATUS, str(e))
-            return
-        key = artifact_key(grant.binding.namespace, grant.binding.checkpoint_uid)
-        if state is Status.RUNNING:
-            await self._checkpoint_cut_short(pod, key)
-            return
-        try:
-            workload = await self._ensure_running(pod, snapshot=True)
-            await self.executor.wait_ready(workload, within=self.settings.ready_timeout)
-            await self.reports.report(
-                pod,
-                protocol.ANNOTATION_CHECKPOINT_STATUS,
-                protocol.ANNOTATION_CHECKPOINT_MESSAGE,
-                Status.RUNNING,
-                "checkpointing",
-            )
-            outcome = await self.executor.checkpoint(
-                workload, grant.identity_hash, grant.identity, binding=grant.binding
-            )
-        except (AgentError, WorkloadRuntimeError, ValueError) as e:
-            await self.reports.fail(pod, "CheckpointFailed", protocol.ANNOTATION_CHECKPOINT_STATUS, str(e))
-            return
-        await self.reports.report_checkpointed(
-            pod,
-            outcome.location,
-            outcome.manifest_digest,
-            outcome.timings.phases,
-            f"checkpointed {outcome.artifact_bytes} bytes in {outcome.timings.total():.2f}s",
-        )
-
-    async def _checkpoint_cut_short(self, pod: Obj, key: str) -> None:
-        """A checkpoint cut short (an agent that died, or a report of ours that never landed): the store
-        says how it ended. Publishing is the last step, so an artifact bound to this pod is the checkpoint
-        taken, and only its report was lost."""
-        artifact = await asyncio.to_thread(self.executor.published, key)
-        binding = artifact.manifest.binding if artifact is not None else None
-        if artifact is not None and binding is not None and binding.source_pod_uid == pod["metadata"]["uid"]:
-            size = sum(f.size for f in artifact.manifest.files)
-            timings = artifact.manifest.timings
-            await self.reports.report_checkpointed(
-                pod,
-                str(artifact.path),
-                artifact.manifest.digest or "",
-                timings,
-                f"checkpointed {size} bytes in {sum(timings.values()):.2f}s "
-                "(found published when the pod was handled again)",
-            )
-            return
-        # Nothing published: the staging left behind never became an artifact.
-        await asyncio.to_thread(self.executor.store.gc_partial)
-        await self.reports.report(
-            pod,
-            protocol.ANNOTATION_CHECKPOINT_STATUS,
-            protocol.ANNOTATION_CHECKPOINT_MESSAGE,
-            Status.FAILED,
-            "the checkpoint did not finish (the node agent restarted, or its attempt ended "
-            "unexpectedly); nothing was published",
-        )
-
-    async def _checkpoint_objects(self, pod: Obj) -> tuple[Obj | None, Obj | None]:
-        """The DynamoCheckpoint a source pod names and the Job that controls the pod, read in the pod's
-        namespace (None for either that does not exist)."""
-        meta = pod["metadata"]
-        name = (meta.get("labels") or {}).get(protocol.LABEL_CHECKPOINT_ID)
-        ckpt = await self._get(CHECKPOINT, name, meta["namespace"]) if name else None
-        owner = controller_ref(pod)
-        job = None
-        if owner is not None and owner.get("kind") == "Job" and owner.get("name"):
-            job = await self._get(JOB, str(owner["name"]), meta["namespace"])
-        return ckpt, job
-
     async def _get(self, kind: ResourceKind, name: str, namespace: str) -> Obj | None:
         try:
             return await self.kube.get(kind, name, namespace)
@@ -354,7 +274,7 @@ class NodeAgent:
         try:
             grant = await self._restore_grant(pod)
         except Refused as e:
-            await self.reports.refuse(pod, "RestoreRefused", protocol.ANNOTATION_RESTORE_STATUS, str(e))
+            await self.reports.refuse(pod, str(e))
             return
         # Written before the running status: where it raises, the pod is dispatched anew without one, and
         # no restore is taken for cut short.
@@ -389,18 +309,17 @@ class NodeAgent:
         await self._supervise(pod, outcome.workload)
 
     async def _restore_grant(self, pod: Obj) -> RestoreGrant:
-        """The grant of the object ``restore-from`` names in the pod's namespace: a DynamoCheckpoint (the
-        Dynamo layer), else a PodSnapshot (NVIDIA Snapshot's generic API)."""
+        """The grant of what ``restore-from`` names in the pod's namespace: a DynamoCheckpoint (the Dynamo
+        layer), read with the PodSnapshot it records, else a PodSnapshot (NVIDIA Snapshot's generic API);
+        either way with the content that PodSnapshot is bound to."""
         namespace = pod["metadata"]["namespace"]
-        name = checkpoint_name_to_restore(pod)
+        name = name_to_restore(pod)
         ckpt = await self._get(CHECKPOINT, name, namespace) if name else None
-        if ckpt is None and name:
-            snapshot = await self._get(POD_SNAPSHOT, name, namespace)
-            if snapshot is not None:
-                bound = (snapshot.get("status") or {}).get("boundSnapshotContentName")
-                content = await self._get(POD_SNAPSHOT_CONTENT, bound, "") if bound else None
-                return snapshot_restore_grant(pod, snapshot, content)
-        return restore_grant(pod, ckpt)
+        snapshot_name = snapshot_to_restore(name, ckpt)
+        snapshot = await self._get(POD_SNAPSHOT, snapshot_name, namespace) if snapshot_name else None
+        bound = ((snapshot or {}).get("status") or {}).get("boundSnapshotContentName")
+        content = await self._get(POD_SNAPSHOT_CONTENT, bound, "") if bound else None
+        return restore_grant(pod, ckpt, snapshot, content)
 
     async def _retake_container(self, pod: Obj, state: Status | None) -> str | None:
         """After an agent restart, on a kubelet node: take the pod's container again, to watch or clear
@@ -452,10 +371,10 @@ class NodeAgent:
                 pod, self.settings.container_start_timeout, self.settings.standby_timeout, spent
             )
         except Refused as e:
-            await self.reports.refuse(pod, "RestoreRefused", protocol.ANNOTATION_RESTORE_STATUS, str(e))
+            await self.reports.refuse(pod, str(e))
             return None
         except (AgentError, WorkloadRuntimeError) as e:
-            await self.reports.fail(pod, "RestoreFailed", protocol.ANNOTATION_RESTORE_STATUS, str(e))
+            await self.reports.fail(pod, str(e))
             return None
         env = self.kubelet.runtime.container_env(workload_key(pod))
         return _RestoreTarget(target.image_id, target.visible_gpus, env)
@@ -489,5 +408,5 @@ class NodeAgent:
         except (AgentError, WorkloadRuntimeError, ValueError) as e:
             with contextlib.suppress(Exception):
                 await self.runtime.stop(key)
-            await self.reports.fail(pod, "RestoreFailed", protocol.ANNOTATION_RESTORE_STATUS, str(e))
+            await self.reports.fail(pod, str(e))
             return None

@@ -78,6 +78,10 @@ class PodSnapshotReason(StrEnum):
     SNAPSHOT_NOT_FOUND = "SnapshotNotFound"  # the content's PodSnapshot does not exist
     SNAPSHOT_DELETED = "SnapshotDeleted"  # the content's PodSnapshot is being deleted
     INVALID_DESTINATION = "InvalidDestination"  # the content or its pod is not on the capturing node
+    # The DynamoCheckpoint that controls the PodSnapshot, whose identity seals the artifact:
+    CHECKPOINT_NOT_FOUND = "CheckpointNotFound"  # not there, or another one of that name (UID)
+    CHECKPOINT_DELETED = "CheckpointDeleted"  # being deleted
+    INVALID_IDENTITY = "InvalidIdentity"  # its spec.identity is not a valid CheckpointIdentity
 
 
 def content_name(snapshot_uid: str) -> str:
