@@ -1,4 +1,5 @@
-"""DynamoCheckpoint (nvidia.com/v1alpha1): one checkpoint of a warm worker, and the Job that makes it.
+"""DynamoCheckpoint (nvidia.com/v1alpha1): one checkpoint of a warm worker, taken by a SnapshotJob into a
+PodSnapshot that the checkpoint owns.
 
 Follows Dynamo's DynamoCheckpoint (deploy/operator/api/v1alpha1) so checkpoints created by either
 operator are readable by the other.
@@ -45,31 +46,41 @@ IDENTITY_IMMUTABLE_MESSAGE = (
     "identity is immutable once set: create a new DynamoCheckpoint for a different identity"
 )
 
-# The checkpoint Job is named <checkpoint>-checkpoint, and the Job controller puts the Job's name on its
-# pod as a label value (at most 63 characters): the checkpoint's name leaves room for the suffix, so
-# two checkpoints never share a Job name by truncation.  The checkpoint's name is also the value of the
-# nvidia.com/snapshot-checkpoint-id label on every pod restored from it.
+# The checkpoint's SnapshotJob (and its batch Job and PodSnapshot) is named <checkpoint>-checkpoint, and
+# that name becomes a label value on the pod (at most 63 characters): the checkpoint's name leaves room for
+# the suffix, so two checkpoints never share a SnapshotJob name by truncation.  The checkpoint's name is
+# also the value of the nvidia.com/snapshot-checkpoint-id label on every pod restored from it.
 CHECKPOINT_JOB_SUFFIX = "-checkpoint"
 CHECKPOINT_NAME_MAX_LENGTH = LABEL_VALUE_MAX_LENGTH - len(CHECKPOINT_JOB_SUFFIX)
 CHECKPOINT_NAME_MESSAGE = (
-    f"metadata.name must be at most {CHECKPOINT_NAME_MAX_LENGTH} characters: the checkpoint Job is named "
-    f"<metadata.name>{CHECKPOINT_JOB_SUFFIX}, and Kubernetes puts Job names on pods as label values "
+    f"metadata.name must be at most {CHECKPOINT_NAME_MAX_LENGTH} characters: the checkpoint's SnapshotJob is "
+    f"named <metadata.name>{CHECKPOINT_JOB_SUFFIX}, and that name is put on its pod as a label value "
     f"(at most {LABEL_VALUE_MAX_LENGTH} characters)"
 )
 
 
 class CheckpointJobConfig(KubeModel):
-    """The Job that starts the worker, waits until it is warm and checkpoints it."""
+    """The SnapshotJob that starts the worker, waits until it is warm and checkpoints it."""
 
     pod_template_spec: dict[str, Any] = Field(
-        description="A Kubernetes PodTemplateSpec running the worker to checkpoint."
+        description="A Kubernetes PodTemplateSpec running the worker to checkpoint; its container named "
+        "main is captured."
     )
     active_deadline_seconds: PositiveInt32 = Field(
-        default=3600, description="How long the Job may run before it is failed."
+        default=3600,
+        description="The SnapshotJob's activeDeadlineSeconds: how long, from its creation, the worker may "
+        "take to start, warm up and be captured before the checkpoint fails.",
     )
-    backoff_limit: NonNegativeInt32 = Field(default=3, description="Retries before the Job is failed.")
+    backoff_limit: NonNegativeInt32 = Field(
+        default=3,
+        description="Accepted for compatibility with Dynamo's DynamoCheckpoint and not used: the worker runs "
+        "once (a SnapshotJob does not retry), and a failed checkpoint is taken again by deleting it.",
+    )
     ttl_seconds_after_finished: NonNegativeInt32 = Field(
-        default=300, description="How long a finished Job is kept."
+        default=300,
+        description="Accepted for compatibility with Dynamo's DynamoCheckpoint and not used: the worker's "
+        "pod is removed as soon as the capture ends, and the SnapshotJob and PodSnapshot live as long as "
+        "the checkpoint.",
     )
 
 
@@ -110,7 +121,10 @@ MAX_FAILED_RESTORES_LISTED = 20
 class DynamoCheckpointStatus(KubeModel):
     phase: CheckpointPhase | None = None
     identity_hash: str | None = Field(default=None, description="Hash of spec.identity.")
-    location: str | None = Field(default=None, description="Where the checkpoint is stored.")
+    location: str | None = Field(
+        default=None,
+        description="Where the checkpoint is stored (the PodSnapshotContent's artifact location).",
+    )
     artifact_digest: str | None = Field(
         default=None,
         pattern=r"^[0-9a-f]{64}$",
@@ -118,7 +132,10 @@ class DynamoCheckpointStatus(KubeModel):
     )
     source_pod: str | None = Field(default=None, description="The pod the checkpoint was taken from.")
     storage_type: StorageType | None = None
-    job_name: str | None = Field(default=None, description="The checkpoint Job.")
+    job_name: str | None = Field(default=None, description="The SnapshotJob that takes the checkpoint.")
+    pod_snapshot_name: str | None = Field(
+        default=None, description="The PodSnapshot the SnapshotJob made; restores read its content."
+    )
     created_at: Timestamp | None = Field(default=None, description="When the checkpoint became ready.")
     message: str | None = None
     compatibility: CheckpointCompatibility | None = None

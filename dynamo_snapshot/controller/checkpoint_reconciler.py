@@ -1,8 +1,10 @@
-"""DynamoCheckpoint reconcile: run the checkpoint Job, watch the node agent's verdict on its pod, and keep
-`status` (phase, hash, location, compatibility, conditions) true to what the cluster shows.
+"""DynamoCheckpoint reconcile: take the checkpoint with a SnapshotJob, and keep `status` (phase, hash,
+location, compatibility, conditions) true to what its PodSnapshot and that snapshot's content show.
 
-Pending -> Creating (Job exists) -> Ready (agent reported `completed`) | Failed (Job deadline or backoff,
-agent reported `failed`, or too many restores from it failed).
+Pending -> Creating (the SnapshotJob exists) -> Ready (its PodSnapshot is Ready: the artifact, its digest
+and the GPU environment come from the bound PodSnapshotContent) | Failed (the SnapshotJob failed, with its
+reason, or too many restores from the checkpoint failed). The SnapshotJob and the PodSnapshot it makes are
+controlled by the checkpoint: deleting the checkpoint deletes both, once no restore reads it.
 """
 
 from __future__ import annotations
@@ -21,27 +23,30 @@ from dynamo_snapshot.api.identity import compute_identity_hash
 from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.controller.podspec import (
     MAIN_CONTAINER,
-    checkpoint_job,
     checkpoint_job_name,
-    gpus_of_pod,
+    checkpoint_snapshot_job,
 )
 from dynamo_snapshot.kube import (
     NORMAL,
     WARNING,
+    ApiError,
+    Informer,
     Obj,
     Result,
     controller_ref,
     is_already_exists,
-    is_not_found,
     object_key,
 )
 from dynamo_snapshot.kube.finalizers import remove_finalizer
-from dynamo_snapshot.kube.kinds import CHECKPOINT, JOB
+from dynamo_snapshot.kube.kinds import CHECKPOINT, SNAPSHOT_JOB
 from dynamo_snapshot.kube.pods import pod_active
 
 log = logging.getLogger(__name__)
 FINALIZE_RECHECK_S = 2.0
+# How soon a wait on an object going away is looked at again (its deletion may send no event we watch).
+RECHECK_S = 1.0
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+WAITING_MESSAGE = "waiting for the worker to become ready and the node agent to checkpoint it"
 
 
 def agent_verdict(pod: Obj, status_key: str, message_key: str) -> tuple[protocol.SnapshotStatus | None, str]:
@@ -73,6 +78,16 @@ def controlled_by(obj: Obj, owner_uid: str | None) -> bool:
     return bool(owner_uid) and (controller_ref(obj) or {}).get("uid") == owner_uid
 
 
+def _earlier(obj: Obj, ckpt: Obj) -> bool:
+    """`obj` is controlled by an earlier DynamoCheckpoint of `ckpt`'s name (deleted, and made again)."""
+    ref = controller_ref(obj) or {}
+    return (
+        ref.get("kind") == CHECKPOINT.kind
+        and ref.get("name") == ckpt["metadata"]["name"]
+        and ref.get("uid") != ckpt["metadata"]["uid"]
+    )
+
+
 def _restore_under_way(pod: Obj) -> bool:
     """A restore pod the node agent may be restoring into, or is about to: alive and without a final
     verdict."""
@@ -82,17 +97,14 @@ def _restore_under_way(pod: Obj) -> bool:
     return verdict is None or not verdict.terminal
 
 
-def _job_failure(job: Obj) -> str | None:
-    for c in (job.get("status") or {}).get("conditions") or []:
-        if c.get("type") == "Failed" and c.get("status") == "True":
-            name = job["metadata"]["name"]
-            return f"checkpoint Job {name} failed: {c.get('reason', '')}: {c.get('message', '')}"
-    return None
-
-
 class CheckpointReconciler:
-    def __init__(self, ctx: Context) -> None:
+    def __init__(
+        self, ctx: Context, snapshot_jobs: Informer, snapshots: Informer, contents: Informer
+    ) -> None:
         self.ctx = ctx
+        self.snapshot_jobs = snapshot_jobs
+        self.snapshots = snapshots
+        self.contents = contents
 
     async def reconcile(self, key: str) -> Result | None:
         ctx = self.ctx
@@ -124,10 +136,7 @@ class CheckpointReconciler:
         status: dict[str, Any] = dict(obj.get("status") or {})
         phase = status.get("phase") or CheckpointPhase.PENDING.value
         new = dict(status, identityHash=identity_hash)
-        job_name = checkpoint_job_name(name)
-        job = ctx.jobs.get(f"{namespace}/{job_name}")
-        generation = obj["metadata"].get("generation")
-
+        result: Result | None = None
         if phase == CheckpointPhase.READY.value:
             failures = status.get("failedRestores") or []
             if len(failures) >= ctx.settings.restore_failure_threshold:
@@ -137,26 +146,9 @@ class CheckpointReconciler:
                 )
                 new.update(phase=CheckpointPhase.FAILED.value, message=msg)
                 ctx.recorder.record(obj, WARNING, "TooManyRestoreFailures", msg)
-            elif job is not None:
-                # The source worker has served its purpose; free its GPU.
-                await self._delete_job(namespace, job_name)
-        elif phase == CheckpointPhase.FAILED.value:
-            if job is not None and not _job_failure(job):
-                await self._delete_job(namespace, job_name)
-        elif job is None:
-            try:
-                await ctx.kube.create(JOB, checkpoint_job(obj, ckpt, identity_hash))
-                ctx.recorder.record(obj, NORMAL, "JobCreated", f"created checkpoint Job {job_name}")
-            except Exception as e:
-                if not is_already_exists(e):
-                    raise
-            new.update(
-                phase=CheckpointPhase.CREATING.value,
-                jobName=job_name,
-                message="starting the worker to checkpoint",
-            )
-        else:
-            new.update(self._progress(obj, job, new))
+        elif phase != CheckpointPhase.FAILED.value:
+            update, result = await self._take(obj, ckpt, identity_hash)
+            new.update(update)
 
         new["conditions"] = cond.set_condition(
             list(status.get("conditions") or []),
@@ -164,76 +156,139 @@ class CheckpointReconciler:
             new.get("phase") == CheckpointPhase.READY.value,
             new.get("phase") or CheckpointPhase.PENDING.value,
             new.get("message") or "",
-            generation,
+            obj["metadata"].get("generation"),
         )
         if new != status:
             if new.get("phase") != status.get("phase"):
                 self._announce(obj, new)
             await ctx.kube.patch_status(CHECKPOINT, name, new, namespace)
-        return None
+        return result
 
-    def _progress(self, obj: Obj, job: Obj, status: dict[str, Any]) -> dict[str, Any]:
-        """Creating -> Ready/Failed from the Job's conditions and the agent's annotations on its pod."""
-        ctx = self.ctx
+    async def _take(
+        self, obj: Obj, ckpt: DynamoCheckpoint, identity_hash: str
+    ) -> tuple[dict[str, Any], Result | None]:
+        """Pending or Creating: make the SnapshotJob, or follow the one made."""
         namespace, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
-        failure = _job_failure(job)
-        if failure:
-            return {"phase": CheckpointPhase.FAILED.value, "message": failure}
-        # Only the Job's own pods count: a pod that merely carries the labels proves nothing.
-        job_uid = job["metadata"].get("uid")
-        sources = [
-            p
-            for p in ctx.pods.by_label(protocol.LABEL_CHECKPOINT_ID, name)
-            if p["metadata"]["namespace"] == namespace
-            and (p["metadata"].get("labels") or {}).get(protocol.LABEL_CHECKPOINT_SOURCE) == protocol.TRUE
-            and controlled_by(p, job_uid)
-        ]
-        for pod in sources:
-            verdict, message = agent_verdict(
-                pod, protocol.ANNOTATION_CHECKPOINT_STATUS, protocol.ANNOTATION_CHECKPOINT_MESSAGE
+        job_name = checkpoint_job_name(name)
+        job = self.snapshot_jobs.get(f"{namespace}/{job_name}")
+        if job is not None and controlled_by(job, obj["metadata"]["uid"]):
+            return self._progress(job), None
+        snapshot = self.snapshots.get(f"{namespace}/{job_name}")
+        left = [k for k, o in (("SnapshotJob", job), ("PodSnapshot", snapshot)) if o and _earlier(o, obj)]
+        if left:
+            # A checkpoint of this name was deleted and made again (Auto mode does): the garbage collector
+            # removes what the earlier one owned, and the names are free after that.
+            kinds = " and ".join(left)
+            waiting = f"waiting for the {kinds} {job_name} of an earlier checkpoint of this name to go away"
+            return {"phase": CheckpointPhase.PENDING.value, "message": waiting}, Result(
+                requeue_after=RECHECK_S
             )
-            if verdict is protocol.SnapshotStatus.COMPLETED:
-                ann = pod["metadata"].get("annotations") or {}
-                digest = ann.get(protocol.ANNOTATION_ARTIFACT_DIGEST) or ""
-                if not _SHA256.fullmatch(digest):
-                    return {
-                        "phase": CheckpointPhase.FAILED.value,
-                        "message": f"the node agent reported pod {pod['metadata']['name']} checkpointed "
-                        f"without a valid {protocol.ANNOTATION_ARTIFACT_DIGEST} annotation "
-                        "(an agent older than the controller?): no restore could verify the artifact",
-                    }
-                return {
-                    "phase": CheckpointPhase.READY.value,
-                    "message": f"checkpointed from pod {pod['metadata']['name']}",
-                    "location": ann.get(protocol.ANNOTATION_CHECKPOINT_LOCATION),
-                    "artifactDigest": digest,
-                    "sourcePod": pod["metadata"]["name"],
-                    "storageType": ann.get(protocol.ANNOTATION_CHECKPOINT_STORAGE_TYPE) or "pvc",
-                    "createdAt": cond.now_rfc3339(),
-                    "compatibility": self._compatibility(pod).model_dump(by_alias=True, exclude_none=True),
-                    "jobName": job["metadata"]["name"],
-                }
-            if verdict is protocol.SnapshotStatus.FAILED:
-                return {
-                    "phase": CheckpointPhase.FAILED.value,
-                    "message": f"node agent failed to checkpoint pod {pod['metadata']['name']}: {message}",
-                }
-        waiting = "waiting for the worker to become ready and the node agent to checkpoint it"
+        if job is None:
+            return await self._create_job(obj, ckpt, identity_hash), None
+        message = (
+            f"SnapshotJob {job_name} exists and is not controlled by this DynamoCheckpoint; delete it or "
+            "give the checkpoint another name"
+        )
+        return {"phase": CheckpointPhase.FAILED.value, "message": message}, None
+
+    async def _create_job(self, obj: Obj, ckpt: DynamoCheckpoint, identity_hash: str) -> dict[str, Any]:
+        ctx = self.ctx
+        manifest = checkpoint_snapshot_job(obj, ckpt, identity_hash)
+        job_name = manifest["metadata"]["name"]
+        try:
+            await ctx.kube.create(SNAPSHOT_JOB, manifest, obj["metadata"]["namespace"])
+        except ApiError as e:
+            if e.status in (400, 422):
+                # The SnapshotJob's schema checks the pod template (a container named main, above all).
+                message = f"spec.job.podTemplateSpec: the SnapshotJob {job_name} was refused: {e.message}"
+                return {"phase": CheckpointPhase.FAILED.value, "message": message}
+            if not is_already_exists(e):
+                raise
+        else:
+            ctx.recorder.record(obj, NORMAL, "SnapshotJobCreated", f"created SnapshotJob {job_name}")
         return {
             "phase": CheckpointPhase.CREATING.value,
-            "jobName": job["metadata"]["name"],
-            "message": waiting,
+            "jobName": job_name,
+            "message": "starting the worker to checkpoint",
         }
 
-    def _compatibility(self, pod: Obj) -> CheckpointCompatibility:
-        """The GPU environment of the node the checkpoint was taken on, as GPU feature discovery labels it."""
-        node = self.ctx.nodes.get(pod.get("spec", {}).get("nodeName") or "") or {}
-        labels = (node.get("metadata") or {}).get("labels") or {}
-        return CheckpointCompatibility(
-            gpu_product=labels.get(protocol.LABEL_GPU_PRODUCT),
-            cuda_driver_major=labels.get(protocol.LABEL_CUDA_DRIVER_MAJOR),
-            gpu_count=gpus_of_pod(pod) or None,
+    def _progress(self, job: Obj) -> dict[str, Any]:
+        """Creating -> Ready/Failed from the SnapshotJob's conditions, its PodSnapshot and that PodSnapshot's
+        content."""
+        job_name = job["metadata"]["name"]
+        failed = cond.find_condition(job, cond.FAILED)
+        if failed is not None and failed.get("status") == "True":
+            why = f"{failed.get('reason') or 'Failed'}: {failed.get('message') or ''}".rstrip(": ")
+            return {"phase": CheckpointPhase.FAILED.value, "message": f"SnapshotJob {job_name} failed: {why}"}
+        creating: dict[str, Any] = {
+            "phase": CheckpointPhase.CREATING.value,
+            "jobName": job_name,
+            "message": WAITING_MESSAGE,
+        }
+        snapshot = self._snapshot_of(job)
+        if snapshot is None:
+            return creating
+        creating["podSnapshotName"] = snapshot["metadata"]["name"]
+        if not cond.is_true(snapshot, cond.READY):
+            pod = ((snapshot.get("spec") or {}).get("source") or {}).get("podRef", {}).get("name")
+            creating["message"] = f"waiting for the node agent to checkpoint pod {pod}"
+            return creating
+        content = self._content_of(snapshot)
+        if content is None:
+            return creating  # the content's Ready reaches this cache a moment after the PodSnapshot's
+        return self._ready(snapshot, content)
+
+    def _snapshot_of(self, job: Obj) -> Obj | None:
+        """The PodSnapshot the SnapshotJob made (by its recorded UID), once it is in the cache."""
+        status = job.get("status") or {}
+        name, uid = status.get("podSnapshotName"), status.get("podSnapshotUid")
+        if not name or not uid:
+            return None
+        snapshot = self.snapshots.get(f"{job['metadata']['namespace']}/{name}")
+        return snapshot if snapshot is not None and snapshot["metadata"]["uid"] == uid else None
+
+    def _content_of(self, snapshot: Obj) -> Obj | None:
+        """The Ready content bound to `snapshot`, once it is in the cache."""
+        bound = (snapshot.get("status") or {}).get("boundSnapshotContentName")
+        content = self.contents.get(bound) if bound else None
+        if content is None:
+            return None
+        ref = (content.get("spec") or {}).get("snapshotRef") or {}
+        if ref.get("uid") != snapshot["metadata"]["uid"] or not cond.is_true(content, cond.READY):
+            return None
+        return content
+
+    def _ready(self, snapshot: Obj, content: Obj) -> dict[str, Any]:
+        content_status = content.get("status") or {}
+        artifact = content_status.get("artifact") or {}
+        content_name = content["metadata"]["name"]
+        digest = artifact.get("digest") or ""
+        if not _SHA256.fullmatch(digest):
+            return {
+                "phase": CheckpointPhase.FAILED.value,
+                "message": f"PodSnapshotContent {content_name} is Ready without a valid "
+                "status.artifact.digest (a node agent older than the controller?): no restore could verify "
+                "the artifact",
+            }
+        compat = content_status.get("compatibility") or {}
+        compatibility = CheckpointCompatibility(
+            gpu_product=compat.get("gpuProduct"),
+            cuda_driver_major=compat.get("cudaDriverMajor"),
+            # 0 GPUs asks nothing of a node, as a checkpoint that names no count.
+            gpu_count=compat.get("gpuCount") or None,
         )
+        source = (((content.get("spec") or {}).get("source") or {}).get("podRef") or {}).get("name")
+        return {
+            "phase": CheckpointPhase.READY.value,
+            "message": f"checkpointed from pod {source} into PodSnapshot {snapshot['metadata']['name']}",
+            "location": artifact.get("location"),
+            "artifactDigest": digest,
+            "sourcePod": source,
+            "storageType": "pvc",
+            "createdAt": cond.now_rfc3339(),
+            "compatibility": compatibility.model_dump(by_alias=True, exclude_none=True),
+            "podSnapshotName": snapshot["metadata"]["name"],
+        }
 
     async def _finalize(self, obj: Obj) -> Result | None:
         """A deleted checkpoint keeps its finalizer while a restore from it is under way, so its artifact
@@ -260,13 +315,6 @@ class CheckpointReconciler:
             if p["metadata"]["namespace"] == namespace
             and (p["metadata"].get("labels") or {}).get(protocol.LABEL_RESTORE_TARGET) == protocol.TRUE
         ]
-
-    async def _delete_job(self, namespace: str, job_name: str) -> None:
-        try:
-            await self.ctx.kube.delete(JOB, job_name, namespace, propagation_policy="Background")
-        except Exception as e:
-            if not is_not_found(e):
-                raise
 
     def _announce(self, obj: Obj, status: dict[str, Any]) -> None:
         phase = status.get("phase")

@@ -89,10 +89,14 @@ class Controller:
             settings=config,
         )
         self.dgd_reconciler = DGDReconciler(self.ctx)
-        self.checkpoint_reconciler = CheckpointReconciler(self.ctx)
         # The generic layer: PodSnapshots of the namespace, and their contents (cluster-scoped).
         self.snapshots = Informer(kube, POD_SNAPSHOT, namespace=ns)
         self.contents = Informer(kube, POD_SNAPSHOT_CONTENT)
+        # SnapshotJobs: their Jobs and pods come through the managed-by informers above.
+        self.snapshot_jobs = Informer(kube, SNAPSHOT_JOB, namespace=ns)
+        self.checkpoint_reconciler = CheckpointReconciler(
+            self.ctx, self.snapshot_jobs, self.snapshots, self.contents
+        )
         self.podsnapshot_reconciler = PodSnapshotReconciler(
             kube,
             self.snapshots,
@@ -100,8 +104,6 @@ class Controller:
             self.ctx.recorder,
             pickup_timeout_s=config.snapshot_pickup_timeout_seconds,
         )
-        # SnapshotJobs: their Jobs and pods come through the managed-by informers above.
-        self.snapshot_jobs = Informer(kube, SNAPSHOT_JOB, namespace=ns)
         self.snapshotjob_reconciler = SnapshotJobReconciler(
             kube,
             self.snapshot_jobs,
@@ -189,17 +191,6 @@ class Controller:
                     self._deleted_unexpectedly(owner, obj)
                 ctx.expectations.observed(owner, meta["name"], deleted=etype == DELETED)
                 self.queue.add((DGD_KEY, owner[0]))
-            if labels.get(protocol.LABEL_CHECKPOINT_SOURCE) == protocol.TRUE and labels.get(
-                protocol.LABEL_CHECKPOINT_ID
-            ):
-                self.queue.add(
-                    (CHECKPOINT_KEY, f"{meta['namespace']}/{labels[protocol.LABEL_CHECKPOINT_ID]}")
-                )
-
-        async def on_job(etype: str, obj: Obj, old: Obj | None) -> None:
-            ckpt = (obj["metadata"].get("labels") or {}).get(protocol.LABEL_CHECKPOINT_ID)
-            if ckpt:
-                self.queue.add((CHECKPOINT_KEY, f"{obj['metadata']['namespace']}/{ckpt}"))
 
         async def on_node(etype: str, obj: Obj, old: Obj | None) -> None:
             if old is None or etype == DELETED or _node_shape(old) != _node_shape(obj):
@@ -233,12 +224,17 @@ class Controller:
         ctx.dgds.add_handler(on_dgd)
         ctx.checkpoints.add_handler(on_checkpoint)
         ctx.pods.add_handler(on_pod)
-        ctx.jobs.add_handler(on_job)
         ctx.nodes.add_handler(on_node)
         self._wire_snapshots()
 
     def _wire_snapshots(self) -> None:
         namespace = self.config.namespace
+
+        def wake_checkpoint(obj: Obj) -> None:
+            # A DynamoCheckpoint's SnapshotJob and PodSnapshot name it as their controller.
+            owner = controller_ref(obj) or {}
+            if owner.get("kind") == CHECKPOINT.kind and owner.get("name"):
+                self.queue.add((CHECKPOINT_KEY, f"{obj['metadata']['namespace']}/{owner['name']}"))
 
         async def on_snapshot(etype: str, obj: Obj, old: Obj | None) -> None:
             if etype != DELETED:
@@ -247,10 +243,12 @@ class Controller:
             job = (obj["metadata"].get("labels") or {}).get(protocol.LABEL_SNAPSHOT_JOB)
             if job:
                 self.queue.add((SNAPSHOT_JOB_KEY, f"{obj['metadata']['namespace']}/{job}"))
+            wake_checkpoint(obj)
 
         async def on_snapshot_job(etype: str, obj: Obj, old: Obj | None) -> None:
             if etype != DELETED:
                 self.queue.add((SNAPSHOT_JOB_KEY, object_key(obj)))
+            wake_checkpoint(obj)
 
         async def on_snapshot_job_part(etype: str, obj: Obj, old: Obj | None) -> None:
             # A SnapshotJob's Job (its controller) and the Job's pod (labelled with the SnapshotJob's name).
@@ -265,7 +263,12 @@ class Controller:
             # A content wakes the PodSnapshot it is bound to: its conditions are mirrored there.
             ref = (obj.get("spec") or {}).get("snapshotRef") or {}
             if ref.get("namespace") and ref.get("name") and namespace in (None, ref["namespace"]):
-                self.queue.add((POD_SNAPSHOT_KEY, f"{ref['namespace']}/{ref['name']}"))
+                key = f"{ref['namespace']}/{ref['name']}"
+                self.queue.add((POD_SNAPSHOT_KEY, key))
+                # A DynamoCheckpoint reads the artifact and compatibility off its PodSnapshot's content.
+                snapshot = self.snapshots.get(key)
+                if snapshot is not None:
+                    wake_checkpoint(snapshot)
 
         self.snapshots.add_handler(on_snapshot)
         self.snapshot_jobs.add_handler(on_snapshot_job)

@@ -1,5 +1,6 @@
-"""Pod and Job manifests the controller creates: for a DGD service, cold-start workers, restore workers and
-the checkpoint Job; for a SnapshotJob, the Job that runs its pod to be captured. Pure functions over plain
+"""Pod, Job and SnapshotJob manifests the controller creates: for a DGD service, cold-start workers and
+restore workers; for a DynamoCheckpoint, the SnapshotJob that takes it; for a SnapshotJob, the Job that runs
+its pod to be captured. Pure functions over plain
 dicts, so the reconcilers stay small and this stays testable.
 """
 
@@ -310,47 +311,35 @@ def checkpoint_job_template(dgd: DynamoGraphDeployment, service_name: str) -> Ob
     }
 
 
-def checkpoint_job(ckpt_obj: Obj, ckpt: DynamoCheckpoint, identity_hash: str) -> Obj:
-    """The batch/v1 Job whose pod runs the worker to readiness for the node agent to checkpoint."""
-    template = copy.deepcopy(ckpt.spec.job.pod_template_spec)
-    meta = template.setdefault("metadata", {})
-    labels = meta.setdefault("labels", {})
-    labels.update(
-        {
-            protocol.LABEL_MANAGED_BY: protocol.MANAGED_BY_VALUE,
-            protocol.LABEL_CHECKPOINT_SOURCE: protocol.TRUE,
-            protocol.LABEL_CHECKPOINT_ID: ckpt.metadata.name,
-            protocol.LABEL_CHECKPOINT_HASH: identity_hash,
-        }
-    )
-    meta.setdefault("annotations", {})[protocol.ANNOTATION_TARGET_CONTAINERS] = MAIN_CONTAINER
-    spec = template.setdefault("spec", {})
-    spec["restartPolicy"] = "Never"
-    job = ckpt.spec.job
+def checkpoint_snapshot_job(ckpt_obj: Obj, ckpt: DynamoCheckpoint, identity_hash: str) -> Obj:
+    """The SnapshotJob that takes a DynamoCheckpoint: it runs the checkpoint's pod template to readiness and
+    captures its ``main`` container into a PodSnapshot. Controlled by the checkpoint, so deleting the
+    checkpoint deletes it (and the PodSnapshot, which carries the same controller)."""
+    name = ckpt.metadata.name or ""
     return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
+        "apiVersion": f"{protocol.API_GROUP}/{protocol.API_VERSION}",
+        "kind": "SnapshotJob",
         "metadata": {
-            "name": checkpoint_job_name(ckpt.metadata.name or ""),
+            "name": checkpoint_job_name(name),
             "namespace": ckpt.metadata.namespace,
             "labels": {
                 protocol.LABEL_MANAGED_BY: protocol.MANAGED_BY_VALUE,
-                protocol.LABEL_CHECKPOINT_ID: ckpt.metadata.name,
+                protocol.LABEL_CHECKPOINT_ID: name,
                 protocol.LABEL_CHECKPOINT_HASH: identity_hash,
             },
             "ownerReferences": [owner_reference(ckpt_obj)],
         },
         "spec": {
-            "activeDeadlineSeconds": job.active_deadline_seconds,
-            "backoffLimit": job.backoff_limit,
-            "ttlSecondsAfterFinished": job.ttl_seconds_after_finished,
-            "template": template,
+            "podTemplate": copy.deepcopy(ckpt.spec.job.pod_template_spec),
+            "activeDeadlineSeconds": ckpt.spec.job.active_deadline_seconds,
+            "podSnapshotTemplate": {"targetContainers": [MAIN_CONTAINER]},
         },
     }
 
 
 # Auto-mode checkpoint names: <dgd prefix>-<16 hex identity hash>-<8 hex of the DGD's uid>, at most this
-# long so that "<name>-checkpoint" (the Job, and a label value on its pod) stays a 63-character label.
+# long so that "<name>-checkpoint" (the SnapshotJob, and a label value on its pod) stays a 63-character
+# label.
 AUTO_CHECKPOINT_NAME_MAX = 52
 
 

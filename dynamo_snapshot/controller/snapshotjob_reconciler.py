@@ -2,13 +2,15 @@
 PodSnapshot, then remove the pod; or fail with the reason, publishing nothing.
 
 Each reconcile reads the world and moves one step: the Job (named like the SnapshotJob, controlled by it),
-then, once its pod is Ready, the PodSnapshot (named like the SnapshotJob, labelled with its UID, without an
-ownerReference: the artifact outlives the job), then, once the PodSnapshot is Ready, Completed and the Job
-deleted. Names are deterministic, so a reconcile that crashed after a create finds what it made instead of
-making a second one. Completed=True and Failed=True are terminal. A failure deletes the Job and any
-PodSnapshot it made that is not Ready, so a capture still under way cannot publish afterwards. Status
-writes are conditional on the version read, and a terminal one comes before its cleanup: a reconcile from
-a stale cache acts on nothing, and a crash after the write leaves the cleanup to the next reconcile.
+then, once its pod is Ready, the PodSnapshot (named like the SnapshotJob, labelled with its UID), then, once
+the PodSnapshot is Ready, Completed and the Job deleted. The PodSnapshot is never owned by the SnapshotJob
+(the artifact outlives the job) but carries the SnapshotJob's own controller ownerReference when it has one
+(a DynamoCheckpoint's SnapshotJob): it goes with the SnapshotJob's owner. Names are deterministic, so a
+reconcile that crashed after a create finds what it made instead of making a second one. Completed=True and
+Failed=True are terminal. A failure deletes the Job and any PodSnapshot it made that is not Ready, so a
+capture still under way cannot publish afterwards. Status writes are conditional on the version read, and a
+terminal one comes before its cleanup: a reconcile from a stale cache acts on nothing, and a crash after the
+write leaves the cleanup to the next reconcile.
 """
 
 from __future__ import annotations
@@ -458,10 +460,14 @@ def _with(obj: Obj, type_: str, status: bool, reason: str, message: str) -> dict
 def _pod_snapshot(obj: Obj, pod: Obj, containers: list[str]) -> Obj:
     meta = obj["metadata"]
     labels = snapshot_job_labels(meta["name"], meta["uid"])
+    snapshot_meta: Obj = {"name": meta["name"], "namespace": meta["namespace"], "labels": labels}
+    owner = next((ref for ref in meta.get("ownerReferences") or [] if ref.get("controller")), None)
+    if owner is not None:
+        snapshot_meta["ownerReferences"] = [dict(owner)]
     return {
         "apiVersion": f"{protocol.API_GROUP}/{protocol.API_VERSION}",
         "kind": "PodSnapshot",
-        "metadata": {"name": meta["name"], "namespace": meta["namespace"], "labels": labels},
+        "metadata": snapshot_meta,
         "spec": {
             "source": {
                 "podRef": {

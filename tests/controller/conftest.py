@@ -1,6 +1,6 @@
 """Fixtures for controller tests: the real controller running in-process against the real control plane,
-and a test double of the node agent that only writes the agent's pod annotations (the real agent has its
-own issue and tests)."""
+and a test double of the node agent that only writes what the agent reports: a capture's outcome on the
+PodSnapshotContent, a restore's on the pod (the real agent has its own tests)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,15 @@ from typing import Any
 import pytest
 from kubernetes_asyncio import client
 
+from dynamo_snapshot.api import conditions as cond
 from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.conditions import now_rfc3339
 from dynamo_snapshot.api.identity import compute_identity_hash
 from dynamo_snapshot.cli.controller_cmd import build_controller
 from dynamo_snapshot.controller.manager import Controller, ControllerConfig
-from dynamo_snapshot.controller.podspec import auto_checkpoint_name
-from dynamo_snapshot.kube import EVENT, POD, ApiError, Kube, Obj, is_not_found
-from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD
+from dynamo_snapshot.controller.podspec import auto_checkpoint_name, gpus_of_pod
+from dynamo_snapshot.kube import EVENT, NODE, POD, ApiError, Kube, Obj, is_not_found
+from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
 
 IDENTITY = {"model": "Qwen/Qwen3-0.6B", "backendFramework": "vllm", "tensorParallelSize": 1}
 
@@ -65,23 +67,82 @@ def dgd_manifest(
 
 @dataclass
 class AgentDouble:
-    """Plays the node agent: reports checkpoints of source pods and restores of restore pods.
+    """Plays the node agent: captures the PodSnapshotContents of the namespace's PodSnapshots (writes their
+    outcome, as the agent does on the generic layer) and reports restores of restore pods.
 
-    `restore_outcome` decides each restore's verdict, so tests can make restores fail.
+    `checkpoint_outcome` decides each capture: "completed" (Ready, with the artifact and the GPU
+    environment of the source pod's node), "failed" (Failed, CheckpointFailed) or None (taken up,
+    CaptureInProgress, and never finished: a worker that never gets ready). `restore_outcome` decides each
+    restore's verdict, so tests can make restores fail.
     """
 
     kube: Kube
     namespace: str
     restore_outcome: Callable[[Obj], str] = lambda pod: "completed"
-    checkpoint_outcome: str | None = "completed"  # None: never answer (a worker that never gets ready)
+    checkpoint_outcome: str | None = "completed"
     handled: set[str] = field(default_factory=set)
+    taken_up: set[str] = field(default_factory=set)
 
     async def run(self) -> None:
         while True:
+            contents, _ = await self.kube.list_all(POD_SNAPSHOT_CONTENT, None)
+            for content in contents:
+                await self._capture(content)
             pods, _ = await self.kube.list_all(POD, self.namespace)
             for pod in pods:
                 await self._handle(pod)
             await asyncio.sleep(0.2)
+
+    async def _capture(self, content: Obj) -> None:
+        meta, spec = content["metadata"], content.get("spec") or {}
+        if (spec.get("snapshotRef") or {}).get("namespace") != self.namespace:
+            return
+        if meta["uid"] in self.handled or meta.get("deletionTimestamp"):
+            return
+        if cond.is_true(content, cond.READY) or cond.is_true(content, cond.FAILED):
+            return  # an outcome written by the test itself
+        status: Obj
+        if self.checkpoint_outcome is None:
+            if meta["uid"] in self.taken_up:
+                return
+            self.taken_up.add(meta["uid"])
+            status = {"conditions": _outcome(False, "CaptureInProgress", "capturing", failed=False)}
+        elif self.checkpoint_outcome == "failed":
+            self.handled.add(meta["uid"])
+            status = {"conditions": _outcome(False, "CheckpointFailed", "criu dump: test failure")}
+        else:
+            self.handled.add(meta["uid"])
+            status = {
+                "conditions": _outcome(True, "Captured", "Checkpoint captured and verified"),
+                "artifact": {
+                    "location": f"{ARTIFACT_ROOT}/{self.namespace}/{spec['snapshotRef']['uid']}",
+                    "digest": hashlib.sha256(meta["uid"].encode()).hexdigest(),
+                    "sizeBytes": 4096,
+                },
+                "compatibility": await self._compatibility(spec["source"]),
+            }
+        try:
+            await self.kube.patch_status(POD_SNAPSHOT_CONTENT, meta["name"], status)
+        except ApiError as e:
+            if not is_not_found(e):
+                raise
+
+    async def _compatibility(self, source: Obj) -> Obj:
+        """What the agent reads off the GPUs of the node that ran the capture."""
+        node = await self.kube.get(NODE, source["nodeName"])
+        labels = node["metadata"].get("labels") or {}
+        try:
+            pod = await self.kube.get(POD, source["podRef"]["name"], self.namespace)
+        except ApiError as e:
+            if not is_not_found(e):
+                raise
+            pod = {}
+        return {
+            "gpuProduct": labels.get(protocol.LABEL_GPU_PRODUCT),
+            "cudaDriverMajor": labels.get(protocol.LABEL_CUDA_DRIVER_MAJOR),
+            "gpuCount": gpus_of_pod(pod),
+            "imageId": "sha256:" + "ab" * 32,
+        }
 
     async def _handle(self, pod: Obj) -> None:
         meta = pod["metadata"]
@@ -90,36 +151,39 @@ class AgentDouble:
             return
         if pod.get("status", {}).get("phase") != "Running" or not pod["spec"].get("nodeName"):
             return
-        ann: dict[str, str] = {}
-        if labels.get(protocol.LABEL_CHECKPOINT_SOURCE) == protocol.TRUE:
-            if self.checkpoint_outcome is None:
-                return
-            ann[protocol.per_container(protocol.ANNOTATION_CHECKPOINT_STATUS, "main")] = (
-                self.checkpoint_outcome
-            )
-            ann[protocol.ANNOTATION_CHECKPOINT_LOCATION] = (
-                f"/var/lib/dynamo-snapshot/artifacts/{self.namespace}/{labels[protocol.LABEL_CHECKPOINT_ID]}"
-            )
-            ann[protocol.ANNOTATION_ARTIFACT_DIGEST] = hashlib.sha256(meta["uid"].encode()).hexdigest()
-            if self.checkpoint_outcome == "failed":
-                ann[protocol.per_container(protocol.ANNOTATION_CHECKPOINT_MESSAGE, "main")] = (
-                    "criu dump: test failure"
-                )
-        elif labels.get(protocol.LABEL_RESTORE_TARGET) == protocol.TRUE:
-            outcome = self.restore_outcome(pod)
-            ann[protocol.per_container(protocol.ANNOTATION_RESTORE_STATUS, "main")] = outcome
-            if outcome == "failed":
-                ann[protocol.per_container(protocol.ANNOTATION_RESTORE_MESSAGE, "main")] = (
-                    "checksum mismatch (test)"
-                )
-        else:
+        if labels.get(protocol.LABEL_RESTORE_TARGET) != protocol.TRUE:
             return
+        ann: dict[str, str] = {}
+        outcome = self.restore_outcome(pod)
+        ann[protocol.per_container(protocol.ANNOTATION_RESTORE_STATUS, "main")] = outcome
+        if outcome == "failed":
+            ann[protocol.per_container(protocol.ANNOTATION_RESTORE_MESSAGE, "main")] = (
+                "checksum mismatch (test)"
+            )
         self.handled.add(meta["uid"])
         try:
             await self.kube.merge_patch(POD, meta["name"], {"metadata": {"annotations": ann}}, self.namespace)
         except ApiError as e:
             if not is_not_found(e):  # the pod went away meanwhile (a failover test deleted it)
                 raise
+
+
+ARTIFACT_ROOT = "/var/lib/dynamo-snapshot/artifacts"
+
+
+def _outcome(ready: bool, reason: str, message: str, *, failed: bool = True) -> list[Obj]:
+    """A content's Ready and Failed conditions as the node agent writes them."""
+    now = now_rfc3339()
+    return [
+        {
+            "type": t,
+            "status": "True" if s else "False",
+            "reason": reason,
+            "message": message,
+            "lastTransitionTime": now,
+        }
+        for t, s in ((cond.READY, ready), (cond.FAILED, not ready and failed))
+    ]
 
 
 @dataclass
@@ -231,12 +295,18 @@ async def harness(
         if "stop" in state:
             state["stop"].set()
         await kill()
-        # The controller's finalizers would keep the namespace Terminating once nobody removes them.
-        for ckpt in (await kube.list_all(CHECKPOINT, namespace))[0]:
-            with contextlib.suppress(ApiError):
-                await kube.merge_patch(
-                    CHECKPOINT, ckpt["metadata"]["name"], {"metadata": {"finalizers": None}}, namespace
-                )
+        # The controller's finalizers would keep the namespace Terminating once nobody removes them, and
+        # the contents of its PodSnapshots are cluster-scoped: nothing else would delete them.
+        for kind in (CHECKPOINT, POD_SNAPSHOT):
+            for obj in (await kube.list_all(kind, namespace))[0]:
+                with contextlib.suppress(ApiError):
+                    await kube.merge_patch(
+                        kind, obj["metadata"]["name"], {"metadata": {"finalizers": None}}, namespace
+                    )
+        for content in (await kube.list_all(POD_SNAPSHOT_CONTENT, None))[0]:
+            if ((content.get("spec") or {}).get("snapshotRef") or {}).get("namespace") == namespace:
+                with contextlib.suppress(ApiError):
+                    await kube.delete(POD_SNAPSHOT_CONTENT, content["metadata"]["name"])
         agent_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await agent_task

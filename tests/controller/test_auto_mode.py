@@ -9,9 +9,9 @@ import pytest
 
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.identity import compute_identity_hash
-from dynamo_snapshot.kube.kinds import CHECKPOINT, JOB, NODE
+from dynamo_snapshot.kube.kinds import CHECKPOINT, JOB, NODE, POD_SNAPSHOT
 
-from .conftest import IDENTITY, Harness, dgd_manifest, eventually
+from .conftest import ARTIFACT_ROOT, IDENTITY, Harness, dgd_manifest, eventually
 
 pytestmark = pytest.mark.cluster
 HASH = compute_identity_hash(IDENTITY)
@@ -47,13 +47,13 @@ async def test_auto_mode_cold_start_checkpoint_then_scale_by_restore(
     harness: Harness, gpu_node: Callable[..., dict[str, Any]]
 ) -> None:
     h = harness
-    # The checkpoint Job must land on an H200 (the scheduler knows nothing of GPU products).
+    # The checkpoint's worker must land on an H200 (the scheduler knows nothing of GPU products).
     await eventually(lambda: _only(h, {"NVIDIA-H200", None}))
     for _ in range(3):
         gpu_node(product="NVIDIA-H200", gpus=8, driver_major=580)
     await h.apply_dgd(dgd_manifest("llama", replicas=1))
 
-    # One cold-start worker, and in the background the DGD's own DynamoCheckpoint with its Job.
+    # One cold-start worker, and in the background the DGD's own DynamoCheckpoint with its SnapshotJob.
     pods = await eventually(lambda: h.pods("llama"))
     assert [_mode(p) for p in pods] == ["cold"]
     ckpt = await _ready_checkpoint(h, "llama")
@@ -70,10 +70,12 @@ async def test_auto_mode_cold_start_checkpoint_then_scale_by_restore(
         "cudaDriverMajor": "580",
         "gpuCount": 1,
     }
-    assert ckpt["status"]["location"].endswith(name)
+    snap = await h.kube.get(POD_SNAPSHOT, ckpt["status"]["podSnapshotName"], h.namespace)
+    assert [r["uid"] for r in snap["metadata"]["ownerReferences"]] == [ckpt["metadata"]["uid"]]
+    assert ckpt["status"]["location"] == f"{ARTIFACT_ROOT}/{h.namespace}/{snap['metadata']['uid']}"
     assert len(ckpt["status"]["artifactDigest"]) == 64
     assert ckpt["status"]["sourcePod"].startswith(f"{name}-checkpoint-")
-    # An incompatible node joins only now: earlier, the checkpoint Job could have been scheduled onto it
+    # An incompatible node joins only now: earlier, the checkpoint's worker could have been scheduled onto it
     # (the scheduler knows nothing of GPU products), making its GPU the checkpoint's.
     odd = gpu_node(product="NVIDIA-A100-SXM4-80GB", gpus=8, driver_major=535)["metadata"]["name"]
 
@@ -281,7 +283,7 @@ async def test_an_unschedulable_restore_pod_is_replaced_by_a_cold_start(
     harness: Harness, gpu_node: Callable[..., dict[str, Any]]
 ) -> None:
     h = harness
-    # The only H200 node has 2 GPUs: the first worker and the checkpoint Job fill it.
+    # The only H200 node has 2 GPUs: the first worker and the checkpoint's worker fill it.
     gpu_node(product="NVIDIA-H200", gpus=2)
     await h.apply_dgd(dgd_manifest("stuck", replicas=1))
     await _ready_checkpoint(h, "stuck")

@@ -13,10 +13,12 @@ from dynamo_snapshot.api.graphdeployment import (
     GRAPH_NAME_MAX_LENGTH,
     DynamoGraphDeployment,
 )
+from dynamo_snapshot.api.snapshotjob import DEFAULT_ACTIVE_DEADLINE_SECONDS, SnapshotJob
 from dynamo_snapshot.controller.podspec import (
     MAIN_CONTAINER,
     auto_checkpoint_name,
     checkpoint_job_name,
+    checkpoint_snapshot_job,
     cold_start_pod,
     gpus_of_pod,
     new_pod_name,
@@ -128,3 +130,43 @@ def test_names_at_their_limits_make_valid_untruncated_pod_job_and_checkpoint_nam
     DynamoCheckpoint.model_validate(
         {"metadata": {"name": auto}, "spec": {"identity": IDENTITY, "job": {"podTemplateSpec": {}}}}
     )
+
+
+def test_a_checkpoint_is_taken_by_a_snapshot_job_it_controls_running_its_template_as_given() -> None:
+    template = {
+        "metadata": {"labels": {"team": "a"}},
+        "spec": {"containers": [{"name": "main", "image": "w:1"}, {"name": "proxy", "image": "p:1"}]},
+    }
+    obj = {
+        "apiVersion": "nvidia.com/v1alpha1",
+        "kind": "DynamoCheckpoint",
+        "metadata": {"name": "c1", "namespace": "ns", "uid": "c-uid"},
+        "spec": {"identity": IDENTITY, "job": {"podTemplateSpec": template}},
+    }
+    ckpt = DynamoCheckpoint.model_validate(obj)
+
+    job = checkpoint_snapshot_job(obj, ckpt, "0123456789abcdef")
+
+    SnapshotJob.model_validate(job)  # what the SnapshotJob reconcile reads
+    meta = job["metadata"]
+    assert (meta["name"], meta["namespace"]) == ("c1-checkpoint", "ns")
+    assert meta["labels"] == {
+        protocol.LABEL_MANAGED_BY: protocol.MANAGED_BY_VALUE,
+        protocol.LABEL_CHECKPOINT_ID: "c1",
+        protocol.LABEL_CHECKPOINT_HASH: "0123456789abcdef",
+    }
+    (owner,) = meta["ownerReferences"]
+    assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == (
+        "DynamoCheckpoint",
+        "c1",
+        "c-uid",
+        True,
+    )
+    assert job["spec"] == {
+        "podTemplate": template,
+        "activeDeadlineSeconds": DEFAULT_ACTIVE_DEADLINE_SECONDS,
+        "podSnapshotTemplate": {"targetContainers": [MAIN_CONTAINER]},
+    }
+    assert job["spec"]["podTemplate"] is not obj["spec"]["job"]["podTemplateSpec"]
+    # No label of the old checkpoint-source path: the capture goes through the PodSnapshot only.
+    assert protocol.LABEL_CHECKPOINT_SOURCE not in str(job)

@@ -77,7 +77,7 @@ async def test_killed_controller_converges_without_duplicates(
         await h.start_controller()
         await _assert_final(h, "crash", 2)
         jobs, _ = await h.kube.list_all(JOB, h.namespace)
-        assert jobs == [], "the checkpoint Job is released once the checkpoint is Ready"
+        assert jobs == [], "the checkpoint's worker (its SnapshotJob's Job) is released once it is Ready"
     watch.assert_clean()
 
 
@@ -106,7 +106,7 @@ async def test_checkpoint_job_past_deadline_fails_the_checkpoint(
         return ckpt if (ckpt.get("status") or {}).get("phase") == "Failed" else None
 
     ckpt = await eventually(failed, within=60)
-    assert "DeadlineExceeded" in ckpt["status"]["message"]
+    assert ckpt["status"]["message"].startswith("SnapshotJob slow-checkpoint failed: DeadlineExceeded: ")
     assert ckpt["metadata"]["labels"][protocol.LABEL_CHECKPOINT_HASH] == HASH
     assert await eventually(lambda: h.events("CheckpointFailed"))
 
@@ -124,6 +124,7 @@ async def test_agent_reported_checkpoint_failure(
         return ckpt if (ckpt.get("status") or {}).get("phase") == "Failed" else None
 
     ckpt = await eventually(failed, within=45)
+    assert "PodSnapshotFailed" in ckpt["status"]["message"]
     assert "criu dump: test failure" in ckpt["status"]["message"]
     pods = await eventually(lambda: _n(h, "bad-dump", 2))
     assert {p["metadata"]["labels"][protocol.LABEL_START_MODE] for p in pods} == {"cold"}

@@ -31,9 +31,10 @@ WORKER_SURGE = 1
 
 
 def worker_owner(pod: Obj) -> tuple[str, str] | None:
-    """(graph, service) of a DGD's worker pod; None for anything else (a checkpoint Job's pod)."""
+    """(graph, service) of a DGD's worker pod; None for anything else (a SnapshotJob's pod, such as the
+    one a checkpoint is taken from)."""
     labels = pod["metadata"].get("labels") or {}
-    if labels.get(protocol.LABEL_CHECKPOINT_SOURCE) == protocol.TRUE:
+    if labels.get(protocol.LABEL_SNAPSHOT_JOB):
         return None
     graph, service = labels.get(protocol.LABEL_GRAPH), labels.get(protocol.LABEL_SERVICE)
     return (graph, service) if graph and service else None
