@@ -20,7 +20,7 @@ CONTROLLER: set[Grant] = (
     | {(OURS, "dynamocheckpoints/status", "*", "patch")}
     | {(OURS, "podsnapshots", "*", v) for v in ("get", "list", "watch", "create", "patch", "delete")}
     | {(OURS, "podsnapshots/status", "*", "patch")}
-    | {(OURS, "snapshotjobs", "*", v) for v in ("list", "watch")}
+    | {(OURS, "snapshotjobs", "*", v) for v in ("list", "watch", "create")}
     | {(OURS, "snapshotjobs/status", "*", "patch")}
     | {("", "pods", "*", "get")}
     | {
