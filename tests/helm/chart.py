@@ -18,6 +18,9 @@ from dynamo_snapshot.localcluster.components import SETUP_HINT, cache_dir
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "dynamo-snapshot"
 Obj = dict[str, Any]
+# The restore webhook is on by default; these values turn it off (its generated certificate differs on
+# every render, so renders meant to compare equal leave it out).
+WEBHOOK_OFF: Obj = {"webhook": {"enabled": False}}
 
 
 def helm_binary() -> Path:

@@ -22,6 +22,7 @@ from tests.helm import rbac
 from tests.helm.chart import (
     CHART,
     REPO,
+    WEBHOOK_OFF,
     Obj,
     kinds,
     lint,
@@ -65,6 +66,7 @@ MINIMAL = {
     },
     "agent": {"admissionPolicy": {"enabled": False}, "seccompProfile": {"install": False}, "metricsPort": 0},
     "controller": {"metricsPort": 0, "leaderElect": False},
+    **WEBHOOK_OFF,
 }
 VALUE_SETS = {
     "defaults": None,
@@ -132,6 +134,8 @@ def test_defaults_render_every_component_and_nothing_optional() -> None:
         + ["ClusterRoleBinding"] * 3
         + ["Role", "RoleBinding", "Service", "Service", "DaemonSet", "Deployment"]
         + ["ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+        # The restore webhook: its TLS Secret, its Service and the configuration that sends pods to it.
+        + ["Secret", "Service", "MutatingWebhookConfiguration"]
     )
     for o in objs:
         assert o["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
@@ -146,7 +150,15 @@ def test_controller_deployment() -> None:
     c = _container(deploy, "controller")
     assert c["command"] == ["dynamo-snapshot", "controller", "--config", "/etc/dynamo-snapshot/config.yaml"]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert ports == {"metrics": 8080, "health": 8081}
+    assert ports == {"metrics": 8080, "health": 8081, "webhook": 9443}
+    # The restore webhook is served with the chart's certificate, mounted where the flag points.
+    args = c["args"]
+    assert args[args.index("--webhook-port") + 1] == "9443"
+    cert_dir = args[args.index("--webhook-cert-dir") + 1]
+    cert_mount = next(m for m in c["volumeMounts"] if m["mountPath"] == cert_dir)
+    cert_volume = next(v for v in pod["volumes"] if v["name"] == cert_mount["name"])
+    assert cert_volume["secret"]["secretName"] == "rel-dynamo-snapshot-controller-webhook-tls"
+    assert one(objs, "Secret", "-controller-webhook-tls")["metadata"]["namespace"] == "snap-system"
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
     assert set(c["resources"]) == {"requests", "limits"}
@@ -345,17 +357,24 @@ def test_service_monitor_toggle() -> None:
     monitors = [o for o in objs if o["kind"] == "ServiceMonitor"]
     assert len(monitors) == 2
     services = [o for o in objs if o["kind"] == "Service"]
+    scraped: list[str] = []
     for sm in monitors:
         assert sm["apiVersion"] == "monitoring.coreos.com/v1"
         assert sm["metadata"]["labels"]["release"] == "kps"
-        assert sm["spec"]["endpoints"][0]["port"] == "metrics"
+        (endpoint,) = sm["spec"]["endpoints"]
+        assert endpoint["port"] == "metrics"
+        # The Prometheus operator scrapes the named port of the Services the labels select: the
+        # controller's webhook Service shares its labels but has no such port, so is not scraped.
         selected = [
             s
             for s in services
             if sm["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
+            and endpoint["port"] in {p["name"] for p in s["spec"]["ports"]}
         ]
-        assert len(selected) == 1, "each ServiceMonitor selects exactly one metrics Service"
-        assert selected[0]["spec"]["ports"][0]["name"] == "metrics"
+        assert len(selected) == 1, "each ServiceMonitor scrapes exactly one metrics Service"
+        assert selected[0]["metadata"]["name"].endswith("-metrics")
+        scraped.append(selected[0]["metadata"]["name"])
+    assert sorted(scraped) == ["t-dynamo-snapshot-agent-metrics", "t-dynamo-snapshot-controller-metrics"]
 
 
 def test_runtime_local() -> None:
@@ -434,8 +453,11 @@ def test_binds_are_mounted_only_for_launched_runc_workloads(monkeypatch: pytest.
         ds, plain_ds = one(objs, "DaemonSet", "-agent"), one(plain, "DaemonSet", "-agent")
         assert ds["spec"]["template"]["spec"]["volumes"] == plain_ds["spec"]["template"]["spec"]["volumes"]
     # Empty lists render as the chart always has: no hostBinds key (the agent's default), nothing mounted.
-    launch = {"agent": {"runtime": "runc", "launchWorkloads": True}}
-    empty = {"agent": {"runtime": "runc", "launchWorkloads": True, "hostBinds": [], "writableBinds": []}}
+    launch = {"agent": {"runtime": "runc", "launchWorkloads": True}, **WEBHOOK_OFF}
+    empty = {
+        "agent": {"runtime": "runc", "launchWorkloads": True, "hostBinds": [], "writableBinds": []},
+        **WEBHOOK_OFF,
+    }
     assert render_text(empty) == render_text(launch)
     data = _config(render(), "agent")
     assert "hostBinds" not in data
@@ -489,13 +511,16 @@ def test_bind_and_mount_paths_the_agent_cannot_use_are_refused() -> None:
         assert message in proc.stderr, proc.stderr
 
 
-def test_minimal_values_leave_out_rbac_policy_profile_and_metrics() -> None:
+def test_minimal_values_leave_out_rbac_policy_profile_metrics_and_webhook() -> None:
     objs = render(MINIMAL)
     assert kinds(objs) == ["ConfigMap", "ConfigMap", "DaemonSet", "Deployment"]
     ds = one(objs, "DaemonSet")
     assert ds["spec"]["template"]["spec"]["serviceAccountName"] == "own-agent"
     assert "initContainers" not in ds["spec"]["template"]["spec"]
     assert [p["name"] for p in _container(ds, "agent")["ports"]] == ["health"]
+    deploy = one(objs, "Deployment", "-controller")
+    assert deploy["spec"]["template"]["spec"]["serviceAccountName"] == "own-controller"
+    assert [p["name"] for p in _container(deploy, "controller")["ports"]] == ["health"]
 
 
 def test_schema_rejects_bad_values_with_a_clear_message() -> None:

@@ -1,5 +1,6 @@
-"""The chart's restore webhook (webhook.enabled): the MutatingWebhookConfiguration, its Service and TLS
-Secret, and the controller Deployment that serves it, rendered by the real helm; the generated certificate
+"""The chart's restore webhook (webhook.enabled, on by default): the MutatingWebhookConfiguration, its
+Service and TLS Secret, and the controller Deployment that serves it, rendered by the real helm, and no
+trace of any of it when disabled; the NOTES that explain it; the generated certificate
 checked with openssl; the controller's own settings model reading the flags the Deployment passes; and,
 against the real apiserver, a server-side dry run of everything and the certificate kept across upgrades
 (lookup). The webhook itself, called by the apiserver, is tested in
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -20,9 +22,19 @@ from dynamo_snapshot.cli.controller_cmd import ControllerCommandConfig, load_con
 from dynamo_snapshot.cli.main import build_parser
 from dynamo_snapshot.controller.webhook_server import CERT_FILE, KEY_FILE, MUTATE_PATH
 from dynamo_snapshot.localcluster import LocalCluster
-from tests.helm.chart import CHART, Obj, helm, kinds, lint, one, render, render_text, template
+from tests.helm.chart import (
+    CHART,
+    WEBHOOK_OFF,
+    Obj,
+    helm,
+    kinds,
+    lint,
+    one,
+    render,
+    render_text,
+    template,
+)
 
-ON = {"webhook": {"enabled": True}}
 EXPRESSION = (
     f"has(object.metadata.annotations) && '{protocol.ANNOTATION_RESTORE_FROM}' in object.metadata.annotations"
 )
@@ -50,19 +62,37 @@ def _settings(container: Obj, tmp_path: Path) -> ControllerCommandConfig:
     return load_config(build_parser().parse_args(argv))
 
 
-def test_off_by_default_and_no_trace_of_it() -> None:
-    objs = render()
-    assert "MutatingWebhookConfiguration" not in kinds(objs)
-    assert not [o for o in objs if "webhook" in o["metadata"]["name"]]
-    _, c = _controller(objs)
+def _ids(objs: list[Obj]) -> set[tuple[str, str]]:
+    return {(o["kind"], o["metadata"]["name"]) for o in objs}
+
+
+def test_on_by_default_and_off_when_disabled_with_no_trace_of_it() -> None:
+    on = render()
+    off = render(WEBHOOK_OFF)
+    # Disabling removes the webhook's three objects and nothing else.
+    assert _ids(on) - _ids(off) == {
+        ("MutatingWebhookConfiguration", "t-dynamo-snapshot-restore"),
+        ("Service", "t-dynamo-snapshot-controller-webhook"),
+        ("Secret", "t-dynamo-snapshot-controller-webhook-tls"),
+    }
+    assert _ids(off) <= _ids(on)
+    assert "MutatingWebhookConfiguration" not in kinds(off)
+    assert not [o for o in off if "webhook" in o["metadata"]["name"]]
+    pod, c = _controller(off)
     assert "webhook" not in {p["name"] for p in c["ports"]}
     assert not [a for a in c["args"] if "webhook" in str(a)]
+    assert not [m for m in c["volumeMounts"] if "webhook" in m["mountPath"] + m["name"]]
+    assert not [v for v in pod["volumes"] if "webhook" in v["name"]]
+    # The controller differs by the webhook alone.
+    on_pod, on_c = _controller(on)
+    assert [p for p in on_c["ports"] if p["name"] != "webhook"] == c["ports"]
+    assert [v for v in on_pod["volumes"] if v["name"] != "webhook-certs"] == pod["volumes"]
 
 
 @pytest.mark.parametrize(
     "values",
-    [ON, {"webhook": {"enabled": True}, "controller": {"watchNamespace": "team-a", "autoscale": False}}],
-    ids=["on", "on-one-namespace"],
+    [WEBHOOK_OFF, {"controller": {"watchNamespace": "team-a", "autoscale": False}}],
+    ids=["off", "on-one-namespace"],
 )
 def test_lint_is_clean(values: Obj) -> None:
     proc = lint(values)
@@ -73,8 +103,7 @@ def test_lint_is_clean(values: Obj) -> None:
 def test_the_configuration_sends_only_restore_from_pods_and_refuses_them_while_unanswered(
     tmp_path: Path,
 ) -> None:
-    objs = render(ON, release="rel", namespace="snap-system")
-    assert sorted(set(kinds(objs)) - set(kinds(render()))) == ["MutatingWebhookConfiguration", "Secret"]
+    objs = render(release="rel", namespace="snap-system")
     hook = _hook(objs)
     assert hook["rules"] == [
         {
@@ -124,7 +153,7 @@ def _openssl(*args: str, stdin: bytes | None = None) -> str:
 
 
 def test_the_generated_certificate_is_for_the_service_and_signed_by_the_ca_bundle(tmp_path: Path) -> None:
-    objs = render(ON, release="rel", namespace="snap-system")
+    objs = render(release="rel", namespace="snap-system")
     data = {k: base64.b64decode(v) for k, v in one(objs, "Secret", "-webhook-tls")["data"].items()}
     assert base64.b64decode(_hook(objs)["clientConfig"]["caBundle"]) == data["ca.crt"]
     (tmp_path / "ca.crt").write_bytes(data["ca.crt"])
@@ -201,17 +230,61 @@ def test_the_process_refuses_one_port_for_the_webhook_and_another_server() -> No
 
 @pytest.mark.cluster
 def test_rendered_webhook_manifests_pass_server_side_dry_run(cluster: LocalCluster, namespace: str) -> None:
-    text = render_text(ON, release=f"w{namespace[-6:]}", namespace=namespace)
+    text = render_text(release=f"w{namespace[-6:]}", namespace=namespace)
     out = cluster.kubectl("apply", "--server-side", "--dry-run=server", "-f", "-", input=text)
     count = len([d for d in yaml.safe_load_all(text) if d])
     assert out.stdout.count("serverside-applied (server dry run)") == count, out.stdout
     assert "mutatingwebhookconfiguration.admissionregistration.k8s.io" in out.stdout
 
 
+def _notes(cluster: LocalCluster, *sets: str) -> str:
+    """The NOTES of an install (client dry run: helm still asks the apiserver its version), one line."""
+    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
+    args = ["install", "notes", str(CHART), "--namespace", "snap", "--dry-run=client"]
+    proc = helm(*args, *[a for s in sets for a in ("--set", s)], env=env)
+    assert proc.returncode == 0, proc.stderr
+    _, _, notes = proc.stdout.partition("\nNOTES:\n")
+    assert notes, proc.stdout
+    return " ".join(notes.split())
+
+
+@pytest.mark.cluster
+def test_notes_explain_the_webhook_and_the_agents_restored_condition(cluster: LocalCluster) -> None:
+    objs = render(release="notes", namespace="snap")
+    hook, service = one(objs, "MutatingWebhookConfiguration"), one(objs, "Service", "-controller-webhook")
+    notes = _notes(cluster)
+    assert f"pod created with the annotation {protocol.ANNOTATION_RESTORE_FROM}:" in notes
+    assert (
+        f"MutatingWebhookConfiguration {hook['metadata']['name']} sends it to Service "
+        f"{service['metadata']['name']} (port 443, the controller's port 9443"
+    ) in notes
+    assert "for pods of namespace" not in notes
+    assert "other pods never go to the webhook" in notes
+    assert "failurePolicy Fail: while no controller replica answers, such pods are refused" in notes
+    # The agent's policy: its annotations, and through pods/status that one condition with its reasons.
+    policy = one(objs, "ValidatingAdmissionPolicy")
+    assert f"ValidatingAdmissionPolicy {policy['metadata']['name']} does" in notes
+    assert f"through pods/status, exactly the pod condition {protocol.POD_CONDITION_RESTORED} (" in notes
+    reasons = next(v for v in policy["spec"]["variables"] if v["name"] == "restoredReasons")["expression"]
+    for reason in protocol.RestoredReason:
+        assert reason.value in notes, reason
+        assert f"'{reason.value}'" in reasons, reason
+
+    narrowed = _notes(cluster, "webhook.failurePolicy=Ignore", "controller.watchNamespace=team-a")
+    assert "for pods of namespace team-a only" in narrowed
+    ignored = "failurePolicy Ignore: while no controller replica answers, such pods are admitted unshaped"
+    assert ignored in narrowed
+    off = _notes(cluster, "webhook.enabled=false", "agent.admissionPolicy.enabled=false")
+    assert "MutatingWebhookConfiguration" not in off
+    shaped = f"pods created with {protocol.ANNOTATION_RESTORE_FROM} are not shaped"
+    assert f"webhook.enabled is false: {shaped}" in off
+    assert f"or to the {protocol.POD_CONDITION_RESTORED} condition" in off
+
+
 def _render_against(cluster: LocalCluster, release: str, namespace: str) -> list[Obj]:
     """`helm template --dry-run=server`: rendered with `lookup` reading the cluster, as an upgrade is."""
     proc = helm(
-        "template", release, str(CHART), "--namespace", namespace, "--set", "webhook.enabled=true",
+        "template", release, str(CHART), "--namespace", namespace,
         "--dry-run=server", "--kubeconfig", str(cluster.kubeconfig),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
