@@ -1,5 +1,11 @@
 """The node agent for real: pods on kwok nodes of the real control plane, workers launched by the agent
-(host processes or runc containers), CRIU checkpoint and restore, the artifact store on disk."""
+(host processes or runc containers), CRIU checkpoint and restore, the artifact store on disk.
+
+A DynamoCheckpoint is taken as the controller takes it: a PodSnapshot the checkpoint controls, of the
+source pod, bound to a PodSnapshotContent of the pod's node, which the node agent captures (made here as
+the controller makes them; no controller runs). Once the content is Ready, the PodSnapshot and the
+checkpoint are made Ready as the controller makes them, and restore pods name the checkpoint in
+nvidia.com/restore-from."""
 
 from __future__ import annotations
 
@@ -21,15 +27,18 @@ from kubernetes_asyncio import client
 from dynamo_snapshot.agent.executor import Executor
 from dynamo_snapshot.agent.runtime import ProcessRuntime, RuncRuntime, Runtime
 from dynamo_snapshot.agent.runtime.base import pid_running
+from dynamo_snapshot.agent.snapshot_capture import CAPTURED_MESSAGE
 from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent, workload_key
+from dynamo_snapshot.api import conditions as cond
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.identity import compute_identity_hash
+from dynamo_snapshot.api.podsnapshot import content_name
 from dynamo_snapshot.artifact import ArtifactCache, ArtifactStore, GpuInfo, artifact_key
 from dynamo_snapshot.controller.podspec import owner_reference
 from dynamo_snapshot.criu import Criu
 from dynamo_snapshot.criu.packed import is_packed_pages
 from dynamo_snapshot.kube import EVENT, POD, ApiError, Kube, Obj, is_already_exists
-from dynamo_snapshot.kube.kinds import CHECKPOINT, JOB
+from dynamo_snapshot.kube.kinds import CHECKPOINT, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
 from tests.controller.conftest import eventually
 
 pytestmark = [pytest.mark.cluster, pytest.mark.criu]
@@ -125,6 +134,10 @@ async def agents(
     for runtime, key in workloads:
         with contextlib.suppress(Exception):
             await runtime.stop(key)
+    # PodSnapshotContents are cluster-scoped: they outlive the test's namespace.
+    while CONTENTS:
+        with contextlib.suppress(ApiError):
+            await kube.delete(POD_SNAPSHOT_CONTENT, CONTENTS.pop())
 
 
 def pod(name: str, node: str, labels: dict[str, str], state_mib: int = 32) -> Obj:
@@ -158,76 +171,158 @@ def pod(name: str, node: str, labels: dict[str, str], state_mib: int = 32) -> Ob
     }
 
 
-SOURCE = {
-    protocol.LABEL_CHECKPOINT_SOURCE: protocol.TRUE,
-    protocol.LABEL_CHECKPOINT_HASH: HASH,
-    protocol.LABEL_CHECKPOINT_ID: CKPT,
-}
 TARGET = {
     protocol.LABEL_RESTORE_TARGET: protocol.TRUE,
     protocol.LABEL_CHECKPOINT_HASH: HASH,
     protocol.LABEL_CHECKPOINT_ID: CKPT,
 }
+# The PodSnapshotContents made here, deleted when the test's agents are.
+CONTENTS: list[str] = []
 
 
-async def checkpoint_and_job(kube: Kube, ns: str, name: str = CKPT) -> tuple[Obj, Obj]:
-    """What the controller makes for a checkpoint: the DynamoCheckpoint and its Job. The tests create and
-    bind the Job's pod themselves, on kwok nodes, so the Job is managed by no controller (`managedBy`):
-    the Job controller would otherwise release the pod (it does not match the Job's selector). Made once
-    per name."""
+def snapshot_name(source: str) -> str:
+    """The PodSnapshot that captures source pod ``source``."""
+    return f"{source}-snapshot"
+
+
+async def make_checkpoint(kube: Kube, ns: str, name: str = CKPT, **meta: Any) -> Obj:
+    """The DynamoCheckpoint, made once per name (``meta`` goes into a new one's metadata)."""
     try:
-        ckpt = await kube.create(
+        created: Obj = await kube.create(
             CHECKPOINT,
             {
                 "apiVersion": "nvidia.com/v1alpha1",
                 "kind": "DynamoCheckpoint",
-                "metadata": {"name": name},
+                "metadata": {"name": name, **meta},
                 "spec": {"identity": IDENTITY, "job": {"podTemplateSpec": {"spec": {"containers": []}}}},
             },
             ns,
         )
+        return created
     except ApiError as e:
         if not is_already_exists(e):
             raise
-        ckpt = await kube.get(CHECKPOINT, name, ns)
-    job_name = f"{name}-checkpoint"
-    try:
-        job = await kube.create(
-            JOB,
-            {
-                "apiVersion": "batch/v1",
-                "kind": "Job",
-                "metadata": {"name": job_name, "ownerReferences": [owner_reference(ckpt)]},
-                "spec": {
-                    "managedBy": "tests.dynamo-snapshot.dev/agent-tests",
-                    "template": {
-                        "spec": {
-                            "restartPolicy": "Never",
-                            "containers": [{"name": "main", "image": "worker:test"}],
-                        }
-                    },
-                },
+        found: Obj = await kube.get(CHECKPOINT, name, ns)
+        return found
+
+
+async def make_snapshot(kube: Kube, ns: str, ckpt: Obj, source: Obj, node: str) -> tuple[Obj, Obj]:
+    """What the controller makes to take ``ckpt`` of pod ``source``: a PodSnapshot the checkpoint controls,
+    and the PodSnapshotContent bound to it, labelled with ``node`` (the agent of that node captures it)."""
+    pod_ref = {"name": source["metadata"]["name"], "uid": source["metadata"]["uid"], "containers": ["main"]}
+    snapshot: Obj = await kube.create(
+        POD_SNAPSHOT,
+        {
+            "apiVersion": "nvidia.com/v1alpha1",
+            "kind": "PodSnapshot",
+            "metadata": {
+                "name": snapshot_name(source["metadata"]["name"]),
+                "ownerReferences": [owner_reference(ckpt)],
             },
-            ns,
-        )
-    except ApiError as e:
-        if not is_already_exists(e):
-            raise
-        job = await kube.get(JOB, job_name, ns)
-    return ckpt, job
+            "spec": {"source": {"podRef": pod_ref}},
+        },
+        ns,
+    )
+    meta = snapshot["metadata"]
+    name = content_name(meta["uid"])
+    CONTENTS.append(name)
+    content: Obj = await kube.create(
+        POD_SNAPSHOT_CONTENT,
+        {
+            "apiVersion": "nvidia.com/v1alpha1",
+            "kind": "PodSnapshotContent",
+            "metadata": {"name": name, "labels": {protocol.LABEL_SNAPSHOT_NODE: node}},
+            "spec": {
+                "snapshotRef": {"namespace": ns, "name": meta["name"], "uid": meta["uid"]},
+                "source": {"nodeName": node, "podRef": pod_ref},
+            },
+        },
+    )
+    return snapshot, content
 
 
-async def create_source(kube: Kube, ns: str, name: str, node: str, state_mib: int = 32, **env: str) -> Obj:
-    """A checkpoint source pod as the checkpoint's Job would run it, with `env` added to its worker's."""
-    _, job = await checkpoint_and_job(kube, ns)
-    body = pod(name, node, SOURCE, state_mib)
+def source_pod(name: str, node: str, state_mib: int = 32, **env: str) -> Obj:
+    """A source pod (no labels of ours: the capture of its content launches its worker), with ``env``
+    added to its worker's."""
+    body = pod(name, node, {}, state_mib)
+    del body["metadata"]["labels"][protocol.LABEL_MANAGED_BY]
     body["spec"]["containers"][0]["env"] += [{"name": k, "value": v} for k, v in env.items()]
-    body["metadata"]["ownerReferences"] = [owner_reference({**job, "apiVersion": "batch/v1", "kind": "Job"})]
-    return await kube.create(POD, body, ns)
+    return body
 
 
-async def artifact_key_of(kube: Kube, ns: str, name: str = CKPT) -> str:
-    return artifact_key(ns, (await kube.get(CHECKPOINT, name, ns))["metadata"]["uid"])
+async def create_source(
+    kube: Kube, ns: str, name: str, node: str, state_mib: int = 32, ckpt: str = CKPT, **env: str
+) -> Obj:
+    """A source pod of DynamoCheckpoint ``ckpt`` (made if missing) on ``node``, its PodSnapshot and its
+    content; the content."""
+    checkpoint = await make_checkpoint(kube, ns, ckpt)
+    source = await kube.create(POD, source_pod(name, node, state_mib, **env), ns)
+    _, content = await make_snapshot(kube, ns, checkpoint, source, node)
+    return content
+
+
+async def snapshot_of(kube: Kube, ns: str, source: str) -> Obj:
+    found: Obj = await kube.get(POD_SNAPSHOT, snapshot_name(source), ns)
+    return found
+
+
+async def content_of(kube: Kube, ns: str, source: str) -> Obj:
+    uid = (await snapshot_of(kube, ns, source))["metadata"]["uid"]
+    found: Obj = await kube.get(POD_SNAPSHOT_CONTENT, content_name(uid))
+    return found
+
+
+async def artifact_key_of(kube: Kube, ns: str, source: str = "source") -> str:
+    return artifact_key(ns, (await snapshot_of(kube, ns, source))["metadata"]["uid"])
+
+
+def conditions_of(obj: Obj) -> dict[str, Obj]:
+    return {c["type"]: c for c in (obj.get("status") or {}).get("conditions") or []}
+
+
+async def record_capture(kube: Kube, ns: str, ckpt: str, snapshot: Obj, content: Obj) -> None:
+    """What the controller writes once ``content`` is Ready: the PodSnapshot Ready and bound to it, the
+    DynamoCheckpoint Ready with the PodSnapshot's name and the artifact's digest and location."""
+    outcome = cond.set_outcome([], True, "Captured", CAPTURED_MESSAGE, None)
+    bound = {"boundSnapshotContentName": content["metadata"]["name"], "conditions": outcome}
+    await kube.patch_status(POD_SNAPSHOT, snapshot["metadata"]["name"], bound, ns)
+    artifact = (content.get("status") or {}).get("artifact") or {}
+    status = {
+        "phase": "Ready",
+        "podSnapshotName": snapshot["metadata"]["name"],
+        "artifactDigest": artifact.get("digest"),
+        "location": artifact.get("location"),
+    }
+    await kube.patch_status(CHECKPOINT, ckpt, status, ns)
+
+
+async def _captured(kube: Kube, ns: str, source: str) -> Obj | None:
+    content = await content_of(kube, ns, source)
+    conds = conditions_of(content)
+    if conds.get("Failed", {}).get("status") == "True":
+        raise AssertionError(content.get("status"))
+    return content if conds.get("Ready", {}).get("status") == "True" else None
+
+
+async def _checkpointed(kube: Kube, ns: str, source: str, ckpt: str = CKPT) -> dict[str, Any]:
+    """The content's status once the agent captured ``source``; the PodSnapshot and the DynamoCheckpoint
+    are then made Ready as the controller makes them."""
+    content: Obj = await eventually(lambda: _captured(kube, ns, source), within=60)
+    await record_capture(kube, ns, ckpt, await snapshot_of(kube, ns, source), content)
+    status: dict[str, Any] = content["status"]
+    return status
+
+
+async def recorded_checkpoint(kube: Kube, ns: str, digest: str) -> None:
+    """DynamoCheckpoint CKPT Ready with ``digest``, its PodSnapshot and content saying the same, of a source
+    pod on a node no agent watches (nothing is captured): a restore from it is granted."""
+    node = f"no-agent-{uuid.uuid4().hex[:6]}"
+    checkpoint = await make_checkpoint(kube, ns)
+    source = await kube.create(POD, source_pod("unwatched", node), ns)
+    snapshot, content = await make_snapshot(kube, ns, checkpoint, source, node)
+    content["status"] = {"artifact": {"location": "/nowhere", "digest": digest, "sizeBytes": 0}}
+    await kube.patch_status(POD_SNAPSHOT_CONTENT, content["metadata"]["name"], content["status"])
+    await record_capture(kube, ns, CKPT, snapshot, content)
 
 
 async def _annotations(kube: Kube, ns: str, name: str) -> dict[str, str]:
@@ -240,21 +335,6 @@ async def _status(kube: Kube, ns: str, name: str, key: str, want: str) -> dict[s
     if got == "failed" and want != "failed":
         raise AssertionError(ann)
     return ann if got == want else None
-
-
-async def _checkpointed(kube: Kube, ns: str, name: str) -> dict[str, str]:
-    """The source pod's annotations once the agent reports it checkpointed; the checkpoint is then made
-    Ready with the artifact's digest, as the controller makes it."""
-    ann: dict[str, str] = await eventually(
-        lambda: _status(kube, ns, name, protocol.ANNOTATION_CHECKPOINT_STATUS, "completed"), within=60
-    )
-    status = {
-        "phase": "Ready",
-        "artifactDigest": ann[protocol.ANNOTATION_ARTIFACT_DIGEST],
-        "location": ann[protocol.ANNOTATION_CHECKPOINT_LOCATION],
-    }
-    await kube.patch_status(CHECKPOINT, CKPT, status, ns)
-    return ann
 
 
 async def _verified(path: Path) -> dict[str, Any]:
@@ -280,15 +360,20 @@ async def test_checkpoint_on_one_node_restore_on_another(
     a = await agents(node_a, runtime_kind)
     b = await agents(node_b, runtime_kind)
     await create_source(kube, namespace, "source", node_a)
-    ann = await _checkpointed(kube, namespace, "source")
+    status = await _checkpointed(kube, namespace, "source")
     key = await artifact_key_of(kube, namespace)
-    assert ann[protocol.ANNOTATION_CHECKPOINT_LOCATION].endswith(key)
-    timings = json.loads(ann[protocol.ANNOTATION_CHECKPOINT_TIMINGS])
-    assert timings["criu_dump"] > 0
-    artifact = ArtifactStore(Path(ann[protocol.ANNOTATION_CHECKPOINT_LOCATION]).parents[1]).open(key)
-    assert artifact.manifest.digest == ann[protocol.ANNOTATION_ARTIFACT_DIGEST]
-    assert artifact.manifest.binding is not None
-    assert artifact.manifest.binding.source_pod == "source"
+    location = status["artifact"]["location"]
+    assert location.endswith(key)
+    artifact = ArtifactStore(Path(location).parents[1]).open(key)
+    assert artifact.manifest.timings["criu_dump"] > 0
+    assert artifact.manifest.digest == status["artifact"]["digest"]
+    binding = artifact.manifest.binding
+    assert binding is not None
+    assert (binding.checkpoint_name, binding.source_pod) == (snapshot_name("source"), "source")
+    # Sealed with the DynamoCheckpoint's identity: the checkpoint controls the PodSnapshot.
+    assert artifact.manifest.identity_hash == HASH
+    assert artifact.manifest.identity is not None
+    assert artifact.manifest.identity.compute_hash() == HASH
     assert artifact.manifest.source_node == node_a
     # The worker's pages are stored compressed (and unpacked again for CRIU at each restore).
     assert any(is_packed_pages(f.path) for f in artifact.manifest.files)
@@ -344,8 +429,8 @@ async def test_flipped_byte_refuses_restore(
     node = gpu_node()["metadata"]["name"]
     b = await agents(node)
     await create_source(kube, namespace, "source", node)
-    ann = await _checkpointed(kube, namespace, "source")
-    images = Path(ann[protocol.ANNOTATION_CHECKPOINT_LOCATION]) / "criu"
+    status = await _checkpointed(kube, namespace, "source")
+    images = Path(status["artifact"]["location"]) / "criu"
     victim = max(images.glob("pages-*"), key=lambda p: p.stat().st_size)  # stored compressed or not
     with victim.open("r+b") as f:
         f.seek(4096)
@@ -388,7 +473,7 @@ async def test_incompatible_gpu_is_refused_naming_both(
     assert "NVIDIA-A100-SXM4-80GB" in message
 
 
-async def test_agent_killed_mid_dump_publishes_nothing_and_reports_failure(
+async def test_agent_killed_mid_dump_publishes_nothing_and_the_next_one_captures_again(
     api: client.ApiClient,
     namespace: str,
     gpu_node: Callable[..., Obj],
@@ -398,21 +483,27 @@ async def test_agent_killed_mid_dump_publishes_nothing_and_reports_failure(
     kube = Kube(api)
     node = gpu_node()["metadata"]["name"]
     first = await agents(node)
+    dumps = _count_calls(first.agent.executor, "checkpoint")
     await create_source(kube, namespace, "source", node, state_mib=1024)
-    await eventually(
-        lambda: _status(kube, namespace, "source", protocol.ANNOTATION_CHECKPOINT_STATUS, "running"),
-        within=60,
-        interval=0.02,
-    )
+
+    async def dumping() -> bool:
+        return bool(dumps)
+
+    await eventually(dumping, within=60, interval=0.02)
+    await asyncio.sleep(0.2)
     await first.shutdown(abrupt=True)  # the dump of 1 GiB is under way
     store = ArtifactStore(tmp_path / "artifacts")
-    await asyncio.sleep(0.5)
+    key = await artifact_key_of(kube, namespace)
+    assert not store.exists(key), "a killed dump must never be published"
+    ready = conditions_of(await content_of(kube, namespace, "source"))["Ready"]
+    assert (ready["status"], ready["reason"]) == ("False", "CaptureInProgress")
+
+    # The next agent finds the content without an outcome and nothing published: it captures again.
     await agents(node)
-    ann = await eventually(
-        lambda: _status(kube, namespace, "source", protocol.ANNOTATION_CHECKPOINT_STATUS, "failed"), within=60
-    )
-    assert "restarted" in ann[protocol.per_container(protocol.ANNOTATION_CHECKPOINT_MESSAGE, "main")]
-    assert not store.exists(await artifact_key_of(kube, namespace)), "a killed dump must never be published"
+    status = await _checkpointed(kube, namespace, "source")
+    artifact = store.open(key)
+    assert artifact.manifest.digest == status["artifact"]["digest"]
+    assert [p.name for p in store.root.iterdir() if p.name.startswith(".")] == [], "staging left behind"
 
 
 async def test_pods_of_other_nodes_are_never_touched(
@@ -423,8 +514,8 @@ async def test_pods_of_other_nodes_are_never_touched(
     agent = await agents(mine)
     foreign = f"elsewhere-{uuid.uuid4().hex[:4]}"
     await create_source(kube, namespace, foreign, other)
-    # Positive control: the same kind of pod on the agent's own node is checkpointed, so the silence
-    # about the foreign pod below comes from the node filter, not from an agent that does nothing.
+    # Positive control: the same kind of pod and content on the agent's own node is captured, so the
+    # silence about the foreign ones below comes from the node filters, not from an agent that does nothing.
     await create_source(kube, namespace, "local", mine)
     await _checkpointed(kube, namespace, "local")
     ann = await _annotations(kube, namespace, foreign)
@@ -432,6 +523,7 @@ async def test_pods_of_other_nodes_are_never_touched(
         k.startswith("nvidia.com/snapshot-") and k != protocol.ANNOTATION_TARGET_CONTAINERS for k in ann
     )
     assert [p["metadata"]["name"] for p in agent.agent.pods.list()] == ["local"]
+    assert conditions_of(await content_of(kube, namespace, foreign)) == {}, "another node's content taken up"
 
 
 async def _checkpoint_then_second_node(
@@ -714,10 +806,6 @@ async def test_a_failed_restore_report_is_retried_leaving_the_restored_worker_ru
     assert EXITED not in await _annotations(kube, namespace, "restored"), "the restored worker is gone"
 
 
-CHECKPOINT_STATUS = protocol.per_container(protocol.ANNOTATION_CHECKPOINT_STATUS, "main")
-CHECKPOINT_MESSAGE = protocol.per_container(protocol.ANNOTATION_CHECKPOINT_MESSAGE, "main")
-
-
 def _reports_completed(patch: Obj, key: str) -> bool:
     return (patch["metadata"].get("annotations") or {}).get(key) == "completed"
 
@@ -751,7 +839,11 @@ def _count_calls(obj: Any, method: str) -> list[tuple[Any, ...]]:
     return calls
 
 
-async def test_a_failed_checkpoint_report_is_retried_not_reported_as_a_failure(
+def _reports_captured(status: Obj) -> bool:
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions") or [])
+
+
+async def test_a_failed_capture_report_is_retried_not_reported_as_a_failure(
     api: client.ApiClient,
     namespace: str,
     gpu_node: Callable[..., Obj],
@@ -761,20 +853,31 @@ async def test_a_failed_checkpoint_report_is_retried_not_reported_as_a_failure(
     kube = Kube(api)
     node = gpu_node()["metadata"]["name"]
     a = await agents(node)
-    refused = _refuse_first_completed(a, CHECKPOINT_STATUS)  # the published checkpoint's report
+    real_patch = a.agent.kube.patch_status
+    refused: list[str] = []
+
+    async def flaky_patch(kind: Any, name: str, status: Obj, *args: Any, **kwargs: Any) -> Any:
+        # The apiserver turns down, once, the content's Ready outcome.
+        if kind is POD_SNAPSHOT_CONTENT and _reports_captured(status) and not refused:
+            refused.append(name)
+            raise ApiError(503, "ServiceUnavailable", "transient: etcd leader changed")
+        return await real_patch(kind, name, status, *args, **kwargs)
+
+    a.agent.kube.patch_status = flaky_patch  # type: ignore[method-assign]
     checkpoints = _count_calls(a.agent.executor, "checkpoint")
-    await create_source(kube, namespace, "source", node)
-    ann = await _checkpointed(kube, namespace, "source")
-    assert refused == ["source"]
+    content = await create_source(kube, namespace, "source", node)
+    status = await _checkpointed(kube, namespace, "source")
+    assert refused == [content["metadata"]["name"]]
     assert [identity_hash for _, identity_hash, *_ in checkpoints] == [HASH]
     key = await artifact_key_of(kube, namespace)
-    assert ann[protocol.ANNOTATION_CHECKPOINT_LOCATION].endswith(key)
+    assert status["artifact"]["location"].endswith(key)
     assert ArtifactStore(tmp_path / "artifacts").exists(key)
-    await asyncio.sleep(1.5)  # past a re-dispatch's backoff (1 s): the report must stay completed
-    assert (await _annotations(kube, namespace, "source"))[CHECKPOINT_STATUS] == "completed"
+    await asyncio.sleep(1.5)  # past the retry's backoff (1 s): the outcome must stay Ready
+    conds = conditions_of(await content_of(kube, namespace, "source"))
+    assert (conds["Ready"]["status"], conds["Failed"]["status"]) == ("True", "False")
 
 
-async def test_a_checkpoint_published_by_an_agent_killed_before_its_report_is_reported_completed(
+async def test_a_capture_published_by_an_agent_killed_before_its_report_is_reported_ready(
     api: client.ApiClient,
     namespace: str,
     gpu_node: Callable[..., Obj],
@@ -784,18 +887,18 @@ async def test_a_checkpoint_published_by_an_agent_killed_before_its_report_is_re
     kube = Kube(api)
     node = gpu_node()["metadata"]["name"]
     first = await agents(node)
-    real_patch = first.agent.kube.merge_patch
+    real_patch = first.agent.kube.patch_status
     held: list[str] = []
 
-    async def hanging_patch(kind: Any, name: str, patch: Obj, *args: Any, **kwargs: Any) -> Any:
-        # The first report of the published checkpoint never reaches the apiserver: the agent dies
-        # while it is on its way.
-        if _reports_completed(patch, CHECKPOINT_STATUS) and not held:
+    async def hanging_patch(kind: Any, name: str, status: Obj, *args: Any, **kwargs: Any) -> Any:
+        # The first report of the published capture never reaches the apiserver: the agent dies while
+        # it is on its way.
+        if kind is POD_SNAPSHOT_CONTENT and _reports_captured(status) and not held:
             held.append(name)
             await asyncio.Event().wait()
-        return await real_patch(kind, name, patch, *args, **kwargs)
+        return await real_patch(kind, name, status, *args, **kwargs)
 
-    first.agent.kube.merge_patch = hanging_patch  # type: ignore[method-assign]
+    first.agent.kube.patch_status = hanging_patch  # type: ignore[method-assign]
     await create_source(kube, namespace, "source", node)
 
     async def report_held() -> bool:
@@ -805,15 +908,18 @@ async def test_a_checkpoint_published_by_an_agent_killed_before_its_report_is_re
     await first.shutdown(abrupt=True)
     store = ArtifactStore(tmp_path / "artifacts")
     key = await artifact_key_of(kube, namespace)
-    assert store.exists(key)
-    ann = await _annotations(kube, namespace, "source")
-    assert ann[CHECKPOINT_STATUS] == "running"
+    published = store.open(key).manifest.digest
+    ready = conditions_of(await content_of(kube, namespace, "source"))["Ready"]
+    assert (ready["status"], ready["reason"]) == ("False", "CaptureInProgress")
 
     await agents(node)
-    ann = await _checkpointed(kube, namespace, "source")
-    assert ann[protocol.ANNOTATION_CHECKPOINT_LOCATION] == str(store.path_for(key))
-    assert "criu_dump" in json.loads(ann[protocol.ANNOTATION_CHECKPOINT_TIMINGS])
-    assert "nothing was published" not in ann[CHECKPOINT_MESSAGE]
+    status = await _checkpointed(kube, namespace, "source")
+    # The artifact found published is reported, not taken anew (the dump ended the local worker).
+    assert status["artifact"] == {
+        "location": str(store.path_for(key)),
+        "digest": published,
+        "sizeBytes": sum(f.size for f in store.open(key).manifest.files),
+    }
 
 
 async def test_a_deleted_pods_worker_is_stopped_without_a_failure_report(
@@ -893,13 +999,16 @@ async def test_two_tenants_with_one_identity_never_share_a_process(
     a = await agents(node)
     # Same checkpoint name, same identity (so the same identity hash) in two namespaces.
     await create_source(kube, namespace, "source", node, TENANT_SECRET="a-secret")
-    await _checkpointed(kube, namespace, "source")
+    status_a = await _checkpointed(kube, namespace, "source")
     await create_source(kube, other_namespace, "source", node, TENANT_SECRET="b-secret")
-    ann_b = await _checkpointed(kube, other_namespace, "source")
-    assert "found published" not in ann_b[CHECKPOINT_MESSAGE], "tenant B was handed tenant A's artifact"
+    status_b = await _checkpointed(kube, other_namespace, "source")
     store = ArtifactStore(tmp_path / "artifacts")
-    keys = {await artifact_key_of(kube, namespace), await artifact_key_of(kube, other_namespace)}
-    assert set(store.list()) == keys
+    keys = [await artifact_key_of(kube, namespace), await artifact_key_of(kube, other_namespace)]
+    assert set(store.list()) == set(keys)
+    assert status_a["artifact"]["digest"] != status_b["artifact"]["digest"], (
+        "tenant B was handed A's artifact"
+    )
+    assert [store.open(key).manifest.identity_hash for key in keys] == [HASH, HASH]
     await kube.create(POD, pod("restored", node, TARGET), other_namespace)
     await _restored(kube, other_namespace, "restored")
     worker = await _workload(kube, a.runtime, other_namespace, "restored")
@@ -927,37 +1036,80 @@ async def test_a_pod_of_another_namespace_is_not_restored(
         within=30,
     )
     message = ann[protocol.per_container(protocol.ANNOTATION_RESTORE_MESSAGE, "main")]
-    assert f"not found in namespace {other_namespace}" in message
+    assert message == (
+        f"refused: neither a DynamoCheckpoint nor a PodSnapshot named {CKPT!r} exists in namespace "
+        f"{other_namespace}: a pod is restored only from one of its own namespace"
+    )
     assert await _workload(kube, a.runtime, other_namespace, "forged") is None
-    await _event(kube, other_namespace, "RestoreRefused", "forged")
+    event = await _event(kube, other_namespace, "RestoreRefused", "forged")
+    assert event["message"] == message
 
 
-async def test_a_source_pod_not_run_by_the_checkpoint_job_publishes_nothing(
+LEGACY_SOURCE = {
+    protocol.LABEL_MANAGED_BY: protocol.MANAGED_BY_VALUE,
+    protocol.LABEL_CHECKPOINT_SOURCE: protocol.TRUE,
+    protocol.LABEL_CHECKPOINT_HASH: HASH,
+    protocol.LABEL_CHECKPOINT_ID: CKPT,
+}
+
+
+async def test_a_pod_labelled_as_a_checkpoint_source_is_never_captured(
     api: client.ApiClient,
     namespace: str,
-    other_namespace: str,
     gpu_node: Callable[..., Obj],
     agents: Callable[..., Any],
     tmp_path: Path,
 ) -> None:
+    """Only a content the PodSnapshot grants is captured: labels, a checkpoint's name among them, grant
+    nothing. The planted pod is a cold start to the agent (launched without a control directory)."""
+    kube = Kube(api)
+    node = gpu_node()["metadata"]["name"]
+    a = await agents(node)
+    await make_checkpoint(kube, namespace)
+    planted = _plain_pod("planted", node)
+    planted["metadata"]["labels"].update(LEGACY_SOURCE)
+    await kube.create(POD, planted, namespace)
+    await eventually(lambda: _workload(kube, a.runtime, namespace, "planted"), within=30)
+    # Positive control: the real source is captured meanwhile.
+    await create_source(kube, namespace, "source", node)
+    await _checkpointed(kube, namespace, "source")
+    assert ArtifactStore(tmp_path / "artifacts").list() == [await artifact_key_of(kube, namespace)]
+    ann = await _annotations(kube, namespace, "planted")
+    assert not any(k.startswith("nvidia.com/snapshot-") for k in ann), ann
+
+
+async def test_a_podsnapshot_of_a_checkpoint_being_deleted_is_not_captured(
+    api: client.ApiClient,
+    namespace: str,
+    gpu_node: Callable[..., Obj],
+    agents: Callable[..., Any],
+    tmp_path: Path,
+) -> None:
+    """The identity a capture is sealed with is that of the DynamoCheckpoint controlling the PodSnapshot
+    (read by the agent): one being deleted fails the content with the reason, storing nothing. (Each
+    refusal of the grant: test_authorize.)"""
     kube = Kube(api)
     node = gpu_node()["metadata"]["name"]
     await agents(node)
-    await checkpoint_and_job(kube, namespace)
-    # A pod that only carries the labels, in the checkpoint's namespace and in another one.
-    await kube.create(POD, pod("planted", node, SOURCE), namespace)
-    await kube.create(POD, pod("planted", node, SOURCE), other_namespace)
-    for ns, words in ((namespace, "not run by the checkpoint Job"), (other_namespace, "not found")):
-        ann = await eventually(
-            lambda n=ns: _status(kube, n, "planted", protocol.ANNOTATION_CHECKPOINT_STATUS, "failed"),
-            within=30,
+    ckpt = await make_checkpoint(kube, namespace, finalizers=["tests.dynamo-snapshot.dev/hold"])
+    # Background deletion: the finalizer keeps the checkpoint, so the collector keeps its PodSnapshot.
+    await kube.delete(CHECKPOINT, CKPT, namespace)
+    source = await kube.create(POD, source_pod("source", node), namespace)
+    _, content = await make_snapshot(kube, namespace, ckpt, source, node)
+    try:
+
+        async def failed() -> Obj | None:
+            conds = conditions_of(await kube.get(POD_SNAPSHOT_CONTENT, content["metadata"]["name"]))
+            return conds["Failed"] if conds.get("Failed", {}).get("status") == "True" else None
+
+        condition = await eventually(failed, within=60)
+        assert (condition["reason"], condition["message"]) == (
+            "CheckpointDeleted",
+            f"DynamoCheckpoint {namespace}/{CKPT} is being deleted",
         )
-        assert words in ann[CHECKPOINT_MESSAGE]
-        await _event(kube, ns, "CheckpointRefused", "planted")
-    assert ArtifactStore(tmp_path / "artifacts").list() == []
-    # The real source is still checkpointed afterwards.
-    await create_source(kube, namespace, "source", node)
-    await _checkpointed(kube, namespace, "source")
+        assert ArtifactStore(tmp_path / "artifacts").list() == []
+    finally:
+        await kube.merge_patch(CHECKPOINT, CKPT, {"metadata": {"finalizers": None}}, namespace)
 
 
 async def test_a_restore_needs_the_artifact_the_checkpoint_recorded(
@@ -965,19 +1117,29 @@ async def test_a_restore_needs_the_artifact_the_checkpoint_recorded(
 ) -> None:
     kube = Kube(api)
     b = await _checkpoint_then_second_node(kube, namespace, gpu_node, agents)
-    await kube.patch_status(CHECKPOINT, CKPT, {"artifactDigest": "0" * 64}, namespace)
-    await kube.create(POD, pod("restored", b.node, TARGET), namespace)
-    ann = await eventually(
-        lambda: _status(kube, namespace, "restored", protocol.ANNOTATION_RESTORE_STATUS, "failed"), within=60
+    other = "0" * 64
+    message = protocol.per_container(protocol.ANNOTATION_RESTORE_MESSAGE, "main")
+
+    async def refused(name: str) -> str:
+        await kube.create(POD, pod(name, b.node, TARGET), namespace)
+        ann = await eventually(
+            lambda: _status(kube, namespace, name, protocol.ANNOTATION_RESTORE_STATUS, "failed"), within=60
+        )
+        assert await _workload(kube, b.runtime, namespace, name) is None
+        return ann[message]
+
+    # The checkpoint records another digest than its PodSnapshot's content.
+    recorded = (await kube.get(CHECKPOINT, CKPT, namespace))["status"]["artifactDigest"]
+    await kube.patch_status(CHECKPOINT, CKPT, {"artifactDigest": other}, namespace)
+    assert "artifact digest mismatch" in await refused("mismatch")
+    # Both record it: the artifact published is not the one recorded, and the restore refuses it.
+    content = await content_of(kube, namespace, "source")
+    await kube.patch_status(
+        POD_SNAPSHOT_CONTENT, content["metadata"]["name"], {"artifact": {"digest": other}}
     )
-    assert "manifest digest" in ann[protocol.per_container(protocol.ANNOTATION_RESTORE_MESSAGE, "main")]
-    assert await _workload(kube, b.runtime, namespace, "restored") is None
-    await kube.patch_status(CHECKPOINT, CKPT, {"phase": "Creating"}, namespace)
-    await kube.create(POD, pod("early", b.node, TARGET), namespace)
-    ann = await eventually(
-        lambda: _status(kube, namespace, "early", protocol.ANNOTATION_RESTORE_STATUS, "failed"), within=30
-    )
-    assert "is not Ready" in ann[protocol.per_container(protocol.ANNOTATION_RESTORE_MESSAGE, "main")]
+    assert "manifest digest" in await refused("restored")
+    await kube.patch_status(CHECKPOINT, CKPT, {"artifactDigest": recorded, "phase": "Creating"}, namespace)
+    assert "is not Ready" in await refused("early")
 
 
 async def test_the_artifact_goes_with_its_checkpoint(
@@ -1000,23 +1162,19 @@ async def test_the_artifact_goes_with_its_checkpoint(
     async def removed() -> bool:
         return not store.exists(key)
 
-    await eventually(removed, within=30)
-    # Deleted while no agent ran: the next agent's sweep removes it. The old checkpoint's Job and pod go
-    # first (the garbage collector would, in its own time).
-    for kind, name in ((JOB, f"{CKPT}-checkpoint"), (POD, "source")):
-        with contextlib.suppress(ApiError):
-            await kube.delete(kind, name, namespace)
-
-    async def job_gone() -> bool:
-        jobs, _ = await kube.list_all(JOB, namespace)
-        return not jobs
-
-    await eventually(job_gone, within=30)
+    await eventually(removed, within=30)  # the collector deleted its PodSnapshot, which owned it
+    # Deleted while no agent ran: the next agent's sweep removes it.
     await create_source(kube, namespace, "source-2", node)
     await _checkpointed(kube, namespace, "source-2")
-    key = await artifact_key_of(kube, namespace)
+    key = await artifact_key_of(kube, namespace, "source-2")
     await a.shutdown()
     await kube.delete(CHECKPOINT, CKPT, namespace)
+
+    async def snapshot_gone() -> bool:
+        snapshots, _ = await kube.list_all(POD_SNAPSHOT, namespace)
+        return not snapshots
+
+    await eventually(snapshot_gone, within=30)
     assert store.exists(key)
     await agents(node)
     await eventually(removed, within=30)

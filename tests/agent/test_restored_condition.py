@@ -21,7 +21,7 @@ from dynamo_snapshot.agent.errors import AgentError
 from dynamo_snapshot.agent.watcher import AGENT_NAME
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.kube import POD, ApiError, Kube, Obj
-from dynamo_snapshot.kube.kinds import CHECKPOINT, POD_SNAPSHOT
+from dynamo_snapshot.kube.kinds import POD_SNAPSHOT
 from tests.agent.test_agent import (
     CKPT,
     TARGET,
@@ -31,8 +31,8 @@ from tests.agent.test_agent import (
     _event,
     _workload,
     agents,  # noqa: F401  (the fixture)
-    checkpoint_and_job,
     pod,
+    recorded_checkpoint,
 )
 from tests.controller.conftest import eventually
 
@@ -136,8 +136,8 @@ async def test_a_refused_restore_has_restored_false_with_the_reason(
     agents: Any,  # noqa: F811
     case: str,
 ) -> None:
-    """restore-from naming a PodSnapshot that does not exist, or one never captured: the pod says why
-    in its annotations, a Warning Event and its Restored condition, all with the same words."""
+    """restore-from naming nothing of the namespace, or a PodSnapshot never captured: the pod says why in
+    its annotations, a Warning Event and its Restored condition, all with the same words."""
     kube = Kube(api)
     node = gpu_node()["metadata"]["name"]
     await agents(node)
@@ -166,6 +166,11 @@ async def test_a_refused_restore_has_restored_false_with_the_reason(
     assert repr(name) in message, message
     if case == "not-ready":
         assert f"PodSnapshot {name!r} is not Ready" in message
+    else:
+        assert message == (
+            f"refused: neither a DynamoCheckpoint nor a PodSnapshot named {name!r} exists in namespace "
+            f"{namespace}: a pod is restored only from one of its own namespace"
+        )
     assert _conditions(obj)["Ready"]["status"] == "True", "the pod's other conditions are kept"
     _agent_owns_only_the_condition(obj)
     event = await _event(kube, namespace, "RestoreRefused", "refused")
@@ -179,13 +184,12 @@ async def test_a_failed_restore_keeps_the_transition_time_of_its_start(
     agents: Any,  # noqa: F811
 ) -> None:
     """Restored stays False from the start of a restore to its failure: its lastTransitionTime is the
-    start's, though the failure comes seconds later. The checkpoint is Ready with a digest (the grant);
-    the executor fails the restore after a while, as a bad artifact would."""
+    start's, though the failure comes seconds later. The checkpoint, its PodSnapshot and content record
+    a digest (the grant); the executor fails the restore after a while, as a bad artifact would."""
     kube = Kube(api)
     node = gpu_node()["metadata"]["name"]
     handle = await agents(node)
-    await checkpoint_and_job(kube, namespace)
-    await kube.patch_status(CHECKPOINT, CKPT, {"phase": "Ready", "artifactDigest": "a" * 64}, namespace)
+    await recorded_checkpoint(kube, namespace, "a" * 64)
 
     async def failing_restore(*args: Any, **kwargs: Any) -> Any:
         await asyncio.sleep(2.2)  # past a whole second of the condition's timestamps
