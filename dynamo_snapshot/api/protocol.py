@@ -14,11 +14,9 @@ from enum import StrEnum
 from typing import Final
 
 __all__ = [
-    "ANNOTATION_ARTIFACT_DIGEST",
     "ANNOTATION_ARTIFACT_VERSION",
     "ANNOTATION_AVOID_NODES",
     "ANNOTATION_CHECKPOINT_LOCATION",
-    "ANNOTATION_CHECKPOINT_MESSAGE",
     "ANNOTATION_CHECKPOINT_STATUS",
     "ANNOTATION_CHECKPOINT_STORAGE_TYPE",
     "ANNOTATION_CHECKPOINT_TIMINGS",
@@ -128,7 +126,6 @@ ANNOTATION_CHECKPOINT_STORAGE_TYPE: Final = "nvidia.com/snapshot-checkpoint-stor
 # Progress the node agent reports, one key per container: use per_container(...) for the full key.
 ANNOTATION_CHECKPOINT_STATUS: Final = "nvidia.com/snapshot-checkpoint-status"
 ANNOTATION_RESTORE_STATUS: Final = "nvidia.com/snapshot-restore-status"
-ANNOTATION_CHECKPOINT_MESSAGE: Final = "nvidia.com/snapshot-checkpoint-message"
 ANNOTATION_RESTORE_MESSAGE: Final = "nvidia.com/snapshot-restore-message"
 # JSON object of phase name -> seconds, for the startup-latency report.
 ANNOTATION_CHECKPOINT_TIMINGS: Final = "nvidia.com/snapshot-checkpoint-timings"
@@ -144,10 +141,6 @@ ANNOTATION_WORKLOAD_EXITED: Final = "nvidia.com/snapshot-workload-exited"
 # On a restore pod that retries a failed restore: comma-separated nodes where this restore already
 # failed; the pod's node affinity keeps it off them, and a further failure adds its node.
 ANNOTATION_AVOID_NODES: Final = "snapshot.nvidia.com/avoid-nodes"
-# On a checkpoint source pod, written by the node agent with the completed status: the SHA-256 of the
-# published artifact's sealed manifest. The controller copies it into the DynamoCheckpoint's status, and
-# an agent restores only an artifact whose manifest has exactly that digest.
-ANNOTATION_ARTIFACT_DIGEST: Final = "nvidia.com/snapshot-artifact-digest"
 # On a restore pod, written by the node agent: how many times a restore into it was started. A restore
 # cut short by an agent restart is started again (not counted against the checkpoint) until this reaches
 # RESTORE_ATTEMPTS_MAX.
