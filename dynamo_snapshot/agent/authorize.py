@@ -253,13 +253,17 @@ def _capture_identity(snapshot: Obj, ckpt: Obj | None) -> CheckpointIdentity | N
         ) from None
 
 
-def restore_grant(pod: Obj, ckpt: Obj | None, snapshot: Obj | None, content: Obj | None) -> RestoreGrant:
+def restore_grant(
+    pod: Obj, ckpt: Obj | None, snapshot: Obj | None, content: Obj | None, owner: Obj | None = None
+) -> RestoreGrant:
     """What the agent may restore into this pod; ``Refused`` when nothing grants it.
 
     The pod's ``nvidia.com/restore-from`` names a DynamoCheckpoint or a PodSnapshot of its own namespace:
     ``ckpt`` is the DynamoCheckpoint of that name read there (None: none), ``snapshot`` the PodSnapshot
     ``snapshot_to_restore`` names, read there (None: none), ``content`` the PodSnapshotContent that
-    PodSnapshot is bound to (None: none), whose status records the artifact's digest.
+    PodSnapshot is bound to (None: none), whose status records the artifact's digest. A PodSnapshot that a
+    DynamoCheckpoint controls is restored under that checkpoint's rules even when the pod names the
+    PodSnapshot itself: ``owner`` is that DynamoCheckpoint, read in the namespace (None: none).
     """
     meta = pod["metadata"]
     name = name_to_restore(pod)
@@ -273,22 +277,31 @@ def restore_grant(pod: Obj, ckpt: Obj | None, snapshot: Obj | None, content: Obj
                 f"neither a DynamoCheckpoint nor a PodSnapshot named {name!r} exists in namespace "
                 f"{meta['namespace']}: a pod is restored only from one of its own namespace"
             )
-        key, digest = _snapshot_grant(pod, snapshot, content)
-        return RestoreGrant(name, key, digest)
+        controller = _controlled_by_checkpoint(snapshot)
+        if controller is None:
+            key, digest = _snapshot_grant(pod, snapshot, content)
+            return RestoreGrant(name, key, digest)
+        if owner is None or owner["metadata"].get("uid") != controller.get("uid"):
+            raise Refused(
+                f"PodSnapshot {name!r} belongs to DynamoCheckpoint {controller.get('name')!r}, "
+                "which no longer exists"
+            )
+        ckpt = owner  # its rules (Ready, a graph's checkpoint only into that graph's pods) hold here too
+    ckpt_name = ckpt["metadata"]["name"]
     recorded = _checkpoint_grant(pod, ckpt)
-    snapshot_name = snapshot_to_restore(name, ckpt)
+    snapshot_name = snapshot_to_restore(ckpt_name, ckpt)
     if not snapshot_name:
-        raise Refused(f"DynamoCheckpoint {name!r} records no PodSnapshot (status.podSnapshotName)")
-    if snapshot is None:
-        raise Refused(f"PodSnapshot {snapshot_name!r} of DynamoCheckpoint {name!r} does not exist")
-    owner = _controlled_by_checkpoint(snapshot)
-    if owner is None or owner.get("uid") != ckpt["metadata"].get("uid"):
-        raise Refused(f"PodSnapshot {snapshot_name!r} is not controlled by DynamoCheckpoint {name!r}")
+        raise Refused(f"DynamoCheckpoint {ckpt_name!r} records no PodSnapshot (status.podSnapshotName)")
+    if snapshot is None or snapshot["metadata"]["name"] != snapshot_name:
+        raise Refused(f"PodSnapshot {snapshot_name!r} of DynamoCheckpoint {ckpt_name!r} does not exist")
+    controller = _controlled_by_checkpoint(snapshot)
+    if controller is None or controller.get("uid") != ckpt["metadata"].get("uid"):
+        raise Refused(f"PodSnapshot {snapshot_name!r} is not controlled by DynamoCheckpoint {ckpt_name!r}")
     key, digest = _snapshot_grant(pod, snapshot, content)
     if digest != recorded:
         raise Refused(
             f"artifact digest mismatch: the content of PodSnapshot {snapshot_name!r} records {digest}, "
-            f"DynamoCheckpoint {name!r} records {recorded} (status.artifactDigest)"
+            f"DynamoCheckpoint {ckpt_name!r} records {recorded} (status.artifactDigest)"
         )
     return RestoreGrant(name, key, digest)
 

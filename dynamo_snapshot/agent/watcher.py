@@ -23,6 +23,7 @@ from dynamo_snapshot.agent.authorize import (
     Refused,
     RestoreGrant,
     asks_to_be_restored,
+    capture_checkpoint_name,
     name_to_restore,
     restore_grant,
     snapshot_to_restore,
@@ -319,7 +320,9 @@ class NodeAgent:
         snapshot = await self._get(POD_SNAPSHOT, snapshot_name, namespace) if snapshot_name else None
         bound = ((snapshot or {}).get("status") or {}).get("boundSnapshotContentName")
         content = await self._get(POD_SNAPSHOT_CONTENT, bound, "") if bound else None
-        return restore_grant(pod, ckpt, snapshot, content)
+        owner_name = capture_checkpoint_name(snapshot) if ckpt is None else None
+        owner = await self._get(CHECKPOINT, owner_name, namespace) if owner_name else None
+        return restore_grant(pod, ckpt, snapshot, content, owner)
 
     async def _retake_container(self, pod: Obj, state: Status | None) -> str | None:
         """After an agent restart, on a kubelet node: take the pod's container again, to watch or clear

@@ -290,9 +290,9 @@ def test_a_podsnapshot_named_directly_is_granted_its_contents_artifact() -> None
 @pytest.mark.parametrize(
     ("snapshot", "content", "words"),
     [
-        (_snapshot(ready=False), _content(), "is not Ready"),
-        (_deleting(_snapshot()), _content(), "is being deleted"),
-        (_snapshot(), _content(digest=None), "records no artifact digest"),
+        (_snapshot(owner_uid=None, ready=False), _content(), "is not Ready"),
+        (_deleting(_snapshot(owner_uid=None)), _content(), "is being deleted"),
+        (_snapshot(owner_uid=None), _content(digest=None), "records no artifact digest"),
     ],
     ids=["not-ready", "deleting", "no-digest"],
 )
@@ -303,11 +303,30 @@ def test_a_podsnapshot_named_directly_is_refused_without_a_grant(
         restore_grant(_target(name="ckpt-checkpoint"), None, snapshot, content)
 
 
+def test_a_checkpoints_podsnapshot_named_directly_is_held_to_the_checkpoints_rules() -> None:
+    """Naming a DynamoCheckpoint's PodSnapshot instead of the checkpoint is no way around the checkpoint:
+    a graph's checkpoint still goes only into that graph's pods, and only while the checkpoint is Ready."""
+    direct = "ckpt-checkpoint"
+    grant = restore_grant(_target(DGD_UID, name=direct), None, _snapshot(), _content(), _dgd_checkpoint())
+    assert (grant.artifact_key, grant.manifest_digest) == (f"team-a/{SNAP_UID}", DIGEST)
+    with pytest.raises(Refused) as refused:
+        restore_grant(_target(OTHER_UID, name=direct), None, _snapshot(), _content(), _dgd_checkpoint())
+    assert str(refused.value) == NOT_ITS_POD
+    with pytest.raises(Refused, match="is not Ready"):
+        restore_grant(_target(name=direct), None, _snapshot(), _content(), _ckpt(phase="Creating"))
+    with pytest.raises(Refused, match="belongs to DynamoCheckpoint 'ckpt', which no longer exists"):
+        restore_grant(_target(name=direct), None, _snapshot(), _content(), None)
+    replaced = _ready_ckpt()
+    replaced["metadata"]["uid"] = OTHER_UID
+    with pytest.raises(Refused, match="which no longer exists"):
+        restore_grant(_target(name=direct), None, _snapshot(), _content(), replaced)
+
+
 def test_a_container_map_other_than_main_is_refused() -> None:
     pod = _target(name="ckpt-checkpoint")
     pod["metadata"]["annotations"][protocol.ANNOTATION_RESTORE_CONTAINER_MAP] = "main=engine"
     with pytest.raises(Refused, match="into the container called 'main' only"):
-        restore_grant(pod, None, _snapshot(), _content())
+        restore_grant(pod, None, _snapshot(owner_uid=None), _content())
 
 
 # ------------------------------------------------------------------ capture
