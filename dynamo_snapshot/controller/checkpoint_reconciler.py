@@ -43,6 +43,10 @@ from dynamo_snapshot.kube.pods import pod_active
 
 log = logging.getLogger(__name__)
 FINALIZE_RECHECK_S = 2.0
+LEGACY_CHECKPOINT_MESSAGE = (
+    "Ready without status.podSnapshotName: taken by an earlier dynamo-snapshot, whose artifact no node "
+    "agent restores any more. Delete it to take a fresh one."
+)
 # How soon a wait on an object going away is looked at again (its deletion may send no event we watch).
 RECHECK_S = 1.0
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -139,7 +143,12 @@ class CheckpointReconciler:
         result: Result | None = None
         if phase == CheckpointPhase.READY.value:
             failures = status.get("failedRestores") or []
-            if len(failures) >= ctx.settings.restore_failure_threshold:
+            if not status.get("podSnapshotName"):
+                # Taken before checkpoints were PodSnapshots: no agent restores from it any more.
+                msg = LEGACY_CHECKPOINT_MESSAGE
+                new.update(phase=CheckpointPhase.FAILED.value, message=msg)
+                ctx.recorder.record(obj, WARNING, "CheckpointOutdated", msg)
+            elif len(failures) >= ctx.settings.restore_failure_threshold:
                 msg = (
                     f"{len(failures)} restores from this checkpoint failed (last: {failures[-1]}); "
                     "it is no longer used. Delete it to take a fresh one."

@@ -16,6 +16,7 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.conditions import now_rfc3339
 from dynamo_snapshot.api.podsnapshot import content_name
 from dynamo_snapshot.api.snapshotjob import SnapshotJobReason
+from dynamo_snapshot.controller.checkpoint_reconciler import LEGACY_CHECKPOINT_MESSAGE
 from dynamo_snapshot.controller.podspec import owner_reference
 from dynamo_snapshot.kube import POD, ApiError, Obj, is_not_found
 from dynamo_snapshot.kube.kinds import CHECKPOINT, JOB, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT, SNAPSHOT_JOB
@@ -226,6 +227,29 @@ async def test_a_pod_template_without_a_main_container_fails_the_checkpoint_and_
     assert "targetContainers must name containers present in podTemplate" in message
     assert await _get(h, SNAPSHOT_JOB, "nomain-checkpoint") is None
     await h.event("CheckpointFailed", "targetContainers")
+
+
+async def test_a_ready_checkpoint_without_a_podsnapshot_is_outdated_and_says_so(harness: Harness) -> None:
+    """A checkpoint left Ready by an earlier version (no status.podSnapshotName) is restored by no agent any
+    more: it is marked Failed with what to do, so Auto mode and checkpointRef users stop waiting on it."""
+    h = harness
+    h.agent.checkpoint_outcome = None  # its SnapshotJob never finishes: only the status written here counts
+    await h.kube.create(CHECKPOINT, _checkpoint("legacy"), h.namespace)
+    await _phase(h, "legacy", "Creating")
+    await h.kube.patch_status(
+        CHECKPOINT,
+        "legacy",
+        {
+            "phase": "Ready",
+            "artifactDigest": DIGEST,
+            "location": "/artifacts/team/old",
+            "podSnapshotName": None,
+        },
+        h.namespace,
+    )
+    ckpt = await _phase(h, "legacy", "Failed")
+    assert ckpt["status"]["message"] == LEGACY_CHECKPOINT_MESSAGE
+    await h.event("CheckpointOutdated", "taken by an earlier dynamo-snapshot")
 
 
 async def test_a_deleted_checkpoint_waits_for_the_restores_that_read_it(
