@@ -60,10 +60,13 @@ async def contents(api: Any) -> AsyncIterator[Callable[..., Any]]:
             await kube.delete(POD_SNAPSHOT_CONTENT, name)
 
 
-async def _source_and_snapshot(kube: Kube, ns: str, node: str, name: str) -> tuple[Obj, Obj]:
+async def _source_and_snapshot(
+    kube: Kube, ns: str, node: str, name: str, env: dict[str, str] | None = None
+) -> tuple[Obj, Obj]:
     manifest = pod(name, node, {})
     # Not one of the controller's worker pods: nothing launches it until a capture asks for it.
     del manifest["metadata"]["labels"][protocol.LABEL_MANAGED_BY]
+    manifest["spec"]["containers"][0]["env"] += [{"name": k, "value": v} for k, v in (env or {}).items()]
     source = await kube.create(POD, manifest, ns)
     snapshot = await kube.create(
         POD_SNAPSHOT,
@@ -186,19 +189,8 @@ async def test_a_source_pod_deleted_mid_capture_fails_it_and_publishes_nothing(
     kube = Kube(api, field_manager="capture-test")
     node = gpu_node()["metadata"]["name"]
     await agents(node)
-    manifest = pod("slow-worker", node, {})
-    del manifest["metadata"]["labels"][protocol.LABEL_MANAGED_BY]
-    manifest["spec"]["containers"][0]["env"].append({"name": "WORKER_READY_DELAY_S", "value": "30"})
-    source = await kube.create(POD, manifest, namespace)
-    snapshot = await kube.create(
-        POD_SNAPSHOT,
-        {
-            "apiVersion": "nvidia.com/v1alpha1",
-            "kind": "PodSnapshot",
-            "metadata": {"name": "slow-snapshot"},
-            "spec": {"source": {"podRef": {"name": "slow-worker", "containers": ["main"]}}},
-        },
-        namespace,
+    source, snapshot = await _source_and_snapshot(
+        kube, namespace, node, "slow-worker", {"WORKER_READY_DELAY_S": "30"}
     )
     content = await contents(snapshot, source, node)
     name = content["metadata"]["name"]
