@@ -154,6 +154,12 @@ def _target(pod: Obj, found: Found) -> str:
                 f"{protocol.ANNOTATION_RESTORE_CONTAINER_MAP}={mapping!r}: the snapshot captured container "
                 f"{captured!r}, not {source!r}: write {captured}={dest}"
             )
+        if dest != protocol.DEFAULT_TARGET_CONTAINER:
+            # Refused here rather than admitted for the node agent to refuse: it restores into main only.
+            raise ValueError(
+                f"{protocol.ANNOTATION_RESTORE_CONTAINER_MAP}={mapping!r}: the node agent restores only into "
+                f"the container called {protocol.DEFAULT_TARGET_CONTAINER!r}, not {dest!r}"
+            )
         return dest
     return captured or protocol.DEFAULT_TARGET_CONTAINER
 

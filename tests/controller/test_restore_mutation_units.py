@@ -218,13 +218,11 @@ def test_existing_labels_are_patched_key_by_key_and_kept() -> None:
     }
 
 
-def test_the_container_map_names_the_destination() -> None:
-    p = pod(
-        containers=("sidecar", "engine"), **{protocol.ANNOTATION_RESTORE_CONTAINER_MAP: " main = engine "}
-    )
+def test_the_identity_container_map_restores_into_main() -> None:
+    p = pod(containers=("sidecar", "main"), **{protocol.ANNOTATION_RESTORE_CONTAINER_MAP: " main = main "})
     out, outcome = shaped(p)
-    assert outcome.target == "engine"
-    assert_standby(out, "engine")
+    assert outcome.target == "main"
+    assert_standby(out, "main")
     assert container(out, "sidecar") == {"name": "sidecar", "image": "worker:1"}
 
 
@@ -343,9 +341,9 @@ def test_a_snapshot_that_cannot_be_restored_now_is_admitted_with_a_warning_still
             "the pod has no container 'main' to restore into (it has engine)",
         ),
         (
-            pod(containers=("main",), **{protocol.ANNOTATION_RESTORE_CONTAINER_MAP: "main=engine"}),
+            pod(containers=("main", "engine"), **{protocol.ANNOTATION_RESTORE_CONTAINER_MAP: "main=engine"}),
             READY,
-            "no container 'engine' to restore into",
+            "the node agent restores only into the container called 'main', not 'engine'",
         ),
         (
             pod(containers=("main",)),
@@ -385,13 +383,16 @@ def test_a_map_to_another_container_is_still_checked_when_the_snapshot_is_missin
     assert "not a container name" in (
         mutate(pod(**{protocol.ANNOTATION_RESTORE_CONTAINER_MAP: "main=A"}), NS, Found()).denied or ""
     )
-    # The captured container is unknown then: the destination is taken as given, with the warning.
-    out, outcome = shaped(
-        pod(containers=("engine",), **{protocol.ANNOTATION_RESTORE_CONTAINER_MAP: "x=engine"}), Found()
-    )
-    assert outcome.target == "engine"
+    # The captured container is unknown then: the source is taken as given, with the warning; the
+    # destination is still one the node agent restores into.
+    out, outcome = shaped(pod(**{protocol.ANNOTATION_RESTORE_CONTAINER_MAP: "x=main"}), Found())
+    assert outcome.target == "main"
     assert len(outcome.warnings) == 1
-    assert_standby(out, "engine")
+    assert_standby(out, "main")
+    refused = mutate(
+        pod(containers=("engine",), **{protocol.ANNOTATION_RESTORE_CONTAINER_MAP: "x=engine"}), NS, Found()
+    )
+    assert "restores only into the container called 'main', not 'engine'" in (refused.denied or "")
 
 
 def test_parse_container_map() -> None:
