@@ -138,9 +138,21 @@ class Bench:
         self.criu = Criu()
         self.runtime = ProcessRuntime(self.work / "control", self.criu)
         self.store = ArtifactStore(self.work / "artifacts")
-        self.executor = Executor(self.runtime, self.store, self.criu, node_name=os.uname().nodename)
-        self.result: dict[str, Any] = {"size": args.size, "kv_gib": args.kv_gib, "modes": {}}
-        self.out = args.out / f"gpu-restore-{args.size}.json"
+        self.executor = Executor(
+            self.runtime,
+            self.store,
+            self.criu,
+            node_name=os.uname().nodename,
+            compress_pages=args.compress_pages == "on",
+        )
+        self.result: dict[str, Any] = {
+            "size": args.size,
+            "kv_gib": args.kv_gib,
+            "compress_pages": args.compress_pages,
+            "modes": {},
+        }
+        tag = f"-{args.tag}" if args.tag else ""
+        self.out = args.out / f"gpu-restore-{args.size}{tag}.json"
 
     def save(self) -> None:
         self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -249,6 +261,12 @@ class Bench:
         rec.update(await self.timed_restore(f"restored-{mode}", ident_hash, port, cold))
         rec["restore_over_sol"] = round(rec["restore_s"] / rec["sol_s"], 3)
         self.save()
+        if self.args.warm_restore:  # the same restore again on this node, the artifact in the page cache
+            await self.stop_and_wait(f"restored-{mode}")
+            warm_key = f"restored-{mode}-warm"
+            rec["warm_restore"] = await self.timed_restore(warm_key, ident_hash, port, cold, drop=False)
+            await self.stop_and_wait(warm_key)
+            self.save()
         if mode == "decoupled" and self.args.diagnostics:
             rec["diagnostics"] = await self.diagnostics(f"restored-{mode}", ident_hash, port, cold)
             self.save()
@@ -420,6 +438,18 @@ async def main() -> int:
     ap.add_argument("--serve-timeout", type=float, default=120, help="restore to serving, at most")
     ap.add_argument("--calib-gib", type=int, default=4, help="size of the bandwidth calibration file")
     ap.add_argument("--worker-args", default="", help="extra worker flags, e.g. for a CPU dry run")
+    ap.add_argument(
+        "--compress-pages", choices=("on", "off"), default="on", help="the agent's --compress-pages"
+    )
+    ap.add_argument("--tag", default="", help="added to the result file's name (A/B runs)")
+    ap.add_argument(
+        "--warm-restore", action="store_true", help="restore each mode again with the page cache warm"
+    )
+    ap.add_argument(
+        "--keep-compile-cache",
+        action="store_true",
+        help="keep the torch.compile cache an earlier run left (the plain mode's cold start is then warm)",
+    )
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     # Artifacts of an earlier run would be reused (same identity hash): every run checkpoints anew.
@@ -431,7 +461,8 @@ async def main() -> int:
     try:
         await bench.prepare()
         empty_cache = args.work / f"inductor-{args.size}"
-        shutil.rmtree(empty_cache, ignore_errors=True)  # the first worker compiles from nothing
+        if not args.keep_compile_cache:
+            shutil.rmtree(empty_cache, ignore_errors=True)  # the first worker compiles from nothing
         for i, mode in enumerate(args.modes.split(",")):
             try:
                 await bench.run_mode(mode, empty_cache, 18000 + i)
