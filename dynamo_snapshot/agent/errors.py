@@ -1,9 +1,8 @@
 """What a checkpoint or restore on this node fails with (the message goes into the pod's annotation as it
-is), and how a write to the apiserver that failed is retried."""
+is), and how a write to the apiserver that failed is retried. Imports nothing of the Kubernetes client:
+the executor, which runs without one (the GPU benchmarks, `dynamo-snapshot checkpoint`), raises these."""
 
 from __future__ import annotations
-
-from dynamo_snapshot.kube import ApiError
 
 __all__ = ["RETRY_BASE_S", "RETRY_CAP_S", "AgentError", "ArtifactRefused", "backoff", "permanent"]
 
@@ -17,10 +16,10 @@ def backoff(attempt: int) -> float:
     return min(RETRY_CAP_S, RETRY_BASE_S * 2.0 ** (attempt - 1))
 
 
-def permanent(err: ApiError) -> bool:
-    """Whether no retry can change the apiserver's answer: the agent may not write the object (403), it is
-    gone (404), the patch is invalid (422), say. 5xx, throttling and connection errors pass."""
-    return 400 <= err.status < 500 and err.status not in _RETRYABLE_4XX
+def permanent(http_status: int) -> bool:
+    """Whether no retry can change the apiserver's answer of this HTTP status: the agent may not write the
+    object (403), it is gone (404), the patch is invalid (422), say. 5xx and throttling pass."""
+    return 400 <= http_status < 500 and http_status not in _RETRYABLE_4XX
 
 
 class AgentError(Exception):

@@ -203,7 +203,7 @@ class PodReporter:
                 await write()
                 return True
             except Exception as e:
-                if isinstance(e, ApiError) and permanent(e):
+                if isinstance(e, ApiError) and permanent(e.status):
                     log.log(
                         logging.WARNING if is_not_found(e) else logging.ERROR,
                         f"giving up on the pod's {subject}: the apiserver refused them for good",

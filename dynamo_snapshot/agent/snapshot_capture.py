@@ -260,7 +260,7 @@ class SnapshotCapture:
             except Exception as e:
                 if is_not_found(e):
                     return
-                if isinstance(e, ApiError) and permanent(e):
+                if isinstance(e, ApiError) and permanent(e.status):
                     log.error(
                         "giving up on the content's status: the apiserver refused it for good",
                         extra={
