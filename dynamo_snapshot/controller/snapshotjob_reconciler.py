@@ -125,7 +125,7 @@ class SnapshotJobReconciler:
                 f"not captured within activeDeadlineSeconds ({sj.spec.active_deadline_seconds}s) of the "
                 "SnapshotJob's creation"
             )
-            return await self._fail(obj, Reason.DEADLINE_EXCEEDED, message, job)
+            return await self._fail(obj, Reason.DEADLINE_EXCEEDED, message + _never_ready(status), job)
         if job is None:
             if status.get("sourceJobUid"):
                 message = f"Job {obj['metadata']['name']} was deleted before the capture completed"
@@ -179,7 +179,10 @@ class SnapshotJobReconciler:
         if ended is not None:
             if status.get("podSnapshotUid") and self._content_has_outcome(status["podSnapshotUid"]):
                 return Result(requeue_after=RECHECK_S)  # the outcome is on its way to the PodSnapshot
-            return await self._fail(obj, *ended, job)
+            reason, message = ended
+            if reason == Reason.DEADLINE_EXCEEDED:
+                message += _never_ready(status)
+            return await self._fail(obj, reason, message, job)
         status["sourceJobUid"] = job["metadata"]["uid"]
         pods = self._pods_of(obj, job)
         if status.get("podSnapshotUid"):
@@ -423,6 +426,17 @@ def _pod_ready(pod: Obj) -> bool:
         not pod["metadata"].get("deletionTimestamp")
         and _phase(pod) == "Running"
         and cond.is_true(pod, "Ready")
+    )
+
+
+def _never_ready(status: dict[str, Any]) -> str:
+    """What a deadline message adds when the pod never became ready: the worker never said it may be
+    captured (its readiness probe reads the ready file)."""
+    if status.get("startedAt"):
+        return ""
+    return (
+        f"; its pod never became ready: the worker wrote no {protocol.FILE_READY_FOR_SNAPSHOT} in "
+        f"{protocol.CONTROL_MOUNT_PATH}"
     )
 
 

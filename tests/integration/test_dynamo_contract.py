@@ -143,7 +143,7 @@ async def test_dynamo_workers_checkpoint_and_restore_through_dynamos_own_lifecyc
     }
     await s.kube.create(DGD, {**graph, "metadata": {"name": GRAPH, "namespace": s.namespace}})
 
-    # The checkpoint source ends with 0 once told snapshot-complete, before its Job is cleaned up.
+    # The checkpoint source ends with 0 once told snapshot-complete, before its SnapshotJob removes it.
     exits: dict[str, int] = {}
 
     async def watch_sources() -> None:
@@ -151,7 +151,7 @@ async def test_dynamo_workers_checkpoint_and_restore_through_dynamos_own_lifecyc
             listed, _ = await s.kube.list_all(POD, s.namespace)
             for p in listed:
                 labels = p["metadata"].get("labels") or {}
-                if labels.get(protocol.LABEL_CHECKPOINT_SOURCE) != protocol.TRUE:
+                if not labels.get(protocol.LABEL_SNAPSHOT_JOB):  # the SnapshotJob's source pod
                     continue
                 for st in (p.get("status") or {}).get("containerStatuses") or []:
                     done = (st.get("state") or {}).get("terminated")
@@ -262,24 +262,41 @@ async def test_dynamo_workers_checkpoint_and_restore_through_dynamos_own_lifecyc
 async def test_a_worker_that_never_says_ready_fails_its_checkpoint_with_a_clear_message(
     stack: Stack, real_node: RealNode, tmp_path: Path
 ) -> None:
+    """A worker that is not snapshot-aware never writes ready-for-snapshot: its source pod never becomes
+    ready (the SnapshotJob's probe reads that file), and at the checkpoint's deadline the checkpoint fails
+    saying so, on the DynamoCheckpoint's status and in a Warning Event."""
     s = stack
-    s.start_agent(ready_timeout=3)
+    s.start_agent()
     spec = _worker_spec(real_node, dynamo_site(), write_tiny_model(tmp_path / "model", MODEL), tmp_path)
-    spec["mainContainer"].update(command=["sleep", "3600"], args=[])  # not snapshot-aware
-    graph = worker_graph("silent", SERVICE, spec)
-    await s.kube.create(DGD, {**graph, "metadata": {"name": "silent", "namespace": s.namespace}})
+    main = {**spec.pop("mainContainer"), "name": "main", "command": ["sleep", "3600"], "args": []}
+    checkpoint = {
+        "apiVersion": "nvidia.com/v1alpha1",
+        "kind": "DynamoCheckpoint",
+        "metadata": {"name": "silent", "namespace": s.namespace},
+        "spec": {
+            "identity": {"model": MODEL, "backendFramework": "vllm"},
+            "job": {
+                "activeDeadlineSeconds": 20,
+                "podTemplateSpec": {"spec": {**spec, "restartPolicy": "Never", "containers": [main]}},
+            },
+        },
+    }
+    await s.kube.create(CHECKPOINT, checkpoint)
 
     async def failed() -> Obj | None:
-        items, _ = await s.kube.list_all(CHECKPOINT, s.namespace)
-        return next((c for c in items if (c.get("status") or {}).get("phase") == "Failed"), None)
+        ckpt: Obj = await s.kube.get(CHECKPOINT, "silent", s.namespace)
+        return ckpt if (ckpt.get("status") or {}).get("phase") == "Failed" else None
 
     ckpt = await eventually(failed, 120, "the checkpoint to fail")
-    expected = "did not write ready-for-snapshot or ready-for-checkpoint in its control dir within 3s"
-    assert expected in ckpt["status"]["message"]
-    source = ckpt["status"].get("sourcePod") or ""
+    expected = f"its pod never became ready: the worker wrote no {protocol.FILE_READY_FOR_SNAPSHOT}"
+    message = ckpt["status"]["message"]
+    assert "DeadlineExceeded" in message
+    assert expected in message
     events, _ = await s.kube.list_all(EVENT, s.namespace)
-    warnings = [e for e in events if e.get("reason") == "CheckpointFailed"]
+    warnings = [
+        e
+        for e in events
+        if e.get("reason") == "CheckpointFailed" and e["involvedObject"]["kind"] == "DynamoCheckpoint"
+    ]
     assert warnings, [e.get("reason") for e in events]
     assert expected in warnings[0]["message"]
-    assert warnings[0]["involvedObject"]["kind"] == "Pod"
-    assert source in ("", warnings[0]["involvedObject"]["name"])

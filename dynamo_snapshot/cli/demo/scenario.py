@@ -28,7 +28,7 @@ from dynamo_snapshot.cli.demo.stack import (
 )
 from dynamo_snapshot.cli.demo.traffic import Load, Sample, Timeline
 from dynamo_snapshot.kube import DELETED, POD, Informer, Kube, Obj
-from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD, SCALING_POLICY
+from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD, POD_SNAPSHOT, SCALING_POLICY
 from dynamo_snapshot.localcluster.realnode import REAL_NODE_TAINT, RealNode
 
 GRAPH, SERVICE = "demo", "CpuWorker"
@@ -360,7 +360,9 @@ class Scenario:
         ckpt = await self._until("the checkpoint to be Ready", checkpoint_ready, 300)
         self.results.checkpoint_s = self.timeline.now() - applied
         self.timeline.mark("checkpoint Ready")
-        key = artifact_key(ckpt["metadata"]["namespace"], ckpt["metadata"]["uid"])
+        # The artifact is its PodSnapshot's: the one the checkpoint's SnapshotJob made.
+        snapshot = await self.kube.get(POD_SNAPSHOT, ckpt["status"]["podSnapshotName"], NAMESPACE)
+        key = artifact_key(NAMESPACE, snapshot["metadata"]["uid"])
         artifact = await asyncio.to_thread(self.stack.artifacts.open, key)
         self.results.artifact_mib = artifact.manifest.total_bytes / 2**20
         self.say(
