@@ -4,7 +4,7 @@
 # Arguments: the size (default 1g) and the modes (default plain,decoupled). Both arms on the same disk, one
 # after the other: checkpoint time, restore time with the page cache dropped and again warm, output checked.
 # The second arm keeps the compile cache the first left, so only the first plain cold start compiles.
-# 1g fits one call (about 6 minutes); give 8g a call per arm (ARMS="on" then ARMS="off").
+# 1g fits one call (about 8 minutes). 8g: the decoupled mode alone, ARM_TIMEOUT=360 (each arm's limit, s).
 set -uo pipefail
 size=${1:-1g}
 modes=${2:-plain,decoupled}
@@ -12,7 +12,7 @@ modes=${2:-plain,decoupled}
 . benchmarks/gpu/device_env.sh
 keep=()
 for pages in ${ARMS:-on off}; do
-    timeout 290 python3 benchmarks/gpu/restore_bench.py --size "$size" --modes "$modes" \
+    timeout "${ARM_TIMEOUT:-290}" python3 benchmarks/gpu/restore_bench.py --size "$size" --modes "$modes" \
         --compress-pages "$pages" --tag "pages-$pages" --warm-restore --no-bad-inputs --no-diagnostics \
         --calib-gib 2 --out "$OUT" "${keep[@]}" > "$OUT/ab-$size-pages-$pages.log" 2>&1
     echo "size $size pages $pages: rc=$?"
