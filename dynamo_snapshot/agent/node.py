@@ -39,7 +39,7 @@ class Node:
         weights_check_idle_io: bool = True,
         weights_check_parallel: int | None = None,
         drop_zero_pages: bool = True,
-        compress_pages: bool = True,
+        compress_pages: bool = False,
         restore_scratch: Path | None = DEFAULT_RESTORE_SCRATCH,
         pages_threads: int | None = None,
         cache: ArtifactCache | None = None,

@@ -91,8 +91,9 @@ class AgentConfig(BaseModel):
         description="leave the all-zero pages of anonymous memory out of checkpoints' CRIU images",
     )
     compress_pages: bool = Field(
-        default=True,
-        description="store checkpoints' CRIU pages images compressed (unpacked again at each restore)",
+        default=False,
+        description="store checkpoints' CRIU pages images compressed (unpacked again at each restore): "
+        "pays only where restores read a decoupled artifact from disk (BENCHMARKS.md, compressed pages A/B)",
     )
     restore_scratch: Path = Field(
         default=DEFAULT_RESTORE_SCRATCH,

@@ -46,18 +46,18 @@ async def test_page_flags_reach_the_executor(
 ) -> None:
     monkeypatch.setenv(ENV_CRIU, "/bin/true")  # build() resolves CRIU; none runs here
     default = _config(tmp_path)
-    assert (default.compress_pages, default.restore_scratch) == (True, DEFAULT_RESTORE_SCRATCH)
+    assert (default.compress_pages, default.restore_scratch) == (False, DEFAULT_RESTORE_SCRATCH)
     executor = agent_cmd.build(default, kube).executor
-    assert (executor.compress_pages, executor.restore_scratch) == (True, DEFAULT_RESTORE_SCRATCH)
+    assert (executor.compress_pages, executor.restore_scratch) == (False, DEFAULT_RESTORE_SCRATCH)
 
-    off = _config(tmp_path, "--no-compress-pages", "--restore-scratch", "/mnt/fast")
-    assert (off.compress_pages, off.restore_scratch) == (False, Path("/mnt/fast"))
-    executor = agent_cmd.build(off, kube).executor
-    assert (executor.compress_pages, executor.restore_scratch) == (False, Path("/mnt/fast"))
+    on = _config(tmp_path, "--compress-pages", "--restore-scratch", "/mnt/fast")
+    assert (on.compress_pages, on.restore_scratch) == (True, Path("/mnt/fast"))
+    executor = agent_cmd.build(on, kube).executor
+    assert (executor.compress_pages, executor.restore_scratch) == (True, Path("/mnt/fast"))
 
-    from_file = _config(tmp_path, file="compressPages: false\nrestoreScratch: /x\n")
-    assert (from_file.compress_pages, from_file.restore_scratch) == (False, Path("/x"))
-    assert _config(tmp_path, "--compress-pages", file="compressPages: false\n").compress_pages is True
+    from_file = _config(tmp_path, file="compressPages: true\nrestoreScratch: /x\n")
+    assert (from_file.compress_pages, from_file.restore_scratch) == (True, Path("/x"))
+    assert _config(tmp_path, "--no-compress-pages", file="compressPages: true\n").compress_pages is False
 
 
 async def test_weights_check_idle_io_reaches_the_executor(
@@ -115,10 +115,12 @@ def test_shipped_config_carries_the_agent_switches() -> None:
     """agent/config.yaml is what the image runs with: the keys themselves, as the model's defaults would
     hide a missing line."""
     shipped = yaml.safe_load((REPO / "agent" / "config.yaml").read_text())
-    for key in ("weightsCheckIdleIo", "dropZeroPages", "compressPages"):
-        assert shipped[key] is True, key
+    expected = {"weightsCheckIdleIo": True, "dropZeroPages": True, "compressPages": False}
+    for key, value in expected.items():
+        assert shipped[key] is value, key
     config = agent_cmd.AgentConfig.model_validate({**shipped, "nodeName": "n"})
-    assert (config.weights_check_idle_io, config.drop_zero_pages, config.compress_pages) == (True, True, True)
+    switches = (config.weights_check_idle_io, config.drop_zero_pages, config.compress_pages)
+    assert switches == (True, True, False)
 
 
 def test_every_bool_setting_has_a_switch_whose_help_gives_its_default() -> None:

@@ -315,6 +315,7 @@ async def rig(
             "--runtime",
             "runc",
             "--launch-workloads",
+            "--compress-pages",  # one of the moments killed at is the compression of the pages
             "--ready-timeout-seconds",
             "60",
             "--metrics-port",
