@@ -12,6 +12,8 @@ import re
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 import zlib
 from pathlib import Path
 from types import TracebackType
@@ -264,3 +266,18 @@ def host_facts() -> dict[str, str]:
             line for line in Path("/proc/mounts").read_text().splitlines() if line.startswith("/dev/")
         )
     return facts
+
+
+def http(port: int, path: str, body: dict[str, Any] | None = None, timeout: float = 60) -> tuple[int, Any]:
+    """A JSON call to the worker on 127.0.0.1:`port` (of the calling thread's network namespace)."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=data, method="POST" if data else "GET"
+    )
+    req.add_header("Content-Type", "application/json")
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never a proxy
+    try:
+        with opener.open(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, None

@@ -47,10 +47,12 @@ from benchmarks.gpu.host import (  # noqa: E402
     criu_log_times,
     drop_caches,
     host_facts,
+    http,
     log_gaps,
     page_stats,
     wait_json,
 )
+from benchmarks.gpu.isolated import IsolatedRuntime, NetnsHttp  # noqa: E402
 from dynamo_snapshot.agent.executor import AgentError, Executor  # noqa: E402
 from dynamo_snapshot.agent.prefetch import PREFETCH_FILE, read_plan  # noqa: E402
 from dynamo_snapshot.agent.runtime import ProcessRuntime, WorkloadSpec  # noqa: E402
@@ -65,6 +67,17 @@ MODES = {
     "decoupled": ["--release-kv", "--decouple-weights"],
 }
 GIB = 2**30
+# Diagnostic restores of the decoupled artifact: the agent settings each one changes, and whether it
+# starts with the page cache dropped.
+VARIANTS: dict[str, tuple[dict[str, Any], bool]] = {
+    "default": ({}, True),
+    "warm_node": ({}, False),
+    "no_prefetch": ({"prefetch_node_files": False}, True),
+    "weights_normal_io": ({"weights_check_idle_io": False}, True),
+    "weights_after": ({"weights_check_early": False}, True),
+    "overlap": ({"overlap_page_check": True}, True),
+    "overlap_weights_after": ({"overlap_page_check": True, "weights_check_early": False}, True),
+}
 
 
 def storage_gbps(path: Path, gib: int = 4, threads: int = 16, block: int = 64 << 20) -> float:
@@ -103,19 +116,6 @@ def storage_gbps(path: Path, gib: int = 4, threads: int = 16, block: int = 64 <<
     with ThreadPoolExecutor(threads) as pool:
         total = sum(pool.map(reader, range(threads)))
     return total / (time.monotonic() - started) / 1e9
-
-
-def http(port: int, path: str, body: dict[str, Any] | None = None, timeout: float = 60) -> tuple[int, Any]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}", data=data, method="POST" if data else "GET"
-    )
-    req.add_header("Content-Type", "application/json")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read() or b"null")
-    except urllib.error.HTTPError as e:
-        return e.code, None
 
 
 async def wait_serving(port: int, within: float) -> float:
@@ -267,8 +267,12 @@ class Bench:
             rec["warm_restore"] = await self.timed_restore(warm_key, ident_hash, port, cold, drop=False)
             await self.stop_and_wait(warm_key)
             self.save()
-        if mode == "decoupled" and self.args.diagnostics:
+        if mode == "decoupled" and self.args.variants:
             rec["diagnostics"] = await self.diagnostics(f"restored-{mode}", ident_hash, port, cold)
+            self.save()
+        if mode == "decoupled" and self.args.burst:
+            await self.stop_and_wait(f"restored-{mode}")
+            rec["burst"] = await self.burst(ident_hash, port, cold)
             self.save()
         if mode == "decoupled" and self.args.bad_inputs:
             rec["bad_inputs"] = await self.bad_inputs(f"restored-{mode}", ident_hash)
@@ -330,25 +334,17 @@ class Bench:
                     f.write(src.read_bytes())
 
     async def diagnostics(self, key: str, ident_hash: str, port: int, cold: dict[str, Any]) -> dict[str, Any]:
-        """Other restores of the same artifact: the second one on a node (page cache and verify cache
-        warm), one without reading the node's files ahead (what the prefetch gains), and one with the
-        weights check at the I/O priority the agent does not use by default (idle by default)."""
+        """Other restores of the same artifact, one per variant (`--variants`): each changes some of the
+        agent's settings (VARIANTS) and starts with the page cache dropped and nothing verified, except
+        `warm_node`, the second restore on a node (page cache and verify cache warm)."""
         out: dict[str, Any] = {}
         ex = self.executor
-        variants = [
-            ("warm_node", {}, False),
-            ("no_prefetch", {"prefetch_node_files": False}, True),
-            (
-                "weights_normal_io" if ex.weights_check_idle_io else "weights_idle_io",
-                {"weights_check_idle_io": not ex.weights_check_idle_io},
-                True,
-            ),
-        ]
         base = key
-        for name, knobs, drop in variants:
+        for name in self.args.variants:
+            knobs, drop = VARIANTS[name]
             await self.stop_and_wait(key)
             key = f"{base}-{name}"
-            saved = (ex.prefetch_node_files, ex.weights_check_idle_io, ex.verified)
+            saved = {attr: getattr(ex, attr) for attr in (*knobs, "verified")}
             if drop:
                 ex.verified = VerifiedFiles(ttl_s=3600)  # a node that has not checked this artifact yet
             for attr, value in knobs.items():
@@ -358,9 +354,76 @@ class Bench:
             except Exception:
                 out[name] = {"error": traceback.format_exc()[-2000:]}
             finally:
-                ex.prefetch_node_files, ex.weights_check_idle_io, ex.verified = saved
+                for attr, value in saved.items():
+                    setattr(ex, attr, value)
             self.save()
         await self.stop_and_wait(key)
+        return out
+
+    async def burst(self, ident_hash: str, port: int, cold: dict[str, Any]) -> dict[str, Any]:
+        """One restore into namespaces of its own (isolated.IsolatedRuntime), then `--burst` of them
+        started together, each with the page cache dropped first: how much longer the last of the burst
+        takes to serve than one alone. Each copy's /generate answer is compared with the cold worker's."""
+        runtime = IsolatedRuntime(self.work / "isolated", self.criu)
+        ex = Executor(
+            runtime,
+            self.store,
+            self.criu,
+            node_name=os.uname().nodename,
+            compress_pages=self.args.compress_pages == "on",
+        )
+        for attr, value in VARIANTS[self.args.burst_variant][0].items():
+            setattr(ex, attr, value)
+        out: dict[str, Any] = {"variant": self.args.burst_variant}
+
+        async def one(key: str, t0: float) -> dict[str, Any]:
+            rec: dict[str, Any] = {}
+            try:
+                restored = await ex.restore(key, ident_hash)
+                rec["restore_agent_s"] = round(time.time() - t0, 3)
+                rec["restore_phases"] = restored.timings.phases
+                rec["restore_overlapped"] = restored.timings.overlapped
+                client = NetnsHttp(runtime.netns(key))
+                try:
+                    rec["restore_s"] = round(await client.wait_serving(port, self.args.serve_timeout) - t0, 3)
+                    status, answer = await client.call(
+                        port, "/generate", {"prompts": cold["selftest_prompts"], "max_new_tokens": 16}
+                    )
+                finally:
+                    client.close()
+                rec["output_identical"] = status == 200 and answer["tokens"] == cold["selftest_tokens"]
+            except Exception:
+                rec["error"] = traceback.format_exc()[-2000:]
+            return rec
+
+        async def together(n: int, name: str) -> dict[str, Any]:
+            ex.verified = VerifiedFiles(ttl_s=3600)
+            await asyncio.to_thread(drop_caches)
+            t0 = time.time()
+            with IoSampler() as io:
+                copies = await asyncio.gather(*(one(f"{name}-{i}", t0) for i in range(n)))
+            timeline = io.timeline(t0)
+            served = [c["restore_s"] for c in copies if "restore_s" in c]
+            rec = {
+                "copies": copies,
+                "all_serving_s": max(served) if len(served) == n else None,
+                "disk_read_mb": timeline[-1][1] if timeline else None,
+            }
+            for i in range(n):
+                await runtime.stop(f"{name}-{i}")
+            self.save()
+            return rec
+
+        try:
+            out["alone"] = await together(1, "alone")
+            self.save()
+            out["burst"] = await together(self.args.burst, "burst")
+            alone, burst = out["alone"]["all_serving_s"], out["burst"]["all_serving_s"]
+            if alone and burst:
+                out["burst_over_alone"] = round(burst / alone, 3)
+        finally:
+            for key in list(runtime.placeholders):
+                await runtime.stop(key)
         return out
 
     async def stop_and_wait(self, key: str, within: float = 15) -> None:
@@ -429,10 +492,16 @@ async def main() -> int:
     ap.add_argument("--ready-timeout", type=float, default=400)
     ap.add_argument("--no-bad-inputs", dest="bad_inputs", action="store_false")
     ap.add_argument(
-        "--no-diagnostics",
-        dest="diagnostics",
-        action="store_false",
-        help="skip the decoupled mode's extra restores (second on the node, other weights-check places)",
+        "--variants",
+        default="warm_node,no_prefetch,weights_normal_io",
+        help=f"the decoupled mode's extra restores, comma-separated, of: {', '.join(VARIANTS)} ('' for none)",
+    )
+    ap.add_argument("--no-diagnostics", dest="variants", action="store_const", const="", help="--variants ''")
+    ap.add_argument(
+        "--burst", type=int, default=0, help="then restore the decoupled artifact this many times at once"
+    )
+    ap.add_argument(
+        "--burst-variant", default="default", choices=sorted(VARIANTS), help="the burst's agent settings"
     )
     ap.add_argument("--keep-artifacts", action="store_true")
     ap.add_argument("--serve-timeout", type=float, default=120, help="restore to serving, at most")
@@ -451,6 +520,10 @@ async def main() -> int:
         help="keep the torch.compile cache an earlier run left (the plain mode's cold start is then warm)",
     )
     args = ap.parse_args()
+    args.variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(args.variants) - set(VARIANTS))
+    if unknown:
+        ap.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
     args.work.mkdir(parents=True, exist_ok=True)
     # Artifacts of an earlier run would be reused (same identity hash): every run checkpoints anew.
     shutil.rmtree(args.work / "artifacts", ignore_errors=True)

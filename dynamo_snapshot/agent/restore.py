@@ -182,9 +182,9 @@ class RestoreRun:
         )
         if self.staging is not None:
             undo.push_async_callback(self.staging.discard)
-        if self.weights and self.node.weights_check_idle_io:
-            # At idle I/O priority the weights check takes only the disk time nobody else wants, so it
-            # can start now, beside the check of what CRIU needs.
+        if self.weights and self.node.weights_check_idle_io and self.node.weights_check_early:
+            # Where the disk's scheduler honours idle I/O priority the weights check takes only the disk
+            # time nobody else wants, so it can start now, beside the check of what CRIU needs.
             self.start_weights_check(undo)
         await self.verify_process_images()
         await self.verify_weights_files()
@@ -266,18 +266,37 @@ class RestoreRun:
         # Timed apart from the phases it overlaps; "weights_wait" is what it added to the restore.
         started = time.monotonic()
         try:
-            # Linking the weights into a worker's control dir changes their status-change time, so
-            # the cache rarely spares this check; it stays correct either way.
-            return await self.artifact.averify(
+            return await asyncio.shield(self._shared_weights_check(files))
+        except (ArtifactError, ValueError) as e:
+            raise ArtifactRefused(f"weights of artifact {self.artifact.key} refused: {e}") from None
+        finally:
+            self.timings.overlapped["weights_verify"] = round(time.monotonic() - started, 4)
+
+    def _shared_weights_check(self, files: list[str]) -> asyncio.Task[TreeStats]:
+        """One check of these weights files for every restore of the artifact that wants it meanwhile: a
+        burst of restores reads and hashes them once. Linking the weights into a worker's control dir
+        changes their status-change time, so the verified-files cache rarely spares this check."""
+        key = (str(self.artifact.path), tuple(files))
+        running = self.node.weights_checks.get(key)
+        if running is not None:
+            return running
+        check = asyncio.create_task(
+            self.artifact.averify(
                 files=files,
                 verified=self.node.verified,
                 idle_io=self.node.weights_check_idle_io,
                 parallel=self.node.weights_check_parallel or HASH_PARALLEL,
             )
-        except (ArtifactError, ValueError) as e:
-            raise ArtifactRefused(f"weights of artifact {self.artifact.key} refused: {e}") from None
-        finally:
-            self.timings.overlapped["weights_verify"] = round(time.monotonic() - started, 4)
+        )
+        self.node.weights_checks[key] = check
+
+        def ended(task: asyncio.Task[TreeStats]) -> None:
+            self.node.weights_checks.pop(key, None)
+            if not task.cancelled():
+                task.exception()  # each waiter gets it; retrieved here in case every one was cancelled
+
+        check.add_done_callback(ended)
+        return check
 
     # ------------------------------------------------------------------ process
     async def restore_process(self, undo: contextlib.AsyncExitStack) -> Workload:

@@ -267,6 +267,29 @@ async def test_a_refused_process_image_cancels_the_weights_check_begun_beside_it
 
 
 @pytest.mark.criu
+@pytest.mark.parametrize("early", [True, False], ids=["with-process-check", "after-process-check"])
+async def test_where_the_weights_check_starts(
+    criu_bin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, early: bool
+) -> None:
+    executor, runtime, ctl = await _checkpoint(tmp_path, criu_bin)
+    executor.weights_check_early = early
+    seen: list[bool] = []
+    check_process = RestoreRun.verify_process_images
+
+    async def recording(self: RestoreRun) -> None:
+        seen.append(self.weights_check is not None)
+        await check_process(self)
+
+    monkeypatch.setattr(RestoreRun, "verify_process_images", recording)
+    await executor.restore("restored", HASH)
+    try:
+        assert seen == [early]
+        assert (await await_json(ctl / "verify.json", settle=0.05))["weights_ok"]
+    finally:
+        await runtime.stop("restored")
+
+
+@pytest.mark.criu
 async def test_other_weights_at_the_path_are_not_overwritten(criu_bin: Path, tmp_path: Path) -> None:
     executor, runtime, ctl = await _checkpoint(tmp_path, criu_bin)
     theirs = ctl / "weights" / "model.dsw"

@@ -1,0 +1,102 @@
+"""Restores of one artifact that check its weights at the same time share one check: a burst of
+restores reads and hashes the weights once. Each waiter still gets the verdict, a waiter that gives up
+does not end the check for the others, and a check that ended is not reused."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from dynamo_snapshot.agent.errors import ArtifactRefused
+from dynamo_snapshot.agent.restore import Greeting, RestoreRun
+from dynamo_snapshot.agent.timings import Timings
+from dynamo_snapshot.artifact import ArtifactError
+from dynamo_snapshot.fileio import TreeStats
+
+FILES = ["weights/00-model.dsw"]
+
+
+class _Artifact:
+    """The two things a weights check uses of an artifact; `averify` counts its calls and waits for `go`."""
+
+    def __init__(self, path: Path, *, fail: bool = False) -> None:
+        self.path = path
+        self.key = "0123456789abcdef"
+        self.calls = 0
+        self.go = asyncio.Event()
+        self.fail = fail
+
+    async def averify(self, **kwargs: Any) -> TreeStats:
+        self.calls += 1
+        await self.go.wait()
+        if self.fail:
+            raise ArtifactError("checksum mismatch: weights/00-model.dsw")
+        return TreeStats(4096, 0.5)
+
+
+def _node() -> SimpleNamespace:
+    return SimpleNamespace(
+        weights_checks={}, verified=None, weights_check_idle_io=True, weights_check_parallel=None
+    )
+
+
+def _run(node: SimpleNamespace, artifact: _Artifact, key: str) -> RestoreRun:
+    return RestoreRun(node, key, artifact, Timings(), Greeting({}, None), None)  # type: ignore[arg-type]
+
+
+async def test_concurrent_restores_share_one_check(tmp_path: Path) -> None:
+    node, artifact = _node(), _Artifact(tmp_path)
+    waiters = [asyncio.create_task(_run(node, artifact, f"r{i}").verify_weights(FILES)) for i in range(4)]
+    await asyncio.sleep(0.05)
+    artifact.go.set()
+    results = await asyncio.gather(*waiters)
+    assert artifact.calls == 1
+    assert all(r.bytes == 4096 for r in results)
+    assert node.weights_checks == {}
+    # Ended: the next restore checks again.
+    await _run(node, artifact, "later").verify_weights(FILES)
+    assert artifact.calls == 2
+
+
+async def test_a_cancelled_restore_leaves_the_check_to_the_others(tmp_path: Path) -> None:
+    node, artifact = _node(), _Artifact(tmp_path)
+    first = asyncio.create_task(_run(node, artifact, "first").verify_weights(FILES))
+    second = asyncio.create_task(_run(node, artifact, "second").verify_weights(FILES))
+    await asyncio.sleep(0.05)
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    artifact.go.set()
+    assert (await second).bytes == 4096
+    assert artifact.calls == 1
+
+
+async def test_every_waiter_gets_a_failed_check(tmp_path: Path) -> None:
+    node, artifact = _node(), _Artifact(tmp_path, fail=True)
+    waiters = [asyncio.create_task(_run(node, artifact, f"r{i}").verify_weights(FILES)) for i in range(3)]
+    await asyncio.sleep(0.05)
+    artifact.go.set()
+    for outcome in await asyncio.gather(*waiters, return_exceptions=True):
+        assert isinstance(outcome, ArtifactRefused)
+        assert "weights of artifact 0123456789abcdef refused: checksum mismatch" in str(outcome)
+    assert artifact.calls == 1
+
+
+async def test_other_files_or_artifacts_are_checked_apart(tmp_path: Path) -> None:
+    node = _node()
+    one, other = _Artifact(tmp_path / "a"), _Artifact(tmp_path / "b")
+    tasks = [
+        asyncio.create_task(_run(node, one, "r1").verify_weights(FILES)),
+        asyncio.create_task(_run(node, one, "r2").verify_weights(["weights/01-other.dsw"])),
+        asyncio.create_task(_run(node, other, "r3").verify_weights(FILES)),
+    ]
+    await asyncio.sleep(0.05)
+    one.go.set()
+    other.go.set()
+    await asyncio.gather(*tasks)
+    assert (one.calls, other.calls) == (2, 1)
+
+
