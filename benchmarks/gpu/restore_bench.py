@@ -316,6 +316,7 @@ class Bench:
             http, port, "/generate", {"prompts": cold["selftest_prompts"], "max_new_tokens": 16}
         )
         rec["output_identical"] = status == 200 and answer["tokens"] == cold["selftest_tokens"]
+        rec["first_answer_s"] = round(time.time() - t0, 3)  # the self-test prompts answered
         resume = await wait_json(restored.workload.control_dir / "resume.json", within=60)
         rec["resume"] = resume
         rec["resumed_after_s"] = round(float(resume["resumed_at"]) - t0, 3)
@@ -392,6 +393,7 @@ class Bench:
                 finally:
                     client.close()
                 rec["output_identical"] = status == 200 and answer["tokens"] == cold["selftest_tokens"]
+                rec["first_answer_s"] = round(time.time() - t0, 3)
             except Exception:
                 rec["error"] = traceback.format_exc()[-2000:]
             return rec
