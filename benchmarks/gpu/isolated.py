@@ -2,8 +2,9 @@
 
 The agent's process runtime restores a tree with its original pids into the host's namespaces, so one
 copy per host. Here each restore gets what a pod would give it: a placeholder as PID 1 of its own pid,
-mount and network namespaces (loopback up), with the copy's own control dir bind-mounted over the path
-the worker was checkpointed with; CRIU enters them (as the containerd runtime enters a pod's) and
+mount and network namespaces (loopback up), its own /dev/shm (CRIU recreates the worker's deleted
+semaphore files there), and the copy's own control dir bind-mounted over the path the worker was
+checkpointed with; CRIU enters them (as the containerd runtime enters a pod's) and
 restores the tree as the placeholder's child. The worker listens only after the handshake, so each copy
 opens its port in its own network namespace; `NetnsHttp` talks to it there.
 """
@@ -29,12 +30,14 @@ from dynamo_snapshot.agent.runtime.base import Workload, WorkloadRuntimeError
 from dynamo_snapshot.criu import CriuError
 from dynamo_snapshot.cuda import process_tree
 
-# PID 1 of a copy's namespaces: the copy's control dir over the checkpointed path, loopback up, then it
+# PID 1 of a copy's namespaces: the copy's control dir over the checkpointed path, a /dev/shm of its own,
+# loopback up, then it
 # reaps what is reparented to it (the restored root, once CRIU exits) until it is killed.
 _PLACEHOLDER = r"""
 import fcntl, os, socket, struct, subprocess, sys, time
 own, seen = sys.argv[1], sys.argv[2]
 subprocess.run(["mount", "--bind", own, seen], check=True)
+subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=1777", "shm", "/dev/shm"], check=True)
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 fcntl.ioctl(s, 0x8914, struct.pack("16sh", b"lo", 0x1 | 0x40).ljust(40, b"\0"))  # SIOCSIFFLAGS up
 s.close()

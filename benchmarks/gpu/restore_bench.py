@@ -323,10 +323,11 @@ class Bench:
         self.keep_criu_log(key)
         return rec
 
-    def keep_criu_log(self, key: str) -> None:
-        """CRIU's restore log (timestamped, -v4) and stats, gzipped under OUT/criu-logs/."""
-        d = self.runtime.control_dir(key)
-        dest = self.args.out / "criu-logs"
+    def keep_criu_log(self, key: str, d: Path | None = None, under: str = "criu-logs") -> None:
+        """CRIU's restore log (timestamped, -v4) and stats of workload `key` (its control dir `d`),
+        gzipped under OUT/`under`/."""
+        d = d or self.runtime.control_dir(key)
+        dest = self.args.out / under
         dest.mkdir(parents=True, exist_ok=True)
         for name in ("restore.log", "stats-restore"):
             src = d / name
@@ -383,6 +384,7 @@ class Bench:
                 restored = await ex.restore(key, ident_hash)
                 rec["restore_agent_s"] = round(time.time() - t0, 3)
                 rec["restore_phases"] = restored.timings.phases
+                rec["criu_log_gaps"] = log_gaps(runtime.control_dir(key) / "restore.log")
                 rec["restore_overlapped"] = restored.timings.overlapped
                 client = NetnsHttp(runtime.netns(key))
                 try:
@@ -405,6 +407,8 @@ class Bench:
             with IoSampler() as io:
                 copies = await asyncio.gather(*(one(f"{name}-{i}", t0) for i in range(n)))
             timeline = io.timeline(t0)
+            for i in range(n):
+                self.keep_criu_log(f"{name}-{i}", runtime.control_dir(f"{name}-{i}"), "burst-logs")
             served = [c["restore_s"] for c in copies if "restore_s" in c]
             rec = {
                 "copies": copies,

@@ -6,6 +6,7 @@
 # cache dropped and nothing verified: the defaults, then each variant; a second restore on the node (page
 # cache warm); then one restore alone and the burst, each copy in namespaces of its own. About 5 minutes
 # at 8g (most of it the first cold start, which compiles from nothing), 4 at 1g; the limit is 560 s.
+# BENCH_ARGS: more restore_bench.py flags (--keep-compile-cache on a machine still warm from a call).
 set -uo pipefail
 size=${1:-1g}
 burst=${2:-4}
@@ -14,7 +15,7 @@ variants=${3:-default,weights_after,overlap,overlap_weights_after}
 . benchmarks/gpu/device_env.sh
 timeout 560 python3 benchmarks/gpu/restore_bench.py --size "$size" --modes decoupled --compress-pages off \
     --tag read-order --warm-restore --no-bad-inputs --variants "$variants" --burst "$burst" \
-    --calib-gib 2 --out "$OUT" > "$OUT/read-order-$size.log" 2>&1
+    --calib-gib 2 --out "$OUT" ${BENCH_ARGS:-} > "$OUT/read-order-$size.log" 2>&1
 echo "size $size: rc=$?"
 find "$OUT/criu-logs" -delete 2>/dev/null
 python3 - "$OUT/gpu-restore-$size-read-order.json" <<'PY'
