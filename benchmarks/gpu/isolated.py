@@ -66,19 +66,9 @@ class IsolatedRuntime(ProcessRuntime):
         if not source_control_dir:
             raise WorkloadRuntimeError("artifact does not record the source control dir")
         seen, own = Path(source_control_dir), self.control_dir(key)
-        for d in (seen, own):
-            d.mkdir(parents=True, exist_ok=True)
-        (own / "worker.log").touch()
-        proc = await asyncio.create_subprocess_exec(
-            "unshare", "--pid", "--net", "--mount", "--propagation", "private", "--fork",
-            sys.executable, "-c", _PLACEHOLDER, str(own), str(seen),
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, start_new_session=True,
-        )  # fmt: skip
-        assert proc.stdout is not None
-        if (await asyncio.wait_for(proc.stdout.readline(), 30)).strip() != b"ready":
-            raise WorkloadRuntimeError(f"placeholder of {key} did not start")
-        (init,) = _children(proc.pid)
-        self.placeholders[key] = (proc, init)
+        if key not in self.placeholders:
+            await self.prepare(key, seen)
+        init = self.placeholders[key][1]
         wrapper = [
             "nsenter", f"--target={init}", "--pid", "--mount", "--net", "--",
             "unshare", "--mount", "--propagation", "private", "--mount-proc",
@@ -96,6 +86,28 @@ class IsolatedRuntime(ProcessRuntime):
             raise WorkloadRuntimeError(str(e)) from None
         host_pid = await _host_pid(init, result.pid)
         return Workload(key, host_pid, own, worker_control_dir=str(seen))
+
+    async def prepare(self, key: str, seen: Path) -> None:
+        """The copy's placeholder, as a pod's exists before its restore begins."""
+        own = self.control_dir(key)
+        for d in (seen, own):
+            d.mkdir(parents=True, exist_ok=True)
+        (own / "worker.log").touch()
+        proc = await asyncio.create_subprocess_exec(
+            "unshare", "--pid", "--net", "--mount", "--propagation", "private", "--fork",
+            sys.executable, "-c", _PLACEHOLDER, str(own), str(seen),
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, start_new_session=True,
+        )  # fmt: skip
+        assert proc.stdout is not None
+        if (await asyncio.wait_for(proc.stdout.readline(), 30)).strip() != b"ready":
+            raise WorkloadRuntimeError(f"placeholder of {key} did not start")
+        (init,) = _children(proc.pid)
+        self.placeholders[key] = (proc, init)
+
+    def tool_files(self) -> list[Path]:
+        # Exec'd before CRIU, while the restore's bulk reads fill the disk's queue.
+        found = (shutil.which(t) for t in ("nsenter", "unshare"))
+        return [Path(p) for p in found if p]
 
     async def stop(self, key: str) -> None:
         held = self.placeholders.pop(key, None)

@@ -364,8 +364,9 @@ class Bench:
 
     async def burst(self, ident_hash: str, port: int, cold: dict[str, Any]) -> dict[str, Any]:
         """One restore into namespaces of its own (isolated.IsolatedRuntime), then `--burst` of them
-        started together, each with the page cache dropped first: how much longer the last of the burst
-        takes to serve than one alone. Each copy's /generate answer is compared with the cold worker's."""
+        started together; each time the page cache is dropped first and the placeholders run already.
+        How much longer the last of the burst takes to serve than one alone; each copy's /generate
+        answer compared with the cold worker's."""
         runtime = IsolatedRuntime(self.work / "isolated", self.criu)
         ex = Executor(
             runtime,
@@ -401,6 +402,10 @@ class Bench:
             return rec
 
         async def together(n: int, name: str) -> dict[str, Any]:
+            source_ctl = self.store.open(ident_hash).manifest.extra["control_dir"]
+            assert isinstance(source_ctl, str)
+            for i in range(n):
+                await runtime.prepare(f"{name}-{i}", Path(source_ctl))
             ex.verified = VerifiedFiles(ttl_s=3600)
             await asyncio.to_thread(drop_caches)
             t0 = time.time()

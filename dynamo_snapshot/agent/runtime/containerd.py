@@ -255,7 +255,7 @@ class ContainerdRuntime:
         _kill_descendants(attached.container.pid)
 
     def tool_files(self) -> list[Path]:
-        found = (shutil.which(t) for t in (self.runc, self.nsenter, self.unshare))
+        found = (shutil.which(t) for t in (self.runc, "sh", self.nsenter, self.unshare))
         return [Path(p) for p in found if p]
 
     async def resume(self, workload: Workload) -> None:
