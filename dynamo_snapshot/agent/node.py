@@ -66,7 +66,8 @@ class Node:
         # weights 5.26/6.43, 5.14/7.21, 6.71/6.93 s; 1 GiB 3.33/3.24, 3.56/3.42 s.
         self.weights_check_idle_io = weights_check_idle_io
         # At idle priority, start the weights check with the check of the process images rather than
-        # after it. Only worth it where the disk's I/O scheduler honours idle priority ("none" does not).
+        # after it. On the H200 (mq-deadline) after it was no faster: 8g 6.31 vs 5.84/6.34 s, 1g 4.65
+        # vs 4.07/4.12 s (BENCHMARKS.md).
         self.weights_check_early = weights_check_early
         # Leave the zero pages of anonymous memory out of the CRIU images (see criu.sparse).
         self.drop_zero_pages = drop_zero_pages
