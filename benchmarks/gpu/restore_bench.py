@@ -144,11 +144,13 @@ class Bench:
             self.criu,
             node_name=os.uname().nodename,
             compress_pages=args.compress_pages == "on",
+            drop_zero_pages=args.drop_zero_pages == "on",
         )
         self.result: dict[str, Any] = {
             "size": args.size,
             "kv_gib": args.kv_gib,
             "compress_pages": args.compress_pages,
+            "drop_zero_pages": args.drop_zero_pages,
             "modes": {},
         }
         tag = f"-{args.tag}" if args.tag else ""
@@ -374,6 +376,7 @@ class Bench:
             self.criu,
             node_name=os.uname().nodename,
             compress_pages=self.args.compress_pages == "on",
+            drop_zero_pages=self.args.drop_zero_pages == "on",
         )
         for attr, value in VARIANTS[self.args.burst_variant][0].items():
             setattr(ex, attr, value)
@@ -520,6 +523,9 @@ async def main() -> int:
     ap.add_argument("--worker-args", default="", help="extra worker flags, e.g. for a CPU dry run")
     ap.add_argument(
         "--compress-pages", choices=("on", "off"), default="on", help="the agent's --compress-pages"
+    )
+    ap.add_argument(
+        "--drop-zero-pages", choices=("on", "off"), default="on", help="the agent's --drop-zero-pages"
     )
     ap.add_argument("--tag", default="", help="added to the result file's name (A/B runs)")
     ap.add_argument(

@@ -1028,6 +1028,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--weights-file", type=Path, help="the .dsw file (default CONTROL_DIR/weights/model.dsw)")
     p.add_argument(
+        "--weights-encoding",
+        default="split-nibble",
+        choices=("split-nibble", "raw"),
+        help="how the decoupled weights file stores them (default split-nibble)",
+    )
+    p.add_argument(
         "--timings-file",
         type=Path,
         help=f"where to write the cold timings (default CONTROL_DIR/{COLD_TIMINGS_FILE})",
@@ -1269,6 +1275,7 @@ def checkpoint(
         registered = True
     if registered:
         handshake.gpu_offload.zero_kv = True  # stale KV memory must never be NaN under the mask
+        handshake.gpu_offload.weights_encoding = args.weights_encoding
     with engine.lock:
         worker.state = "checkpointing"
         if engine.device.type == "cuda":

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# A/B of the storage formats on by default, in one device call per size:
+#   run(command="bash benchmarks/gpu/run_formats_ab_h200.sh 1g", carry=[".whl", ".criu-bundle"])
+# Arguments: the size (default 1g) and the modes (default decoupled). Arms, one after the other on the
+# same disk: the defaults; the zero pages kept (the agent's --no-drop-zero-pages); the weights file raw
+# instead of split-nibble (the worker's --weights-encoding raw). Each arm checkpoints anew and restores
+# with the page cache dropped and again warm, output checked. Only the first arm's cold start compiles
+# from nothing. 1g decoupled: about 5 minutes; ARM_TIMEOUT is each arm's limit (s).
+set -uo pipefail
+size=${1:-1g}
+modes=${2:-decoupled}
+: "${OUT:?OUT must be set (the device tool sets it)}"
+. benchmarks/gpu/device_env.sh
+keep=()
+for arm in ${ARMS:-default keep-zero-pages raw-weights}; do
+    flags=()
+    case $arm in
+        keep-zero-pages) flags=(--drop-zero-pages off) ;;
+        raw-weights) flags=(--worker-args "--weights-encoding raw") ;;
+    esac
+    timeout "${ARM_TIMEOUT:-200}" python3 benchmarks/gpu/restore_bench.py --size "$size" --modes "$modes" \
+        --compress-pages off --tag "formats-$arm" --warm-restore --no-bad-inputs --no-diagnostics \
+        --calib-gib 2 --out "$OUT" "${flags[@]}" "${keep[@]}" > "$OUT/formats-$size-$arm.log" 2>&1
+    echo "size $size $arm: rc=$?"
+    keep=(--keep-compile-cache)
+done
+find "$OUT/criu-logs" -delete 2>/dev/null
+python3 - "$OUT" "$size" <<'PY'
+import json, sys
+from pathlib import Path
+out, size = Path(sys.argv[1]), sys.argv[2]
+for f in sorted(out.glob(f"gpu-restore-{size}-formats-*.json")):
+    r = json.loads(f.read_text())
+    for mode, m in r["modes"].items():
+        warm = (m.get("warm_restore") or {}).get("restore_s")
+        print(f"{f.stem} {mode}: disk {r.get('storage_gbps')} GB/s, checkpoint {m.get('checkpoint_s')} s, "
+              f"artifact {m.get('artifact_bytes')} B, restore cold {m.get('restore_s')} s, warm {warm} s, "
+              f"identical {m.get('output_identical')}, error {bool(m.get('error'))}")
+PY
