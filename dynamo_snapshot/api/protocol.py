@@ -20,6 +20,8 @@ __all__ = [
     "ANNOTATION_CHECKPOINT_STATUS",
     "ANNOTATION_CHECKPOINT_STORAGE_TYPE",
     "ANNOTATION_CHECKPOINT_TIMINGS",
+    "ANNOTATION_DGD_SPEC",
+    "ANNOTATION_DGD_STATUS",
     "ANNOTATION_REPLACES",
     "ANNOTATION_RESTORE_ATTEMPTS",
     "ANNOTATION_RESTORE_CONTAINER_ID",
@@ -32,6 +34,7 @@ __all__ = [
     "ANNOTATION_WORKLOAD_EXITED",
     "API_GROUP",
     "API_VERSION",
+    "API_VERSION_V1BETA1",
     "ARTIFACT_WEIGHTS_DIR",
     "CONTROL_MOUNT_PATH",
     "CONTROL_VOLUME_NAME",
@@ -57,6 +60,7 @@ __all__ = [
     "LABEL_CHECKPOINT_HASH",
     "LABEL_CHECKPOINT_ID",
     "LABEL_CHECKPOINT_SOURCE",
+    "LABEL_CRD_OWNER",
     "LABEL_CUDA_DRIVER_MAJOR",
     "LABEL_GPU_COUNT",
     "LABEL_GPU_PRESENT",
@@ -88,6 +92,12 @@ PROTOCOL_VERSION: Final = "2"
 
 API_GROUP: Final = "nvidia.com"
 API_VERSION: Final = "v1alpha1"
+# DynamoGraphDeployment only: Dynamo's newer version, converted to and from API_VERSION losslessly.
+API_VERSION_V1BETA1: Final = "v1beta1"
+# On a converted DynamoGraphDeployment, Dynamo's spellings: what the other version has and this one
+# cannot hold, as JSON (dgd_conversion).  Reserved: conversion consumes them.
+ANNOTATION_DGD_SPEC: Final = "nvidia.com/dgd-spec"
+ANNOTATION_DGD_STATUS: Final = "nvidia.com/dgd-status"
 
 # Label values that are flags are the string "true": label values cannot be booleans.
 TRUE: Final = "true"
@@ -106,6 +116,9 @@ LABEL_GRAPH: Final = "snapshot.nvidia.com/graph"
 LABEL_SERVICE: Final = "snapshot.nvidia.com/service"
 # How a worker pod starts: see StartMode.
 LABEL_START_MODE: Final = "snapshot.nvidia.com/start-mode"
+# On the CustomResourceDefinitions this project generates, with MANAGED_BY_VALUE: a CRD of the same name
+# without it (NVIDIA's Dynamo operator's DynamoGraphDeployment) is someone else's.
+LABEL_CRD_OWNER: Final = "snapshot.nvidia.com/crd-owner"
 
 
 class StartMode(StrEnum):
