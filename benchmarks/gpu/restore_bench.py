@@ -522,7 +522,7 @@ async def main() -> int:
     ap.add_argument("--calib-gib", type=int, default=4, help="size of the bandwidth calibration file")
     ap.add_argument("--worker-args", default="", help="extra worker flags, e.g. for a CPU dry run")
     ap.add_argument(
-        "--compress-pages", choices=("on", "off"), default="on", help="the agent's --compress-pages"
+        "--compress-pages", choices=("on", "off"), default="off", help="the agent's --compress-pages"
     )
     ap.add_argument(
         "--drop-zero-pages", choices=("on", "off"), default="on", help="the agent's --drop-zero-pages"

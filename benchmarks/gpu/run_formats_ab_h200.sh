@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# A/B of the storage formats on by default, in one device call per size:
+# A/B of the storage formats, in one device call per size:
 #   run(command="bash benchmarks/gpu/run_formats_ab_h200.sh 1g", carry=[".whl", ".criu-bundle"])
-# Arguments: the size (default 1g) and the modes (default decoupled). Arms, one after the other on the
-# same disk: the defaults; the zero pages kept (the agent's --no-drop-zero-pages); the weights file raw
-# instead of split-nibble (the worker's --weights-encoding raw). Each arm checkpoints anew and restores
-# with the page cache dropped and again warm, output checked. Only the first arm's cold start compiles
-# from nothing. 1g decoupled: about 5 minutes; ARM_TIMEOUT is each arm's limit (s).
+# Arguments: the size (default 1g) and the modes (default decoupled). ARMS picks the arms, run one after
+# the other on the same disk: default (the agent's defaults); keep-zero-pages (--no-drop-zero-pages);
+# raw-weights (the worker's --weights-encoding raw instead of split-nibble); compressed-pages
+# (--compress-pages). Each arm checkpoints anew and restores with the page cache dropped and again warm,
+# output checked; only the first arm's cold start compiles from nothing. ARM_TIMEOUT is each arm's limit
+# (s). 1g decoupled, the three default arms: about 5 minutes. The compressed-pages A/B in BENCHMARKS.md:
+#   ARMS="compressed-pages default" ... run_formats_ab_h200.sh 1g plain,decoupled           (8 minutes)
+#   ARMS="compressed-pages default" ARM_TIMEOUT=330 ... run_formats_ab_h200.sh 8g        (6 minutes)
 set -uo pipefail
 size=${1:-1g}
 modes=${2:-decoupled}
@@ -17,9 +20,12 @@ for arm in ${ARMS:-default keep-zero-pages raw-weights}; do
     case $arm in
         keep-zero-pages) flags=(--drop-zero-pages off) ;;
         raw-weights) flags=(--worker-args "--weights-encoding raw") ;;
+        compressed-pages) flags=(--compress-pages on) ;;
+        default) ;;
+        *) echo "unknown arm $arm" >&2; exit 2 ;;
     esac
-    timeout "${ARM_TIMEOUT:-200}" python3 benchmarks/gpu/restore_bench.py --size "$size" --modes "$modes" \
-        --compress-pages off --tag "formats-$arm" --warm-restore --no-bad-inputs --no-diagnostics \
+    timeout "${ARM_TIMEOUT:-290}" python3 benchmarks/gpu/restore_bench.py --size "$size" --modes "$modes" \
+        --tag "formats-$arm" --warm-restore --no-bad-inputs --no-diagnostics \
         --calib-gib 2 --out "$OUT" "${flags[@]}" "${keep[@]}" > "$OUT/formats-$size-$arm.log" 2>&1
     echo "size $size $arm: rc=$?"
     keep=(--keep-compile-cache)
