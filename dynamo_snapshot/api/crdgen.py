@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.kube import CustomResource
 from dynamo_snapshot.api.resources import CUSTOM_RESOURCES
 from dynamo_snapshot.api.structural import PRESERVE_UNKNOWN, structural_problems, structural_schema
@@ -87,7 +88,8 @@ def build_crd(resource: type[CustomResource]) -> dict[str, Any]:
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": info.crd_name},
+        # The label tells our CRD from another of the same name (NVIDIA's Dynamo operator owns one).
+        "metadata": {"name": info.crd_name, "labels": {protocol.LABEL_CRD_OWNER: protocol.MANAGED_BY_VALUE}},
         "spec": {"group": info.group, "names": names, "scope": info.scope, "versions": [version]},
     }
 

@@ -3,6 +3,8 @@ every reconciler (through Context.settings) all read, so a default is written do
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
@@ -11,11 +13,26 @@ from pydantic.alias_generators import to_camel
 CONTROLLER_NAME = "dynamo-snapshot-controller"
 
 
+class InstallMode(StrEnum):
+    """Who runs the DynamoGraphDeployments: this controller, or NVIDIA's Dynamo operator beside it."""
+
+    # This project's DGD CRD is installed and this controller creates the DGDs' worker pods.
+    STANDALONE = "standalone"
+    # NVIDIA's Dynamo operator owns the DGD CRD and runs the DGDs: this controller runs only the snapshot
+    # API (PodSnapshots, SnapshotJobs, DynamoCheckpoints, the restore webhook).
+    DYNAMO_OPERATOR = "dynamo-operator"
+
+
 class ControllerConfig(BaseModel):
     """Settings of one controller process (controller/config.yaml, overridden by flags)."""
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
+    mode: InstallMode = Field(
+        default=InstallMode.STANDALONE,
+        description="standalone: run the DynamoGraphDeployments; dynamo-operator: leave them to NVIDIA's "
+        "Dynamo operator (no DGD pods, no DGD status, no autoscaler).",
+    )
     namespace: str | None = Field(default=None, description="Watch one namespace; None watches all.")
     workers: int = Field(default=8, ge=1, le=256, description="Objects reconciled in parallel.")
     resync_seconds: float = Field(default=300.0, gt=0, description="Period of the full re-reconcile.")
@@ -84,6 +101,11 @@ class ControllerConfig(BaseModel):
     autoscale_tick_seconds: float = Field(
         default=0.25, gt=0, le=10, description="How often the autoscaler looks for policies that are due."
     )
+
+    @property
+    def runs_dgds(self) -> bool:
+        """Whether this controller runs the DGDs (their worker pods, status and autoscaling)."""
+        return self.mode is InstallMode.STANDALONE
 
     @model_validator(mode="after")
     def _backoff_bounds(self) -> ControllerConfig:

@@ -8,6 +8,7 @@ Grant = tuple[str, str, str, str]
 
 OURS = "nvidia.com"
 LEASE_NAME = "dynamo-snapshot-controller"
+DGD_CRD = "dynamographdeployments.nvidia.com"
 
 # The controller's ClusterRole: the calls in dynamo_snapshot/controller, kube and autoscale.
 CONTROLLER: set[Grant] = (
@@ -32,8 +33,16 @@ CONTROLLER: set[Grant] = (
 )
 # The controller's second ClusterRole, for cluster-scoped kinds: bound cluster-wide even when one namespace
 # is watched.
-CONTROLLER_CLUSTER_SCOPED: set[Grant] = {("", "nodes", "*", "list"), ("", "nodes", "*", "watch")} | {
-    (OURS, "podsnapshotcontents", "*", v) for v in ("get", "list", "watch", "create", "delete")
+CONTROLLER_CLUSTER_SCOPED: set[Grant] = (
+    {("", "nodes", "*", "list"), ("", "nodes", "*", "watch")}
+    | {(OURS, "podsnapshotcontents", "*", v) for v in ("get", "list", "watch", "create", "delete")}
+    # Read at start: whose DGD CRD it is, against the install mode.
+    | {("apiextensions.k8s.io", "customresourcedefinitions", DGD_CRD, "get")}
+)
+# Mode dynamo-operator: NVIDIA's Dynamo operator runs the DGDs, so the controller's ClusterRole grants
+# nothing of DGDs (no informer, no status, no owner references) and nothing of the autoscaler.
+CONTROLLER_DYNAMO_OPERATOR: set[Grant] = {
+    g for g in CONTROLLER if not g[1].startswith(("dynamographdeployments", "dynamoscalingpolicies"))
 }
 # The leader-election Role, in the release's namespace.
 LEADER_ELECTION: set[Grant] = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,10 @@ import dynamo_snapshot
 from dynamo_snapshot.agent import watcher
 from dynamo_snapshot.agent.runtime.runc import DEFAULT_HOST_BINDS
 from dynamo_snapshot.api import crdgen, protocol
+from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment
 from dynamo_snapshot.cli.agent_cmd import AgentConfig
 from dynamo_snapshot.cli.controller_cmd import ControllerCommandConfig
+from dynamo_snapshot.controller.config import InstallMode
 from dynamo_snapshot.localcluster.realnode import NO_IO_URING_SECCOMP
 from tests.helm import rbac
 from tests.helm.chart import (
@@ -24,6 +27,7 @@ from tests.helm.chart import (
     REPO,
     WEBHOOK_OFF,
     Obj,
+    helm,
     kinds,
     lint,
     one,
@@ -76,7 +80,9 @@ VALUE_SETS = {
     "watch-one-namespace": WATCH_ONE,
     "minimal": MINIMAL,
     "launch-with-binds": LAUNCH_WITH_BINDS,
+    "dynamo-operator": {"mode": "dynamo-operator"},
 }
+DGD_CRD_FILE = "nvidia.com_dynamographdeployments.yaml"
 
 
 def _config(objs: list[Obj], component: str) -> dict[str, Any]:
@@ -110,16 +116,85 @@ def test_chart_metadata_follows_the_package() -> None:
 
 
 def test_chart_crds_are_the_generated_crds() -> None:
-    """helm/dynamo-snapshot/crds/ holds copies of crds/ (itself generated from the models): same files,
-    same bytes. After `python -m dynamo_snapshot.api.crdgen`, copy crds/*.yaml here."""
+    """helm/dynamo-snapshot/crds/ holds copies of crds/ (itself generated from the models), but for the
+    DynamoGraphDeployment CRD, whose copy is in files/ (a template renders it, in mode standalone only):
+    same files, same bytes. After `python -m dynamo_snapshot.api.crdgen`, copy crds/*.yaml there."""
     chart_crds = {p.name: p.read_bytes() for p in (CHART / "crds").glob("*.yaml")}
+    chart_files = {p.name: p.read_bytes() for p in (CHART / "files").glob("*.yaml")}
+    assert sorted(chart_files) == [DGD_CRD_FILE]
+    assert DGD_CRD_FILE not in chart_crds, "Helm would install the DGD CRD in every mode from crds/"
+    chart_copies = {**chart_crds, **chart_files}
     repo_crds = {p.name: p.read_bytes() for p in (REPO / "crds").glob("*.yaml")}
-    assert sorted(chart_crds) == sorted(repo_crds), "the chart's crds/ and crds/ name different files"
-    stale = [name for name in repo_crds if chart_crds[name] != repo_crds[name]]
-    assert not stale, f"helm/dynamo-snapshot/crds/ differs from crds/ in {stale}: cp crds/*.yaml there"
+    assert sorted(chart_copies) == sorted(repo_crds), "the chart's copies and crds/ name different files"
+    stale = [name for name in repo_crds if chart_copies[name] != repo_crds[name]]
+    assert not stale, (
+        f"the chart's copies differ from crds/ in {stale}: cp crds/*.yaml helm/dynamo-snapshot/crds/ and "
+        f"crds/{DGD_CRD_FILE} helm/dynamo-snapshot/files/"
+    )
     rendered = crdgen.render_crds()
-    assert sorted(rendered) == sorted(chart_crds)
-    assert all(chart_crds[n].decode() == text for n, text in rendered.items())
+    assert sorted(rendered) == sorted(chart_copies)
+    assert all(chart_copies[n].decode() == text for n, text in rendered.items())
+
+
+def _dgd_crds(objs: list[Obj]) -> list[Obj]:
+    return [o for o in objs if o["kind"] == "CustomResourceDefinition"]
+
+
+def test_the_dgd_crd_template_is_the_generated_crd_plus_the_helm_wrapping() -> None:
+    """What Helm installs in mode standalone is the models' CRD, field for field, with its ownership label
+    beside the chart's, and kept on uninstall; an edit of the template or of files/ that changes the CRD
+    fails here."""
+    objs = render(WEBHOOK_OFF)
+    [crd] = _dgd_crds(objs)
+    assert crd["metadata"].pop("annotations") == {"helm.sh/resource-policy": "keep"}
+    chart_labels = one(objs, "Deployment", "-controller")["metadata"]["labels"]
+    labels = crd["metadata"].pop("labels")
+    assert labels == {
+        **{k: v for k, v in chart_labels.items() if k != "app.kubernetes.io/component"},
+        "app.kubernetes.io/component": "crds",
+        protocol.LABEL_CRD_OWNER: protocol.MANAGED_BY_VALUE,
+    }
+    expected = crdgen.build_crd(DynamoGraphDeployment)
+    assert expected["metadata"].pop("labels") == {protocol.LABEL_CRD_OWNER: protocol.MANAGED_BY_VALUE}
+    assert crd == expected
+
+
+def test_the_dgd_crd_template_fails_when_its_file_drifts(tmp_path: Path) -> None:
+    """The comparison above is not vacuous: a copy of the chart whose files/ CRD lost a field renders a
+    CRD that differs from the models'."""
+    copy = tmp_path / "chart"
+    shutil.copytree(CHART, copy)
+    drifted = yaml.safe_load((copy / "files" / DGD_CRD_FILE).read_text())
+    del drifted["spec"]["versions"][0]["subresources"]
+    (copy / "files" / DGD_CRD_FILE).write_text(yaml.safe_dump(drifted))
+    proc = helm("template", "t", str(copy), "--set", "webhook.enabled=false")
+    assert proc.returncode == 0, proc.stderr
+    [crd] = _dgd_crds([d for d in yaml.safe_load_all(proc.stdout) if d])
+    assert crd["spec"] != crdgen.build_crd(DynamoGraphDeployment)["spec"]
+
+
+def test_mode_dynamo_operator_installs_no_dgd_crd_and_grants_nothing_of_dgds() -> None:
+    objs = render({"mode": "dynamo-operator", **WEBHOOK_OFF})
+    assert _dgd_crds(objs) == []
+    assert rule_triples(one(objs, "ClusterRole", "-controller")) == rbac.CONTROLLER_DYNAMO_OPERATOR
+    # The CRD is read all the same: the controller checks at start whose it is.
+    assert (
+        rule_triples(one(objs, "ClusterRole", "-controller-cluster-scoped")) == rbac.CONTROLLER_CLUSTER_SCOPED
+    )
+    config = ControllerCommandConfig.model_validate(_config(objs, "controller"))
+    assert config.mode is InstallMode.DYNAMO_OPERATOR
+    assert not config.runs_dgds
+    standalone = ControllerCommandConfig.model_validate(_config(render(WEBHOOK_OFF), "controller"))
+    assert standalone.mode is InstallMode.STANDALONE
+
+
+def test_mode_values_are_the_controllers() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert schema["properties"]["mode"]["enum"] == [m.value for m in InstallMode]
+    assert yaml.safe_load((CHART / "values.yaml").read_text())["mode"] == InstallMode.STANDALONE
+    proc = template({"mode": "operator"})
+    assert proc.returncode != 0
+    assert "at '/mode': value must be one of 'standalone', 'dynamo-operator'" in proc.stderr, proc.stderr
 
 
 # --------------------------------------------------------------------------- defaults
@@ -129,6 +204,8 @@ def test_defaults_render_every_component_and_nothing_optional() -> None:
     objs = render()
     assert kinds(objs) == sorted(
         ["ServiceAccount"] * 2
+        # The DynamoGraphDeployment CRD (mode standalone); the other CRDs are in crds/.
+        + ["CustomResourceDefinition"]
         + ["ConfigMap"] * 3
         + ["ClusterRole"] * 3
         + ["ClusterRoleBinding"] * 3
@@ -513,7 +590,7 @@ def test_bind_and_mount_paths_the_agent_cannot_use_are_refused() -> None:
 
 def test_minimal_values_leave_out_rbac_policy_profile_metrics_and_webhook() -> None:
     objs = render(MINIMAL)
-    assert kinds(objs) == ["ConfigMap", "ConfigMap", "DaemonSet", "Deployment"]
+    assert kinds(objs) == ["ConfigMap", "ConfigMap", "CustomResourceDefinition", "DaemonSet", "Deployment"]
     ds = one(objs, "DaemonSet")
     assert ds["spec"]["template"]["spec"]["serviceAccountName"] == "own-agent"
     assert "initContainers" not in ds["spec"]["template"]["spec"]

@@ -167,3 +167,28 @@ the schema cannot express (it has already made each path absolute, normalized an
 {{- end -}}
 {{- toJson $binds -}}
 {{- end -}}
+
+{{/*
+Refuses, at install and upgrade (lookup answers only against a cluster: helm install/upgrade, or helm
+template --dry-run=server), to take over a DynamoGraphDeployment CRD this release does not own: NVIDIA's
+Dynamo operator's (no label snapshot.nvidia.com/crd-owner=dynamo-snapshot), or ours applied outside this
+release. Helm would otherwise replace the operator's schema with ours, or stop at its own ownership check
+with a message that names no way out.
+*/}}
+{{- define "dynamo-snapshot.dgdCrdGuard" -}}
+{{- $name := "dynamographdeployments.nvidia.com" -}}
+{{- $crd := lookup "apiextensions.k8s.io/v1" "CustomResourceDefinition" "" $name -}}
+{{- if $crd -}}
+{{- $labels := $crd.metadata.labels | default dict -}}
+{{- $annotations := $crd.metadata.annotations | default dict -}}
+{{- $release := get $annotations "meta.helm.sh/release-name" -}}
+{{- $releaseNs := get $annotations "meta.helm.sh/release-namespace" -}}
+{{- if ne (get $labels "snapshot.nvidia.com/crd-owner") "dynamo-snapshot" -}}
+{{- fail (printf "mode=standalone installs dynamo-snapshot's DynamoGraphDeployment CRD, but the cluster has a CustomResourceDefinition %s that is not dynamo-snapshot's (no label snapshot.nvidia.com/crd-owner=dynamo-snapshot; NVIDIA's Dynamo operator installs one of this name). To install beside that operator, set mode=dynamo-operator" $name) -}}
+{{- else if not $release -}}
+{{- fail (printf "the CustomResourceDefinition %s is dynamo-snapshot's but belongs to no Helm release (applied from crds/, or by a chart version that kept it in crds/). Adopt it into this release, then install again: kubectl annotate crd %s meta.helm.sh/release-name=%s meta.helm.sh/release-namespace=%s && kubectl label crd %s app.kubernetes.io/managed-by=Helm" $name $name .Release.Name .Release.Namespace $name) -}}
+{{- else if or (ne $release .Release.Name) (ne $releaseNs .Release.Namespace) -}}
+{{- fail (printf "the CustomResourceDefinition %s belongs to the dynamo-snapshot release %s in namespace %s: one release per cluster runs mode=standalone. Upgrade that release instead" $name $release $releaseNs) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
