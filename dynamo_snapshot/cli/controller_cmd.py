@@ -13,7 +13,8 @@ from pydantic import Field, model_validator
 from dynamo_snapshot.autoscale.autoscaler import Autoscaler
 from dynamo_snapshot.cli.health import distinct_ports, health_endpoints
 from dynamo_snapshot.cli.service import load_settings, run_service
-from dynamo_snapshot.controller.config import CONTROLLER_NAME, ControllerConfig
+from dynamo_snapshot.controller.config import CONTROLLER_NAME, ControllerConfig, InstallMode
+from dynamo_snapshot.controller.install_mode import check_install_mode
 from dynamo_snapshot.controller.manager import Controller
 from dynamo_snapshot.controller.webhook_server import WebhookServer
 from dynamo_snapshot.kube import Informer, Kube, load_client
@@ -47,6 +48,7 @@ class ControllerCommandConfig(ControllerConfig):
 
 # flag dest -> ControllerCommandConfig field
 _OVERRIDES = (
+    "mode",
     "namespace",
     "workers",
     "resync_seconds",
@@ -67,10 +69,11 @@ _OVERRIDES = (
 
 
 def build_controller(kube: Kube, config: ControllerConfig) -> Controller:
-    """The controller process's parts wired together: the reconcilers and, when `config.autoscale` is on,
-    the autoscaler, which runs only while the controller leads and reads the controller's caches."""
+    """The controller process's parts wired together: the reconcilers and, when `config.autoscale` is on
+    and this controller runs the DGDs, the autoscaler, which runs only while the controller leads and reads
+    the controller's caches."""
     controller = Controller(kube, config)
-    if config.autoscale:
+    if config.autoscale and config.runs_dgds:
         policies = Informer(kube, SCALING_POLICY, namespace=config.namespace)
         autoscaler = Autoscaler(
             kube,
@@ -99,6 +102,12 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--config", type=Path, help="YAML file of settings (see controller/config.yaml)")
     p.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config, in-cluster)")
+    p.add_argument(
+        "--mode",
+        choices=[m.value for m in InstallMode],
+        help="standalone: run the DynamoGraphDeployments' worker pods; dynamo-operator: leave them to "
+        f"NVIDIA's Dynamo operator (default {_default('mode')})",
+    )
     p.add_argument("--namespace", help="watch only this namespace (default: all)")
     p.add_argument(
         "--workers", type=int, help=f"objects reconciled in parallel (default {_default('workers')})"
@@ -196,6 +205,7 @@ async def _main(config: ControllerCommandConfig, kubeconfig: str | None, stop: a
         api_client = await load_client(kubeconfig)
         async with api_client:
             kube = Kube(api_client, field_manager=CONTROLLER_NAME)
+            await check_install_mode(kube, config.mode)
             controller = build_controller(kube, config)
             if not config.webhook_port:
                 health.use(controller.readiness)

@@ -88,7 +88,9 @@ class Controller:
             recorder=EventRecorder(kube, CONTROLLER_NAME),
             settings=config,
         )
-        self.dgd_reconciler = DGDReconciler(self.ctx)
+        # Mode dynamo-operator: NVIDIA's Dynamo operator runs the DGDs; their informer is never started
+        # and no DGD is reconciled (no worker pods, no status writes).
+        self.dgd_reconciler: DGDReconciler | None = DGDReconciler(self.ctx) if config.runs_dgds else None
         # The generic layer: PodSnapshots of the namespace, and their contents (cluster-scoped).
         self.snapshots = Informer(kube, POD_SNAPSHOT, namespace=ns)
         self.contents = Informer(kube, POD_SNAPSHOT_CONTENT)
@@ -156,7 +158,8 @@ class Controller:
     def informers(self) -> list[Informer]:
         c = self.ctx
         generic = [self.contents, self.snapshots, self.snapshot_jobs]
-        return [c.nodes, c.jobs, c.pods, *generic, c.checkpoints, c.dgds, *self._extra_informers]
+        dgds = [c.dgds] if self.dgd_reconciler is not None else []
+        return [c.nodes, c.jobs, c.pods, *generic, c.checkpoints, *dgds, *self._extra_informers]
 
     def _wire(self) -> None:
         ctx = self.ctx
@@ -295,7 +298,8 @@ class Controller:
     async def _reconcile(self, key: QueueKey) -> Result | None:
         kind, obj_key = key
         if kind == DGD_KEY:
-            return await self.dgd_reconciler.reconcile(obj_key)
+            # A worker pod or node event may name a DGD in either mode; only standalone reconciles it.
+            return None if self.dgd_reconciler is None else await self.dgd_reconciler.reconcile(obj_key)
         if kind == POD_SNAPSHOT_KEY:
             return await self.podsnapshot_reconciler.reconcile(obj_key)
         if kind == SNAPSHOT_JOB_KEY:
@@ -322,7 +326,10 @@ class Controller:
             inf.start()
         try:
             await asyncio.gather(*(inf.wait_synced() for inf in self.informers))
-            log.info("caches synced", extra={"dgds": len(ctx.dgds), "pods": len(ctx.pods)})
+            log.info(
+                "caches synced",
+                extra={"mode": str(self.config.mode), "dgds": len(ctx.dgds), "pods": len(ctx.pods)},
+            )
             # The caches are long-lived: keep the cyclic GC from re-scanning them (0.5 s stalls at 10k pods).
             gc.freeze()
             self.queue.start()
