@@ -10,6 +10,7 @@ import os
 import signal
 import ssl
 import subprocess
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -27,6 +28,7 @@ from dynamo_snapshot.localcluster import LocalCluster
 from dynamo_snapshot.localcluster.cluster import free_port
 from tests.helm import rbac
 from tests.helm.chart import CHART, REPO, Obj, helm, one, render, render_text
+from tests.helpers import dgd_crd
 from tests.helpers.cli import CLI
 from tests.helpers.polling import wait_for
 
@@ -130,6 +132,7 @@ def _http(url: str, context: ssl.SSLContext | None = None, **kw: Any) -> tuple[i
         None,
         {"artifacts": {"persistence": {"enabled": True, "storageClass": "rwx"}}},
         {"agent": {"runtime": "local"}, "controller": {"autoscale": False}},
+        {"mode": "dynamo-operator"},
         # The bind volumes' names, paths and types, as the API server judges them.
         {
             "agent": {
@@ -140,12 +143,13 @@ def _http(url: str, context: ssl.SSLContext | None = None, **kw: Any) -> tuple[i
             }
         },
     ],
-    ids=["defaults", "pvc", "runtime-local", "launch-with-binds"],
+    ids=["defaults", "pvc", "runtime-local", "dynamo-operator", "launch-with-binds"],
 )
 def test_rendered_manifests_pass_server_side_dry_run(
     cluster: LocalCluster, namespace: str, crds: list[str], values: Obj | None
 ) -> None:
-    # The ServiceMonitor CRD is not installed here; its rendering is checked in test_chart.py.
+    # The ServiceMonitor CRD is not installed here; its rendering is checked in test_chart.py. The
+    # DynamoGraphDeployment CRD is a template (mode standalone), the others are in crds/.
     text = render_text(values, release=_release(), namespace=namespace)
     out = cluster.kubectl("apply", "--server-side", "--dry-run=server", "-f", "-", input=text)
     assert out.stdout.count("serverside-applied (server dry run)") == len(
@@ -155,7 +159,7 @@ def test_rendered_manifests_pass_server_side_dry_run(
         "apply", "--server-side", "--force-conflicts", "--dry-run=server", "-f", str(CHART / "crds")
     )
     crd_files = list((CHART / "crds").glob("*.yaml"))
-    assert crd_out.stdout.count("customresourcedefinition") == len(crd_files) == 6, crd_out.stdout
+    assert crd_out.stdout.count("customresourcedefinition") == len(crd_files) == 5, crd_out.stdout
 
 
 def test_notes_explain_the_seccomp_profile_and_the_policy(cluster: LocalCluster) -> None:
@@ -231,6 +235,9 @@ def test_rbac_is_as_narrow_as_claimed(
         (ctrl, "delete", "leases.coordination.k8s.io/dynamo-snapshot-controller"),
         (ctrl, "create", "clusterroles.rbac.authorization.k8s.io"),
         (ctrl, "impersonate", "serviceaccounts"),
+        (ctrl, "list", "customresourcedefinitions.apiextensions.k8s.io"),
+        (ctrl, "get", "customresourcedefinitions.apiextensions.k8s.io/podsnapshots.nvidia.com"),
+        (ctrl, "update", f"customresourcedefinitions.apiextensions.k8s.io/{rbac.DGD_CRD}"),
     ]
     # One kubectl per question: asked in parallel, the matrix takes a second instead of several.
     with ThreadPoolExecutor(max_workers=8) as pool:
@@ -702,6 +709,85 @@ def test_controller_runs_on_its_rbac_alone(
     finally:
         rc = _stop(proc)
     assert rc == 0, log.read_text()[-3000:]
+
+
+def test_controller_in_dynamo_operator_mode_leaves_dgds_to_the_operator(
+    cluster: LocalCluster,
+    namespace: str,
+    install: Callable[..., Installed],
+    crds: list[str],
+    tmp_path: Path,
+) -> None:
+    """Beside NVIDIA's Dynamo operator (its DGD CRD installed), on the chart's dynamo-operator RBAC: the
+    controller starts, runs the snapshot API (a SnapshotJob gets its Job), and creates nothing for a DGD:
+    no worker pod, no checkpoint, no status."""
+    values = {"mode": "dynamo-operator", "controller": {"watchNamespace": namespace}}
+    with dgd_crd.dgd_crd_as(cluster, dgd_crd.operators()):
+        inst = install(values, only=RBAC_KINDS | {"ConfigMap"})
+        ctrl = inst.user("controller")
+        assert not _can(cluster, ctrl, namespace, "list", "dynamographdeployments.nvidia.com")
+        assert _can(
+            cluster, ctrl, namespace, "get", f"customresourcedefinitions.apiextensions.k8s.io/{rbac.DGD_CRD}"
+        )
+        cluster.kubectl("apply", "-n", namespace, "-f", str(AUTO_DGD))
+        config = tmp_path / "config.yaml"
+        config.write_text(one(inst.objs, "ConfigMap", "-controller")["data"]["config.yaml"])
+        token = _token(cluster, namespace, inst.sa("controller"))
+        kubeconfig = _kubeconfig_for(cluster, token, tmp_path / "kubeconfig")
+        port, log = free_port(), tmp_path / "controller.log"
+        args = ["controller", "--config", str(config), "--kubeconfig", str(kubeconfig)]
+        args += ["--metrics-port", "0", "--health-port", str(port)]
+        with log.open("w") as out:
+            proc = subprocess.Popen([*CLI, *args], stdout=out, stderr=out)
+        try:
+            with _explained_by(log):
+                _wait_ready(port, proc, log)
+                cluster.apply(_snapshot_job("probe"), namespace)
+
+                def get(kind: str, *selector: str) -> list[Obj]:
+                    out = cluster.kubectl("get", kind, "-n", namespace, *selector, "-o", "json")
+                    return list(json.loads(out.stdout)["items"])
+
+                wait_for(lambda: get("jobs"), what="the SnapshotJob's Job")
+
+                def made_for_the_dgd() -> list[str]:
+                    found = [f"pod {p['metadata']['name']}" for p in get("pods", "-l", protocol.LABEL_GRAPH)]
+                    found += [f"checkpoint {c['metadata']['name']}" for c in get("dynamocheckpoints")]
+                    found += [
+                        f"status of {d['metadata']['name']}"
+                        for d in get("dynamographdeployments")
+                        if d.get("status")
+                    ]
+                    return found
+
+                # In mode standalone the DGD's checkpoint and pods appear within a second of the caches'
+                # sync (test_controller_runs_on_its_rbac_alone); here nothing does, however long we look.
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline:
+                    assert made_for_the_dgd() == []
+                    time.sleep(0.5)
+        finally:
+            rc = _stop(proc)
+    assert rc == 0, log.read_text()[-3000:]
+    assert '"mode": "dynamo-operator"' in log.read_text()
+
+
+def _snapshot_job(name: str) -> Obj:
+    """A SnapshotJob whose pod never schedules (no node has its label): its Job is all it gets."""
+    return {
+        "apiVersion": "nvidia.com/v1alpha1",
+        "kind": "SnapshotJob",
+        "metadata": {"name": name},
+        "spec": {
+            "podSnapshotTemplate": {"targetContainers": ["main"]},
+            "podTemplate": {
+                "spec": {
+                    "nodeSelector": {"dynamo-snapshot.test/nowhere": "true"},
+                    "containers": [{"name": "main", "image": "worker:1"}],
+                }
+            },
+        },
+    }
 
 
 @pytest.mark.criu
