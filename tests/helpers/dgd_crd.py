@@ -73,7 +73,7 @@ def dgd_crd_as(cluster: LocalCluster, crd: Obj | None) -> Iterator[None]:
         yield
     finally:
         if crd is None:
+            # A Helm release may have made one meanwhile (and kept it): replaced too, it is ours again.
             cluster.install_crds()
-        else:
-            cluster.kubectl("replace", "-f", "-", input=json.dumps(ours()))
+        cluster.kubectl("replace", "-f", "-", input=json.dumps(ours()))
         wait_for(lambda: _served(cluster, "v1alpha1"), within=30, what="v1alpha1 DGDs served again")
