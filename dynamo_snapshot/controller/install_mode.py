@@ -77,12 +77,12 @@ def install_mode_problem(crd: Mapping[str, Any] | None, mode: InstallMode) -> st
     if mode is InstallMode.DYNAMO_OPERATOR and ours:
         return (
             f"mode {mode} leaves the DynamoGraphDeployments to NVIDIA's Dynamo operator, but the CRD "
-            f"{DGD_CRD_NAME} is dynamo-snapshot's own (label {_OWNER_LABEL}), so no Dynamo operator runs "
-            f"them: set mode {InstallMode.STANDALONE} {_SET_MODE}"
+            f"{DGD_CRD_NAME} is dynamo-snapshot's own (label {_OWNER_LABEL}), not the operator's: set "
+            f"mode {InstallMode.STANDALONE} {_SET_MODE}"
         )
     served = _served_versions(crd)
     if not UNDERSTOOD_DGD_VERSIONS.intersection(served):
-        owner = "dynamo-snapshot's" if ours else "the installed"
+        owner = "dynamo-snapshot's" if ours else "another operator's"
         return (
             f"the CRD {DGD_CRD_NAME} ({owner}) serves "
             f"{', '.join(served) if served else 'no version'}, and this controller reads only "

@@ -39,8 +39,8 @@ NO_CRD = (
     f"DynamoGraphDeployment CRD ({DGD_CRD_NAME}): install the Dynamo operator first"
 )
 UNKNOWN_VERSION = (
-    f"the CRD {DGD_CRD_NAME} (the installed) serves {dgd_crd.UNKNOWN_VERSION}, and this controller reads "
-    "only v1alpha1"
+    f"the CRD {DGD_CRD_NAME} (another operator's) serves {dgd_crd.UNKNOWN_VERSION}, and this controller "
+    "reads only v1alpha1"
 )
 
 
