@@ -162,7 +162,9 @@ def test_rendered_manifests_pass_server_side_dry_run(
     assert crd_out.stdout.count("customresourcedefinition") == len(crd_files) == 5, crd_out.stdout
 
 
-def test_notes_explain_the_seccomp_profile_and_the_policy(cluster: LocalCluster) -> None:
+def test_notes_explain_the_seccomp_profile_and_the_policy(
+    cluster: LocalCluster, without_dgd_crd: None
+) -> None:
     env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
     args = ["install", "notes", str(CHART), "--namespace", "snap", "--dry-run=client"]
     notes = helm(*args, env=env)

@@ -139,3 +139,16 @@ def _crd_json(cluster: LocalCluster) -> Obj:
     out = cluster.kubectl("get", "crd", dgd_crd.DGD_CRD, "-o", "json")
     crd: Obj = json.loads(out.stdout)
     return crd
+
+
+def test_notes_say_the_mode(cluster: LocalCluster, without_dgd_crd: None) -> None:
+    env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig)}
+    args = ["install", "notes", str(CHART), "--namespace", "snap", "--dry-run=client"]
+    beside = helm(*args, "--set", "mode=dynamo-operator", env=env)
+    assert beside.returncode == 0, beside.stderr
+    assert (
+        "(mode dynamo-operator: NVIDIA's Dynamo operator runs the DGDs, this controller creates no DGD pods;"
+        in (beside.stdout)
+    )
+    alone = helm(*args, env=env)
+    assert "(mode standalone; leader election on" in alone.stdout, alone.stdout

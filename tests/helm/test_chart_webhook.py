@@ -249,7 +249,9 @@ def _notes(cluster: LocalCluster, *sets: str) -> str:
 
 
 @pytest.mark.cluster
-def test_notes_explain_the_webhook_and_the_agents_restored_condition(cluster: LocalCluster) -> None:
+def test_notes_explain_the_webhook_and_the_agents_restored_condition(
+    cluster: LocalCluster, without_dgd_crd: None
+) -> None:
     objs = render(release="notes", namespace="snap")
     hook, service = one(objs, "MutatingWebhookConfiguration"), one(objs, "Service", "-controller-webhook")
     notes = _notes(cluster)
@@ -292,7 +294,9 @@ def _render_against(cluster: LocalCluster, release: str, namespace: str) -> list
 
 
 @pytest.mark.cluster
-def test_an_installed_certificate_is_kept_across_upgrades(cluster: LocalCluster, namespace: str) -> None:
+def test_an_installed_certificate_is_kept_across_upgrades(
+    cluster: LocalCluster, namespace: str, without_dgd_crd: None
+) -> None:
     release = f"w{namespace[-6:]}"
     first = _render_against(cluster, release, namespace)
     secret = one(first, "Secret", "-webhook-tls")
