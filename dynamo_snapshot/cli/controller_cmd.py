@@ -102,12 +102,7 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--config", type=Path, help="YAML file of settings (see controller/config.yaml)")
     p.add_argument("--kubeconfig", help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config, in-cluster)")
-    p.add_argument(
-        "--mode",
-        choices=[m.value for m in InstallMode],
-        help="standalone: run the DynamoGraphDeployments' worker pods; dynamo-operator: leave them to "
-        f"NVIDIA's Dynamo operator (default {_default('mode')})",
-    )
+    _add_mode(p)
     p.add_argument("--namespace", help="watch only this namespace (default: all)")
     p.add_argument(
         "--workers", type=int, help=f"objects reconciled in parallel (default {_default('workers')})"
@@ -178,6 +173,15 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(run=run)
+
+
+def _add_mode(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--mode",
+        choices=[m.value for m in InstallMode],
+        help="standalone: run the DynamoGraphDeployments' worker pods; dynamo-operator: leave them to "
+        f"NVIDIA's Dynamo operator (default {_default('mode')})",
+    )
 
 
 def _on_off(flag: bool) -> str:
