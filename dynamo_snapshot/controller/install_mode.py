@@ -72,7 +72,8 @@ def install_mode_problem(crd: Mapping[str, Any] | None, mode: InstallMode) -> st
             f"mode {mode} creates the worker pods of every DynamoGraphDeployment, but the CRD {DGD_CRD_NAME} "
             f"is not dynamo-snapshot's (no label {_OWNER_LABEL}; NVIDIA's Dynamo operator installs one of "
             "this name), so another operator runs these DGDs: set mode "
-            f"{InstallMode.DYNAMO_OPERATOR} {_SET_MODE}"
+            f"{InstallMode.DYNAMO_OPERATOR} {_SET_MODE}. If an older dynamo-snapshot chart installed it "
+            f"(those CRDs carry no such label), label it: kubectl label crd {DGD_CRD_NAME} {_OWNER_LABEL}"
         )
     if mode is InstallMode.DYNAMO_OPERATOR and ours:
         return (

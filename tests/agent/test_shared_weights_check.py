@@ -9,8 +9,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import pytest
-
 from dynamo_snapshot.agent.errors import ArtifactRefused
 from dynamo_snapshot.agent.restore import Greeting, RestoreRun
 from dynamo_snapshot.agent.timings import Timings
@@ -98,5 +96,3 @@ async def test_other_files_or_artifacts_are_checked_apart(tmp_path: Path) -> Non
     other.go.set()
     await asyncio.gather(*tasks)
     assert (one.calls, other.calls) == (2, 1)
-
-

@@ -184,7 +184,7 @@ with a message that names no way out.
 {{- $release := get $annotations "meta.helm.sh/release-name" -}}
 {{- $releaseNs := get $annotations "meta.helm.sh/release-namespace" -}}
 {{- if ne (get $labels "snapshot.nvidia.com/crd-owner") "dynamo-snapshot" -}}
-{{- fail (printf "mode=standalone installs dynamo-snapshot's DynamoGraphDeployment CRD, but the cluster has a CustomResourceDefinition %s that is not dynamo-snapshot's (no label snapshot.nvidia.com/crd-owner=dynamo-snapshot; NVIDIA's Dynamo operator installs one of this name). To install beside that operator, set mode=dynamo-operator" $name) -}}
+{{- fail (printf "mode=standalone installs dynamo-snapshot's DynamoGraphDeployment CRD, but the cluster has a CustomResourceDefinition %s that is not dynamo-snapshot's (no label snapshot.nvidia.com/crd-owner=dynamo-snapshot; NVIDIA's Dynamo operator installs one of this name). To install beside that operator, set mode=dynamo-operator. If an older dynamo-snapshot chart installed it (those CRDs carry no such label), label it as dynamo-snapshot's and install again: kubectl label crd %s snapshot.nvidia.com/crd-owner=dynamo-snapshot" $name $name) -}}
 {{- else if not $release -}}
 {{- fail (printf "the CustomResourceDefinition %s is dynamo-snapshot's but belongs to no Helm release (applied from crds/, or by a chart version that kept it in crds/). Adopt it into this release, then install again: kubectl annotate crd %s meta.helm.sh/release-name=%s meta.helm.sh/release-namespace=%s && kubectl label crd %s app.kubernetes.io/managed-by=Helm" $name $name .Release.Name .Release.Namespace $name) -}}
 {{- else if or (ne $release .Release.Name) (ne $releaseNs .Release.Namespace) -}}
