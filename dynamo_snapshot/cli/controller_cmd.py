@@ -14,11 +14,11 @@ from dynamo_snapshot.autoscale.autoscaler import Autoscaler
 from dynamo_snapshot.cli.health import distinct_ports, health_endpoints
 from dynamo_snapshot.cli.service import load_settings, run_service
 from dynamo_snapshot.controller.config import CONTROLLER_NAME, ControllerConfig, InstallMode
-from dynamo_snapshot.controller.install_mode import check_install_mode
+from dynamo_snapshot.controller.install_mode import check_install_mode, kinds_left_to_others
 from dynamo_snapshot.controller.manager import Controller
 from dynamo_snapshot.controller.webhook_server import WebhookServer
 from dynamo_snapshot.kube import Informer, Kube, load_client
-from dynamo_snapshot.kube.kinds import SCALING_POLICY
+from dynamo_snapshot.kube.kinds import POD_SNAPSHOT, SCALING_POLICY
 
 
 class ControllerCommandConfig(ControllerConfig):
@@ -68,11 +68,13 @@ _OVERRIDES = (
 )
 
 
-def build_controller(kube: Kube, config: ControllerConfig) -> Controller:
+def build_controller(
+    kube: Kube, config: ControllerConfig, left_to_others: frozenset[str] = frozenset()
+) -> Controller:
     """The controller process's parts wired together: the reconcilers and, when `config.autoscale` is on
     and this controller runs the DGDs, the autoscaler, which runs only while the controller leads and reads
     the controller's caches."""
-    controller = Controller(kube, config)
+    controller = Controller(kube, config, left_to_others=left_to_others)
     if config.autoscale and config.runs_dgds:
         policies = Informer(kube, SCALING_POLICY, namespace=config.namespace)
         autoscaler = Autoscaler(
@@ -210,12 +212,18 @@ async def _main(config: ControllerCommandConfig, kubeconfig: str | None, stop: a
         async with api_client:
             kube = Kube(api_client, field_manager=CONTROLLER_NAME)
             await check_install_mode(kube, config.mode)
-            controller = build_controller(kube, config)
+            left_to_others = await kinds_left_to_others(kube, config.mode)
+            controller = build_controller(kube, config, left_to_others)
             if not config.webhook_port:
                 health.use(controller.readiness)
                 await controller.run_until(stop)
                 return
-            webhook = WebhookServer(kube, Path(config.webhook_cert_dir), config.webhook_port)
+            webhook = WebhookServer(
+                kube,
+                Path(config.webhook_cert_dir),
+                config.webhook_port,
+                passes_by=POD_SNAPSHOT.kind in left_to_others,
+            )
             health.use(lambda: controller.readiness() or webhook.readiness())
             await _with_webhook(controller, webhook, stop)
 

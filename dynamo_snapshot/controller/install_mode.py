@@ -4,6 +4,10 @@ Mode standalone runs the DGDs, which takes this project's CRD; mode dynamo-opera
 Dynamo operator, which takes the operator's CRD. A controller that guessed wrong would create a second set
 of pods for every DGD, or wait for DGDs no one creates: it refuses to start instead, saying which setting
 to change.
+
+Recent Dynamo operators also define and run DynamoCheckpoints, PodSnapshots and PodSnapshotContents (and
+shape restore-from pods). In mode dynamo-operator every such kind whose CRD is not this project's is left
+to its owner: this controller does not reconcile it (``kinds_left_to_others``).
 """
 
 from __future__ import annotations
@@ -15,15 +19,18 @@ from typing import Any, Final
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.controller.config import InstallMode
 from dynamo_snapshot.kube import ApiError, Kube, ResourceKind, is_not_found
-from dynamo_snapshot.kube.kinds import DGD
+from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT, SNAPSHOT_JOB
 
 __all__ = [
     "CRD",
     "DGD_CRD_NAME",
+    "SHARED_KINDS",
     "UNDERSTOOD_DGD_VERSIONS",
     "InstallModeRefused",
     "check_install_mode",
+    "crd_name",
     "install_mode_problem",
+    "kinds_left_to_others",
 ]
 
 log = logging.getLogger(__name__)
@@ -32,6 +39,9 @@ CRD: Final = ResourceKind(
     "apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition", namespaced=False
 )
 DGD_CRD_NAME: Final = f"{DGD.plural}.{DGD.group}"
+# Kinds another operator may define and run beside ours (ai-dynamo/dynamo deploy/operator/config/crd/bases
+# holds DynamoCheckpoint, PodSnapshot and PodSnapshotContent; ai-dynamo/snapshot adds SnapshotJob).
+SHARED_KINDS: Final = (CHECKPOINT, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT, SNAPSHOT_JOB)
 # The DGD versions this controller reads and writes.
 UNDERSTOOD_DGD_VERSIONS: Final = frozenset({DGD.version})
 _OWNER_LABEL: Final = f"{protocol.LABEL_CRD_OWNER}={protocol.MANAGED_BY_VALUE}"
@@ -94,19 +104,44 @@ def install_mode_problem(crd: Mapping[str, Any] | None, mode: InstallMode) -> st
     return None
 
 
+def crd_name(kind: ResourceKind) -> str:
+    return f"{kind.plural}.{kind.group}"
+
+
+async def _read_crd(kube: Kube, name: str, mode: InstallMode) -> Mapping[str, Any] | None:
+    """The CRD ``name`` (None: not installed); InstallModeRefused (logged) when it cannot be read."""
+    try:
+        crd: Mapping[str, Any] = await kube.get(CRD, name)
+    except ApiError as e:
+        if is_not_found(e):
+            return None
+        unreadable = (
+            f"cannot read the CRD {name} to check mode {mode}: {e}. The controller needs get "
+            f"on customresourcedefinitions/{name} (the chart's ClusterRole grants it)"
+        )
+        log.error("install mode check failed", extra={"mode": str(mode), "reason": unreadable})
+        raise InstallModeRefused(unreadable) from None
+    return crd
+
+
+async def kinds_left_to_others(kube: Kube, mode: InstallMode) -> frozenset[str]:
+    """In mode dynamo-operator, the SHARED_KINDS whose CRD is installed and not this project's: another
+    operator runs their objects, so this controller does not reconcile them (and, for PodSnapshot, its
+    restore webhook lets restore-from pods pass unchanged). None in mode standalone."""
+    if mode is not InstallMode.DYNAMO_OPERATOR:
+        return frozenset()
+    left = set()
+    for kind in SHARED_KINDS:
+        crd = await _read_crd(kube, crd_name(kind), mode)
+        if crd is not None and not _is_ours(crd):
+            left.add(kind.kind)
+            log.info("kind left to its CRD's owner", extra={"kind": kind.kind, "crd": crd_name(kind)})
+    return frozenset(left)
+
+
 async def check_install_mode(kube: Kube, mode: InstallMode) -> None:
     """Read the DGD CRD and raise InstallModeRefused (logged) when ``mode`` contradicts it."""
-    try:
-        crd: Mapping[str, Any] | None = await kube.get(CRD, DGD_CRD_NAME)
-    except ApiError as e:
-        if not is_not_found(e):
-            unreadable = (
-                f"cannot read the CRD {DGD_CRD_NAME} to check mode {mode}: {e}. The controller needs get "
-                f"on customresourcedefinitions/{DGD_CRD_NAME} (the chart's ClusterRole grants it)"
-            )
-            log.error("install mode check failed", extra={"mode": str(mode), "reason": unreadable})
-            raise InstallModeRefused(unreadable) from None
-        crd = None
+    crd = await _read_crd(kube, DGD_CRD_NAME, mode)
     problem = install_mode_problem(crd, mode)
     if problem:
         log.error("install mode refused", extra={"mode": str(mode), "reason": problem})

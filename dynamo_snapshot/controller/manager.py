@@ -61,9 +61,13 @@ class _LeaderOnly:
 
 
 class Controller:
-    def __init__(self, kube: Kube, config: ControllerConfig) -> None:
+    def __init__(
+        self, kube: Kube, config: ControllerConfig, *, left_to_others: frozenset[str] = frozenset()
+    ) -> None:
         self.kube = kube
         self.config = config
+        # Kinds whose objects another operator runs (install_mode.kinds_left_to_others): never reconciled.
+        self.left_to_others = left_to_others
         managed = f"{protocol.LABEL_MANAGED_BY}={protocol.MANAGED_BY_VALUE}"
         ns = config.namespace
         self.ctx = Context(
@@ -297,6 +301,8 @@ class Controller:
 
     async def _reconcile(self, key: QueueKey) -> Result | None:
         kind, obj_key = key
+        if kind in self.left_to_others:
+            return None
         if kind == DGD_KEY:
             # A worker pod or node event may name a DGD in either mode; only standalone reconciles it.
             return None if self.dgd_reconciler is None else await self.dgd_reconciler.reconcile(obj_key)

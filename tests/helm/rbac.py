@@ -9,6 +9,14 @@ Grant = tuple[str, str, str, str]
 OURS = "nvidia.com"
 LEASE_NAME = "dynamo-snapshot-controller"
 DGD_CRD = "dynamographdeployments.nvidia.com"
+# The CRDs the controller reads at start (controller/install_mode.py): the DGD's, and the snapshot kinds'.
+CRDS_READ_AT_START = (
+    DGD_CRD,
+    "dynamocheckpoints.nvidia.com",
+    "podsnapshots.nvidia.com",
+    "podsnapshotcontents.nvidia.com",
+    "snapshotjobs.nvidia.com",
+)
 
 # The controller's ClusterRole: the calls in dynamo_snapshot/controller, kube and autoscale.
 CONTROLLER: set[Grant] = (
@@ -36,8 +44,8 @@ CONTROLLER: set[Grant] = (
 CONTROLLER_CLUSTER_SCOPED: set[Grant] = (
     {("", "nodes", "*", "list"), ("", "nodes", "*", "watch")}
     | {(OURS, "podsnapshotcontents", "*", v) for v in ("get", "list", "watch", "create", "delete")}
-    # Read at start: whose DGD CRD it is, against the install mode.
-    | {("apiextensions.k8s.io", "customresourcedefinitions", DGD_CRD, "get")}
+    # Read at start: whose DGD CRD it is, against the install mode, and whose the snapshot kinds' are.
+    | {("apiextensions.k8s.io", "customresourcedefinitions", crd, "get") for crd in CRDS_READ_AT_START}
 )
 # Mode dynamo-operator: NVIDIA's Dynamo operator runs the DGDs, so the controller's ClusterRole grants
 # nothing of DGDs (no informer, no status, no owner references) and nothing of the autoscaler.

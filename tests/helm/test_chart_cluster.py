@@ -238,7 +238,7 @@ def test_rbac_is_as_narrow_as_claimed(
         (ctrl, "create", "clusterroles.rbac.authorization.k8s.io"),
         (ctrl, "impersonate", "serviceaccounts"),
         (ctrl, "list", "customresourcedefinitions.apiextensions.k8s.io"),
-        (ctrl, "get", "customresourcedefinitions.apiextensions.k8s.io/podsnapshots.nvidia.com"),
+        (ctrl, "get", "customresourcedefinitions.apiextensions.k8s.io/dynamoscalingpolicies.nvidia.com"),
         (ctrl, "update", f"customresourcedefinitions.apiextensions.k8s.io/{rbac.DGD_CRD}"),
     ]
     # One kubectl per question: asked in parallel, the matrix takes a second instead of several.
