@@ -10,6 +10,7 @@ annotations, so no direction here has to be perfect.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 from dynamo_snapshot.api.protocol import DEFAULT_TARGET_CONTAINER, RESOURCE_GPU
@@ -62,20 +63,21 @@ def _item_from_native(native: Json) -> Json:
     return item
 
 
-def _resources_to_native(resources: Json) -> Json:
-    native: Json = {}
+def _map_sides(resources: Json, convert: Callable[[Json], Json]) -> Json:
+    """``resources`` with its requests and limits converted, everything else copied as it is."""
+    out: Json = {}
     for key, value in resources.items():
         is_side = key in ("requests", "limits") and isinstance(value, dict)
-        native[key] = _item_to_native(value) if is_side else copy.deepcopy(value)
-    return native
+        out[key] = convert(value) if is_side else copy.deepcopy(value)
+    return out
+
+
+def _resources_to_native(resources: Json) -> Json:
+    return _map_sides(resources, _item_to_native)
 
 
 def _resources_from_native(native: Json) -> Json:
-    resources: Json = {}
-    for key, value in native.items():
-        is_side = key in ("requests", "limits") and isinstance(value, dict)
-        resources[key] = _item_from_native(value) if is_side else copy.deepcopy(value)
-    return resources
+    return _map_sides(native, _item_from_native)
 
 
 def _merge_env(base: list[Any], override: list[Any]) -> list[Any]:

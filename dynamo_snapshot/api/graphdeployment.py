@@ -60,6 +60,8 @@ __all__ = [
     "ServiceCheckpointStatus",
     "ServiceReplicaStatus",
     "ServiceSpec",
+    "graph_name_fits",
+    "pod_names_fit",
 ]
 
 MANUAL_NEEDS_REF_MESSAGE = "checkpoint.mode Manual requires checkpoint.checkpointRef"
@@ -316,14 +318,24 @@ class DynamoGraphDeployment(CustomResource):
     @field_validator("metadata")
     @classmethod
     def _name_fits_a_label(cls, metadata: ObjectMeta) -> ObjectMeta:
-        if metadata.name is not None and len(metadata.name) > GRAPH_NAME_MAX_LENGTH:
-            raise ValueError(GRAPH_NAME_MESSAGE)
-        return metadata
+        return graph_name_fits(metadata)
 
     @model_validator(mode="after")
     def _pod_names_fit(self) -> DynamoGraphDeployment:
-        name = self.metadata.name or ""
-        too_long = [s for s in self.spec.services or {} if len(name) + len(s) > GRAPH_AND_SERVICE_MAX_LENGTH]
-        if name and too_long:
-            raise ValueError(f"{GRAPH_AND_SERVICE_MESSAGE} ({name!r} with {', '.join(map(repr, too_long))})")
+        pod_names_fit(self.metadata.name or "", list(self.spec.services or {}), GRAPH_AND_SERVICE_MESSAGE)
         return self
+
+
+def graph_name_fits(metadata: ObjectMeta) -> ObjectMeta:
+    """A DGD's name becomes a label value on every pod it owns (either API version)."""
+    if metadata.name is not None and len(metadata.name) > GRAPH_NAME_MAX_LENGTH:
+        raise ValueError(GRAPH_NAME_MESSAGE)
+    return metadata
+
+
+def pod_names_fit(graph: str, members: list[str], message: str) -> None:
+    """Worker pods are named after the graph and the member (service or component); ``message`` names
+    the rule in the version's own words."""
+    too_long = [m for m in members if len(graph) + len(m) > GRAPH_AND_SERVICE_MAX_LENGTH]
+    if graph and too_long:
+        raise ValueError(f"{message} ({graph!r} with {', '.join(map(repr, too_long))})")

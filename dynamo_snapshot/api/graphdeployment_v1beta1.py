@@ -20,12 +20,12 @@ from pydantic import AfterValidator, ConfigDict, Field, field_validator, model_v
 from dynamo_snapshot.api.container import EnvVar
 from dynamo_snapshot.api.graphdeployment import (
     GRAPH_AND_SERVICE_MAX_LENGTH,
-    GRAPH_NAME_MAX_LENGTH,
-    GRAPH_NAME_MESSAGE,
     SERVICE_NAME_MAX_LENGTH,
     SERVICE_NAME_PATTERN,
     CheckpointMode,
     DGDState,
+    graph_name_fits,
+    pod_names_fit,
 )
 from dynamo_snapshot.api.identity import BackendFramework, CheckpointIdentity
 from dynamo_snapshot.api.kube import (
@@ -39,6 +39,12 @@ from dynamo_snapshot.api.kube import (
     ResourceInfo,
 )
 from dynamo_snapshot.api.protocol import API_GROUP, API_VERSION_V1BETA1
+
+# Worker pods are named after the graph and the component.
+_COMPONENT_NAMES_MESSAGE = (
+    f"metadata.name and each component name together must be at most {GRAPH_AND_SERVICE_MAX_LENGTH} "
+    "characters: worker pods are named after both"
+)
 
 __all__ = [
     "COMPONENTS_MAX_ITEMS",
@@ -265,19 +271,10 @@ class DynamoGraphDeploymentV1Beta1(CustomResource):
     @field_validator("metadata")
     @classmethod
     def _name_fits_a_label(cls, metadata: ObjectMeta) -> ObjectMeta:
-        if metadata.name is not None and len(metadata.name) > GRAPH_NAME_MAX_LENGTH:
-            raise ValueError(GRAPH_NAME_MESSAGE)
-        return metadata
+        return graph_name_fits(metadata)
 
     @model_validator(mode="after")
     def _pod_names_fit(self) -> DynamoGraphDeploymentV1Beta1:
-        name = self.metadata.name or ""
-        components = self.spec.components or []
-        too_long = [c.name for c in components if len(name) + len(c.name) > GRAPH_AND_SERVICE_MAX_LENGTH]
-        if name and too_long:
-            raise ValueError(
-                f"metadata.name and each component name together must be at most "
-                f"{GRAPH_AND_SERVICE_MAX_LENGTH} characters: worker pods are named after both "
-                f"({name!r} with {', '.join(map(repr, too_long))})"
-            )
+        components = [c.name for c in self.spec.components or []]
+        pod_names_fit(self.metadata.name or "", components, _COMPONENT_NAMES_MESSAGE)
         return self

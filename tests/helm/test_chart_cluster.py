@@ -667,15 +667,8 @@ def test_controller_runs_on_its_rbac_alone(
     """The rendered config and RBAC, as the controller's service account: leader election, informer
     sync, and Auto mode's writes (checkpoint, Job, worker pod, DGD status, Events) all go through."""
     inst = install({"controller": {"watchNamespace": namespace}}, only=RBAC_KINDS | {"ConfigMap"})
-    config = tmp_path / "config.yaml"
-    config.write_text(one(inst.objs, "ConfigMap", "-controller")["data"]["config.yaml"])
-    token = _token(cluster, namespace, inst.sa("controller"))
-    kubeconfig = _kubeconfig_for(cluster, token, tmp_path / "kubeconfig")
-    port, log = free_port(), tmp_path / "controller.log"
-    args = ["controller", "--config", str(config), "--kubeconfig", str(kubeconfig)]
-    args += ["--metrics-port", "0", "--health-port", str(port)]
-    with log.open("w") as out:
-        proc = subprocess.Popen([*CLI, *args], stdout=out, stderr=out)
+    proc, port, log = _start_controller_as_its_account(cluster, namespace, inst, tmp_path)
+    get = _getter(cluster, namespace)
     try:
         with _explained_by(log):
             _wait_ready(port, proc, log)
@@ -685,11 +678,6 @@ def test_controller_runs_on_its_rbac_alone(
             assert json.loads(lease.stdout)["spec"]["holderIdentity"]
 
             cluster.kubectl("apply", "-n", namespace, "-f", str(AUTO_DGD))
-
-            def get(kind: str, *selector: str) -> list[Obj]:
-                out = cluster.kubectl("get", kind, "-n", namespace, *selector, "-o", "json")
-                return list(json.loads(out.stdout)["items"])
-
             ckpts = wait_for(
                 lambda: [c for c in get("dynamocheckpoints") if c.get("status")],
                 what="a checkpoint with status",
@@ -732,24 +720,12 @@ def test_controller_in_dynamo_operator_mode_leaves_dgds_to_the_operator(
             cluster, ctrl, namespace, "get", f"customresourcedefinitions.apiextensions.k8s.io/{rbac.DGD_CRD}"
         )
         cluster.kubectl("apply", "-n", namespace, "-f", str(AUTO_DGD))
-        config = tmp_path / "config.yaml"
-        config.write_text(one(inst.objs, "ConfigMap", "-controller")["data"]["config.yaml"])
-        token = _token(cluster, namespace, inst.sa("controller"))
-        kubeconfig = _kubeconfig_for(cluster, token, tmp_path / "kubeconfig")
-        port, log = free_port(), tmp_path / "controller.log"
-        args = ["controller", "--config", str(config), "--kubeconfig", str(kubeconfig)]
-        args += ["--metrics-port", "0", "--health-port", str(port)]
-        with log.open("w") as out:
-            proc = subprocess.Popen([*CLI, *args], stdout=out, stderr=out)
+        proc, port, log = _start_controller_as_its_account(cluster, namespace, inst, tmp_path)
+        get = _getter(cluster, namespace)
         try:
             with _explained_by(log):
                 _wait_ready(port, proc, log)
                 cluster.apply(_snapshot_job("probe"), namespace)
-
-                def get(kind: str, *selector: str) -> list[Obj]:
-                    out = cluster.kubectl("get", kind, "-n", namespace, *selector, "-o", "json")
-                    return list(json.loads(out.stdout)["items"])
-
                 wait_for(lambda: get("jobs"), what="the SnapshotJob's Job")
 
                 def made_for_the_dgd() -> list[str]:
@@ -772,6 +748,31 @@ def test_controller_in_dynamo_operator_mode_leaves_dgds_to_the_operator(
             rc = _stop(proc)
     assert rc == 0, log.read_text()[-3000:]
     assert '"mode": "dynamo-operator"' in log.read_text()
+
+
+def _start_controller_as_its_account(
+    cluster: LocalCluster, namespace: str, inst: Installed, tmp_path: Path
+) -> tuple[subprocess.Popen[bytes], int, Path]:
+    """The controller process with the chart's rendered config, as the chart's service account (a
+    token of it); its log in tmp_path/controller.log."""
+    config = tmp_path / "config.yaml"
+    config.write_text(one(inst.objs, "ConfigMap", "-controller")["data"]["config.yaml"])
+    token = _token(cluster, namespace, inst.sa("controller"))
+    kubeconfig = _kubeconfig_for(cluster, token, tmp_path / "kubeconfig")
+    port, log = free_port(), tmp_path / "controller.log"
+    args = ["controller", "--config", str(config), "--kubeconfig", str(kubeconfig)]
+    args += ["--metrics-port", "0", "--health-port", str(port)]
+    with log.open("w") as out:
+        proc = subprocess.Popen([*CLI, *args], stdout=out, stderr=out)
+    return proc, port, log
+
+
+def _getter(cluster: LocalCluster, namespace: str) -> Callable[..., list[Obj]]:
+    def get(kind: str, *selector: str) -> list[Obj]:
+        out = cluster.kubectl("get", kind, "-n", namespace, *selector, "-o", "json")
+        return list(json.loads(out.stdout)["items"])
+
+    return get
 
 
 def _snapshot_job(name: str) -> Obj:
