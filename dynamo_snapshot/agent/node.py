@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 from dynamo_snapshot.agent.gpu_assignment import local_gpus
 from dynamo_snapshot.agent.page_images import remove_abandoned
@@ -80,10 +82,8 @@ class Node:
         self.scratch_cleaned: set[Path] = set()
         # Threads of the weights check beside CRIU (None: the artifact default, twice the cores).
         self.weights_check_parallel = weights_check_parallel
-        # One lock per artifact directory: concurrent restores of one artifact hash it once.
-        self.verifying: dict[str, asyncio.Lock] = {}
-        # The weights checks under way, per artifact directory and files: restores meanwhile join them.
-        self.weights_checks: dict[tuple[str, tuple[str, ...]], asyncio.Task[TreeStats]] = {}
+        # The checks of artifact files under way, per artifact directory and files (shared_check).
+        self.checks: dict[tuple[str, tuple[str, ...]], asyncio.Task[TreeStats]] = {}
         # A node-local copy of the store's artifacts (None: every restore reads the store), and the
         # copies into it under way, per artifact key.
         self.cache = cache
@@ -94,6 +94,28 @@ class Node:
         self.deleting: collections.Counter[str] = collections.Counter()
         # Big files are hashed in a helper process (see artifact.isolated); start it before it is needed.
         warm_up_hashing()
+
+    def shared_check(
+        self, artifact_dir: Path, files: list[str], check: Callable[[], Coroutine[Any, Any, TreeStats]]
+    ) -> tuple[asyncio.Task[TreeStats], bool]:
+        """The check of ``files`` of the artifact in ``artifact_dir`` under way, or ``check()`` started as
+        it: every restore that wants those files checked meanwhile awaits the one task (shielded: one
+        giving up does not end it for the others), so a burst of restores reads and hashes them once.
+        True when this call started it (its caller counts the bytes; joiners count none)."""
+        key = (str(artifact_dir), tuple(files))
+        running = self.checks.get(key)
+        if running is not None:
+            return running, False
+        task = asyncio.create_task(check())
+        self.checks[key] = task
+
+        def ended(done: asyncio.Task[TreeStats]) -> None:
+            self.checks.pop(key, None)
+            if not done.cancelled():
+                done.exception()  # every waiter gets it; retrieved here in case every one gave up
+
+        task.add_done_callback(ended)
+        return task, True
 
     async def remove_abandoned_scratch(self) -> None:
         """The restore staging of agent processes that died mid-restore, removed when this one starts:

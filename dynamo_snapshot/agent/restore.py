@@ -242,13 +242,13 @@ class RestoreRun:
         process_files = [f.path for f in artifact.manifest.files if f.path not in weight_files]
         overlap = self.node.overlap_page_check and self.node.runtime.restores_stopped
         self.pages = [f for f in process_files if _is_pages(f)] if overlap else []
+        files = [f for f in process_files if f not in self.pages]
         try:
-            # Concurrent restores of one artifact wait for the first one's hashing and then find its
-            # files verified, instead of all reading the same bytes at once.
-            async with self.node.verifying.setdefault(str(artifact.path), asyncio.Lock()):
-                self.process_stats = await artifact.averify(
-                    files=[f for f in process_files if f not in self.pages], verified=self.node.verified
-                )
+            check, own = self.node.shared_check(
+                artifact.path, files, lambda: artifact.averify(files=files, verified=self.node.verified)
+            )
+            stats = await asyncio.shield(check)
+            self.process_stats = stats if own else TreeStats(0, 0.0)
             self.verified_bytes = self.process_stats.bytes
         except (ArtifactError, ValueError) as e:
             raise ArtifactRefused(f"artifact {artifact.key} refused: {e}") from None
@@ -265,38 +265,25 @@ class RestoreRun:
     async def verify_weights(self, files: list[str]) -> TreeStats:
         # Timed apart from the phases it overlaps; "weights_wait" is what it added to the restore.
         started = time.monotonic()
-        try:
-            return await asyncio.shield(self._shared_weights_check(files))
-        except (ArtifactError, ValueError) as e:
-            raise ArtifactRefused(f"weights of artifact {self.artifact.key} refused: {e}") from None
-        finally:
-            self.timings.overlapped["weights_verify"] = round(time.monotonic() - started, 4)
-
-    def _shared_weights_check(self, files: list[str]) -> asyncio.Task[TreeStats]:
-        """One check of these weights files for every restore of the artifact that wants it meanwhile: a
-        burst of restores reads and hashes them once. Linking the weights into a worker's control dir
-        changes their status-change time, so the verified-files cache rarely spares this check."""
-        key = (str(self.artifact.path), tuple(files))
-        running = self.node.weights_checks.get(key)
-        if running is not None:
-            return running
-        check = asyncio.create_task(
-            self.artifact.averify(
+        # Linking the weights into a worker's control dir changes their status-change time, so the
+        # verified-files cache rarely spares this check: restores under way at once share it instead.
+        check, own = self.node.shared_check(
+            self.artifact.path,
+            files,
+            lambda: self.artifact.averify(
                 files=files,
                 verified=self.node.verified,
                 idle_io=self.node.weights_check_idle_io,
                 parallel=self.node.weights_check_parallel or HASH_PARALLEL,
-            )
+            ),
         )
-        self.node.weights_checks[key] = check
-
-        def ended(task: asyncio.Task[TreeStats]) -> None:
-            self.node.weights_checks.pop(key, None)
-            if not task.cancelled():
-                task.exception()  # each waiter gets it; retrieved here in case every one was cancelled
-
-        check.add_done_callback(ended)
-        return check
+        try:
+            stats = await asyncio.shield(check)
+        except (ArtifactError, ValueError) as e:
+            raise ArtifactRefused(f"weights of artifact {self.artifact.key} refused: {e}") from None
+        finally:
+            self.timings.overlapped["weights_verify"] = round(time.monotonic() - started, 4)
+        return stats if own else TreeStats(0, 0.0)
 
     # ------------------------------------------------------------------ process
     async def restore_process(self, undo: contextlib.AsyncExitStack) -> Workload:

@@ -1,6 +1,7 @@
-"""Restores of one artifact that check its weights at the same time share one check: a burst of
-restores reads and hashes the weights once. Each waiter still gets the verdict, a waiter that gives up
-does not end the check for the others, and a check that ended is not reused."""
+"""Restores of one artifact that check its files at the same time share one check (Node.shared_check): a
+burst of restores reads and hashes the weights, and the process images, once. Each waiter still gets the
+verdict, a waiter that gives up does not end the check for the others, and a check that ended is not
+reused."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from dynamo_snapshot.agent.errors import ArtifactRefused
+from dynamo_snapshot.agent.node import Node
 from dynamo_snapshot.agent.restore import Greeting, RestoreRun
 from dynamo_snapshot.agent.timings import Timings
 from dynamo_snapshot.artifact import ArtifactError
@@ -36,13 +38,24 @@ class _Artifact:
         return TreeStats(4096, 0.5)
 
 
-def _node() -> SimpleNamespace:
-    return SimpleNamespace(
-        weights_checks={}, verified=None, weights_check_idle_io=True, weights_check_parallel=None
+class _Node(SimpleNamespace):
+    """What a weights check uses of a Node, with the Node's own sharing of checks."""
+
+    shared_check = Node.shared_check
+
+
+def _node() -> _Node:
+    return _Node(
+        checks={},
+        verified=None,
+        weights_check_idle_io=True,
+        weights_check_parallel=None,
+        overlap_page_check=False,
+        runtime=SimpleNamespace(restores_stopped=False),
     )
 
 
-def _run(node: SimpleNamespace, artifact: _Artifact, key: str) -> RestoreRun:
+def _run(node: _Node, artifact: _Artifact, key: str) -> RestoreRun:
     return RestoreRun(node, key, artifact, Timings(), Greeting({}, None), None)  # type: ignore[arg-type]
 
 
@@ -53,8 +66,9 @@ async def test_concurrent_restores_share_one_check(tmp_path: Path) -> None:
     artifact.go.set()
     results = await asyncio.gather(*waiters)
     assert artifact.calls == 1
-    assert all(r.bytes == 4096 for r in results)
-    assert node.weights_checks == {}
+    # The restore that started the check counts its bytes; the ones that joined it count none.
+    assert sorted(r.bytes for r in results) == [0, 0, 0, 4096]
+    assert node.checks == {}
     # Ended: the next restore checks again.
     await _run(node, artifact, "later").verify_weights(FILES)
     assert artifact.calls == 2
@@ -68,8 +82,9 @@ async def test_a_cancelled_restore_leaves_the_check_to_the_others(tmp_path: Path
     first.cancel()
     await asyncio.gather(first, return_exceptions=True)
     artifact.go.set()
-    assert (await second).bytes == 4096
+    assert (await second).bytes == 0  # it joined the first one's check, which ran on without it
     assert artifact.calls == 1
+    assert node.checks == {}
 
 
 async def test_every_waiter_gets_a_failed_check(tmp_path: Path) -> None:
@@ -96,3 +111,17 @@ async def test_other_files_or_artifacts_are_checked_apart(tmp_path: Path) -> Non
     other.go.set()
     await asyncio.gather(*tasks)
     assert (one.calls, other.calls) == (2, 1)
+
+
+async def test_concurrent_restores_share_one_check_of_the_process_images(tmp_path: Path) -> None:
+    node, artifact = _node(), _Artifact(tmp_path)
+    artifact.manifest = SimpleNamespace(  # type: ignore[attr-defined]
+        files=[SimpleNamespace(path="criu/pstree.img"), SimpleNamespace(path="criu/pages-1.img")]
+    )
+    runs = [_run(node, artifact, f"r{i}") for i in range(3)]
+    waiters = [asyncio.create_task(r.verify_process_images()) for r in runs]
+    await asyncio.sleep(0.05)
+    artifact.go.set()
+    await asyncio.gather(*waiters)
+    assert artifact.calls == 1
+    assert sorted(r.verified_bytes for r in runs) == [0, 0, 4096]
