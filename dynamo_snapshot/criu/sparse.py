@@ -200,6 +200,22 @@ def _inside(ranges: list[tuple[int, int]], lo: int, hi: int) -> bool:
     return any(r_lo <= lo and hi <= r_hi for r_lo, r_hi in ranges)
 
 
+def _zero_pages(block: bytes, count: int) -> Iterator[int]:
+    """Indices of the all-zero pages among the first ``count`` of ``block``, ascending.
+
+    bytes.find walks the data in C and stops only at a run of a page's worth of zeros; a page boundary
+    is checked only there. Where the run found does not cover the next boundary's page, no zero page
+    starts before the page after it, so the search goes on from there."""
+    at = 0
+    while (hit := block.find(_ZERO, at * PAGE, count * PAGE)) >= 0:
+        page = -(-hit // PAGE)
+        if page >= count:
+            return
+        if block[page * PAGE : (page + 1) * PAGE] == _ZERO:
+            yield page
+        at = page + 1
+
+
 def _entry(vaddr: int, nr_pages: int, flags: int) -> bytes:
     out = bytearray()
     out.append(1 << 3)
@@ -240,6 +256,41 @@ def _read_pagemap(pagemap: Path) -> tuple[int, list[tuple[int, int, int]]]:
     return pages_id, entries
 
 
+class _KeptCopy:
+    """The kept pages, copied from the old pages image to the new one by the kernel (copy_file_range:
+    no pass through user space) in runs as long as the dropped pages allow."""
+
+    def __init__(self, src: int, dst: int) -> None:
+        self.src, self.dst = src, dst
+        self.at = self.length = 0  # the run not copied yet: offset in the old image, bytes
+
+    def keep(self, nbytes: int) -> None:
+        self.length += nbytes
+
+    def skip(self, nbytes: int) -> None:
+        self.flush()
+        self.at += nbytes
+
+    def flush(self) -> None:
+        at, left = self.at, self.length
+        while left:
+            try:
+                n = os.copy_file_range(self.src, self.dst, left, at)
+            except OSError:  # a filesystem pair the call does not serve: through user space
+                n = os.write(self.dst, os.pread(self.src, min(left, 1 << 24), at))
+            if n <= 0:
+                raise ImageFormatError("the pages image ended while its kept pages were copied")
+            at, left = at + n, left - n
+        self.at, self.length = at, 0
+
+
+def _close_later(fd: int) -> None:
+    """Close ``fd`` in a thread of its own: the last close of an unlinked file frees its page cache,
+    which for a pages image of gigabytes takes a good part of a second that the checkpoint need not wait.
+    """
+    threading.Thread(target=os.close, args=(fd,), name="sparse-free", daemon=True).start()
+
+
 def _sparsify_process(
     images: Path,
     pid: int,
@@ -262,8 +313,11 @@ def _sparsify_process(
     new_pages = images / f"pages-{new_id}.img"
     tmp_map = pagemap.with_name(pagemap.name + ".sparse")
     switched = False
+    src = os.open(pages, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        with pages.open("rb") as src, new_pages.open("xb") as dst:
+        dst = os.open(new_pages, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            kept = _KeptCopy(src, dst)
             for vaddr, nr, flags in entries:
                 before += nr
                 run_start, run_len = vaddr, 0
@@ -271,41 +325,41 @@ def _sparsify_process(
                     if stop is not None and stop.is_set():
                         raise Stopped
                     count = min(_BATCH_PAGES, nr - first)
-                    block = src.read(count * PAGE)
+                    block = os.pread(src, count * PAGE, kept.at + kept.length)
                     if len(block) != count * PAGE:
                         raise ImageFormatError(f"{pages.name}: shorter than its pagemap")
                     base = vaddr + first * PAGE
                     # A page may go only if it lies in a droppable VMA; an entry may span VMAs.
                     whole = _inside(droppable, base, base + count * PAGE)
-                    # Fast paths, at memcmp speed: a batch all zeros (a KV cache, GPU state), or one
-                    # holding no zero page at all, need no look at each page.
+                    # A batch all zeros (a KV cache, GPU state) goes at memcmp speed; in the others
+                    # the search for zero pages runs in C.
                     if whole and block == _ZERO_BATCH[: len(block)]:
                         dropped += count
+                        kept.skip(count * PAGE)
                         if run_len:
                             new_entries.append(_entry(run_start, run_len, flags))
                         run_start, run_len = base + count * PAGE, 0
                         continue
-                    if block.find(_ZERO) < 0:
-                        dst.write(block)
-                        run_len += count
-                        continue
-                    kept_from = 0  # start (page index in block) of the kept pages not yet written
-                    for i in range(count):
+                    kept_from = 0  # page index in block of the first page not accounted for yet
+                    for i in _zero_pages(block, count):
                         addr = base + i * PAGE
-                        if block[i * PAGE : (i + 1) * PAGE] != _ZERO or not (
-                            whole or _inside(droppable, addr, addr + PAGE)
-                        ):
-                            run_len += 1
+                        if not (whole or _inside(droppable, addr, addr + PAGE)):
                             continue
-                        dst.write(block[kept_from * PAGE : i * PAGE])
+                        run_len += i - kept_from
+                        kept.keep((i - kept_from) * PAGE)
+                        kept.skip(PAGE)
                         kept_from = i + 1
                         dropped += 1
                         if run_len:
                             new_entries.append(_entry(run_start, run_len, flags))
                         run_start, run_len = addr + PAGE, 0
-                    dst.write(block[kept_from * PAGE :])
+                    run_len += count - kept_from
+                    kept.keep((count - kept_from) * PAGE)
                 if run_len:
                     new_entries.append(_entry(run_start, run_len, flags))
+            kept.flush()
+        finally:
+            os.close(dst)
         # A pagemap with no entry at all crashes CRIU's restore (prepare_mappings reads the first
         # entry unchecked): a process whose every page is zero keeps its images.
         if dropped and new_entries:
@@ -316,6 +370,10 @@ def _sparsify_process(
     finally:
         tmp_map.unlink(missing_ok=True)
         (pages if switched else new_pages).unlink(missing_ok=True)
+        if switched:
+            _close_later(src)
+        else:
+            os.close(src)
     return before, dropped if switched else 0
 
 

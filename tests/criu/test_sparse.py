@@ -239,3 +239,61 @@ async def test_a_cancelled_checkpoint_waits_for_the_rewrite_to_stop(tmp_path: Pa
     left = await cancel_and_settle(task, tmp_path)
     assert left == ["mm-7.img", "pagemap-7.img", "pages-3.img", "pstree.img"]
     assert _pagemap(tmp_path) == (3, [(0x10000, len(pages), 6)])
+
+
+def _mixed_pages(n: int, seed: int) -> list[bytes]:
+    """Zero pages, non-zero pages, and runs of zeros that start mid-page (a page's worth of zeros across
+    a page boundary, which is no zero page): what the search for zero pages must tell apart."""
+    import random
+
+    rnd = random.Random(seed)
+    half = PAGE // 2
+    pages: list[bytes] = []
+    for _ in range(n):
+        kind = rnd.random()
+        if kind < 0.35:
+            pages.append(bytes(PAGE))
+        elif kind < 0.55:  # its second half zero: with a next page starting with zeros, an unaligned run
+            pages.append(rnd.randbytes(half).replace(b"\0", b"\1") + bytes(half))
+        elif kind < 0.75:  # zeros but its last byte
+            pages.append(bytes(PAGE - 1) + b"\1")
+        else:
+            pages.append(bytes(half) + rnd.randbytes(half).replace(b"\0", b"\2"))
+    return pages
+
+
+@pytest.mark.parametrize("kernel_copy", [True, False], ids=["copy_file_range", "through-user-space"])
+def test_a_rewrite_of_mixed_batches_keeps_exactly_the_non_zero_pages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel_copy: bool
+) -> None:
+    if not kernel_copy:
+
+        def refuse(*_args: object) -> int:
+            raise OSError(18, "Invalid cross-device link")
+
+        monkeypatch.setattr(os, "copy_file_range", refuse)
+    n, vaddr = 3 * sparse._BATCH_PAGES + 37, 0x10000
+    pages = _mixed_pages(n, seed=5)
+    split = vaddr + 500 * PAGE  # pages from here on lie in a private file mapping: all kept
+    _image(tmp_path / "pstree.img", sparse._PSTREE_MAGIC, [_msg((1, 7), (2, 0))])
+    anon = _msg((1, vaddr), (2, split), (7, 1 << 9 | 1))
+    file_backed = _msg((1, split), (2, vaddr + n * PAGE), (7, 1 << 6 | 1))
+    _image(tmp_path / "mm-7.img", sparse._MM_MAGIC, [_msg((14, anon), (14, file_backed))])
+    entry = _msg((1, vaddr), (2, n), (4, 6))
+    _image(tmp_path / "pagemap-7.img", sparse._PAGEMAP_MAGIC, [_msg((1, 3)), entry])
+    (tmp_path / "pages-3.img").write_bytes(b"".join(pages))
+
+    stats = drop_zero_pages(tmp_path)
+
+    kept = [
+        (vaddr + i * PAGE, p) for i, p in enumerate(pages) if p != bytes(PAGE) or vaddr + i * PAGE >= split
+    ]
+    assert stats.pages_dropped == n - len(kept)
+    runs: list[tuple[int, int, int]] = []
+    for addr, _ in kept:
+        if runs and runs[-1][0] + runs[-1][1] * PAGE == addr:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1, 6)
+        else:
+            runs.append((addr, 1, 6))
+    assert _pagemap(tmp_path) == (4, runs)
+    assert (tmp_path / "pages-4.img").read_bytes() == b"".join(p for _, p in kept)

@@ -22,7 +22,7 @@ from dynamo_snapshot.workload.weights.format import (
     escape_limit,
 )
 
-__all__ = ["chunk_digests", "chunk_escapes", "read_into_region", "write_file"]
+__all__ = ["chunk_digests", "read_into_region", "write_file"]
 
 
 def _sha256_hex(view: memoryview) -> str:
@@ -30,11 +30,20 @@ def _sha256_hex(view: memoryview) -> str:
 
 
 def chunk_digests(
-    engine: TransferEngine, bufs: Sequence[HostBuffer], data_bytes: int, chunk: int, threads: int
-) -> list[str]:
-    """SHA-256 of each `chunk` of region[0:data_bytes]: downloads in order, hashes in parallel."""
+    engine: TransferEngine,
+    bufs: Sequence[HostBuffer],
+    data_bytes: int,
+    chunk: int,
+    threads: int,
+    *,
+    escapes: bool = False,
+) -> tuple[list[str], list[int] | None]:
+    """SHA-256 of each `chunk` of region[0:data_bytes]: downloads in order, hashes in parallel. With
+    `escapes`, also each chunk's escapes as a split-nibble record (-1 where it is to be stored plain),
+    counted on the engine while the host threads hash: one pass over the region, not two."""
     busy: dict[int, Future[str]] = {}
     futures: list[Future[str]] = []
+    counts: list[int] | None = [] if escapes else None
     with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="weights-hash") as pool:
         for i, (off, n) in enumerate(spans(data_bytes, chunk)):
             b = i % len(bufs)
@@ -44,16 +53,10 @@ def chunk_digests(
             fut = pool.submit(_sha256_hex, bufs[b].view()[:n])
             busy[b] = fut
             futures.append(fut)
-        return [f.result() for f in futures]
-
-
-def chunk_escapes(engine: TransferEngine, data_bytes: int, chunk: int) -> list[int]:
-    """Each chunk's escapes as a split-nibble record, -1 where it is to be stored plain."""
-    out = []
-    for off, n in spans(data_bytes, chunk):
-        k = engine.count_escapes(off, n)
-        out.append(k if k <= escape_limit(n) else -1)
-    return out
+            if counts is not None:
+                k = engine.count_escapes(off, n)
+                counts.append(k if k <= escape_limit(n) else -1)
+        return [f.result() for f in futures], counts
 
 
 def _coded_sha256(record: memoryview, nbytes: int, escapes: int) -> str:

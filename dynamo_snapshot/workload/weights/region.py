@@ -36,7 +36,6 @@ from dynamo_snapshot.workload.weights.format import (
 from dynamo_snapshot.workload.weights.manifest import WeightsFile
 from dynamo_snapshot.workload.weights.pipeline import (
     chunk_digests,
-    chunk_escapes,
     read_into_region,
     write_file,
 )
@@ -227,11 +226,10 @@ class WeightRegion:
         try:
             nbuf = max(1, min(threads + 1, -(-self.data_bytes // chunk_bytes)))
             bufs = [engine.host_buffer(min(chunk_bytes, max(self.data_bytes, ALIGN))) for _ in range(nbuf)]
-            digests = chunk_digests(engine, bufs, self.data_bytes, chunk_bytes, threads)
-            enc = None
-            if encoding == ENCODING_SPLIT_NIBBLE:
-                escapes = chunk_escapes(engine, self.data_bytes, chunk_bytes)
-                enc = Encoding(ENCODING_SPLIT_NIBBLE, tuple(escapes))
+            digests, escapes = chunk_digests(
+                engine, bufs, self.data_bytes, chunk_bytes, threads, escapes=encoding == ENCODING_SPLIT_NIBBLE
+            )
+            enc = None if escapes is None else Encoding(ENCODING_SPLIT_NIBBLE, tuple(escapes))
             header = self._header(digests, chunk_bytes, enc)
             head = header.encode()
             hashed = time.monotonic()
