@@ -256,32 +256,9 @@ def _read_pagemap(pagemap: Path) -> tuple[int, list[tuple[int, int, int]]]:
     return pages_id, entries
 
 
-class _KeptCopy:
-    """The kept pages, copied from the old pages image to the new one by the kernel (copy_file_range:
-    no pass through user space) in runs as long as the dropped pages allow."""
-
-    def __init__(self, src: int, dst: int) -> None:
-        self.src, self.dst = src, dst
-        self.at = self.length = 0  # the run not copied yet: offset in the old image, bytes
-
-    def keep(self, nbytes: int) -> None:
-        self.length += nbytes
-
-    def skip(self, nbytes: int) -> None:
-        self.flush()
-        self.at += nbytes
-
-    def flush(self) -> None:
-        at, left = self.at, self.length
-        while left:
-            try:
-                n = os.copy_file_range(self.src, self.dst, left, at)
-            except OSError:  # a filesystem pair the call does not serve: through user space
-                n = os.write(self.dst, os.pread(self.src, min(left, 1 << 24), at))
-            if n <= 0:
-                raise ImageFormatError("the pages image ended while its kept pages were copied")
-            at, left = at + n, left - n
-        self.at, self.length = at, 0
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        data = data[os.write(fd, data) :]
 
 
 def _close_later(fd: int) -> None:
@@ -317,7 +294,7 @@ def _sparsify_process(
     try:
         dst = os.open(new_pages, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
-            kept = _KeptCopy(src, dst)
+            at = 0  # offset in the old pages image
             for vaddr, nr, flags in entries:
                 before += nr
                 run_start, run_len = vaddr, 0
@@ -325,39 +302,38 @@ def _sparsify_process(
                     if stop is not None and stop.is_set():
                         raise Stopped
                     count = min(_BATCH_PAGES, nr - first)
-                    block = os.pread(src, count * PAGE, kept.at + kept.length)
+                    block = os.pread(src, count * PAGE, at)
+                    at += count * PAGE
                     if len(block) != count * PAGE:
                         raise ImageFormatError(f"{pages.name}: shorter than its pagemap")
                     base = vaddr + first * PAGE
                     # A page may go only if it lies in a droppable VMA; an entry may span VMAs.
                     whole = _inside(droppable, base, base + count * PAGE)
                     # A batch all zeros (a KV cache, GPU state) goes at memcmp speed; in the others
-                    # the search for zero pages runs in C.
+                    # the search for zero pages runs in C, and the kept runs are written as they are.
                     if whole and block == _ZERO_BATCH[: len(block)]:
                         dropped += count
-                        kept.skip(count * PAGE)
                         if run_len:
                             new_entries.append(_entry(run_start, run_len, flags))
                         run_start, run_len = base + count * PAGE, 0
                         continue
-                    kept_from = 0  # page index in block of the first page not accounted for yet
+                    view = memoryview(block)
+                    kept_from = 0  # page index in block of the first page not written yet
                     for i in _zero_pages(block, count):
                         addr = base + i * PAGE
                         if not (whole or _inside(droppable, addr, addr + PAGE)):
                             continue
                         run_len += i - kept_from
-                        kept.keep((i - kept_from) * PAGE)
-                        kept.skip(PAGE)
+                        _write_all(dst, view[kept_from * PAGE : i * PAGE])
                         kept_from = i + 1
                         dropped += 1
                         if run_len:
                             new_entries.append(_entry(run_start, run_len, flags))
                         run_start, run_len = addr + PAGE, 0
                     run_len += count - kept_from
-                    kept.keep((count - kept_from) * PAGE)
+                    _write_all(dst, view[kept_from * PAGE :])
                 if run_len:
                     new_entries.append(_entry(run_start, run_len, flags))
-            kept.flush()
         finally:
             os.close(dst)
         # A pagemap with no entry at all crashes CRIU's restore (prepare_mappings reads the first

@@ -262,16 +262,7 @@ def _mixed_pages(n: int, seed: int) -> list[bytes]:
     return pages
 
 
-@pytest.mark.parametrize("kernel_copy", [True, False], ids=["copy_file_range", "through-user-space"])
-def test_a_rewrite_of_mixed_batches_keeps_exactly_the_non_zero_pages(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel_copy: bool
-) -> None:
-    if not kernel_copy:
-
-        def refuse(*_args: object) -> int:
-            raise OSError(18, "Invalid cross-device link")
-
-        monkeypatch.setattr(os, "copy_file_range", refuse)
+def test_a_rewrite_of_mixed_batches_keeps_exactly_the_non_zero_pages(tmp_path: Path) -> None:
     n, vaddr = 3 * sparse._BATCH_PAGES + 37, 0x10000
     pages = _mixed_pages(n, seed=5)
     split = vaddr + 500 * PAGE  # pages from here on lie in a private file mapping: all kept
