@@ -22,6 +22,7 @@ and hold protobuf messages each preceded by its u32 length; pages-ID.img is raw 
 
 from __future__ import annotations
 
+import io
 import mmap
 import os
 import re
@@ -200,22 +201,6 @@ def _inside(ranges: list[tuple[int, int]], lo: int, hi: int) -> bool:
     return any(r_lo <= lo and hi <= r_hi for r_lo, r_hi in ranges)
 
 
-def _zero_pages(block: bytes, count: int) -> Iterator[int]:
-    """Indices of the all-zero pages among the first ``count`` of ``block``, ascending.
-
-    bytes.find walks the data in C and stops only at a run of a page's worth of zeros; a page boundary
-    is checked only there. Where the run found does not cover the next boundary's page, no zero page
-    starts before the page after it, so the search goes on from there."""
-    at = 0
-    while (hit := block.find(_ZERO, at * PAGE, count * PAGE)) >= 0:
-        page = -(-hit // PAGE)
-        if page >= count:
-            return
-        if block[page * PAGE : (page + 1) * PAGE] == _ZERO:
-            yield page
-        at = page + 1
-
-
 def _entry(vaddr: int, nr_pages: int, flags: int) -> bytes:
     out = bytearray()
     out.append(1 << 3)
@@ -256,16 +241,12 @@ def _read_pagemap(pagemap: Path) -> tuple[int, list[tuple[int, int, int]]]:
     return pages_id, entries
 
 
-def _write_all(fd: int, data: memoryview) -> None:
-    while data:
-        data = data[os.write(fd, data) :]
-
-
-def _close_later(fd: int) -> None:
-    """Close ``fd`` in a thread of its own: the last close of an unlinked file frees its page cache,
-    which for a pages image of gigabytes takes a good part of a second that the checkpoint need not wait.
-    """
-    threading.Thread(target=os.close, args=(fd,), name="sparse-free", daemon=True).start()
+def _read_fully(src: io.FileIO, into: memoryview) -> int:
+    """Bytes read into ``into``: all of it unless the file ends first."""
+    got = 0
+    while got < len(into) and (n := src.readinto(into[got:])):
+        got += n
+    return got
 
 
 def _sparsify_process(
@@ -290,11 +271,12 @@ def _sparsify_process(
     new_pages = images / f"pages-{new_id}.img"
     tmp_map = pagemap.with_name(pagemap.name + ".sparse")
     switched = False
-    src = os.open(pages, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        dst = os.open(new_pages, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            at = 0  # offset in the old pages image
+        # One buffer read into again and again, compared and written without a copy: fresh 1 MiB
+        # blocks would each be new memory the kernel must fault in, and slices of them copies.
+        buf = bytearray(_BATCH_PAGES * PAGE)
+        view = memoryview(buf)
+        with pages.open("rb", buffering=0) as src, new_pages.open("xb") as dst:
             for vaddr, nr, flags in entries:
                 before += nr
                 run_start, run_len = vaddr, 0
@@ -302,40 +284,41 @@ def _sparsify_process(
                     if stop is not None and stop.is_set():
                         raise Stopped
                     count = min(_BATCH_PAGES, nr - first)
-                    block = os.pread(src, count * PAGE, at)
-                    at += count * PAGE
-                    if len(block) != count * PAGE:
+                    size = count * PAGE
+                    if _read_fully(src, view[:size]) != size:
                         raise ImageFormatError(f"{pages.name}: shorter than its pagemap")
                     base = vaddr + first * PAGE
                     # A page may go only if it lies in a droppable VMA; an entry may span VMAs.
                     whole = _inside(droppable, base, base + count * PAGE)
-                    # A batch all zeros (a KV cache, GPU state) goes at memcmp speed; in the others
-                    # the search for zero pages runs in C, and the kept runs are written as they are.
-                    if whole and block == _ZERO_BATCH[: len(block)]:
+                    # Fast paths, at memcmp speed: a batch all zeros (a KV cache, GPU state), or one
+                    # holding no zero page at all, need no look at each page.
+                    if whole and buf.startswith(_ZERO_BATCH[:size]):
                         dropped += count
                         if run_len:
                             new_entries.append(_entry(run_start, run_len, flags))
                         run_start, run_len = base + count * PAGE, 0
                         continue
-                    view = memoryview(block)
-                    kept_from = 0  # page index in block of the first page not written yet
-                    for i in _zero_pages(block, count):
+                    if buf.find(_ZERO, 0, size) < 0:
+                        dst.write(view[:size])
+                        run_len += count
+                        continue
+                    kept_from = 0  # start (page index in block) of the kept pages not yet written
+                    for i in range(count):
                         addr = base + i * PAGE
-                        if not (whole or _inside(droppable, addr, addr + PAGE)):
+                        if not buf.startswith(_ZERO, i * PAGE) or not (
+                            whole or _inside(droppable, addr, addr + PAGE)
+                        ):
+                            run_len += 1
                             continue
-                        run_len += i - kept_from
-                        _write_all(dst, view[kept_from * PAGE : i * PAGE])
+                        dst.write(view[kept_from * PAGE : i * PAGE])
                         kept_from = i + 1
                         dropped += 1
                         if run_len:
                             new_entries.append(_entry(run_start, run_len, flags))
                         run_start, run_len = addr + PAGE, 0
-                    run_len += count - kept_from
-                    _write_all(dst, view[kept_from * PAGE :])
+                    dst.write(view[kept_from * PAGE : size])
                 if run_len:
                     new_entries.append(_entry(run_start, run_len, flags))
-        finally:
-            os.close(dst)
         # A pagemap with no entry at all crashes CRIU's restore (prepare_mappings reads the first
         # entry unchecked): a process whose every page is zero keeps its images.
         if dropped and new_entries:
@@ -345,12 +328,24 @@ def _sparsify_process(
             switched = True
     finally:
         tmp_map.unlink(missing_ok=True)
-        (pages if switched else new_pages).unlink(missing_ok=True)
         if switched:
-            _close_later(src)
+            _unlink_in_background(pages)
         else:
-            os.close(src)
+            new_pages.unlink(missing_ok=True)
     return before, dropped if switched else 0
+
+
+def _unlink_in_background(path: Path) -> None:
+    """Unlink ``path`` now, and free its pages in a thread of its own: the last close of an unlinked
+    file frees its page cache, which for a pages image of gigabytes takes a good part of a second that
+    the checkpoint need not wait for."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        path.unlink()
+    except BaseException:
+        os.close(fd)
+        raise
+    threading.Thread(target=os.close, args=(fd,), name="sparse-free", daemon=True).start()
 
 
 def drop_zero_pages(images: Path, stop: threading.Event | None = None) -> SparseStats:
