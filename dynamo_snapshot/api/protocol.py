@@ -62,6 +62,8 @@ __all__ = [
     "LABEL_CHECKPOINT_SOURCE",
     "LABEL_CRD_OWNER",
     "LABEL_CUDA_DRIVER_MAJOR",
+    "LABEL_DYNAMO_COMPONENT",
+    "LABEL_DYNAMO_GRAPH",
     "LABEL_GPU_COUNT",
     "LABEL_GPU_PRESENT",
     "LABEL_GPU_PRODUCT",
@@ -119,6 +121,11 @@ LABEL_START_MODE: Final = "snapshot.nvidia.com/start-mode"
 # On the CustomResourceDefinitions this project generates, with MANAGED_BY_VALUE: a CRD of the same name
 # without it (NVIDIA's Dynamo operator's DynamoGraphDeployment) is someone else's.
 LABEL_CRD_OWNER: Final = "snapshot.nvidia.com/crd-owner"
+
+# --- Labels NVIDIA's Dynamo operator puts on a DGD's pods and scaling adapters (its consts package) ---
+# The DynamoGraphDeployment's name and the service (v1beta1: component) name.
+LABEL_DYNAMO_GRAPH: Final = "nvidia.com/dynamo-graph-deployment-name"
+LABEL_DYNAMO_COMPONENT: Final = "nvidia.com/dynamo-component"
 
 
 class StartMode(StrEnum):
