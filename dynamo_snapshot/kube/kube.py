@@ -84,6 +84,8 @@ NAMESPACE: Final = ResourceKind("", "v1", "namespaces", "Namespace", namespaced=
 CONFIG_MAP: Final = ResourceKind("", "v1", "configmaps", "ConfigMap")
 EVENT: Final = ResourceKind("", "v1", "events", "Event")
 LEASE: Final = ResourceKind("coordination.k8s.io", "v1", "leases", "Lease")
+# The body of every kind's scale subresource.
+SCALE_API_VERSION: Final = "autoscaling/v1"
 
 
 class ApiError(Exception):
@@ -278,6 +280,10 @@ class Kube:
     async def get(self, kind: ResourceKind, name: str, namespace: str | None = None) -> Obj:
         return await self._call("GET", kind.path(namespace, name))
 
+    async def get_scale(self, kind: ResourceKind, name: str, namespace: str | None = None) -> Obj:
+        """The autoscaling/v1 Scale of an object whose kind has a scale subresource."""
+        return await self._call("GET", kind.path(namespace, name, "scale"))
+
     async def list(
         self,
         kind: ResourceKind,
@@ -415,6 +421,14 @@ class Kube:
         path = kind.path(namespace or meta.get("namespace"), meta["name"], subresource)
         query = _query(fieldManager=manager, force=force or None)
         return await self._call("PATCH", path, query, body, _APPLY_PATCH)
+
+    async def replace_scale(self, kind: ResourceKind, scale: Obj, *, field_manager: str | None = None) -> Obj:
+        """PUT an autoscaling/v1 Scale (get_scale's, its spec.replicas changed); its
+        ``metadata.resourceVersion`` makes the write conditional, a concurrent write answers 409."""
+        meta = scale.get("metadata") or {}
+        body = {**scale, "apiVersion": SCALE_API_VERSION, "kind": "Scale"}
+        path = kind.path(meta.get("namespace"), meta["name"], "scale")
+        return await self._call("PUT", path, _query(fieldManager=self._field_manager(field_manager)), body)
 
     async def patch_status(
         self, kind: ResourceKind, name: str, status: Obj, namespace: str | None = None
