@@ -22,6 +22,9 @@ __all__ = [
     "ANNOTATION_CHECKPOINT_TIMINGS",
     "ANNOTATION_DGD_SPEC",
     "ANNOTATION_DGD_STATUS",
+    "ANNOTATION_DYNAMO_CHECKPOINT_NAME",
+    "ANNOTATION_DYNAMO_RESTORE_CANDIDATE",
+    "ANNOTATION_DYNAMO_RESTORE_SOURCE_KIND",
     "ANNOTATION_REPLACES",
     "ANNOTATION_RESTORE_ATTEMPTS",
     "ANNOTATION_RESTORE_CONTAINER_ID",
@@ -126,6 +129,12 @@ LABEL_CRD_OWNER: Final = "snapshot.nvidia.com/crd-owner"
 # The DynamoGraphDeployment's name and the service (v1beta1: component) name.
 LABEL_DYNAMO_GRAPH: Final = "nvidia.com/dynamo-graph-deployment-name"
 LABEL_DYNAMO_COMPONENT: Final = "nvidia.com/dynamo-component"
+# On the pod templates of a checkpointed component: "true" while the operator's pod-create webhook is to
+# shape new pods into restore pods from the checkpoint named by the second, of the kind the third names
+# (PodSnapshot, or SnapshotJob while the capture is pending).
+ANNOTATION_DYNAMO_RESTORE_CANDIDATE: Final = "nvidia.com/dynamo-checkpoint-restore-candidate"
+ANNOTATION_DYNAMO_CHECKPOINT_NAME: Final = "nvidia.com/dynamo-checkpoint-name"
+ANNOTATION_DYNAMO_RESTORE_SOURCE_KIND: Final = "nvidia.com/dynamo-restore-source-kind"
 
 
 class StartMode(StrEnum):
