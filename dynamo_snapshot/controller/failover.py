@@ -65,6 +65,7 @@ _UNHEALTHY_TAINTS = ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-r
 WORKER_CAUSES = frozenset({"pod-failed", "crash-loop", "process-exited"})
 
 # Event reasons, and the reason that says the state ended (None: nothing is said when it ends).
+WORKER_LOST = "WorkerLost"
 FAILOVER_PAUSED, FAILOVER_RESUMED = "FailoverPaused", "FailoverResumed"
 CRASH_LOOP_BACKOFF, CRASH_LOOP_BACKOFF_ENDED = "CrashLoopBackOff", "CrashLoopBackOffEnded"
 NO_COMPATIBLE_NODE = "NoCompatibleNode"

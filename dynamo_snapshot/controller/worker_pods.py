@@ -12,9 +12,10 @@ from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment
 from dynamo_snapshot.controller.batching import slow_start
 from dynamo_snapshot.controller.checkpoint_reconciler import agent_verdict
 from dynamo_snapshot.controller.context import PODS_CREATED, Context
-from dynamo_snapshot.controller.failover import loss_cause, worker_lifetime
+from dynamo_snapshot.controller.failover import WORKER_LOST, worker_lifetime
 from dynamo_snapshot.controller.podspec import cold_start_pod, keep_off_nodes, pod_name_prefix, restore_pod
 from dynamo_snapshot.controller.refusals import CreateHeldBack, Refusals, refusal_text, refused
+from dynamo_snapshot.controller.worker_loss import judge_loss
 from dynamo_snapshot.kube import (
     NORMAL,
     WARNING,
@@ -155,22 +156,21 @@ class WorkerPods:
                 continue
             node_name = (pod.get("spec") or {}).get("nodeName")
             node = ctx.nodes.get(node_name) if node_name else None
-            cause = loss_cause(pod, node)
+            verdict = judge_loss(pod, node, now, ctx.node_grace_ends, ctx.node_health().paused is not None)
+            if verdict.grace_ends is not None and node_name:
+                grace[node_name] = verdict.grace_ends
+                continue
+            if verdict.kept and node_name:
+                kept[pname] = node_name
+                continue
+            cause = verdict.cause
             if cause is None:
                 continue
-            if cause == "node-not-ready" and node is not None and node_name:
-                ends = ctx.node_grace_ends(node, now)
-                if ends > now:
-                    grace[node_name] = ends
-                    continue
-                if ctx.node_health().paused:
-                    kept[pname] = node_name
-                    continue
             if ctx.failover.observe(owner, pname, cause, node_name, worker_lifetime(pod, now)):
                 ctx.recorder.record(
                     obj,
                     WARNING,
-                    "WorkerLost",
+                    WORKER_LOST,
                     f"service {owner[1]}: pod {pname} lost ({cause}, node {node_name or '-'}); "
                     f"{ctx.failover.replacing(owner)}",
                 )
