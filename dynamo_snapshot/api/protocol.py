@@ -20,6 +20,8 @@ __all__ = [
     "ANNOTATION_CHECKPOINT_STATUS",
     "ANNOTATION_CHECKPOINT_STORAGE_TYPE",
     "ANNOTATION_CHECKPOINT_TIMINGS",
+    "ANNOTATION_CONTENT_ARTIFACT",
+    "ANNOTATION_CONTENT_COMPATIBILITY",
     "ANNOTATION_DGD_SPEC",
     "ANNOTATION_DGD_STATUS",
     "ANNOTATION_DYNAMO_CHECKPOINT_NAME",
@@ -301,6 +303,12 @@ ANNOTATION_RESTORE_CONTAINER_MAP: Final = "nvidia.com/restore-container-map"
 ANNOTATION_ARTIFACT_VERSION: Final = "nvidia.com/snapshot-artifact-version"
 # Held on a PodSnapshot until the PodSnapshotContent it bound is deleted.
 FINALIZER_CONTENT_CLEANUP: Final = "nvidia.com/podsnapshotcontent-cleanup"
+# On a PodSnapshotContent, written by the node agent before it says the capture is Ready: status.artifact
+# and status.compatibility as JSON objects (the same fields). Another operator's CRD (NVIDIA Snapshot's)
+# prunes those status fields; annotations of a cluster-scoped object are kept, and no tenant can write
+# them. A restore reads the status fields where present, else these.
+ANNOTATION_CONTENT_ARTIFACT: Final = "snapshot.nvidia.com/artifact"
+ANNOTATION_CONTENT_COMPATIBILITY: Final = "snapshot.nvidia.com/compatibility"
 # The pod condition a restore's outcome is written to; a pod may gate its readiness on it.
 POD_CONDITION_RESTORED: Final = "nvidia.com/Restored"
 
