@@ -9,6 +9,9 @@ manifests apply unchanged and survive a read-modify-write.
 
 from __future__ import annotations
 
+import hashlib
+import itertools
+import json
 import re
 from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Literal
@@ -39,7 +42,7 @@ from dynamo_snapshot.api.kube import (
 from dynamo_snapshot.api.protocol import API_GROUP, API_VERSION, LABEL_GRAPH, LABEL_SERVICE
 
 __all__ = [
-    "CHECKPOINT_NEEDS_SOURCE_MESSAGE",
+    "DGD_MANAGED_FRAMEWORK_MESSAGE",
     "GRAPH_AND_SERVICE_MAX_LENGTH",
     "GRAPH_AND_SERVICE_MESSAGE",
     "GRAPH_NAME_MAX_LENGTH",
@@ -60,14 +63,16 @@ __all__ = [
     "ServiceCheckpointStatus",
     "ServiceReplicaStatus",
     "ServiceSpec",
+    "checkpoint_identity",
     "graph_name_fits",
     "pod_names_fit",
 ]
 
 MANUAL_NEEDS_REF_MESSAGE = "checkpoint.mode Manual requires checkpoint.checkpointRef"
-CHECKPOINT_NEEDS_SOURCE_MESSAGE = (
-    "checkpoint.enabled is true but neither checkpoint.checkpointRef nor checkpoint.identity is set: "
-    "set checkpointRef, or set identity with mode Auto"
+DGD_MANAGED_FRAMEWORK_MESSAGE = (
+    "checkpoint.enabled without checkpointRef or identity asks for a checkpoint the DGD manages, whose "
+    "backend must be known: set spec.backendFramework, or run the main container as "
+    "python3 -m dynamo.<vllm|sglang|trtllm>"
 )
 
 # --- names --------------------------------------------------------------------------------------------
@@ -143,10 +148,6 @@ _CHECKPOINT_RULES: list[JsonValue] = [
         "rule": f"!{_ENABLED} || !has(self.mode) || self.mode != 'Manual' || {_HAS_REF}",
         "message": MANUAL_NEEDS_REF_MESSAGE,
     },
-    {
-        "rule": f"!{_ENABLED} || {_HAS_REF} || has(self.identity)",
-        "message": CHECKPOINT_NEEDS_SOURCE_MESSAGE,
-    },
 ]
 
 
@@ -176,29 +177,23 @@ class ServiceCheckpointConfig(KubeModel):
         f"{CHECKPOINT_NAME_MAX_LENGTH} characters.",
     )
     identity: CheckpointIdentity | None = Field(
-        default=None, description="What the checkpoint must capture; required unless checkpointRef is set."
+        default=None,
+        description="What the checkpoint must capture (legacy). Without it and without checkpointRef, the "
+        "checkpoint is the DGD's own, of the service as the DGD runs it (Dynamo's DGD-managed checkpoint): "
+        "its identity is derived from the service's spec.",
     )
 
     @model_validator(mode="after")
-    def _has_a_checkpoint_source(self) -> ServiceCheckpointConfig:
-        if not self.enabled or self.checkpoint_ref:
-            return self
-        if self.mode is CheckpointMode.MANUAL:
+    def _manual_has_a_ref(self) -> ServiceCheckpointConfig:
+        if self.enabled and not self.checkpoint_ref and self.mode is CheckpointMode.MANUAL:
             raise ValueError(MANUAL_NEEDS_REF_MESSAGE)
-        if self.identity is None:
-            raise ValueError(CHECKPOINT_NEEDS_SOURCE_MESSAGE)
         return self
 
     @property
-    def auto_identity(self) -> CheckpointIdentity | None:
-        """The identity the controller finds or creates a DynamoCheckpoint for (Auto mode), else None.
-
-        None when checkpointing is off, when checkpointRef is set (the named checkpoint is used and the
-        identity is ignored), or in Manual mode.
-        """
-        if not self.enabled or self.checkpoint_ref or self.mode is not CheckpointMode.AUTO:
-            return None
-        return self.identity
+    def auto(self) -> bool:
+        """Whether the controller finds or creates the service's DynamoCheckpoint (Auto mode): checkpointing
+        on and no checkpointRef (which names the checkpoint to use; identity is then ignored)."""
+        return self.enabled and not self.checkpoint_ref and self.mode is CheckpointMode.AUTO
 
 
 class ExtraPodSpec(KubeModel):
@@ -324,6 +319,69 @@ class DynamoGraphDeployment(CustomResource):
     def _pod_names_fit(self) -> DynamoGraphDeployment:
         pod_names_fit(self.metadata.name or "", list(self.spec.services or {}), GRAPH_AND_SERVICE_MESSAGE)
         return self
+
+    @model_validator(mode="after")
+    def _dgd_managed_checkpoints_have_a_backend(self) -> DynamoGraphDeployment:
+        for name, service in (self.spec.services or {}).items():
+            if service.checkpoint is not None and service.checkpoint.auto:
+                checkpoint_identity(self.spec, name)
+        return self
+
+
+# --- the identity of a DGD-managed checkpoint -----------------------------------------------------------
+# Dynamo's newest API deprecates identity and mode for the checkpoints a DGD manages: checkpoint.enabled alone
+# asks for a checkpoint of the service as the DGD runs it, which pods of the same spec restore from
+# (ai-dynamo/dynamo api/v1beta1 ComponentCheckpointConfig; its worker rollout hash covers what shapes a
+# worker's pod). The checkpoint stays keyed by a 16-char identity hash: one derived from the service.
+_DYNAMO_MODULE = re.compile(r"dynamo\.(vllm|sglang|trtllm)$")
+_MODEL_FLAGS = ("--model", "--model-path")
+# What does not change a worker's pod: scaling, and the checkpoint settings themselves.
+_NOT_IN_WORKER_HASH = {"replicas", "checkpoint"}
+_GRAPH_IN_WORKER_HASH = {"envs", "labels", "annotations"}
+
+
+def checkpoint_identity(spec: DynamoGraphDeploymentSpec, service_name: str) -> CheckpointIdentity:
+    """The identity of ``service_name``'s checkpoint in Auto mode: its own identity if it has one (legacy),
+    else one derived from the service: backendFramework from the graph or from the main container's
+    ``python -m dynamo.<framework>``, model from its ``--model`` argument (else the service's name), and
+    extraParameters.workerSpecHash, over every field that shapes the worker's pod, so a changed worker
+    spec gets a checkpoint of its own. ValueError when the backend cannot be told."""
+    service = (spec.services or {})[service_name]
+    if service.checkpoint is not None and service.checkpoint.identity is not None:
+        return service.checkpoint.identity
+    main = (service.extra_pod_spec.main_container if service.extra_pod_spec else None) or {}
+    argv = [str(a) for a in [*(main.get("command") or []), *(main.get("args") or [])]]
+    framework = spec.backend_framework or _framework_of(argv)
+    if framework is None:
+        raise ValueError(f"service {service_name}: {DGD_MANAGED_FRAMEWORK_MESSAGE}")
+    worker = service.model_dump(by_alias=True, exclude_none=True, mode="json", exclude=_NOT_IN_WORKER_HASH)
+    graph = spec.model_dump(by_alias=True, exclude_none=True, mode="json", include=_GRAPH_IN_WORKER_HASH)
+    digest = hashlib.sha256(
+        json.dumps({"graph": graph, "worker": worker}, sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
+    return CheckpointIdentity(
+        model=_model_of(argv) or service_name,
+        backend_framework=framework,
+        extra_parameters={"workerSpecHash": digest[:16]},
+    )
+
+
+def _framework_of(argv: list[str]) -> BackendFramework | None:
+    for flag, value in itertools.pairwise(argv):
+        if flag == "-m" and (m := _DYNAMO_MODULE.match(value)):
+            return BackendFramework(m.group(1))
+    return None
+
+
+def _model_of(argv: list[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag in _MODEL_FLAGS:
+            if eq:
+                return value or None
+            if i + 1 < len(argv):
+                return argv[i + 1]
+    return None
 
 
 def graph_name_fits(metadata: ObjectMeta) -> ObjectMeta:

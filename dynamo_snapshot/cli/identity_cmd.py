@@ -31,7 +31,7 @@ from pydantic import ValidationError
 
 from dynamo_snapshot.api.checkpoint import DynamoCheckpoint
 from dynamo_snapshot.api.gojson import go_unmarshal
-from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment
+from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment, checkpoint_identity
 from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_hash
 
 
@@ -179,9 +179,9 @@ def _dgd_hashes(dgd: DynamoGraphDeployment, service: str | None) -> list[str]:
     # As the controller decides: a service with a checkpointRef restores from that checkpoint, whatever
     # identity it also names.
     found = {
-        name: compute_identity_hash(identity)
+        name: compute_identity_hash(checkpoint_identity(dgd.spec, name))
         for name, svc in services.items()
-        if svc.checkpoint is not None and (identity := svc.checkpoint.auto_identity) is not None
+        if svc.checkpoint is not None and svc.checkpoint.auto
     }
     if service is not None:
         if service not in found:

@@ -10,8 +10,8 @@ from pydantic import ValidationError
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointPhase, DynamoCheckpoint
 from dynamo_snapshot.api.conditions import validation_message
-from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment, ServiceSpec
-from dynamo_snapshot.api.identity import compute_identity_hash
+from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment, ServiceSpec, checkpoint_identity
+from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_hash
 from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.controller.dgd_status import ServiceOutcome
 from dynamo_snapshot.controller.podspec import auto_checkpoint_name, checkpoint_job_template, owner_reference
@@ -46,10 +46,10 @@ async def resolve_checkpoint(
             out.checkpoint = {"checkpointName": cfg.checkpoint_ref, "ready": False}
             return None, None
     else:
-        identity = cfg.auto_identity
-        if identity is None:
+        if not cfg.auto:
             out.checkpoint_ready = False
             return None, None
+        identity = checkpoint_identity(dgd.spec, svc_name)
         identity_hash = compute_identity_hash(identity)
         if previous.get("identityHash") and previous["identityHash"] != identity_hash:
             ctx.recorder.record(
@@ -62,7 +62,7 @@ async def resolve_checkpoint(
             )
         ckpt_obj = ctx.checkpoint_by_hash(namespace, identity_hash, obj["metadata"]["uid"])
         if ckpt_obj is None:
-            ckpt_obj = await create_checkpoint(ctx, obj, dgd, svc_name, identity_hash)
+            ckpt_obj = await create_checkpoint(ctx, obj, dgd, svc_name, identity)
     try:
         ckpt = DynamoCheckpoint.model_validate(ckpt_obj)
     except ValidationError as e:
@@ -92,14 +92,12 @@ async def resolve_checkpoint(
 
 
 async def create_checkpoint(
-    ctx: Context, obj: Obj, dgd: DynamoGraphDeployment, svc_name: str, identity_hash: str
+    ctx: Context, obj: Obj, dgd: DynamoGraphDeployment, svc_name: str, identity: CheckpointIdentity
 ) -> Obj:
     """The DGD's own checkpoint for `identity_hash`: controlled by the DGD and never shared with another
     DGD, so no deployment ever restores a process another one's worker started."""
     namespace = dgd.metadata.namespace or ""
-    svc = (dgd.spec.services or {})[svc_name]
-    assert svc.checkpoint is not None
-    assert svc.checkpoint.identity is not None
+    identity_hash = compute_identity_hash(identity)
     name = auto_checkpoint_name(obj["metadata"]["name"], identity_hash, obj["metadata"]["uid"])
     body: Obj = {
         "apiVersion": CHECKPOINT.api_version,
@@ -115,7 +113,7 @@ async def create_checkpoint(
             "ownerReferences": [owner_reference(obj)],
         },
         "spec": {
-            "identity": svc.checkpoint.identity.model_dump(by_alias=True, exclude_none=True, mode="json"),
+            "identity": identity.model_dump(by_alias=True, exclude_none=True, mode="json"),
             "job": {"podTemplateSpec": checkpoint_job_template(dgd, svc_name)},
         },
     }

@@ -22,7 +22,6 @@ from dynamo_snapshot.api.container import (
 )
 from dynamo_snapshot.api.crdgen import build_crd, render_crds
 from dynamo_snapshot.api.graphdeployment import (
-    CHECKPOINT_NEEDS_SOURCE_MESSAGE,
     GRAPH_AND_SERVICE_MESSAGE,
     GRAPH_NAME_MESSAGE,
     MANUAL_NEEDS_REF_MESSAGE,
@@ -260,10 +259,7 @@ def test_checkpoint_status() -> None:
 def test_graph_deployment_service_rules() -> None:
     schema = _schema(DynamoGraphDeployment)
     checkpoint = _at(schema, "spec.services.*.checkpoint")
-    assert [rule["message"] for rule in checkpoint["x-kubernetes-validations"]] == [
-        MANUAL_NEEDS_REF_MESSAGE,
-        CHECKPOINT_NEEDS_SOURCE_MESSAGE,
-    ]
+    assert [rule["message"] for rule in checkpoint["x-kubernetes-validations"]] == [MANUAL_NEEDS_REF_MESSAGE]
     assert checkpoint["properties"]["mode"]["enum"] == ["Auto", "Manual"]
     assert checkpoint["properties"]["mode"]["default"] == "Auto"
     assert checkpoint["properties"]["enabled"]["default"] is False

@@ -162,22 +162,7 @@ def test_upstream_examples_map_to_v1alpha1_fields_without_annotations(beta: dict
     assert to_v1beta1(alpha) == beta
 
 
-@pytest.mark.parametrize(
-    "path",
-    [
-        pytest.param(
-            p,
-            marks=pytest.mark.xfail(
-                p.stem == "vllm-agg-snapshot-tp8",
-                reason="the v1alpha1 model still requires checkpointRef or identity with enabled; Dynamo's "
-                "newest API takes enabled alone as a DGD-managed checkpoint",
-                strict=True,
-            ),
-        )
-        for p in FIXTURES
-    ],
-    ids=[p.stem for p in FIXTURES],
-)
+@pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])
 def test_upstream_examples_as_v1alpha1_pass_the_v1alpha1_model(path: Path) -> None:
     DynamoGraphDeployment.model_validate(to_v1alpha1(_load(path)))
 
@@ -398,10 +383,8 @@ def test_convert_review_converts_every_object_both_ways() -> None:
     assert response["uid"] == "req-1"
     assert response["result"] == {"status": "Success"}
     assert [o["apiVersion"] for o in response["convertedObjects"]] == [V1ALPHA1] * len(betas)
-    # Not the snapshot example: the v1alpha1 model refuses its checkpoint (see the xfail above).
-    keep = [i for i, p in enumerate(FIXTURES) if p.stem != "vllm-agg-snapshot-tp8"]
-    again = convert_review(_review(V1BETA1, *(response["convertedObjects"][i] for i in keep)))["response"]
-    assert again["convertedObjects"] == [betas[i] for i in keep]
+    again = convert_review(_review(V1BETA1, *response["convertedObjects"]))["response"]
+    assert again["convertedObjects"] == betas
     same = convert_review(_review(V1BETA1, betas[0]))["response"]
     assert same["convertedObjects"] == [betas[0]]
 

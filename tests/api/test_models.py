@@ -14,7 +14,6 @@ from dynamo_snapshot.api.checkpoint import (
     DynamoCheckpointStatus,
 )
 from dynamo_snapshot.api.graphdeployment import (
-    CHECKPOINT_NEEDS_SOURCE_MESSAGE,
     MANUAL_NEEDS_REF_MESSAGE,
     CheckpointMode,
     DynamoGraphDeployment,
@@ -221,16 +220,6 @@ def test_invalid_identity_names_the_field(identity: dict[str, Any], field: str) 
     with pytest.raises(ValidationError) as exc:
         DynamoCheckpoint.model_validate(_checkpoint(identity))
     assert [where for where, _ in _errors(exc)] == [f"spec.identity.{field}"]
-
-
-def test_enabled_checkpoint_without_ref_or_identity_is_rejected() -> None:
-    with pytest.raises(ValidationError) as exc:
-        DynamoGraphDeployment.model_validate(_dgd_with_checkpoint({"enabled": True, "mode": "Auto"}))
-    [(where, message)] = _errors(exc)
-    assert where == "spec.services.worker.checkpoint"
-    assert CHECKPOINT_NEEDS_SOURCE_MESSAGE in message
-    assert "checkpointRef" in message
-    assert "identity" in message
 
 
 def test_manual_mode_requires_checkpoint_ref() -> None:

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment, checkpoint_identity
 from dynamo_snapshot.api.identity import compute_identity_hash
 from dynamo_snapshot.kube.kinds import CHECKPOINT, JOB, NODE, POD_SNAPSHOT
 
@@ -26,7 +27,11 @@ def _condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
 
 
 async def _ready_checkpoint(h: Harness, graph: str) -> dict[str, Any]:
-    name = await eventually(lambda: h.auto_checkpoint(graph))
+    return await _ready_checkpoint_of(h, graph, None)
+
+
+async def _ready_checkpoint_of(h: Harness, graph: str, identity: dict[str, Any] | None) -> dict[str, Any]:
+    name = await eventually(lambda: h.auto_checkpoint(graph, identity))
 
     async def ready() -> dict[str, Any]:
         ckpt = await h.kube.get(CHECKPOINT, name, h.namespace)
@@ -305,3 +310,30 @@ async def test_an_unschedulable_restore_pod_is_replaced_by_a_cold_start(
     await h.event("RestoreUnschedulable", "could not be scheduled")
     ckpt = await h.kube.get(CHECKPOINT, await h.auto_checkpoint("stuck"), h.namespace)
     assert not ckpt["status"].get("failedRestores"), "an unschedulable restore is not the checkpoint's fault"
+
+
+async def test_enabled_alone_makes_the_dgds_own_checkpoint_of_the_worker_spec(
+    harness: Harness, gpu_node: Callable[..., dict[str, Any]]
+) -> None:
+    # Dynamo's newest API: no identity, no mode; the checkpoint is the DGD's, of the service as it runs.
+    h = harness
+    gpu_node(product="NVIDIA-H200", gpus=8, driver_major=580)
+    manifest = dgd_manifest("managed", replicas=1)
+    manifest["spec"]["services"]["VllmWorker"]["checkpoint"] = {"enabled": True}
+    derived = checkpoint_identity(DynamoGraphDeployment.model_validate(manifest).spec, "VllmWorker")
+    identity = derived.model_dump(by_alias=True, exclude_none=True, mode="json")
+    await h.apply_dgd(manifest)
+
+    ckpt = await _ready_checkpoint_of(h, "managed", identity)
+    assert ckpt["spec"]["identity"] == identity
+    assert (identity["backendFramework"], identity["model"]) == ("vllm", "VllmWorker")
+    assert ckpt["status"]["identityHash"] == compute_identity_hash(derived)
+
+    await h.scale("managed", 2)
+
+    async def one_restored() -> list[dict[str, Any]]:
+        pods = await h.pods("managed")
+        assert sorted(_mode(p) for p in pods) == ["cold", "restore"], [_mode(p) for p in pods]
+        return pods
+
+    await eventually(one_restored, within=45)

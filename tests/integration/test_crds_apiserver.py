@@ -13,7 +13,6 @@ from kubernetes_asyncio import client
 
 from dynamo_snapshot.api.checkpoint import IDENTITY_IMMUTABLE_MESSAGE
 from dynamo_snapshot.api.graphdeployment import (
-    CHECKPOINT_NEEDS_SOURCE_MESSAGE,
     MANUAL_NEEDS_REF_MESSAGE,
     DynamoGraphDeployment,
 )
@@ -153,13 +152,14 @@ async def test_identity_is_immutable(
     assert (await _read(api, namespace, manifest))["spec"]["job"]["activeDeadlineSeconds"] == 7200
 
 
-def test_enabled_checkpoint_without_ref_or_identity_is_refused(
-    cluster: LocalCluster, crds: list[str], namespace: str
+async def test_enabled_checkpoint_alone_is_a_dgd_managed_checkpoint(
+    cluster: LocalCluster, crds: list[str], api: client.ApiClient, namespace: str
 ) -> None:
-    manifest = _graph("no-source", {"enabled": True, "mode": "Auto"})
-    error = refused_by_both(cluster, namespace, manifest, "checkpointRef")
-    assert "checkpoint" in error
-    assert CHECKPOINT_NEEDS_SOURCE_MESSAGE in error
+    # Dynamo's newest API: enabled without checkpointRef or identity asks for the DGD's own checkpoint.
+    manifest = _graph("dgd-managed", {"enabled": True})
+    cluster.apply(manifest, namespace)
+    stored = await _read(api, namespace, manifest)
+    assert stored["spec"]["services"]["worker"]["checkpoint"] == {"enabled": True, "mode": "Auto"}
 
 
 def test_manual_checkpoint_without_ref_is_refused(
