@@ -15,6 +15,7 @@ from dynamo_snapshot.controller.config import CONTROLLER_NAME, ControllerConfig
 from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.controller.dgd_reconciler import DGDReconciler
 from dynamo_snapshot.controller.failover import FAILOVER_PAUSED, node_down, node_healthy, unhealthy_since
+from dynamo_snapshot.controller.operator_failover import OperatorFailover
 from dynamo_snapshot.controller.podsnapshot_reconciler import PodSnapshotReconciler
 from dynamo_snapshot.controller.snapshotjob_reconciler import SnapshotJobReconciler
 from dynamo_snapshot.kube import (
@@ -132,6 +133,16 @@ class Controller:
             else None
         )
         self._wire()
+        # Mode dynamo-operator: the operator's lost workers of checkpointed components are deleted so that
+        # their owners create restore pods in their place.
+        self.operator_failover: OperatorFailover | None = None
+        if not config.runs_dgds:
+            self.operator_failover = OperatorFailover(self.ctx, self.snapshots, self.snapshot_jobs)
+            self.run_while_leading(
+                "operator-failover",
+                self.operator_failover.run_until,
+                informers=[self.operator_failover.pods],
+            )
 
     def run_while_leading(self, name: str, task: LeaderTask, *, informers: Iterable[Informer] = ()) -> None:
         """Run `task` whenever this replica leads, once every informer (these too) has synced.
