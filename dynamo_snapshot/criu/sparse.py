@@ -339,13 +339,15 @@ def _unlink_in_background(path: Path) -> None:
     """Unlink ``path`` now, and free its pages in a thread of its own: the last close of an unlinked
     file frees its page cache, which for a pages image of gigabytes takes a good part of a second that
     the checkpoint need not wait for."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        path.unlink(missing_ok=True)
+        return
     try:
         path.unlink()
-    except BaseException:
-        os.close(fd)
-        raise
-    threading.Thread(target=os.close, args=(fd,), name="sparse-free", daemon=True).start()
+    finally:
+        threading.Thread(target=os.close, args=(fd,), name="sparse-free", daemon=True).start()
 
 
 def drop_zero_pages(images: Path, stop: threading.Event | None = None) -> SparseStats:
