@@ -1,6 +1,7 @@
 """The autoscaler: every DynamoScalingPolicy evaluated on its own interval against Prometheus, its
-decision written into the target DGD service's replicas (which the DGD reconciler turns into restore
-pods within a reconcile), and the why into the policy's status, Conditions and Events.
+decision written where its target's replicas are (``targets``: the DGD service's, which the DGD reconciler
+turns into restore pods within a reconcile; beside NVIDIA's Dynamo operator, the service's scaling adapter
+or the operator's DGD), and the why into the policy's status, Conditions and Events.
 
 One loop ticks every `tick_s` and evaluates the policies that are due; all queries of one tick go
 through one TickCache, so policies sharing a query cost Prometheus one request. The engines (with their
@@ -44,9 +45,10 @@ from dynamo_snapshot.autoscale.prometheus import (
     PrometheusSource,
     TickCache,
 )
+from dynamo_snapshot.autoscale.targets import Found, ScaleFailed, Targets
 from dynamo_snapshot.kube import NORMAL, WARNING, EventRecorder, Informer, Kube, Obj, is_not_found
-from dynamo_snapshot.kube.kinds import DGD, SCALING_POLICY
-from dynamo_snapshot.kube.pods import pod_active, pod_ready, pods_of
+from dynamo_snapshot.kube.kinds import SCALING_POLICY
+from dynamo_snapshot.kube.pods import pod_active, pod_ready
 
 log = logging.getLogger(__name__)
 
@@ -80,15 +82,14 @@ class _State:
 
 
 class Autoscaler:
-    """Runs while its process leads (see run_until); reads the target DGDs and their pods from the caches
-    it is given and writes through `kube`."""
+    """Runs while its process leads (see run_until); reads and writes the policies' targets through
+    `targets`, and the policies' status and Events through `kube`."""
 
     def __init__(
         self,
         kube: Kube,
         *,
-        dgds: Informer,
-        pods: Informer,
+        targets: Targets,
         policies: Informer,
         recorder: EventRecorder,
         prometheus_url: str,
@@ -96,8 +97,7 @@ class Autoscaler:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.kube = kube
-        self.dgds = dgds
-        self.pods = pods  # indexed by the graph label (see kube.pods.pods_of)
+        self.targets = targets
         self.policies = policies
         self.recorder = recorder
         self.prometheus_url = prometheus_url
@@ -107,6 +107,7 @@ class Autoscaler:
         self._sources: dict[tuple[str, float], PrometheusSource] = {}
 
     async def run_until(self, stop: asyncio.Event) -> None:
+        await self.targets.open()
         try:
             while not stop.is_set():
                 started = self.clock()
@@ -119,6 +120,7 @@ class Autoscaler:
             for source in self._sources.values():
                 source.close()
             self._sources.clear()
+            await self.targets.close()
 
     async def tick(self) -> None:
         now = self.clock()
@@ -169,18 +171,18 @@ class Autoscaler:
             return None
         spec, state = checked
         conditions = cond.set_condition(conditions, INVALID_SPEC, False, "Valid", "spec is valid", generation)
-        found = self._target(obj, spec)
+        ns, target = obj["metadata"]["namespace"], spec.target
+        found = self.targets.find(ns, target.dgd_name, target.service_name)
         if isinstance(found, str):
-            conditions = cond.set_condition(
-                conditions, cond.READY, False, "TargetNotFound", f"{found} does not exist", generation
+            conditions = self._target_problem(
+                obj, conditions, ScaleFailed("TargetNotFound", f"{found} does not exist"), generation
             )
             await self._finish(key, obj, status, conditions)
             return None
-        dgd, current = found
+        current = found.replicas
         engine = self._seeded_engine(state, current)
 
-        ns, target = obj["metadata"]["namespace"], spec.target
-        pods = [p for p in pods_of(self.pods, ns, target.dgd_name, target.service_name) if pod_active(p)]
+        pods = [p for p in self.targets.pods(ns, target.dgd_name, target.service_name) if pod_active(p)]
         ready = sum(1 for p in pods if pod_ready(p))
         wall = time.time()
         ages = tuple(wall - _created_at(p) for p in pods)
@@ -203,10 +205,15 @@ class Autoscaler:
             startingReplicas=len(pods) - ready,
             lastMetrics={name: s.value for name, s in samples.items()},
         )
+        failed: ScaleFailed | None = None
         if decision.desired != current:
-            await self._scale(obj, dgd, spec, current, decision)
-            status["lastScaleTime"] = cond.now_rfc3339()
-            current = decision.desired
+            try:
+                await self._scale(obj, found, current, decision)
+            except ScaleFailed as e:
+                failed = e
+            else:
+                status["lastScaleTime"] = cond.now_rfc3339()
+                current = decision.desired
         status["currentReplicas"] = current
         status["lastDecision"] = {
             "time": cond.now_rfc3339(),
@@ -215,6 +222,8 @@ class Autoscaler:
             "panic": decision.panic,
         }
         conditions = _decision_conditions(conditions, decision, bool(problems), generation)
+        if failed is not None:
+            conditions = self._target_problem(obj, conditions, failed, generation)
         await self._finish(key, obj, status, conditions)
         return decision
 
@@ -238,15 +247,26 @@ class Autoscaler:
         state.next_due = self.clock() + float(policy.spec.evaluation_interval_seconds)
         return policy.spec, state
 
-    def _target(self, obj: Obj, spec: DynamoScalingPolicySpec) -> tuple[Obj, int] | str:
-        """The target DGD and its service's replicas; else what does not exist (the DGD or the service)."""
-        dgd = self.dgds.get(f"{obj['metadata']['namespace']}/{spec.target.dgd_name}")
-        service = ((dgd or {}).get("spec") or {}).get("services", {}).get(spec.target.service_name)
-        if dgd is None:
-            return f"DynamoGraphDeployment {spec.target.dgd_name}"
-        if service is None:
-            return f"service {spec.target.service_name} of {spec.target.dgd_name}"
-        return dgd, int(service.get("replicas", 1) if service.get("replicas") is not None else 1)
+    def _target_problem(
+        self, obj: Obj, conditions: list[dict[str, Any]], problem: ScaleFailed, generation: int
+    ) -> list[dict[str, Any]]:
+        """Ready False for why the target cannot be found or written, and a Warning Event when that
+        is news (not on every evaluation while it lasts)."""
+        before = next((c for c in conditions if c.get("type") == cond.READY), None)
+        if before is None or (before.get("reason"), before.get("message")) != (
+            problem.reason,
+            problem.message,
+        ):
+            self.recorder.record(obj, WARNING, problem.reason, problem.message)
+            log.warning(
+                "autoscaler target problem",
+                extra={
+                    "policy": obj["metadata"]["name"],
+                    "reason": problem.reason,
+                    "detail": problem.message,
+                },
+            )
+        return cond.set_condition(conditions, cond.READY, False, problem.reason, problem.message, generation)
 
     def _seeded_engine(self, state: _State, current: int) -> PolicyEngine:
         engine = state.engine
@@ -282,16 +302,15 @@ class Autoscaler:
             samples[metric.name] = MetricSample(value, 0.0)
         return samples, problems
 
-    async def _scale(
-        self, obj: Obj, dgd: Obj, spec: DynamoScalingPolicySpec, current: int, decision: Decision
-    ) -> None:
-        svc = spec.target.service_name
-        patch = {"spec": {"services": {svc: {"replicas": decision.desired}}}}
-        await self.kube.merge_patch(DGD, dgd["metadata"]["name"], patch, dgd["metadata"]["namespace"])
+    async def _scale(self, obj: Obj, found: Found, current: int, decision: Decision) -> None:
+        svc, dgd = found.service, found.dgd
+        await self.targets.scale(found, decision.desired)
         direction = "up" if decision.desired > current else "down"
         DECISIONS.labels(direction).inc()
         reason = "ScaledUp" if direction == "up" else "ScaledDown"
         message = f"service {svc}: {current} -> {decision.desired} replicas: {decision.reason}"
+        if found.adapter is not None:
+            message += f" (through {found.written})"
         self.recorder.record(obj, NORMAL, reason, message)
         self.recorder.record(
             dgd, NORMAL, reason, f"by DynamoScalingPolicy {obj['metadata']['name']}: {message}"

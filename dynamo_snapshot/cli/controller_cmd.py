@@ -11,6 +11,7 @@ from prometheus_client import start_http_server
 from pydantic import Field, model_validator
 
 from dynamo_snapshot.autoscale.autoscaler import Autoscaler
+from dynamo_snapshot.autoscale.targets import OperatorDgds, OwnDgds, Targets
 from dynamo_snapshot.cli.health import distinct_ports, health_endpoints
 from dynamo_snapshot.cli.service import load_settings, run_service
 from dynamo_snapshot.controller.config import CONTROLLER_NAME, ControllerConfig, InstallMode
@@ -71,16 +72,23 @@ _OVERRIDES = (
 def build_controller(
     kube: Kube, config: ControllerConfig, left_to_others: frozenset[str] = frozenset()
 ) -> Controller:
-    """The controller process's parts wired together: the reconcilers and, when `config.autoscale` is on
-    and this controller runs the DGDs, the autoscaler, which runs only while the controller leads and reads
-    the controller's caches."""
+    """The controller process's parts wired together: the reconcilers and, when `config.autoscale` is on,
+    the autoscaler, which runs only while the controller leads: over this controller's DGDs in mode
+    standalone, over the Dynamo operator's (through its scaling adapters where installed) in mode
+    dynamo-operator."""
     controller = Controller(kube, config, left_to_others=left_to_others)
-    if config.autoscale and config.runs_dgds:
+    if config.autoscale:
         policies = Informer(kube, SCALING_POLICY, namespace=config.namespace)
+        # Beside NVIDIA's Dynamo operator the autoscaler keeps read-only caches of its own (the operator's
+        # DGDs, scaling adapters and pods), built when it starts leading from what the CRDs serve then.
+        targets: Targets = (
+            OwnDgds(kube, controller.ctx.dgds, controller.ctx.pods)
+            if config.runs_dgds
+            else OperatorDgds(kube, config.namespace)
+        )
         autoscaler = Autoscaler(
             kube,
-            dgds=controller.ctx.dgds,
-            pods=controller.ctx.pods,
+            targets=targets,
             policies=policies,
             recorder=controller.ctx.recorder,
             prometheus_url=config.prometheus_url,

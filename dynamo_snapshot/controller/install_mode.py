@@ -24,6 +24,7 @@ from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD, POD_SNAPSHOT, POD_SNAPSH
 __all__ = [
     "CRD",
     "DGD_CRD_NAME",
+    "OPERATOR_DGD_VERSIONS",
     "SHARED_KINDS",
     "UNDERSTOOD_DGD_VERSIONS",
     "InstallModeRefused",
@@ -31,6 +32,7 @@ __all__ = [
     "crd_name",
     "install_mode_problem",
     "kinds_left_to_others",
+    "understood_dgd_versions",
 ]
 
 log = logging.getLogger(__name__)
@@ -42,8 +44,10 @@ DGD_CRD_NAME: Final = f"{DGD.plural}.{DGD.group}"
 # Kinds another operator may define and run beside ours (ai-dynamo/dynamo deploy/operator/config/crd/bases
 # holds DynamoCheckpoint, PodSnapshot and PodSnapshotContent; ai-dynamo/snapshot adds SnapshotJob).
 SHARED_KINDS: Final = (CHECKPOINT, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT, SNAPSHOT_JOB)
-# The DGD versions this controller reads and writes.
+# The DGD versions this controller reads and writes: its own in mode standalone; beside NVIDIA's Dynamo
+# operator the autoscaler also reads and scales v1beta1 DGDs (preferred where the CRD serves both).
 UNDERSTOOD_DGD_VERSIONS: Final = frozenset({DGD.version})
+OPERATOR_DGD_VERSIONS: Final = frozenset({DGD.version, protocol.API_VERSION_V1BETA1})
 _OWNER_LABEL: Final = f"{protocol.LABEL_CRD_OWNER}={protocol.MANAGED_BY_VALUE}"
 _SET_MODE: Final = "(Helm value mode, or the controller's --mode / config key mode)"
 
@@ -92,16 +96,22 @@ def install_mode_problem(crd: Mapping[str, Any] | None, mode: InstallMode) -> st
             f"mode {InstallMode.STANDALONE} {_SET_MODE}"
         )
     served = _served_versions(crd)
-    if not UNDERSTOOD_DGD_VERSIONS.intersection(served):
+    understood = understood_dgd_versions(mode)
+    if not understood.intersection(served):
         owner = "dynamo-snapshot's" if ours else "another operator's"
+        readable = " or ".join(sorted(understood))
         return (
             f"the CRD {DGD_CRD_NAME} ({owner}) serves "
             f"{', '.join(served) if served else 'no version'}, and this controller reads only "
-            f"{', '.join(sorted(UNDERSTOOD_DGD_VERSIONS))}: install a Dynamo operator whose CRD serves "
-            f"{' or '.join(sorted(UNDERSTOOD_DGD_VERSIONS))}, or a dynamo-snapshot release that reads "
-            f"{' or '.join(served) if served else 'it'}"
+            f"{readable}: install a Dynamo operator whose CRD serves {readable}, or a dynamo-snapshot "
+            f"release that reads {' or '.join(served) if served else 'it'}"
         )
     return None
+
+
+def understood_dgd_versions(mode: InstallMode) -> frozenset[str]:
+    """The DGD versions this controller can read in ``mode``."""
+    return OPERATOR_DGD_VERSIONS if mode is InstallMode.DYNAMO_OPERATOR else UNDERSTOOD_DGD_VERSIONS
 
 
 def crd_name(kind: ResourceKind) -> str:

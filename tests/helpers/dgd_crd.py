@@ -1,9 +1,11 @@
 """The session cluster's DynamoGraphDeployment CRD swapped for another one of the same name (NVIDIA's Dynamo
-operator's, one serving only a version we do not read) or removed, and put back after: the install modes
-are about whose CRD that is.
+operator's, one serving only a version we do not read, the operator's serving v1beta1) or removed, and put
+back after: the install modes are about whose CRD that is.
 
-Every swap is built by editing the generated CRD, so the apiserver keeps storing the DGDs other tests made;
-the restore waits until v1alpha1 is served again.
+Every swap is built by editing the generated CRD, so the apiserver keeps the DGDs other tests made. A swap
+that stores v1beta1 (``operators_v1beta1``) is undone by a storage migration: the DGDs of the namespaces
+given to ``dgd_crd_as`` are deleted (they may be stored at v1beta1), v1beta1 is dropped from the CRD's
+storedVersions, and only then is our CRD put back. The restore waits until v1alpha1 is served again.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 from dynamo_snapshot.api import crdgen, protocol
 from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment
+from dynamo_snapshot.api.graphdeployment_v1beta1 import DynamoGraphDeploymentV1Beta1
 from dynamo_snapshot.localcluster import LocalCluster
 from tests.helpers.polling import wait_for
 
@@ -55,6 +58,36 @@ def serving_only_an_unknown_version(crd: Obj) -> Obj:
     return out
 
 
+def operators_v1beta1(*, also_v1alpha1: bool = False) -> Obj:
+    """NVIDIA's Dynamo operator's CRD as its v1beta1 releases install it: v1beta1 served and stored (its
+    schema from our v1beta1 models of Dynamo's), v1alpha1 listed (the DGDs already stored are at it) and
+    served only with ``also_v1alpha1``. No conversion webhook: the apiserver relabels stored objects."""
+    out = operators()
+    [alpha] = out["spec"]["versions"]
+    [beta] = crdgen.build_crd(DynamoGraphDeploymentV1Beta1)["spec"]["versions"]
+    alpha.update(served=also_v1alpha1, storage=False)
+    beta.update(served=True, storage=True)
+    out["spec"]["versions"] = [alpha, beta]
+    return out
+
+
+def _storage(crd: Obj) -> str:
+    return str(next(v["name"] for v in crd["spec"]["versions"] if v.get("storage")))
+
+
+def _migrate_back(cluster: LocalCluster, crd: Obj, namespaces: tuple[str, ...]) -> None:
+    """Our CRD can list only v1alpha1: the DGDs possibly stored at ``crd``'s storage version go, v1alpha1
+    stores again, and the other version leaves storedVersions."""
+    for ns in namespaces:
+        cluster.kubectl("delete", DGD_CRD, "--all", "-n", ns, "--wait=true", "--timeout=60s", check=False)
+    back = copy.deepcopy(crd)
+    for version in back["spec"]["versions"]:
+        version["storage"] = version["name"] == "v1alpha1"
+    cluster.kubectl("replace", "-f", "-", input=json.dumps(back))
+    stored = json.dumps({"status": {"storedVersions": ["v1alpha1"]}})
+    cluster.kubectl("patch", "crd", DGD_CRD, "--subresource=status", "--type=merge", "-p", stored)
+
+
 def _served(cluster: LocalCluster, version: str) -> bool:
     proc = cluster.kubectl(
         "get", f"dynamographdeployments.{version}.nvidia.com", "-A", "-o", "name", check=False
@@ -63,8 +96,10 @@ def _served(cluster: LocalCluster, version: str) -> bool:
 
 
 @contextlib.contextmanager
-def dgd_crd_as(cluster: LocalCluster, crd: Obj | None) -> Iterator[None]:
-    """The cluster's DGD CRD is ``crd`` (None: there is none) inside the block; ours again after it."""
+def dgd_crd_as(cluster: LocalCluster, crd: Obj | None, *namespaces: str) -> Iterator[None]:
+    """The cluster's DGD CRD is ``crd`` (None: there is none) inside the block; ours again after it. A
+    ``crd`` storing another version than v1alpha1 takes the namespaces whose DGDs the block writes: their
+    DGDs are deleted on the way out."""
     if crd is None:
         cluster.kubectl("delete", "crd", DGD_CRD, "--ignore-not-found", "--wait=true", "--timeout=60s")
     else:
@@ -75,5 +110,7 @@ def dgd_crd_as(cluster: LocalCluster, crd: Obj | None) -> Iterator[None]:
         if crd is None:
             # A Helm release may have made one meanwhile (and kept it): replaced too, it is ours again.
             cluster.install_crds()
+        elif _storage(crd) != "v1alpha1":
+            _migrate_back(cluster, crd, namespaces)
         cluster.kubectl("replace", "-f", "-", input=json.dumps(ours()))
         wait_for(lambda: _served(cluster, "v1alpha1"), within=30, what="v1alpha1 DGDs served again")
