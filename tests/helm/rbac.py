@@ -48,10 +48,22 @@ CONTROLLER_CLUSTER_SCOPED: set[Grant] = (
     | {("apiextensions.k8s.io", "customresourcedefinitions", crd, "get") for crd in CRDS_READ_AT_START}
 )
 # Mode dynamo-operator: NVIDIA's Dynamo operator runs the DGDs, so the controller's ClusterRole grants
-# nothing of DGDs (no informer, no status, no owner references) and nothing of the autoscaler.
+# nothing of DGDs (no informer, no status, no owner references) and nothing of the autoscaler; it reads
+# (get) the controller chain of a lost operator pod up to its DGD (controller/operator_chain.py).
+OPERATOR_CHAIN: set[Grant] = {
+    ("apps", "replicasets", "*", "get"),
+    ("apps", "deployments", "*", "get"),
+    ("apps", "statefulsets", "*", "get"),
+    ("leaderworkerset.x-k8s.io", "leaderworkersets", "*", "get"),
+    ("grove.io", "podcliques", "*", "get"),
+    ("grove.io", "podcliquescalinggroups", "*", "get"),
+    ("grove.io", "podcliquesets", "*", "get"),
+    (OURS, "dynamocomponentdeployments", "*", "get"),
+    (OURS, "dynamographdeployments", "*", "get"),
+}
 CONTROLLER_DYNAMO_OPERATOR: set[Grant] = {
     g for g in CONTROLLER if not g[1].startswith(("dynamographdeployments", "dynamoscalingpolicies"))
-}
+} | OPERATOR_CHAIN
 # The leader-election Role, in the release's namespace.
 LEADER_ELECTION: set[Grant] = {
     ("coordination.k8s.io", "leases", "*", "create"),
