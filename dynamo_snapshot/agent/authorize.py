@@ -10,9 +10,11 @@ objects it names, read from the apiserver in the pod's namespace:
   publish in its place. A PodSnapshot controlled by a DynamoCheckpoint of its namespace is sealed with that
   checkpoint's identity, which must be valid;
 - a restore is made only into a pod whose ``nvidia.com/restore-from`` names a Ready PodSnapshot of its
-  namespace with a bound content that records the artifact's digest, or a DynamoCheckpoint of its
-  namespace that is Ready, records that digest and controls that PodSnapshot (a DGD's own checkpoint only
-  into that DGD's pods); the agent then restores exactly the artifact with that digest (``restore_grant``).
+  namespace with a bound content that records the artifact's digest (its status, else its annotation,
+  which only the cluster-scoped content can carry: what a pod or PodSnapshot says of an artifact is never
+  read), or a DynamoCheckpoint of its namespace that is Ready, records that digest and controls that
+  PodSnapshot (a DGD's own checkpoint only into that DGD's pods); the agent then restores exactly the
+  artifact with that digest (``restore_grant``).
 
 Pure functions over plain dicts: the watcher and the capture fetch the objects, this module decides.
 """
@@ -29,7 +31,7 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointPhase
 from dynamo_snapshot.api.conditions import FAILED, READY, find_condition
 from dynamo_snapshot.api.identity import CheckpointIdentity
-from dynamo_snapshot.api.podsnapshot import PodSnapshotReason
+from dynamo_snapshot.api.podsnapshot import PodSnapshotReason, content_artifact
 from dynamo_snapshot.artifact import Binding, artifact_key
 from dynamo_snapshot.kube import Obj, controller_ref
 
@@ -352,9 +354,16 @@ def _snapshot_grant(pod: Obj, snapshot: Obj, content: Obj | None) -> tuple[str, 
         or ref.get("namespace") != meta["namespace"]
     ):
         raise Refused(f"PodSnapshot {name!r} has no content bound to it")
-    digest = str(((content.get("status") or {}).get("artifact") or {}).get("digest") or "")
+    try:
+        facts = content_artifact(content)
+    except ValueError as e:
+        raise Refused(f"the content of PodSnapshot {name!r}: {e}") from None
+    digest = str((facts.digest if facts else None) or "")
     if not _SHA256.fullmatch(digest):
-        raise Refused(f"the content of PodSnapshot {name!r} records no artifact digest")
+        raise Refused(
+            f"the content of PodSnapshot {name!r} records no artifact digest (status.artifact, "
+            f"else annotation {protocol.ANNOTATION_CONTENT_ARTIFACT})"
+        )
     mapping = (meta.get("annotations") or {}).get(protocol.ANNOTATION_RESTORE_CONTAINER_MAP)
     main = protocol.DEFAULT_TARGET_CONTAINER
     if mapping and mapping.replace(" ", "") != f"{main}={main}":

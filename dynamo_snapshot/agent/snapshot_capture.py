@@ -7,10 +7,13 @@ the PodSnapshot and the pod, and sealed with the identity of the DynamoCheckpoin
 PodSnapshot (how a DynamoCheckpoint is taken), else with a hash of the PodSnapshot's UID. The content says
 at once that the agent took it up (Ready False, reason CaptureInProgress), then Ready (reason Captured, the
 artifact's location, digest and size, what a restore needs) or Failed with the reason; the controller
-mirrors it onto the PodSnapshot. A source pod deleted before the capture ends is not snapshotted: what the
-capture published is removed (reason SourcePodGone). After an agent restart, a content without an outcome
-is looked at again: an artifact already published for it (the earlier process died before writing the
-outcome) is reported Ready; otherwise the capture runs again, and fails with the reason if the worker no
+(or NVIDIA's snapshot operator, where the CRDs are its own) mirrors it onto the PodSnapshot. The artifact
+and compatibility facts go in the content's annotations too, before Ready: an upstream CRD's schema prunes
+those status fields, and the annotations of a cluster-scoped object are out of any tenant's reach. A
+source pod deleted before the capture ends is not snapshotted: what the capture published is removed
+(reason SourcePodGone). After an agent restart, a content without an outcome is looked at again: an
+artifact already published for it (the earlier process died before writing the outcome) is reported
+Ready; otherwise the capture runs again, and fails with the reason if the worker no
 longer waits for it.
 """
 
@@ -33,7 +36,11 @@ from dynamo_snapshot.agent.executor import Executor
 from dynamo_snapshot.agent.runtime.base import Workload, WorkloadRuntimeError
 from dynamo_snapshot.api import conditions as cond
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.api.podsnapshot import PodSnapshotReason
+from dynamo_snapshot.api.podsnapshot import (
+    PodSnapshotArtifact,
+    PodSnapshotCompatibility,
+    PodSnapshotReason,
+)
 from dynamo_snapshot.artifact import Artifact, Binding
 from dynamo_snapshot.kube import (
     DELETED,
@@ -209,22 +216,39 @@ class SnapshotCapture:
     async def _ready(self, content: Obj, artifact: Artifact, binding: Binding) -> None:
         manifest = artifact.manifest
         gpus = manifest.gpus
+        facts = PodSnapshotArtifact(
+            location=str(artifact.path),
+            digest=manifest.digest or None,
+            size_bytes=sum(f.size for f in manifest.files),
+        )
+        compatibility = PodSnapshotCompatibility(
+            gpu_product=gpus.product if gpus else None,
+            cuda_driver_major=gpus.cuda_driver_major if gpus else None,
+            gpu_count=gpus.count if gpus else 0,
+            image_id=manifest.extra.get("image") or None,
+        )
+        name = content["metadata"]["name"]
+        annotations = {
+            protocol.ANNOTATION_CONTENT_ARTIFACT: facts.model_dump_json(by_alias=True, exclude_none=True),
+            protocol.ANNOTATION_CONTENT_COMPATIBILITY: compatibility.model_dump_json(
+                by_alias=True, exclude_none=True
+            ),
+        }
+        # Before Ready: whoever mirrors Ready onto the PodSnapshot lets restores start, which read these.
+        await self._until_written(
+            name,
+            "annotations",
+            lambda: self.kube.merge_patch(
+                POD_SNAPSHOT_CONTENT, name, {"metadata": {"annotations": annotations}}
+            ),
+        )
         status: dict[str, Any] = {
             "conditions": _conditions(content, True, PodSnapshotReason.CAPTURED, CAPTURED_MESSAGE),
-            "artifact": {
-                "location": str(artifact.path),
-                "digest": manifest.digest or None,
-                "sizeBytes": sum(f.size for f in manifest.files),
-            },
-            "compatibility": {
-                "gpuProduct": gpus.product if gpus else None,
-                "cudaDriverMajor": gpus.cuda_driver_major if gpus else None,
-                "gpuCount": gpus.count if gpus else 0,
-                "imageId": manifest.extra.get("image") or None,
-            },
+            "artifact": facts.model_dump(mode="json", by_alias=True),
+            "compatibility": compatibility.model_dump(mode="json", by_alias=True),
         }
         await self._write(content, status)
-        log.info("pod snapshot captured", extra={"content": content["metadata"]["name"], "key": binding.key})
+        log.info("pod snapshot captured", extra={"content": name, "key": binding.key})
 
     async def _fail(self, content: Obj, reason: str, message: str) -> None:
         await self._write(content, {"conditions": _conditions(content, False, reason, message)})
@@ -246,25 +270,29 @@ class SnapshotCapture:
             self.recorder.record(event_on, NORMAL, ready["reason"], ready["message"])
         else:
             self.recorder.record(event_on, WARNING, ready["reason"], ready["message"])
-        await self._patch_until_written(content["metadata"]["name"], status)
+        name = content["metadata"]["name"]
+        await self._until_written(
+            name, "status", lambda: self.kube.patch_status(POD_SNAPSHOT_CONTENT, name, status)
+        )
 
-    async def _patch_until_written(self, name: str, status: dict[str, Any]) -> None:
-        """Write the content's status, retrying what a retry can change: a capture's outcome is in hand
-        once, and a content is looked at again only by a new agent process. A content gone meanwhile has
-        nobody to tell; an answer no retry changes is logged and given up."""
+    async def _until_written(self, name: str, what: str, write: Callable[[], Awaitable[Obj]]) -> None:
+        """Write the content's status or annotations, retrying what a retry can change: a capture's
+        outcome is in hand once, and a content is looked at again only by a new agent process. A content
+        gone meanwhile has nobody to tell; an answer no retry changes is logged and given up."""
         attempt = 0
         while True:
             try:
-                await self.kube.patch_status(POD_SNAPSHOT_CONTENT, name, status)
+                await write()
                 return
             except Exception as e:
                 if is_not_found(e):
                     return
                 if isinstance(e, ApiError) and permanent(e.status):
                     log.error(
-                        "giving up on the content's status: the apiserver refused it for good",
+                        "giving up on the content's outcome: the apiserver refused it for good",
                         extra={
                             "content": name,
+                            "what": what,
                             "http_status": e.status,
                             "reason": e.reason,
                             "detail": e.message,
@@ -274,8 +302,8 @@ class SnapshotCapture:
                 attempt += 1
                 delay = backoff(attempt)
                 log.exception(
-                    "writing the content's status failed; retrying",
-                    extra={"content": name, "attempt": attempt, "retry_in_s": delay},
+                    "writing the content's outcome failed; retrying",
+                    extra={"content": name, "what": what, "attempt": attempt, "retry_in_s": delay},
                 )
                 await asyncio.sleep(delay)
 

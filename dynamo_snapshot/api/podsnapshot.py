@@ -5,15 +5,18 @@ a cluster-scoped PodSnapshotContent, named after the PodSnapshot's UID, which sa
 and, once it is Ready, what was captured. Field for field as ai-dynamo/snapshot's api/v1alpha1
 (podsnapshot_types.go, podsnapshotcontent_types.go): objects written for NVIDIA's operator apply here
 unchanged. Status fields beyond upstream's (the artifact and what a node needs to restore it) are
-additive: an upstream reader ignores them.
+additive: an upstream reader ignores them. Where the CRD is upstream's, the apiserver prunes them: the
+node agent writes the same facts in annotations of the content too (``content_artifact`` and
+``content_compatibility`` read either).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import ConfigDict, Field, JsonValue
+from pydantic import ConfigDict, Field, JsonValue, ValidationError
 
 from dynamo_snapshot.api.kube import (
     Condition,
@@ -23,7 +26,12 @@ from dynamo_snapshot.api.kube import (
     PrinterColumn,
     ResourceInfo,
 )
-from dynamo_snapshot.api.protocol import API_GROUP, API_VERSION
+from dynamo_snapshot.api.protocol import (
+    ANNOTATION_CONTENT_ARTIFACT,
+    ANNOTATION_CONTENT_COMPATIBILITY,
+    API_GROUP,
+    API_VERSION,
+)
 
 __all__ = [
     "CONTAINER_NAME_PATTERN",
@@ -43,6 +51,8 @@ __all__ = [
     "PodSnapshotSource",
     "PodSnapshotSpec",
     "PodSnapshotStatus",
+    "content_artifact",
+    "content_compatibility",
     "content_name",
 ]
 
@@ -228,3 +238,38 @@ class PodSnapshotContent(CustomResource):
     kind: Literal["PodSnapshotContent"] = "PodSnapshotContent"
     spec: PodSnapshotContentSpec
     status: PodSnapshotContentStatus | None = None
+
+
+_Facts = TypeVar("_Facts", PodSnapshotArtifact, PodSnapshotCompatibility)
+
+
+def _content_facts(
+    content: Mapping[str, Any], field: str, annotation: str, model: type[_Facts]
+) -> _Facts | None:
+    """``status.<field>`` of a content where the status holds it, else the JSON of ``annotation``; None
+    where neither does. One that is not such an object raises ValueError naming it."""
+    found = (content.get("status") or {}).get(field)
+    text = ((content.get("metadata") or {}).get("annotations") or {}).get(annotation)
+    try:
+        if found:
+            return model.model_validate(found)
+        return model.model_validate_json(text) if text else None
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "the value"
+        source = f"status.{field}" if found else f"annotation {annotation}"
+        raise ValueError(f"{source} is not readable: {where}: {first['msg']}") from None
+
+
+def content_artifact(content: Mapping[str, Any]) -> PodSnapshotArtifact | None:
+    """Where a content's artifact is and its digest: ``status.artifact``, else the annotation
+    ``snapshot.nvidia.com/artifact`` (kept where another operator's CRD prunes that status field)."""
+    return _content_facts(content, "artifact", ANNOTATION_CONTENT_ARTIFACT, PodSnapshotArtifact)
+
+
+def content_compatibility(content: Mapping[str, Any]) -> PodSnapshotCompatibility | None:
+    """What restoring a content's artifact needs: ``status.compatibility``, else the annotation
+    ``snapshot.nvidia.com/compatibility``."""
+    return _content_facts(
+        content, "compatibility", ANNOTATION_CONTENT_COMPATIBILITY, PodSnapshotCompatibility
+    )
