@@ -23,7 +23,13 @@ from dynamo_snapshot.kube import EVENT, POD, Kube, Obj, controller_ref
 from dynamo_snapshot.kube.kinds import CHECKPOINT, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT, SNAPSHOT_JOB
 from dynamo_snapshot.localcluster import LocalCluster
 from tests.controller.conftest import eventually
-from tests.helpers.dynamo_operator_pods import StandInOperator, crash_loop, fail_node, worker_template
+from tests.helpers.dynamo_operator_pods import (
+    StandInOperator,
+    crash_loop,
+    fail_node,
+    heal_node,
+    worker_template,
+)
 
 pytestmark = pytest.mark.cluster
 
@@ -34,9 +40,11 @@ LEFT_TO_THE_OPERATOR = frozenset(
 
 
 @pytest.fixture
-async def controller(api: client.ApiClient, crds: list[str]) -> AsyncIterator[Controller]:
+async def controller(
+    api: client.ApiClient, crds: list[str], request: pytest.FixtureRequest
+) -> AsyncIterator[Controller]:
     """The controller in mode dynamo-operator, watching every namespace; a NotReady node's workers count
-    as lost after a second."""
+    as lost after a second. Indirect parametrization overrides its config."""
     config = ControllerConfig(
         mode=InstallMode.DYNAMO_OPERATOR,
         leader_elect=False,
@@ -44,6 +52,7 @@ async def controller(api: client.ApiClient, crds: list[str]) -> AsyncIterator[Co
         metrics_port=0,
         drain_timeout=5,
         node_loss_grace_seconds=1.0,
+        **getattr(request, "param", {}),
     )
     ctrl = Controller(Kube(api, field_manager="tests"), config, left_to_others=LEFT_TO_THE_OPERATOR)
     stop = asyncio.Event()
@@ -180,3 +189,39 @@ async def test_a_worker_on_a_notready_node_is_replaced_by_a_restore_pod_elsewher
     lost = await _events(kube, namespace, "WorkerLost")
     assert len(lost) == 1, lost
     assert f"(node-not-ready, node {dead})" in lost[0]
+
+
+# Any 3 nodes down at once pause failover, whatever else the session cluster holds.
+PAUSE_AT_THREE = {"unhealthy_nodes_threshold": 0.01}
+
+
+@pytest.mark.parametrize("controller", [PAUSE_AT_THREE], indirect=True)
+async def test_workers_are_kept_while_many_nodes_are_notready_and_failed_over_once_the_rest_are_back(
+    controller: Controller, api: client.ApiClient, namespace: str, gpu_node: Callable[..., Obj]
+) -> None:
+    kube = Kube(api, field_manager="tests")
+    nodes = [gpu_node()["metadata"]["name"] for _ in range(3)]
+    op = StandInOperator(kube, namespace)
+    dgd = await op.dgd("graph", ("decode",))
+    await op.snapshot("decode-ckpt", ready=True)
+    await op.component(dgd, "decode", replicas=1, nodes=nodes, restore_from="decode-ckpt")
+    [pod] = await _running(op, "decode", 1)
+    dead = pod["spec"]["nodeName"]
+    for node in nodes:
+        await fail_node(kube, node)
+
+    paused = await eventually(lambda: _events(kube, namespace, "FailoverPaused"), within=20)
+    assert f"keeps its workers there ({pod['metadata']['name']} on {dead})" in paused[0]
+    await asyncio.sleep(3)  # well past the node grace: still kept
+    kept = await kube.get(POD, pod["metadata"]["name"], namespace)
+    assert kept["metadata"]["uid"] == pod["metadata"]["uid"]
+    assert await _events(kube, namespace, "WorkerLost") == []
+
+    for node in nodes:
+        if node != dead:
+            await heal_node(kube, node)
+    new = await _replaced(op, "decode", pod)
+    assert new["metadata"]["annotations"][protocol.ANNOTATION_RESTORE_FROM] == "decode-ckpt"
+    [placed] = await _running(op, "decode", 1)
+    assert placed["spec"]["nodeName"] != dead
+    assert await _events(kube, namespace, "FailoverResumed")

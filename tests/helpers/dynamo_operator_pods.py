@@ -10,7 +10,8 @@ dynamo-operator can be tested against the real apiserver.
   each new pod of a component whose PodSnapshot is Ready. The session cluster's kube-controller-manager
   runs the Deployment's ReplicaSet; kwok runs its pods.
 - A PodSnapshot made Ready and bound as Dynamo's snapshot controller leaves it (or left not Ready), and
-  the ways a worker dies: its container crash-looping under the kubelet, its node going NotReady.
+  the ways a worker dies: its container crash-looping under the kubelet, its node going NotReady (and
+  back).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.conditions import now_rfc3339
 from dynamo_snapshot.kube import NODE, POD, Kube, Obj, ResourceKind
 from dynamo_snapshot.kube.kinds import DGD, POD_SNAPSHOT
-from dynamo_snapshot.localcluster.nodes import KWOK_NODE_ANNOTATION
+from dynamo_snapshot.localcluster.nodes import KWOK_NODE_ANNOTATION, KWOK_NODE_VALUE
 
 DEPLOYMENT = ResourceKind("apps", "v1", "deployments", "Deployment")
 REPLICA_SET = ResourceKind("apps", "v1", "replicasets", "ReplicaSet")
@@ -179,10 +180,21 @@ async def fail_node(kube: Kube, node: str) -> None:
     """Take a kwok node from kwok (no more heartbeats) and report it NotReady since now, as a dead
     kubelet's node looks once the node controller notices."""
     await kube.merge_patch(NODE, node, {"metadata": {"annotations": {KWOK_NODE_ANNOTATION: None}}})
+    await _set_ready(kube, node, "False", "KubeletStopped")
+
+
+async def heal_node(kube: Kube, node: str) -> None:
+    """Hand the node back to kwok (heartbeats again) and report it Ready."""
+    await kube.merge_patch(NODE, node, {"metadata": {"annotations": {KWOK_NODE_ANNOTATION: KWOK_NODE_VALUE}}})
+    await _set_ready(kube, node, "True", "KubeletReady")
+
+
+async def _set_ready(kube: Kube, node: str, status: str, reason: str) -> None:
+    # The transition time is where the node grace starts, as the kubelet or node controller sets it.
     now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     current = await kube.get(NODE, node)
     conditions = [
-        {**c, "status": "False", "reason": "KubeletStopped", "message": "test", "lastTransitionTime": now}
+        {**c, "status": status, "reason": reason, "message": "test", "lastTransitionTime": now}
         if c.get("type") == "Ready"
         else c
         for c in (current.get("status") or {}).get("conditions") or []
