@@ -11,22 +11,29 @@ deterministic (sorted keys, fixed formatting) so a drift check can compare it by
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment
+from dynamo_snapshot.api.graphdeployment_v1beta1 import DynamoGraphDeploymentV1Beta1
 from dynamo_snapshot.api.kube import CustomResource
 from dynamo_snapshot.api.resources import CUSTOM_RESOURCES
 from dynamo_snapshot.api.structural import PRESERVE_UNKNOWN, structural_problems, structural_schema
 
 __all__ = [
+    "ALSO_SERVED",
+    "CONVERSION_PATH",
+    "CONVERSION_SERVICE",
     "GENERATED_HEADER",
     "build_crd",
     "crd_filename",
+    "generated_crd",
     "main",
     "render_crds",
     "resource_schema",
@@ -57,12 +64,28 @@ def resource_schema(resource: type[CustomResource]) -> dict[str, Any]:
     return schema
 
 
-def build_crd(resource: type[CustomResource]) -> dict[str, Any]:
+# Versions a CRD lists beside its storage model's, converted by the controller's webhook.
+ALSO_SERVED: Mapping[type[CustomResource], tuple[type[CustomResource], ...]] = {
+    DynamoGraphDeployment: (DynamoGraphDeploymentV1Beta1,),
+}
+CONVERSION_PATH = "/convert"
+# The chart's webhook Service for its default release (name and namespace dynamo-snapshot). The chart
+# puts its release's Service and CA there; a plain `kubectl apply -f crds/` serves no version but the
+# storage one, so nothing calls this Service until someone serves a converted version.
+CONVERSION_SERVICE: Mapping[str, str | int] = {
+    "namespace": "dynamo-snapshot",
+    "name": "dynamo-snapshot-controller-webhook",
+    "path": CONVERSION_PATH,
+    "port": 443,
+}
+
+
+def _version(resource: type[CustomResource], *, storage: bool) -> dict[str, Any]:
     info = resource.resource
     version: dict[str, Any] = {
         "name": info.version,
         "served": True,
-        "storage": True,
+        "storage": storage,
         "schema": {"openAPIV3Schema": resource_schema(resource)},
     }
     if info.status_subresource:
@@ -77,6 +100,12 @@ def build_crd(resource: type[CustomResource]) -> dict[str, Any]:
                 entry["priority"] = column.priority
             columns.append(entry)
         version["additionalPrinterColumns"] = columns
+    return version
+
+
+def build_crd(resource: type[CustomResource]) -> dict[str, Any]:
+    """The CRD of one model alone: its version, served and stored, and nothing converted."""
+    info = resource.resource
     names: dict[str, Any] = {
         "kind": info.kind,
         "listKind": f"{info.kind}List",
@@ -90,8 +119,39 @@ def build_crd(resource: type[CustomResource]) -> dict[str, Any]:
         "kind": "CustomResourceDefinition",
         # The label tells our CRD from another of the same name (NVIDIA's Dynamo operator owns one).
         "metadata": {"name": info.crd_name, "labels": {protocol.LABEL_CRD_OWNER: protocol.MANAGED_BY_VALUE}},
-        "spec": {"group": info.group, "names": names, "scope": info.scope, "versions": [version]},
+        "spec": {
+            "group": info.group,
+            "names": names,
+            "scope": info.scope,
+            "versions": [_version(resource, storage=True)],
+        },
     }
+
+
+def generated_crd(resource: type[CustomResource]) -> dict[str, Any]:
+    """The CRD as crds/ holds it: ``build_crd`` plus the versions of ``ALSO_SERVED``, listed but not
+    served, and the conversion webhook that would convert them.
+
+    Serving them is the installer's step (the chart's, with its Service and CA): a version served while
+    no webhook answers breaks more than its own reads, since the apiserver prefers the newest version of
+    the group (``kubectl get dgd``, the garbage collector and the namespace controller read it).
+    """
+    crd = build_crd(resource)
+    others = ALSO_SERVED.get(resource, ())
+    if not others:
+        return crd
+    for other in others:
+        if other.resource.crd_name != resource.resource.crd_name:
+            raise ValueError(f"{other.__name__} is not a version of {resource.resource.crd_name}")
+        crd["spec"]["versions"].append({**_version(other, storage=False), "served": False})
+    crd["spec"]["conversion"] = {
+        "strategy": "Webhook",
+        "webhook": {
+            "conversionReviewVersions": ["v1"],
+            "clientConfig": {"service": copy.deepcopy(dict(CONVERSION_SERVICE))},
+        },
+    }
+    return crd
 
 
 def crd_filename(resource: type[CustomResource]) -> str:
@@ -115,7 +175,7 @@ def _to_yaml(document: dict[str, Any]) -> str:
 
 def render_crds() -> dict[str, str]:
     """File name -> YAML text for every custom resource this project defines."""
-    return {crd_filename(resource): _to_yaml(build_crd(resource)) for resource in CUSTOM_RESOURCES}
+    return {crd_filename(resource): _to_yaml(generated_crd(resource)) for resource in CUSTOM_RESOURCES}
 
 
 def write_crds(directory: Path | str) -> list[Path]:

@@ -20,7 +20,7 @@ from dynamo_snapshot.api.container import (
     ENV_VALUE_AND_VALUE_FROM_MESSAGE,
     GPU_COUNT_MESSAGE,
 )
-from dynamo_snapshot.api.crdgen import build_crd, render_crds
+from dynamo_snapshot.api.crdgen import build_crd, generated_crd, render_crds
 from dynamo_snapshot.api.graphdeployment import (
     GRAPH_AND_SERVICE_MESSAGE,
     GRAPH_NAME_MESSAGE,
@@ -462,6 +462,6 @@ def test_bare_objects_are_flagged() -> None:
 def test_rendered_yaml_is_plain() -> None:
     for name, text in render_crds().items():
         assert not re.search(r"[&*]id\d", text), f"{name} uses YAML anchors"
-        assert yaml.safe_load(text) == build_crd(
+        assert yaml.safe_load(text) == generated_crd(
             next(r for r in CUSTOM_RESOURCES if name == f"nvidia.com_{r.resource.plural}.yaml")
         )

@@ -192,3 +192,41 @@ with a message that names no way out.
 {{- end -}}
 {{- end -}}
 {{- end -}}
+
+{{/*
+The controller webhook's Service name, its TLS Secret and the CA the apiserver trusts for it, as YAML
+(service, secretName, crt, key, caBundle; crt and key empty with webhook.certs.existingSecret). Made once
+per render and kept in .Values: the restore webhook (webhook.yaml) and the DGD CRD's conversion webhook
+(crd-dynamographdeployments.yaml) must trust the same generated CA.
+*/}}
+{{- define "dynamo-snapshot.webhookPki" -}}
+{{- $w := .Values.webhook -}}
+{{- if not (hasKey $w "_pki") -}}
+{{- $name := include "dynamo-snapshot.componentName" (dict "root" . "component" "controller") -}}
+{{- $service := printf "%s-webhook" $name -}}
+{{- $pki := dict "service" $service "secretName" (printf "%s-webhook-tls" $name) "crt" "" "key" "" -}}
+{{- if $w.certs.existingSecret -}}
+{{- $_ := set $pki "caBundle" (required "webhook.certs.caBundle (base64 PEM of the CA that signed webhook.certs.existingSecret) is required with webhook.certs.existingSecret" $w.certs.caBundle) -}}
+{{- else -}}
+{{- /* An installed release keeps its CA and certificate: the apiserver trusts the caBundle it already has. */ -}}
+{{- $existing := lookup "v1" "Secret" .Release.Namespace $pki.secretName -}}
+{{- $data := ($existing.data | default dict) -}}
+{{- if and (index $data "tls.crt") (index $data "tls.key") (index $data "ca.crt") -}}
+{{- $_ := set $pki "crt" (index $data "tls.crt") -}}
+{{- $_ = set $pki "key" (index $data "tls.key") -}}
+{{- $_ = set $pki "caBundle" (index $data "ca.crt") -}}
+{{- else -}}
+{{- $days := int $w.certs.validityDays -}}
+{{- $ca := genCA (printf "%s-webhook-ca" $name) $days -}}
+{{- $host := printf "%s.%s.svc" $service .Release.Namespace -}}
+{{- $sans := list $service (printf "%s.%s" $service .Release.Namespace) $host (printf "%s.cluster.local" $host) -}}
+{{- $cert := genSignedCert $host nil $sans $days $ca -}}
+{{- $_ := set $pki "crt" ($cert.Cert | b64enc) -}}
+{{- $_ = set $pki "key" ($cert.Key | b64enc) -}}
+{{- $_ = set $pki "caBundle" ($ca.Cert | b64enc) -}}
+{{- end -}}
+{{- end -}}
+{{- $_ := set $w "_pki" $pki -}}
+{{- end -}}
+{{- toYaml (get $w "_pki") -}}
+{{- end -}}
