@@ -85,6 +85,7 @@ AGENT: set[Grant] = {
     (OURS, "podsnapshotcontents", "*", "get"),
     (OURS, "podsnapshotcontents", "*", "list"),
     (OURS, "podsnapshotcontents", "*", "watch"),
+    (OURS, "podsnapshotcontents", "*", "patch"),
     (OURS, "podsnapshotcontents/status", "*", "patch"),
 }
 
