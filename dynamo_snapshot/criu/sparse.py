@@ -32,6 +32,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 __all__ = ["PAGE", "ImageFormatError", "SparseStats", "Stopped", "drop_zero_pages"]
 
@@ -249,6 +250,65 @@ def _read_fully(src: io.FileIO, into: memoryview) -> int:
     return got
 
 
+def _copy_kept(
+    src: io.FileIO,
+    dst: BinaryIO,
+    entries: list[tuple[int, int, int]],
+    droppable: list[tuple[int, int]],
+    stop: threading.Event | None,
+) -> tuple[list[bytes], int, int]:
+    """Copy the pages of ``entries`` that stay from ``src`` to ``dst``; (the new pagemap entries, pages
+    before, pages dropped)."""
+    new_entries: list[bytes] = []
+    before = dropped = 0
+    # One buffer read into again and again, compared and written without a copy: fresh 1 MiB blocks
+    # would each be new memory the kernel must fault in, and slices of them copies.
+    buf = bytearray(_BATCH_PAGES * PAGE)
+    view = memoryview(buf)
+    for vaddr, nr, flags in entries:
+        before += nr
+        run_start, run_len = vaddr, 0
+        for first in range(0, nr, _BATCH_PAGES):
+            if stop is not None and stop.is_set():
+                raise Stopped
+            count = min(_BATCH_PAGES, nr - first)
+            size = count * PAGE
+            if _read_fully(src, view[:size]) != size:
+                raise ImageFormatError(f"{Path(str(src.name)).name}: shorter than its pagemap")
+            base = vaddr + first * PAGE
+            # A page may go only if it lies in a droppable VMA; an entry may span VMAs.
+            whole = _inside(droppable, base, base + size)
+            # Fast paths, at memcmp speed: a batch all zeros (a KV cache, GPU state), or one holding no
+            # zero page at all, need no look at each page.
+            if whole and buf.startswith(_ZERO_BATCH[:size]):
+                dropped += count
+                if run_len:
+                    new_entries.append(_entry(run_start, run_len, flags))
+                run_start, run_len = base + size, 0
+                continue
+            if buf.find(_ZERO, 0, size) < 0:
+                dst.write(view[:size])
+                run_len += count
+                continue
+            kept_from = 0  # start (page index in the batch) of the kept pages not yet written
+            for i in range(count):
+                addr = base + i * PAGE
+                zero = buf.startswith(_ZERO, i * PAGE)
+                if not (zero and (whole or _inside(droppable, addr, addr + PAGE))):
+                    run_len += 1
+                    continue
+                dst.write(view[kept_from * PAGE : i * PAGE])
+                kept_from = i + 1
+                dropped += 1
+                if run_len:
+                    new_entries.append(_entry(run_start, run_len, flags))
+                run_start, run_len = addr + PAGE, 0
+            dst.write(view[kept_from * PAGE : size])
+        if run_len:
+            new_entries.append(_entry(run_start, run_len, flags))
+    return new_entries, before, dropped
+
+
 def _sparsify_process(
     images: Path,
     pid: int,
@@ -266,59 +326,12 @@ def _sparsify_process(
     pages = images / f"pages-{pages_id}.img"
     if pages.stat().st_size != PAGE * sum(n for _, n, _ in entries):
         raise ImageFormatError(f"{pages.name}: size does not match {pagemap.name}")
-    new_entries: list[bytes] = []
-    before = dropped = 0
     new_pages = images / f"pages-{new_id}.img"
     tmp_map = pagemap.with_name(pagemap.name + ".sparse")
     switched = False
     try:
-        # One buffer read into again and again, compared and written without a copy: fresh 1 MiB
-        # blocks would each be new memory the kernel must fault in, and slices of them copies.
-        buf = bytearray(_BATCH_PAGES * PAGE)
-        view = memoryview(buf)
         with pages.open("rb", buffering=0) as src, new_pages.open("xb") as dst:
-            for vaddr, nr, flags in entries:
-                before += nr
-                run_start, run_len = vaddr, 0
-                for first in range(0, nr, _BATCH_PAGES):
-                    if stop is not None and stop.is_set():
-                        raise Stopped
-                    count = min(_BATCH_PAGES, nr - first)
-                    size = count * PAGE
-                    if _read_fully(src, view[:size]) != size:
-                        raise ImageFormatError(f"{pages.name}: shorter than its pagemap")
-                    base = vaddr + first * PAGE
-                    # A page may go only if it lies in a droppable VMA; an entry may span VMAs.
-                    whole = _inside(droppable, base, base + count * PAGE)
-                    # Fast paths, at memcmp speed: a batch all zeros (a KV cache, GPU state), or one
-                    # holding no zero page at all, need no look at each page.
-                    if whole and buf.startswith(_ZERO_BATCH[:size]):
-                        dropped += count
-                        if run_len:
-                            new_entries.append(_entry(run_start, run_len, flags))
-                        run_start, run_len = base + count * PAGE, 0
-                        continue
-                    if buf.find(_ZERO, 0, size) < 0:
-                        dst.write(view[:size])
-                        run_len += count
-                        continue
-                    kept_from = 0  # start (page index in block) of the kept pages not yet written
-                    for i in range(count):
-                        addr = base + i * PAGE
-                        if not buf.startswith(_ZERO, i * PAGE) or not (
-                            whole or _inside(droppable, addr, addr + PAGE)
-                        ):
-                            run_len += 1
-                            continue
-                        dst.write(view[kept_from * PAGE : i * PAGE])
-                        kept_from = i + 1
-                        dropped += 1
-                        if run_len:
-                            new_entries.append(_entry(run_start, run_len, flags))
-                        run_start, run_len = addr + PAGE, 0
-                    dst.write(view[kept_from * PAGE : size])
-                if run_len:
-                    new_entries.append(_entry(run_start, run_len, flags))
+            new_entries, before, dropped = _copy_kept(src, dst, entries, droppable, stop)
         # A pagemap with no entry at all crashes CRIU's restore (prepare_mappings reads the first
         # entry unchecked): a process whose every page is zero keeps its images.
         if dropped and new_entries:
