@@ -1,4 +1,5 @@
-"""The restore mutating admission webhook, served over HTTPS by every controller replica.
+"""The controller's webhooks, served over HTTPS by every controller replica: the restore mutating
+admission webhook (below) and the DynamoGraphDeployment conversion webhook (``conversion_webhook``).
 
 The apiserver POSTs an AdmissionReview for each pod created with ``nvidia.com/restore-from`` (the
 MutatingWebhookConfiguration's matchConditions send no other pod). The server reads what the annotation
@@ -27,11 +28,12 @@ from pydantic import ValidationError
 
 from dynamo_snapshot.api.admission import AdmissionRequest, AdmissionResponse, AdmissionReview, allow, deny
 from dynamo_snapshot.api.conditions import validation_message
+from dynamo_snapshot.controller.conversion_webhook import CONVERSION_PATH, handle_convert
 from dynamo_snapshot.controller.restore_mutation import Found, mutate, name_problem, requested_name
 from dynamo_snapshot.kube import ApiError, Kube, Obj, ResourceKind, is_not_found
 from dynamo_snapshot.kube.kinds import CHECKPOINT, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
 
-__all__ = ["CERT_FILE", "KEY_FILE", "MUTATE_PATH", "WebhookServer"]
+__all__ = ["CERT_FILE", "CONVERSION_PATH", "KEY_FILE", "MUTATE_PATH", "WebhookServer"]
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +42,9 @@ CERT_FILE: Final = "tls.crt"
 KEY_FILE: Final = "tls.key"
 # The apiserver waits timeoutSeconds (10 in the chart) for the whole answer; the lookups get most of it.
 LOOKUP_TIMEOUT_S: Final = 6.0
-# A pod is at most about 1.5 MB in etcd; the review carries it once.
-MAX_REQUEST_BYTES: Final = 4 * 1024 * 1024
+# A pod is at most about 1.5 MB in etcd; an AdmissionReview carries it once. A ConversionReview carries
+# a list's objects, up to its page of 500 DGDs (each at most the same 1.5 MB, far less in practice).
+MAX_REQUEST_BYTES: Final = 64 * 1024 * 1024
 _SHUTDOWN_TIMEOUT_S: Final = 2.0
 
 
@@ -134,6 +137,7 @@ class WebhookServer:
     async def _listen(self, context: ssl.SSLContext) -> None:
         app = web.Application(client_max_size=MAX_REQUEST_BYTES)
         app.router.add_post(MUTATE_PATH, self._handle)
+        app.router.add_post(CONVERSION_PATH, handle_convert)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=_SHUTDOWN_TIMEOUT_S)
         await runner.setup()
         # Every interface first; IPv4 alone where the pod's IPv6 is switched off and `::` cannot be bound.
@@ -150,7 +154,7 @@ class WebhookServer:
             await runner.cleanup()
             raise
         self._runner = runner
-        log.info("webhook listening", extra={"port": self.port, "path": MUTATE_PATH})
+        log.info("webhook listening", extra={"port": self.port, "paths": [MUTATE_PATH, CONVERSION_PATH]})
 
     async def close(self) -> None:
         if self._runner is not None:
