@@ -133,16 +133,14 @@ class Controller:
             else None
         )
         self._wire()
-        # Mode dynamo-operator: the operator's lost workers of checkpointed components are deleted so that
-        # their owners create restore pods in their place.
-        self.operator_failover: OperatorFailover | None = None
-        if not config.runs_dgds:
-            self.operator_failover = OperatorFailover(self.ctx, self.snapshots, self.snapshot_jobs)
-            self.run_while_leading(
-                "operator-failover",
-                self.operator_failover.run_until,
-                informers=[self.operator_failover.pods],
-            )
+        self.operator_failover = None if config.runs_dgds else self._operator_failover()
+
+    def _operator_failover(self) -> OperatorFailover:
+        """Mode dynamo-operator: the operator's lost workers of checkpointed components are deleted (while
+        this replica leads) so that their owners create restore pods in their place."""
+        failover = OperatorFailover(self.ctx, self.snapshots, self.snapshot_jobs)
+        self.run_while_leading("operator-failover", failover.run_until, informers=[failover.pods])
+        return failover
 
     def run_while_leading(self, name: str, task: LeaderTask, *, informers: Iterable[Informer] = ()) -> None:
         """Run `task` whenever this replica leads, once every informer (these too) has synced.
