@@ -229,11 +229,22 @@ class OperatorFailover:
                 kept[meta["name"]] = node_name
             elif verdict.cause is not None:
                 lost.append((pod, verdict.cause, node_name, chain))
+        self._drop_losses_but(owner, {item[0]["metadata"]["name"] for item in lost})
         dgd = self.dgds.get(owner)
         if dgd is not None:
             for event in self.failover.review(owner, grace=grace, paused=paused if kept else None, kept=kept):
                 self.ctx.recorder.record(dgd, *event)
         return await self._delete_lost(owner, lost, len(pods), now) if lost else None
+
+    def _drop_losses_but(self, owner: Owner, lost: set[str]) -> None:
+        """Forget the noted losses that are neither lost now nor deleted and waiting for their successor:
+        a pod gone by other hands, or one no longer to be failed over (its checkpoint not Ready any more)."""
+        pending = self.failover.pending.get(owner)
+        if not pending:
+            return
+        for name in list(pending):
+            if name not in lost and name not in self.deleted.get(owner, {}):
+                del pending[name]
 
     async def _eligible(self, pod: Obj) -> Chain | None:
         """The pod's controller chain when the pod may be failed over by restore; None (and said once)
