@@ -20,6 +20,12 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointCompatibility, CheckpointPhase, DynamoCheckpoint
 from dynamo_snapshot.api.conditions import validation_message
 from dynamo_snapshot.api.identity import compute_identity_hash
+from dynamo_snapshot.api.podsnapshot import (
+    PodSnapshotArtifact,
+    PodSnapshotCompatibility,
+    content_artifact,
+    content_compatibility,
+)
 from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.controller.podspec import (
     MAIN_CONTAINER,
@@ -245,7 +251,7 @@ class CheckpointReconciler:
         content = self._content_of(snapshot)
         if content is None:
             return creating  # the content's Ready reaches this cache a moment after the PodSnapshot's
-        return self._ready(snapshot, content)
+        return ready_status(snapshot, content)
 
     def _snapshot_of(self, job: Obj) -> Obj | None:
         """The PodSnapshot the SnapshotJob made (by its recorded UID), once it is in the cache."""
@@ -266,38 +272,6 @@ class CheckpointReconciler:
         if ref.get("uid") != snapshot["metadata"]["uid"] or not cond.is_true(content, cond.READY):
             return None
         return content
-
-    def _ready(self, snapshot: Obj, content: Obj) -> dict[str, Any]:
-        content_status = content.get("status") or {}
-        artifact = content_status.get("artifact") or {}
-        content_name = content["metadata"]["name"]
-        digest = artifact.get("digest") or ""
-        if not _SHA256.fullmatch(digest):
-            return {
-                "phase": CheckpointPhase.FAILED.value,
-                "message": f"PodSnapshotContent {content_name} is Ready without a valid "
-                "status.artifact.digest (a node agent older than the controller?): no restore could verify "
-                "the artifact",
-            }
-        compat = content_status.get("compatibility") or {}
-        compatibility = CheckpointCompatibility(
-            gpu_product=compat.get("gpuProduct"),
-            cuda_driver_major=compat.get("cudaDriverMajor"),
-            # 0 GPUs asks nothing of a node, as a checkpoint that names no count.
-            gpu_count=compat.get("gpuCount") or None,
-        )
-        source = (((content.get("spec") or {}).get("source") or {}).get("podRef") or {}).get("name")
-        return {
-            "phase": CheckpointPhase.READY.value,
-            "message": f"checkpointed from pod {source} into PodSnapshot {snapshot['metadata']['name']}",
-            "location": artifact.get("location"),
-            "artifactDigest": digest,
-            "sourcePod": source,
-            "storageType": "pvc",
-            "createdAt": cond.now_rfc3339(),
-            "compatibility": compatibility.model_dump(by_alias=True, exclude_none=True),
-            "podSnapshotName": snapshot["metadata"]["name"],
-        }
 
     async def _finalize(self, obj: Obj) -> Result | None:
         """A deleted checkpoint keeps its finalizer while a restore from it is under way, so its artifact
@@ -331,3 +305,44 @@ class CheckpointReconciler:
             self.ctx.recorder.record(obj, NORMAL, "CheckpointReady", status.get("message") or "ready")
         elif phase == CheckpointPhase.FAILED.value:
             self.ctx.recorder.record(obj, WARNING, "CheckpointFailed", status.get("message") or "failed")
+
+
+def ready_status(snapshot: Obj, content: Obj) -> dict[str, Any]:
+    """The status of a DynamoCheckpoint whose PodSnapshot is Ready with ``content``: Ready with the
+    artifact's location, digest and compatibility (the content's status, else the annotations the node
+    agent keeps where another operator's CRD prunes them), else Failed saying what is missing."""
+    content_name = content["metadata"]["name"]
+    try:
+        artifact = content_artifact(content) or PodSnapshotArtifact()
+        compat = content_compatibility(content) or PodSnapshotCompatibility()
+    except ValueError as e:
+        return {
+            "phase": CheckpointPhase.FAILED.value,
+            "message": f"PodSnapshotContent {content_name} is Ready, but its {e}",
+        }
+    digest = artifact.digest or ""
+    if not _SHA256.fullmatch(digest):
+        return {
+            "phase": CheckpointPhase.FAILED.value,
+            "message": f"PodSnapshotContent {content_name} is Ready without a valid artifact digest "
+            f"(status.artifact, else annotation {protocol.ANNOTATION_CONTENT_ARTIFACT}; a node agent "
+            "older than the controller?): no restore could verify the artifact",
+        }
+    compatibility = CheckpointCompatibility(
+        gpu_product=compat.gpu_product,
+        cuda_driver_major=compat.cuda_driver_major,
+        # 0 GPUs asks nothing of a node, as a checkpoint that names no count.
+        gpu_count=compat.gpu_count or None,
+    )
+    source = (((content.get("spec") or {}).get("source") or {}).get("podRef") or {}).get("name")
+    return {
+        "phase": CheckpointPhase.READY.value,
+        "message": f"checkpointed from pod {source} into PodSnapshot {snapshot['metadata']['name']}",
+        "location": artifact.location,
+        "artifactDigest": digest,
+        "sourcePod": source,
+        "storageType": "pvc",
+        "createdAt": cond.now_rfc3339(),
+        "compatibility": compatibility.model_dump(by_alias=True, exclude_none=True),
+        "podSnapshotName": snapshot["metadata"]["name"],
+    }

@@ -32,7 +32,11 @@ from dynamo_snapshot.api.kube import (
     DNS1123_SUBDOMAIN_PATTERN,
     LABEL_VALUE_MAX_LENGTH,
 )
-from dynamo_snapshot.api.podsnapshot import CONTAINER_NAME_PATTERN, PodSnapshotCompatibility
+from dynamo_snapshot.api.podsnapshot import (
+    CONTAINER_NAME_PATTERN,
+    PodSnapshotCompatibility,
+    content_compatibility,
+)
 from dynamo_snapshot.controller.podspec import (
     add_restore_standby,
     add_snapshot_control,
@@ -192,16 +196,10 @@ def _snapshot_state(name: str, found: Found) -> tuple[str | None, PodSnapshotCom
     ref = ((content or {}).get("spec") or {}).get("snapshotRef") or {}
     if content is None or ref.get("uid") != snapshot["metadata"].get("uid"):
         return f"PodSnapshot {name!r} has no PodSnapshotContent bound to it", None
-    compat = (content.get("status") or {}).get("compatibility")
-    if not compat:
-        return None, None
     try:
-        return None, PodSnapshotCompatibility.model_validate(compat)
-    except ValidationError as e:
-        return (
-            f"PodSnapshot {name!r}'s content has an unreadable compatibility ({validation_message(e)})",
-            None,
-        )
+        return None, content_compatibility(content)
+    except ValueError as e:
+        return f"PodSnapshot {name!r}'s content: {e}", None
 
 
 def _dedupe_affinity(spec: Obj) -> None:

@@ -248,6 +248,15 @@ def test_a_ready_dynamocheckpoint_wins_and_its_compatibility_places_the_pod() ->
     ]
 
 
+def test_a_compatibility_kept_in_the_contents_annotation_places_the_pod() -> None:
+    # Another operator's PodSnapshotContent CRD prunes status.compatibility; the agent keeps it annotated.
+    pruned = content(compat=None)
+    pruned["metadata"]["annotations"] = {protocol.ANNOTATION_CONTENT_COMPATIBILITY: json.dumps(COMPAT)}
+    out, outcome = shaped(pod(), Found(snapshot=snapshot(), content=pruned))
+    assert outcome.warnings == []
+    assert required_terms(out) == required_terms(shaped(pod())[0])
+
+
 def test_a_content_without_compatibility_adds_no_affinity() -> None:
     out, outcome = shaped(pod(), Found(snapshot=snapshot(), content=content(compat=None)))
     assert outcome.warnings == []
@@ -273,7 +282,7 @@ def test_a_content_without_compatibility_adds_no_affinity() -> None:
         (Found(checkpoint=checkpoint(deletionTimestamp="x")), "DynamoCheckpoint 'snap-a' is being deleted"),
         (
             Found(snapshot=snapshot(), content=content(compat={"gpuCount": -1})),
-            "content has an unreadable compatibility (gpuCount:",
+            "content: status.compatibility is not readable: gpuCount:",
         ),
     ],
     ids=[
