@@ -18,8 +18,9 @@ class InstallMode(StrEnum):
 
     # This project's DGD CRD is installed and this controller creates the DGDs' worker pods.
     STANDALONE = "standalone"
-    # NVIDIA's Dynamo operator owns the DGD CRD and runs the DGDs: this controller runs only the snapshot
-    # API (PodSnapshots, SnapshotJobs, DynamoCheckpoints, the restore webhook).
+    # NVIDIA's Dynamo operator owns the DGD CRD and runs the DGDs: this controller runs the snapshot API
+    # (PodSnapshots, SnapshotJobs, DynamoCheckpoints, the restore webhook), scales the operator's DGDs and
+    # fails over its worker pods by restore.
     DYNAMO_OPERATOR = "dynamo-operator"
 
 
@@ -31,7 +32,8 @@ class ControllerConfig(BaseModel):
     mode: InstallMode = Field(
         default=InstallMode.STANDALONE,
         description="standalone: run the DynamoGraphDeployments; dynamo-operator: leave them to NVIDIA's "
-        "Dynamo operator (no DGD pods, no DGD status, no autoscaler).",
+        "Dynamo operator (no DGD pods, no DGD status; the autoscaler scales them through their scaling "
+        "adapters, and failover deletes the operator's lost workers so that they restore).",
     )
     namespace: str | None = Field(default=None, description="Watch one namespace; None watches all.")
     workers: int = Field(default=8, ge=1, le=256, description="Objects reconciled in parallel.")
@@ -104,7 +106,7 @@ class ControllerConfig(BaseModel):
 
     @property
     def runs_dgds(self) -> bool:
-        """Whether this controller runs the DGDs (their worker pods, status and autoscaling)."""
+        """Whether this controller runs the DGDs (their worker pods and status)."""
         return self.mode is InstallMode.STANDALONE
 
     @model_validator(mode="after")

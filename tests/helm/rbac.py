@@ -47,9 +47,10 @@ CONTROLLER_CLUSTER_SCOPED: set[Grant] = (
     # Read at start: whose DGD CRD it is, against the install mode, and whose the snapshot kinds' are.
     | {("apiextensions.k8s.io", "customresourcedefinitions", crd, "get") for crd in CRDS_READ_AT_START}
 )
-# Mode dynamo-operator: NVIDIA's Dynamo operator runs the DGDs, so the controller's ClusterRole grants
-# nothing of DGDs (no informer, no status, no owner references) and nothing of the autoscaler; it reads
-# (get) the controller chain of a lost operator pod up to its DGD (controller/operator_chain.py).
+# Mode dynamo-operator: NVIDIA's Dynamo operator runs the DGDs, so the controller's ClusterRole grants no
+# DGD status and no owner references; it reads (get) the controller chain of a lost operator pod up to its
+# DGD (controller/operator_chain.py), and the autoscaler reads the DGDs and their scaling adapters and
+# writes replicas through an adapter's scale subresource, else the DGD (autoscale/targets.py).
 OPERATOR_CHAIN: set[Grant] = {
     ("apps", "replicasets", "*", "get"),
     ("apps", "deployments", "*", "get"),
@@ -61,9 +62,17 @@ OPERATOR_CHAIN: set[Grant] = {
     (OURS, "dynamocomponentdeployments", "*", "get"),
     (OURS, "dynamographdeployments", "*", "get"),
 }
-CONTROLLER_DYNAMO_OPERATOR: set[Grant] = {
-    g for g in CONTROLLER if not g[1].startswith(("dynamographdeployments", "dynamoscalingpolicies"))
-} | OPERATOR_CHAIN
+OPERATOR_AUTOSCALER: set[Grant] = (
+    {(OURS, "dynamographdeployments", "*", v) for v in ("list", "watch", "patch")}
+    | {(OURS, "dynamographdeploymentscalingadapters", "*", v) for v in ("list", "watch")}
+    | {(OURS, "dynamographdeploymentscalingadapters/scale", "*", v) for v in ("get", "update")}
+)
+CONTROLLER_DYNAMO_OPERATOR: set[Grant] = (
+    {g for g in CONTROLLER if not g[1].startswith("dynamographdeployments")}
+    | OPERATOR_CHAIN
+    | OPERATOR_AUTOSCALER
+)
+DGDSA_CRD = "dynamographdeploymentscalingadapters.nvidia.com"
 # The leader-election Role, in the release's namespace.
 LEADER_ELECTION: set[Grant] = {
     ("coordination.k8s.io", "leases", "*", "create"),

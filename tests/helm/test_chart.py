@@ -173,13 +173,26 @@ def test_the_dgd_crd_template_fails_when_its_file_drifts(tmp_path: Path) -> None
     assert crd["spec"] != crdgen.build_crd(DynamoGraphDeployment)["spec"]
 
 
-def test_mode_dynamo_operator_installs_no_dgd_crd_and_grants_nothing_of_dgds() -> None:
+def test_mode_dynamo_operator_installs_no_dgd_crd_and_grants_what_its_parts_call() -> None:
     objs = render({"mode": "dynamo-operator", **WEBHOOK_OFF})
     assert _dgd_crds(objs) == []
     assert rule_triples(one(objs, "ClusterRole", "-controller")) == rbac.CONTROLLER_DYNAMO_OPERATOR
-    # The CRD is read all the same: the controller checks at start whose it is.
+    # The CRD is read all the same: the controller checks at start whose it is; and the scaling adapters'.
+    dgdsa = ("apiextensions.k8s.io", "customresourcedefinitions", rbac.DGDSA_CRD, "get")
+    assert rule_triples(
+        one(objs, "ClusterRole", "-controller-cluster-scoped")
+    ) == rbac.CONTROLLER_CLUSTER_SCOPED | {dgdsa}
+    # Without the autoscaler: no DGD writes, no adapters, no policies.
+    quiet = render({"mode": "dynamo-operator", "controller": {"autoscale": False}, **WEBHOOK_OFF})
+    assert rule_triples(one(quiet, "ClusterRole", "-controller")) == {
+        g
+        for g in rbac.CONTROLLER_DYNAMO_OPERATOR
+        if g not in rbac.OPERATOR_AUTOSCALER - rbac.OPERATOR_CHAIN
+        and not g[1].startswith("dynamoscalingpolicies")
+    }
     assert (
-        rule_triples(one(objs, "ClusterRole", "-controller-cluster-scoped")) == rbac.CONTROLLER_CLUSTER_SCOPED
+        rule_triples(one(quiet, "ClusterRole", "-controller-cluster-scoped"))
+        == rbac.CONTROLLER_CLUSTER_SCOPED
     )
     config = ControllerCommandConfig.model_validate(_config(objs, "controller"))
     assert config.mode is InstallMode.DYNAMO_OPERATOR

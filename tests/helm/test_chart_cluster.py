@@ -715,7 +715,12 @@ def test_controller_in_dynamo_operator_mode_leaves_dgds_to_the_operator(
     with dgd_crd.dgd_crd_as(cluster, dgd_crd.operators()):
         inst = install(values, only=RBAC_KINDS | {"ConfigMap"})
         ctrl = inst.user("controller")
-        assert not _can(cluster, ctrl, namespace, "list", "dynamographdeployments.nvidia.com")
+        # The autoscaler reads the operator's DGDs; nothing of ours writes their status or creates one.
+        assert _can(cluster, ctrl, namespace, "list", "dynamographdeployments.nvidia.com")
+        assert not _can(cluster, ctrl, namespace, "create", "dynamographdeployments.nvidia.com")
+        assert not _can(
+            cluster, ctrl, namespace, "update", "dynamographdeployments.nvidia.com", "--subresource=status"
+        )
         assert _can(
             cluster, ctrl, namespace, "get", f"customresourcedefinitions.apiextensions.k8s.io/{rbac.DGD_CRD}"
         )
