@@ -21,12 +21,12 @@ from typing import Final, Protocol
 
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.kube import ApiError, Informer, Kube, Obj, ResourceKind, is_not_found
-from dynamo_snapshot.kube.kinds import DGD, POD
+from dynamo_snapshot.kube.kinds import CRD, DGD, POD
 from dynamo_snapshot.kube.pods import pods_of
 
 __all__ = [
-    "DGDSA_CRD_NAME",
-    "DGD_CRD_NAME",
+    "DGDCRD_NAME",
+    "DGDSACRD_NAME",
     "Found",
     "OperatorDgds",
     "OwnDgds",
@@ -38,13 +38,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_CRD: Final = ResourceKind(
-    "apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition", namespaced=False
-)
 _ADAPTER_PLURAL: Final = "dynamographdeploymentscalingadapters"
 _ADAPTER_KIND: Final = "DynamoGraphDeploymentScalingAdapter"
-DGD_CRD_NAME: Final = f"{DGD.plural}.{DGD.group}"
-DGDSA_CRD_NAME: Final = f"{_ADAPTER_PLURAL}.{protocol.API_GROUP}"
+DGDCRD_NAME: Final = f"{DGD.plural}.{DGD.group}"
+DGDSACRD_NAME: Final = f"{_ADAPTER_PLURAL}.{protocol.API_GROUP}"
 _V1BETA1: Final = protocol.API_VERSION_V1BETA1
 _V1ALPHA1: Final = protocol.API_VERSION
 
@@ -156,9 +153,9 @@ class OperatorDgds:
         return [i for i in (self.dgds, self.adapters, self._pods) if i is not None]
 
     async def open(self) -> None:
-        dgd_version = read_version(await self._crd(DGD_CRD_NAME)) or _V1ALPHA1
+        dgd_version = read_version(await self._crd(DGDCRD_NAME)) or _V1ALPHA1
         self.dgd_kind = ResourceKind(DGD.group, dgd_version, DGD.plural, DGD.kind)
-        adapter_version = read_version(await self._crd(DGDSA_CRD_NAME))
+        adapter_version = read_version(await self._crd(DGDSACRD_NAME))
         self.adapter_kind = adapter_kind(adapter_version) if adapter_version else None
         ns = self.namespace
         self.dgds = Informer(self.kube, self.dgd_kind, namespace=ns)
@@ -188,7 +185,7 @@ class OperatorDgds:
 
     async def _crd(self, name: str) -> Obj | None:
         try:
-            return await self.kube.get(_CRD, name)
+            return await self.kube.get(CRD, name)
         except ApiError as e:
             if not is_not_found(e):
                 # Unreadable counts as absent (the DGD is then written itself); the log says why.

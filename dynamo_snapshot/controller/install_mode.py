@@ -19,10 +19,9 @@ from typing import Any, Final
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.controller.config import InstallMode
 from dynamo_snapshot.kube import ApiError, Kube, ResourceKind, is_not_found
-from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT, SNAPSHOT_JOB
+from dynamo_snapshot.kube.kinds import CHECKPOINT, CRD, DGD, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT, SNAPSHOT_JOB
 
 __all__ = [
-    "CRD",
     "DGD_CRD_NAME",
     "OPERATOR_DGD_VERSIONS",
     "SHARED_KINDS",
@@ -37,9 +36,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-CRD: Final = ResourceKind(
-    "apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition", namespaced=False
-)
 DGD_CRD_NAME: Final = f"{DGD.plural}.{DGD.group}"
 # Kinds another operator may define and run beside ours (ai-dynamo/dynamo deploy/operator/config/crd/bases
 # holds DynamoCheckpoint, PodSnapshot and PodSnapshotContent; ai-dynamo/snapshot adds SnapshotJob).

@@ -22,9 +22,13 @@ _ps, _psc, _sj = PodSnapshot.resource, PodSnapshotContent.resource, SnapshotJob.
 POD_SNAPSHOT: Final = ResourceKind(_ps.group, _ps.version, _ps.plural, _ps.kind)
 POD_SNAPSHOT_CONTENT: Final = ResourceKind(_psc.group, _psc.version, _psc.plural, _psc.kind, namespaced=False)
 SNAPSHOT_JOB: Final = ResourceKind(_sj.group, _sj.version, _sj.plural, _sj.kind)
+CRD: Final = ResourceKind(
+    "apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition", namespaced=False
+)
 
 __all__ = [
     "CHECKPOINT",
+    "CRD",
     "DGD",
     "JOB",
     "NODE",
