@@ -25,8 +25,8 @@ from dynamo_snapshot.kube.kinds import CRD, DGD, POD
 from dynamo_snapshot.kube.pods import pods_of
 
 __all__ = [
-    "DGDCRD_NAME",
-    "DGDSACRD_NAME",
+    "DGD_CRD_NAME",
+    "DGDSA_CRD_NAME",
     "Found",
     "OperatorDgds",
     "OwnDgds",
@@ -40,8 +40,8 @@ log = logging.getLogger(__name__)
 
 _ADAPTER_PLURAL: Final = "dynamographdeploymentscalingadapters"
 _ADAPTER_KIND: Final = "DynamoGraphDeploymentScalingAdapter"
-DGDCRD_NAME: Final = f"{DGD.plural}.{DGD.group}"
-DGDSACRD_NAME: Final = f"{_ADAPTER_PLURAL}.{protocol.API_GROUP}"
+DGD_CRD_NAME: Final = f"{DGD.plural}.{DGD.group}"
+DGDSA_CRD_NAME: Final = f"{_ADAPTER_PLURAL}.{protocol.API_GROUP}"
 _V1BETA1: Final = protocol.API_VERSION_V1BETA1
 _V1ALPHA1: Final = protocol.API_VERSION
 
@@ -153,9 +153,9 @@ class OperatorDgds:
         return [i for i in (self.dgds, self.adapters, self._pods) if i is not None]
 
     async def open(self) -> None:
-        dgd_version = read_version(await self._crd(DGDCRD_NAME)) or _V1ALPHA1
+        dgd_version = read_version(await self._crd(DGD_CRD_NAME)) or _V1ALPHA1
         self.dgd_kind = ResourceKind(DGD.group, dgd_version, DGD.plural, DGD.kind)
-        adapter_version = read_version(await self._crd(DGDSACRD_NAME))
+        adapter_version = read_version(await self._crd(DGDSA_CRD_NAME))
         self.adapter_kind = adapter_kind(adapter_version) if adapter_version else None
         ns = self.namespace
         self.dgds = Informer(self.kube, self.dgd_kind, namespace=ns)
