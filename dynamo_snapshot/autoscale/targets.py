@@ -25,8 +25,8 @@ from dynamo_snapshot.kube.kinds import CRD, DGD, POD
 from dynamo_snapshot.kube.pods import pods_of
 
 __all__ = [
-    "DGD_CRD_NAME",
     "DGDSA_CRD_NAME",
+    "DGD_CRD_NAME",
     "Found",
     "OperatorDgds",
     "OwnDgds",
