@@ -41,7 +41,7 @@ from dynamo_snapshot.api.dgd_podtemplate import (
     pod_template_to_service,
 )
 from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment
-from dynamo_snapshot.api.graphdeployment_v1beta1 import DynamoGraphDeploymentV1Beta1
+from dynamo_snapshot.api.graphdeployment_v1beta1 import ComponentType, DynamoGraphDeploymentV1Beta1
 from dynamo_snapshot.api.kube import KubeModel
 from dynamo_snapshot.api.protocol import (
     ANNOTATION_DGD_SPEC,
@@ -92,6 +92,9 @@ _BETA_MAPPED = frozenset((*_BETA_ONLY, "name", "type", "podTemplate", "experimen
     "scalingAdapter",
 }
 _PROMOTED = ("prefill", "decode")
+# v1beta1's type is an enum; a v1alpha1 componentType outside it (v1alpha1 takes any string) is kept with
+# the whole service in nvidia.com/dgd-spec, so the v1beta1 object stays one v1beta1 admits.
+_BETA_TYPES = frozenset(t.value for t in ComponentType)
 
 
 def _carried(source: Json) -> Json:
@@ -104,7 +107,7 @@ def _service_to_component(name: str, service: Json) -> Json:
     kind, sub = service.get("componentType"), service.get("subComponentType")
     if kind == "worker" and sub in _PROMOTED:
         component["type"] = sub
-    elif kind is not None:
+    elif kind in _BETA_TYPES:
         component["type"] = kind
     template = pod_template_from_service(service)
     if template is not None:
@@ -425,13 +428,14 @@ def _errors(error: ValidationError) -> str:
     return "; ".join(f"{'.'.join(map(str, e['loc'])) or '(object)'}: {e['msg']}" for e in error.errors())
 
 
+def _unserved(version: str) -> str:
+    return f"desiredAPIVersion {version!r} is not served for {_KIND}: use {V1ALPHA1} or {V1BETA1}"
+
+
 def convert_object(obj: Any, desired_api_version: str) -> Json:
     """``obj`` validated by its version's model and converted; ConversionError says what is wrong."""
     if desired_api_version not in _CONVERTERS:
-        raise ConversionError(
-            f"desiredAPIVersion {desired_api_version!r} is not served for {_KIND}: "
-            f"use {V1ALPHA1} or {V1BETA1}"
-        )
+        raise ConversionError(_unserved(desired_api_version))
     source = obj.get("apiVersion") if isinstance(obj, dict) else None
     if source not in _MODELS:
         raise ConversionError(f"apiVersion {source!r} is not a {_KIND} version: {V1ALPHA1} or {V1BETA1}")
@@ -472,14 +476,19 @@ def convert_review(review: Any) -> Json:
     request = review.get("request") if isinstance(review, dict) else None
     uid = request.get("uid") if isinstance(request, dict) else None
     uid = uid if isinstance(uid, str) else ""
+    # The apiserver sends an empty response beside its request ({"uid": "", "result": {"metadata": {}}}).
+    asked = {k: v for k, v in review.items() if k != "response"} if isinstance(review, dict) else review
     try:
-        parsed = ConversionReview.model_validate(review)
+        parsed = ConversionReview.model_validate(asked)
     except ValidationError as error:
         return _respond(
             uid, None, f"not an apiextensions.k8s.io/v1 ConversionReview request: {_errors(error)}"
         )
     if parsed.request is None:
         return _respond(uid, None, "the ConversionReview has no request")
+    desired = parsed.request.desired_api_version
+    if desired not in _CONVERTERS:
+        return _respond(uid, None, _unserved(desired))
     converted = []
     for index, obj in enumerate(parsed.request.objects):
         try:

@@ -413,3 +413,22 @@ def test_convert_review_answers_failures_with_clear_messages() -> None:
     assert "not an apiextensions.k8s.io/v1 ConversionReview" in _failure(["not", "a", "review"])
     assert "has no request" in _failure({"apiVersion": "apiextensions.k8s.io/v1", "kind": "ConversionReview"})
     assert convert_review(_review("nvidia.com/v2"))["response"]["uid"] == "req-1"
+
+
+def test_the_empty_response_the_apiserver_sends_beside_its_request_is_ignored() -> None:
+    review = _review(V1ALPHA1, _load(FIXTURES[0])) | {"response": {"uid": "", "result": {"metadata": {}}}}
+    assert convert_review(review)["response"]["result"] == {"status": "Success"}
+
+
+def test_a_component_type_outside_v1beta1s_enum_is_kept_aside_and_comes_back() -> None:
+    alpha: dict[str, Any] = {
+        "apiVersion": V1ALPHA1,
+        "kind": "DynamoGraphDeployment",
+        "metadata": {"name": "g"},
+        "spec": {"services": {"Worker": {"componentType": "main", "replicas": 1}}},
+    }
+    beta = to_v1beta1(alpha)
+    assert "type" not in beta["spec"]["components"][0]
+    DynamoGraphDeploymentV1Beta1.model_validate(beta)  # a v1beta1 object the apiserver would take back
+    assert ANNOTATION_DGD_SPEC in beta["metadata"]["annotations"]
+    assert to_v1alpha1(beta) == alpha

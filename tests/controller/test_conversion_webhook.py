@@ -113,9 +113,12 @@ async def test_an_unknown_desired_version_is_a_failure_naming_the_served_ones(po
     assert answer["uid"] == "r-4"
     assert answer["result"] == {
         "status": "Failure",
-        "message": "objects[0] (ns/vllm-agg): desiredAPIVersion 'nvidia.com/v2' is not served for "
+        "message": "desiredAPIVersion 'nvidia.com/v2' is not served for "
         "DynamoGraphDeployment: use nvidia.com/v1alpha1 or nvidia.com/v1beta1",
     }
+    # Even with no object to convert.
+    empty = (await post(_review("nvidia.com/v2", uid="r-5")))["response"]
+    assert empty["result"]["status"] == "Failure"
 
 
 async def test_an_invalid_object_is_a_failure_with_the_models_message(post: Post) -> None:
