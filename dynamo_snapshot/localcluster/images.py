@@ -118,7 +118,7 @@ def _sha256(data: bytes) -> str:
 
 
 @dataclass(frozen=True)
-class _Entry:
+class Entry:
     """One path of an image's root filesystem: a copy of a host file, bytes, a symlink or a directory."""
 
     dest: str
@@ -140,12 +140,12 @@ class _Entry:
         return f"{self.dest}\0{what}\0{self.mode:o}\n".encode()
 
 
-def _file(dest: str, src: Path) -> _Entry:
+def file_entry(dest: str, src: Path) -> Entry:
     """A copy of `src` (symlinks followed) with its permission bits."""
-    return _Entry(dest, src=src, mode=src.stat().st_mode & 0o777)
+    return Entry(dest, src=src, mode=src.stat().st_mode & 0o777)
 
 
-def _materialize(rootfs: Path, entries: Iterable[_Entry]) -> Path:
+def materialize(rootfs: Path, entries: Iterable[Entry]) -> Path:
     """Write `entries` under `rootfs`; directories not listed get 0755 whatever the umask."""
     rootfs.mkdir(parents=True, exist_ok=True)
     listed_dirs: set[Path] = set()
@@ -275,24 +275,24 @@ def build_pause_rootfs(rootfs: Path) -> Path:
     return rootfs
 
 
-def _busybox_entries() -> list[_Entry]:
-    """busybox-static with applet symlinks in /bin, /etc/passwd and /etc/group, and /tmp (1777)."""
+def busybox_entries(applets: Sequence[str] = BUSYBOX_APPLETS) -> list[Entry]:
+    """busybox-static with `applets` as symlinks in /bin, /etc/passwd and /etc/group, and /tmp (1777)."""
     if not os.access(BUSYBOX, os.X_OK):
         raise ImageBuildError(
             f"{BUSYBOX} is missing: apt-get install busybox-static (scripts/test-env.sh does)"
         )
     return [
-        _Entry("bin/busybox", src=BUSYBOX, mode=0o755),
-        *(_Entry(f"bin/{applet}", link="busybox") for applet in BUSYBOX_APPLETS),
-        _Entry("etc/passwd", data=ETC_PASSWD.encode()),
-        _Entry("etc/group", data=ETC_GROUP.encode()),
-        _Entry("tmp", mode=0o1777, is_dir=True),
+        Entry("bin/busybox", src=BUSYBOX, mode=0o755),
+        *(Entry(f"bin/{applet}", link="busybox") for applet in applets),
+        Entry("etc/passwd", data=ETC_PASSWD.encode()),
+        Entry("etc/group", data=ETC_GROUP.encode()),
+        Entry("tmp", mode=0o1777, is_dir=True),
     ]
 
 
 def build_busybox_rootfs(rootfs: Path, *, index_html: str = "ok\n") -> Path:
     """busybox-static with applet symlinks, /www/index.html (for `httpd -h /www`), /etc/passwd and /tmp."""
-    return _materialize(rootfs, [*_busybox_entries(), _Entry("www/index.html", data=index_html.encode())])
+    return materialize(rootfs, [*busybox_entries(), Entry("www/index.html", data=index_html.encode())])
 
 
 def project_root() -> Path:
@@ -300,7 +300,7 @@ def project_root() -> Path:
     return Path(dynamo_snapshot.__file__).resolve().parent.parent
 
 
-def _shared_libraries(binaries: Iterable[Path]) -> set[str]:
+def shared_libraries(binaries: Iterable[Path]) -> set[str]:
     """The absolute paths `ldd` resolves for `binaries` (the dynamic loader included), as the loader asks."""
     ldd = shutil.which("ldd")
     if ldd is None:
@@ -323,7 +323,7 @@ def _shared_libraries(binaries: Iterable[Path]) -> set[str]:
     return found
 
 
-def _system_library(name: str) -> Path:
+def system_library(name: str) -> Path:
     for directory in SYSTEM_LIB_DIRS:
         if (Path(directory) / name).exists():
             return Path(directory) / name
@@ -332,7 +332,9 @@ def _system_library(name: str) -> Path:
     )
 
 
-def _tree(src: Path, dest: str, *, skip: frozenset[str] = frozenset(), suffix: str = "") -> Iterator[_Entry]:
+def tree_entries(
+    src: Path, dest: str, *, skip: frozenset[str] = frozenset(), suffix: str = ""
+) -> Iterator[Entry]:
     """The files under `src` as entries under `dest`, without __pycache__ and names in `skip`."""
     for dirpath, dirnames, filenames in os.walk(src):
         dirnames[:] = sorted(d for d in dirnames if d != "__pycache__" and d not in skip)
@@ -340,12 +342,12 @@ def _tree(src: Path, dest: str, *, skip: frozenset[str] = frozenset(), suffix: s
         for name in sorted(filenames):
             if name in skip or not name.endswith(suffix):
                 continue
-            yield _file(
+            yield file_entry(
                 f"{dest}/{rel / name}" if rel != Path(".") else f"{dest}/{name}", Path(dirpath) / name
             )
 
 
-def _site_package(name: str) -> Path | None:
+def site_package(name: str) -> Path | None:
     spec = find_spec(name)
     if spec is None:
         return None
@@ -354,29 +356,23 @@ def _site_package(name: str) -> Path | None:
     return Path(spec.origin) if spec.origin else None
 
 
-def _worker_entries(repo: Path) -> list[_Entry]:
-    """Everything the worker image holds, in a fixed order."""
-    script = repo / WORKER_SCRIPT
-    sdk = repo / "dynamo_snapshot"
-    if not script.is_file() or not (sdk / "workload" / "__init__.py").is_file():
-        raise ImageBuildError(
-            f"{repo} is not a dynamo-snapshot source checkout ({WORKER_SCRIPT} or dynamo_snapshot/workload "
-            "is missing): the worker image is built from the sources"
-        )
+def python_entries() -> list[Entry]:
+    """Debian's python3.11 and its standard library without tests and tools (no shared libraries: those
+    come from `native_library_entries` over everything the image holds)."""
     if not os.access(WORKER_PYTHON, os.X_OK) or not (WORKER_STDLIB / "os.py").is_file():
         raise ImageBuildError(
-            f"{WORKER_PYTHON} or its standard library {WORKER_STDLIB} is missing (needed for the worker "
-            "image): apt-get install python3.11"
+            f"{WORKER_PYTHON} or its standard library {WORKER_STDLIB} is missing (needed for the "
+            "project's images): apt-get install python3.11"
         )
     if sys.version_info[:2] != (3, 11):
         raise ImageBuildError(
-            "the worker image takes pydantic from the running interpreter, which is Python "
-            f"{sys.version_info[0]}.{sys.version_info[1]}: its compiled modules need 3.11, "
+            "the images take packages from the running interpreter, which is Python "
+            f"{sys.version_info[0]}.{sys.version_info[1]}: their compiled modules need 3.11, "
             f"like {WORKER_PYTHON}"
         )
     entries = [
-        _file(str(WORKER_PYTHON).lstrip("/"), WORKER_PYTHON),
-        _Entry("usr/bin/python3", link="python3.11"),
+        file_entry(str(WORKER_PYTHON).lstrip("/"), WORKER_PYTHON),
+        Entry("usr/bin/python3", link="python3.11"),
     ]
     stdlib = "usr/lib/python3.11"
     for child in sorted(WORKER_STDLIB.iterdir()):
@@ -387,36 +383,63 @@ def _worker_entries(repo: Path) -> list[_Entry]:
         ):
             continue
         if child.is_dir():
-            entries += _tree(child, f"{stdlib}/{child.name}", skip=STDLIB_SKIP)
+            entries += tree_entries(child, f"{stdlib}/{child.name}", skip=STDLIB_SKIP)
         else:
-            entries.append(_file(f"{stdlib}/{child.name}", child))
+            entries.append(file_entry(f"{stdlib}/{child.name}", child))
     entries += (
-        _file(f"{stdlib}/lib-dynload/{so.name}", so)
+        file_entry(f"{stdlib}/lib-dynload/{so.name}", so)
         for so in sorted((WORKER_STDLIB / "lib-dynload").glob("*.so"))
         if not so.name.startswith(DYNLOAD_SKIP_PREFIXES)
     )
-    for name in WORKER_PACKAGES + WORKER_OPTIONAL_PACKAGES:
-        found = _site_package(name)
+    return entries
+
+
+def site_package_entries(names: Iterable[str], *, optional: Iterable[str] = ()) -> list[Entry]:
+    """The top-level modules `names` (and those of `optional` that are installed) copied from the running
+    interpreter's site-packages into the image's dist-packages."""
+    entries: list[Entry] = []
+    optional = frozenset(optional)
+    for name in [*names, *sorted(optional)]:
+        found = site_package(name)
         if found is None:
-            if name in WORKER_OPTIONAL_PACKAGES:
+            if name in optional:
                 continue
-            raise ImageBuildError(
-                f"{name} is not installed in {sys.prefix} (the worker image copies it from there)"
-            )
+            raise ImageBuildError(f"{name} is not installed in {sys.prefix} (the image copies it from there)")
         if found.is_dir():
-            entries += _tree(found, f"{WORKER_DIST_PACKAGES}/{name}")
+            entries += tree_entries(found, f"{WORKER_DIST_PACKAGES}/{name}")
         else:
-            entries.append(_file(f"{WORKER_DIST_PACKAGES}/{found.name}", found))
-    entries += _tree(sdk, "app/dynamo_snapshot", suffix=".py")
-    entries.append(_file("app/cpu_worker.py", script))
-    binaries = [e.src for e in entries if e.src and (e.src == WORKER_PYTHON or e.dest.endswith(".so"))]
-    libraries = _shared_libraries(binaries) | {str(_system_library(name)) for name in MANYLINUX_SYSTEM_LIBS}
-    entries += (_file(lib.lstrip("/"), Path(lib)) for lib in sorted(libraries))
-    entries += _busybox_entries()
+            entries.append(file_entry(f"{WORKER_DIST_PACKAGES}/{found.name}", found))
+    return entries
+
+
+def native_library_entries(entries: Iterable[Entry], binaries: Iterable[Path] = ()) -> list[Entry]:
+    """The shared libraries the interpreter, the extension modules among `entries` and `binaries` load,
+    plus the system libraries manylinux wheels expect."""
+    found = [e.src for e in entries if e.src and (e.src == WORKER_PYTHON or e.dest.endswith(".so"))]
+    libraries = shared_libraries([*found, *binaries])
+    libraries |= {str(system_library(name)) for name in MANYLINUX_SYSTEM_LIBS}
+    return [file_entry(lib.lstrip("/"), Path(lib)) for lib in sorted(libraries)]
+
+
+def _worker_entries(repo: Path) -> list[Entry]:
+    """Everything the worker image holds, in a fixed order."""
+    script = repo / WORKER_SCRIPT
+    sdk = repo / "dynamo_snapshot"
+    if not script.is_file() or not (sdk / "workload" / "__init__.py").is_file():
+        raise ImageBuildError(
+            f"{repo} is not a dynamo-snapshot source checkout ({WORKER_SCRIPT} or dynamo_snapshot/workload "
+            "is missing): the worker image is built from the sources"
+        )
+    entries = python_entries()
+    entries += site_package_entries(WORKER_PACKAGES, optional=WORKER_OPTIONAL_PACKAGES)
+    entries += tree_entries(sdk, "app/dynamo_snapshot", suffix=".py")
+    entries.append(file_entry("app/cpu_worker.py", script))
+    entries += native_library_entries(entries)
+    entries += busybox_entries()
     return sorted(entries, key=lambda e: e.dest)
 
 
-def _worker_ref(entries: Sequence[_Entry]) -> ImageRef:
+def _worker_ref(entries: Sequence[Entry]) -> ImageRef:
     digest = hashlib.sha256()
     digest.update(json.dumps({"entrypoint": WORKER_ENTRYPOINT, "env": WORKER_ENV}).encode())
     for e in entries:
@@ -432,21 +455,22 @@ def worker_image(repo: Path | None = None) -> ImageRef:
 def build_worker_rootfs(rootfs: Path, repo: Path | None = None) -> ImageRef:
     """Write the worker image's root filesystem to `rootfs`; the image it makes is named by the result."""
     entries = _worker_entries(repo or project_root())
-    _compile_bytecode(_materialize(rootfs, entries))
+    compile_bytecode(materialize(rootfs, entries))
     return _worker_ref(entries)
 
 
-def _compile_bytecode(rootfs: Path) -> None:
+def compile_bytecode(
+    rootfs: Path, dirs: Sequence[str] = ("usr/lib/python3.11", WORKER_DIST_PACKAGES, "app")
+) -> None:
     """Compile the image's Python files ahead: a worker (and a restore pod's standby placeholder) then
     starts without compiling its imports each time (importing the SDK under chroot: 0.55 s -> 0.13 s on
     this machine). Hash-based pycs that are never checked against their sources keep the layer
     reproducible."""
-    dirs = [rootfs / "usr/lib/python3.11", rootfs / WORKER_DIST_PACKAGES, rootfs / "app"]
     argv = [str(WORKER_PYTHON), "-m", "compileall", "-q", "-j", "0", "--invalidation-mode", "unchecked-hash"]
-    argv += ["-s", str(rootfs), "-p", "/", *map(str, dirs)]
+    argv += ["-s", str(rootfs), "-p", "/", *(str(rootfs / d) for d in dirs)]
     proc = subprocess.run(argv, capture_output=True, text=True, check=False, env={"PATH": "/usr/bin:/bin"})
     if proc.returncode != 0:
-        raise ImageBuildError(f"compiling the worker image's Python files failed: {proc.stdout}{proc.stderr}")
+        raise ImageBuildError(f"compiling the image's Python files failed: {proc.stdout}{proc.stderr}")
 
 
 def worker_image_archive(repo: Path | None = None, cache: Path | None = None) -> tuple[ImageRef, Path]:
@@ -462,8 +486,8 @@ def worker_image_archive(repo: Path | None = None, cache: Path | None = None) ->
         return image, out
     images.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="worker-build-", dir=images) as tmp:
-        rootfs = _materialize(Path(tmp) / "rootfs", entries)
-        _compile_bytecode(rootfs)
+        rootfs = materialize(Path(tmp) / "rootfs", entries)
+        compile_bytecode(rootfs)
         # A large layer that is written once and read from the same disk: speed over size.
         archive = write_oci_archive(
             Path(tmp) / "image.tar",
