@@ -200,8 +200,12 @@ def write_oci_archive(
     cmd: Sequence[str] = (),
     env: Sequence[str] = ("PATH=/bin:/usr/bin:/sbin:/usr/sbin",),
     compresslevel: int = 6,
+    user: str = "",
+    also: Sequence[ImageRef] = (),
 ) -> Path:
-    """Write an OCI image layout tarball of `rootfs` (one layer) named `image` for `ctr images import`."""
+    """Write an OCI image layout tarball of `rootfs` (one layer) named `image` for `ctr images import`;
+    `user` (a uid) is whom the image's processes run as where the pod does not say (root when empty);
+    `also`: more names of the same manifest, which the import creates too."""
     if not rootfs.is_dir():
         raise ImageBuildError(f"image root filesystem {rootfs} is not a directory")
     layer = _layer_tar(rootfs)
@@ -213,6 +217,8 @@ def write_oci_archive(
         "config": {"Entrypoint": list(entrypoint), "Cmd": list(cmd), "Env": list(env), "WorkingDir": "/"},
         "rootfs": {"type": "layers", "diff_ids": [_sha256(layer)]},
     }
+    if user:
+        config["config"]["User"] = user
     config_bytes = json.dumps(config, sort_keys=True).encode()
     manifest = {
         "schemaVersion": 2,
@@ -230,8 +236,9 @@ def write_oci_archive(
                 "digest": _sha256(manifest_bytes),
                 "size": len(manifest_bytes),
                 "platform": {"architecture": "amd64", "os": "linux"},
-                "annotations": {ANNOTATION_CONTAINERD_NAME: image.name, ANNOTATION_REF_NAME: image.tag},
+                "annotations": {ANNOTATION_CONTAINERD_NAME: name.name, ANNOTATION_REF_NAME: name.tag},
             }
+            for name in (image, *also)
         ],
     }
     blobs = {_sha256(b).removeprefix("sha256:"): b for b in (layer_gz, config_bytes, manifest_bytes)}
