@@ -202,7 +202,9 @@ def test_image_entrypoint_starts_under_runc(
     image: Unpacked = request.getfixturevalue(which)
     proc = _run(image, [*image.config["Entrypoint"], "--help"], tmp_path)
     assert proc.returncode == 0, proc.stderr
-    missing = {flag for flag in _flags(which) if flag not in proc.stdout}
+    flags = _flags(which)
+    assert {"--config", "--log-level"} <= flags, flags
+    missing = {flag for flag in flags if flag not in proc.stdout}
     assert not missing, (
         f"`dynamo-snapshot {which} --help` in the image does not name {missing}:\n{proc.stdout}"
     )
