@@ -231,7 +231,10 @@ def test_the_process_refuses_one_port_for_the_webhook_and_another_server() -> No
 @pytest.mark.cluster
 def test_rendered_webhook_manifests_pass_server_side_dry_run(cluster: LocalCluster, namespace: str) -> None:
     text = render_text(release=f"w{namespace[-6:]}", namespace=namespace)
-    out = cluster.kubectl("apply", "--server-side", "--dry-run=server", "-f", "-", input=text)
+    # Forced, as in test_chart_cluster: the session's DGD CRD may carry another manager's fields.
+    out = cluster.kubectl(
+        "apply", "--server-side", "--force-conflicts", "--dry-run=server", "-f", "-", input=text
+    )
     count = len([d for d in yaml.safe_load_all(text) if d])
     assert out.stdout.count("serverside-applied (server dry run)") == count, out.stdout
     assert "mutatingwebhookconfiguration.admissionregistration.k8s.io" in out.stdout

@@ -34,7 +34,7 @@ OPERATOR_ANNOTATIONS = {
 
 
 def ours() -> Obj:
-    """The DGD CRD as crds/ holds it."""
+    """The DGD CRD of our model alone (one version, nothing converted): what the swaps edit."""
     return crdgen.build_crd(DynamoGraphDeployment)
 
 
@@ -112,5 +112,6 @@ def dgd_crd_as(cluster: LocalCluster, crd: Obj | None, *namespaces: str) -> Iter
             cluster.install_crds()
         elif _storage(crd) != "v1alpha1":
             _migrate_back(cluster, crd, namespaces)
-        cluster.kubectl("replace", "-f", "-", input=json.dumps(ours()))
+        # Back as crds/ holds it, as the session started.
+        cluster.kubectl("replace", "-f", "-", input=json.dumps(crdgen.generated_crd(DynamoGraphDeployment)))
         wait_for(lambda: _served(cluster, "v1alpha1"), within=30, what="v1alpha1 DGDs served again")
