@@ -273,11 +273,16 @@ def _failure(found: Found, e: ApiError, kind: ResourceKind) -> ScaleFailed:
     what = found.written
     detail = e.message or e.reason or str(e.status)
     if e.status == 403:
-        resource = f"{kind.plural}/scale" if found.adapter is not None else kind.plural
+        # What _write calls: the adapter's Scale read and replaced, else the DGD patched.
+        needs = (
+            f"get and update on {kind.plural}/scale"
+            if found.adapter is not None
+            else f"patch on {kind.plural}"
+        )
         return ScaleFailed(
             "ScaleForbidden",
-            f"{what}: the controller may not write it ({detail}); its ClusterRole needs update and "
-            f"patch on {resource} in group {kind.group} (the chart grants them)",
+            f"{what}: the controller may not write it ({detail}); its ClusterRole needs {needs} in group "
+            f"{kind.group} (the chart grants them)",
         )
     if e.status == 404:
         return ScaleFailed("TargetNotFound", f"{what} does not exist ({detail})")
