@@ -19,11 +19,11 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
 
 from dynamo_snapshot.api import conditions as cond
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.conditions import now_rfc3339
+from dynamo_snapshot.controller.podspec import owner_reference
 from dynamo_snapshot.kube import NODE, POD, Kube, Obj, ResourceKind
 from dynamo_snapshot.kube.kinds import DGD, POD_SNAPSHOT
 from dynamo_snapshot.localcluster.nodes import KWOK_NODE_ANNOTATION, KWOK_NODE_VALUE
@@ -31,18 +31,6 @@ from dynamo_snapshot.localcluster.nodes import KWOK_NODE_ANNOTATION, KWOK_NODE_V
 DEPLOYMENT = ResourceKind("apps", "v1", "deployments", "Deployment")
 REPLICA_SET = ResourceKind("apps", "v1", "replicasets", "ReplicaSet")
 WORKER_IMAGE = "vllm-runtime:test"
-
-
-def owner_ref(obj: Obj) -> dict[str, Any]:
-    """A controller ownerReference to ``obj``."""
-    return {
-        "apiVersion": obj["apiVersion"],
-        "kind": obj["kind"],
-        "name": obj["metadata"]["name"],
-        "uid": obj["metadata"]["uid"],
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
 
 
 def worker_template(graph: str, component: str, nodes: list[str], restore_from: str | None) -> Obj:
@@ -113,7 +101,7 @@ class StandInOperator:
             "metadata": {
                 "name": name,
                 "labels": dict(template["metadata"]["labels"]),
-                "ownerReferences": [owner_ref(dgd)] if owned else [],
+                "ownerReferences": [owner_reference(dgd)] if owned else [],
             },
             "spec": {
                 "replicas": replicas,
