@@ -105,6 +105,17 @@ async def _events(kube: Kube, namespace: str, reason: str) -> list[str]:
     return [f"{e['involvedObject']['kind']} {e['involvedObject']['name']}: {e['message']}" for e in events]
 
 
+async def _one_restorable_worker(kube: Kube, namespace: str, nodes: list[str]) -> tuple[StandInOperator, Obj]:
+    """One running worker of component decode, kept to ``nodes``, whose next pod restores from a Ready
+    PodSnapshot."""
+    op = StandInOperator(kube, namespace)
+    dgd = await op.dgd("graph", ("decode",))
+    await op.snapshot("decode-ckpt", ready=True)
+    await op.component(dgd, "decode", replicas=1, nodes=nodes, restore_from="decode-ckpt")
+    [pod] = await _running(op, "decode", 1)
+    return op, pod
+
+
 async def test_a_crash_looping_worker_is_replaced_by_a_restore_pod_and_nothing_unproven_is_touched(
     controller: Controller,
     api: client.ApiClient,
@@ -173,12 +184,8 @@ async def test_a_worker_on_a_notready_node_is_replaced_by_a_restore_pod_elsewher
     controller: Controller, api: client.ApiClient, namespace: str, gpu_node: Callable[..., Obj]
 ) -> None:
     kube = Kube(api, field_manager="tests")
-    nodes = [gpu_node()["metadata"]["name"], gpu_node()["metadata"]["name"]]
-    op = StandInOperator(kube, namespace)
-    dgd = await op.dgd("graph", ("decode",))
-    await op.snapshot("decode-ckpt", ready=True)
-    await op.component(dgd, "decode", replicas=1, nodes=nodes, restore_from="decode-ckpt")
-    [pod] = await _running(op, "decode", 1)
+    nodes = [gpu_node()["metadata"]["name"] for _ in range(2)]
+    op, pod = await _one_restorable_worker(kube, namespace, nodes)
     dead = pod["spec"]["nodeName"]
     await fail_node(kube, dead)
 
@@ -201,11 +208,7 @@ async def test_workers_are_kept_while_many_nodes_are_notready_and_failed_over_on
 ) -> None:
     kube = Kube(api, field_manager="tests")
     nodes = [gpu_node()["metadata"]["name"] for _ in range(3)]
-    op = StandInOperator(kube, namespace)
-    dgd = await op.dgd("graph", ("decode",))
-    await op.snapshot("decode-ckpt", ready=True)
-    await op.component(dgd, "decode", replicas=1, nodes=nodes, restore_from="decode-ckpt")
-    [pod] = await _running(op, "decode", 1)
+    op, pod = await _one_restorable_worker(kube, namespace, nodes)
     dead = pod["spec"]["nodeName"]
     for node in nodes:
         await fail_node(kube, node)
