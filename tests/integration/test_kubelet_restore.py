@@ -365,5 +365,13 @@ async def test_a_podsnapshot_of_a_kubelet_pod_is_captured_and_restored_by_restor
         return pod if state == "completed" and pod["status"].get("podIP") else None
 
     pod = await eventually(restore_done, 180, "the restore-from pod to be restored")
-    answer = await asyncio.to_thread(post, pod["status"]["podIP"])
-    assert answer
+
+    async def answers() -> dict[str, Any] | None:
+        # "completed" is written once the process is restored and told so; the worker opens its port on
+        # resuming from that signal, a moment later (as a readiness probe would wait for).
+        try:
+            return await asyncio.to_thread(post, pod["status"]["podIP"])
+        except OSError:
+            return None
+
+    assert await eventually(answers, 30, "the restored worker to answer")
