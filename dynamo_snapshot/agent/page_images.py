@@ -30,7 +30,7 @@ from dynamo_snapshot.criu.packed import (
     stage_images,
     staged_bytes,
 )
-from dynamo_snapshot.criu.sparse import PAGE, ImageFormatError, SparseStats, drop_zero_pages
+from dynamo_snapshot.criu.sparse import PAGE, Damaged, ImageFormatError, SparseStats, drop_zero_pages
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -58,10 +58,13 @@ async def in_thread_stoppable(work: Callable[[threading.Event], T]) -> T:
 # ------------------------------------------------------------------ checkpoint
 async def drop_zero_pages_of(images: Path) -> SparseStats | None:
     """criu.sparse.drop_zero_pages in a thread, logged; None (the images as CRIU wrote them) if it cannot
-    read them. Cancelled, it stops within a batch of pages and returns only then, so the caller's
-    clean-up never races the rewrite."""
+    read them; AgentError if it failed while moving pages, which leaves the dump unusable. Cancelled,
+    it stops within a batch of pages and returns only then, so the caller's clean-up (which throws the
+    dump away) never races the rewrite."""
     try:
         stats = await in_thread_stoppable(lambda stop: drop_zero_pages(images, stop))
+    except Damaged as e:
+        raise AgentError(f"dropping zero pages failed mid-rewrite, the dump is discarded: {e}") from None
     except (OSError, ImageFormatError) as e:
         log.warning("zero pages kept: cannot read the CRIU images", extra={"error": str(e)})
         return None

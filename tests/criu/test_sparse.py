@@ -176,20 +176,21 @@ def _pagemap(tmp: Path) -> tuple[int, list[tuple[int, int, int]]]:
     return sparse._ints(head)[1], [(e[1], e[2], e[4]) for e in map(sparse._ints, entries)]
 
 
-def test_a_rewrite_splits_entries_around_zero_pages_under_a_new_pages_id(tmp_path: Path) -> None:
+def test_a_rewrite_splits_entries_around_zero_pages_and_compacts_the_pages_in_place(tmp_path: Path) -> None:
     a, b, zero = b"a" * PAGE, b"b" * PAGE, bytes(PAGE)
     _dump(tmp_path, [a, zero, zero, b, zero])
+    inode = (tmp_path / "pages-3.img").stat().st_ino
     stats = drop_zero_pages(tmp_path)
     assert (stats.pages_before, stats.pages_dropped) == (5, 3)
     pages_id, entries = _pagemap(tmp_path)
-    assert pages_id == 4  # the old pages-3.img is gone: the pagemap switched to the new file
-    assert not (tmp_path / "pages-3.img").exists()
+    assert pages_id == 3
     assert entries == [(0x10000, 1, 6), (0x10000 + 3 * PAGE, 1, 6)]
-    assert (tmp_path / "pages-4.img").read_bytes() == a + b
+    assert (tmp_path / "pages-3.img").read_bytes() == a + b
+    assert (tmp_path / "pages-3.img").stat().st_ino == inode  # the same file, its pages moved, cut short
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "mm-7.img",
         "pagemap-7.img",
-        "pages-4.img",
+        "pages-3.img",
         "pstree.img",
     ]
 
@@ -201,7 +202,6 @@ def test_a_process_of_zero_pages_only_keeps_its_images(tmp_path: Path) -> None:
     assert stats.pages_dropped == 0
     assert _pagemap(tmp_path) == (3, [(0x10000, 3, 6)])
     assert (tmp_path / "pages-3.img").read_bytes() == bytes(3 * PAGE)
-    assert not (tmp_path / "pages-4.img").exists()
 
 
 def test_file_backed_pages_and_a_stop_leave_the_images_as_they_were(tmp_path: Path) -> None:
@@ -234,11 +234,35 @@ async def test_a_cancelled_checkpoint_waits_for_the_rewrite_to_stop(tmp_path: Pa
     _dump(tmp_path, pages)
     task = asyncio.create_task(_drop_zero_pages(tmp_path))
     await asyncio.sleep(0.02)
-    # Nothing writes in the directory any more (the caller may delete it now), and it is one whole
-    # dump: the old images, the rewrite not switched in.
+    # Nothing writes in the directory any more (the caller throws the dump away now): no file comes or
+    # goes, and the pages moved so far stay where they are; the pagemap was not switched.
     left = await cancel_and_settle(task, tmp_path)
     assert left == ["mm-7.img", "pagemap-7.img", "pages-3.img", "pstree.img"]
+    moved = (tmp_path / "pages-3.img").read_bytes()
+    assert moved != b"".join(pages), "cancelled before any page moved: give it more work"
+    await asyncio.sleep(0.3)
+    assert (tmp_path / "pages-3.img").read_bytes() == moved
     assert _pagemap(tmp_path) == (3, [(0x10000, len(pages), 6)])
+
+
+async def test_a_write_failing_mid_rewrite_fails_the_checkpoint_not_just_the_drop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dynamo_snapshot.agent.errors import AgentError
+    from dynamo_snapshot.agent.page_images import drop_zero_pages_of as _drop_zero_pages
+
+    # A failed read of the images keeps them as CRIU wrote them (the drop is skipped); once pages have
+    # moved, the images no longer match their pagemap, and publishing them would publish a corrupt dump.
+    _dump(tmp_path, [b"a" * PAGE, bytes(PAGE), b"b" * PAGE, b"c" * PAGE])
+    def failing_pwrite(fd: int, data: memoryview, offset: int) -> int:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(sparse.os, "pwrite", failing_pwrite)
+    with pytest.raises(sparse.Damaged, match=r"pages-3\.img: .*Input/output error"):
+        drop_zero_pages(tmp_path)
+    with pytest.raises(AgentError, match="mid-rewrite, the dump is discarded"):
+        await _drop_zero_pages(_dump(tmp_path, [b"a" * PAGE, bytes(PAGE), b"b" * PAGE, b"c" * PAGE]))
+    assert _pagemap(tmp_path) == (3, [(0x10000, 4, 6)])
 
 
 def _mixed_pages(n: int, seed: int) -> list[bytes]:
@@ -286,5 +310,5 @@ def test_a_rewrite_of_mixed_batches_keeps_exactly_the_non_zero_pages(tmp_path: P
             runs[-1] = (runs[-1][0], runs[-1][1] + 1, 6)
         else:
             runs.append((addr, 1, 6))
-    assert _pagemap(tmp_path) == (4, runs)
-    assert (tmp_path / "pages-4.img").read_bytes() == b"".join(p for _, p in kept)
+    assert _pagemap(tmp_path) == (3, runs)
+    assert (tmp_path / "pages-3.img").read_bytes() == b"".join(p for _, p in kept)
