@@ -4,7 +4,7 @@
 # Arguments: the size (default 1g) and the modes (default decoupled). ARMS picks the arms, run one after
 # the other on the same disk: default (the agent's defaults); keep-zero-pages (--no-drop-zero-pages);
 # raw-weights (the worker's --weights-encoding raw instead of split-nibble); compressed-pages
-# (--compress-pages). Arms combine with "+", as raw-weights+keep-zero-pages. Each arm checkpoints anew and restores with the page cache dropped and again warm,
+# (--compress-pages). Arms combine with "+", as raw-weights+keep-zero-pages; an arm may come more than once. Each arm checkpoints anew and restores with the page cache dropped and again warm,
 # output checked; only the first arm's cold start compiles from nothing. ARM_TIMEOUT is each arm's limit
 # (s). 1g decoupled, the three default arms: about 5 minutes. The compressed-pages A/B in BENCHMARKS.md:
 #   ARMS="compressed-pages default" ... run_formats_ab_h200.sh 1g plain,decoupled           (8 minutes)
@@ -15,6 +15,7 @@ modes=${2:-decoupled}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 . benchmarks/gpu/device_env.sh
 keep=()
+n=0
 for arm in ${ARMS:-default keep-zero-pages raw-weights}; do
     flags=()
     for part in ${arm//+/ }; do
@@ -27,9 +28,12 @@ for arm in ${ARMS:-default keep-zero-pages raw-weights}; do
             *) echo "unknown arm $part" >&2; exit 2 ;;
         esac
     done
+    n=$((n + 1))
+    # The arm's place in the call names its files, so an arm run twice keeps both runs.
+    tag="formats-$n-${arm//+/_and_}"
     timeout "${ARM_TIMEOUT:-290}" python3 benchmarks/gpu/restore_bench.py --size "$size" --modes "$modes" \
-        --tag "formats-${arm//+/_and_}" --warm-restore --no-bad-inputs --no-diagnostics \
-        --calib-gib 2 --out "$OUT" "${flags[@]}" "${keep[@]}" > "$OUT/formats-$size-${arm//+/_and_}.log" 2>&1
+        --tag "$tag" --warm-restore --no-bad-inputs --no-diagnostics \
+        --calib-gib 2 --out "$OUT" "${flags[@]}" "${keep[@]}" > "$OUT/$tag-$size.log" 2>&1
     echo "size $size $arm: rc=$?"
     keep=(--keep-compile-cache)
 done
