@@ -22,15 +22,12 @@ and hold protobuf messages each preceded by its u32 length; pages-ID.img is raw 
 
 from __future__ import annotations
 
-import itertools
 import mmap
 import os
 import struct
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -250,49 +247,6 @@ def _read_fully(fd: int, into: memoryview, offset: int) -> int:
     return got
 
 
-class _ReadAhead:
-    """The batches of a pages image, read by a few threads ahead of the one thread that compares and
-    writes them, each into a buffer of its own that is read into again once the batch is done.
-
-    Reading ahead is safe in place: a batch's kept pages go below the batch's end, which is where the
-    batches still to read begin. Reading copies from the page cache and lets go of the GIL, so it
-    runs beside the comparing; alone in one thread it was most of the rewrite's time."""
-
-    def __init__(self, fd: int, spans: list[int], threads: int = 4, depth: int = 8) -> None:
-        self.fd = fd
-        self.spans = spans  # the batches' sizes, in file order
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="sparse-read")
-        self.buffers = [bytearray(_BATCH_PAGES * PAGE) for _ in range(min(depth, len(spans)) or 1)]
-
-    def __enter__(self) -> _ReadAhead:
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        # No read may still be running once the caller closes the file.
-        self.pool.shutdown(wait=True, cancel_futures=True)
-
-    def batches(self) -> Iterator[tuple[int, bytearray]]:
-        """(offset, buffer holding the batch) in file order; a buffer is the caller's until the next."""
-        pending: deque[tuple[Future[int], int, int, bytearray]] = deque()
-        offsets = itertools.accumulate(self.spans, initial=0)
-        queued = zip(offsets, self.spans, strict=False)
-
-        def submit(buf: bytearray) -> None:
-            for at, size in itertools.islice(queued, 1):
-                pending.append(
-                    (self.pool.submit(_read_fully, self.fd, memoryview(buf)[:size], at), at, size, buf)
-                )
-
-        for buf in self.buffers:
-            submit(buf)
-        while pending:
-            done, at, size, buf = pending.popleft()
-            if done.result() != size:
-                raise ImageFormatError("pages image shorter than its pagemap")
-            yield at, buf
-            submit(buf)
-
-
 class _Compactor:
     """Moves the pages that stay towards the start of the pages image they are in.
 
@@ -304,6 +258,7 @@ class _Compactor:
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
+        self.read_at = 0  # offset of the next batch to read
         self.write_at = 0  # offset the next kept page goes to
 
     def keep(self, view: memoryview, at: int) -> None:
@@ -326,50 +281,53 @@ def _compact(
     new_entries: list[bytes] = []
     before = dropped = 0
     out = _Compactor(fd)
-    counts = [min(_BATCH_PAGES, nr - first) for _, nr, _ in entries for first in range(0, nr, _BATCH_PAGES)]
-    with _ReadAhead(fd, [c * PAGE for c in counts]) as reads:
-        batches = reads.batches()
-        for vaddr, nr, flags in entries:
-            before += nr
-            run_start, run_len = vaddr, 0
-            for first in range(0, nr, _BATCH_PAGES):
-                if stop is not None and stop.is_set():
-                    raise Stopped
-                at, buf = next(batches)
-                view = memoryview(buf)
-                count = min(_BATCH_PAGES, nr - first)
-                size = count * PAGE
-                base = vaddr + first * PAGE
-                # A page may go only if it lies in a droppable VMA; an entry may span VMAs.
-                whole = _inside(droppable, base, base + size)
-                # Fast paths, at memcmp speed: a batch all zeros (a KV cache, GPU state), or one holding
-                # no zero page at all, need no look at each page.
-                if whole and buf.startswith(_ZERO_BATCH[:size]):
-                    dropped += count
-                    if run_len:
-                        new_entries.append(_entry(run_start, run_len, flags))
-                    run_start, run_len = base + size, 0
+    # One buffer read into again and again, compared and written without a copy: fresh 1 MiB blocks
+    # would each be new memory the kernel must fault in, and slices of them copies.
+    buf = bytearray(_BATCH_PAGES * PAGE)
+    view = memoryview(buf)
+    for vaddr, nr, flags in entries:
+        before += nr
+        run_start, run_len = vaddr, 0
+        for first in range(0, nr, _BATCH_PAGES):
+            if stop is not None and stop.is_set():
+                raise Stopped
+            count = min(_BATCH_PAGES, nr - first)
+            size = count * PAGE
+            at = out.read_at
+            if _read_fully(fd, view[:size], at) != size:
+                raise ImageFormatError("pages image shorter than its pagemap")
+            out.read_at += size
+            base = vaddr + first * PAGE
+            # A page may go only if it lies in a droppable VMA; an entry may span VMAs.
+            whole = _inside(droppable, base, base + size)
+            # Fast paths, at memcmp speed: a batch all zeros (a KV cache, GPU state), or one holding no
+            # zero page at all, need no look at each page.
+            if whole and buf.startswith(_ZERO_BATCH[:size]):
+                dropped += count
+                if run_len:
+                    new_entries.append(_entry(run_start, run_len, flags))
+                run_start, run_len = base + size, 0
+                continue
+            if buf.find(_ZERO, 0, size) < 0:
+                out.keep(view[:size], at)
+                run_len += count
+                continue
+            kept_from = 0  # start (page index in the batch) of the kept pages not yet written
+            for i in range(count):
+                addr = base + i * PAGE
+                zero = buf.startswith(_ZERO, i * PAGE)
+                if not (zero and (whole or _inside(droppable, addr, addr + PAGE))):
+                    run_len += 1
                     continue
-                if buf.find(_ZERO, 0, size) < 0:
-                    out.keep(view[:size], at)
-                    run_len += count
-                    continue
-                kept_from = 0  # start (page index in the batch) of the kept pages not yet written
-                for i in range(count):
-                    addr = base + i * PAGE
-                    zero = buf.startswith(_ZERO, i * PAGE)
-                    if not (zero and (whole or _inside(droppable, addr, addr + PAGE))):
-                        run_len += 1
-                        continue
-                    out.keep(view[kept_from * PAGE : i * PAGE], at + kept_from * PAGE)
-                    kept_from = i + 1
-                    dropped += 1
-                    if run_len:
-                        new_entries.append(_entry(run_start, run_len, flags))
-                    run_start, run_len = addr + PAGE, 0
-                out.keep(view[kept_from * PAGE : size], at + kept_from * PAGE)
-            if run_len:
-                new_entries.append(_entry(run_start, run_len, flags))
+                out.keep(view[kept_from * PAGE : i * PAGE], at + kept_from * PAGE)
+                kept_from = i + 1
+                dropped += 1
+                if run_len:
+                    new_entries.append(_entry(run_start, run_len, flags))
+                run_start, run_len = addr + PAGE, 0
+            out.keep(view[kept_from * PAGE : size], at + kept_from * PAGE)
+        if run_len:
+            new_entries.append(_entry(run_start, run_len, flags))
     return new_entries, before, dropped
 
 
