@@ -67,8 +67,12 @@ IMAGE_ENV = (
     "PYTHONUNBUFFERED=1",
 )
 ENTRY_SCRIPT = "usr/bin/dynamo-snapshot"
+# Guarded as pip's console scripts are: the artifact checks' helper processes are started with "spawn",
+# which runs the main module again in each child (as __mp_main__); unguarded, every helper would be a
+# second agent.
 ENTRY_SCRIPT_TEXT = (
-    f"#!{WORKER_PYTHON}\nimport sys\n\nfrom dynamo_snapshot.cli.main import main\n\nsys.exit(main())\n"
+    f"#!{WORKER_PYTHON}\nimport sys\n\nfrom dynamo_snapshot.cli.main import main\n\n"
+    'if __name__ == "__main__":\n    sys.exit(main())\n'
 )
 # Left out as the Dockerfiles' .dockerignore leaves them out: the demo and the local cluster it runs on.
 LEFT_OUT = ("localcluster/", "cli/demo/", "cli/demo_cmd.py")
@@ -80,11 +84,22 @@ AGENT_TOOLS = {
     "nsenter": "usr/bin/nsenter",
     "unshare": "usr/bin/unshare",
     "dash": "bin/sh",
+    # CRIU saves and restores a tmpfs's files (a pod's /dev/shm, an emptyDir in memory) with
+    # `tar --gzip`, which runs gzip.
+    "tar": "usr/bin/tar",
+    "gzip": "usr/bin/gzip",
 }
 # Debian's busybox sh runs its own applet for a command of that name even where PATH names another
 # program: `exec nsenter --pid=...` in the agent's cgroup-joining script would get busybox's nsenter, not
 # util-linux's. The agent's /bin/sh is dash (as in debian:trixie-slim), which looks commands up in PATH.
-_TOOL_PACKAGES = {"runc": "runc", "nsenter": "util-linux", "unshare": "util-linux", "dash": "dash"}
+_TOOL_PACKAGES = {
+    "runc": "runc",
+    "nsenter": "util-linux",
+    "unshare": "util-linux",
+    "dash": "dash",
+    "tar": "tar",
+    "gzip": "gzip",
+}
 ETC_PASSWD = (
     "root:x:0:0:root:/:/bin/sh\ncontroller:x:65532:65532::/:/bin/false\nnobody:x:65534:65534::/:/bin/false\n"
 )

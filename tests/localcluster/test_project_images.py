@@ -232,12 +232,33 @@ def test_agent_image_carries_the_programs_the_agent_execs(agent: Unpacked, tmp_p
     unshare = _run(agent, ["sh", "-c", 'exec "$@"', "sh", "unshare", "--version"], tmp_path)
     assert unshare.returncode == 0, unshare.stdout + unshare.stderr
     assert "unshare from util-linux" in unshare.stdout
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # CRIU's tmpfs dump and restore, as it runs them: GNU tar's options, gzip through --gzip.
+    tmpfs = _run(
+        agent,
+        ["sh", "-c", "mkdir -p /tmp/t && echo kept > /tmp/t/f && tar --create --gzip --sparse --numeric-owner"
+         " --one-file-system --check-links --directory /tmp/t . | tar --extract --gzip --to-stdout"],
+        tmp_path,
+    )  # fmt: skip
+    assert tmpfs.returncode == 0, tmpfs.stdout + tmpfs.stderr
+    assert tmpfs.stdout == "kept\n"
     version = CriuVersion.parse(proc.stdout)
     assert version.at_least(MIN_VERSION), str(version)
     assert "runc version" in proc.stdout
     assert (agent.rootfs / "etc/passwd").read_text() in proc.stdout
     assert proc.stdout.rstrip().endswith("nsenter from util-linux " + proc.stdout.rstrip().rsplit(" ", 1)[-1])
+
+
+def test_the_entry_script_starts_nothing_in_a_spawned_helper(agent: Unpacked, tmp_path: Path) -> None:
+    # The artifact checks' helper processes are spawned, which runs the main module again in each child
+    # as __mp_main__: the script must start the agent only as __main__.
+    proc = _run(
+        agent,
+        ["python3", "-c", "import runpy; runpy.run_path('/usr/bin/dynamo-snapshot', run_name='__mp_main__');"
+         " print('no agent started')"],
+        tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout == "no agent started\n"
 
 
 def test_tags_follow_their_inputs_and_archives_are_cached(tmp_path: Path) -> None:
