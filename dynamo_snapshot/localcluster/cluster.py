@@ -156,7 +156,10 @@ class LocalCluster:
         return [
             str(comps.kube_apiserver),
             f"--etcd-servers=http://127.0.0.1:{etcd_port}",
-            "--bind-address=127.0.0.1",
+            # Every address, so that the real node's pods reach it through the `kubernetes` Service, whose
+            # endpoint start_real_node sets to the node's bridge address (the apiserver's own endpoint
+            # reconciler is off: it would publish 127.0.0.1, which a pod cannot reach).
+            "--bind-address=0.0.0.0",
             "--advertise-address=127.0.0.1",
             f"--secure-port={self.apiserver_port}",
             f"--tls-cert-file={pki.server_cert}",
@@ -244,7 +247,27 @@ class LocalCluster:
             )
         if not self._real_node.running:
             self._real_node.start(timeout=timeout, progress=progress)
+            self._publish_apiserver_endpoint(self._real_node.node_ip)
         return self._real_node
+
+    def _publish_apiserver_endpoint(self, address: str) -> None:
+        """The `kubernetes` Service's endpoint: this apiserver at ``address``, as in-cluster clients (the
+        chart's controller and agent pods) reach it through kube-proxy."""
+        port = [{"name": "https", "port": self.apiserver_port, "protocol": "TCP"}]
+        self.apply(
+            {
+                "apiVersion": "discovery.k8s.io/v1",
+                "kind": "EndpointSlice",
+                "metadata": {
+                    "name": "kubernetes",
+                    "namespace": "default",
+                    "labels": {"kubernetes.io/service-name": "kubernetes"},
+                },
+                "addressType": "IPv4",
+                "endpoints": [{"addresses": [address], "conditions": {"ready": True}}],
+                "ports": port,
+            }
+        )
 
     def stop_real_node(self) -> None:
         if self._real_node is not None:

@@ -43,6 +43,8 @@ KUBE_PROXY_CHAINS = (
 # One real node per machine whatever its name: the kubelet port, /kubepods cgroups and the kubelet's
 # iptables chains are machine-wide.
 LOCK_PATH = Path("/run/dynamo-snapshot-real-node.lock")
+# Present while the real node holds /sys/fs/cgroup as a shared mount that it found private.
+CGROUP_SHARED_MARK = Path("/run/dynamo-snapshot-real-node.cgroup-shared")
 
 
 class RealNodeError(RuntimeError):

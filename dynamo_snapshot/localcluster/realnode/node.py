@@ -140,6 +140,7 @@ class RealNode:
             self.state_dir.mkdir(parents=True, exist_ok=True)
             self._ip_forward = IP_FORWARD.read_text().strip()
             self._write_record()
+            self._traces.share()
             self._setup_bridge()
             install_seccomp_profiles(self.kubelet_root)
             say("building the pause and test images")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from dynamo_snapshot.localcluster.realnode.host import (
     CGROUP_ROOT,
+    CGROUP_SHARED_MARK,
     CNI_NETWORK,
     CNI_RESULTS,
     CONTAINER_LOG_LINKS,
@@ -68,12 +69,28 @@ class HostTraces:
         found += [f"shim socket {p}" for p in self.shim_sockets(containers)]
         if (KUBELET_DEVICE_PLUGINS / "kubelet.sock").exists():
             found.append(f"socket {KUBELET_DEVICE_PLUGINS / 'kubelet.sock'}")
+        if CGROUP_SHARED_MARK.exists():
+            found.append(f"{CGROUP_ROOT} made a shared mount")
         return found
+
+    def share(self) -> None:
+        """Make the node's directories that the chart's agent mounts with HostToContainer propagation
+        (its runtimeHostPaths) shared mounts, as they are on a systemd host: the kubelet refuses that
+        propagation from a private mount, and only through a shared one does the agent see the rootfs and
+        volumes of containers started after it. Before containerd starts, so theirs propagate."""
+        for d in (self.workdir, self.state_dir, RUNC_ROOT):
+            d.mkdir(parents=True, exist_ok=True)
+            if str(d) not in mountpoints():
+                run(["mount", "--bind", str(d), str(d)])
+            run(["mount", "--make-rshared", str(d)])
+        if propagation(str(CGROUP_ROOT)) == "private":
+            CGROUP_SHARED_MARK.touch()
+            run(["mount", "--make-rshared", str(CGROUP_ROOT)])
 
     def remove(self, errors: list[str], extra_workdirs: set[Path] | None = None) -> None:
         """Remove every trace; what cannot be removed is added to `errors`. `extra_workdirs` replace
         `workdir` as roots (a killed run's workdir, from its record, besides this one's)."""
-        roots = {self.state_dir, *(extra_workdirs or {self.workdir})}
+        roots = {self.state_dir, RUNC_ROOT, *(extra_workdirs or {self.workdir})}
         # runc's state of our containers lives outside our dirs; `runc delete --force` also kills them.
         containers = self.runc_containers()
         for cid in containers:
@@ -102,13 +119,19 @@ class HostTraces:
             proc = run(["ip", "link", "del", self.bridge], check=False)
             if proc.returncode != 0:
                 errors.append(f"ip link del {self.bridge}: {proc.stderr.strip()}")
+        if CGROUP_SHARED_MARK.exists():
+            proc = run(["mount", "--make-rprivate", str(CGROUP_ROOT)], check=False)
+            if proc.returncode != 0:
+                errors.append(f"mount --make-rprivate {CGROUP_ROOT}: {proc.stderr.strip()}")
+            else:
+                CGROUP_SHARED_MARK.unlink()
         remove_container_log_links(roots)
         tidy_shared_dirs()
         if not self.mounts(roots):
             shutil.rmtree(self.state_dir, ignore_errors=True)
 
     def mounts(self, roots: set[Path] | None = None) -> list[str]:
-        prefixes = [str(r).rstrip("/") + "/" for r in (roots or {self.state_dir, self.workdir})]
+        prefixes = [str(r).rstrip("/") + "/" for r in (roots or {self.state_dir, RUNC_ROOT, self.workdir})]
         found = [m for m in mountpoints() if any((m + "/").startswith(p) for p in prefixes)]
         # Deepest first: an overlay rootfs inside the kubelet root's own bind mount goes before it.
         return sorted(set(found), key=lambda m: (-m.count("/"), m))
@@ -188,6 +211,26 @@ def mountpoints() -> list[str]:
             # mountinfo escapes space, tab, newline and backslash as octal.
             points.append(fields[4].encode().decode("unicode_escape"))
     return points
+
+
+def propagation(path: str) -> str:
+    """shared, slave or private: how the mount at ``path`` (or the one it lies in) propagates."""
+    best, how = "", "private"
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split(" ")
+        point = fields[4].encode().decode("unicode_escape")
+        if (path + "/").startswith(point.rstrip("/") + "/") and len(point) >= len(best):
+            optional = fields[6 : fields.index("-")]
+            best = point
+            how = next(
+                (
+                    k
+                    for k, tag in (("shared", "shared:"), ("slave", "master:"))
+                    if any(o.startswith(tag) for o in optional)
+                ),
+                "private",
+            )
+    return how
 
 
 def umount(path: str) -> bool:
