@@ -390,7 +390,10 @@ class ContainerdRuntime:
             fds.append(fd)
             return fd
 
-        args = ["--root", str(target.rootfs), "--manage-cgroups=ignore"]
+        # CRIU's older mount engine: the newer one (mount-v2) copies each mount's sharing from its source
+        # with MOVE_MOUNT_SET_GROUP, which fails (EINVAL) for a container's mounts that are slaves of the
+        # host's shared ones (its cgroup mounts on a host whose /sys/fs/cgroup is shared, as systemd's).
+        args = ["--root", str(target.rootfs), "--manage-cgroups=ignore", "--mntns-compat-mode"]
         args += ["--inherit-fd", f"fd[{inherit(f'/proc/{target.pid}/ns/net', os.O_RDONLY)}]:extNetNs"]
         for ns in ("uts", "ipc"):
             args += ["--join-ns", f"{ns}:/proc/self/fd/{inherit(f'/proc/{target.pid}/ns/{ns}', os.O_RDONLY)}"]
