@@ -34,9 +34,11 @@ def helm_binary() -> Path:
     return Path(found)
 
 
-def helm(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def helm(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(helm_binary()), *args], capture_output=True, text=True, timeout=60, check=False, env=env
+        [str(helm_binary()), *args], capture_output=True, text=True, timeout=timeout, check=False, env=env
     )
 
 
