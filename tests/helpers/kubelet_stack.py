@@ -187,3 +187,19 @@ def restore_pod(
         ],
     )
     return pod
+
+
+def workers_outside_pods() -> list[str]:
+    """cpu_worker processes on the host that are in no pod's cgroup."""
+    outside = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            cgroups = (entry / "cgroup").read_text()
+        except OSError:
+            continue
+        if "cpu_worker.py" in cmdline and "/kubepods/" not in cgroups:
+            outside.append(f"{entry.name}: {cmdline}")
+    return outside

@@ -24,7 +24,15 @@ from dynamo_snapshot.localcluster.project_images import agent_image_archive, con
 from dynamo_snapshot.localcluster.realnode import REAL_NODE_TAINT, RUNC_ROOT, RealNode
 from tests.helm.chart import CHART, helm
 from tests.helm.conftest import without_dgd_crd  # noqa: F401  (a fixture)
-from tests.helpers.kubelet_stack import GRAPH, SERVICE, graph_manifest, health, post, ready
+from tests.helpers.kubelet_stack import (
+    GRAPH,
+    SERVICE,
+    graph_manifest,
+    health,
+    post,
+    ready,
+    workers_outside_pods,
+)
 from tests.helpers.polling import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.criu, pytest.mark.kubelet]
@@ -95,21 +103,6 @@ def _ready_restores(cluster: LocalCluster, namespace: str, count: int) -> list[d
         assert status != "failed", p["metadata"]["annotations"]
     done = [p for p in restoring if ready(p)]
     return done if len(done) == count else []
-
-
-def _workers_outside_pods() -> list[str]:
-    outside = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            cgroups = (entry / "cgroup").read_text()
-        except OSError:
-            continue
-        if CPU_WORKER in cmdline and "/kubepods/" not in cgroups:
-            outside.append(f"{entry.name}: {cmdline}")
-    return outside
 
 
 def _release_pods(cluster: LocalCluster, namespace: str) -> dict[str, dict[str, Any]]:
@@ -233,7 +226,7 @@ def _story(
         what="the restore pods to go on scale-down",
     )
     wait_for(lambda: len(_worker_pids()) == 1, within=30, what="one worker process left (the cold one)")
-    assert _workers_outside_pods() == []
+    assert workers_outside_pods() == []
 
     # helm uninstall: the release's pods go; the CRDs, the graph, its checkpoint and the artifact stay.
     removed = helm("uninstall", release, "-n", system, "--wait", env=env, timeout=120)
@@ -242,7 +235,7 @@ def _story(
     assert _json(cluster, "get", DGD_V1ALPHA1, GRAPH, "-n", apps)["metadata"]["name"] == GRAPH
     assert _json(cluster, "get", "dynamocheckpoints", "-n", apps)["items"]
     assert sorted((store / "artifacts").rglob("manifest.json")) == artifacts
-    assert _workers_outside_pods() == []
+    assert workers_outside_pods() == []
 
 
 def _answering(ip: str) -> Callable[[], dict[str, Any]]:

@@ -39,6 +39,7 @@ from tests.helpers.kubelet_stack import (
     ready,
     restore_pod,
     snapshot_pod,
+    workers_outside_pods,
 )
 from tests.helpers.polling import wait_for
 
@@ -76,22 +77,6 @@ async def _restored_ready(s: Stack, count: int, *, failures_allowed: bool = Fals
 
     found: list[Obj] = await eventually(all_ready, 180, f"{count} restore pods to be Ready")
     return found
-
-
-def _workers_outside_pods() -> list[str]:
-    """cpu_worker processes on the host that are in no pod's cgroup."""
-    outside = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            cgroups = (entry / "cgroup").read_text()
-        except OSError:
-            continue
-        if "cpu_worker.py" in cmdline and "/kubepods/" not in cgroups:
-            outside.append(f"{entry.name}: {cmdline}")
-    return outside
 
 
 async def test_auto_mode_on_the_kubelet_node(
@@ -182,7 +167,7 @@ async def test_auto_mode_on_the_kubelet_node(
         timeout=70,
     )
     wait_for(lambda: not pid_running(victim_pid), within=30, what="the deleted pod's restored worker to end")
-    assert _workers_outside_pods() == []
+    assert workers_outside_pods() == []
 
 
 async def test_agent_killed_mid_restore_then_kubelet_restarted(
@@ -206,7 +191,7 @@ async def test_agent_killed_mid_restore_then_kubelet_restarted(
     await s.kube.merge_patch(DGD, GRAPH, {"spec": {"services": {SERVICE: {"replicas": 2}}}}, s.namespace)
     await asyncio.wait_for(restored_tree.wait(), 120)
     await s.kill_agent()
-    assert _workers_outside_pods() == []
+    assert workers_outside_pods() == []
 
     # A new agent process clears the half-done restore and ends with a serving restore pod (a restore
     # into the container the kubelet started anew, or a replacement pod).
@@ -214,7 +199,7 @@ async def test_agent_killed_mid_restore_then_kubelet_restarted(
     (pod,) = await _restored_ready(s, 1, failures_allowed=True)
     answer = await asyncio.to_thread(post, pod["status"]["podIP"])
     assert answer == {**expected, "pod": pod["metadata"]["name"]}
-    assert _workers_outside_pods() == []
+    assert workers_outside_pods() == []
 
     # A kubelet restart leaves the restored worker running, Ready and serving.
     pid = await asyncio.to_thread(_restored_pid, pod)
@@ -291,7 +276,7 @@ async def test_bad_restores_are_refused_with_a_clear_message(stack: Stack, real_
     assert placeholder["status"]["containerStatuses"][0]["imageID"] in message
     cold = (await pods(s, protocol.StartMode.COLD.value))[0]
     assert cold["status"]["containerStatuses"][0]["imageID"] in message
-    assert _workers_outside_pods() == []
+    assert workers_outside_pods() == []
 
     # A writable-layer diff that no longer matches its checksum is refused before anything runs.
     diff = next(s.store.rglob("criu/rootfs-diff.tar"))
