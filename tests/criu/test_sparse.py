@@ -254,6 +254,7 @@ async def test_a_write_failing_mid_rewrite_fails_the_checkpoint_not_just_the_dro
     # A failed read of the images keeps them as CRIU wrote them (the drop is skipped); once pages have
     # moved, the images no longer match their pagemap, and publishing them would publish a corrupt dump.
     _dump(tmp_path, [b"a" * PAGE, bytes(PAGE), b"b" * PAGE, b"c" * PAGE])
+
     def failing_pwrite(fd: int, data: memoryview, offset: int) -> int:
         raise OSError(5, "Input/output error")
 
