@@ -215,7 +215,10 @@ def _story(
     new_agent = _release_pods(cluster, system)["agent"]
     assert new_agent["metadata"]["uid"] != pods["agent"]["metadata"]["uid"]
     assert "debug" in new_agent["spec"]["containers"][0]["args"]
-    for pod in _ready_restores(cluster, apps, 3):
+    serving = wait_for(
+        lambda: _ready_restores(cluster, apps, 3), within=60, what="the 3 restored workers after the upgrade"
+    )
+    for pod in serving:
         assert _answer(pod["status"]["podIP"])["text"] == expected["text"]
 
     # Scale-down: the restored workers go with their pods.
