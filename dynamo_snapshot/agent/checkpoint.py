@@ -26,6 +26,7 @@ from dynamo_snapshot.agent.metrics import BYTES, FAILURES, THROUGHPUT
 from dynamo_snapshot.agent.node import Node
 from dynamo_snapshot.agent.page_images import compress_pages, drop_zero_pages_of, has_packed_pages
 from dynamo_snapshot.agent.prefetch import plan_for_tree, write_plan
+from dynamo_snapshot.agent.privileges import worker_needs
 from dynamo_snapshot.agent.runtime.base import Workload, WorkloadRuntimeError, pid_running
 from dynamo_snapshot.agent.runtime.rootfs_diff import DIFF_FILE
 from dynamo_snapshot.agent.sentinels import write_sentinel
@@ -133,6 +134,13 @@ class CheckpointRun:
     async def inspect_worker(self) -> None:
         """The worker's CUDA processes, the weights it offloaded (weights.json) and the GPU memory it
         holds; nothing is written yet."""
+        try:
+            tree = await asyncio.to_thread(process_tree, self.workload.pid)
+        except ProcessLookupError:
+            tree = []  # gone: the dump says so
+        needs = await asyncio.to_thread(worker_needs, tree)
+        if needs is not None:
+            raise AgentError(f"cannot checkpoint this worker: {needs}")
         if self.node.cuda is not None:
             self.cuda_pids = await asyncio.to_thread(find_cuda_pids, self.workload.pid)
         try:

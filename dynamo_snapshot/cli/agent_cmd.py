@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import re
 from pathlib import Path
@@ -14,6 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, mo
 from pydantic.alias_generators import to_camel
 
 from dynamo_snapshot.agent.executor import DEFAULT_RESTORE_SCRATCH, Executor
+from dynamo_snapshot.agent.privileges import check_privileges
 from dynamo_snapshot.agent.runtime import ProcessRuntime, RuncRuntime, Runtime
 from dynamo_snapshot.agent.runtime.containerd import CONTAINERD_RUNC_ROOT, CRIO_RUNC_ROOT, ContainerdRuntime
 from dynamo_snapshot.agent.runtime.runc import DEFAULT_HOST_BINDS
@@ -28,6 +30,8 @@ FIELD_MANAGER = "dynamo-snapshot-agent"
 
 
 _KUBE_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT])i\s*$")
+
+log = logging.getLogger(__name__)
 
 
 def _kube_size(value: object) -> object:
@@ -309,6 +313,13 @@ def readiness(agent: NodeAgent) -> str | None:
 async def _main(config: AgentConfig, kubeconfig: str | None, stop: asyncio.Event) -> None:
     # First, so that a slow start (CRIU check, API server) reads as not ready rather than not alive.
     async with health_endpoints(config.health_port, starting="starting") as health:
+        runc_root = config.runc_root if config.runtime == "containerd" else None
+        lacking = await asyncio.to_thread(check_privileges, runc_root=runc_root)
+        if lacking:
+            log.warning(
+                "without these capabilities only workers running as root can be checkpointed and restored",
+                extra={"lacking": ", ".join(f"CAP_{name}" for name in lacking)},
+            )
         await Criu(config.criu).require()
         if config.metrics_port:
             start_http_server(config.metrics_port)

@@ -3,7 +3,8 @@
 It starts the local control plane (etcd, kube-apiserver, scheduler, controller-manager) with a real
 kubelet + containerd node, Prometheus, the controller and the node agent (workers in kubelet pods of the
 locally built worker image, checkpointed in place and restored into their restore pods' own containers
-with CRIU; `--kwok`: fake H200 nodes whose agents launch the workers as runc containers), applies a
+with CRIU; `--chart`: the Helm chart installed on that node, its controller and agent pods doing that
+work; `--kwok`: fake H200 nodes whose agents launch the workers as runc containers), applies a
 DynamoGraphDeployment in Auto mode running the CPU reference worker, then:
 cold start and checkpoint, load-driven scale-up by restore, a killed worker replaced by restore, and the
 scale-down. It ends with a table of measured times, `summary.json` and a PNG of load and replicas, and
@@ -46,6 +47,12 @@ def register(sub: Any) -> None:
         "--kwok",
         action="store_true",
         help="fake GPU nodes (kwok) whose agents launch the workers, instead of the real kubelet node",
+    )
+    p.add_argument(
+        "--chart",
+        action="store_true",
+        help="install the Helm chart (controller and agent images built from this checkout) on the "
+        "kubelet node and let its pods run the story, instead of an in-process controller and agent",
     )
     p.add_argument(
         "--gpu-nodes",
@@ -124,6 +131,8 @@ async def _main(args: argparse.Namespace, console: Console, workdir: Path) -> in
         workdir,
         nodes=args.gpu_nodes,
         kubelet=not args.kwok,
+        chart=args.chart,
+        logs_dir=args.out if args.chart else None,
         apiserver_port=args.apiserver_port,
         say=console.log,
     )

@@ -48,7 +48,8 @@ def find_prometheus(binary: Path | None = None) -> Path:
 
 
 class LocalPrometheus:
-    """Prometheus on 127.0.0.1:<free port>, scraping ``targets`` (``host:port``) every second.
+    """Prometheus on ``host`` (127.0.0.1 unless pods query it) at a free port, scraping ``targets``
+    (``host:port``) every second.
 
     ``start()`` returns once ``/-/ready`` answers; ``url`` is then the base URL for queries.
     ``set_targets()`` changes what is scraped without a restart.  Without ``workdir`` the config,
@@ -62,8 +63,10 @@ class LocalPrometheus:
         workdir: Path | None = None,
         binary: Path | None = None,
         scrape_interval_s: float = 1.0,
+        host: str = "127.0.0.1",
     ) -> None:
         self.targets = list(targets)
+        self.host = host
         self.scrape_interval_s = scrape_interval_s
         self._binary = binary
         self._given_workdir = workdir
@@ -78,7 +81,7 @@ class LocalPrometheus:
     def url(self) -> str:
         if not self.port:
             raise LocalPrometheusError("LocalPrometheus is not started")
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def log(self) -> Path:
@@ -104,7 +107,7 @@ class LocalPrometheus:
                 str(binary),
                 f"--config.file={self._config}",
                 f"--storage.tsdb.path={self._dir / 'tsdb'}",
-                f"--web.listen-address=127.0.0.1:{self.port}",
+                f"--web.listen-address={self.host}:{self.port}",
                 "--web.enable-lifecycle",
                 "--storage.tsdb.retention.time=1h",
                 "--log.level=warn",

@@ -14,6 +14,12 @@ import yaml
 
 import dynamo_snapshot
 from dynamo_snapshot.agent import watcher
+from dynamo_snapshot.agent.privileges import (
+    CAPABILITY_BITS,
+    CONTAINERD_DEFAULT_CAPABILITIES,
+    OTHER_USER_CAPABILITIES,
+    REQUIRED_CAPABILITIES,
+)
 from dynamo_snapshot.agent.runtime.runc import DEFAULT_HOST_BINDS
 from dynamo_snapshot.api import crdgen, protocol
 from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment
@@ -268,13 +274,43 @@ def test_controller_deployment() -> None:
     assert (config.metrics_port, config.health_port) == (8080, 8081)
 
 
+def test_agent_capabilities_are_linux_ones() -> None:
+    wrong = template({"agent": {"capabilities": ["SYS_ADMIN", "CAP_NET_ADMIN"]}})
+    assert wrong.returncode != 0
+    assert "capabilities" in wrong.stderr
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    items = schema["properties"]["agent"]["properties"]["capabilities"]["items"]
+    assert items["enum"] == list(CAPABILITY_BITS)
+
+
+def test_agent_privileged_on_request_and_the_nvidia_runtime_class() -> None:
+    ds = one(render({"agent": {"privileged": True, "runtimeClassName": "nvidia"}}), "DaemonSet", "-agent")
+    assert ds["spec"]["template"]["spec"]["runtimeClassName"] == "nvidia"
+    agent = _container(ds, "agent")
+    assert agent["securityContext"] == {"privileged": True}
+    env = {e["name"]: e.get("value") for e in agent["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
+
+
 def test_agent_daemonset(monkeypatch: pytest.MonkeyPatch) -> None:
     objs = render()
     ds = one(objs, "DaemonSet", "-agent")
     pod = ds["spec"]["template"]["spec"]
     agent = _container(ds, "agent")
     assert pod["hostPID"] is True
-    assert agent["securityContext"]["privileged"] is True
+    assert "runtimeClassName" not in pod
+    assert agent["securityContext"] == {
+        "capabilities": {"drop": ["ALL"], "add": agent["securityContext"]["capabilities"]["add"]},
+        "seccompProfile": {"type": "Unconfined"},
+        "appArmorProfile": {"type": "Unconfined"},
+    }
+    # Every capability the agent asks for (it refuses to start without the required ones), nothing else.
+    assert agent["securityContext"]["capabilities"]["add"] == [
+        *REQUIRED_CAPABILITIES,
+        *OTHER_USER_CAPABILITIES,
+        *CONTAINERD_DEFAULT_CAPABILITIES,
+    ]
+    assert agent["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert pod["nodeSelector"] == {protocol.LABEL_GPU_PRESENT: "true"}
     assert agent["command"] == ["dynamo-snapshot", "agent", "--config", "/etc/dynamo-snapshot/config.yaml"]
     env = {e["name"]: e for e in agent["env"]}

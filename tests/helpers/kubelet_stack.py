@@ -189,9 +189,9 @@ def restore_pod(
     return pod
 
 
-def workers_outside_pods() -> list[str]:
-    """cpu_worker processes on the host that are in no pod's cgroup."""
-    outside = []
+def worker_processes() -> dict[int, tuple[str, str]]:
+    """The host's cpu_worker processes: pid -> (command line, cgroups)."""
+    found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -200,6 +200,15 @@ def workers_outside_pods() -> list[str]:
             cgroups = (entry / "cgroup").read_text()
         except OSError:
             continue
-        if "cpu_worker.py" in cmdline and "/kubepods/" not in cgroups:
-            outside.append(f"{entry.name}: {cmdline}")
-    return outside
+        if "cpu_worker.py" in cmdline:
+            found[int(entry.name)] = (cmdline, cgroups)
+    return found
+
+
+def workers_outside_pods() -> list[str]:
+    """cpu_worker processes on the host that are in no pod's cgroup."""
+    return [
+        f"{pid}: {cmdline}"
+        for pid, (cmdline, cgroups) in worker_processes().items()
+        if "/kubepods/" not in cgroups
+    ]

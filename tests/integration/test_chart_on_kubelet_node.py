@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
+from dynamo_snapshot.agent.privileges import CONTAINERD_DEFAULT_CAPABILITIES, REQUIRED_CAPABILITIES
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.localcluster import LocalCluster
-from dynamo_snapshot.localcluster.project_images import agent_image_archive, controller_image_archive
-from dynamo_snapshot.localcluster.realnode import REAL_NODE_TAINT, RUNC_ROOT, RealNode
+from dynamo_snapshot.localcluster.chart_install import install, node_values
+from dynamo_snapshot.localcluster.realnode import RealNode
 from tests.helm.chart import CHART, helm
 from tests.helm.conftest import without_dgd_crd  # noqa: F401  (a fixture)
 from tests.helpers.kubelet_stack import (
@@ -31,38 +31,15 @@ from tests.helpers.kubelet_stack import (
     health,
     post,
     ready,
+    worker_processes,
     workers_outside_pods,
 )
 from tests.helpers.polling import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.criu, pytest.mark.kubelet]
 
-LOCAL_VALUES = CHART / "values-local.yaml"
 GPU_LABEL = "nvidia.com/gpu.present"
 DGD_V1ALPHA1 = f"dynamographdeployments.{protocol.API_VERSION}.{protocol.API_GROUP}"
-CPU_WORKER = "cpu_worker.py"
-
-
-def local_values(node: RealNode, store: Path, namespace: str) -> dict[str, Any]:
-    """What a user sets for this node beyond values-local.yaml: where the runtime keeps its state (the
-    real node's containerd, kubelet and runc roots), a node-local artifact store, the node's taint."""
-    on_node = {
-        "nodeSelector": {"kubernetes.io/hostname": node.name},
-        "tolerations": [{"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
-    }
-    return {
-        # Only the test's namespace: the session's cluster holds other tests' objects.
-        "controller": {**on_node, "watchNamespace": namespace},
-        "agent": {
-            **on_node,
-            "controlRoot": str(store / "control"),
-            "stateRoot": str(store / "runtime"),
-            "runtimeHostPaths": [str(RUNC_ROOT), str(node.state_dir), str(node.workdir), "/sys/fs/cgroup"],
-            "seccompProfile": {"kubeletRoot": str(node.kubelet_root)},
-            "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "2Gi"}},
-        },
-        "artifacts": {"hostPath": str(store / "artifacts")},
-    }
 
 
 @pytest.fixture
@@ -118,21 +95,18 @@ def _release_pods(cluster: LocalCluster, namespace: str) -> dict[str, dict[str, 
 def test_the_chart_installed_on_the_kubelet_node_runs_the_auto_mode_story(
     cluster: LocalCluster, real_node: RealNode, store: Path, tmp_path: Path
 ) -> None:
-    # The images, built from this working tree, imported as a user imports images into a node without
-    # a registry.
-    for _, archive in (controller_image_archive(), agent_image_archive()):
-        real_node.ctr("images", "import", str(archive), timeout=300)
-
     suffix = uuid.uuid4().hex[:6]
     release, system, apps = f"ds{suffix}", f"dsnap-{suffix}", f"apps-{suffix}"
-    for ns in (system, apps):
-        cluster.kubectl("create", "namespace", ns)
-    values = tmp_path / "node.yaml"
-    values.write_text(yaml.safe_dump(local_values(real_node, store, apps)))
-    chart_args = ["-n", system, "-f", str(LOCAL_VALUES), "-f", str(values), "--wait", "--timeout", "180s"]
+    cluster.kubectl("create", "namespace", apps)
+    # Only the test's namespace: the session's cluster holds other tests' objects.
+    values = node_values(
+        real_node,
+        store,
+        capabilities=[*REQUIRED_CAPABILITIES, *CONTAINERD_DEFAULT_CAPABILITIES],
+        watch_namespace=apps,
+    )
+    chart_args = install(cluster, real_node, release, system, values, tmp_path / "node.yaml")
     env = cluster.env()
-    installed = helm("install", release, str(CHART), *chart_args, env=env, timeout=240)
-    assert installed.returncode == 0, installed.stderr
     try:
         _story(cluster, real_node, store, release, system, apps, chart_args, env)
     finally:
@@ -207,6 +181,10 @@ def _story(
     for pod in wait_for(replaced, within=180, what="the lost worker's replacement, by restore", every=1):
         assert health(pod["status"]["podIP"])["pod"] == pod["metadata"]["name"]
 
+    # The agent pod holds the documented privileges and no more (the story above ran with them); with
+    # less it refuses to start, and its pod says why.
+    _refused_with_less(cluster, system, pods["agent"])
+
     # helm upgrade with a changed value: the agent rolls to a pod with the new config; the workers serve on.
     upgraded = helm(
         "upgrade", release, str(CHART), *chart_args, "--set", "agent.logLevel=debug", env=env, timeout=240
@@ -228,7 +206,7 @@ def _story(
         within=60,
         what="the restore pods to go on scale-down",
     )
-    wait_for(lambda: len(_worker_pids()) == 1, within=30, what="one worker process left (the cold one)")
+    wait_for(lambda: len(worker_processes()) == 1, within=30, what="one worker process left (the cold one)")
     assert workers_outside_pods() == []
 
     # helm uninstall: the release's pods go; the CRDs, the graph, its checkpoint and the artifact stay.
@@ -241,6 +219,48 @@ def _story(
     assert workers_outside_pods() == []
 
 
+def _refused_with_less(cluster: LocalCluster, namespace: str, agent: dict[str, Any]) -> None:
+    container = agent["spec"]["containers"][0]
+    assert "privileged" not in container["securityContext"]
+    assert container["securityContext"]["capabilities"] == {
+        "drop": ["ALL"],
+        "add": [*REQUIRED_CAPABILITIES, *CONTAINERD_DEFAULT_CAPABILITIES],
+    }
+    [owner] = agent["metadata"]["ownerReferences"]
+    daemonset = ["daemonset", owner["name"], "-n", namespace]
+    add = "/spec/template/spec/containers/0/securityContext/capabilities/add"
+    fewer = [c for c in REQUIRED_CAPABILITIES if c != "SYS_TIME"]
+    for less, says in (
+        ({"op": "replace", "path": add, "value": fewer}, "CAP_SYS_TIME"),
+        ({"op": "replace", "path": "/spec/template/spec/hostPID", "value": False}, "hostPID: true"),
+    ):
+        cluster.kubectl("patch", *daemonset, "--type", "json", "-p", json.dumps([less]))
+        message = wait_for(
+            lambda: _refusal(cluster, namespace, agent["metadata"]["uid"]),
+            within=90,
+            what=f"the agent to refuse to start without what it names ({says})",
+            every=1,
+        )
+        assert "PrivilegeError" in message, message
+        assert says in message, message
+        cluster.kubectl("rollout", "undo", *daemonset)
+        cluster.kubectl("rollout", "status", *daemonset, "--timeout=120s", timeout=130)
+
+
+def _refusal(cluster: LocalCluster, namespace: str, old_uid: str) -> str:
+    """The termination message of the agent pod that replaced ``old_uid``'s, once it has one."""
+    for pod in _pods(cluster, namespace):
+        labels = pod["metadata"].get("labels") or {}
+        if labels.get("app.kubernetes.io/component") != "agent" or pod["metadata"]["uid"] == old_uid:
+            continue
+        for status in (pod.get("status") or {}).get("containerStatuses") or []:
+            for state in (status.get("state") or {}, status.get("lastState") or {}):
+                message = (state.get("terminated") or {}).get("message")
+                if message:
+                    return str(message)
+    return ""
+
+
 def _answering(ip: str) -> Callable[[], dict[str, Any]]:
     return lambda: _answer(ip)
 
@@ -250,19 +270,6 @@ def _answer(ip: str) -> dict[str, Any]:
         return post(ip)
     except OSError:
         return {}
-
-
-def _worker_pids() -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if CPU_WORKER.encode() in cmdline:
-                found.append(int(entry.name))
-    return found
 
 
 def _clear_workloads(cluster: LocalCluster, namespace: str) -> None:

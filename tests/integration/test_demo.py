@@ -33,11 +33,15 @@ def workdir() -> Iterator[Path]:
 
 
 @pytest.mark.usefixtures("no_real_node")
-def test_demo_tells_the_whole_story_with_measured_numbers(tmp_path: Path, workdir: Path) -> None:
+@pytest.mark.parametrize("mode", [[], ["--chart"]], ids=["in-process", "chart"])
+def test_demo_tells_the_whole_story_with_measured_numbers(
+    tmp_path: Path, workdir: Path, mode: list[str]
+) -> None:
     out = tmp_path / "out"
     proc = run_cli(
         "demo",
         "--quick",
+        *mode,
         "--out",
         str(out),
         "--workdir",
@@ -71,6 +75,12 @@ def test_demo_tells_the_whole_story_with_measured_numbers(tmp_path: Path, workdi
     assert modes == {"cold", "restore"}
     assert any(s["serving"] >= 2 for s in summary["timeline"])
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if mode:
+        # The chart's pods did the work: the agent pod's log tells of the checkpoint and the restores.
+        agent_log = (out / "agent.log").read_text()
+        assert '"msg": "pod snapshot captured"' in agent_log, agent_log[-3000:]
+        assert "restore" in agent_log
+        assert "reconcile" in (out / "controller.log").read_text() or (out / "controller.log").stat().st_size
     # It cleaned up after itself: no worker of its image left running, nor its kubelet node.
     leftovers = subprocess.run(["pgrep", "-f", re.escape(WORKER_SCRIPT)], capture_output=True, text=True)
     assert leftovers.stdout.strip() == "", leftovers.stdout

@@ -2,7 +2,8 @@
 (the default: workers are kubelet pods of the locally built worker image, restored into their own
 containers) or with fake GPU nodes (`kwok`: the agents launch the workers as runc containers), Prometheus,
 the controller, one node agent per node (built from an AgentConfig as `dynamo-snapshot agent` builds its
-own), and where the workers serve (pod IPs, or the registrations of launched workers)."""
+own) or, with `chart`, the Helm chart's controller and agent pods instead, and where the workers serve
+(pod IPs, or the registrations of launched workers)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from dynamo_snapshot.agent.pod_container import running_container
+from dynamo_snapshot.agent.privileges import CONTAINERD_DEFAULT_CAPABILITIES, REQUIRED_CAPABILITIES
 from dynamo_snapshot.agent.watcher import NodeAgent, workload_key
+from dynamo_snapshot.api.protocol import LABEL_GPU_PRESENT
 from dynamo_snapshot.artifact import ArtifactStore
 from dynamo_snapshot.cli import agent_cmd
 from dynamo_snapshot.cli.agent_cmd import AgentConfig
@@ -29,6 +32,7 @@ from dynamo_snapshot.controller.manager import ControllerConfig
 from dynamo_snapshot.criu import Criu
 from dynamo_snapshot.kube import POD, Kube, Obj, load_client
 from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot.localcluster.chart_install import install, node_values
 from dynamo_snapshot.localcluster.cluster import ClusterOptions
 from dynamo_snapshot.localcluster.prometheus import LocalPrometheus
 from dynamo_snapshot.localcluster.realnode import RUNC_ROOT, RealNode
@@ -39,6 +43,8 @@ CPU_WORKER = REPO / "examples" / "reference_worker" / "cpu_worker.py"
 GPU_WORKER = REPO / "examples" / "reference_worker" / "worker.py"
 # Where the worker listens in a kubelet pod (its pod IP).
 WORKER_PORT = 8000
+# The chart's release (Stack.chart).
+RELEASE, RELEASE_NAMESPACE = "dynamo-snapshot", "dynamo-snapshot-system"
 
 
 class DemoError(RuntimeError):
@@ -63,6 +69,10 @@ class Stack:
     workdir: Path
     nodes: int = 3  # fake GPU nodes (kwok)
     kubelet: bool = True  # a real kubelet node runs the workers; False: kwok nodes, launched workers
+    # With kubelet: the Helm chart installed, its controller and agent pods run the story (no in-process
+    # controller or agent); their logs go to `logs_dir` at stop.
+    chart: bool = False
+    logs_dir: Path | None = None
     apiserver_port: int | None = None
     say: Callable[[str], None] = print
     cluster: LocalCluster | None = None
@@ -101,6 +111,8 @@ class Stack:
         """The cluster, then Prometheus, the controller and the agents."""
         if shutil.which("runc") is None:
             raise DemoError("runc is missing: run scripts/test-env.sh (it installs the Debian package)")
+        if self.chart and not self.kubelet:
+            raise DemoError("the chart's pods need the kubelet node: --chart goes without --kwok")
         if self.kubelet and os.geteuid() != 0:
             raise DemoError("the kubelet node needs root (bridge, mounts, cgroups): run with sudo, or --kwok")
         if not CPU_WORKER.exists():
@@ -110,11 +122,19 @@ class Stack:
         self.endpoint_dir.mkdir(parents=True, exist_ok=True)
         await self.start_cluster()
         assert self.cluster is not None
-        self.prometheus = LocalPrometheus([], workdir=self.workdir / "prometheus", scrape_interval_s=0.5)
+        # The chart's controller is a pod: it asks Prometheus at the node's address.
+        host = self.real_node.node_ip if self.chart and self.real_node is not None else "127.0.0.1"
+        self.prometheus = LocalPrometheus(
+            [], workdir=self.workdir / "prometheus", scrape_interval_s=0.5, host=host
+        )
         await asyncio.to_thread(self.prometheus.start)
         self.say(f"prometheus at {self.prometheus.url}")
         self._api = await load_client(str(self.cluster.kubeconfig))
         self.kube = Kube(self._api, field_manager="dynamo-snapshot-demo")
+        if self.chart:
+            await asyncio.to_thread(self._install_chart)
+            self._tasks.append(asyncio.create_task(self._discover(), name="discovery"))
+            return
         config = ControllerConfig(
             leader_elect=False,
             metrics_port=0,
@@ -173,6 +193,36 @@ class Stack:
             health_port=0,
         )
 
+    def _install_chart(self) -> None:
+        assert self.cluster is not None
+        assert self.real_node is not None
+        assert self.prometheus is not None
+        # The label the GPU operator puts on GPU nodes, which the chart's agent selects by default.
+        self.cluster.kubectl("label", "node", self.real_node.name, f"{LABEL_GPU_PRESENT}=true", "--overwrite")
+        self.say("building the controller and agent images from this checkout (cached once built)")
+        values = node_values(
+            self.real_node,
+            self.workdir,
+            capabilities=[*REQUIRED_CAPABILITIES, *CONTAINERD_DEFAULT_CAPABILITIES],
+            watch_namespace=NAMESPACE,
+            prometheus_url=self.prometheus.url,
+        )
+        install(
+            self.cluster, self.real_node, RELEASE, RELEASE_NAMESPACE, values, self.workdir / "values.yaml"
+        )
+        self.say(f"helm install {RELEASE}: the controller and agent pods are Ready on {self.real_node.name}")
+
+    def _save_release_logs(self) -> None:
+        assert self.cluster is not None
+        assert self.logs_dir is not None
+        self.logs_dir.mkdir(parents=True, exist_ok=True)
+        for component in ("controller", "agent"):
+            got = self.cluster.kubectl(
+                "logs", "-n", RELEASE_NAMESPACE, "-l", f"app.kubernetes.io/component={component}",
+                "--tail=-1", check=False,
+            )  # fmt: skip
+            (self.logs_dir / f"{component}.log").write_text(got.stdout + got.stderr)
+
     def _install(self) -> None:
         assert self.cluster is not None
         self.cluster.install_crds()
@@ -196,6 +246,9 @@ class Stack:
             for key in await asyncio.to_thread(_workload_keys, self.agent_config(node).control_root):
                 with contextlib.suppress(Exception):
                     await agent.runtime.stop(key)
+        if self.chart and self.cluster is not None and self.logs_dir is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self._save_release_logs)
         if self._api is not None:
             await self._api.close()
         if self.prometheus is not None:
@@ -248,11 +301,33 @@ class Stack:
             (self.endpoint_dir / f"{pod}.json").unlink()
 
     async def worker_pid(self, pod: Obj) -> int | None:
+        if self.chart:
+            return await asyncio.to_thread(_worker_in_pod, pod["metadata"]["uid"])
         agent = self.agents.get((pod.get("spec") or {}).get("nodeName") or "")
         if agent is None:
             return None
         workload = await agent.runtime.find(workload_key(pod))
         return workload.pid if workload is not None else None
+
+
+def _worker_in_pod(pod_uid: str) -> int | None:
+    """The reference worker's process in the pod's cgroup (the kubelet names it by the pod's uid): the
+    agent that knows it runs in a pod of its own."""
+    in_pod = {f"pod{pod_uid}", f"pod{pod_uid.replace('-', '_')}"}
+    found: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            cgroups = (entry / "cgroup").read_text()
+            if CPU_WORKER.name.encode() in (entry / "cmdline").read_bytes() and any(
+                part in in_pod for line in cgroups.splitlines() for part in line.split("/")
+            ):
+                stat = (entry / "stat").read_text()
+                found[int(entry.name)] = int(stat[stat.rfind(")") + 2 :].split()[1])
+    # The worker, not a process it started.
+    roots = [pid for pid, parent in found.items() if parent not in found]
+    return min(roots) if roots else None
 
 
 def _workload_keys(control_root: Path) -> list[str]:
