@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
@@ -169,6 +170,8 @@ def _story(
         name, ip = pod["metadata"]["name"], pod["status"]["podIP"]
         answer = wait_for(_answering(ip), within=30, what=f"{name} to answer")
         assert answer == {**expected, "pod": name}
+        # Its own host name, not the checkpoint pod's (which its /etc/hosts does not have).
+        assert _host_names(pod) == {name}
 
     # A lost worker is replaced by restore.
     lost = restored[0]["metadata"]["name"]
@@ -259,6 +262,17 @@ def _refusal(cluster: LocalCluster, namespace: str, old_uid: str) -> str:
                 if message:
                     return str(message)
     return ""
+
+
+def _host_names(pod: dict[str, Any]) -> set[str]:
+    """The host names of the worker processes in the pod's cgroup."""
+    uid = pod["metadata"]["uid"]
+    names = set()
+    for pid, (_, cgroups) in worker_processes().items():
+        if f"pod{uid}" in cgroups:
+            argv = ["nsenter", f"--uts=/proc/{pid}/ns/uts", "cat", "/proc/sys/kernel/hostname"]
+            names.add(subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip())
+    return names
 
 
 def _answering(ip: str) -> Callable[[], dict[str, Any]]:

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
 import os
 import re
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -47,6 +49,8 @@ from dynamo_snapshot.agent.runtime.rootfs_diff import (
 )
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.criu import Criu, CriuError
+
+_CLONE_NEWUTS = 0x04000000  # linux/sched.h
 
 # containerd's runc root for CRI containers (k8s.io namespace), whatever containerd's own state dir is.
 CONTAINERD_RUNC_ROOT = Path("/run/containerd/runc/k8s.io")
@@ -340,6 +344,7 @@ class ContainerdRuntime:
         names = await self._uts_names(target.pid)
         started = time.monotonic()
         fds: list[int] = []
+        restored = False
         try:
             args, cgroups = self._restore_args(target, meta, mounts, fds)
             work = self._work_dir(key, "restore")
@@ -352,6 +357,7 @@ class ContainerdRuntime:
                 result = await self.criu.restore(
                     images_dir, log_dir=work, extra_args=args, wrapper=wrapper, pass_fds=fds
                 )
+                restored = True
             except CriuError as e:
                 # CRIU kills what it restored when it fails; whatever it could not, goes too (the
                 # placeholder itself starts no process).
@@ -360,9 +366,14 @@ class ContainerdRuntime:
         finally:
             for fd in fds:
                 os.close(fd)
-            # Also after a failed restore: CRIU sets the names before it fails on, say, a socket.
-            with contextlib.suppress(WorkloadRuntimeError):
-                await self._uts_names(target.pid, names)
+            # Also after a failed restore: CRIU sets the names before it fails on, say, a socket. A
+            # restored worker must not keep the checkpoint pod's name (its /etc/hosts has only its own:
+            # a lookup of the old one waits on DNS), so after a restore a failure here fails it.
+            try:
+                await asyncio.to_thread(set_uts_names, target.pid, *names.split("\n", 1))
+            except WorkloadRuntimeError:
+                if restored:
+                    raise
         phases["criu"] = time.monotonic() - started
         host_pid = await _host_pid(target.pid, result.pid)
         if host_pid is None:
@@ -408,16 +419,11 @@ class ContainerdRuntime:
         cgroups = [str(p / "cgroup.procs") for p in self._cgroup_dirs(target)]
         return args, cgroups
 
-    async def _uts_names(self, pid: int, names: str | None = None) -> str:
-        """The host and domain name of ``pid``'s UTS namespace ("host\ndomain"); given ``names``, set
-        them."""
-        script = (
-            "cat /proc/sys/kernel/hostname /proc/sys/kernel/domainname"
-            if names is None
-            else 'printf %s "$1" > /proc/sys/kernel/hostname && printf %s "$2" > /proc/sys/kernel/domainname'
-        )
-        argv = [self.nsenter, f"--uts=/proc/{pid}/ns/uts", "--", "/bin/sh", "-c", script, "uts"]
-        code, out = await _exec(*argv, *(names.split("\n", 1) if names is not None else ()))
+    async def _uts_names(self, pid: int) -> str:
+        """The host and domain name of ``pid``'s UTS namespace ("host\ndomain")."""
+        script = "cat /proc/sys/kernel/hostname /proc/sys/kernel/domainname"
+        argv = [self.nsenter, f"--uts=/proc/{pid}/ns/uts", "--", "/bin/sh", "-c", script]
+        code, out = await _exec(*argv)
         if code != 0:
             raise WorkloadRuntimeError(f"the restore container's host name: {out.strip()}")
         return out.rstrip("\n")
@@ -494,6 +500,39 @@ def visible_gpus(env: dict[str, str]) -> tuple[str, ...] | None:
     if value in ("none", "void"):
         return ()
     return tuple(t.strip() for t in value.split(",") if t.strip())
+
+
+def set_uts_names(pid: int, host: str, domain: str) -> None:
+    """sethostname(2) and setdomainname(2) in ``pid``'s UTS namespace. /proc/sys, where nsenter would
+    write them, is read-only in an unprivileged container; a thread of its own joins the namespace (a
+    UTS namespace is per thread) and ends with it."""
+    errors: list[str] = []
+
+    def in_namespace() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        try:
+            fd = os.open(f"/proc/{pid}/ns/uts", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            errors.append(str(e))
+            return
+        try:
+            host_b, domain_b = host.encode(), domain.encode()
+            for name, call, args in (
+                ("setns", libc.setns, (fd, _CLONE_NEWUTS)),
+                ("sethostname", libc.sethostname, (host_b, len(host_b))),
+                ("setdomainname", libc.setdomainname, (domain_b, len(domain_b))),
+            ):
+                if call(*args) != 0:
+                    errors.append(f"{name}: {os.strerror(ctypes.get_errno())}")
+                    return
+        finally:
+            os.close(fd)
+
+    thread = threading.Thread(target=in_namespace, name=f"uts-names-{pid}")
+    thread.start()
+    thread.join()
+    if errors:
+        raise WorkloadRuntimeError(f"the restore container's host name ({host}): {errors[0]}")
 
 
 def _fd_target(pid: int, fd: int) -> str:

@@ -225,13 +225,15 @@ class Stack:
 
     def _install(self) -> None:
         assert self.cluster is not None
-        self.cluster.install_crds()
+        if not self.chart:  # the chart installs them
+            self.cluster.install_crds()
         if not self.kubelet:
             for i in range(self.nodes):
                 self.cluster.add_gpu_node(f"gpu-node-{i}")
         self.cluster.kubectl("create", "namespace", NAMESPACE)
         nodes = "" if self.kubelet else f", {self.nodes} fake H200 nodes"
-        self.say(f"CRDs installed{nodes}, namespace {NAMESPACE}")
+        done = f"namespace {NAMESPACE}" if self.chart else f"CRDs installed{nodes}, namespace {NAMESPACE}"
+        self.say(done)
 
     async def stop(self) -> None:
         self._stop.set()

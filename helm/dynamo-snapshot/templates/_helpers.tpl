@@ -230,4 +230,3 @@ per render and kept in .Values: the restore webhook (webhook.yaml) and the DGD C
 {{- end -}}
 {{- toYaml (get $w "_pki") -}}
 {{- end -}}
-
