@@ -1,8 +1,9 @@
-"""The agent's own privileges, checked once at start.
+"""The agent's own privileges: checked at start (the capabilities every checkpoint and restore uses, the
+node's PID namespace) and before each checkpoint (what the worker holds that a restore must give back).
 
-Without them the first checkpoint or restore fails deep in CRIU's log (EPERM writing a time namespace's
-clock offsets, a ptrace refused) or in runc ("stopped" for a running container whose process is in a PID
-namespace the agent cannot see). The agent refuses to start instead and names what its pod lacks.
+Without them a checkpoint or restore fails deep in CRIU's log (EPERM writing a time namespace's clock
+offsets, "Unable to restore capabilities") or in runc ("stopped" for a running container whose process is
+in a PID namespace the agent cannot see). The agent refuses instead and names what its pod lacks.
 """
 
 from __future__ import annotations

@@ -313,8 +313,8 @@ class Stack:
 
 
 def _worker_in_pod(pod_uid: str) -> int | None:
-    """The reference worker's process in the pod's cgroup (the kubelet names it by the pod's uid): the
-    agent that knows it runs in a pod of its own."""
+    """The reference worker's process in the pod's cgroup, which the kubelet names by the pod's uid (with
+    the chart, the agent that knows the worker runs in a pod of its own, not in the demo)."""
     in_pod = {f"pod{pod_uid}", f"pod{pod_uid.replace('-', '_')}"}
     found: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
