@@ -31,8 +31,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dynamo_snapshot.fileio import start_writeback
-
 __all__ = ["PAGE", "Damaged", "ImageFormatError", "SparseStats", "Stopped", "drop_zero_pages"]
 
 # CRIU's images are in the kernel's pages (64 KiB on some arm64 kernels).
@@ -50,8 +48,6 @@ _PE_PRESENT = 1 << 2
 # Pages read and written per step.
 _BATCH_PAGES = 256
 _ZERO_BATCH = bytes(_BATCH_PAGES * PAGE)
-# Kept pages handed to the disk's writeback at a time.
-_WRITEBACK_BYTES = 32 << 20
 
 
 class ImageFormatError(ValueError):
@@ -265,7 +261,6 @@ class _Compactor:
         self.fd = fd
         self.read_at = 0  # offset of the next batch to read
         self.write_at = 0  # offset the next kept page goes to
-        self.flushed_to = 0  # the kept pages before this are on their way to the disk
 
     def keep(self, view: memoryview, at: int) -> None:
         """Keep ``view``, read from ``at``, at the write position."""
@@ -274,11 +269,6 @@ class _Compactor:
             while done < len(view):
                 done += os.pwrite(self.fd, view[done:], self.write_at + done)
         self.write_at += len(view)
-        # What lies before the write position is final: the disk writes it while the rest is compacted,
-        # instead of in the publish's fsync after.
-        if self.write_at - self.flushed_to >= _WRITEBACK_BYTES:
-            start_writeback(self.fd, self.flushed_to, self.write_at - self.flushed_to)
-            self.flushed_to = self.write_at
 
 
 def _compact(

@@ -8,7 +8,7 @@ only the standard library.
     hashing     hash_files(HashJob...) -> FileDigests: per-chunk SHA-256 of many files on one pool;
                 chunk_count, spans
     durable     fsync_dir, fsync_dirs, write_atomic, write_replacing (tmp file renamed over the old)
-    pagecache   page_cache_fraction (mincore), warm_page_cache -> WarmResult, start_writeback
+    pagecache   page_cache_fraction (mincore), warm_page_cache -> WarmResult
     ioprio      set_thread_ioprio / get_thread_ioprio (IDLE, BEST_EFFORT_DEFAULT)
 """
 
@@ -47,7 +47,7 @@ from dynamo_snapshot.fileio.hashing import (
     hash_files,
     spans,
 )
-from dynamo_snapshot.fileio.pagecache import WarmResult, page_cache_fraction, start_writeback, warm_page_cache
+from dynamo_snapshot.fileio.pagecache import WarmResult, page_cache_fraction, warm_page_cache
 
 __all__ = [
     "ALIGN",
@@ -80,7 +80,6 @@ __all__ = [
     "round_up",
     "sha256_file",
     "spans",
-    "start_writeback",
     "transfer_block",
     "usable_cpus",
     "warm_page_cache",

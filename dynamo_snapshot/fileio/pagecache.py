@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import functools
 import mmap
 import os
 import time
@@ -14,32 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["WarmResult", "page_cache_fraction", "start_writeback", "warm_page_cache"]
+__all__ = ["WarmResult", "page_cache_fraction", "warm_page_cache"]
 
 
 def _libc() -> Any:
     return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-
-
-_SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h
-
-
-def start_writeback(fd: int, offset: int, nbytes: int) -> bool:
-    """Start writing ``nbytes`` of dirty page cache from ``offset`` to the disk, without waiting
-    (sync_file_range(2) SYNC_FILE_RANGE_WRITE): a later fsync finds them written or on the way. Not a
-    durability guarantee; False where the call is not available or fails."""
-    call = _sync_file_range()
-    return call is not None and call(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) == 0
-
-
-@functools.cache
-def _sync_file_range() -> Any:
-    try:
-        call = _libc().sync_file_range
-    except AttributeError:
-        return None
-    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return call
 
 
 def page_cache_fraction(path: Path | str) -> float | None:
