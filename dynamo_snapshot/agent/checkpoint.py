@@ -21,7 +21,7 @@ from pydantic import JsonValue
 from dynamo_snapshot import __version__
 from dynamo_snapshot.agent.cuda_processes import resume_cuda, suspend_cuda
 from dynamo_snapshot.agent.errors import AgentError
-from dynamo_snapshot.agent.gpu_assignment import gpu_memory_held_mib
+from dynamo_snapshot.agent.gpu_assignment import container_gpus, gpu_memory_held_mib
 from dynamo_snapshot.agent.metrics import BYTES, FAILURES, THROUGHPUT
 from dynamo_snapshot.agent.node import Node
 from dynamo_snapshot.agent.page_images import compress_pages, drop_zero_pages_of, has_packed_pages
@@ -41,7 +41,7 @@ from dynamo_snapshot.agent.weights import (
 )
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.identity import CheckpointIdentity
-from dynamo_snapshot.artifact import ArtifactWriter, Binding, PublishResult
+from dynamo_snapshot.artifact import ArtifactWriter, Binding, GpuInfo, PublishResult
 from dynamo_snapshot.artifact.manifest import FEATURE_COMPRESSED_PAGES, FEATURE_ROOTFS_DIFF
 from dynamo_snapshot.criu.packed import PagesPacked
 from dynamo_snapshot.criu.sparse import SparseStats
@@ -102,6 +102,7 @@ class CheckpointRun:
         self.timings = Timings()
         self.seen_ctl = node.control_dir_seen_by_worker(workload)
         # What the stages find, for the manifest.
+        self.gpus: GpuInfo | None = None
         self.cuda_pids: list[int] = []
         self.offload: OffloadManifest | None = None
         self.held_mib = 0
@@ -141,6 +142,7 @@ class CheckpointRun:
         needs = await asyncio.to_thread(worker_needs, tree)
         if needs is not None:
             raise AgentError(f"cannot checkpoint this worker: {needs}")
+        self.gpus = container_gpus(self.node.gpus, self.workload.visible_gpus)
         if self.node.cuda is not None:
             self.cuda_pids = await asyncio.to_thread(find_cuda_pids, self.workload.pid)
         try:
@@ -193,7 +195,7 @@ class CheckpointRun:
             return await writer.publish(
                 identity=self.identity,
                 source_node=self.node.node_name,
-                gpus=self.node.gpus,
+                gpus=self.gpus,
                 criu_version=await self.node.criu.version(),
                 agent_version=__version__,
                 binding=self.binding,

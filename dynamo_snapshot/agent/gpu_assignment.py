@@ -15,7 +15,14 @@ from dynamo_snapshot.cuda import CudaError, cuda_available, gpu_memory_by_pid, l
 
 log = logging.getLogger(__name__)
 
-__all__ = ["assigned_gpus", "check_gpu_memory", "gpu_memory_held_mib", "gpu_remap", "local_gpus"]
+__all__ = [
+    "assigned_gpus",
+    "check_gpu_memory",
+    "container_gpus",
+    "gpu_memory_held_mib",
+    "gpu_remap",
+    "local_gpus",
+]
 
 
 def local_gpus() -> GpuInfo | None:
@@ -30,12 +37,12 @@ def local_gpus() -> GpuInfo | None:
     return GpuInfo.model_validate(dataclasses.asdict(gpus))
 
 
-def assigned_gpus(
-    node: GpuInfo | None, visible: tuple[str, ...] | None, checkpoint: GpuInfo | None
-) -> GpuInfo | None:
-    """The GPUs a restore goes onto: the container's (``visible``: UUIDs, or indices of the node's GPUs)
-    where its runtime says, else the node's. AgentError when they cannot hold the checkpoint's."""
-    if node is None or visible is None or checkpoint is None:
+def container_gpus(node: GpuInfo | None, visible: tuple[str, ...] | None) -> GpuInfo | None:
+    """The GPUs a container was given (``visible``: UUIDs, or indices of the node's GPUs), as a checkpoint
+    records them: a worker given 2 of a node's 8 GPUs was taken on 2, and its restore needs 2. The node's
+    where its runtime does not say; None for a container given none. AgentError for an index the node
+    does not have."""
+    if node is None or visible is None:
         return node
     uuids: list[str] = []
     for token in visible:
@@ -43,18 +50,32 @@ def assigned_gpus(
             index = int(token)
             if index >= len(node.uuids):
                 raise AgentError(
-                    f"the restore container was given GPU {index} (NVIDIA_VISIBLE_DEVICES); this node has "
+                    f"the container was given GPU {index} (NVIDIA_VISIBLE_DEVICES); this node has "
                     f"{len(node.uuids)}"
                 )
             uuids.append(node.uuids[index])
         else:
             uuids.append(token)
-    if len(uuids) < checkpoint.count:
+    if not uuids:
+        return None
+    return node.model_copy(update={"uuids": uuids, "count": len(uuids)})
+
+
+def assigned_gpus(
+    node: GpuInfo | None, visible: tuple[str, ...] | None, checkpoint: GpuInfo | None
+) -> GpuInfo | None:
+    """The GPUs a restore goes onto: the container's (``visible``: UUIDs, or indices of the node's GPUs)
+    where its runtime says, else the node's. AgentError when they cannot hold the checkpoint's."""
+    if node is None or visible is None or checkpoint is None:
+        return node
+    given = container_gpus(node, visible)
+    count = given.count if given is not None else 0
+    if count < checkpoint.count:
         raise AgentError(
-            f"the restore container was given {len(uuids)} GPU(s) (NVIDIA_VISIBLE_DEVICES); the checkpoint "
+            f"the restore container was given {count} GPU(s) (NVIDIA_VISIBLE_DEVICES); the checkpoint "
             f"was taken on {checkpoint.count}"
         )
-    return node.model_copy(update={"uuids": uuids, "count": len(uuids)})
+    return given
 
 
 def gpu_remap(source: GpuInfo | None, target: GpuInfo | None) -> dict[str, str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dynamo_snapshot.agent.errors import AgentError
-from dynamo_snapshot.agent.gpu_assignment import assigned_gpus, gpu_remap
+from dynamo_snapshot.agent.gpu_assignment import assigned_gpus, container_gpus, gpu_remap
 from dynamo_snapshot.agent.runtime.containerd import visible_gpus
 from dynamo_snapshot.artifact import GpuInfo
 
@@ -61,3 +61,20 @@ def test_an_assignment_that_cannot_hold_the_checkpoint_is_refused() -> None:
     two = CHECKPOINT.model_copy(update={"count": 2, "uuids": ["GPU-s0", "GPU-s1"]})
     with pytest.raises(AgentError, match=r"given 1 GPU.*taken on 2"):
         assigned_gpus(NODE, ("1",), two)
+
+
+def test_a_checkpoint_records_the_gpus_its_container_was_given() -> None:
+    # Two of the node's four: the checkpoint was taken on two, and needs two to restore.
+    two = container_gpus(NODE, ("1", "GPU-node-3"))
+    assert two is not None
+    assert (two.count, two.uuids, two.product) == (2, ["GPU-node-1", "GPU-node-3"], "NVIDIA-H200")
+    assert container_gpus(NODE, None) == NODE  # the runtime does not say: the node's
+    assert container_gpus(NODE, ()) is None  # given none
+    assert container_gpus(None, ("0",)) is None  # a node without GPUs
+    with pytest.raises(AgentError, match=r"given GPU 9 .*this node has 4"):
+        container_gpus(NODE, ("9",))
+    # Restored onto two other GPUs of the node, each source GPU maps onto one of them.
+    target = assigned_gpus(NODE, ("0", "2"), two)
+    assert gpu_remap(two, target) == {"GPU-node-1": "GPU-node-0", "GPU-node-3": "GPU-node-2"}
+    with pytest.raises(AgentError, match=r"given 1 GPU.*taken on 2"):
+        assigned_gpus(NODE, ("0",), two)
