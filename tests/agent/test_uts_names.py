@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from dynamo_snapshot.agent.runtime.base import WorkloadRuntimeError
-from dynamo_snapshot.agent.runtime.containerd import set_uts_names
+from dynamo_snapshot.agent.runtime.uts_names import set_uts_names
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="a UTS namespace of its own needs root")
 

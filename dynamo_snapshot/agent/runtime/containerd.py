@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import os
 import re
 import shutil
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -47,10 +45,9 @@ from dynamo_snapshot.agent.runtime.rootfs_diff import (
     capture_diff,
     overlay_upperdir,
 )
+from dynamo_snapshot.agent.runtime.uts_names import set_uts_names
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.criu import Criu, CriuError
-
-_CLONE_NEWUTS = 0x04000000  # linux/sched.h
 
 # containerd's runc root for CRI containers (k8s.io namespace), whatever containerd's own state dir is.
 CONTAINERD_RUNC_ROOT = Path("/run/containerd/runc/k8s.io")
@@ -500,39 +497,6 @@ def visible_gpus(env: dict[str, str]) -> tuple[str, ...] | None:
     if value in ("none", "void"):
         return ()
     return tuple(t.strip() for t in value.split(",") if t.strip())
-
-
-def set_uts_names(pid: int, host: str, domain: str) -> None:
-    """sethostname(2) and setdomainname(2) in ``pid``'s UTS namespace. /proc/sys, where nsenter would
-    write them, is read-only in an unprivileged container; a thread of its own joins the namespace (a
-    UTS namespace is per thread) and ends with it."""
-    errors: list[str] = []
-
-    def in_namespace() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        try:
-            fd = os.open(f"/proc/{pid}/ns/uts", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as e:
-            errors.append(str(e))
-            return
-        try:
-            host_b, domain_b = host.encode(), domain.encode()
-            for name, call, args in (
-                ("setns", libc.setns, (fd, _CLONE_NEWUTS)),
-                ("sethostname", libc.sethostname, (host_b, len(host_b))),
-                ("setdomainname", libc.setdomainname, (domain_b, len(domain_b))),
-            ):
-                if call(*args) != 0:
-                    errors.append(f"{name}: {os.strerror(ctypes.get_errno())}")
-                    return
-        finally:
-            os.close(fd)
-
-    thread = threading.Thread(target=in_namespace, name=f"uts-names-{pid}")
-    thread.start()
-    thread.join()
-    if errors:
-        raise WorkloadRuntimeError(f"the restore container's host name ({host}): {errors[0]}")
 
 
 def _fd_target(pid: int, fd: int) -> str:
