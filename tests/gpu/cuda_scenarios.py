@@ -1,9 +1,9 @@
 """CudaCheckpointer against the real driver, driving a separate torch worker (cuda_worker.py).
 
 Plain Python so it runs with or without pytest: test_cuda_checkpoint.py wraps each scenario, and
-`python -m tests.gpu.cuda_scenarios [WORKDIR]` runs them all and prints one JSON report per scenario.
-Imports only the standard library and dynamo_snapshot.cuda (cuda-python, nvidia-ml-py); the worker
-needs torch.
+`python -m tests.gpu.cuda_scenarios [WORKDIR [NAME...]]` runs them (all without names) and prints one
+JSON report per scenario. Imports only the standard library and dynamo_snapshot.cuda (cuda-python,
+nvidia-ml-py), but for two_processes, which drives the agent's own cuda_processes; the worker needs torch.
 """
 
 from __future__ import annotations
@@ -347,19 +347,54 @@ def driver_answers(workdir: Path) -> dict[str, Any]:
     return report
 
 
+def two_processes(workdir: Path) -> dict[str, Any]:
+    """Two CUDA processes of one worker, as a tensor-parallel worker's ranks (on one GPU here): the
+    agent's suspend_cuda locks both before it checkpoints either and releases the GPU memory of both;
+    resume_cuda restores and unlocks both; both bit-exact after."""
+    import asyncio
+
+    from dynamo_snapshot.agent.cuda_processes import resume_cuda, suspend_cuda
+
+    cp = CudaCheckpointer()
+    report: dict[str, Any] = {}
+    with worker(workdir / "rank0") as w0, worker(workdir / "rank1") as w1:
+        pids = [w0.pid, w1.pid]
+        machine_before = used_mib()
+        t = time.perf_counter()
+        asyncio.run(suspend_cuda(cp, pids, 10_000))
+        report["suspend_s"] = round(time.perf_counter() - t, 4)
+        states = [cp.state(pid) for pid in pids]
+        check(all(s is ProcessState.CHECKPOINTED for s in states), f"after suspend_cuda: {states}")
+        released = machine_before - used_mib()
+        report["released_mib"] = released
+        check(released >= 2 * WORKER_MIB * 0.9, f"both checkpointed released only {released} MiB")
+        check(not any(gpu_device_fds(pid) for pid in pids), "a checkpointed rank holds /dev/nvidia*")
+        t = time.perf_counter()
+        asyncio.run(resume_cuda(cp, pids, {}))
+        report["resume_s"] = round(time.perf_counter() - t, 4)
+        states = [cp.state(pid) for pid in pids]
+        check(all(s is ProcessState.RUNNING for s in states), f"after resume_cuda: {states}")
+        verdicts = [w0.finish(), w1.finish()]
+        report["verdicts"] = verdicts
+        check(all(all(v.values()) for v in verdicts), f"ranks after restore: {verdicts}")
+    return report
+
+
 SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "full_cycle": full_cycle,
     "suspend_resume_with_remap": suspend_resume_with_remap,
     "not_cuda": not_cuda,
     "wrong_state": wrong_state,
     "driver_answers": driver_answers,
+    "two_processes": two_processes,
 }
 
 
 def main(argv: list[str]) -> int:
     base = Path(argv[1]) if len(argv) > 1 else Path(tempfile.mkdtemp(prefix="cuda-scenarios-"))
+    chosen = argv[2:] or list(SCENARIOS)
     failed = 0
-    for name, scenario in SCENARIOS.items():
+    for name, scenario in ((n, SCENARIOS[n]) for n in chosen):
         t = time.perf_counter()
         try:
             report = scenario(base / name)
