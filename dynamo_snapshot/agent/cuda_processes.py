@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 
 from dynamo_snapshot.agent.errors import AgentError
 from dynamo_snapshot.cuda import CudaCheckpointer, CudaError, ProcessState, process_tree
@@ -16,14 +17,15 @@ __all__ = ["checkpointed_pids", "resume_cuda", "suspend_cuda"]
 
 
 async def suspend_cuda(cuda: CudaCheckpointer | None, pids: list[int], lock_timeout_ms: int) -> None:
-    """Lock every process, then checkpoint each; on a CUDA error all are resumed and AgentError raised."""
+    """Lock every process, then checkpoint them all at once (each copies its own GPU memory out: a
+    tensor-parallel worker's ranks need not wait for one another); on a CUDA error all are resumed and
+    AgentError raised."""
     if not pids or cuda is None:
         return
     try:
         for pid in pids:  # lock all first: no process may touch the GPU while another is checkpointed
             await asyncio.to_thread(cuda.lock, pid, lock_timeout_ms)
-        for pid in pids:
-            await asyncio.to_thread(cuda.checkpoint, pid)
+        await _each(pids, lambda pid: asyncio.to_thread(cuda.checkpoint, pid))
     except CudaError as e:
         await resume_cuda(cuda, pids, {}, best_effort=True)
         raise AgentError(f"CUDA checkpoint failed: {e}") from None
@@ -32,22 +34,34 @@ async def suspend_cuda(cuda: CudaCheckpointer | None, pids: list[int], lock_time
 async def resume_cuda(
     cuda: CudaCheckpointer | None, pids: list[int], remap: dict[str, str], *, best_effort: bool = False
 ) -> None:
-    """Restore (with ``remap``: old GPU UUID -> new) and unlock each process, whichever state it is in.
-    ``best_effort`` logs a failure instead of raising AgentError."""
+    """Restore (with ``remap``: old GPU UUID -> new) and unlock each process, whichever state it is in,
+    all at once. ``best_effort`` logs a failure instead of raising AgentError."""
     if not pids or cuda is None:
         return
-    for pid in pids:
+
+    def resume(pid: int) -> None:
         try:
-            state = await asyncio.to_thread(cuda.state, pid)
+            state = cuda.state(pid)
             if state is ProcessState.CHECKPOINTED:
-                await asyncio.to_thread(cuda.restore, pid, remap or None)
-                state = await asyncio.to_thread(cuda.state, pid)
+                cuda.restore(pid, remap or None)
+                state = cuda.state(pid)
             if state is ProcessState.LOCKED:
-                await asyncio.to_thread(cuda.unlock, pid)
+                cuda.unlock(pid)
         except CudaError as e:
             if not best_effort:
                 raise AgentError(f"CUDA restore of pid {pid} failed: {e}") from None
             log.warning("could not resume CUDA", extra={"pid": pid, "error": str(e)})
+
+    await _each(pids, lambda pid: asyncio.to_thread(resume, pid))
+
+
+async def _each(pids: list[int], call: Callable[[int], Awaitable[None]]) -> None:
+    """``call`` for every pid at once; the first error is raised once all have ended (none is left
+    running behind a resume)."""
+    results = await asyncio.gather(*(call(pid) for pid in pids), return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
 
 
 async def checkpointed_pids(cuda: CudaCheckpointer | None, root_pid: int) -> list[int]:
