@@ -87,6 +87,8 @@ class Worker:
 @contextlib.contextmanager
 def worker(workdir: Path, mib: int = WORKER_MIB) -> Iterator[Worker]:
     workdir.mkdir(parents=True, exist_ok=True)
+    for stale in ("ready.json", "result.json", "go"):  # a scenario run again in the same directory
+        (workdir / stale).unlink(missing_ok=True)
     with (workdir / "worker.log").open("wb") as log:
         proc = subprocess.Popen(
             [sys.executable, str(WORKER), str(workdir), str(mib)],
