@@ -31,6 +31,7 @@ from dynamo_snapshot.artifact import (
     ArtifactError,
     ArtifactNotFoundError,
     Binding,
+    GpuInfo,
     validate_artifact_key,
 )
 
@@ -120,14 +121,14 @@ class Executor(Node):
                     artifact = await asyncio.to_thread(self.store.open, artifact_key)
                 except (ArtifactError, ValueError) as e:
                     raise ArtifactRefused(f"artifact {artifact_key} refused: {e}") from None
-                check_before_reading(artifact, manifest_digest, image_id, self.gpus, visible_gpus)
+                gpus = check_before_reading(artifact, manifest_digest, image_id, self.gpus, visible_gpus)
             if self.cache is not None:
                 cached = await self._restore_from_cache(
-                    self.cache, key, artifact, timings, greeting, manifest_digest
+                    self.cache, key, artifact, timings, greeting, manifest_digest, gpus
                 )
                 if cached is not None:
                     return cached
-            outcome = await RestoreRun(self, key, artifact, timings, greeting, manifest_digest).run()
+            outcome = await RestoreRun(self, key, artifact, timings, greeting, manifest_digest, gpus).run()
         except BaseException:
             FAILURES.labels("restore").inc()
             raise
@@ -144,6 +145,7 @@ class Executor(Node):
         timings: Timings,
         greeting: Greeting,
         manifest_digest: str | None,
+        gpus: GpuInfo | None,
     ) -> RestoreOutcome | None:
         """From the node cache's copy of ``source``; None where it has none, or its copy was refused
         (the copy is then removed)."""
@@ -155,7 +157,7 @@ class Executor(Node):
             if cached is None:
                 return None
             try:
-                outcome = await RestoreRun(self, key, cached, timings, greeting, manifest_digest).run()
+                outcome = await RestoreRun(self, key, cached, timings, greeting, manifest_digest, gpus).run()
             except ArtifactRefused as e:
                 CACHE_RESTORES.labels("refused").inc()
                 log.warning(

@@ -98,20 +98,26 @@ def gpu_memory_held_mib(pids: list[int]) -> int:
     return sum(used.get(pid, 0) for pid in pids)
 
 
-async def check_gpu_memory(extra: dict[str, JsonValue], gpus: GpuInfo | None) -> None:
-    """AgentError before anything starts when the GPUs cannot hold what the worker had at checkpoint
-    (as the manifest's ``extra.gpuMemory`` records it)."""
+async def check_gpu_memory(
+    extra: dict[str, JsonValue], target: GpuInfo | None, checkpoint: GpuInfo | None
+) -> None:
+    """AgentError before anything starts when the GPUs the restore goes onto (``target``) cannot hold
+    what the worker had at checkpoint (as the manifest's ``extra.gpuMemory`` records it)."""
     need = extra.get("gpuMemory")
-    if gpus is None or not isinstance(need, dict):
+    if target is None or checkpoint is None or not isinstance(need, dict):
         return
     held, released = need.get("heldMiB"), need.get("releasedMiB")
     if not isinstance(held, int) or not isinstance(released, int):
         return
     try:
-        free = [g.memory_free_mib for g in await asyncio.to_thread(list_gpus)][: gpus.count]
+        gpus = await asyncio.to_thread(list_gpus)
     except CudaError as e:
         log.warning("cannot read free GPU memory; restoring anyway", extra={"error": str(e)})
         return
-    problem = gpu_memory_problem(free, held, released)
+    by_uuid = {g.uuid: g for g in gpus}
+    # The container's GPUs where they are known by UUID (not the node's first ones); else in node order.
+    if target.uuids and all(u in by_uuid for u in target.uuids):
+        gpus = [by_uuid[u] for u in target.uuids]
+    problem = gpu_memory_problem([g.memory_free_mib for g in gpus][: checkpoint.count], held, released)
     if problem:
         raise AgentError(problem)

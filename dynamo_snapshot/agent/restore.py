@@ -76,17 +76,17 @@ def check_before_reading(
     image_id: str | None,
     node_gpus: GpuInfo | None,
     visible_gpus: tuple[str, ...] | None,
-) -> None:
+) -> GpuInfo | None:
     """Refuse, from its manifest alone, an artifact this restore must not read: not the one the
     checkpoint recorded, needing a format feature this agent does not know, taken from another image, or
-    needing more GPUs than the restore container has."""
+    needing more GPUs than the restore container has. Returns the GPUs the restore goes onto."""
     check_digest(artifact, manifest_digest)
     try:
         artifact.check_features()
     except ArtifactError as e:
         raise ArtifactRefused(f"artifact {artifact.key} refused: {e}") from None
     _check_image(artifact, image_id)
-    assigned_gpus(node_gpus, visible_gpus, artifact.manifest.gpus)
+    return assigned_gpus(node_gpus, visible_gpus, artifact.manifest.gpus)
 
 
 def check_digest(artifact: Artifact, expected: str | None) -> None:
@@ -118,10 +118,12 @@ class RestoreRun:
         timings: Timings,
         greeting: Greeting,
         manifest_digest: str | None,
+        gpus: GpuInfo | None = None,
     ) -> None:
         self.node = node
         self.key = key
         self.artifact = artifact
+        self.gpus = gpus  # the GPUs the restore goes onto, where the container's are known
         self.timings = timings
         self.greeting = greeting
         self.manifest_digest = manifest_digest
@@ -167,7 +169,8 @@ class RestoreRun:
         pages and (at idle I/O priority) the weights check begin meanwhile."""
         self.check_manifest()
         if self.node.cuda is not None:
-            await check_gpu_memory(self.artifact.manifest.extra, self.artifact.manifest.gpus)
+            target = self.gpus if self.gpus is not None else self.node.gpus
+            await check_gpu_memory(self.artifact.manifest.extra, target, self.artifact.manifest.gpus)
         await self.read_tools()
         self.prefetching = await self.start_prefetch()
         if self.prefetching is not None:

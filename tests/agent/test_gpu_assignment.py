@@ -3,10 +3,13 @@ container (NVIDIA_VISIBLE_DEVICES), not simply the node's first ones. Pure logic
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
+from pydantic import JsonValue
 
 from dynamo_snapshot.agent.errors import AgentError
-from dynamo_snapshot.agent.gpu_assignment import assigned_gpus, container_gpus, gpu_remap
+from dynamo_snapshot.agent.gpu_assignment import assigned_gpus, check_gpu_memory, container_gpus, gpu_remap
 from dynamo_snapshot.agent.runtime.containerd import visible_gpus
 from dynamo_snapshot.artifact import GpuInfo
 
@@ -78,3 +81,25 @@ def test_a_checkpoint_records_the_gpus_its_container_was_given() -> None:
     assert gpu_remap(two, target) == {"GPU-node-1": "GPU-node-0", "GPU-node-3": "GPU-node-2"}
     with pytest.raises(AgentError, match=r"given 1 GPU.*taken on 2"):
         assigned_gpus(NODE, ("0",), two)
+
+
+def test_the_memory_check_reads_the_gpus_the_restore_goes_onto(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dynamo_snapshot.agent import gpu_assignment
+    from dynamo_snapshot.cuda import inventory
+
+    free = [1_000, 1_000, 80_000, 80_000]
+    gpus = [
+        inventory.GpuInfo(i, f"GPU-node-{i}", "NVIDIA H200", "NVIDIA-H200", 143_771, f)
+        for i, f in enumerate(free)
+    ]
+    monkeypatch.setattr(gpu_assignment, "list_gpus", lambda: gpus)
+    two = CHECKPOINT.model_copy(update={"count": 2, "uuids": ["GPU-s0", "GPU-s1"]})
+    need: dict[str, JsonValue] = {"gpuMemory": {"heldMiB": 100_000, "releasedMiB": 20_000}}
+    # The container was given the node's last two GPUs, which hold it; its first two would not.
+    asyncio.run(check_gpu_memory(need, assigned_gpus(NODE, ("2", "3"), two), two))
+    with pytest.raises(AgentError, match=r"2000 MiB free on 2 GPU"):
+        asyncio.run(check_gpu_memory(need, assigned_gpus(NODE, ("0", "1"), two), two))
+    # GPUs known by no UUID NVML lists (MIG): the node's, in order.
+    mig = NODE.model_copy(update={"uuids": ["MIG-a", "MIG-b"], "count": 2})
+    with pytest.raises(AgentError, match=r"2000 MiB free"):
+        asyncio.run(check_gpu_memory(need, mig, two))
