@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import pytest
@@ -61,7 +62,9 @@ def test_small_jobs_stay_in_the_caller(tmp_path: Path, monkeypatch: pytest.Monke
 
 def test_a_dead_helper_falls_back_to_the_caller(tmp_path: Path) -> None:
     pool = isolated._get_pool()
-    pool.submit(os._exit, 1)  # kills its helper: the pool is broken from here on
+    dying = pool.submit(os._exit, 1)  # kills its helper: the pool is broken from here on
+    with pytest.raises(BrokenProcessPool):
+        dying.result(timeout=60)  # once the pool knows it; before, another helper may still take a job
     jobs = [HashJob(src=_file(tmp_path / "d", 1 << 20), size=1 << 20, chunk_bytes=None)]
     want = hash_files(jobs)[0].digests
     assert isolated.hash_files_isolated(jobs, min_bytes=0)[0].digests == want
