@@ -118,12 +118,12 @@ class RestoreRun:
         timings: Timings,
         greeting: Greeting,
         manifest_digest: str | None,
-        gpus: GpuInfo | None = None,
+        gpus: GpuInfo | None,
     ) -> None:
         self.node = node
         self.key = key
         self.artifact = artifact
-        self.gpus = gpus  # the GPUs the restore goes onto, where the container's are known
+        self.gpus = gpus  # the GPUs the restore goes onto (check_before_reading)
         self.timings = timings
         self.greeting = greeting
         self.manifest_digest = manifest_digest
@@ -169,8 +169,7 @@ class RestoreRun:
         pages and (at idle I/O priority) the weights check begin meanwhile."""
         self.check_manifest()
         if self.node.cuda is not None:
-            target = self.gpus if self.gpus is not None else self.node.gpus
-            await check_gpu_memory(self.artifact.manifest.extra, target, self.artifact.manifest.gpus)
+            await check_gpu_memory(self.artifact.manifest.extra, self.gpus, self.artifact.manifest.gpus)
         await self.read_tools()
         self.prefetching = await self.start_prefetch()
         if self.prefetching is not None:

@@ -56,7 +56,7 @@ def _node() -> _Node:
 
 
 def _run(node: _Node, artifact: _Artifact, key: str) -> RestoreRun:
-    return RestoreRun(node, key, artifact, Timings(), Greeting({}, None), None)  # type: ignore[arg-type]
+    return RestoreRun(node, key, artifact, Timings(), Greeting({}, None), None, None)  # type: ignore[arg-type]
 
 
 async def test_concurrent_restores_share_one_check(tmp_path: Path) -> None:

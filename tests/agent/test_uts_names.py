@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from dynamo_snapshot.agent.runtime.base import WorkloadRuntimeError
-from dynamo_snapshot.agent.runtime.uts_names import set_uts_names
+from dynamo_snapshot.agent.runtime.uts_names import set_uts_names, uts_names
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="a UTS namespace of its own needs root")
 
@@ -41,6 +41,8 @@ def test_the_names_are_set_in_the_target_namespace_only(in_own_uts: int) -> None
     ours = _names(os.getpid())
     set_uts_names(in_own_uts, "restore-pod-7", "example.internal")
     assert _names(in_own_uts) == ["restore-pod-7", "example.internal"]
+    assert uts_names(in_own_uts) == ("restore-pod-7", "example.internal")
+    assert list(uts_names(os.getpid())) == ours
     assert _names(os.getpid()) == ours
     # Again from the same process: no thread of it stayed in the other namespace.
     set_uts_names(in_own_uts, "restore-pod-8", "(none)")
@@ -49,5 +51,7 @@ def test_the_names_are_set_in_the_target_namespace_only(in_own_uts: int) -> None
 
 
 def test_a_process_gone_is_a_clear_error() -> None:
-    with pytest.raises(WorkloadRuntimeError, match=r"host name \(x\): .*No such file"):
+    with pytest.raises(WorkloadRuntimeError, match=r"host name \(pid 999999999\): .*No such file"):
         set_uts_names(999_999_999, "x", "y")
+    with pytest.raises(WorkloadRuntimeError, match=r"No such file"):
+        uts_names(999_999_999)

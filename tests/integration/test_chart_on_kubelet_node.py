@@ -21,9 +21,8 @@ import pytest
 from dynamo_snapshot.agent.privileges import CONTAINERD_DEFAULT_CAPABILITIES, REQUIRED_CAPABILITIES
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.localcluster import LocalCluster
-from dynamo_snapshot.localcluster.chart_install import install, node_values
+from dynamo_snapshot.localcluster.chart_install import CHART, helm, install, node_values
 from dynamo_snapshot.localcluster.realnode import RealNode
-from tests.helm.chart import CHART, helm
 from tests.helm.conftest import without_dgd_crd  # noqa: F401  (a fixture)
 from tests.helpers.kubelet_stack import (
     GRAPH,
@@ -107,11 +106,10 @@ def test_the_chart_installed_on_the_kubelet_node_runs_the_auto_mode_story(
         watch_namespace=apps,
     )
     chart_args = install(cluster, real_node, release, system, values, tmp_path / "node.yaml")
-    env = cluster.env()
     try:
-        _story(cluster, real_node, store, release, system, apps, chart_args, env)
+        _story(cluster, real_node, store, release, system, apps, chart_args)
     finally:
-        helm("uninstall", release, "-n", system, "--wait", env=env, timeout=120)
+        helm(cluster, "uninstall", release, "-n", system, "--wait", timeout=120)
         _clear_workloads(cluster, apps)
         for ns in (system, apps):
             cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
@@ -125,7 +123,6 @@ def _story(
     system: str,
     apps: str,
     chart_args: list[str],
-    env: dict[str, str],
 ) -> None:
     def release_ready() -> dict[str, dict[str, Any]]:
         pods = _release_pods(cluster, system)
@@ -190,7 +187,7 @@ def _story(
 
     # helm upgrade with a changed value: the agent rolls to a pod with the new config; the workers serve on.
     upgraded = helm(
-        "upgrade", release, str(CHART), *chart_args, "--set", "agent.logLevel=debug", env=env, timeout=240
+        cluster, "upgrade", release, str(CHART), *chart_args, "--set", "agent.logLevel=debug", timeout=240
     )
     assert upgraded.returncode == 0, upgraded.stderr
     new_agent = _release_pods(cluster, system)["agent"]
@@ -213,7 +210,7 @@ def _story(
     assert workers_outside_pods() == []
 
     # helm uninstall: the release's pods go; the CRDs, the graph, its checkpoint and the artifact stay.
-    removed = helm("uninstall", release, "-n", system, "--wait", env=env, timeout=120)
+    removed = helm(cluster, "uninstall", release, "-n", system, "--wait", timeout=120)
     assert removed.returncode == 0, removed.stderr
     wait_for(lambda: not _release_pods(cluster, system), within=60, what="the release's pods to go")
     assert _json(cluster, "get", DGD_V1ALPHA1, GRAPH, "-n", apps)["metadata"]["name"] == GRAPH

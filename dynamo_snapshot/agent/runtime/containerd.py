@@ -45,7 +45,7 @@ from dynamo_snapshot.agent.runtime.rootfs_diff import (
     capture_diff,
     overlay_upperdir,
 )
-from dynamo_snapshot.agent.runtime.uts_names import set_uts_names
+from dynamo_snapshot.agent.runtime.uts_names import set_uts_names, uts_names
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.criu import Criu, CriuError
 
@@ -338,7 +338,7 @@ class ContainerdRuntime:
         phases["rootfs_diff"] = time.monotonic() - started
         # CRIU writes the checkpointed host and domain names into the UTS namespace it joins: the
         # pod's, which must keep its own.
-        names = await self._uts_names(target.pid)
+        names = await asyncio.to_thread(uts_names, target.pid)
         started = time.monotonic()
         fds: list[int] = []
         restored = False
@@ -367,7 +367,7 @@ class ContainerdRuntime:
             # restored worker must not keep the checkpoint pod's name (its /etc/hosts has only its own:
             # a lookup of the old one waits on DNS), so after a restore a failure here fails it.
             try:
-                await asyncio.to_thread(set_uts_names, target.pid, *names.split("\n", 1))
+                await asyncio.to_thread(set_uts_names, target.pid, *names)
             except WorkloadRuntimeError:
                 if restored:
                     raise
@@ -415,15 +415,6 @@ class ContainerdRuntime:
             args += ["--ext-mount-map", f"{dest}:{source}"]
         cgroups = [str(p / "cgroup.procs") for p in self._cgroup_dirs(target)]
         return args, cgroups
-
-    async def _uts_names(self, pid: int) -> str:
-        """The host and domain name of ``pid``'s UTS namespace ("host\ndomain")."""
-        script = "cat /proc/sys/kernel/hostname /proc/sys/kernel/domainname"
-        argv = [self.nsenter, f"--uts=/proc/{pid}/ns/uts", "--", "/bin/sh", "-c", script]
-        code, out = await _exec(*argv)
-        if code != 0:
-            raise WorkloadRuntimeError(f"the restore container's host name: {out.strip()}")
-        return out.rstrip("\n")
 
     def _cgroup_dirs(self, target: Container) -> list[Path]:
         rel = target.cgroups_path.lstrip("/")

@@ -9,42 +9,65 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from collections.abc import Callable
+from pathlib import Path
 
 from dynamo_snapshot.agent.runtime.base import WorkloadRuntimeError
 
-__all__ = ["set_uts_names"]
+__all__ = ["set_uts_names", "uts_names"]
 
 _CLONE_NEWUTS = 0x04000000  # linux/sched.h
 
 
+def uts_names(pid: int) -> tuple[str, str]:
+    """The host and domain name of ``pid``'s UTS namespace."""
+    names: list[str] = []
+
+    def read() -> None:
+        # /proc/sys/kernel shows the names of the reader's UTS namespace.
+        for name in ("hostname", "domainname"):
+            names.append(Path(f"/proc/sys/kernel/{name}").read_text().rstrip("\n"))
+
+    _in_namespace(pid, read)
+    return names[0], names[1]
+
+
 def set_uts_names(pid: int, host: str, domain: str) -> None:
-    """sethostname(2) and setdomainname(2) in ``pid``'s UTS namespace. /proc/sys, where nsenter would
-    write them, is read-only in an unprivileged container; a thread of its own joins the namespace (a
-    UTS namespace is per thread) and ends with it."""
+    """sethostname(2) and setdomainname(2) in ``pid``'s UTS namespace (/proc/sys, where they could be
+    written, is read-only in an unprivileged container)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    host_b, domain_b = host.encode(), domain.encode()
+
+    def write() -> None:
+        for name, call, args in (
+            ("sethostname", libc.sethostname, (host_b, len(host_b))),
+            ("setdomainname", libc.setdomainname, (domain_b, len(domain_b))),
+        ):
+            if call(*args) != 0:
+                raise OSError(ctypes.get_errno(), f"{name}: {os.strerror(ctypes.get_errno())}")
+
+    _in_namespace(pid, write)
+
+
+def _in_namespace(pid: int, work: Callable[[], None]) -> None:
+    """``work`` in a thread of its own that joins ``pid``'s UTS namespace (a UTS namespace is per thread)
+    and ends with it; WorkloadRuntimeError for what failed."""
     errors: list[str] = []
 
-    def in_namespace() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
+    def run() -> None:
         try:
             fd = os.open(f"/proc/{pid}/ns/uts", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                if ctypes.CDLL(None, use_errno=True).setns(fd, _CLONE_NEWUTS) != 0:
+                    raise OSError(ctypes.get_errno(), f"setns: {os.strerror(ctypes.get_errno())}")
+            finally:
+                os.close(fd)
+            work()
         except OSError as e:
             errors.append(str(e))
-            return
-        try:
-            host_b, domain_b = host.encode(), domain.encode()
-            for name, call, args in (
-                ("setns", libc.setns, (fd, _CLONE_NEWUTS)),
-                ("sethostname", libc.sethostname, (host_b, len(host_b))),
-                ("setdomainname", libc.setdomainname, (domain_b, len(domain_b))),
-            ):
-                if call(*args) != 0:
-                    errors.append(f"{name}: {os.strerror(ctypes.get_errno())}")
-                    return
-        finally:
-            os.close(fd)
 
-    thread = threading.Thread(target=in_namespace, name=f"uts-names-{pid}")
+    thread = threading.Thread(target=run, name=f"uts-{pid}")
     thread.start()
     thread.join()
     if errors:
-        raise WorkloadRuntimeError(f"the restore container's host name ({host}): {errors[0]}")
+        raise WorkloadRuntimeError(f"the restore container's host name (pid {pid}): {errors[0]}")
