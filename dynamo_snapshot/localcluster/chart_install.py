@@ -6,11 +6,10 @@ on a node without a registry: the controller and agent images built from this ch
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from dynamo_snapshot.localcluster.cluster import LocalCluster, LocalClusterError
 from dynamo_snapshot.localcluster.images import project_root
@@ -97,7 +96,9 @@ def install(
     values."""
     import_images(node)
     cluster.kubectl("create", "namespace", namespace, check=False)
-    values_file.write_text(yaml.safe_dump(values))
+    # JSON, a YAML subset with every string quoted: PyYAML leaves a string such as 86373e69 plain and
+    # helm reads it as a number.
+    values_file.write_text(json.dumps(values, indent=2))
     args = install_args(namespace, values_file)
     done = helm(cluster, "install", release, str(CHART), *args, timeout=240)
     if done.returncode != 0:

@@ -20,8 +20,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-import yaml
-
 from dynamo_snapshot.localcluster.cluster import free_port
 from dynamo_snapshot.localcluster.components import ComponentsMissingError
 from dynamo_snapshot.localcluster.supervise import die_with_parent
@@ -213,7 +211,7 @@ class LocalPrometheus:
         if self.workdir is None:
             return
         tmp = self._config.with_suffix(".tmp")
-        tmp.write_text(yaml.safe_dump(config, sort_keys=False))
+        tmp.write_text(json.dumps(config, indent=2))  # JSON is YAML with every string quoted
         tmp.replace(self._config)
 
     def _get(self, path: str) -> bytes | None:

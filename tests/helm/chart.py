@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -46,7 +47,9 @@ def _values_args(values: Obj | None, tmp: Path) -> list[str]:
     if not values:
         return []
     path = tmp / "values.yaml"
-    path.write_text(yaml.safe_dump(values))
+    # JSON, a YAML subset with every string quoted: PyYAML leaves a string such as 86373e69 plain and
+    # helm reads it as a number.
+    path.write_text(json.dumps(values))
     return ["-f", str(path)]
 
 

@@ -680,6 +680,15 @@ def test_schema_rejects_bad_values_with_a_clear_message() -> None:
         assert message in proc.stderr, proc.stderr
 
 
+def test_string_values_that_look_like_numbers_stay_strings() -> None:
+    """PyYAML writes 86373e69 and 0x1f unquoted; helm reads them as numbers and its schema refuses them.
+    The values file the tests and the demo write keeps them strings."""
+    selector = {"pool": "86373e69", "hex": "0x1f", "octal": "0o17", "word": "true"}
+    ds = one(render({"agent": {"nodeSelector": selector}}), "DaemonSet", "-agent")
+    rendered = ds["spec"]["template"]["spec"]["nodeSelector"]
+    assert {k: rendered[k] for k in selector} == selector
+
+
 # --------------------------------------------------------------------------- RBAC, rendered
 
 

@@ -72,7 +72,8 @@ def install(cluster: LocalCluster, namespace: str) -> Iterator[Callable[..., Ins
     def apply(values: Obj | None = None, *, only: set[str] = RBAC_KINDS) -> Installed:
         release = _release()
         objs = [o for o in render(values, release=release, namespace=namespace) if o["kind"] in only]
-        text = "\n---\n".join(yaml.safe_dump(o) for o in objs)
+        # JSON documents: every string quoted, as kubectl (YAML 1.2) must read them.
+        text = "\n---\n".join(json.dumps(o) for o in objs)
         cluster.kubectl("apply", "--server-side", "-f", "-", input=text)
         applied.extend(o for o in objs if o["kind"] in CLUSTER_SCOPED)
         return Installed(cluster, namespace, release, objs)
