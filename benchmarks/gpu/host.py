@@ -132,26 +132,36 @@ class IoSampler(_Poller):
 
 
 def page_stats(path: Path, page: int = 4096, sample_every: int = 8) -> dict[str, float]:
-    """How much of a CRIU pages image is all-zero pages (what punching holes would save) and how well
-    the rest compresses (zlib level 1 over every `sample_every`-th 1 MiB of non-zero pages)."""
+    """How much of a CRIU pages image is all-zero pages (what dropping them saves), how its 1 MiB blocks
+    split into all-zero, zero-free and mixed ones (the zero-page rewrite looks at each page of a mixed
+    block only), and how well the rest compresses (zlib level 1 over every `sample_every`-th 1 MiB of
+    non-zero pages)."""
     zero_page = bytes(page)
     total = zero = 0
+    blocks = {"zero": 0, "none": 0, "mixed": 0}
     raw = packed = 0
     with path.open("rb") as f:
         for n, block in enumerate(iter(lambda: f.read(1 << 20), b"")):
             nonzero = bytearray()
+            zeros_here = 0
             for i in range(0, len(block), page):
                 part = block[i : i + page]
                 total += 1
                 if part == zero_page[: len(part)]:
-                    zero += 1
+                    zeros_here += 1
                 else:
                     nonzero += part
+            zero += zeros_here
+            pages_here = -(-len(block) // page)
+            blocks["zero" if zeros_here == pages_here else "none" if not zeros_here else "mixed"] += 1
             if n % sample_every == 0 and nonzero:
                 raw += len(nonzero)
                 packed += len(zlib.compress(nonzero, 1))
     return {
         "zero_fraction": round(zero / total, 4) if total else 0.0,
+        "blocks_all_zero": blocks["zero"],
+        "blocks_zero_free": blocks["none"],
+        "blocks_mixed": blocks["mixed"],
         "nonzero_zlib1_ratio": round(raw / packed, 3) if packed else 0.0,
     }
 

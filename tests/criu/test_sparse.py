@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import mmap
 import os
 import signal
 import struct
@@ -13,6 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -251,18 +253,29 @@ async def test_a_write_failing_mid_rewrite_fails_the_checkpoint_not_just_the_dro
     from dynamo_snapshot.agent.errors import AgentError
     from dynamo_snapshot.agent.page_images import drop_zero_pages_of as _drop_zero_pages
 
-    # A failed read of the images keeps them as CRIU wrote them (the drop is skipped); once pages have
+    # Images that cannot be mapped are kept as CRIU wrote them (the drop is skipped); once pages have
     # moved, the images no longer match their pagemap, and publishing them would publish a corrupt dump.
-    _dump(tmp_path, [b"a" * PAGE, bytes(PAGE), b"b" * PAGE, b"c" * PAGE])
+    pages = [b"a" * PAGE, bytes(PAGE), b"b" * PAGE, b"c" * PAGE]
+    _dump(tmp_path, pages)
 
-    def failing_pwrite(fd: int, data: memoryview, offset: int) -> int:
+    def refused_mmap(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(19, "No such device")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(mmap, "mmap", refused_mmap)
+        stats = drop_zero_pages(tmp_path)
+    assert stats.pages_dropped == 0
+    assert "No such device" in stats.skipped[7]
+    assert _pagemap(tmp_path) == (3, [(0x10000, 4, 6)])
+
+    def failing_truncate(fd: int, length: int) -> None:
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(sparse.os, "pwrite", failing_pwrite)
+    monkeypatch.setattr(os, "ftruncate", failing_truncate)
     with pytest.raises(sparse.Damaged, match=r"pages-3\.img: .*Input/output error"):
         drop_zero_pages(tmp_path)
     with pytest.raises(AgentError, match="mid-rewrite, the dump is discarded"):
-        await _drop_zero_pages(_dump(tmp_path, [b"a" * PAGE, bytes(PAGE), b"b" * PAGE, b"c" * PAGE]))
+        await _drop_zero_pages(_dump(tmp_path, pages))
     assert _pagemap(tmp_path) == (3, [(0x10000, 4, 6)])
 
 
@@ -313,3 +326,19 @@ def test_a_rewrite_of_mixed_batches_keeps_exactly_the_non_zero_pages(tmp_path: P
             runs.append((addr, 1, 6))
     assert _pagemap(tmp_path) == (3, runs)
     assert (tmp_path / "pages-3.img").read_bytes() == b"".join(p for _, p in kept)
+
+
+def test_a_batch_of_zeros_across_a_vma_boundary_drops_only_the_anonymous_pages(tmp_path: Path) -> None:
+    n, vaddr = 2 * sparse._BATCH_PAGES, 0x10000
+    split = vaddr + 100 * PAGE  # a private file mapping from here: its zero pages are the file's
+    _image(tmp_path / "pstree.img", sparse._PSTREE_MAGIC, [_msg((1, 7), (2, 0))])
+    anon = _msg((1, vaddr), (2, split), (7, 1 << 9 | 1))
+    file_backed = _msg((1, split), (2, vaddr + n * PAGE), (7, 1 << 6 | 1))
+    _image(tmp_path / "mm-7.img", sparse._MM_MAGIC, [_msg((14, anon), (14, file_backed))])
+    entry = _msg((1, vaddr), (2, n), (4, 6))
+    _image(tmp_path / "pagemap-7.img", sparse._PAGEMAP_MAGIC, [_msg((1, 3)), entry])
+    (tmp_path / "pages-3.img").write_bytes(bytes(n * PAGE))
+
+    assert drop_zero_pages(tmp_path).pages_dropped == 100
+    assert _pagemap(tmp_path) == (3, [(split, n - 100, 6)])
+    assert (tmp_path / "pages-3.img").read_bytes() == bytes((n - 100) * PAGE)
