@@ -49,4 +49,7 @@ for f in sorted(out.glob(f"gpu-restore-{size}-formats-*.json")):
         print(f"{f.stem} {mode}: disk {r.get('storage_gbps')} GB/s, checkpoint {m.get('checkpoint_s')} s, "
               f"artifact {m.get('artifact_bytes')} B, restore cold {m.get('restore_s')} s, warm {warm} s, "
               f"identical {m.get('output_identical')}, error {bool(m.get('error'))}")
+        phases = m.get("checkpoint_phases") or {}
+        print("   checkpoint phases:", {k: round(v, 3) for k, v in phases.items()})
+        print("   pages images:", m.get("pages_stats"))
 PY
