@@ -22,8 +22,6 @@ and hold protobuf messages each preceded by its u32 length; pages-ID.img is raw 
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import mmap
 import os
 import struct
@@ -47,14 +45,9 @@ _VMA_ANON_PRIVATE = 1 << 9
 _VMA_NOT_PLAIN_ANON = (1 << 6) | (1 << 7) | (1 << 8) | (1 << 10) | (1 << 14) | (1 << 27) | (1 << 31)
 _PE_LAZY = 1 << 1
 _PE_PRESENT = 1 << 2
-# Pages compared per step.
+# Pages read and written per step.
 _BATCH_PAGES = 256
-_ZERO_BUFFER = ctypes.create_string_buffer(_BATCH_PAGES * PAGE)
-_ZERO_ADDR = ctypes.addressof(_ZERO_BUFFER)
-_MADV_POPULATE_WRITE = 23  # linux/mman.h; Python 3.11's mmap does not name it
-_memcmp = ctypes.CDLL(None).memcmp
-_memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-_memcmp.restype = ctypes.c_int
+_ZERO_BATCH = bytes(_BATCH_PAGES * PAGE)
 
 
 class ImageFormatError(ValueError):
@@ -246,117 +239,99 @@ def _read_pagemap(pagemap: Path) -> tuple[int, list[tuple[int, int, int]]]:
     return pages_id, entries
 
 
-class _Mapped:
-    """The pages image mapped shared and writable: pages are compared where the page cache holds them
-    and moved with one copy inside it.
+def _read_fully(fd: int, into: memoryview, offset: int) -> int:
+    """Bytes read into ``into`` from ``offset``: all of it unless the file ends first."""
+    got = 0
+    while got < len(into) and (n := os.preadv(fd, [into[got:]], offset + got)):
+        got += n
+    return got
 
-    In place, because the pages CRIU just wrote are dirty in the page cache: moving them where they
-    already are dirties nothing new, while a new file of the same pages is new dirty memory the kernel
-    throttles writers for (BENCHMARKS.md: a rewrite into a new file took 1.1-1.6 s on the H200, reading
-    and writing batches in place 0.84-1.17 s). A kept page never moves past the place it was read from,
-    so nothing is overwritten before it is read. A read error of the disk under the mapping would be a
-    SIGBUS rather than an OSError; the pages were written by CRIU a moment before and are read from the
-    page cache.
+
+class _Compactor:
+    """Moves the pages that stay towards the start of the pages image they are in.
+
+    In place, because the pages CRIU just wrote are dirty in the page cache: writing them again where
+    they already are costs a copy, while a new file of the same pages is new dirty memory the kernel
+    throttles writers for (BENCHMARKS.md: a rewrite into a new file took 1.1-1.6 s on the H200 where
+    this one takes 0.84-1.17 s, and 3x as long on the 2-core machine). A kept page never moves past the
+    place it was read from, so nothing is overwritten before it is read.
     """
 
-    def __init__(self, fd: int, size: int) -> None:
-        self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        with contextlib.suppress(OSError):
-            # The whole image faulted in at once rather than page by page (Linux 5.14+; a hint).
-            self.map.madvise(_MADV_POPULATE_WRITE)
-        self._anchor = ctypes.c_char.from_buffer(self.map)
-        self._base = ctypes.addressof(self._anchor)
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.read_at = 0  # offset of the next batch to read
         self.write_at = 0  # offset the next kept page goes to
 
-    def close(self) -> None:
-        del self._anchor  # the mapping cannot close while ctypes holds a view of it
-        self.map.close()
+    def read(self, into: memoryview) -> int:
+        """Fill ``into`` with the next pages of the image; returns the offset they were read from."""
+        at = self.read_at
+        if _read_fully(self.fd, into, at) != len(into):
+            raise ImageFormatError("pages image shorter than its pagemap")
+        self.read_at += len(into)
+        return at
 
-    def zero(self, at: int, size: int) -> bool:
-        return int(_memcmp(self._base + at, _ZERO_ADDR, size)) == 0
-
-    def has_zeros(self, at: int, end: int) -> bool:
-        """Whether a page's worth of zeros starts anywhere in [at, end), page-aligned or not: False means
-        no zero page for sure."""
-        return self.map.find(_ZERO, at, end) >= 0
-
-    def keep(self, at: int, size: int) -> None:
-        """Keep [at, at+size) at the write position."""
-        if size and self.write_at != at:
-            self.map.move(self.write_at, at, size)
-        self.write_at += size
-
-
-def _zero_runs(out: _Mapped, at: int, count: int) -> list[tuple[int, int]]:
-    """The runs of zero pages, (first page, pages), among the ``count`` pages at ``at``. Fast paths, at
-    memcmp and substring-search speed: a batch all zeros (a KV cache, GPU state), or one holding no page
-    of zeros at all, needs no look at each page."""
-    if out.zero(at, count * PAGE):
-        return [(0, count)]
-    runs: list[tuple[int, int]] = []
-    if not out.has_zeros(at, at + count * PAGE):
-        return runs
-    # One copy of the batch, then a comparison per page: 0.2 us a page, where a foreign call into the
-    # mapping costs 0.6-0.9 us.
-    batch = out.map[at : at + count * PAGE]
-    for i in range(count):
-        if batch.startswith(_ZERO, i * PAGE):
-            _extend(runs, i)
-    return runs
-
-
-def _in_vmas(droppable: list[tuple[int, int]], base: int, lo: int, n: int) -> list[tuple[int, int]]:
-    """The runs of pages [lo, lo+n) of the batch at address ``base`` that lie in droppable VMAs."""
-    runs: list[tuple[int, int]] = []
-    for i in range(lo, lo + n):
-        addr = base + i * PAGE
-        if _inside(droppable, addr, addr + PAGE):
-            _extend(runs, i)
-    return runs
-
-
-def _extend(runs: list[tuple[int, int]], page: int) -> None:
-    """Add ``page`` to the last run of ``runs`` where it follows it, else start a run."""
-    if runs and sum(runs[-1]) == page:
-        runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-    else:
-        runs.append((page, 1))
+    def keep(self, view: memoryview, at: int) -> None:
+        """Keep ``view``, read from ``at``, at the write position."""
+        if self.write_at != at:
+            done = 0
+            while done < len(view):
+                done += os.pwrite(self.fd, view[done:], self.write_at + done)
+        self.write_at += len(view)
 
 
 def _compact(
-    out: _Mapped,
+    fd: int,
     entries: list[tuple[int, int, int]],
     droppable: list[tuple[int, int]],
     stop: threading.Event | None,
 ) -> tuple[list[bytes], int, int]:
-    """Compact the pages of ``entries`` in the mapped pages image: (the new pagemap entries, pages before,
+    """Compact the pages of ``entries`` in the pages image ``fd``: (the new pagemap entries, pages before,
     pages dropped). The image then holds the kept pages and, past them, what is left to truncate."""
     new_entries: list[bytes] = []
     before = dropped = 0
-    at = 0  # offset of the batch
+    out = _Compactor(fd)
+    # One buffer read into again and again, compared and written without a copy: fresh 1 MiB blocks
+    # would each be new memory the kernel must fault in, and slices of them copies.
+    buf = bytearray(_BATCH_PAGES * PAGE)
+    view = memoryview(buf)
     for vaddr, nr, flags in entries:
         before += nr
-        run_start, run_len = vaddr, 0  # the kept pages not yet in an entry
+        run_start, run_len = vaddr, 0
         for first in range(0, nr, _BATCH_PAGES):
             if stop is not None and stop.is_set():
                 raise Stopped
             count = min(_BATCH_PAGES, nr - first)
+            size = count * PAGE
+            at = out.read(view[:size])
             base = vaddr + first * PAGE
             # A page may go only if it lies in a droppable VMA; an entry may span VMAs.
-            whole = _inside(droppable, base, base + count * PAGE)
-            kept_from = 0  # first page of the batch not yet kept or dropped
-            for z_lo, z_n in _zero_runs(out, at, count):
-                for lo, n in [(z_lo, z_n)] if whole else _in_vmas(droppable, base, z_lo, z_n):
-                    out.keep(at + kept_from * PAGE, (lo - kept_from) * PAGE)
-                    run_len += lo - kept_from
-                    if run_len:
-                        new_entries.append(_entry(run_start, run_len, flags))
-                    dropped += n
-                    kept_from = lo + n
-                    run_start, run_len = base + kept_from * PAGE, 0
-            out.keep(at + kept_from * PAGE, (count - kept_from) * PAGE)
-            run_len += count - kept_from
-            at += count * PAGE
+            whole = _inside(droppable, base, base + size)
+            # Fast paths, at memcmp speed: a batch all zeros (a KV cache, GPU state), or one holding no
+            # zero page at all, need no look at each page.
+            if whole and buf.startswith(_ZERO_BATCH[:size]):
+                dropped += count
+                if run_len:
+                    new_entries.append(_entry(run_start, run_len, flags))
+                run_start, run_len = base + size, 0
+                continue
+            if buf.find(_ZERO, 0, size) < 0:
+                out.keep(view[:size], at)
+                run_len += count
+                continue
+            kept_from = 0  # start (page index in the batch) of the kept pages not yet written
+            for i in range(count):
+                addr = base + i * PAGE
+                zero = buf.startswith(_ZERO, i * PAGE)
+                if not (zero and (whole or _inside(droppable, addr, addr + PAGE))):
+                    run_len += 1
+                    continue
+                out.keep(view[kept_from * PAGE : i * PAGE], at + kept_from * PAGE)
+                kept_from = i + 1
+                dropped += 1
+                if run_len:
+                    new_entries.append(_entry(run_start, run_len, flags))
+                run_start, run_len = addr + PAGE, 0
+            out.keep(view[kept_from * PAGE : size], at + kept_from * PAGE)
         if run_len:
             new_entries.append(_entry(run_start, run_len, flags))
     return new_entries, before, dropped
@@ -380,32 +355,22 @@ def _sparsify_process(
         raise ImageFormatError(f"{pages.name}: size does not match {pagemap.name}")
     if stop is not None and stop.is_set():
         raise Stopped
-    if not entries:
-        return 0, 0
     tmp_map = pagemap.with_name(pagemap.name + ".sparse")
     fd = os.open(pages, os.O_RDWR | os.O_CLOEXEC)
     try:
-        # A mapping refused (a file system without shared mappings) leaves the images as CRIU wrote them.
-        out = _Mapped(fd, pages.stat().st_size)
-        try:
-            new_entries, before, dropped = _compact(out, entries, droppable, stop)
-        except (OSError, ImageFormatError) as e:
-            raise Damaged(f"{pages.name}: {e}") from e
-        finally:
-            out.close()
+        new_entries, before, dropped = _compact(fd, entries, droppable, stop)
         # A pagemap with no entry at all crashes CRIU's restore (prepare_mappings reads the first
         # entry unchecked): a process whose every page is zero keeps its images, which the compaction
-        # has not touched (nothing was kept, so nothing was moved).
+        # has not touched (nothing was kept, so nothing was written).
         if not dropped or not new_entries:
             return before, 0
-        try:
-            # CRIU does not fsync its images either; the artifact writer fsyncs every file it seals.
-            _write_entries(tmp_map, _PAGEMAP_MAGIC, [_head(pages_id), *new_entries])
-            os.ftruncate(fd, (before - dropped) * PAGE)
-            os.replace(tmp_map, pagemap)
-        except OSError as e:
-            raise Damaged(f"{pages.name}: {e}") from e
+        # CRIU does not fsync its images either; the artifact writer fsyncs every file it seals.
+        _write_entries(tmp_map, _PAGEMAP_MAGIC, [_head(pages_id), *new_entries])
+        os.ftruncate(fd, (before - dropped) * PAGE)
+        os.replace(tmp_map, pagemap)
         return before, dropped
+    except (OSError, ImageFormatError) as e:
+        raise Damaged(f"{pages.name}: {e}") from e
     finally:
         os.close(fd)
         tmp_map.unlink(missing_ok=True)
