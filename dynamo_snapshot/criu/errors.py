@@ -6,7 +6,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["CriuError", "log_excerpt", "summary_line"]
+__all__ = ["CriuError", "known_cause", "log_excerpt", "summary_line"]
 
 # CRIU marks problems inconsistently ("Error (...)", "Warn ... Failed to", "Can't ..."), so match words.
 _PROBLEM = re.compile(r"error|can't|cannot|fail|unable", re.IGNORECASE)
@@ -36,6 +36,32 @@ def summary_line(excerpt: Sequence[str]) -> str | None:
     line = _TIMESTAMP.sub("", candidates[-1])
     # "Error (criu/seize.c:63): msg" -> "msg": the source location helps in the excerpt, not the summary.
     return re.sub(r"^(Error|Warn)\s*\([^)]*\):\s*", "", line)
+
+
+# Failures whose log line does not say what to do about them.
+_KNOWN_CAUSES: tuple[tuple[re.Pattern[str], str], ...] = (
+    (
+        re.compile(r"Can't get 1:(16|34) opt: Operation not supported"),
+        "this CRIU cannot dump a TCP or UDP socket on Linux 6.16 or later (it reads SO_PASSCRED and "
+        "SO_PASSSEC, which those kernels refuse on such sockets; fixed after CRIU 4.1.1, "
+        "checkpoint-restore/criu#2711): install a newer CRIU, or have the worker close its TCP and UDP "
+        "sockets before it signals ready-for-snapshot",
+    ),
+    (
+        re.compile(r"Connected TCP socket, consider using --tcp-established"),
+        "the worker holds an established TCP connection (a NCCL communicator, a client of another "
+        "service), which cannot be restored where its peer is gone: the worker closes it before it "
+        "signals ready-for-snapshot (docs/workload-contract.md, multi-GPU workers)",
+    ),
+)
+
+
+def known_cause(text: str) -> str | None:
+    """What a CRIU log's failure means and what to do, where the log's own line does not say."""
+    for pattern, cause in _KNOWN_CAUSES:
+        if pattern.search(text):
+            return cause
+    return None
 
 
 class CriuError(RuntimeError):

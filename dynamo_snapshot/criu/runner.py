@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dynamo_snapshot.criu.argv import DEFAULT_TREE_OPTIONS, TreeOptions, dump_argv, restore_argv
-from dynamo_snapshot.criu.errors import CriuError, log_excerpt, summary_line
+from dynamo_snapshot.criu.errors import CriuError, known_cause, log_excerpt, summary_line
 from dynamo_snapshot.criu.version import CriuVersion
 
 __all__ = ["ENV_CRIU", "MIN_VERSION", "Criu", "DumpResult", "RestoreResult", "find_criu"]
@@ -111,7 +111,11 @@ def _failure(op: str, returncode: int, output: str, log_path: Path | None) -> Cr
         except OSError:
             log_path = None  # CRIU failed before opening its log; its stderr says why
     excerpt = log_excerpt(text)
-    message = summary_line(excerpt) or (excerpt[-1] if excerpt else f"no output, exit code {returncode}")
+    message = (
+        known_cause(text)
+        or summary_line(excerpt)
+        or (excerpt[-1] if excerpt else f"no output, exit code {returncode}")
+    )
     return CriuError(op, returncode, message, excerpt, log_path=log_path)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dynamo_snapshot.criu import Criu, CriuError, CriuVersion, TreeOptions, dump_argv, restore_argv
+from dynamo_snapshot.criu import Criu, CriuError, CriuVersion, TreeOptions, dump_argv, restore_argv, runner
 from dynamo_snapshot.criu.errors import log_excerpt, summary_line
 from dynamo_snapshot.criu.runner import parse_ldd, shebang_interpreter
 
@@ -232,3 +232,42 @@ def _check_real_criu_files(criu_bin: Path, files: list[Path]) -> None:
     else:
         assert files[0] == criu_bin
         assert any(f.name.startswith("libprotobuf-c") for f in files), files
+
+
+# The ends of two dumps of a torch NCCL worker on the H200 (Linux 6.18, CRIU 4.1.1).
+SOCKOPT_LOG = """(00.075107) sockets: Searching for socket 0x3dd8 family 2
+(00.075118) Error (criu/sockets.c:628): sockets: Can't get 1:16 opt: Operation not supported
+(00.075120) Error (criu/sockets.c:628): sockets: Can't get 1:34 opt: Operation not supported
+(00.075123) sockets: No filter for socket
+(00.075134) Error (criu/cr-dump.c:1681): Dump files (pid: 623) failed with -1
+(00.092358) Unfreezing tasks into 1
+(00.116414) Error (criu/cr-dump.c:2111): Dumping FAILED.
+"""
+CONNECTED_LOG = """(00.094490) Error (criu/sk-inet.c:191): inet: Connected TCP socket, consider using \
+--tcp-established option.
+(00.094509) Error (criu/cr-dump.c:1681): Dump files (pid: 520) failed with -1
+(00.116414) Error (criu/cr-dump.c:2111): Dumping FAILED.
+"""
+
+
+@pytest.mark.parametrize(
+    ("log", "says"),
+    [
+        (SOCKOPT_LOG, "cannot dump a TCP or UDP socket on Linux 6.16 or later"),
+        (CONNECTED_LOG, "holds an established TCP connection"),
+    ],
+)
+def test_a_failure_with_a_known_cause_says_what_to_do(tmp_path: Path, log: str, says: str) -> None:
+    (tmp_path / "dump.log").write_text(log)
+    err = runner._failure("dump", 1, "", tmp_path / "dump.log")
+    assert str(err).startswith("criu dump failed (exit 1): ")
+    assert says in err.message
+    assert "Dump files" in str(err)  # CRIU's own lines stay in the excerpt
+    plain = runner._failure("dump", 1, "", _log(tmp_path, DUMP_LOG))
+    assert plain.message == "Unable to detach from 4242: No such process"
+
+
+def _log(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "plain.log"
+    path.write_text(text)
+    return path

@@ -63,39 +63,47 @@ class Worker:
             return (self.workdir / "worker.log").read_text(errors="replace")[-4000:]
         return ""
 
-    def finish(self) -> dict[str, Any]:
+    def finish(self, timeout: float = FINISH_TIMEOUT_S) -> dict[str, Any]:
         """Tell the worker to verify its GPU state; its verdict."""
         tmp = self.workdir / ".go.tmp"
         tmp.write_text("go")
         os.replace(tmp, self.workdir / "go")
         result = self.workdir / "result.json"
-        deadline = time.monotonic() + FINISH_TIMEOUT_S
+        deadline = time.monotonic() + timeout
         while not result.exists():
             if self.proc.poll() is not None:
                 raise ScenarioError(
                     f"worker exited {self.proc.returncode} before its verdict:\n{self.log_tail()}"
                 )
             if time.monotonic() > deadline:
-                raise ScenarioError(
-                    f"no verdict from the worker in {FINISH_TIMEOUT_S:.0f}s:\n{self.log_tail()}"
-                )
+                raise ScenarioError(f"no verdict from the worker in {timeout:.0f}s:\n{self.log_tail()}")
             time.sleep(0.05)
         verdict: dict[str, Any] = json.loads(result.read_text())
         return verdict
 
 
 @contextlib.contextmanager
-def worker(workdir: Path, mib: int = WORKER_MIB) -> Iterator[Worker]:
+def worker(
+    workdir: Path,
+    mib: int = WORKER_MIB,
+    *,
+    script: Path = WORKER,
+    args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> Iterator[Worker]:
+    """``script`` (cuda_worker.py with ``mib``, or another with ``args``) started in ``workdir`` and
+    ready; killed on the way out."""
     workdir.mkdir(parents=True, exist_ok=True)
-    for stale in ("ready.json", "result.json", "go"):  # a scenario run again in the same directory
+    for stale in ("ready.json", "result.json", "go", "prepare", "prepared.json"):  # a scenario run again
         (workdir / stale).unlink(missing_ok=True)
     with (workdir / "worker.log").open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, str(WORKER), str(workdir), str(mib)],
+            [sys.executable, str(script), str(workdir), *(args if args is not None else [str(mib)])],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env={**os.environ, **(env or {})},
         )
         w = Worker(proc, workdir)
         try:
@@ -345,7 +353,10 @@ def driver_answers(workdir: Path) -> dict[str, Any]:
             cp.resume(pid)
         elif state is ProcessState.LOCKED:
             cp.unlock(pid)
-        report["verdict"] = w.finish()
+        try:
+            report["verdict"] = w.finish(timeout=60)
+        except ScenarioError as e:
+            report["verdict_error"] = str(e)[-1500:]
     return report
 
 
@@ -382,6 +393,147 @@ def two_processes(workdir: Path) -> dict[str, Any]:
     return report
 
 
+NCCL_WORKER = Path(__file__).with_name("nccl_worker.py")
+# What upstream runs multi-GPU workers under a checkpoint with (docs/workload-contract.md).
+NCCL_ENV = {"NCCL_CUMEM_HOST_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
+
+
+def _nccl_cycle(workdir: Path, mode: str) -> dict[str, Any]:
+    """A one-rank NCCL worker through the agent's suspend_cuda and resume_cuda, its communicator torn
+    down before (``teardown``) or left as it is (``live``)."""
+    import asyncio
+
+    from dynamo_snapshot.agent.cuda_processes import resume_cuda, suspend_cuda
+
+    cp = CudaCheckpointer()
+    report: dict[str, Any] = {}
+    with worker(workdir, script=NCCL_WORKER, args=[mode], env=NCCL_ENV) as w:
+        report["worker"] = json.loads((workdir / "ready.json").read_text())
+        report["sockets_live"] = _sockets(w.pid)
+        if mode == "teardown":
+            (workdir / "prepare").write_text("")
+            deadline = time.monotonic() + 60
+            while not (workdir / "prepared.json").exists():
+                check(w.proc.poll() is None, f"worker exited tearing down:\n{w.log_tail()}")
+                check(time.monotonic() < deadline, f"no teardown in 60 s:\n{w.log_tail()}")
+                time.sleep(0.02)
+            report["teardown"] = json.loads((workdir / "prepared.json").read_text())
+            report["sockets_after_teardown"] = _sockets(w.pid)
+        t = time.perf_counter()
+        try:
+            asyncio.run(suspend_cuda(cp, [w.pid], 10_000))
+        except Exception as e:
+            report["suspend_error"] = f"{type(e).__name__}: {e}"
+            return report
+        report["suspend_s"] = round(time.perf_counter() - t, 4)
+        t = time.perf_counter()
+        asyncio.run(resume_cuda(cp, [w.pid], {}))
+        report["resume_s"] = round(time.perf_counter() - t, 4)
+        try:
+            report["verdict"] = w.finish(timeout=60)
+        except ScenarioError as e:
+            report["verdict_error"] = str(e)[-1500:]
+    return report
+
+
+def _nccl_criu_cycle(workdir: Path, mode: str) -> dict[str, Any]:
+    """_nccl_cycle through CRIU, as the agent checkpoints a worker: CUDA suspended, the process dumped
+    (and gone), restored from the images as a new process, CUDA resumed in it."""
+    import asyncio
+
+    from dynamo_snapshot.agent.cuda_processes import resume_cuda, suspend_cuda
+    from dynamo_snapshot.criu import Criu
+
+    cp, criu = CudaCheckpointer(), Criu()
+    report: dict[str, Any] = {}
+    restored_pid = None
+    try:
+        with worker(workdir, script=NCCL_WORKER, args=[mode], env=NCCL_ENV) as w:
+            report["worker"] = json.loads((workdir / "ready.json").read_text())
+            if mode == "teardown":
+                (workdir / "prepare").write_text("")
+                deadline = time.monotonic() + 60
+                while not (workdir / "prepared.json").exists():
+                    check(w.proc.poll() is None, f"worker exited tearing down:\n{w.log_tail()}")
+                    check(time.monotonic() < deadline, f"no teardown in 60 s:\n{w.log_tail()}")
+                    time.sleep(0.02)
+            report["sockets"] = _sockets(w.pid)
+            asyncio.run(suspend_cuda(cp, [w.pid], 10_000))
+            t = time.perf_counter()
+            try:
+                asyncio.run(criu.dump(w.pid, workdir / "images", log_dir=workdir / "logs"))
+            except Exception as e:
+                report["dump_error"] = f"{type(e).__name__}: {e}"[-1500:]
+                return report
+            report["dump_s"] = round(time.perf_counter() - t, 4)
+            w.proc.wait(30)
+        t = time.perf_counter()
+        restored = asyncio.run(criu.restore(workdir / "images", log_dir=workdir / "logs"))
+        restored_pid = restored.pid
+        asyncio.run(resume_cuda(cp, [restored_pid], {}))
+        report["restore_s"] = round(time.perf_counter() - t, 4)
+        (workdir / "go").write_text("go")
+        deadline = time.monotonic() + 60
+        while not (workdir / "result.json").exists():
+            if time.monotonic() > deadline or not os.path.exists(f"/proc/{restored_pid}"):
+                report["verdict_error"] = (workdir / "worker.log").read_text(errors="replace")[-1500:]
+                return report
+            time.sleep(0.05)
+        report["verdict"] = json.loads((workdir / "result.json").read_text())
+        return report
+    finally:
+        if restored_pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(restored_pid, signal.SIGKILL)
+
+
+_TCP_STATES = {"01": "ESTABLISHED", "06": "TIME_WAIT", "07": "CLOSE", "08": "CLOSE_WAIT", "0A": "LISTEN"}
+
+
+def _sockets(pid: int) -> list[str]:
+    """The process's open sockets: protocol, and for TCP the state and addresses (what CRIU must dump)."""
+    tcp: dict[str, str] = {}
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+                f = line.split()
+                tcp[f[9]] = f"{_TCP_STATES.get(f[3], f[3])} {f[1]} -> {f[2]}"
+    found = []
+    for fd in sorted(Path(f"/proc/{pid}/fd").iterdir(), key=lambda p: int(p.name)):
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:"):
+                proto = os.getxattr(fd, "system.sockprotoname").decode().rstrip("\0")
+                found.append(f"{fd.name} {proto} {tcp.get(target[8:-1], '')}".rstrip())
+    return found
+
+
+def nccl_recreated_criu(workdir: Path) -> dict[str, Any]:
+    """nccl_recreated through a CRIU dump and restore: the restored process re-creates its group."""
+    report = _nccl_criu_cycle(workdir, "teardown")
+    check("dump_error" not in report, f"CRIU dump after the teardown failed: {report}")
+    check("verdict" in report, f"no verdict after the restore: {report}")
+    verdict = report["verdict"]
+    check(verdict["all_reduce_ok"] and verdict["data_ok"], f"after restore: {verdict}")
+    return report
+
+
+def nccl_recreated(workdir: Path) -> dict[str, Any]:
+    """The multi-GPU contract on one rank: the worker destroys its NCCL process group before the CUDA
+    checkpoint and re-creates it on a fresh store after the restore; its collectives and data are right."""
+    report = _nccl_cycle(workdir, "teardown")
+    check("suspend_error" not in report, f"checkpoint after the teardown failed: {report}")
+    check("verdict" in report, f"no verdict after the restore: {report}")
+    verdict = report["verdict"]
+    check(verdict["all_reduce_ok"] and verdict["data_ok"], f"after restore: {verdict}")
+    return report
+
+
+def nccl_live(workdir: Path) -> dict[str, Any]:
+    """What the CUDA checkpoint makes of a live NCCL communicator (one rank): reported, not judged."""
+    return _nccl_cycle(workdir, "live")
+
+
 SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "full_cycle": full_cycle,
     "suspend_resume_with_remap": suspend_resume_with_remap,
@@ -389,6 +541,13 @@ SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "wrong_state": wrong_state,
     "driver_answers": driver_answers,
     "two_processes": two_processes,
+    "nccl_recreated": nccl_recreated,
+}
+# Run by name only (`python -m tests.gpu.cuda_scenarios DIR nccl_live`): they report, they do not judge.
+EXPLORATIONS: dict[str, Callable[[Path], dict[str, Any]]] = {
+    "nccl_live": nccl_live,
+    "nccl_live_criu": lambda workdir: _nccl_criu_cycle(workdir, "live"),
+    "nccl_recreated_criu": nccl_recreated_criu,
 }
 
 
@@ -396,7 +555,7 @@ def main(argv: list[str]) -> int:
     base = Path(argv[1]) if len(argv) > 1 else Path(tempfile.mkdtemp(prefix="cuda-scenarios-"))
     chosen = argv[2:] or list(SCENARIOS)
     failed = 0
-    for name, scenario in ((n, SCENARIOS[n]) for n in chosen):
+    for name, scenario in ((n, {**SCENARIOS, **EXPLORATIONS}[n]) for n in chosen):
         t = time.perf_counter()
         try:
             report = scenario(base / name)
