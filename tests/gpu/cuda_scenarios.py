@@ -395,7 +395,7 @@ def two_processes(workdir: Path) -> dict[str, Any]:
 
 NCCL_WORKER = Path(__file__).with_name("nccl_worker.py")
 # What upstream runs multi-GPU workers under a checkpoint with (docs/workload-contract.md).
-NCCL_ENV = {"NCCL_CUMEM_HOST_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
+NCCL_ENV = {"NCCL_CUMEM_HOST_ENABLE": "0", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 
 def _nccl_cycle(workdir: Path, mode: str) -> dict[str, Any]:
