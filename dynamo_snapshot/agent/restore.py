@@ -328,8 +328,7 @@ class RestoreRun:
                     raise ArtifactRefused(f"artifact {self.artifact.key} refused: {e}") from None
             await self.node.runtime.resume(workload)
         with self.timings.phase("restore", "cuda_restore"):
-            target = assigned_gpus(self.node.gpus, workload.visible_gpus, self.artifact.manifest.gpus)
-            remap = gpu_remap(self.artifact.manifest.gpus, target)
+            remap = gpu_remap(self.artifact.manifest.gpus, self.gpus)
             cuda = self.node.cuda
             await resume_cuda(cuda, await checkpointed_pids(cuda, workload.pid), remap)
         if self.pages_check is not None:

@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import logging
 import os
-import platform
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -25,7 +24,6 @@ from dynamo_snapshot.artifact import ArtifactCache, ArtifactStore
 from dynamo_snapshot.cli.health import distinct_ports, health_endpoints
 from dynamo_snapshot.cli.service import load_settings, run_service
 from dynamo_snapshot.criu import Criu
-from dynamo_snapshot.criu.version import socket_dump_caveat
 from dynamo_snapshot.kube import Kube, load_client
 
 FIELD_MANAGER = "dynamo-snapshot-agent"
@@ -322,9 +320,7 @@ async def _main(config: AgentConfig, kubeconfig: str | None, stop: asyncio.Event
                 "without these capabilities only workers running as root can be checkpointed and restored",
                 extra={"lacking": ", ".join(f"CAP_{name}" for name in lacking)},
             )
-        caveat = socket_dump_caveat(await Criu(config.criu).require(), platform.release())
-        if caveat:
-            log.warning(caveat)
+        await Criu(config.criu).require()
         if config.metrics_port:
             start_http_server(config.metrics_port)
         api_client = await load_client(kubeconfig)

@@ -43,9 +43,9 @@ _KNOWN_CAUSES: tuple[tuple[re.Pattern[str], str], ...] = (
     (
         re.compile(r"Can't get 1:(16|34) opt: Operation not supported"),
         "this CRIU cannot dump a TCP or UDP socket on Linux 6.16 or later (it reads SO_PASSCRED and "
-        "SO_PASSSEC, which those kernels refuse on such sockets; fixed in CRIU 4.2, "
-        "checkpoint-restore/criu#2711): install a newer CRIU, or have the worker close its TCP and UDP "
-        "sockets before it signals ready-for-snapshot",
+        "SO_PASSSEC, which those kernels refuse on such sockets): use CRIU 4.2 or later, or 4.1.1 with "
+        "scripts/criu-so-passcred.patch as this project builds it, or have the worker close its TCP "
+        "and UDP sockets before it signals ready-for-snapshot",
     ),
     (
         re.compile(r"Connected TCP socket, consider using --tcp-established"),

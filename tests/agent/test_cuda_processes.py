@@ -101,3 +101,40 @@ def test_a_rank_failing_its_restore_is_named_once_all_have_ended() -> None:
     with pytest.raises(AgentError, match=r"CUDA restore of pid 32 failed"):
         asyncio.run(resume_cuda(_cuda(driver), [31, 32], {}))
     assert driver.states[31] is ProcessState.RUNNING  # the other rank was restored and unlocked
+
+
+def test_a_restore_maps_the_checkpointed_gpus_onto_the_ones_it_was_checked_against() -> None:
+    """resume_process restores CUDA onto the GPUs check_before_reading resolved for the restore, every
+    checkpointed UUID paired with one of them in order."""
+    import os
+    from types import SimpleNamespace
+
+    from dynamo_snapshot.agent.restore import RestoreRun
+    from dynamo_snapshot.artifact.manifest import GpuInfo
+
+    def gpus(*uuids: str) -> GpuInfo:
+        return GpuInfo(product="NVIDIA-H200", cuda_driver_major="580", count=len(uuids), uuids=list(uuids))
+
+    me = os.getpid()
+    driver = Driver([me])
+    driver.states[me] = ProcessState.CHECKPOINTED
+    node = SimpleNamespace(cuda=driver, gpus=gpus("GPU-n0", "GPU-n1", "GPU-n2", "GPU-n3"))
+    artifact = SimpleNamespace(key="k", manifest=SimpleNamespace(gpus=gpus("GPU-a", "GPU-b")))
+    run = RestoreRun(
+        cast(Any, node),
+        "w",
+        cast(Any, artifact),
+        cast(Any, SimpleNamespace(phase=_no_phase)),
+        cast(Any, None),
+        None,
+        gpus("GPU-n2", "GPU-n3"),
+    )
+    asyncio.run(run.resume_process(cast(Any, SimpleNamespace(pid=me, visible_gpus=None))))
+    assert driver.remaps == {me: {"GPU-a": "GPU-n2", "GPU-b": "GPU-n3"}}
+    assert driver.states[me] is ProcessState.RUNNING
+
+
+def _no_phase(*_: str) -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()

@@ -287,17 +287,24 @@ def _mixed_pages(n: int, seed: int) -> list[bytes]:
     return pages
 
 
+def _split_dump(tmp: Path, vaddr: int, split: int, pages: list[bytes]) -> None:
+    """One process (pid 7), ``pages`` in one pagemap entry from ``vaddr`` across two VMAs: private
+    anonymous memory up to ``split``, a private file mapping from there."""
+    end = vaddr + len(pages) * PAGE
+    _image(tmp / "pstree.img", sparse._PSTREE_MAGIC, [_msg((1, 7), (2, 0))])
+    anon = _msg((1, vaddr), (2, split), (7, 1 << 9 | 1))
+    file_backed = _msg((1, split), (2, end), (7, 1 << 6 | 1))
+    _image(tmp / "mm-7.img", sparse._MM_MAGIC, [_msg((14, anon), (14, file_backed))])
+    entry = _msg((1, vaddr), (2, len(pages)), (4, 6))
+    _image(tmp / "pagemap-7.img", sparse._PAGEMAP_MAGIC, [_msg((1, 3)), entry])
+    (tmp / "pages-3.img").write_bytes(b"".join(pages))
+
+
 def test_a_rewrite_of_mixed_batches_keeps_exactly_the_non_zero_pages(tmp_path: Path) -> None:
     n, vaddr = 3 * sparse._BATCH_PAGES + 37, 0x10000
     pages = _mixed_pages(n, seed=5)
     split = vaddr + 500 * PAGE  # pages from here on lie in a private file mapping: all kept
-    _image(tmp_path / "pstree.img", sparse._PSTREE_MAGIC, [_msg((1, 7), (2, 0))])
-    anon = _msg((1, vaddr), (2, split), (7, 1 << 9 | 1))
-    file_backed = _msg((1, split), (2, vaddr + n * PAGE), (7, 1 << 6 | 1))
-    _image(tmp_path / "mm-7.img", sparse._MM_MAGIC, [_msg((14, anon), (14, file_backed))])
-    entry = _msg((1, vaddr), (2, n), (4, 6))
-    _image(tmp_path / "pagemap-7.img", sparse._PAGEMAP_MAGIC, [_msg((1, 3)), entry])
-    (tmp_path / "pages-3.img").write_bytes(b"".join(pages))
+    _split_dump(tmp_path, vaddr, split, pages)
 
     stats = drop_zero_pages(tmp_path)
 
@@ -318,13 +325,7 @@ def test_a_rewrite_of_mixed_batches_keeps_exactly_the_non_zero_pages(tmp_path: P
 def test_a_batch_of_zeros_across_a_vma_boundary_drops_only_the_anonymous_pages(tmp_path: Path) -> None:
     n, vaddr = 2 * sparse._BATCH_PAGES, 0x10000
     split = vaddr + 100 * PAGE  # a private file mapping from here: its zero pages are the file's
-    _image(tmp_path / "pstree.img", sparse._PSTREE_MAGIC, [_msg((1, 7), (2, 0))])
-    anon = _msg((1, vaddr), (2, split), (7, 1 << 9 | 1))
-    file_backed = _msg((1, split), (2, vaddr + n * PAGE), (7, 1 << 6 | 1))
-    _image(tmp_path / "mm-7.img", sparse._MM_MAGIC, [_msg((14, anon), (14, file_backed))])
-    entry = _msg((1, vaddr), (2, n), (4, 6))
-    _image(tmp_path / "pagemap-7.img", sparse._PAGEMAP_MAGIC, [_msg((1, 3)), entry])
-    (tmp_path / "pages-3.img").write_bytes(bytes(n * PAGE))
+    _split_dump(tmp_path, vaddr, split, [bytes(PAGE)] * n)
 
     assert drop_zero_pages(tmp_path).pages_dropped == 100
     assert _pagemap(tmp_path) == (3, [(split, n - 100, 6)])

@@ -271,15 +271,3 @@ def _log(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "plain.log"
     path.write_text(text)
     return path
-
-
-def test_the_agent_is_told_what_its_criu_cannot_do_on_its_kernel() -> None:
-    from dynamo_snapshot.criu.version import socket_dump_caveat
-
-    caveat = socket_dump_caveat(CriuVersion(4, 1, 1), "6.18.44-fc-v973-gpu")
-    assert caveat is not None
-    assert "CRIU 4.1.1 cannot checkpoint a worker holding a TCP or UDP socket on Linux 6.18.44" in caveat
-    assert socket_dump_caveat(CriuVersion(4, 2), "6.18.44") is None
-    assert socket_dump_caveat(CriuVersion(4, 1, 1), "6.8.0-60-generic") is None
-    assert socket_dump_caveat(CriuVersion(4, 1, 1), "6.16.0") is not None
-    assert socket_dump_caveat(CriuVersion(4, 1, 1), "weird") is None

@@ -398,6 +398,33 @@ NCCL_WORKER = Path(__file__).with_name("nccl_worker.py")
 NCCL_ENV = {"NCCL_CUMEM_HOST_ENABLE": "0", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 
+def _prepare(w: Worker, mode: str, report: dict[str, Any]) -> None:
+    """The NCCL worker ready; in ``teardown`` mode also its group destroyed, as before ready-for-snapshot.
+    ``report`` gets what it said and the sockets it holds then."""
+    report["worker"] = json.loads((w.workdir / "ready.json").read_text())
+    report["sockets_live"] = _sockets(w.pid)
+    if mode != "teardown":
+        return
+    (w.workdir / "prepare").write_text("")
+    deadline = time.monotonic() + 60
+    while not (w.workdir / "prepared.json").exists():
+        check(w.proc.poll() is None, f"worker exited tearing down:\n{w.log_tail()}")
+        check(time.monotonic() < deadline, f"no teardown in 60 s:\n{w.log_tail()}")
+        time.sleep(0.02)
+    report["teardown"] = json.loads((w.workdir / "prepared.json").read_text())
+    report["sockets_after_teardown"] = _sockets(w.pid)
+
+
+def _recreated(report: dict[str, Any], failed: str) -> dict[str, Any]:
+    """``report`` when the checkpoint went through (no ``failed`` entry) and the re-created group's
+    all-reduce and the data were right after the restore; ScenarioError otherwise."""
+    check(failed not in report, f"checkpoint after the teardown failed: {report}")
+    check("verdict" in report, f"no verdict after the restore: {report}")
+    verdict = report["verdict"]
+    check(verdict["all_reduce_ok"] and verdict["data_ok"], f"after restore: {verdict}")
+    return report
+
+
 def _nccl_cycle(workdir: Path, mode: str) -> dict[str, Any]:
     """A one-rank NCCL worker through the agent's suspend_cuda and resume_cuda, its communicator torn
     down before (``teardown``) or left as it is (``live``)."""
@@ -408,17 +435,7 @@ def _nccl_cycle(workdir: Path, mode: str) -> dict[str, Any]:
     cp = CudaCheckpointer()
     report: dict[str, Any] = {}
     with worker(workdir, script=NCCL_WORKER, args=[mode], env=NCCL_ENV) as w:
-        report["worker"] = json.loads((workdir / "ready.json").read_text())
-        report["sockets_live"] = _sockets(w.pid)
-        if mode == "teardown":
-            (workdir / "prepare").write_text("")
-            deadline = time.monotonic() + 60
-            while not (workdir / "prepared.json").exists():
-                check(w.proc.poll() is None, f"worker exited tearing down:\n{w.log_tail()}")
-                check(time.monotonic() < deadline, f"no teardown in 60 s:\n{w.log_tail()}")
-                time.sleep(0.02)
-            report["teardown"] = json.loads((workdir / "prepared.json").read_text())
-            report["sockets_after_teardown"] = _sockets(w.pid)
+        _prepare(w, mode, report)
         t = time.perf_counter()
         try:
             asyncio.run(suspend_cuda(cp, [w.pid], 10_000))
@@ -449,15 +466,7 @@ def _nccl_criu_cycle(workdir: Path, mode: str) -> dict[str, Any]:
     restored_pid = None
     try:
         with worker(workdir, script=NCCL_WORKER, args=[mode], env=NCCL_ENV) as w:
-            report["worker"] = json.loads((workdir / "ready.json").read_text())
-            if mode == "teardown":
-                (workdir / "prepare").write_text("")
-                deadline = time.monotonic() + 60
-                while not (workdir / "prepared.json").exists():
-                    check(w.proc.poll() is None, f"worker exited tearing down:\n{w.log_tail()}")
-                    check(time.monotonic() < deadline, f"no teardown in 60 s:\n{w.log_tail()}")
-                    time.sleep(0.02)
-            report["sockets"] = _sockets(w.pid)
+            _prepare(w, mode, report)
             asyncio.run(suspend_cuda(cp, [w.pid], 10_000))
             t = time.perf_counter()
             try:
@@ -510,23 +519,13 @@ def _sockets(pid: int) -> list[str]:
 
 def nccl_recreated_criu(workdir: Path) -> dict[str, Any]:
     """nccl_recreated through a CRIU dump and restore: the restored process re-creates its group."""
-    report = _nccl_criu_cycle(workdir, "teardown")
-    check("dump_error" not in report, f"CRIU dump after the teardown failed: {report}")
-    check("verdict" in report, f"no verdict after the restore: {report}")
-    verdict = report["verdict"]
-    check(verdict["all_reduce_ok"] and verdict["data_ok"], f"after restore: {verdict}")
-    return report
+    return _recreated(_nccl_criu_cycle(workdir, "teardown"), "dump_error")
 
 
 def nccl_recreated(workdir: Path) -> dict[str, Any]:
     """The multi-GPU contract on one rank: the worker destroys its NCCL process group before the CUDA
     checkpoint and re-creates it on a fresh store after the restore; its collectives and data are right."""
-    report = _nccl_cycle(workdir, "teardown")
-    check("suspend_error" not in report, f"checkpoint after the teardown failed: {report}")
-    check("verdict" in report, f"no verdict after the restore: {report}")
-    verdict = report["verdict"]
-    check(verdict["all_reduce_ok"] and verdict["data_ok"], f"after restore: {verdict}")
-    return report
+    return _recreated(_nccl_cycle(workdir, "teardown"), "suspend_error")
 
 
 def nccl_live(workdir: Path) -> dict[str, Any]:

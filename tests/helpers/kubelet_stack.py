@@ -23,6 +23,7 @@ from dynamo_snapshot.criu import Criu
 from dynamo_snapshot.kube import POD, Kube, Obj
 from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD
 from dynamo_snapshot.localcluster.realnode import RUNC_ROOT, RealNode
+from dynamo_snapshot.localcluster.realnode.host import host_processes
 
 GRAPH, SERVICE, PORT = "kub", "CpuWorker", 8000
 MEMORY_LIMIT, MEMORY_LIMIT_BYTES = "160Mi", 160 << 20
@@ -191,18 +192,7 @@ def restore_pod(
 
 def worker_processes() -> dict[int, tuple[str, str]]:
     """The host's cpu_worker processes: pid -> (command line, cgroups)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            cgroups = (entry / "cgroup").read_text()
-        except OSError:
-            continue
-        if "cpu_worker.py" in cmdline:
-            found[int(entry.name)] = (cmdline, cgroups)
-    return found
+    return {p.pid: (p.cmdline, p.cgroups) for p in host_processes("cpu_worker.py")}
 
 
 def workers_outside_pods() -> list[str]:

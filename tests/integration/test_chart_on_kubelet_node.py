@@ -23,6 +23,7 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.localcluster import LocalCluster
 from dynamo_snapshot.localcluster.chart_install import CHART, helm, install, node_values
 from dynamo_snapshot.localcluster.realnode import RealNode
+from dynamo_snapshot.localcluster.realnode.host import host_processes
 from tests.helm.conftest import without_dgd_crd  # noqa: F401  (a fixture)
 from tests.helpers.kubelet_stack import (
     GRAPH,
@@ -263,11 +264,10 @@ def _refusal(cluster: LocalCluster, namespace: str, old_uid: str) -> str:
 
 def _host_names(pod: dict[str, Any]) -> set[str]:
     """The host names of the worker processes in the pod's cgroup."""
-    uid = pod["metadata"]["uid"]
     names = set()
-    for pid, (_, cgroups) in worker_processes().items():
-        if f"pod{uid}" in cgroups:
-            argv = ["nsenter", f"--uts=/proc/{pid}/ns/uts", "cat", "/proc/sys/kernel/hostname"]
+    for proc in host_processes("cpu_worker.py"):
+        if proc.in_pod(pod["metadata"]["uid"]):
+            argv = ["nsenter", f"--uts=/proc/{proc.pid}/ns/uts", "cat", "/proc/sys/kernel/hostname"]
             names.add(subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip())
     return names
 

@@ -195,6 +195,11 @@ def test_images_hold_production_code_only(which: str, request: pytest.FixtureReq
     assert sizes < 250 << 20, f"the {which} image's tree is {sizes >> 20} MiB"
 
 
+def _sh(image: Unpacked, script: str, tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``sh -c script sh args...`` run by runc in the image, as the agent runs its shell helpers."""
+    return _run(image, ["sh", "-c", script, "sh", *args], tmp)
+
+
 @pytest.mark.parametrize("which", ["controller", "agent"])
 def test_image_entrypoint_starts_under_runc(
     which: str, request: pytest.FixtureRequest, tmp_path: Path
@@ -227,18 +232,18 @@ def test_agent_image_carries_the_programs_the_agent_execs(agent: Unpacked, tmp_p
         "criu --version && runc --version && mkdir -p /tmp/p && cp /etc/passwd /tmp/p/.x"
         ' && mv -f /tmp/p/.x /tmp/p/x && cat /tmp/p/x && exec "$@"'
     )
-    proc = _run(agent, ["sh", "-c", script, "sh", "nsenter", "--version"], tmp_path)
+    proc = _sh(agent, script, tmp_path, "nsenter", "--version")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    unshare = _run(agent, ["sh", "-c", 'exec "$@"', "sh", "unshare", "--version"], tmp_path)
+    unshare = _sh(agent, 'exec "$@"', tmp_path, "unshare", "--version")
     assert unshare.returncode == 0, unshare.stdout + unshare.stderr
     assert "unshare from util-linux" in unshare.stdout
     # CRIU's tmpfs dump and restore, as it runs them: GNU tar's options, gzip through --gzip.
-    tmpfs = _run(
+    tmpfs = _sh(
         agent,
-        ["sh", "-c", "mkdir -p /tmp/t && echo kept > /tmp/t/f && tar --create --gzip --sparse --numeric-owner"
-         " --one-file-system --check-links --directory /tmp/t . | tar --extract --gzip --to-stdout"],
+        "mkdir -p /tmp/t && echo kept > /tmp/t/f && tar --create --gzip --sparse --numeric-owner"
+        " --one-file-system --check-links --directory /tmp/t . | tar --extract --gzip --to-stdout",
         tmp_path,
-    )  # fmt: skip
+    )
     assert tmpfs.returncode == 0, tmpfs.stdout + tmpfs.stderr
     assert tmpfs.stdout == "kept\n"
     version = CriuVersion.parse(proc.stdout)

@@ -36,6 +36,7 @@ from dynamo_snapshot.localcluster.chart_install import install, node_values
 from dynamo_snapshot.localcluster.cluster import ClusterOptions
 from dynamo_snapshot.localcluster.prometheus import LocalPrometheus
 from dynamo_snapshot.localcluster.realnode import RUNC_ROOT, RealNode
+from dynamo_snapshot.localcluster.realnode.host import host_processes
 
 NAMESPACE = "demo"
 REPO = Path(__file__).resolve().parents[3]
@@ -313,20 +314,9 @@ class Stack:
 
 
 def _worker_in_pod(pod_uid: str) -> int | None:
-    """The reference worker's process in the pod's cgroup, which the kubelet names by the pod's uid (with
-    the chart, the agent that knows the worker runs in a pod of its own, not in the demo)."""
-    in_pod = {f"pod{pod_uid}", f"pod{pod_uid.replace('-', '_')}"}
-    found: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            cgroups = (entry / "cgroup").read_text()
-            if CPU_WORKER.name.encode() in (entry / "cmdline").read_bytes() and any(
-                part in in_pod for line in cgroups.splitlines() for part in line.split("/")
-            ):
-                stat = (entry / "stat").read_text()
-                found[int(entry.name)] = int(stat[stat.rfind(")") + 2 :].split()[1])
+    """The reference worker's process in the pod (with the chart, the agent that knows the worker runs
+    in a pod of its own, not in the demo)."""
+    found = {p.pid: p.ppid for p in host_processes(CPU_WORKER.name) if p.in_pod(pod_uid)}
     # The worker, not a process it started.
     roots = [pid for pid, parent in found.items() if parent not in found]
     return min(roots) if roots else None

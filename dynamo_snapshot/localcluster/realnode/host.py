@@ -119,3 +119,42 @@ def wait_until(cond: Callable[[], bool], timeout: float) -> bool:
             return True
         time.sleep(0.1)
     return cond()
+
+
+@dataclass(frozen=True)
+class HostProcess:
+    """A process of the host, as /proc shows it: what the real node's pods run, seen from outside."""
+
+    pid: int
+    ppid: int
+    cmdline: str
+    cgroups: str
+
+    def in_pod(self, pod_uid: str) -> bool:
+        """Whether the process is in the cgroup the kubelet names after the pod's uid: ``pod<uid>`` with
+        the cgroupfs driver, ``kubepods-<class>-pod<uid with underscores>.slice`` with systemd's."""
+        cgroupfs, systemd = f"pod{pod_uid}", f"-pod{pod_uid.replace('-', '_')}.slice"
+        return any(
+            part == cgroupfs or part.endswith(systemd)
+            for line in self.cgroups.splitlines()
+            for part in line.split("/")
+        )
+
+
+def host_processes(marker: str) -> list[HostProcess]:
+    """The host's processes whose command line holds ``marker``; those gone while read are left out."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if marker not in cmdline:
+                continue
+            cgroups = (entry / "cgroup").read_text()
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rfind(")") + 2 :].split()[1])
+        found.append(HostProcess(int(entry.name), ppid, cmdline.strip(), cgroups))
+    return found
