@@ -9,6 +9,7 @@ nvidia-ml-py), but for two_processes, which drives the agent's own cuda_processe
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import signal
@@ -393,6 +394,80 @@ def two_processes(workdir: Path) -> dict[str, Any]:
     return report
 
 
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _reap(pids: list[int], within: float = 30.0) -> None:
+    """Wait until each of ``pids`` is gone, reaping those that became this process's children."""
+    deadline = time.monotonic() + within
+    for pid in pids:
+        while os.path.exists(f"/proc/{pid}"):
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+            check(time.monotonic() < deadline, f"process {pid} still there after the dump")
+            time.sleep(0.02)
+
+
+def two_processes_criu(workdir: Path) -> dict[str, Any]:
+    """Two CUDA processes in one tree, as a tensor-parallel worker's ranks under its launcher: the
+    agent's suspend_cuda on both, one CRIU dump of the tree (which ends it), a restore of the tree as new
+    processes, resume_cuda on the CUDA processes found in it; both ranks bit-exact after."""
+    import asyncio
+
+    from dynamo_snapshot.agent.cuda_processes import checkpointed_pids, resume_cuda, suspend_cuda
+    from dynamo_snapshot.criu import Criu
+
+    cp, criu = CudaCheckpointer(), Criu()
+    # The ranks outlive their launcher for a moment once the dump kills the tree; as a subreaper this
+    # process reaps them, so that their pids are free for the restore (CRIU restores the same pids).
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    ranks = [workdir / "rank0", workdir / "rank1"]
+    for d in ranks:
+        d.mkdir(parents=True, exist_ok=True)
+    launcher = " & ".join(f"{sys.executable} {WORKER} {d} {WORKER_MIB} > {d}/worker.log 2>&1" for d in ranks)
+    report: dict[str, Any] = {}
+    root = subprocess.Popen(
+        ["sh", "-c", f"{launcher} & wait"], stdin=subprocess.DEVNULL, start_new_session=True
+    )
+    restored = None
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not all((d / "ready.json").exists() for d in ranks):
+            check(root.poll() is None and time.monotonic() < deadline, "the ranks did not start")
+            time.sleep(0.05)
+        pids = [json.loads((d / "ready.json").read_text())["pid"] for d in ranks]
+        t = time.perf_counter()
+        asyncio.run(suspend_cuda(cp, pids, 10_000))
+        report["suspend_s"] = round(time.perf_counter() - t, 4)
+        t = time.perf_counter()
+        dumped = asyncio.run(criu.dump(root.pid, workdir / "images", log_dir=workdir / "logs"))
+        report["dump_s"] = round(time.perf_counter() - t, 4)
+        report["image_bytes"] = dumped.image_bytes
+        root.wait(30)
+        _reap(pids)
+        t = time.perf_counter()
+        restored = asyncio.run(criu.restore(workdir / "images", log_dir=workdir / "logs"))
+        found = asyncio.run(checkpointed_pids(cp, restored.pid))
+        check(sorted(found) == sorted(pids), f"CUDA processes in the restored tree: {found}, not {pids}")
+        asyncio.run(resume_cuda(cp, found, {}))
+        report["restore_s"] = round(time.perf_counter() - t, 4)
+        for d in ranks:
+            (d / "go").write_text("go")
+        deadline = time.monotonic() + FINISH_TIMEOUT_S
+        while not all((d / "result.json").exists() for d in ranks):
+            check(time.monotonic() < deadline, "no verdict from the restored ranks")
+            time.sleep(0.05)
+        verdicts = [json.loads((d / "result.json").read_text()) for d in ranks]
+        report["verdicts"] = verdicts
+        check(all(all(v.values()) for v in verdicts), f"ranks after the restore: {verdicts}")
+        return report
+    finally:
+        for pid in (root.pid, restored.pid if restored else None):
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+
+
 NCCL_WORKER = Path(__file__).with_name("nccl_worker.py")
 # What upstream runs multi-GPU workers under a checkpoint with (docs/workload-contract.md).
 NCCL_ENV = {"NCCL_CUMEM_HOST_ENABLE": "0", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
@@ -548,13 +623,15 @@ EXPLORATIONS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "nccl_live_criu": lambda workdir: _nccl_criu_cycle(workdir, "live"),
     "nccl_recreated_criu": nccl_recreated_criu,
 }
+# These need CRIU too (test_cuda_checkpoint.py skips them without one).
+CRIU_SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {"two_processes_criu": two_processes_criu}
 
 
 def main(argv: list[str]) -> int:
     base = Path(argv[1]) if len(argv) > 1 else Path(tempfile.mkdtemp(prefix="cuda-scenarios-"))
     chosen = argv[2:] or list(SCENARIOS)
     failed = 0
-    for name, scenario in ((n, {**SCENARIOS, **EXPLORATIONS}[n]) for n in chosen):
+    for name, scenario in ((n, {**SCENARIOS, **CRIU_SCENARIOS, **EXPLORATIONS}[n]) for n in chosen):
         t = time.perf_counter()
         try:
             report = scenario(base / name)

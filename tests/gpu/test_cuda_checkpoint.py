@@ -26,3 +26,20 @@ pytestmark = [
 def test_cuda_checkpoint(name: str, tmp_path: Path) -> None:
     report = cuda_scenarios.SCENARIOS[name](tmp_path)
     print(f"\n{name}: {json.dumps(report, default=str)}")
+
+
+def _criu_missing() -> bool:
+    from dynamo_snapshot.criu import CriuError, find_criu
+
+    try:
+        find_criu()
+    except CriuError:
+        return True
+    return False
+
+
+@pytest.mark.skipif(_criu_missing(), reason="needs CRIU")
+@pytest.mark.parametrize("name", list(cuda_scenarios.CRIU_SCENARIOS))
+def test_cuda_checkpoint_with_criu(name: str, tmp_path: Path) -> None:
+    report = cuda_scenarios.CRIU_SCENARIOS[name](tmp_path)
+    print(f"\n{name}: {json.dumps(report, default=str)}")
