@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dynamo_snapshot.cuda import cuda_available
-from tests.gpu import cuda_scenarios
+from tests.gpu import cuda_scenarios, rank_scenarios
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,9 +22,12 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("name", list(cuda_scenarios.SCENARIOS))
+SCENARIOS = {**cuda_scenarios.SCENARIOS, **rank_scenarios.SCENARIOS}
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
 def test_cuda_checkpoint(name: str, tmp_path: Path) -> None:
-    report = cuda_scenarios.SCENARIOS[name](tmp_path)
+    report = SCENARIOS[name](tmp_path)
     print(f"\n{name}: {json.dumps(report, default=str)}")
 
 
@@ -39,7 +42,7 @@ def _criu_missing() -> bool:
 
 
 @pytest.mark.skipif(_criu_missing(), reason="needs CRIU")
-@pytest.mark.parametrize("name", list(cuda_scenarios.CRIU_SCENARIOS))
+@pytest.mark.parametrize("name", list(rank_scenarios.CRIU_SCENARIOS))
 def test_cuda_checkpoint_with_criu(name: str, tmp_path: Path) -> None:
-    report = cuda_scenarios.CRIU_SCENARIOS[name](tmp_path)
+    report = rank_scenarios.CRIU_SCENARIOS[name](tmp_path)
     print(f"\n{name}: {json.dumps(report, default=str)}")
