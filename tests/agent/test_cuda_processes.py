@@ -116,7 +116,7 @@ def test_a_restore_maps_the_checkpointed_gpus_onto_the_ones_it_was_checked_again
         return GpuInfo(product="NVIDIA-H200", cuda_driver_major="580", count=len(uuids), uuids=list(uuids))
 
     me = os.getpid()
-    driver = Driver([me])
+    driver = _TreeDriver([me])
     driver.states[me] = ProcessState.CHECKPOINTED
     node = SimpleNamespace(cuda=driver, gpus=gpus("GPU-n0", "GPU-n1", "GPU-n2", "GPU-n3"))
     artifact = SimpleNamespace(key="k", manifest=SimpleNamespace(gpus=gpus("GPU-a", "GPU-b")))
@@ -132,6 +132,15 @@ def test_a_restore_maps_the_checkpointed_gpus_onto_the_ones_it_was_checked_again
     asyncio.run(run.resume_process(cast(Any, SimpleNamespace(pid=me, visible_gpus=None))))
     assert driver.remaps == {me: {"GPU-a": "GPU-n2", "GPU-b": "GPU-n3"}}
     assert driver.states[me] is ProcessState.RUNNING
+
+
+class _TreeDriver(Driver):
+    """The driver as it answers for a whole process tree: processes without CUDA are not its own."""
+
+    def state(self, pid: int) -> ProcessState:
+        if pid not in self.states:
+            raise CudaError("cuCheckpointProcessGetState", pid, "CUDA_ERROR_NOT_INITIALIZED")
+        return super().state(pid)
 
 
 def _no_phase(*_: str) -> Any:
