@@ -153,8 +153,8 @@ def host_processes(marker: str) -> list[HostProcess]:
                 continue
             cgroups = (entry / "cgroup").read_text()
             stat = (entry / "stat").read_text()
-        except OSError:
+            ppid = int(stat[stat.rfind(")") + 2 :].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
-        ppid = int(stat[stat.rfind(")") + 2 :].split()[1])
         found.append(HostProcess(int(entry.name), ppid, cmdline.strip(), cgroups))
     return found
