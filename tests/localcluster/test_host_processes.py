@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import uuid
 
 from dynamo_snapshot.localcluster.realnode.host import HostProcess, host_processes
@@ -14,7 +15,11 @@ def test_a_marked_process_is_found_with_its_parent() -> None:
     marker = f"marker-{uuid.uuid4().hex}"
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", marker])
     try:
-        (found,) = host_processes(marker)
+        # The child's command line is its new one only once it has exec'd: look until it shows.
+        deadline = time.monotonic() + 10
+        while not (seen := host_processes(marker)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (found,) = seen
         assert found.pid == proc.pid
         assert found.ppid == os.getpid()
         assert marker in found.cmdline
