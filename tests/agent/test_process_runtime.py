@@ -3,6 +3,7 @@ processes, neither CRIU nor a cluster."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -105,6 +106,9 @@ async def _reused_pid(runtime: ProcessRuntime, spawn: Spawn) -> subprocess.Popen
     workload = await runtime.launch(WorkloadSpec(key="w", command=SLEEP))
     os.kill(workload.pid, signal.SIGKILL)
     await eventually(lambda: _gone(workload.pid), within=10, interval=0.02)
+    # A pid is known by its start time, counted in clock ticks (10 ms): the kernel hands a pid out again
+    # only after the others, never within the tick that started the old one, and neither may this test.
+    await asyncio.sleep(0.05)
     other = spawn(SLEEP)
     path = runtime.control_dir("w") / STATEFILE
     state = json.loads(path.read_text())
