@@ -24,6 +24,7 @@ __all__ = [
     "find_cuda_pids",
     "gpu_device_fds",
     "pid_exists",
+    "ppid_from_stat",
     "process_tree",
     "thread_group_id",
     "uses_gpu",
@@ -52,7 +53,8 @@ def thread_group_id(pid: int, proc_root: Path = PROC) -> int | None:
     return None
 
 
-def _ppid_from_stat(stat: str) -> int | None:
+def ppid_from_stat(stat: str) -> int | None:
+    """The parent pid in the text of /proc/PID/stat; None where it is not well formed."""
     # comm (field 2) may hold spaces and parentheses; everything after the last ')' is well formed.
     rest = stat[stat.rfind(")") + 1 :].split()
     try:
@@ -70,7 +72,7 @@ def _children_by_scan(pid: int, proc_root: Path) -> list[int]:
             stat = (entry / "stat").read_text(encoding="utf-8", errors="replace")
         except OSError:
             continue  # exited while scanning
-        if _ppid_from_stat(stat) == pid:
+        if ppid_from_stat(stat) == pid:
             found.append(int(entry.name))
     return sorted(found)
 

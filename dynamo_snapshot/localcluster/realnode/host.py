@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dynamo_snapshot.cuda.processes import ppid_from_stat
 from dynamo_snapshot.localcluster.components import SETUP_HINT, ComponentsMissingError, cache_dir
 
 # containerd's runc shim keeps runc state here whatever containerd's own state dir is.
@@ -152,9 +153,9 @@ def host_processes(marker: str) -> list[HostProcess]:
             if marker not in cmdline:
                 continue
             cgroups = (entry / "cgroup").read_text()
-            stat = (entry / "stat").read_text()
-            ppid = int(stat[stat.rfind(")") + 2 :].split()[1])
-        except (OSError, ValueError, IndexError):
+            ppid = ppid_from_stat((entry / "stat").read_text(errors="replace"))
+        except OSError:
             continue
-        found.append(HostProcess(int(entry.name), ppid, cmdline.strip(), cgroups))
+        if ppid is not None:
+            found.append(HostProcess(int(entry.name), ppid, cmdline.strip(), cgroups))
     return found
