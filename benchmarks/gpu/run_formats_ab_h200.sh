@@ -24,6 +24,7 @@ for arm in ${ARMS:-default keep-zero-pages raw-weights}; do
             raw-weights) flags+=(--worker-args "--weights-encoding raw") ;;
             split-nibble-weights) flags+=(--worker-args "--weights-encoding split-nibble") ;;
             compressed-pages) flags+=(--compress-pages on) ;;
+            shrink-lmem) flags+=(--worker-args "--shrink-local-memory") ;;
             default) ;;
             *) echo "unknown arm $part" >&2; exit 2 ;;
         esac

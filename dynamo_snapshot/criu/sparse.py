@@ -270,12 +270,14 @@ class _Compactor:
         self.read_at += len(into)
         return at
 
-    def keep(self, view: memoryview, at: int) -> None:
-        """Keep ``view``, read from ``at``, at the write position."""
-        if self.write_at != at:
-            done = 0
-            while done < len(view):
-                done += os.pwrite(self.fd, view[done:], self.write_at + done)
+    def keep(self, view: memoryview, at: int, in_place: int | None = None) -> None:
+        """Keep ``view`` at the write position: its first ``in_place`` bytes (all of them by default)
+        as read from ``at``, the rest gathered from pages after them."""
+        in_place = len(view) if in_place is None else in_place
+        skip = in_place if self.write_at == at else 0
+        done = skip
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], self.write_at + done)
         self.write_at += len(view)
 
 
@@ -318,20 +320,32 @@ def _compact(
                 out.keep(view[:size], at)
                 run_len += count
                 continue
-            kept_from = 0  # start (page index in the batch) of the kept pages not yet written
+            # The batch's kept pages are gathered at the start of the buffer and written with one call:
+            # a write per run of kept pages was most of the rewrite's system calls.
+            gathered = run_from = 0  # pages gathered so far; first page of the run being scanned
+            in_place: int | None = None  # pages before the batch's first dropped one
             for i in range(count):
                 addr = base + i * PAGE
                 zero = buf.startswith(_ZERO, i * PAGE)
                 if not (zero and (whole or _inside(droppable, addr, addr + PAGE))):
                     run_len += 1
                     continue
-                out.keep(view[kept_from * PAGE : i * PAGE], at + kept_from * PAGE)
-                kept_from = i + 1
+                if in_place is None:
+                    in_place = i
+                if gathered != run_from:
+                    view[gathered * PAGE : (gathered + i - run_from) * PAGE] = view[
+                        run_from * PAGE : i * PAGE
+                    ]
+                gathered += i - run_from
+                run_from = i + 1
                 dropped += 1
                 if run_len:
                     new_entries.append(_entry(run_start, run_len, flags))
                 run_start, run_len = addr + PAGE, 0
-            out.keep(view[kept_from * PAGE : size], at + kept_from * PAGE)
+            if gathered != run_from:
+                view[gathered * PAGE : (gathered + count - run_from) * PAGE] = view[run_from * PAGE : size]
+            gathered += count - run_from
+            out.keep(view[: gathered * PAGE], at, None if in_place is None else in_place * PAGE)
         if run_len:
             new_entries.append(_entry(run_start, run_len, flags))
     return new_entries, before, dropped
