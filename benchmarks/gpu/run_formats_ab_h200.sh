@@ -4,7 +4,8 @@
 # Arguments: the size (default 1g) and the modes (default decoupled). ARMS picks the arms, run one after
 # the other on the same disk: default (the agent's defaults); keep-zero-pages (--no-drop-zero-pages);
 # raw-weights (the worker's --weights-encoding raw instead of split-nibble); compressed-pages
-# (--compress-pages). Arms combine with "+", as raw-weights+keep-zero-pages; an arm may come more than once. Each arm checkpoints anew and restores with the page cache dropped and again warm,
+# (--compress-pages); no-release (the worker does not drop the zero pages of the CUDA checkpoint's host
+# copy itself, --no-release-zero-pages). Arms combine with "+", as raw-weights+keep-zero-pages; an arm may come more than once. Each arm checkpoints anew and restores with the page cache dropped and again warm,
 # output checked; only the first arm's cold start compiles from nothing. ARM_TIMEOUT is each arm's limit
 # (s). 1g decoupled, the three default arms: about 5 minutes. The compressed-pages A/B in BENCHMARKS.md:
 #   ARMS="compressed-pages default" ... run_formats_ab_h200.sh 1g plain,decoupled           (8 minutes)
@@ -24,7 +25,7 @@ for arm in ${ARMS:-default keep-zero-pages raw-weights}; do
             raw-weights) flags+=(--worker-args "--weights-encoding raw") ;;
             split-nibble-weights) flags+=(--worker-args "--weights-encoding split-nibble") ;;
             compressed-pages) flags+=(--compress-pages on) ;;
-            shrink-lmem) flags+=(--worker-args "--shrink-local-memory") ;;
+            no-release) flags+=("--worker-args=--no-release-zero-pages") ;;
             default) ;;
             *) echo "unknown arm $part" >&2; exit 2 ;;
         esac
@@ -53,4 +54,6 @@ for f in sorted(out.glob(f"gpu-restore-{size}-formats-*.json")):
         phases = m.get("checkpoint_phases") or {}
         print("   checkpoint phases:", {k: round(v, 3) for k, v in phases.items()})
         print("   pages images:", m.get("pages_stats"))
+        print("   zero pages released by the worker:", m.get("zero_page_bytes_released"),
+              "dropped by the agent:", m.get("zero_pages_dropped_bytes"))
 PY

@@ -9,7 +9,8 @@ and after, resumes it and has it check its results.
 Variants: ``base`` (a matmul), ``graph`` (+ a captured CUDA graph), ``lmem`` (+ a kernel with 16 KiB of
 local memory per thread, which makes the driver grow the context's local-memory reserve), ``lmem_reset``
 (``lmem``, then the stack-size limit set again, which sizes the reserve anew), ``cublas_clear`` (+ torch's
-cuBLAS workspaces given back).
+cuBLAS workspaces given back), ``release`` (``graph``, and after the checkpoint call the process drops the
+zero pages of the mappings the driver made during it, ``dynamo_snapshot.workload.zero_pages``).
 
     python3 benchmarks/gpu/zero_sources.py --out $OUT/zero-sources.json [VARIANT ...]
 """
@@ -30,6 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from dynamo_snapshot.cuda import CudaCheckpointer, gpu_memory_by_pid  # noqa: E402
+from dynamo_snapshot.workload.zero_pages import Mapping, private_anonymous, read_maps  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 ZERO = bytes(PAGE)
@@ -43,7 +45,7 @@ dev = torch.device("cuda")
 x = torch.randn(4096, 4096, device=dev)
 y = x @ x
 results = {}
-if variant in ("graph", "lmem", "lmem_reset", "cublas_clear"):
+if variant in ("graph", "lmem", "lmem_reset", "cublas_clear", "release"):
     static = torch.randn(2048, 2048, device=dev)
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
@@ -81,7 +83,13 @@ report = {"stack": stack(), "freed_by_reset": torch.cuda.mem_get_info()[0] - bef
 open(control + "/ready.tmp", "w").write(json.dumps(report))
 os.replace(control + "/ready.tmp", control + "/ready")
 while not os.path.exists(control + "/go"):
-    time.sleep(0.02)
+    if os.path.exists(control + "/release.json") and not os.path.exists(control + "/released.json"):
+        from dynamo_snapshot.workload.zero_pages import release_zero_pages
+        ranges = [tuple(r) for r in json.load(open(control + "/release.json"))]
+        stats = release_zero_pages(ranges)
+        open(control + "/released.tmp", "w").write(json.dumps(stats.to_dict()))
+        os.replace(control + "/released.tmp", control + "/released.json")
+    time.sleep(0.005)
 ok = bool(torch.equal(x @ x, y))
 if "graph" in results:
     g, static, out, want = results["graph"]
@@ -93,6 +101,11 @@ if "lmem" in results:
     ok = ok and float(z[5]) == results["lmem"]
 open(control + "/done", "w").write(json.dumps({"ok": ok}))
 """
+
+
+def new_vmas(before: list[Mapping], after: list[Mapping]) -> list[tuple[int, int]]:
+    old = set(private_anonymous(before))
+    return [r for r in private_anonymous(after) if r not in old]
 
 
 def census(pid: int) -> dict[str, int]:
@@ -145,9 +158,20 @@ def run(variant: str, work: Path) -> dict[str, Any]:
         cp = CudaCheckpointer()
         t = time.monotonic()
         cp.lock(proc.pid)
+        maps_before = read_maps(proc.pid)
         cp.checkpoint(proc.pid)
         report["suspend_s"] = round(time.monotonic() - t, 3)
+        new = new_vmas(maps_before, read_maps(proc.pid))
+        report["new_vmas"] = {"count": len(new), "bytes": sum(hi - lo for lo, hi in new)}
         report["after"] = census(proc.pid)
+        if variant == "release":
+            t = time.monotonic()
+            (control / "release.json").write_text(json.dumps(new))
+            while not (control / "released.json").exists():
+                time.sleep(0.002)
+            report["release_s"] = round(time.monotonic() - t, 3)
+            report["released"] = json.loads((control / "released.json").read_text())
+            report["after_release"] = census(proc.pid)
         t = time.monotonic()
         cp.restore(proc.pid)
         cp.unlock(proc.pid)
@@ -169,7 +193,7 @@ def run(variant: str, work: Path) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("variants", nargs="*", default=["base", "graph", "lmem", "lmem_reset", "cublas_clear"])
+    ap.add_argument("variants", nargs="*", default=["graph", "release"])
     ap.add_argument("--work", type=Path, default=Path("/tmp/zero-sources"))
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()

@@ -1,5 +1,6 @@
 """One checkpoint on this node, as stages: wait for the worker's ready file → find its CUDA processes and
-what it offloaded → record the node files it maps → lock and checkpoint CUDA → CRIU dump → drop zero pages
+what it offloaded → record the node files it maps → lock and checkpoint CUDA → the worker drops the zero
+pages of the driver's host copy, where it offers to → CRIU dump → drop zero pages
 → compress pages → carry the weights files → publish the sealed manifest (with the format features the
 files use) → `snapshot-complete` for a source left running.
 
@@ -39,6 +40,7 @@ from dynamo_snapshot.agent.weights import (
     mib,
     weights_features,
 )
+from dynamo_snapshot.agent.zero_page_release import ZeroPageRelease, ZeroPagesReleased
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.identity import CheckpointIdentity
 from dynamo_snapshot.artifact import ArtifactWriter, Binding, GpuInfo, PublishResult
@@ -107,6 +109,7 @@ class CheckpointRun:
         self.offload: OffloadManifest | None = None
         self.held_mib = 0
         self.sparse: SparseStats | None = None
+        self.released: ZeroPagesReleased | None = None
         self.packed = PagesPacked()
         self.carried: list[CarriedWeights] = []
 
@@ -120,8 +123,14 @@ class CheckpointRun:
             if self.node.prefetch_node_files:
                 with self.timings.phase("checkpoint", "prefetch_plan"):
                     await asyncio.to_thread(_record_prefetch_plan, self.workload.pid, writer.directory)
+            release = await asyncio.to_thread(
+                ZeroPageRelease.prepare, self.workload.control_dir, self.cuda_pids
+            )
             with self.timings.phase("checkpoint", "cuda_checkpoint"):
                 await suspend_cuda(self.node.cuda, self.cuda_pids, self.node.cuda_lock_timeout_ms)
+            if release is not None:
+                with self.timings.phase("checkpoint", "release_zero_pages"):
+                    self.released = await release.ask()
             images = writer.directory / "criu"
             images.mkdir(parents=True, exist_ok=True)
             await self.dump(images)
@@ -227,6 +236,7 @@ class CheckpointRun:
             "weights": [w.to_json() for w in self.carried],
             "gpuMemory": {"heldMiB": self.held_mib, "releasedMiB": released_mib},
             "zeroPagesDropped": self.sparse.pages_dropped if self.sparse is not None else 0,
+            "zeroPageBytesReleased": self.released.released_bytes if self.released is not None else 0,
             "pagesCompressed": {
                 "files": packed.files,
                 "bytesBefore": packed.bytes_before,

@@ -24,6 +24,10 @@ ZERO_PAGES_DROPPED = Counter(
     "dynsnap_agent_zero_page_bytes_dropped_total",
     "Bytes of all-zero anonymous pages left out of checkpoints' CRIU images",
 )
+ZERO_PAGES_RELEASED = Counter(
+    "dynsnap_agent_zero_page_bytes_released_total",
+    "Bytes of all-zero pages of the CUDA checkpoint's host copy workers gave back before the CRIU dump",
+)
 PAGES_COMPRESSED_SAVED = Counter(
     "dynsnap_agent_page_bytes_compressed_saved_total",
     "Bytes checkpoints' CRIU pages images shrank by being stored compressed",

@@ -50,6 +50,7 @@ __all__ = [
     "ENV_RESTORE_STANDBY",
     "ENV_RESTORE_STANDBYS",
     "ENV_RESTORE_STANDBY_DYNAMO",
+    "FEATURE_RELEASE_ZERO_PAGES",
     "FILES_READY",
     "FILE_READY_FOR_CHECKPOINT",
     "FILE_READY_FOR_SNAPSHOT",
@@ -59,6 +60,8 @@ __all__ = [
     "FILE_SNAPSHOT_COMPLETE",
     "FILE_WEIGHTS_MANIFEST",
     "FILE_WEIGHTS_VERIFIED",
+    "FILE_ZERO_PAGES_RELEASED",
+    "FILE_ZERO_PAGES_REQUEST",
     "FINALIZER",
     "FINALIZER_CONTENT_CLEANUP",
     "LABEL_CAPTURE_ELIGIBLE",
@@ -83,6 +86,7 @@ __all__ = [
     "MANAGED_BY_VALUE",
     "POD_CONDITION_RESTORED",
     "PROTOCOL_VERSION",
+    "READY_FEATURES",
     "RESOURCE_GPU",
     "RESTORE_ATTEMPTS_MAX",
     "RESTORE_CONTEXT_ENV_NAMES",
@@ -280,6 +284,16 @@ RESTORE_WEIGHTS_CHECK: Final = "weightsCheck"
 WEIGHTS_CHECK_PENDING: Final = "pending"
 # Inside an artifact: where the agent keeps the weights files the manifest above named.
 ARTIFACT_WEIGHTS_DIR: Final = "weights"
+# The zero pages of the CUDA checkpoint's host copy, given back by the workload itself before CRIU dumps
+# it (only a process may drop its own pages). A workload that can do it lists this feature under
+# READY_FEATURES in its ready-for-snapshot JSON; after the CUDA checkpoint the agent writes
+# FILE_ZERO_PAGES_REQUEST ({"pid": the workload's pid as it sees it, "ranges": [[start, end], ...], the
+# mappings the driver made during the checkpoint}) and waits a bounded time for FILE_ZERO_PAGES_RELEASED
+# (ZeroPagesReleased); without an answer the dump simply holds the zeros.
+READY_FEATURES: Final = "features"
+FEATURE_RELEASE_ZERO_PAGES: Final = "release-zero-pages"
+FILE_ZERO_PAGES_REQUEST: Final = "release-zero-pages.json"
+FILE_ZERO_PAGES_RELEASED: Final = "zero-pages-released.json"
 
 # Held on DynamoCheckpoints by the controller until no restore from them is under way; once the object
 # is gone, node agents remove its artifact.

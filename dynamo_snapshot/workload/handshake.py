@@ -11,7 +11,9 @@ A worker calls, once its engine is loaded and before it opens connections to the
 Outside snapshot-enabled pods, `maybe_checkpoint_and_wait()` returns None at once.
 
 Files (names from dynamo_snapshot.api.protocol, spelled as Dynamo spells them):
-- ready-for-snapshot, written by the worker: JSON {"pid", "protocol", "timestamp", "info"?}.
+- ready-for-snapshot, written by the worker: JSON {"pid", "protocol", "timestamp", "info"?, "features"?}.
+- release-zero-pages.json / zero-pages-released.json: the agent's request, after the CUDA checkpoint, to
+  drop the zero pages of the driver's host copy, and this process's answer (zero_pages.py).
 - restore-complete, written by the agent once this process was restored into a new pod.
 - snapshot-complete, written by the agent after a dump that left this process running.
 
@@ -44,12 +46,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 from dynamo_snapshot.api.protocol import (
     ENV_CONTROL_DIR,
     ENV_CONTROL_DIR_LEGACY,
+    FEATURE_RELEASE_ZERO_PAGES,
     FILE_READY_FOR_SNAPSHOT,
     FILE_RESTORE_COMPLETE,
     FILE_SNAPSHOT_COMPLETE,
+    FILE_ZERO_PAGES_RELEASED,
+    FILE_ZERO_PAGES_REQUEST,
     PROTOCOL_VERSION,
+    READY_FEATURES,
 )
 from dynamo_snapshot.fileio import write_atomic
+from dynamo_snapshot.workload.zero_pages import ZeroPageServer
 
 if TYPE_CHECKING:
     from dynamo_snapshot.workload.offload import GpuOffload, ReleasableCache, SavableWeights
@@ -211,13 +218,17 @@ class SnapshotHandshake:
     sync API from their own threads. Hooks are the exception: register them before the handshake.
     """
 
-    def __init__(self, control_dir: Path | str | None = None) -> None:
-        """`control_dir` defaults to the configured one; NoControlDirError when there is none."""
+    def __init__(self, control_dir: Path | str | None = None, *, release_zero_pages: bool = True) -> None:
+        """`control_dir` defaults to the configured one; NoControlDirError when there is none.
+        `release_zero_pages`: offer the agent to drop the zero pages of the CUDA checkpoint's host copy
+        from this process before CRIU dumps it (zero_pages.py)."""
         if control_dir is None:
             control_dir = _configured_dir(None)
             if control_dir is None:
                 raise NoControlDirError()
         self.control_dir = Path(control_dir)
+        self.release_zero_pages = release_zero_pages
+        self._zero_pages: ZeroPageServer | None = None
         self._hooks: list[SnapshotHook] = []
         self._armed: list[SnapshotHook] = []  # hooks whose before_checkpoint ran, awaiting on_resume
         self._offload: GpuOffload | None = None
@@ -308,6 +319,8 @@ class SnapshotHandshake:
         payload: dict[str, Any] = {"pid": os.getpid(), "protocol": PROTOCOL_VERSION, "timestamp": time.time()}
         if info is not None:
             payload["info"] = dict(info)
+        if self.release_zero_pages:
+            payload[READY_FEATURES] = [FEATURE_RELEASE_ZERO_PAGES]
         data = json.dumps(payload, sort_keys=True).encode()  # fails here, before anything is written
         if not self.control_dir.is_dir():
             raise FileNotFoundError(f"snapshot control dir {self.control_dir} does not exist")
@@ -324,8 +337,17 @@ class SnapshotHandshake:
             raise
 
     def _write_ready(self, data: bytes) -> None:
-        for stale in (self.restore_complete_path, self.snapshot_complete_path):
-            stale.unlink(missing_ok=True)
+        stale_files = (
+            FILE_RESTORE_COMPLETE,
+            FILE_SNAPSHOT_COMPLETE,
+            FILE_ZERO_PAGES_REQUEST,
+            FILE_ZERO_PAGES_RELEASED,
+        )
+        for stale in stale_files:
+            (self.control_dir / stale).unlink(missing_ok=True)
+        if self.release_zero_pages and (self._zero_pages is None or not self._zero_pages.thread.is_alive()):
+            self._zero_pages = ZeroPageServer(self.control_dir, lambda: self._poll() is not None)
+            self._zero_pages.start()
         # 0644: the agent and probes may be other users. Durable: the rename survives a crash of the node.
         write_atomic(self.ready_path, data, mode=0o644)
 

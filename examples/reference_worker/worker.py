@@ -1039,9 +1039,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"where to write the cold timings (default CONTROL_DIR/{COLD_TIMINGS_FILE})",
     )
     p.add_argument(
-        "--shrink-local-memory",
+        "--no-release-zero-pages",
         action="store_true",
-        help="size the CUDA context's local-memory reserve anew before the checkpoint",
+        help="do not offer the agent to drop the zero pages of the CUDA checkpoint's host copy",
     )
     p.add_argument("--json-logs", action="store_true", help="log JSON lines")
     return p
@@ -1197,6 +1197,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     handshake: SnapshotHandshake | None = None
     if snapshot_sdk is not None:
         handshake = snapshot_sdk.SnapshotHandshake.maybe_from_env()
+        if handshake is not None:
+            handshake.release_zero_pages = not args.no_release_zero_pages
     elif any(os.environ.get(name) for name in _CONTROL_DIR_ENVS):
         sdk()  # a snapshot pod, and no SDK to do the handshake with: say why
     start = cold_start(args, device, batch_sizes)
@@ -1261,20 +1263,6 @@ def shrink_host_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def shrink_local_memory() -> None:
-    """Set the stack-size limit to what it is: the driver sizes the context's local-memory reserve anew
-    (it only ever grows it for the kernels launched), and a reserve grown by one kernel is GPU memory the
-    CUDA checkpoint copies to the host, zeros and all."""
-    libcuda = ctypes.CDLL("libcuda.so.1")
-    value = ctypes.c_size_t()
-    free_before = torch.cuda.mem_get_info()[0]
-    if libcuda.cuCtxGetLimit(ctypes.byref(value), 0) or libcuda.cuCtxSetLimit(0, value):
-        log.warning("could not set the stack-size limit again")
-        return
-    freed = torch.cuda.mem_get_info()[0] - free_before
-    log.info("local-memory reserve sized anew: %d MiB freed", freed >> 20)
-
-
 def checkpoint(
     args: argparse.Namespace,
     handshake: SnapshotHandshake,
@@ -1300,8 +1288,6 @@ def checkpoint(
         if engine.device.type == "cuda":
             engine._synchronize()
             torch.cuda.empty_cache()  # cached but unused blocks would be checkpointed too
-            if args.shrink_local_memory:
-                shrink_local_memory()
         shrink_host_memory()
         children = child_pids()
         if children:
