@@ -526,7 +526,7 @@ async def main() -> int:
         "--compress-pages", choices=("on", "off"), default="off", help="the agent's --compress-pages"
     )
     ap.add_argument(
-        "--drop-zero-pages", choices=("on", "off"), default="on", help="the agent's --drop-zero-pages"
+        "--drop-zero-pages", choices=("on", "off"), default="off", help="the agent's --drop-zero-pages"
     )
     ap.add_argument("--tag", default="", help="added to the result file's name (A/B runs)")
     ap.add_argument(

@@ -2,7 +2,8 @@
 # A/B of the storage formats, in one device call per size:
 #   run(command="bash benchmarks/gpu/run_formats_ab_h200.sh 1g", carry=[".whl", ".criu-bundle"])
 # Arguments: the size (default 1g) and the modes (default decoupled). ARMS picks the arms, run one after
-# the other on the same disk: default (the agent's defaults); keep-zero-pages (--no-drop-zero-pages);
+# the other on the same disk: default (the agent's defaults); keep-zero-pages (--no-drop-zero-pages); drop-zero-pages
+# (--drop-zero-pages);
 # raw-weights (the worker's --weights-encoding raw instead of split-nibble); compressed-pages
 # (--compress-pages); no-release (the worker does not drop the zero pages of the CUDA checkpoint's host
 # copy itself, --no-release-zero-pages). Arms combine with "+", as raw-weights+keep-zero-pages; an arm may come more than once. Each arm checkpoints anew and restores with the page cache dropped and again warm,
@@ -22,6 +23,7 @@ for arm in ${ARMS:-default keep-zero-pages raw-weights}; do
     for part in ${arm//+/ }; do
         case $part in
             keep-zero-pages) flags+=(--drop-zero-pages off) ;;
+            drop-zero-pages) flags+=(--drop-zero-pages on) ;;
             raw-weights) flags+=(--worker-args "--weights-encoding raw") ;;
             split-nibble-weights) flags+=(--worker-args "--weights-encoding split-nibble") ;;
             compressed-pages) flags+=(--compress-pages on) ;;

@@ -42,7 +42,7 @@ class Node:
         weights_check_idle_io: bool = True,
         weights_check_early: bool = True,
         weights_check_parallel: int | None = None,
-        drop_zero_pages: bool = True,
+        drop_zero_pages: bool = False,
         compress_pages: bool = False,
         restore_scratch: Path | None = DEFAULT_RESTORE_SCRATCH,
         pages_threads: int | None = None,

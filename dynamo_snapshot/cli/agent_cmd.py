@@ -91,8 +91,9 @@ class AgentConfig(BaseModel):
         description="check the weights during the CRIU restore at idle I/O priority, so CRIU reads first",
     )
     drop_zero_pages: bool = Field(
-        default=True,
-        description="leave the all-zero pages of anonymous memory out of checkpoints' CRIU images",
+        default=False,
+        description="leave the all-zero pages of anonymous memory out of checkpoints' CRIU images (a "
+        "rewrite after the dump; the SDK's workers drop the CUDA host copy's zeros themselves, cheaper)",
     )
     compress_pages: bool = Field(
         default=False,

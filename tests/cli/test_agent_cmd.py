@@ -115,12 +115,12 @@ def test_shipped_config_carries_the_agent_switches() -> None:
     """agent/config.yaml is what the image runs with: the keys themselves, as the model's defaults would
     hide a missing line."""
     shipped = yaml.safe_load((REPO / "agent" / "config.yaml").read_text())
-    expected = {"weightsCheckIdleIo": True, "dropZeroPages": True, "compressPages": False}
+    expected = {"weightsCheckIdleIo": True, "dropZeroPages": False, "compressPages": False}
     for key, value in expected.items():
         assert shipped[key] is value, key
     config = agent_cmd.AgentConfig.model_validate({**shipped, "nodeName": "n"})
     switches = (config.weights_check_idle_io, config.drop_zero_pages, config.compress_pages)
-    assert switches == (True, True, False)
+    assert switches == (True, False, False)
 
 
 def test_every_bool_setting_has_a_switch_whose_help_gives_its_default() -> None:
