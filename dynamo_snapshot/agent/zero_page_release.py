@@ -93,9 +93,10 @@ class ZeroPageRelease:
         return None
 
     def added_ranges(self) -> list[tuple[int, int]]:
-        """Private anonymous mappings the process has now and had not before the checkpoint."""
-        old = set(self.before)
-        return [r for r in private_anonymous(read_maps(self.host_pid)) if r not in old]
+        """Address space of private anonymous memory the process has now and had not before the
+        checkpoint. Only the new part of a mapping: the kernel may have merged the driver's new mapping
+        with an old neighbour, whose pages the process's other threads may be writing."""
+        return _subtract(private_anonymous(read_maps(self.host_pid)), self.before)
 
     async def ask(self, wait_s: float = ANSWER_TIMEOUT_S) -> ZeroPagesReleased | None:
         """Name the added mappings and wait for the answer; None without one (the dump keeps the zeros)."""
@@ -127,6 +128,23 @@ class ZeroPageRelease:
         else:
             ZERO_PAGES_RELEASED.inc(got.released_bytes)
         return got
+
+
+def _subtract(ranges: list[tuple[int, int]], taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of ``ranges`` outside every range of ``taken`` (each list sorted, none overlapping)."""
+    out = []
+    for lo, hi in ranges:
+        for t_lo, t_hi in taken:
+            if t_hi <= lo or t_lo >= hi:
+                continue
+            if t_lo > lo:
+                out.append((lo, t_lo))
+            lo = max(lo, t_hi)
+            if lo >= hi:
+                break
+        if lo < hi:
+            out.append((lo, hi))
+    return out
 
 
 def _exchange(control_dir: Path, doc: dict[str, object], wait_s: float) -> object:

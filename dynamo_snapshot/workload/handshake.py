@@ -385,7 +385,10 @@ class SnapshotHandshake:
         if timeout is not None and timeout < 0:
             raise ValueError(f"timeout must be >= 0, got {timeout}")
 
-    def _timeout_error(self, timeout: float) -> TimeoutError:
+    def _gave_up(self, timeout: float) -> TimeoutError:
+        """The error for a wait that timed out; no zero-page request will come now either."""
+        if self._zero_pages is not None:
+            self._zero_pages.stop()
         return TimeoutError(
             f"no {FILE_RESTORE_COMPLETE} (or {FILE_SNAPSHOT_COMPLETE}) in {self.control_dir} "
             f"after {timeout:g} s: the node agent has neither checkpointed nor restored this process"
@@ -403,7 +406,7 @@ class SnapshotHandshake:
         last = time.monotonic()
         while (state := self._poll()) is None:
             if timeout is not None and waited >= timeout:
-                raise self._timeout_error(timeout)
+                raise self._gave_up(timeout)
             time.sleep(poll_interval)
             now = time.monotonic()
             waited += _counted(now - last)
@@ -436,7 +439,7 @@ class SnapshotHandshake:
         last = time.monotonic()
         while (state := self._poll()) is None:
             if timeout is not None and waited >= timeout:
-                raise self._timeout_error(timeout)
+                raise self._gave_up(timeout)
             await asyncio.sleep(poll_interval)
             now = time.monotonic()
             waited += _counted(now - last)

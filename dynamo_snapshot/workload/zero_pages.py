@@ -227,22 +227,26 @@ class ZeroPageServer:
         self.finished = finished
         self.poll_interval = poll_interval
         self.thread = threading.Thread(target=self._run, name="zero-page-server", daemon=True)
-        self._idle = threading.Event()  # never set: its wait is the poll's sleep
+        self._stopped = threading.Event()  # its wait is also the poll's sleep
 
     def start(self) -> None:
         self.thread.start()
 
+    def stop(self) -> None:
+        """No request is coming (the wait for the checkpoint gave up): end the thread."""
+        self._stopped.set()
+
     def _run(self) -> None:
         request = self.control_dir / FILE_ZERO_PAGES_REQUEST
-        while not self.finished():
+        while not (self._stopped.is_set() or self.finished()):
             try:
                 data = request.read_bytes()
             except OSError:
-                self._idle.wait(self.poll_interval)
+                self._stopped.wait(self.poll_interval)
                 continue
             answer = answer_request(data)
             if answer is None:
-                self._idle.wait(self.poll_interval)
+                self._stopped.wait(self.poll_interval)
                 continue
             if "error" in answer:
                 log.warning("refused the agent's zero-page request: %s", answer["error"])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dynamo_snapshot.agent.zero_page_release import ZeroPageRelease, namespace_pid, offering_pid
+from dynamo_snapshot.agent.zero_page_release import ZeroPageRelease, _subtract, namespace_pid, offering_pid
 from dynamo_snapshot.api import protocol
 
 # A worker that signals ready, maps 64 MiB of private memory when told (every third page marked, the
@@ -148,3 +148,16 @@ def test_a_hostile_answer_is_not_followed_or_trusted(tmp_path: Path) -> None:
     # A link where the answer goes is not read through (a regular file only), so no answer.
     assert asyncio.run(plant_link()) is None
     assert secret.exists()
+
+
+def test_only_the_new_part_of_a_mapping_merged_with_an_old_one_is_named() -> None:
+    before = [(0x1000, 0x3000), (0x8000, 0x9000)]
+    # The driver's mapping merged below an old one, a mapping grown on both sides, and a new one.
+    after = [(0x1000, 0x5000), (0x7000, 0xA000), (0xC000, 0xD000)]
+    assert _subtract(after, before) == [
+        (0x3000, 0x5000),
+        (0x7000, 0x8000),
+        (0x9000, 0xA000),
+        (0xC000, 0xD000),
+    ]
+    assert _subtract(before, before) == []

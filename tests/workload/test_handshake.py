@@ -359,3 +359,24 @@ async def test_async_checkpoint_and_wait_and_maybe(ctl: Path, monkeypatch: pytes
     monkeypatch.delenv(ENV_CONTROL_DIR)
     assert await maybe_checkpoint_and_wait_async() is None
     assert await maybe_signal_ready_async() is False
+
+
+def test_the_zero_page_offer_ends_with_a_wait_that_gave_up(ctl: Path) -> None:
+    h = SnapshotHandshake()
+    h.signal_ready()
+    ready = json.loads((ctl / FILE_READY_FOR_SNAPSHOT).read_text())
+    assert ready["features"] == ["release-zero-pages"]
+    server = h._zero_pages
+    assert server is not None
+    assert server.thread.is_alive()
+    with pytest.raises(TimeoutError):
+        h.wait_for_restore(poll_interval=0.02, timeout=0.1)
+    server.thread.join(2)
+    assert not server.thread.is_alive()
+
+
+def test_a_worker_may_decline_the_zero_page_offer(ctl: Path) -> None:
+    h = SnapshotHandshake(release_zero_pages=False)
+    h.signal_ready()
+    assert "features" not in json.loads((ctl / FILE_READY_FOR_SNAPSHOT).read_text())
+    assert h._zero_pages is None

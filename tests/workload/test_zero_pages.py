@@ -33,13 +33,18 @@ def test_zero_pages_are_given_back_and_every_other_byte_stays() -> None:
 
 
 def test_ranges_outside_private_anonymous_writable_memory_are_refused_untouched() -> None:
-    _kept, addr = _mapping(64, range(64))
+    _kept, addr = _mapping(65, range(65))
+    # The last page read-only: a range over it leaves the writable mapping (a neighbour the kernel merged
+    # with it could not make that range valid).
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.mprotect(addr + 64 * PAGE, PAGE, mmap.PROT_READ) == 0
     shared = mmap.mmap(-1, 64 * PAGE)  # shared anonymous: a dropped page would not read as zero
     shared_addr = ctypes.addressof(ctypes.c_char.from_buffer(shared))
     code = next(x for x in read_maps() if x.perms.startswith("r-x") and x.name.startswith("/"))
     bad = [
         (addr + 1, addr + PAGE + 1),  # not page-aligned
-        (addr, addr + 65 * PAGE),  # runs past the mapping
+        (addr, addr + 65 * PAGE),  # runs past the writable mapping
         (shared_addr, shared_addr + 64 * PAGE),
         (code.start, code.end),
         (PAGE, 2 * PAGE),  # nothing mapped there
