@@ -29,6 +29,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dynamo_snapshot.workload.zero_pages import read_maps
+
 log = logging.getLogger(__name__)
 
 PREFETCH_FILE = "prefetch.json"
@@ -88,17 +90,11 @@ class _Vma:
 
 
 def _file_vmas(pid: int) -> list[_Vma]:
-    vmas = []
-    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-        fields = line.split(None, 5)
-        if len(fields) < 6:
-            continue
-        path = fields[5]
-        if not path.startswith("/") or path.endswith(" (deleted)") or path.startswith(_NOT_FILES):
-            continue
-        lo, hi = (int(x, 16) for x in fields[0].split("-"))
-        vmas.append(_Vma(lo, hi, int(fields[2], 16), path))
-    return vmas
+    return [
+        _Vma(m.start, m.end, m.offset, m.name)
+        for m in read_maps(pid)
+        if m.name.startswith("/") and not m.name.endswith(" (deleted)") and not m.name.startswith(_NOT_FILES)
+    ]
 
 
 def _present_runs(pagemap: int, vma: _Vma) -> Iterable[tuple[int, int]]:

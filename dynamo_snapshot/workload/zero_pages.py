@@ -57,6 +57,7 @@ class Mapping:
     start: int
     end: int
     perms: str
+    offset: int
     inode: int
     name: str
 
@@ -77,7 +78,7 @@ def _parse(line: str) -> Mapping | None:
     lo, _, hi = fields[0].partition("-")
     try:
         name = fields[5].strip() if len(fields) > 5 else ""
-        return Mapping(int(lo, 16), int(hi, 16), fields[1], int(fields[4]), name)
+        return Mapping(int(lo, 16), int(hi, 16), fields[1], int(fields[2], 16), int(fields[4]), name)
     except ValueError:
         return None
 
