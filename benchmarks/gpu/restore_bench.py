@@ -244,7 +244,7 @@ class Bench:
         dropped = manifest.extra.get("zeroPagesDropped")
         rec["zero_pages_dropped_bytes"] = dropped * 4096 if isinstance(dropped, int) else None
         rec["zero_page_bytes_released"] = manifest.extra.get("zeroPageBytesReleased")
-        rec["zero_page_release_worker_s"] = manifest.extra.get("zeroPageReleaseWorkerSeconds")
+        rec["zero_page_release_worker"] = manifest.extra.get("zeroPageReleaseWorker")
         rec["pages_compressed"] = manifest.extra.get("pagesCompressed")
         weights_files = [w for w in manifest.files if w.path.startswith("weights/")]
         rec["weights_stored_bytes"] = sum(w.size for w in weights_files)

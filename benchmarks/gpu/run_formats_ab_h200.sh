@@ -57,6 +57,6 @@ for f in sorted(out.glob(f"gpu-restore-{size}-formats-*.json")):
         print("   checkpoint phases:", {k: round(v, 3) for k, v in phases.items()})
         print("   pages images:", m.get("pages_stats"))
         print("   zero pages released by the worker:", m.get("zero_page_bytes_released"),
-              "in", m.get("zero_page_release_worker_s"), "s of its own,",
+              "(the worker's account:", m.get("zero_page_release_worker"), "),",
               "dropped by the agent:", m.get("zero_pages_dropped_bytes"))
 PY

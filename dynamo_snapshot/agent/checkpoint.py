@@ -238,7 +238,7 @@ class CheckpointRun:
             "zeroPagesDropped": self.sparse.pages_dropped if self.sparse is not None else 0,
             "zeroPageBytesReleased": self.released.released_bytes if self.released is not None else 0,
             # The worker's own account of its scan, beside the phase's round trip.
-            "zeroPageReleaseWorkerSeconds": self.released.seconds if self.released is not None else None,
+            "zeroPageReleaseWorker": self.released.account() if self.released is not None else None,
             "pagesCompressed": {
                 "files": packed.files,
                 "bytesBefore": packed.bytes_before,

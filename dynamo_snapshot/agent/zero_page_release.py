@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
 from dynamo_snapshot.agent.metrics import ZERO_PAGES_RELEASED
 from dynamo_snapshot.agent.sentinels import read_worker_json, write_sentinel
@@ -45,7 +45,19 @@ class ZeroPagesReleased(BaseModel):
     scanned_bytes: int = Field(0, alias="scannedBytes", ge=0)
     released_bytes: int = Field(0, alias="releasedBytes", ge=0)
     seconds: float = Field(0.0, ge=0)
+    runs: int = Field(0, ge=0)
+    madvise_seconds: float = Field(0.0, alias="madviseSeconds", ge=0)
     error: str | None = None
+
+    def account(self) -> dict[str, JsonValue]:
+        """What the manifest keeps of the worker's answer: how long its scan took, and the part of that
+        spent giving pages back (a syscall per run of zero pages)."""
+        return {
+            "scannedBytes": self.scanned_bytes,
+            "seconds": self.seconds,
+            "runs": self.runs,
+            "madviseSeconds": self.madvise_seconds,
+        }
 
 
 def offering_pid(control_dir: Path) -> int | None:

@@ -45,7 +45,11 @@ log = logging.getLogger(__name__)
 PAGE = mmap.PAGESIZE
 _CHUNK = 256 * PAGE
 _MADV_DONTNEED = 4
-_ZERO_PAGE = bytes(PAGE)
+_WORDS_PER_PAGE = PAGE // 8
+# Words of a page looked at before the page is compared whole: its first and last and six between.
+_SAMPLED_WORDS = tuple(i * (_WORDS_PER_PAGE - 1) // 7 for i in range(8))
+# mincore sets only the low bit of a page's byte; the others are reserved.
+_LOW_BIT = bytes(b & 1 for b in range(256))
 # A CUDA checkpoint maps its host copy in one or a few mappings; a request naming more is not the agent's.
 _MAX_RANGES = 4096
 
@@ -99,6 +103,8 @@ class ReleaseStats:
     released_bytes: int = 0
     refused: list[tuple[int, int]] = field(default_factory=list)
     seconds: float = 0.0
+    runs: int = 0
+    madvise_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -106,6 +112,8 @@ class ReleaseStats:
             "releasedBytes": self.released_bytes,
             "refused": [[lo, hi] for lo, hi in self.refused],
             "seconds": round(self.seconds, 4),
+            "runs": self.runs,
+            "madviseSeconds": round(self.madvise_seconds, 4),
         }
 
 
@@ -125,9 +133,25 @@ class _Libc:
         self.zero_addr = ctypes.addressof(self.zero)
 
 
+def _zero_pages_in(libc: _Libc, addr: int, size: int) -> Iterator[int]:
+    """Offsets of the all-zero pages of a chunk that is not all zero, read in place.
+
+    A few words of every page are sampled at once (strided views, no copy) and only a page whose samples
+    are all zero is compared whole: the host copy holds much data rich in zero bytes, where searching a
+    copy of the chunk for a zero page costs about five times as long."""
+    words = memoryview((ctypes.c_char * size).from_address(addr)).cast("B").cast("Q")
+    pages = size // PAGE
+    sampled = 0
+    for k in _SAMPLED_WORDS:
+        sampled |= int.from_bytes(words[k::_WORDS_PER_PAGE].tobytes(), "little")
+    for i, word in enumerate(memoryview(sampled.to_bytes(pages * 8, "little")).cast("Q")):
+        if word == 0 and libc.memcmp(addr + i * PAGE, libc.zero_addr, PAGE) == 0:
+            yield i * PAGE
+
+
 def _zero_runs(libc: _Libc, lo: int, hi: int) -> Iterator[tuple[int, int]]:
-    """Runs [start, end) of all-zero pages in [lo, hi): a chunk compared in place at once, and only a
-    chunk that is not all zero copied out to look at its pages."""
+    """Runs [start, end) of all-zero pages in [lo, hi): a chunk compared in place at once, and the pages
+    of a chunk that is not all zero looked at one by one."""
     run = None
     addr = lo
     while addr < hi:
@@ -136,30 +160,27 @@ def _zero_runs(libc: _Libc, lo: int, hi: int) -> Iterator[tuple[int, int]]:
             run = run if run is not None else addr
             addr += size
             continue
-        data = ctypes.string_at(addr, size)
-        if data.find(_ZERO_PAGE) < 0:  # no zero page in it (a hit may be unaligned: then look closer)
-            pages: Iterable[int] = ()
-            if run is not None:
-                yield run, addr
+        expected = addr  # the next page, when it continues the run
+        for off in _zero_pages_in(libc, addr, size):
+            page = addr + off
+            if run is not None and page != expected:
+                yield run, expected
                 run = None
-        else:
-            pages = range(0, size, PAGE)
-        for off in pages:
-            if data.startswith(_ZERO_PAGE, off):
-                run = run if run is not None else addr + off
-            elif run is not None:
-                yield run, addr + off
-                run = None
+            run = run if run is not None else page
+            expected = page + PAGE
+        if run is not None and expected != addr + size:
+            yield run, expected
+            run = None
         addr += size
     if run is not None:
         yield run, hi
 
 
 def _residency(libc: _Libc, lo: int, hi: int) -> bytes:
-    """A byte per page of [lo, hi), odd where the page is in memory (a page never touched was never there
-    to give back); all zero where the kernel will not say."""
+    """A byte per page of [lo, hi), 1 where the page is in memory (a page never touched was never there
+    to give back), else 0; all 0 where the kernel will not say."""
     vec = ctypes.create_string_buffer((hi - lo) // PAGE)
-    return vec.raw if libc.mincore(lo, hi - lo, vec) == 0 else bytes(len(vec))
+    return vec.raw.translate(_LOW_BIT) if libc.mincore(lo, hi - lo, vec) == 0 else bytes(len(vec))
 
 
 def _inside(ranges: list[tuple[int, int]], lo: int, hi: int) -> bool:
@@ -184,9 +205,13 @@ def release_zero_pages(ranges: Iterable[tuple[int, int]], maps: list[Mapping] | 
         # Before the scan: reading a page never touched maps the kernel's zero page, which counts as present.
         present = _residency(libc, lo, hi)
         for run_lo, run_hi in _zero_runs(libc, lo, hi):
-            if libc.madvise(run_lo, run_hi - run_lo, _MADV_DONTNEED) == 0:
+            advised = time.monotonic()
+            done = libc.madvise(run_lo, run_hi - run_lo, _MADV_DONTNEED) == 0
+            stats.madvise_seconds += time.monotonic() - advised
+            stats.runs += 1
+            if done:
                 first, last = (run_lo - lo) // PAGE, (run_hi - lo) // PAGE
-                stats.released_bytes += sum(b & 1 for b in present[first:last]) * PAGE
+                stats.released_bytes += present.count(1, first, last) * PAGE
     stats.seconds = time.monotonic() - started
     return stats
 

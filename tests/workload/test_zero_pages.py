@@ -6,6 +6,7 @@ import ctypes
 import json
 import mmap
 import os
+import random
 
 from dynamo_snapshot.workload.zero_pages import answer_request, read_maps, release_zero_pages
 
@@ -30,6 +31,39 @@ def test_zero_pages_are_given_back_and_every_other_byte_stays() -> None:
     # Given back: a second pass finds nothing present to release (before anything reads them again).
     assert release_zero_pages([(addr, addr + pages * PAGE)]).released_bytes == 0
     assert all(m[i * PAGE + 11] == (3 if i % 5 == 0 else 0) for i in range(pages))
+
+
+def test_every_zero_run_is_found_whole_across_chunks_and_no_marked_byte_is_lost() -> None:
+    """Runs that start, end and continue across the scan's 1 MiB chunks; marks on bytes the scan does
+    not sample; pages never touched (not present, so not counted as released)."""
+    rng = random.Random(7)
+    pages = 3 * 256 + 17
+    marked: list[tuple[int, int]] = []
+    zero = [True] * pages
+    i = 0
+    while i < pages:
+        length = rng.choice([1, 1, 2, 3, 255, 256, 257, 300])
+        if rng.random() < 0.5:
+            for j in range(i, min(i + length, pages)):
+                marked.append((j, rng.randrange(PAGE)))
+                zero[j] = False
+        i += length
+    m = mmap.mmap(-1, pages * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    untouched = set(rng.sample([j for j in range(pages) if zero[j]], 40))
+    for j in range(pages):
+        if j not in untouched:
+            m[j * PAGE] = 0  # a write makes the page present
+    for j, off in marked:
+        m[j * PAGE + off] = 1 + off % 255
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    runs = sum(1 for j in range(pages) if zero[j] and (j == 0 or not zero[j - 1]))
+
+    stats = release_zero_pages([(addr, addr + pages * PAGE)])
+
+    assert stats.runs == runs
+    assert stats.released_bytes == (zero.count(True) - len(untouched)) * PAGE
+    assert all(m[j * PAGE + off] == 1 + off % 255 for j, off in marked)
+    assert m[:].count(0) == pages * PAGE - len(marked)
 
 
 def test_ranges_outside_private_anonymous_writable_memory_are_refused_untouched() -> None:
