@@ -5,46 +5,28 @@ JSON seen whole or not at all, and small JSON files the worker writes for it.
 The directory is the tenant's to write: a link or a FIFO planted under a name the agent is about to
 write or read must not turn the privileged agent's write into one elsewhere on the node, or its read
 into a hang. Writes go to a new, randomly named file created exclusively without following links, then
-renamed over the name (a rename replaces a planted link, never its target); reads open without following
-links or blocking, and take a regular file only.
+renamed over the name (``fileio.write_atomic``: a rename replaces a planted link, never its target);
+reads open without following links or blocking, and take a regular file only.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import secrets
 import stat
 from pathlib import Path
 from typing import Any
 
+from dynamo_snapshot.fileio import write_atomic
+
 __all__ = ["read_worker_json", "write_sentinel"]
 
-_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_TRIES = 8
 
 
 def write_sentinel(path: Path, doc: dict[str, Any]) -> None:
     # Not durable: the control directory does not outlive its pod, and the worker polls for the name.
-    data = json.dumps(doc, sort_keys=True).encode()
-    for attempt in range(_TRIES):
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
-        try:
-            fd = os.open(tmp, _CREATE, 0o644)
-        except FileExistsError:
-            if attempt + 1 == _TRIES:
-                raise
-            continue
-        try:
-            with os.fdopen(fd, "wb") as f:
-                os.fchmod(f.fileno(), 0o644)  # the worker may be another user; not the umask's to say
-                f.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        return
+    write_atomic(path, json.dumps(doc, sort_keys=True).encode(), mode=0o644, durable=False)
 
 
 def read_worker_json(path: Path, limit: int) -> Any:
