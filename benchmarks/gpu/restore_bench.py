@@ -77,6 +77,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], bool]] = {
     "weights_after": ({"weights_check_early": False}, True),
     "overlap": ({"overlap_page_check": True}, True),
     "overlap_weights_after": ({"overlap_page_check": True, "weights_check_early": False}, True),
+    "pages_first": ({"read_pages_first": True}, True),
+    "overlap_pages_first": ({"overlap_page_check": True, "read_pages_first": True}, True),
 }
 
 
@@ -342,23 +344,25 @@ class Bench:
     async def diagnostics(self, key: str, ident_hash: str, port: int, cold: dict[str, Any]) -> dict[str, Any]:
         """Other restores of the same artifact, one per variant (`--variants`): each changes some of the
         agent's settings (VARIANTS) and starts with the page cache dropped and nothing verified, except
-        `warm_node`, the second restore on a node (page cache and verify cache warm)."""
+        `warm_node`, the second restore on a node (page cache and verify cache warm). A variant named
+        again is kept as `name#2`, `name#3`..."""
         out: dict[str, Any] = {}
         ex = self.executor
         base = key
-        for name in self.args.variants:
+        for n, name in enumerate(self.args.variants):
             knobs, drop = VARIANTS[name]
+            label = name if name not in out else f"{name}#{self.args.variants[: n + 1].count(name)}"
             await self.stop_and_wait(key)
-            key = f"{base}-{name}"
+            key = f"{base}-{n}-{name}"
             saved = {attr: getattr(ex, attr) for attr in (*knobs, "verified")}
             if drop:
                 ex.verified = VerifiedFiles(ttl_s=3600)  # a node that has not checked this artifact yet
             for attr, value in knobs.items():
                 setattr(ex, attr, value)
             try:
-                out[name] = await self.timed_restore(key, ident_hash, port, cold, drop=drop)
+                out[label] = await self.timed_restore(key, ident_hash, port, cold, drop=drop)
             except Exception:
-                out[name] = {"error": traceback.format_exc()[-2000:]}
+                out[label] = {"error": traceback.format_exc()[-2000:]}
             finally:
                 for attr, value in saved.items():
                     setattr(ex, attr, value)
