@@ -318,6 +318,13 @@ class Bench:
         timeline = io.timeline(t0)
         rec["disk_read_mb"] = timeline[-1][1] if timeline else None
         rec["io_timeline"] = timeline
+        # The first token of every self-test prompt, then their whole answers (16 tokens each).
+        status, answer = await asyncio.to_thread(
+            http, port, "/generate", {"prompts": cold["selftest_prompts"], "max_new_tokens": 1}
+        )
+        rec["first_token_s"] = round(time.time() - t0, 3)
+        first_tokens = [tokens[:1] for tokens in cold["selftest_tokens"]]
+        rec["first_token_identical"] = status == 200 and answer["tokens"] == first_tokens
         status, answer = await asyncio.to_thread(
             http, port, "/generate", {"prompts": cold["selftest_prompts"], "max_new_tokens": 16}
         )

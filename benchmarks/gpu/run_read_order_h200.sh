@@ -26,7 +26,8 @@ m = r["modes"].get("decoupled", {})
 if "error" in m:
     print(m["error"][-1500:])
 def line(name, x):
-    print(f"{name}: restore {x.get('restore_s')} s, first answer {x.get('first_answer_s')} s, "
+    print(f"{name}: restore {x.get('restore_s')} s, first token {x.get('first_token_s')} s "
+          f"(right: {x.get('first_token_identical')}), first answer {x.get('first_answer_s')} s, "
           f"phases {x.get('restore_phases')}, identical {x.get('output_identical')}, error {bool(x.get('error'))}")
 print("cold start", m.get("cold_start_s"), "checkpoint", m.get("checkpoint_s"), "artifact", m.get("artifact_bytes"),
       "sol", m.get("sol_s"))
