@@ -21,6 +21,7 @@ import json
 import logging
 import mmap
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -50,6 +51,7 @@ _WORDS_PER_PAGE = PAGE // 8
 _SAMPLED_WORDS = tuple(i * (_WORDS_PER_PAGE - 1) // 7 for i in range(8))
 # mincore sets only the low bit of a page's byte; the others are reserved.
 _LOW_BIT = bytes(b & 1 for b in range(256))
+_ZERO_BYTES = re.compile(rb"\x00{8,}")
 # A CUDA checkpoint maps its host copy in one or a few mappings; a request naming more is not the agent's.
 _MAX_RANGES = 4096
 
@@ -133,25 +135,39 @@ class _Libc:
         self.zero_addr = ctypes.addressof(self.zero)
 
 
-def _zero_pages_in(libc: _Libc, addr: int, size: int) -> Iterator[int]:
-    """Offsets of the all-zero pages of a chunk that is not all zero, read in place.
+def _candidates(addr: int, size: int) -> Iterator[tuple[int, int]]:
+    """Runs [first, end) of the pages of a chunk whose sampled words are all zero, read in place.
 
-    A few words of every page are sampled at once (strided views, no copy) and only a page whose samples
-    are all zero is compared whole: the host copy holds much data rich in zero bytes, where searching a
-    copy of the chunk for a zero page costs about five times as long."""
+    A few words of every page are sampled at once (strided views, no copy): a page with one of them not
+    zero is not a zero page. The host copy holds much data rich in zero bytes, where searching a copy of
+    the chunk for a zero page is slow; and much all-zero memory around a few pages of data, where looking
+    at every page on its own is."""
     words = memoryview((ctypes.c_char * size).from_address(addr)).cast("B").cast("Q")
-    pages = size // PAGE
     sampled = 0
     for k in _SAMPLED_WORDS:
         sampled |= int.from_bytes(words[k::_WORDS_PER_PAGE].tobytes(), "little")
-    for i, word in enumerate(memoryview(sampled.to_bytes(pages * 8, "little")).cast("Q")):
-        if word == 0 and libc.memcmp(addr + i * PAGE, libc.zero_addr, PAGE) == 0:
-            yield i * PAGE
+    # A page is a candidate where its 8 bytes of the OR of the samples are all zero.
+    for match in _ZERO_BYTES.finditer(sampled.to_bytes(size // PAGE * 8, "little")):
+        first, end = -(-match.start() // 8), match.end() // 8
+        if first < end:
+            yield first, end
+
+
+def _zero_pages_in(libc: _Libc, addr: int, size: int) -> Iterator[tuple[int, int]]:
+    """Runs [first, end) of the all-zero pages of a chunk that is not all zero: each run of candidates
+    compared whole at once, and page by page only where that finds data."""
+    for first, end in _candidates(addr, size):
+        if libc.memcmp(addr + first * PAGE, libc.zero_addr, (end - first) * PAGE) == 0:
+            yield first, end
+            continue
+        for i in range(first, end):
+            if libc.memcmp(addr + i * PAGE, libc.zero_addr, PAGE) == 0:
+                yield i, i + 1
 
 
 def _zero_runs(libc: _Libc, lo: int, hi: int) -> Iterator[tuple[int, int]]:
     """Runs [start, end) of all-zero pages in [lo, hi): a chunk compared in place at once, and the pages
-    of a chunk that is not all zero looked at one by one."""
+    of a chunk that is not all zero looked at more closely; a run goes on across chunks."""
     run = None
     addr = lo
     while addr < hi:
@@ -160,14 +176,13 @@ def _zero_runs(libc: _Libc, lo: int, hi: int) -> Iterator[tuple[int, int]]:
             run = run if run is not None else addr
             addr += size
             continue
-        expected = addr  # the next page, when it continues the run
-        for off in _zero_pages_in(libc, addr, size):
-            page = addr + off
-            if run is not None and page != expected:
+        expected = addr  # where the run goes on, if it does
+        for first, end in _zero_pages_in(libc, addr, size):
+            if run is not None and addr + first * PAGE != expected:
                 yield run, expected
                 run = None
-            run = run if run is not None else page
-            expected = page + PAGE
+            run = run if run is not None else addr + first * PAGE
+            expected = addr + end * PAGE
         if run is not None and expected != addr + size:
             yield run, expected
             run = None
