@@ -77,8 +77,6 @@ VARIANTS: dict[str, tuple[dict[str, Any], bool]] = {
     "weights_after": ({"weights_check_early": False}, True),
     "overlap": ({"overlap_page_check": True}, True),
     "overlap_weights_after": ({"overlap_page_check": True, "weights_check_early": False}, True),
-    "pages_first": ({"read_pages_first": True}, True),
-    "overlap_pages_first": ({"overlap_page_check": True, "read_pages_first": True}, True),
 }
 
 

@@ -37,7 +37,6 @@ class Node:
         gpus: GpuInfo | None = None,
         cuda_lock_timeout_ms: int = 10_000,
         overlap_page_check: bool = False,
-        read_pages_first: bool = False,
         verify_cache_s: float = 3600.0,
         prefetch_node_files: bool = True,
         weights_check_idle_io: bool = True,
@@ -60,11 +59,6 @@ class Node:
         # in parallel was slower than checking them first (at full parallel read speed) and letting
         # CRIU read them from the page cache.
         self.overlap_page_check = overlap_page_check
-        # The node files' read-ahead and the weights check start only once the memory pages are read
-        # (checked), so that CRIU's pages have the disk to themselves; with overlap_page_check, once the
-        # check beside CRIU passed. Off: on the H200 at 1g neither order beat the default (3.37-3.63 and
-        # 3.13-3.15 s against 3.01-3.58 s, BENCHMARKS.md).
-        self.read_pages_first = read_pages_first
         # Restores 2..N of one checkpoint on this node skip hashing files verified unchanged (0: never).
         self.verified = VerifiedFiles(ttl_s=verify_cache_s) if verify_cache_s > 0 else None
         # Record the node files the worker maps at checkpoint; read them ahead at restore.

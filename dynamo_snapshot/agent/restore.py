@@ -133,7 +133,6 @@ class RestoreRun:
         self.staging: StagedPages | None = None
         self.weights_check: asyncio.Task[TreeStats] | None = None
         self.pages_check: asyncio.Task[TreeStats] | None = None
-        self.reads_beside: asyncio.Task[None] | None = None
         self.pages: list[str] = []  # pages images checked while CRIU restores them
         self.process_stats = TreeStats(0, 0.0)
         self.verified_bytes = 0
@@ -146,16 +145,15 @@ class RestoreRun:
         async with contextlib.AsyncExitStack() as undo:
             with self.timings.phase("restore", "verify"):
                 await self.verify(undo)
+            # The weights are checked while CRIU restores the process: the same read fills the page
+            # cache the worker loads them from.
+            if self.weights and self.weights_check is None:
+                self.start_weights_check(undo)
             if self.pages:
                 self.pages_check = asyncio.create_task(
                     self.artifact.averify(files=self.pages, verified=self.node.verified)
                 )
                 undo.push_async_callback(_cancel, self.pages_check)
-            if self.node.read_pages_first and self.pages_check is not None:
-                self.reads_beside = asyncio.create_task(self.start_reads_beside(undo, self.pages_check))
-                undo.push_async_callback(_cancel, self.reads_beside)
-            else:
-                await self.start_reads_beside(undo)
             workload = await self.restore_process(undo)
             await self.resume_process(workload)
             await self.hand_over(workload, undo)
@@ -173,8 +171,10 @@ class RestoreRun:
         if self.node.cuda is not None:
             await check_gpu_memory(self.artifact.manifest.extra, self.gpus, self.artifact.manifest.gpus)
         await self.read_tools()
-        if not self.node.read_pages_first:
-            await self.start_node_files(undo)
+        self.prefetching = await self.start_prefetch()
+        if self.prefetching is not None:
+            # Its thread ends on its own: just collect it.
+            undo.push_async_callback(_collect_quietly, self.prefetching)
         # Compressed pages are unpacked (into a directory of this restore's own) while they are checked;
         # CRIU starts on them only once the check passed.
         scratch = PagesScratch(self.node.restore_scratch, self.node.pages_threads, self.node.scratch_cleaned)
@@ -184,8 +184,7 @@ class RestoreRun:
         )
         if self.staging is not None:
             undo.push_async_callback(self.staging.discard)
-        early = self.node.weights_check_early and not self.node.read_pages_first
-        if self.weights and self.node.weights_check_idle_io and early:
+        if self.weights and self.node.weights_check_idle_io and self.node.weights_check_early:
             # Where the disk's scheduler honours idle I/O priority the weights check takes only the disk
             # time nobody else wants, so it can start now, beside the check of what CRIU needs.
             self.start_weights_check(undo)
@@ -215,27 +214,6 @@ class RestoreRun:
             return
         stats = await asyncio.to_thread(read_whole, files)
         log.debug("tools read ahead", extra={"files": stats.files, "bytes": stats.bytes, "s": stats.seconds})
-
-    async def start_node_files(self, undo: contextlib.AsyncExitStack) -> None:
-        self.prefetching = await self.start_prefetch()
-        if self.prefetching is not None:
-            # Its thread ends on its own: just collect it.
-            undo.push_async_callback(_collect_quietly, self.prefetching)
-
-    async def start_reads_beside(
-        self, undo: contextlib.AsyncExitStack, after: asyncio.Task[TreeStats] | None = None
-    ) -> None:
-        """What is read beside CRIU, once ``after`` (the pages' check) ended: the node files, where they
-        were not started yet, and the weights check, whose read fills the page cache the worker loads
-        them from."""
-        if after is not None:
-            await asyncio.wait([after])
-            if after.cancelled() or after.exception() is not None:
-                return  # the restore is refused: nothing more to read
-        if self.node.read_pages_first:
-            await self.start_node_files(undo)
-        if self.weights and self.weights_check is None:
-            self.start_weights_check(undo)
 
     async def start_prefetch(self) -> asyncio.Task[PrefetchStats] | None:
         """Start reading the node files the checkpoint's plan names; None without a (valid) plan."""
@@ -349,8 +327,6 @@ class RestoreRun:
                 except (ArtifactError, ValueError) as e:
                     raise ArtifactRefused(f"artifact {self.artifact.key} refused: {e}") from None
             await self.node.runtime.resume(workload)
-        if self.reads_beside is not None:
-            await self.reads_beside  # the weights check it starts must exist before the hand-over
         with self.timings.phase("restore", "cuda_restore"):
             remap = gpu_remap(self.artifact.manifest.gpus, self.gpus)
             cuda = self.node.cuda

@@ -290,49 +290,6 @@ async def test_where_the_weights_check_starts(
 
 
 @pytest.mark.criu
-@pytest.mark.parametrize("overlap", [False, True], ids=["pages-checked-first", "pages-checked-beside-criu"])
-async def test_reading_pages_first_starts_the_other_reads_only_once_the_pages_passed(
-    criu_bin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overlap: bool
-) -> None:
-    executor, runtime, ctl = await _checkpoint(tmp_path, criu_bin, overlap=overlap, compress_pages=False)
-    executor.read_pages_first = True
-    pages_checked: list[bool] = []  # at each start of a read beside CRIU: were the pages checked?
-    checked = asyncio.Event()
-    check_process, start_weights, start_prefetch = (
-        RestoreRun.verify_process_images,
-        RestoreRun.start_weights_check,
-        RestoreRun.start_prefetch,
-    )
-
-    def pages_done(run: RestoreRun) -> bool:
-        return run.pages_check.done() if run.pages_check is not None else checked.is_set()
-
-    async def process(self: RestoreRun) -> None:
-        await check_process(self)
-        checked.set()
-
-    def weights(self: RestoreRun, undo: Any) -> None:
-        pages_checked.append(pages_done(self))
-        start_weights(self, undo)
-
-    async def prefetch(self: RestoreRun) -> Any:
-        pages_checked.append(pages_done(self))
-        return await start_prefetch(self)
-
-    monkeypatch.setattr(RestoreRun, "verify_process_images", process)
-    monkeypatch.setattr(RestoreRun, "start_weights_check", weights)
-    monkeypatch.setattr(RestoreRun, "start_prefetch", prefetch)
-    restored = await executor.restore("restored", HASH)
-    try:
-        assert pages_checked == [True, True]
-        assert ("pages_wait" in restored.timings.phases) is overlap
-        assert restored.prefetch is not None
-        assert (await await_json(ctl / "verify.json", settle=0.05))["weights_ok"]
-    finally:
-        await runtime.stop("restored")
-
-
-@pytest.mark.criu
 async def test_other_weights_at_the_path_are_not_overwritten(criu_bin: Path, tmp_path: Path) -> None:
     executor, runtime, ctl = await _checkpoint(tmp_path, criu_bin)
     theirs = ctl / "weights" / "model.dsw"
