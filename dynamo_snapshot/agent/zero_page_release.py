@@ -52,12 +52,7 @@ class ZeroPagesReleased(BaseModel):
     def account(self) -> dict[str, JsonValue]:
         """What the manifest keeps of the worker's answer: how long its scan took, and the part of that
         spent giving pages back (a syscall per run of zero pages)."""
-        return {
-            "scannedBytes": self.scanned_bytes,
-            "seconds": self.seconds,
-            "runs": self.runs,
-            "madviseSeconds": self.madvise_seconds,
-        }
+        return self.model_dump(by_alias=True, include={"scanned_bytes", "seconds", "runs", "madvise_seconds"})
 
 
 def offering_pid(control_dir: Path) -> int | None:

@@ -957,6 +957,7 @@ def phase(name: str, seconds: float, **fields: Any) -> None:
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
+    # Not fileio.write_atomic: the worker runs without the snapshot SDK too (--timings-file).
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:

@@ -90,6 +90,11 @@ def test_the_worker_drops_the_zero_pages_of_what_it_mapped_during_the_checkpoint
     # meanwhile): the worker's older memory (its heap, Python's arenas) was not named.
     assert ZERO_BYTES <= answer.released_bytes <= ZERO_BYTES + (4 << 20)  # type: ignore[attr-defined]
     assert answer.scanned_bytes >= PAGES * os.sysconf("SC_PAGE_SIZE")  # type: ignore[attr-defined]
+    # What the manifest keeps: the worker's scan, with its madvise calls (at least one run given back).
+    account = answer.account()  # type: ignore[attr-defined]
+    assert account["scannedBytes"] == answer.scanned_bytes  # type: ignore[attr-defined]
+    assert account["runs"] >= 1
+    assert 0 <= account["madviseSeconds"] <= account["seconds"]
     # Neither file of the exchange is left in the control directory.
     assert not (ctl / protocol.FILE_ZERO_PAGES_REQUEST).exists()
     assert not (ctl / protocol.FILE_ZERO_PAGES_RELEASED).exists()
