@@ -74,14 +74,15 @@ def _version(rev: str) -> Release:
         check=True,
         capture_output=True,
     ).stdout
-    path = Path(tempfile.mkdtemp()) / f"zero_pages_{rev}.py"
-    path.write_bytes(source)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module  # its dataclasses look themselves up there
-    spec.loader.exec_module(module)
+    with tempfile.TemporaryDirectory() as tmp:  # the module lives on in memory once executed
+        path = Path(tmp) / f"zero_pages_{rev}.py"
+        path.write_bytes(source)
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        assert spec is not None
+        assert spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[path.stem] = module  # its dataclasses look themselves up there
+        spec.loader.exec_module(module)
     release: Release = module.release_zero_pages
     return release
 
