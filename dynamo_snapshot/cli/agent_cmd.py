@@ -45,6 +45,10 @@ def _kube_size(value: object) -> object:
 Size = Annotated[ByteSize, BeforeValidator(_kube_size)]
 
 
+# Under --state-root, beside the runtimes' own directories (workload keys always hold a "_").
+CRIU_LOGS_DIR = "criu-logs"
+
+
 class AgentConfig(BaseModel):
     """agent/config.yaml; flags override it."""
 
@@ -254,7 +258,8 @@ def register(sub: Any) -> None:
 
 
 def build(config: AgentConfig, kube: Kube) -> NodeAgent:
-    criu = Criu(config.criu)
+    # A failed dump's or restore's work directory goes with the failure; the log its message names stays.
+    criu = Criu(config.criu, kept_logs=config.state_root / CRIU_LOGS_DIR)
     runtime: Runtime
     if config.runtime == "containerd":
         runtime = ContainerdRuntime(criu, config.state_root, runc_root=config.runc_root)

@@ -1,6 +1,7 @@
 """CRIU invocation: find the binary, check its version, dump and restore process trees.
 
     criu = Criu()                                   # explicit path, $DYNSNAP_CRIU, PATH
+    criu = Criu(kept_logs=dir)                      # a failed run's log kept there (kept_logs)
     await criu.require(min=(4, 0)) -> CriuVersion   # CriuError("CRIU 3.17 is too old: ...")
     await criu.check() -> str                       # "Looks good." or CriuError
     await criu.dump(pid, images_dir, *, log_dir=None, leave_running=False, options=TreeOptions(),

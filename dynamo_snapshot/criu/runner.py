@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import re
 import shutil
@@ -14,9 +15,12 @@ from pathlib import Path
 
 from dynamo_snapshot.criu.argv import DEFAULT_TREE_OPTIONS, TreeOptions, dump_argv, restore_argv
 from dynamo_snapshot.criu.errors import CriuError, known_cause, log_excerpt, summary_line
+from dynamo_snapshot.criu.kept_logs import keep_log
 from dynamo_snapshot.criu.version import CriuVersion
 
 __all__ = ["ENV_CRIU", "MIN_VERSION", "Criu", "DumpResult", "RestoreResult", "find_criu"]
+
+log = logging.getLogger(__name__)
 
 ENV_CRIU = "DYNSNAP_CRIU"
 # Debian 12's CRIU 3.17 cannot restore on current kernels (vDSO layout), so 4.0 is the floor.
@@ -103,13 +107,21 @@ async def _run(
         return returncode, out.read().decode(errors="replace")
 
 
-def _failure(op: str, returncode: int, output: str, log_path: Path | None) -> CriuError:
+def _failure(
+    op: str, returncode: int, output: str, log_path: Path | None, kept_logs: Path | None = None
+) -> CriuError:
     text = output
     if log_path is not None:
         try:
             text = log_path.read_text(errors="replace")
         except OSError:
             log_path = None  # CRIU failed before opening its log; its stderr says why
+    if log_path is not None and kept_logs is not None:
+        try:
+            log_path = keep_log(log_path, kept_logs, op)
+        except OSError as e:
+            # The message still names the log where CRIU wrote it, which may outlive the failure.
+            log.warning("a failed CRIU run's log was not kept", extra={"log": str(log_path), "error": str(e)})
     excerpt = log_excerpt(text)
     message = (
         known_cause(text)
@@ -185,8 +197,11 @@ async def _with_libraries(program: Path) -> list[Path]:
 class Criu:
     """One CRIU binary; every operation runs it as a subprocess without blocking the event loop."""
 
-    def __init__(self, binary: Path | None = None) -> None:
+    def __init__(self, binary: Path | None = None, *, kept_logs: Path | None = None) -> None:
+        """`kept_logs`: where the log of a failed dump or restore is kept (see kept_logs), for callers
+        that remove the operation's work directory after a failure; None leaves it where CRIU wrote it."""
         self._requested = binary
+        self.kept_logs = kept_logs
         self._binary: Path | None = None
         self._version: CriuVersion | None = None
         self._files: list[Path] | None = None
@@ -278,7 +293,7 @@ class Criu:
         returncode, output = await _run(self.binary, "dump", argv)
         seconds = time.monotonic() - started
         if returncode != 0:
-            raise await asyncio.to_thread(_failure, "dump", returncode, output, log_path)
+            raise await asyncio.to_thread(_failure, "dump", returncode, output, log_path, self.kept_logs)
         image_bytes = await asyncio.to_thread(_image_bytes, images_dir, log_path)
         return DumpResult(seconds=seconds, log_path=log_path, image_bytes=image_bytes)
 
@@ -323,7 +338,7 @@ class Criu:
         returncode, output = await _run(self.binary, "restore", argv, wrapper=wrapper, pass_fds=pass_fds)
         seconds = time.monotonic() - started
         if returncode != 0:
-            raise await asyncio.to_thread(_failure, "restore", returncode, output, log_path)
+            raise await asyncio.to_thread(_failure, "restore", returncode, output, log_path, self.kept_logs)
         try:
             pid = int((await asyncio.to_thread(pidfile.read_text)).strip())
         except (OSError, ValueError) as e:
