@@ -151,7 +151,11 @@ class MetricSpec(_PolicyModel):
 
 
 class ScaleUpPolicy(_PolicyModel):
-    """How fast replicas are added."""
+    """How fast replicas are added: the HPA's default scale-up behaviour unless set otherwise.
+
+    There is no unlimited scale-up: a query gone wrong (a total of 1e300, say) moves the replicas by one
+    step per period, not to maxReplicas in one decision.
+    """
 
     stabilization_window_seconds: Seconds = Field(
         default=0.0,
@@ -159,15 +163,24 @@ class ScaleUpPolicy(_PolicyModel):
         le=3600,
         description="Scale up to the lowest desired count seen over this many seconds; default 0 (at once).",
     )
-    max_step: NonNegativeInt32 = Field(
-        default=0,
-        description="At most this many replicas added in one decision, or maxPercent of the current "
-        "replicas where that is more, in every mode (panic included); 0 (the default) means no limit.",
+    max_step: PositiveInt32 = Field(
+        default=4,
+        description="Within any periodSeconds the replicas grow by at most this many, or by maxPercent "
+        "where that is more, counted from the fewest replicas the service had in the period; in every "
+        "mode, panic included. At least 1; default 4 (the HPA's).",
     )
     max_percent: PositiveInt32 = Field(
         default=100,
-        description="With maxStep set, one decision may add this percentage of the current replicas "
-        "(rounded up) where that is more than maxStep; default 100. Not used while maxStep is 0.",
+        description="Within any periodSeconds the replicas grow by at most this percentage (rounded up) "
+        "of the fewest the service had in the period, where that is more than maxStep; default 100 "
+        "(doubling), the HPA's.",
+    )
+    period_seconds: Seconds = Field(
+        default=15.0,
+        ge=1,
+        le=1800,
+        description="The period over which maxStep and maxPercent count the replicas added, in seconds "
+        "(1 to 1800); default 15, the HPA's.",
     )
 
 
@@ -206,7 +219,8 @@ class PanicPolicy(_PolicyModel):
         default=2.0,
         description="Panic when the desired replicas over the panic window reach threshold times the "
         "current replicas; while panicking the policy scales up without waiting for scaleUp's "
-        "stabilization window (still within its maxStep limit) and never down. Must be > 1; default 2.0.",
+        "stabilization window (still within its maxStep/maxPercent per periodSeconds) and never down. "
+        "Must be > 1; default 2.0.",
         json_schema_extra=_rules("self > 1.0", PANIC_THRESHOLD_MESSAGE),
     )
 
@@ -230,7 +244,10 @@ class DynamoScalingPolicySpec(_PolicyModel):
     min_replicas: NonNegativeInt32 = Field(
         default=1, description="Fewest replicas; 0 lets the service scale to zero. Default 1."
     )
-    max_replicas: PositiveInt32 = Field(description="Most replicas; at least minReplicas.")
+    max_replicas: PositiveInt32 = Field(
+        description="Most replicas; at least minReplicas. The controller caps it (and minReplicas) to its "
+        "cluster-wide --max-policy-replicas, saying so in the MaxReplicasCapped condition."
+    )
     metrics: Annotated[list[MetricSpec], AfterValidator(_metric_names_unique)] = Field(
         min_length=1,
         max_length=MAX_METRICS,
@@ -251,8 +268,8 @@ class DynamoScalingPolicySpec(_PolicyModel):
     scale_up: ScaleUpPolicy = Field(
         default_factory=ScaleUpPolicy,
         json_schema_extra=_EMPTY_DEFAULT,
-        description="Scale-up limits; defaults: stabilizationWindowSeconds 0, maxStep 0 (unlimited), "
-        "maxPercent 100.",
+        description="Scale-up limits; defaults: stabilizationWindowSeconds 0, maxStep 4, maxPercent 100, "
+        "periodSeconds 15 (at most max(4, 100%) more replicas per 15 s, the HPA's default).",
     )
     scale_down: ScaleDownPolicy = Field(
         default_factory=ScaleDownPolicy,
@@ -295,6 +312,7 @@ class ScalingConditionType(StrEnum):
     METRICS_AVAILABLE = "MetricsAvailable"
     SCALING_ACTIVE = "ScalingActive"
     INVALID_SPEC = "InvalidSpec"
+    MAX_REPLICAS_CAPPED = "MaxReplicasCapped"
 
 
 class ScalingDecision(KubeModel):
@@ -324,13 +342,14 @@ class DynamoScalingPolicyStatus(KubeModel):
     )
     last_metrics: dict[str, _MetricValue] | None = Field(
         default=None,
-        description="The last total of each metric, by metric name; null when it had no data.",
+        description="The last total of each metric, by metric name; null when it had no usable value "
+        "(no data, a failed query, or a total that is NaN, infinite or negative).",
     )
     last_scale_time: Timestamp | None = Field(default=None, description="When the replicas last changed.")
     last_decision: ScalingDecision | None = None
     conditions: list[Condition] | None = Field(
         default=None,
-        description="Ready, MetricsAvailable, ScalingActive and InvalidSpec.",
+        description="Ready, MetricsAvailable, ScalingActive, InvalidSpec and MaxReplicasCapped.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
 

@@ -3,6 +3,11 @@ decision written where its target's replicas are (``targets``: the DGD service's
 turns into restore pods within a reconcile; beside NVIDIA's Dynamo operator, the service's scaling adapter
 or the operator's DGD), and the why into the policy's status, Conditions and Events.
 
+No policy gets more replicas than `max_policy_replicas`, the controller's cluster-wide ceiling: a
+maxReplicas above it is capped to it and the policy says so (condition MaxReplicasCapped, a Warning
+Event). A total that is NaN, infinite or negative is refused like a failed query (MetricsAvailable
+False, UnusableValue): it never moves the count.
+
 One loop ticks every `tick_s` and evaluates the policies that are due; all queries of one tick go
 through one TickCache, so policies sharing a query cost Prometheus one request. The engines (with their
 stabilization history) live in memory: a restarted controller starts them afresh, which can only delay a
@@ -15,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -64,6 +70,7 @@ EVALUATION_SECONDS = Histogram(
 METRICS_AVAILABLE = "MetricsAvailable"
 SCALING_ACTIVE = "ScalingActive"
 INVALID_SPEC = "InvalidSpec"
+MAX_REPLICAS_CAPPED = "MaxReplicasCapped"
 # A status carrying nothing new is written at most this often (its numbers still move every tick).
 STATUS_REFRESH_S = 15.0
 RESTORE_SAMPLES = 10
@@ -93,6 +100,7 @@ class Autoscaler:
         policies: Informer,
         recorder: EventRecorder,
         prometheus_url: str,
+        max_policy_replicas: int,
         tick_s: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -101,6 +109,7 @@ class Autoscaler:
         self.policies = policies
         self.recorder = recorder
         self.prometheus_url = prometheus_url
+        self.max_policy_replicas = max_policy_replicas
         self.tick_s = tick_s
         self.clock = clock
         self._states: dict[str, _State] = {}
@@ -171,6 +180,7 @@ class Autoscaler:
             return None
         spec, state = checked
         conditions = cond.set_condition(conditions, INVALID_SPEC, False, "Valid", "spec is valid", generation)
+        conditions = self._ceiling_condition(obj, spec, conditions, generation)
         ns, target = obj["metadata"]["namespace"], spec.target
         found = self.targets.find(ns, target.dgd_name, target.service_name)
         if isinstance(found, str):
@@ -203,7 +213,7 @@ class Autoscaler:
             desiredReplicas=decision.desired,
             readyReplicas=ready,
             startingReplicas=len(pods) - ready,
-            lastMetrics={name: s.value for name, s in samples.items()},
+            lastMetrics={name: s.value if _usable(s.value) else None for name, s in samples.items()},
         )
         failed: ScaleFailed | None = None
         if decision.desired != current:
@@ -234,7 +244,7 @@ class Autoscaler:
         with the spec, in one line, when it is invalid."""
         try:
             policy = DynamoScalingPolicy.model_validate(obj)
-            params = _params(policy.spec)
+            params = _params(policy.spec, self.max_policy_replicas)
         except (ValidationError, ValueError) as e:
             state = self._states.get(key)
             if state is None or state.generation != generation:
@@ -268,6 +278,34 @@ class Autoscaler:
             )
         return cond.set_condition(conditions, cond.READY, False, problem.reason, problem.message, generation)
 
+    def _ceiling_condition(
+        self, obj: Obj, spec: DynamoScalingPolicySpec, conditions: list[dict[str, Any]], generation: int
+    ) -> list[dict[str, Any]]:
+        """MaxReplicasCapped: True while maxReplicas is above the controller's ceiling, with a Warning
+        Event when that is news (not on every evaluation while it lasts)."""
+        ceiling = self.max_policy_replicas
+        if spec.max_replicas <= ceiling:
+            message = f"maxReplicas {spec.max_replicas} is within the controller's ceiling of {ceiling}"
+            return cond.set_condition(
+                conditions, MAX_REPLICAS_CAPPED, False, "WithinCeiling", message, generation
+            )
+        message = (
+            f"maxReplicas {spec.max_replicas} is above the controller's cluster-wide ceiling "
+            f"(--max-policy-replicas) of {ceiling}: the policy scales to at most {ceiling} replicas"
+        )
+        if spec.min_replicas > ceiling:
+            message += f", and minReplicas {spec.min_replicas} counts as {ceiling}"
+        before = next((c for c in conditions if c.get("type") == MAX_REPLICAS_CAPPED), None)
+        if before is None or (before.get("status"), before.get("message")) != ("True", message):
+            self.recorder.record(obj, WARNING, MAX_REPLICAS_CAPPED, message)
+            log.warning(
+                "policy capped to the replica ceiling",
+                extra={"policy": obj["metadata"]["name"], "detail": message},
+            )
+        return cond.set_condition(
+            conditions, MAX_REPLICAS_CAPPED, True, "AboveClusterCeiling", message, generation
+        )
+
     def _seeded_engine(self, state: _State, current: int) -> PolicyEngine:
         engine = state.engine
         assert engine is not None
@@ -280,7 +318,9 @@ class Autoscaler:
     async def _sample(
         self, spec: DynamoScalingPolicySpec, cache: TickCache
     ) -> tuple[dict[str, MetricSample], list[tuple[str, str]]]:
-        """Each metric's value, None where it could not be had (which never lowers the count)."""
+        """Each metric's value, None where it could not be had (which never lowers the count); a value
+        that is not a finite number >= 0 is kept for the engine (which holds on it and names it) and
+        reported as a problem."""
         source = self._source(spec)
         samples: dict[str, MetricSample] = {}
         problems: list[tuple[str, str]] = []
@@ -299,6 +339,15 @@ class Autoscaler:
             except PrometheusError as e:
                 value = None
                 problems.append(("QueryFailed", f"{metric.name}: {e}"))
+            else:
+                if not _usable(value):
+                    problems.append(
+                        (
+                            "UnusableValue",
+                            f"{metric.name}: the query returned {value:g}; a total must be a finite "
+                            "number >= 0, so it counts as missing",
+                        )
+                    )
             samples[metric.name] = MetricSample(value, 0.0)
         return samples, problems
 
@@ -391,7 +440,13 @@ def _decision_conditions(
     )
 
 
-def _params(spec: DynamoScalingPolicySpec) -> PolicyParams:
+def _usable(value: float | None) -> bool:
+    """Whether a metric total can size a service: a finite number >= 0 (NaN, inf and negative totals
+    say that the query is broken, not that the load is zero or endless)."""
+    return value is not None and math.isfinite(value) and value >= 0
+
+
+def _params(spec: DynamoScalingPolicySpec, ceiling: int) -> PolicyParams:
     return PolicyParams(
         min_replicas=spec.min_replicas,
         max_replicas=spec.max_replicas,
@@ -401,11 +456,13 @@ def _params(spec: DynamoScalingPolicySpec) -> PolicyParams:
         scale_down_window_s=float(spec.scale_down.stabilization_window_seconds),
         scale_up_max_step=spec.scale_up.max_step,
         scale_up_max_percent=float(spec.scale_up.max_percent),
+        scale_up_period_s=float(spec.scale_up.period_seconds),
         scale_down_max_step=spec.scale_down.max_step,
         scale_down_grace_s=float(spec.scale_down.grace_seconds),
         panic_window_s=float(spec.panic.window_seconds),
         panic_threshold=float(spec.panic.threshold),
         stale_after_s=float(spec.stale_after_seconds),
+        replica_ceiling=ceiling,
     )
 
 

@@ -20,7 +20,8 @@ The steps of one decision:
    ordered; counting them means a burst observed for several ticks while they start does not keep adding
    replicas (the recommendation is an absolute count, not "ready + more").
 2. **Per metric** proportional count (after the look-ahead below); the recommendation is the maximum over
-   metrics, clamped to ``[min_replicas, max_replicas]``.
+   metrics, clamped to the bounds: ``[min_replicas, max_replicas]``, both cut to ``replica_ceiling`` (the
+   cluster-wide ceiling of the controller) where that is lower.
 3. **Missing or stale metrics** (``value is None``, a value that is not a finite number >= 0, or
    ``age_s > stale_after_s``) can never lower the count: if every metric is missing the engine holds
    ``current_desired`` (``held=True``; only step 7 may still move it); if only some are, the others are
@@ -28,23 +29,27 @@ The steps of one decision:
    or negative says the query is broken, not that the load is zero or endless.
 4. **Panic** (Knative KPA style): when ``recommendation / ready >= panic_threshold`` (or nothing is ready
    and there is demand) the engine panics for ``panic_window_s`` (extended while the condition holds):
-   it scales up towards the recommendation without waiting for the stabilization window, within the
-   scale-up rate limit of step 6, and never scales down while panicking.
+   it scales up towards the recommendation without waiting for the stabilization window, but within the
+   scale-up rate limit of step 6 like any scale-up, and never scales down while panicking.
 5. Otherwise **stabilization** (the HPA rule): a scale-up goes to the *lowest* recommendation seen within
    ``scale_up_window_s`` (0 = immediate), a scale-down to the *highest* recommendation seen within
    ``scale_down_window_s``.
-6. **Rate limits**: up by at most ``max(scale_up_max_step, ceil(current * scale_up_max_percent / 100))``
-   per decision (``scale_up_max_step == 0`` means no limit at all), down by at most
-   ``scale_down_max_step`` per decision (0 = no limit), and never more replicas removed than are older
+6. **Rate limits**: up to at most ``B + max(scale_up_max_step, ceil(B * scale_up_max_percent / 100))``
+   where ``B`` is the fewest replicas observed over the last ``scale_up_period_s`` (the HPA's default
+   scale-up behaviour, see :mod:`~dynamo_snapshot.autoscale.scale_up_limit`; there is no unlimited
+   scale-up, so a query gone absurd moves the count by one step per period, not to the bound at once),
+   down by at most ``scale_down_max_step`` per decision (0 = no limit), and never more replicas removed
+   than are older
    than ``scale_down_grace_s`` (replica ages from ``Observation.replica_ages_s``; replicas counted in
    ``current_desired`` but absent from the ages — pods not created yet — are free to remove, so an empty
    tuple means "no ages known, no protection").
-7. Final clamp to ``[min_replicas, max_replicas]`` in every mode, held and panicking included (a changed
-   min/max always takes effect, over the rate limits).
+7. Final clamp to the bounds in every mode, held and panicking included (a changed min/max always takes
+   effect, over the rate limits). The reason names what held a scale-up back: the rate limit (``at most
+   +4 per 15s from 1``), ``max_replicas`` or ``cluster ceiling N``.
 
 A metric's wanted count is at most ``2**31 - 1`` (what a Kubernetes replica count can hold), so a total
-such as ``1e300`` asks for the most replicas there can be, which the clamp then bounds, instead of an
-integer thousands of digits long or an overflow.
+such as ``1e300`` asks for the most replicas there can be, which the rate limit and the bounds then
+hold back, instead of an integer thousands of digits long or an overflow.
 
 **Restore-aware look-ahead.** A replica ordered now serves only after its start latency, so the engine
 sizes for the load expected *then*: for a rising metric it fits the slope of that metric's samples over
@@ -63,6 +68,8 @@ import math
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from dynamo_snapshot.autoscale.scale_up_limit import ScaleUpLimit
 
 __all__ = [
     "LOOKAHEAD_CAP_S",
@@ -114,8 +121,9 @@ class MetricTarget:
 
 @dataclass(frozen=True)
 class PolicyParams:
-    """The scaling policy. Defaults: immediate scale-up, 60 s scale-down stabilization, one replica removed
-    per decision, 30 s grace for new replicas, panic at 2x demand for 6 s."""
+    """The scaling policy. Defaults: immediate scale-up of at most max(4, 100%) replicas per 15 s, 60 s
+    scale-down stabilization, one replica removed per decision, 30 s grace for new replicas, panic at 2x
+    demand for 6 s, no cluster ceiling."""
 
     min_replicas: int
     max_replicas: int
@@ -123,8 +131,9 @@ class PolicyParams:
     tolerance: float = 0.1
     scale_up_window_s: float = 0.0
     scale_down_window_s: float = 60.0
-    scale_up_max_step: int = 0
+    scale_up_max_step: int = 4
     scale_up_max_percent: float = 100.0
+    scale_up_period_s: float = 15.0
     scale_down_max_step: int = 1
     scale_down_grace_s: float = 30.0
     panic_window_s: float = 6.0
@@ -132,6 +141,7 @@ class PolicyParams:
     stale_after_s: float = 10.0
     restore_latency_s: float | None = None
     cold_start_latency_s: float | None = None
+    replica_ceiling: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.metrics, tuple):
@@ -167,12 +177,10 @@ class PolicyParams:
             value = getattr(self, name)
             if math.isnan(value) or value < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
-        if self.scale_up_max_step < 0:
-            raise ValueError(f"scale_up_max_step must be >= 0 (0 = unlimited), got {self.scale_up_max_step}")
-        if not (math.isfinite(self.scale_up_max_percent) and self.scale_up_max_percent > 0):
-            raise ValueError(
-                f"scale_up_max_percent must be a finite number > 0, got {self.scale_up_max_percent}"
-            )
+        # The scale-up limit's own checks, so that bad params fail here and not in the engine.
+        ScaleUpLimit(self.scale_up_max_step, self.scale_up_max_percent, self.scale_up_period_s)
+        if self.replica_ceiling is not None and self.replica_ceiling < 1:
+            raise ValueError(f"replica_ceiling must be None or >= 1, got {self.replica_ceiling}")
         if self.scale_down_max_step < 0:
             raise ValueError(
                 f"scale_down_max_step must be >= 0 (0 = unlimited), got {self.scale_down_max_step}"
@@ -186,6 +194,25 @@ class PolicyParams:
             lat = getattr(self, name)
             if lat is not None and (math.isnan(lat) or lat < 0):
                 raise ValueError(f"{name} must be None or >= 0, got {lat}")
+
+    @property
+    def upper(self) -> int:
+        """The most replicas: max_replicas, or the cluster ceiling where that is lower."""
+        if self.replica_ceiling is None:
+            return self.max_replicas
+        return min(self.max_replicas, self.replica_ceiling)
+
+    @property
+    def lower(self) -> int:
+        """The fewest replicas: min_replicas, cut to ``upper``."""
+        return min(self.min_replicas, self.upper)
+
+    @property
+    def upper_name(self) -> str:
+        """What sets ``upper``, for a decision's reason."""
+        if self.upper < self.max_replicas:
+            return f"cluster ceiling {self.upper}"
+        return "max_replicas"
 
 
 @dataclass(frozen=True)
@@ -227,8 +254,8 @@ class Decision:
     ``desired``: the replica count to set. ``reason``: one line for a Condition/Event. ``panic``: whether
     the engine is in panic mode. ``recommendation``: the clamped proportional count before stabilization
     and rate limits. ``per_metric``: each metric's wanted count (``None`` = missing/stale/unusable).
-    ``held``: every metric was missing, stale or unusable, so the count was held (only moved into
-    ``[min_replicas, max_replicas]`` where it was outside).
+    ``held``: every metric was missing, stale or unusable, so the count was held (only moved into the
+    bounds where it was outside).
     """
 
     desired: int
@@ -260,6 +287,9 @@ class PolicyEngine:
         self._recommendations: deque[tuple[float, int]] = deque()
         self._samples: dict[str, deque[tuple[float, float]]] = {m.name: deque() for m in params.metrics}
         self._panic_until = -math.inf
+        self._up_limit = ScaleUpLimit(
+            params.scale_up_max_step, params.scale_up_max_percent, params.scale_up_period_s
+        )
 
     @property
     def params(self) -> PolicyParams:
@@ -268,6 +298,7 @@ class PolicyEngine:
     # ------------------------------------------------------------------------------------------ decide
     def decide(self, obs: Observation) -> Decision:
         current = obs.current_desired
+        self._up_limit.observe(obs.now, current)
         estimates, per_metric, missing = self._estimate(obs)
         if not estimates:
             return self._hold(obs, per_metric, missing)
@@ -278,15 +309,19 @@ class PolicyEngine:
             recommendation = max(recommendation, self._clamp(current))
         self._remember(obs.now, recommendation)
 
-        # Panic (KPA): demand far above what is ready -> scale up at once, never down.
+        # Panic (KPA): demand far above what is ready -> scale up without waiting, never down.
         ratio, triggered = self._demand(obs, recommendation, estimates)
         if triggered:
             self._panic_until = max(self._panic_until, obs.now + self._params.panic_window_s)
         notes = self._notes(driver, missing)
         if triggered or obs.now < self._panic_until:
-            return self._panic_decision(obs, recommendation, ratio, notes, per_metric)
+            bounded = driver.wanted > self._params.upper
+            return self._panic_decision(obs, recommendation, ratio, bounded, notes, per_metric)
 
         desired, qualifiers = self._stabilized(obs, recommendation)
+        bound = self._params.upper_name
+        if desired != current and desired == self._params.upper < driver.wanted and bound not in qualifiers:
+            qualifiers.append(bound)  # the bound, not the load, set the count
         if desired > current:
             head = f"scale up {current} -> {desired}"
         elif desired < current:
@@ -339,7 +374,7 @@ class PolicyEngine:
         if desired == current:
             head = f"hold {current}"
         else:
-            bound = "min_replicas" if desired > current else "max_replicas"
+            bound = "min_replicas" if desired > current else self._params.upper_name
             head = f"scale {'up' if desired > current else 'down'} {current} -> {desired} ({bound})"
         return Decision(
             desired=desired,
@@ -365,27 +400,32 @@ class PolicyEngine:
         obs: Observation,
         recommendation: int,
         ratio: float,
+        bounded: bool,
         notes: str,
         per_metric: dict[str, int | None],
     ) -> Decision:
-        """Scale up at once, never down: no stabilization window, but the same rate limit as any
-        scale-up, then the bounds."""
+        """Scale up without waiting, never down: no stabilization window, but the same rate limit as
+        any scale-up, then the bounds (``bounded``: the upper bound cut the recommendation)."""
+        p = self._params
         current = obs.current_desired
         wanted = max(current, recommendation)
-        limit = self._up_limit(current)
-        limited = wanted if limit is None else min(wanted, current + limit)
+        allowance = self._up_limit.allowance()
+        limited = max(current, min(wanted, allowance.most))
         desired = self._clamp(limited)
         demand = f"demand {ratio:.1f}x ready capacity" if obs.ready > 0 else "demand with no ready capacity"
+        held_back = f" ({allowance.text()})" if limited < wanted else ""
         if desired > current:
             action = f"scaling {current} -> {desired}"
             if desired > limited:
                 action += " (min_replicas)"
-            elif desired < wanted:
-                action += f" (at most +{limit} per step)"
+            elif held_back:
+                action += held_back
+            elif bounded and desired == p.upper:
+                action += f" ({p.upper_name})"
         elif desired < current:
-            action = f"scaling {current} -> {desired} (max_replicas)"
+            action = f"scaling {current} -> {desired} ({p.upper_name})"
         else:
-            action = f"holding {desired} (no scale-down while panicking)"
+            action = f"holding {desired}{held_back or ' (no scale-down while panicking)'}"
         return Decision(
             desired=desired,
             reason=f"panic: {demand}, {action}: {notes}",
@@ -406,10 +446,10 @@ class PolicyEngine:
             stabilized = up_floor
             if up_floor < recommendation:
                 qualifiers.append(f"stabilized over {_number_text(p.scale_up_window_s)}s")
-            limit = self._up_limit(current)
-            desired = stabilized if limit is None else min(stabilized, current + limit)
+            allowance = self._up_limit.allowance()
+            desired = max(current, min(stabilized, allowance.most))
             if desired < stabilized:
-                qualifiers.append(f"at most +{limit} per step")
+                qualifiers.append(allowance.text())
         elif down_ceiling < current:
             stabilized = down_ceiling
             qualifiers.append(f"stabilized over {_number_text(p.scale_down_window_s)}s")
@@ -432,13 +472,13 @@ class PolicyEngine:
                 )
         clamped = self._clamp(desired)
         if clamped != desired:
-            qualifiers.append("min_replicas" if clamped > desired else "max_replicas")
+            qualifiers.append("min_replicas" if clamped > desired else p.upper_name)
             desired = clamped
         return desired, qualifiers
 
     # ----------------------------------------------------------------------------------------- helpers
     def _clamp(self, n: int) -> int:
-        return max(self._params.min_replicas, min(self._params.max_replicas, n))
+        return max(self._params.lower, min(self._params.upper, n))
 
     def _proportional(self, value: float, target: float, capacity: int) -> int:
         if capacity > 0 and abs(value / (target * capacity) - 1.0) <= self._params.tolerance + _EPS:
@@ -488,19 +528,13 @@ class PolicyEngine:
         """Count `current` as recommended at `now`, so that a fresh engine (a new policy or spec, a
         restarted controller) waits a whole scale-down window before it removes anything."""
         self._remember(now, self._clamp(current))
+        self._up_limit.observe(now, current)
 
     def _remember(self, now: float, recommendation: int) -> None:
         self._recommendations.append((now, recommendation))
         keep = max(self._params.scale_up_window_s, self._params.scale_down_window_s)
         while self._recommendations and now - self._recommendations[0][0] > keep:
             self._recommendations.popleft()
-
-    def _up_limit(self, current: int) -> int | None:
-        """How many replicas one decision may add (``None`` = unlimited)."""
-        p = self._params
-        if p.scale_up_max_step == 0:
-            return None
-        return max(p.scale_up_max_step, math.ceil(current * p.scale_up_max_percent / 100.0 - _EPS))
 
     def _removable(self, obs: Observation) -> int:
         """Replicas the grace period lets go: those older than the grace, plus replicas in

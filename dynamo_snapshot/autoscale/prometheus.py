@@ -1,14 +1,16 @@
 """Reading service-wide metric totals from Prometheus without blocking the event loop.
 
 ``PrometheusSource.query_total`` runs one instant query through prometheus-api-client (synchronous,
-so in a worker thread, bounded by a timeout) and returns its single value.  Every way that can fail
-is an exception with a one-line message, so a policy's status can say exactly what is wrong:
+so in a worker thread, bounded by a timeout) and returns its single value, whatever number it is (NaN,
+infinite and negative values included: whether a total can size a service is the autoscaler's call,
+which it reports by name).  Every way that can fail is an exception with a one-line message, so a
+policy's status can say exactly what is wrong:
 
 * ``MetricsUnavailable``: Prometheus cannot be reached, does not answer in time, or fails (5xx, or
   any answer but an error about the query or a Prometheus API result);
 * ``InvalidQuery``: Prometheus refused the query (its own error text is in the message);
 * ``NotOneSeries``: the query returned several series instead of one total;
-* ``NoData``: the query returned nothing (or NaN): a missing metric, never to be read as zero.
+* ``NoData``: the query returned nothing: a missing metric, never to be read as zero.
 
 ``TickCache`` shares queries within one evaluation tick: policies that ask the same Prometheus the
 same query cost one request, even when they ask concurrently.
@@ -17,7 +19,6 @@ same query cost one request, even when they ask concurrently.
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -58,7 +59,7 @@ class NotOneSeries(PrometheusError):
 
 
 class NoData(PrometheusError):
-    """The query returned no series, or NaN: the metric is missing, which is not zero."""
+    """The query returned no series: the metric is missing, which is not zero."""
 
 
 def _one_line(text: str, limit: int = 300) -> str:
@@ -140,8 +141,6 @@ def _single_value(result: Any) -> float:
         value = float(raw)
     except (TypeError, ValueError):
         raise InvalidQuery(f"query returned {raw!r}, not a number") from None
-    if math.isnan(value):
-        raise NoData("query returned NaN")
     return value
 
 

@@ -63,6 +63,7 @@ _OVERRIDES = (
     "metrics_port",
     "autoscale",
     "prometheus_url",
+    "max_policy_replicas",
     "health_port",
     "webhook_port",
     "webhook_cert_dir",
@@ -92,6 +93,7 @@ def build_controller(
             policies=policies,
             recorder=controller.ctx.recorder,
             prometheus_url=config.prometheus_url,
+            max_policy_replicas=config.max_policy_replicas,
             tick_s=config.autoscale_tick_seconds,
         )
         controller.run_while_leading("autoscaler", autoscaler.run_until, informers=[policies])
@@ -165,6 +167,12 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--prometheus-url", help=f"Prometheus for policies that name none ({_default('prometheus_url')})"
+    )
+    p.add_argument(
+        "--max-policy-replicas",
+        type=int,
+        help="the most replicas any DynamoScalingPolicy may set; a maxReplicas above it is capped to it "
+        f"(default {_default('max_policy_replicas')})",
     )
     p.add_argument(
         "--health-port",

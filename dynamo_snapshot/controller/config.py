@@ -100,6 +100,15 @@ class ControllerConfig(BaseModel):
         default="http://prometheus:9090",
         description="Prometheus the autoscaler queries when a policy names none.",
     )
+    max_policy_replicas: int = Field(
+        default=1000,
+        ge=1,
+        le=2**31 - 1,
+        description="The most replicas any DynamoScalingPolicy may set, cluster-wide: a policy's maxReplicas "
+        "(and minReplicas) above it is capped to it, with the policy's MaxReplicasCapped condition and a "
+        "Warning Event saying so. A last line behind each policy's own bounds and rate limit, against a "
+        "policy written or gone wrong; raise it for services meant to run more replicas.",
+    )
     autoscale_tick_seconds: float = Field(
         default=0.25, gt=0, le=10, description="How often the autoscaler looks for policies that are due."
     )

@@ -34,15 +34,13 @@ def test_defaults() -> None:
     assert spec.min_replicas == 1
     assert spec.evaluation_interval_seconds == 2
     assert spec.tolerance == 0.1
+    # The HPA's default scale-up: at most max(4, 100%) more replicas per 15 s; never unlimited.
     assert (
         spec.scale_up.stabilization_window_seconds,
         spec.scale_up.max_step,
         spec.scale_up.max_percent,
-    ) == (
-        0,
-        0,
-        100,
-    )
+        spec.scale_up.period_seconds,
+    ) == (0, 4, 100, 15)
     assert (
         spec.scale_down.stabilization_window_seconds,
         spec.scale_down.max_step,
@@ -126,6 +124,9 @@ def test_duplicate_metric_names_are_rejected() -> None:
         ({"tolerance": -0.1}, "greater than or equal to 0"),
         ({"panic": {"threshold": 1}}, PANIC_THRESHOLD_MESSAGE),
         ({"scaleUp": {"maxPercent": 0}}, "greater than or equal to 1"),
+        ({"scaleUp": {"maxStep": 0}}, "greater than or equal to 1"),
+        ({"scaleUp": {"periodSeconds": 0.5}}, "greater than or equal to 1"),
+        ({"scaleUp": {"periodSeconds": 1801}}, "less than or equal to 1800"),
         ({"prometheusUrl": "prometheus:9090"}, "pattern"),
     ],
 )
@@ -147,7 +148,7 @@ def test_round_trip_with_status() -> None:
         namespace="ns",
         minReplicas=0,
         tolerance=0,
-        scaleUp={"stabilizationWindowSeconds": 5, "maxStep": 4, "maxPercent": 200},
+        scaleUp={"stabilizationWindowSeconds": 5, "maxStep": 4, "maxPercent": 200, "periodSeconds": 30},
         scaleDown={"stabilizationWindowSeconds": 120, "maxStep": 2, "graceSeconds": 10.5},
         panic={"windowSeconds": 3, "threshold": 1.5},
         prometheusUrl="http://prometheus.monitoring:9090",

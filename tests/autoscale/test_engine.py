@@ -21,6 +21,7 @@ from dynamo_snapshot.autoscale import (
 
 WAITING = "vllm:num_requests_waiting"
 KV = "vllm:kv_cache_usage_perc"
+MOST = 2**31 - 1  # the largest replica count Kubernetes can hold
 
 
 def params(**kw: Any) -> PolicyParams:
@@ -31,6 +32,8 @@ def params(**kw: Any) -> PolicyParams:
         "metrics": (MetricTarget(WAITING, 10.0),),
         "scale_down_grace_s": 0.0,
         "panic_threshold": math.inf,
+        # A step no service reaches: the scale-up rate limit is off unless a test sets it.
+        "scale_up_max_step": MOST,
     }
     base.update(kw)
     return PolicyParams(**base)
@@ -192,21 +195,99 @@ def test_scale_down_step_limit() -> None:
     assert eng.decide(obs(63, 5, 10.0)).desired == 4
 
 
-def test_scale_up_step_and_percent_limit() -> None:
-    # max(4, 100% of 2) = 4 -> 2 -> 6
+def test_scale_up_step_and_percent_limit_per_period() -> None:
+    # max(4, 100% of 2) = 4 -> 2 -> 6, then nothing more while the 2 is less than 15 s old
     eng = PolicyEngine(params(scale_up_max_step=4, scale_up_max_percent=100.0))
     d = eng.decide(obs(0, 2, 300.0))
     assert d.desired == 6
-    assert "at most +4 per step" in d.reason
-    # max(4, 100% of 10) = 10 -> 10 -> 20
-    assert eng.decide(obs(15, 10, 300.0)).desired == 20
+    assert d.reason.startswith("scale up 2 -> 6 (at most +4 per 15s from 2): ")
+    for t in (2, 8, 14.9):
+        d = eng.decide(obs(t, 6, 300.0))
+        assert d.desired == 6
+        assert d.reason.startswith("steady at 6 (at most +4 per 15s from 2): ")
+    # a new period from 6: max(4, 100% of 6) = 6 -> 12
+    d = eng.decide(obs(15, 6, 300.0))
+    assert d.desired == 12
+    assert d.reason.startswith("scale up 6 -> 12 (at most +6 per 15s from 6): ")
     # 50%: max(1, ceil(5 * 0.5)) = 3
     eng2 = PolicyEngine(params(scale_up_max_step=1, scale_up_max_percent=50.0))
     assert eng2.decide(obs(0, 5, 300.0)).desired == 8
 
 
-def test_scale_up_unlimited_when_step_zero() -> None:
-    assert PolicyEngine(params(scale_up_max_step=0)).decide(obs(0, 1, 400.0)).desired == 40
+def test_the_period_starts_from_the_fewest_replicas_seen() -> None:
+    eng = PolicyEngine(params(scale_up_max_step=4, scale_up_max_percent=100.0, scale_down_max_step=0))
+    assert eng.decide(obs(0, 1, 1000.0)).desired == 5
+    # The write not seen yet (a lagging cache): the same limit again, not a second step on top.
+    assert eng.decide(obs(2, 1, 1000.0)).desired == 5
+    assert eng.decide(obs(4, 5, 1000.0)).desired == 5
+    # The period runs from the last time 1 was seen (t=2).
+    assert eng.decide(obs(16.9, 5, 1000.0)).desired == 5
+    assert eng.decide(obs(17, 5, 1000.0)).desired == 10
+    # Replicas removed inside a period lower its start: 10 -> 3 by hand, then up by max(4, 3) only.
+    eng = PolicyEngine(params(scale_up_max_step=4, scale_up_max_percent=100.0))
+    eng.decide(obs(0, 10, 100.0))
+    assert eng.decide(obs(2, 3, 1000.0)).desired == 7
+
+
+def test_the_default_limit_moves_an_absurd_total_one_step_per_period() -> None:
+    """A policy on vector(1e300) with no scaleUp settings: +4 (or +100%) per 15 s, panic or not."""
+    p = PolicyParams(min_replicas=1, max_replicas=MOST, metrics=(MetricTarget(WAITING, 10.0),))
+    eng = PolicyEngine(p)
+    current, changes = 1, []
+    for t in range(0, 61, 2):  # every 2 s, the default interval, for a minute
+        d = eng.decide(obs(float(t), current, 1e300, ready=1, starting=current - 1))
+        assert d.panic, d.reason
+        if d.desired != current:
+            changes.append((t, current, d.desired))
+        current = d.desired
+    assert changes == [(0, 1, 5), (16, 5, 10), (32, 10, 20), (48, 20, 40)]
+    first = PolicyEngine(p).decide(obs(0, 1, 1e300))
+    assert first.reason.startswith(
+        "panic: demand 2147483647.0x ready capacity, scaling 1 -> 5 (at most +4 per 15s from 1): "
+    )
+
+
+# ------------------------------------------------------------------------------- the cluster ceiling
+def test_the_cluster_ceiling_bounds_every_mode_and_is_named() -> None:
+    capped = params(max_replicas=100, replica_ceiling=8, scale_down_window_s=0, scale_down_max_step=0)
+    d = PolicyEngine(capped).decide(obs(0, 2, 1e300))
+    assert (d.desired, d.recommendation, d.panic) == (8, 8, False)
+    assert d.per_metric == {WAITING: MOST}
+    assert d.reason.startswith("scale up 2 -> 8 (cluster ceiling 8): ")
+    d = PolicyEngine(dataclasses.replace(capped, panic_threshold=2.0)).decide(obs(0, 2, 1e300))
+    assert (d.desired, d.panic) == (8, True)
+    assert d.reason.startswith("panic: demand 4.0x ready capacity, scaling 2 -> 8 (cluster ceiling 8): ")
+    # A service above the ceiling (set by hand, or a ceiling lowered) comes down to it, held or not.
+    d = PolicyEngine(capped).decide(obs(0, 12, 1e300))
+    assert d.desired == 8
+    assert d.reason.startswith("scale down 12 -> 8 (stabilized over 0s, cluster ceiling 8): ")
+    stepped = dataclasses.replace(capped, scale_down_max_step=1)
+    d = PolicyEngine(stepped).decide(obs(0, 12, 1e300))
+    assert d.reason.startswith(
+        "scale down 12 -> 8 (stabilized over 0s, at most 1 per step, cluster ceiling 8): "
+    )
+    d = PolicyEngine(capped).decide(obs(0, 12, None))
+    assert d.reason.startswith("scale down 12 -> 8 (cluster ceiling 8): metrics missing: ")
+    # The ceiling cuts min_replicas too.
+    d = PolicyEngine(params(min_replicas=10, max_replicas=20, replica_ceiling=8)).decide(obs(0, 3, 0.0))
+    assert d.desired == 8
+
+
+def test_max_replicas_is_named_where_it_is_the_lower_bound() -> None:
+    d = PolicyEngine(params(max_replicas=6, replica_ceiling=8)).decide(obs(0, 2, 1e300))
+    assert d.desired == 6
+    assert d.reason.startswith("scale up 2 -> 6 (max_replicas): ")
+    # Neither is named when the load wants no more than the bound.
+    d = PolicyEngine(params(max_replicas=6, replica_ceiling=8)).decide(obs(0, 2, 60.0))
+    assert d.reason.startswith("scale up 2 -> 6: ")
+
+
+def test_the_rate_limit_and_the_ceiling_together() -> None:
+    eng = PolicyEngine(params(max_replicas=MOST, replica_ceiling=8, scale_up_max_step=4))
+    assert eng.decide(obs(0, 1, 1e300)).reason.startswith("scale up 1 -> 5 (at most +4 per 15s from 1): ")
+    d = eng.decide(obs(15, 5, 1e300))
+    assert d.desired == 8  # the period allows 10
+    assert d.reason.startswith("scale up 5 -> 8 (cluster ceiling 8): ")
 
 
 # ------------------------------------------------------------------------------------------ grace period
@@ -314,9 +395,15 @@ def test_panic_keeps_the_scale_up_rate_limit() -> None:
     d = eng.decide(obs(1, 2, 80.0))
     assert d.panic
     assert d.desired == 3  # max(1, ceil(2 * 50%)) added, not the 6 the panic wants
-    assert d.reason.startswith("panic: demand 4.0x ready capacity, scaling 2 -> 3 (at most +1 per step): ")
-    d = eng.decide(obs(2, 3, 80.0, ready=2, starting=1))
-    assert (d.panic, d.desired) == (True, 5)  # + max(1, ceil(3 * 50%))
+    assert d.reason.startswith(
+        "panic: demand 4.0x ready capacity, scaling 2 -> 3 (at most +1 per 15s from 2): "
+    )
+    # Still panicking, but the period that started from 2 allows no more.
+    d = eng.decide(obs(3, 3, 80.0, ready=2, starting=1))
+    assert (d.panic, d.desired) == (True, 3)
+    assert d.reason.startswith("panic: demand 4.0x ready capacity, holding 3 (at most +1 per 15s from 2): ")
+    d = eng.decide(obs(16, 3, 80.0, ready=2, starting=1))
+    assert (d.panic, d.desired) == (True, 5)  # + max(1, ceil(3 * 50%)) in the next period
 
 
 def test_panic_never_scales_down() -> None:
@@ -444,13 +531,18 @@ def test_look_ahead_never_lowers_the_recommendation(values: list[float], latency
 
 
 # ------------------------------------------------------------------ absurd and unusable metric values
-MOST = 2**31 - 1  # the largest replica count Kubernetes can hold
 # Each unusable total and how a reason shows it.
 SHOWN = {math.inf: "inf", -math.inf: "-inf", math.nan: "nan", -5.0: "-5.0", -1e300: "-1e+300"}
 UNUSABLE = list(SHOWN)
 LIMITS: dict[str, dict[str, Any]] = {
     "no-rate-limits": {"scale_down_max_step": 0},
-    "rate-limits": {"scale_up_max_step": 1, "scale_up_max_percent": 50.0, "scale_down_max_step": 1},
+    # A 1 s period: these tests decide once a second, so each decision may take one step.
+    "rate-limits": {
+        "scale_up_max_step": 1,
+        "scale_up_max_percent": 50.0,
+        "scale_up_period_s": 1.0,
+        "scale_down_max_step": 1,
+    },
 }
 MODES = ["normal", "panic"]
 
@@ -468,10 +560,11 @@ def _panicking(eng: PolicyEngine) -> int:
 
 
 def _within_policy(eng: PolicyEngine, current: int, d: Decision) -> None:
-    """The invariants of every decision: the bounds, and the scale-up rate limit above min_replicas."""
+    """The invariants of every decision: the bounds, and the scale-up rate limit above min_replicas
+    (decisions one period apart: each may add one step to the current count)."""
     p = eng.params
-    assert p.min_replicas <= d.desired <= p.max_replicas, d.reason
-    if p.scale_up_max_step and d.desired > max(current, p.min_replicas):
+    assert p.lower <= d.desired <= p.upper, d.reason
+    if d.desired > max(current, p.lower):
         step = max(p.scale_up_max_step, math.ceil(current * p.scale_up_max_percent / 100))
         assert d.desired - current <= step, d.reason
     assert all(wanted is None or 0 <= wanted <= MOST for wanted in d.per_metric.values())
@@ -526,7 +619,7 @@ def test_an_absurdly_large_total_asks_for_the_most_replicas_within_the_policy(mo
     assert d.desired == (2 if limits == "rate-limits" else MOST)
     assert f"{WAITING} 1e+300 (target 10/replica) wants {MOST}" in d.reason
     if limits == "rate-limits":
-        assert "at most +1 per step" in d.reason
+        assert "at most +1 per 1s from 1" in d.reason
     # The next decision is limited again: one step at a time, never the whole way at once.
     d2 = eng.decide(obs(1, d.desired, 1e300, ready=1, starting=d.desired - 1))
     _within_policy(eng, d.desired, d2)
@@ -618,7 +711,10 @@ def test_every_decision_stays_within_the_policy(
         ({"panic_window_s": -1.0}, "panic_window_s must be >= 0"),
         ({"scale_down_grace_s": -1.0}, "scale_down_grace_s must be >= 0"),
         ({"stale_after_s": -1.0}, "stale_after_s must be >= 0"),
-        ({"scale_up_max_step": -1}, "scale_up_max_step must be >= 0"),
+        ({"scale_up_max_step": 0}, "scale_up_max_step must be >= 1"),
+        ({"scale_up_period_s": 0.0}, "scale_up_period_s must be a finite number > 0"),
+        ({"scale_up_period_s": math.inf}, "scale_up_period_s must be a finite number > 0"),
+        ({"replica_ceiling": 0}, "replica_ceiling must be None or >= 1"),
         ({"scale_up_max_percent": 0.0}, "scale_up_max_percent must be a finite number > 0"),
         ({"scale_up_max_percent": math.inf}, "scale_up_max_percent must be a finite number > 0"),
         ({"scale_down_max_step": -1}, "scale_down_max_step must be >= 0"),
@@ -647,7 +743,8 @@ def test_params_defaults() -> None:
     p = PolicyParams(min_replicas=1, max_replicas=4, metrics=[MetricTarget(WAITING, 10.0)])  # type: ignore[arg-type]
     assert p.metrics == (MetricTarget(WAITING, 10.0),)
     assert (p.tolerance, p.scale_up_window_s, p.scale_down_window_s) == (0.1, 0.0, 60.0)
-    assert (p.scale_up_max_step, p.scale_up_max_percent, p.scale_down_max_step) == (0, 100.0, 1)
+    assert (p.scale_up_max_step, p.scale_up_max_percent, p.scale_up_period_s) == (4, 100.0, 15.0)
+    assert (p.scale_down_max_step, p.replica_ceiling) == (1, None)
     assert (p.scale_down_grace_s, p.panic_window_s, p.panic_threshold, p.stale_after_s) == (
         30.0,
         6.0,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import socket
 import time
 import urllib.request
@@ -145,8 +146,14 @@ async def test_absent_metric_is_no_data_not_zero(source: PrometheusSource) -> No
         await source.query_total("sum(vllm:no_such_metric)")
     with pytest.raises(NoData, match="no data"):
         await source.query_total('vllm:num_requests_waiting{pod="no-such-pod"}')
-    with pytest.raises(NoData, match="NaN"):
-        await source.query_total("0 / 0")
+
+
+async def test_any_number_is_returned_as_it_is(source: PrometheusSource) -> None:
+    # Whether a total is usable is the autoscaler's call (UnusableValue), not a missing metric.
+    assert math.isnan(await source.query_total("0 / 0"))
+    assert await source.query_total("vector(1e300)") == 1e300
+    assert await source.query_total("-1 / 0") == -math.inf
+    assert await source.query_total("vector(-5)") == -5.0
 
 
 async def test_metric_gone_from_the_exporter_is_no_data(

@@ -102,6 +102,7 @@ def test_the_help_quotes_the_model_defaults() -> None:
         "drain_timeout",
         "metrics_port",
         "prometheus_url",
+        "max_policy_replicas",
         "health_port",
     ):
         value = getattr(defaults, name)

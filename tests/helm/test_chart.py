@@ -160,7 +160,7 @@ def test_the_dgd_crd_template_is_the_generated_crd_plus_the_helm_wrapping() -> N
         "app.kubernetes.io/component": "crds",
         protocol.LABEL_CRD_OWNER: protocol.MANAGED_BY_VALUE,
     }
-    expected = crdgen.build_crd(DynamoGraphDeployment)
+    expected = crdgen.generated_crd(DynamoGraphDeployment)
     assert expected["metadata"].pop("labels") == {protocol.LABEL_CRD_OWNER: protocol.MANAGED_BY_VALUE}
     assert crd == expected
 
@@ -176,7 +176,7 @@ def test_the_dgd_crd_template_fails_when_its_file_drifts(tmp_path: Path) -> None
     proc = helm("template", "t", str(copy), "--set", "webhook.enabled=false")
     assert proc.returncode == 0, proc.stderr
     [crd] = _dgd_crds([d for d in yaml.safe_load_all(proc.stdout) if d])
-    assert crd["spec"] != crdgen.build_crd(DynamoGraphDeployment)["spec"]
+    assert crd["spec"] != crdgen.generated_crd(DynamoGraphDeployment)["spec"]
 
 
 def test_mode_dynamo_operator_installs_no_dgd_crd_and_grants_what_its_parts_call() -> None:
@@ -272,6 +272,16 @@ def test_controller_deployment() -> None:
     assert (config.lease_name, config.lease_namespace) == ("dynamo-snapshot-controller", "snap-system")
     assert config.namespace is None
     assert (config.metrics_port, config.health_port) == (8080, 8081)
+
+
+def test_max_policy_replicas_reaches_the_controller() -> None:
+    default = ControllerCommandConfig.model_validate(_config(render(), "controller"))
+    assert default.max_policy_replicas == ControllerCommandConfig().max_policy_replicas
+    objs = render({"controller": {"maxPolicyReplicas": 64}})
+    assert ControllerCommandConfig.model_validate(_config(objs, "controller")).max_policy_replicas == 64
+    refused = template({"controller": {"maxPolicyReplicas": 0}})
+    assert refused.returncode != 0
+    assert "maxPolicyReplicas" in refused.stderr, refused.stderr
 
 
 def test_agent_capabilities_are_linux_ones() -> None:

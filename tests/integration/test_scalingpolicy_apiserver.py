@@ -48,6 +48,12 @@ async def test_valid_policy_applies_with_defaults(
     assert model.to_dict()["spec"] == stored["spec"]
     assert stored["spec"] == model.spec.model_dump(mode="json", by_alias=True, exclude_none=True)
     assert stored["spec"]["scaleDown"] == {"stabilizationWindowSeconds": 60, "maxStep": 1, "graceSeconds": 30}
+    assert stored["spec"]["scaleUp"] == {
+        "stabilizationWindowSeconds": 0,
+        "maxStep": 4,
+        "maxPercent": 100,
+        "periodSeconds": 15,
+    }
     assert stored["spec"]["metrics"][0]["targetPerReplica"] == 4
 
     # Status through the status subresource, including a metric without data (null).  A JSON merge
@@ -132,6 +138,9 @@ def test_empty_query_is_refused(cluster: LocalCluster, crds: list[str], namespac
             "greater than or equal to 0.5",
         ),
         ({"metrics": []}, "spec.metrics", "should have at least 1 items"),
+        # A scale-up is never unlimited: maxStep 0 is refused, not read as "no limit".
+        ({"scaleUp": {"maxStep": 0}}, "spec.scaleUp.maxStep", "greater than or equal to 1"),
+        ({"scaleUp": {"periodSeconds": 0}}, "spec.scaleUp.periodSeconds", "greater than or equal to 1"),
     ],
 )
 def test_other_bad_specs_are_refused(
