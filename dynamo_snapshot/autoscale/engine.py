@@ -35,8 +35,8 @@ The steps of one decision:
    ``scale_up_window_s`` (0 = immediate), a scale-down to the *highest* recommendation seen within
    ``scale_down_window_s``.
 6. **Rate limits**: up to at most ``B + max(scale_up_max_step, ceil(B * scale_up_max_percent / 100))``
-   where ``B`` is the fewest replicas observed over the last ``scale_up_period_s`` (the HPA's default
-   scale-up behaviour, see :mod:`~dynamo_snapshot.autoscale.scale_up_limit`; there is no unlimited
+   where ``B`` is the fewest replicas observed over the last ``scale_up_period_s`` (the HPA's scale-up
+   rule, see :mod:`~dynamo_snapshot.autoscale.scale_up_limit`; there is no unlimited
    scale-up, so a query gone absurd moves the count by one step per period, not to the bound at once),
    down by at most ``scale_down_max_step`` per decision (0 = no limit), and never more replicas removed
    than are older
@@ -121,7 +121,7 @@ class MetricTarget:
 
 @dataclass(frozen=True)
 class PolicyParams:
-    """The scaling policy. Defaults: immediate scale-up of at most max(4, 100%) replicas per 15 s, 60 s
+    """The scaling policy. Defaults: immediate scale-up of at most max(4, 300%) replicas per 15 s, 60 s
     scale-down stabilization, one replica removed per decision, 30 s grace for new replicas, panic at 2x
     demand for 6 s, no cluster ceiling."""
 
@@ -132,7 +132,7 @@ class PolicyParams:
     scale_up_window_s: float = 0.0
     scale_down_window_s: float = 60.0
     scale_up_max_step: int = 4
-    scale_up_max_percent: float = 100.0
+    scale_up_max_percent: float = 300.0
     scale_up_period_s: float = 15.0
     scale_down_max_step: int = 1
     scale_down_grace_s: float = 30.0

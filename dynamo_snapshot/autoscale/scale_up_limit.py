@@ -1,8 +1,8 @@
 """The scale-up rate limit: how many replicas a service may have after a scale-up.
 
-The HPA's default scale-up behaviour (two policies, ``Pods 4`` and ``Percent 100`` per 15 s, the larger
-one applying): within any ``period_s`` the replicas may grow from the count at the period's start ``B``
-to at most ``B + max(max_step, ceil(B * max_percent / 100))``.
+The HPA's scale-up rule (two policies, ``Pods`` and ``Percent`` per period, the larger one applying; its
+defaults are 4 pods and 100 % per 15 s): within any ``period_s`` the replicas may grow from the count
+at the period's start ``B`` to at most ``B + max(max_step, ceil(B * max_percent / 100))``.
 
 ``B`` is the *fewest* replicas the service was seen with over the last ``period_s`` (the observations
 are the service's replica counts as the autoscaler read them, not the decisions it wrote). Reading the

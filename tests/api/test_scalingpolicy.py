@@ -34,13 +34,13 @@ def test_defaults() -> None:
     assert spec.min_replicas == 1
     assert spec.evaluation_interval_seconds == 2
     assert spec.tolerance == 0.1
-    # The HPA's default scale-up: at most max(4, 100%) more replicas per 15 s; never unlimited.
+    # At most max(4, 300%) more replicas per 15 s; never unlimited.
     assert (
         spec.scale_up.stabilization_window_seconds,
         spec.scale_up.max_step,
         spec.scale_up.max_percent,
         spec.scale_up.period_seconds,
-    ) == (0, 4, 100, 15)
+    ) == (0, 4, 300, 15)
     assert (
         spec.scale_down.stabilization_window_seconds,
         spec.scale_down.max_step,

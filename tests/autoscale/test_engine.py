@@ -230,7 +230,7 @@ def test_the_period_starts_from_the_fewest_replicas_seen() -> None:
 
 
 def test_the_default_limit_moves_an_absurd_total_one_step_per_period() -> None:
-    """A policy on vector(1e300) with no scaleUp settings: +4 (or +100%) per 15 s, panic or not."""
+    """A policy on vector(1e300) with no scaleUp settings: +4 (or +300%) per 15 s, panic or not."""
     p = PolicyParams(min_replicas=1, max_replicas=MOST, metrics=(MetricTarget(WAITING, 10.0),))
     eng = PolicyEngine(p)
     current, changes = 1, []
@@ -240,7 +240,7 @@ def test_the_default_limit_moves_an_absurd_total_one_step_per_period() -> None:
         if d.desired != current:
             changes.append((t, current, d.desired))
         current = d.desired
-    assert changes == [(0, 1, 5), (16, 5, 10), (32, 10, 20), (48, 20, 40)]
+    assert changes == [(0, 1, 5), (16, 5, 20), (32, 20, 80), (48, 80, 320)]
     first = PolicyEngine(p).decide(obs(0, 1, 1e300))
     assert first.reason.startswith(
         "panic: demand 2147483647.0x ready capacity, scaling 1 -> 5 (at most +4 per 15s from 1): "
@@ -743,7 +743,7 @@ def test_params_defaults() -> None:
     p = PolicyParams(min_replicas=1, max_replicas=4, metrics=[MetricTarget(WAITING, 10.0)])  # type: ignore[arg-type]
     assert p.metrics == (MetricTarget(WAITING, 10.0),)
     assert (p.tolerance, p.scale_up_window_s, p.scale_down_window_s) == (0.1, 0.0, 60.0)
-    assert (p.scale_up_max_step, p.scale_up_max_percent, p.scale_up_period_s) == (4, 100.0, 15.0)
+    assert (p.scale_up_max_step, p.scale_up_max_percent, p.scale_up_period_s) == (4, 300.0, 15.0)
     assert (p.scale_down_max_step, p.replica_ceiling) == (1, None)
     assert (p.scale_down_grace_s, p.panic_window_s, p.panic_threshold, p.stale_after_s) == (
         30.0,

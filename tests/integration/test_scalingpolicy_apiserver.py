@@ -51,7 +51,7 @@ async def test_valid_policy_applies_with_defaults(
     assert stored["spec"]["scaleUp"] == {
         "stabilizationWindowSeconds": 0,
         "maxStep": 4,
-        "maxPercent": 100,
+        "maxPercent": 300,
         "periodSeconds": 15,
     }
     assert stored["spec"]["metrics"][0]["targetPerReplica"] == 4
