@@ -11,7 +11,10 @@ stores: bytes that are not UTF-8 become U+FFFD (or, after a UTF-8 byte-order mar
 reader, which replaces them too, and the YAML reader, which refuses them), a UTF-16 byte-order mark makes
 it UTF-16; a JSON document is then decoded as Go's encoding/json decodes it (an escaped surrogate pair is
 its character, any other surrogate escape U+FFFD) and anything else as YAML, which like kubectl refuses
-surrogate escapes.
+surrogate escapes. YAML aliases are read as kubectl reads them, up to 10000 nodes of expansion, and
+no document may nest deeper than 100 levels: past either, the file is refused before it is expanded.
+A negative parallel size or maxModelLen is refused, as both CRDs refuse it, so no hash is printed
+for an identity no cluster can hold.
 
 Exit codes: 0 printed, 1 the file is not valid (the message names the field), 2 bad usage.
 """
@@ -33,6 +36,7 @@ from dynamo_snapshot.api.checkpoint import DynamoCheckpoint
 from dynamo_snapshot.api.gojson import go_unmarshal
 from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment, checkpoint_identity
 from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_hash
+from dynamo_snapshot.cli.bounded_yaml import MAX_DEPTH, YAMLTooLarge, safe_load_bounded
 
 
 class IdentityInputError(ValueError):
@@ -119,12 +123,33 @@ def _read_like_kubectl(data: bytes) -> str:
     return data.decode("utf-8", "replace")
 
 
+_TOO_DEEP = f"nested deeper than {MAX_DEPTH} levels; no identity, DynamoCheckpoint or DGD nests that deep"
+
+
+def _shallow(doc: Any) -> Any:
+    """``doc``, if it nests no deeper than YAML documents may here (a JSON document has no aliases, so
+    its size is the file's)."""
+    level: list[Any] = [doc]
+    for _ in range(MAX_DEPTH):
+        level = [
+            child
+            for node in level
+            if isinstance(node, (dict, list))
+            for child in (node.values() if isinstance(node, dict) else node)
+        ]
+        if not level:
+            return doc
+    raise IdentityInputError(_TOO_DEEP)
+
+
 def load_document(data: str | bytes) -> Any:
     """The document as Dynamo's operator gets it once ``kubectl apply`` has sent it: JSON through Go's
     decoding, anything else as YAML."""
     text = _read_like_kubectl(data) if isinstance(data, bytes) else data
     try:
-        return go_unmarshal(text)
+        return _shallow(go_unmarshal(text))
+    except RecursionError:
+        raise IdentityInputError(_TOO_DEEP) from None
     except ValueError:
         pass  # not JSON, so YAML
     raw = _SURROGATE.search(text)
@@ -135,7 +160,9 @@ def load_document(data: str | bytes) -> Any:
             "mark (YAML must be UTF-8; kubectl refuses this file too)"
         )
     try:
-        doc = yaml.safe_load(text)
+        doc = safe_load_bounded(text)
+    except YAMLTooLarge as e:
+        raise IdentityInputError(str(e)) from None
     except yaml.YAMLError as e:
         raise IdentityInputError(f"not YAML or JSON: {str(e).splitlines()[0]}") from None
     for where, value in _strings(doc):
@@ -166,8 +193,23 @@ def hashes(data: str | bytes, service: str | None = None) -> list[str]:
             raise IdentityInputError(f"kind {kind} has no checkpoint identity")
         return [compute_identity_hash(CheckpointIdentity.model_validate(doc))]
     except ValidationError as e:
-        err = e.errors()[0]
-        raise IdentityInputError(f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+        raise IdentityInputError(_validation_message(e.errors()[0])) from None
+
+
+_SIZES = ("tensorParallelSize", "pipelineParallelSize", "maxModelLen")
+
+
+def _validation_message(err: Any) -> str:
+    where = ".".join(map(str, err["loc"]))
+    value = err.get("input")
+    if err["loc"] and err["loc"][-1] in _SIZES and isinstance(value, int) and value < 0:
+        # Go's ComputeIdentityHash would hash the number as it is, but it is never given one: Dynamo's
+        # CRD (minimum 1) and this project's (minimum 0) refuse it, so no stored object has this hash.
+        return (
+            f"{where}: {value} is negative, which Dynamo's CRD and this one refuse, so no checkpoint or "
+            "DGD can have this identity and it has no hash"
+        )
+    return f"{where}: {err['msg']}"
 
 
 def _dgd_hashes(dgd: DynamoGraphDeployment, service: str | None) -> list[str]:

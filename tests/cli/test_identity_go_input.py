@@ -57,7 +57,7 @@ def _negative(vector: dict[str, Any]) -> bool:
 def test_a_json_document_hashes_as_go_hashes_it_after_decoding_it(vector: dict[str, Any]) -> None:
     if _negative(vector):
         # Go hashes negative sizes; Dynamo's CRD (and ours) refuses them.
-        with pytest.raises(IdentityInputError, match="greater than or equal to 0"):
+        with pytest.raises(IdentityInputError, match="is negative, which Dynamo's CRD and this one refuse"):
             hashes(_source(vector))
     else:
         assert hashes(_source(vector)) == [vector["hash"]]
@@ -97,7 +97,7 @@ def test_a_file_prints_the_hash_go_computes(name: str, tmp_path: Path) -> None:
 
 def test_a_negative_size_is_one_clear_line(tmp_path: Path) -> None:
     [vector] = [v for v in DECODED if _negative(v)]
-    _one_line_error(_cli_on(_source(vector), tmp_path), "tensorParallelSize", "greater than or equal to 0")
+    _one_line_error(_cli_on(_source(vector), tmp_path), "tensorParallelSize: -1 is negative", "no hash")
 
 
 def test_zero_sizes_in_yaml_hash_to_dynamos_known_value(tmp_path: Path) -> None:
