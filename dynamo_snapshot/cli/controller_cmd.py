@@ -159,21 +159,7 @@ def register(sub: Any) -> None:
         type=int,
         help=f"Prometheus metrics port, 0 to disable (default {_default('metrics_port')})",
     )
-    p.add_argument(
-        "--autoscale",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help=f"run the DynamoScalingPolicy autoscaler (default {_on_off(_default('autoscale'))})",
-    )
-    p.add_argument(
-        "--prometheus-url", help=f"Prometheus for policies that name none ({_default('prometheus_url')})"
-    )
-    p.add_argument(
-        "--max-policy-replicas",
-        type=int,
-        help="the most replicas any DynamoScalingPolicy may set; a maxReplicas above it is capped to it "
-        f"(default {_default('max_policy_replicas')})",
-    )
+    _add_autoscale(p)
     p.add_argument(
         "--health-port",
         type=int,
@@ -191,6 +177,24 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(run=run)
+
+
+def _add_autoscale(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--autoscale",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"run the DynamoScalingPolicy autoscaler (default {_on_off(_default('autoscale'))})",
+    )
+    p.add_argument(
+        "--prometheus-url", help=f"Prometheus for policies that name none ({_default('prometheus_url')})"
+    )
+    p.add_argument(
+        "--max-policy-replicas",
+        type=int,
+        help="the most replicas any DynamoScalingPolicy may set; a maxReplicas above it is capped to it "
+        f"(default {_default('max_policy_replicas')})",
+    )
 
 
 def _add_mode(p: argparse.ArgumentParser) -> None:
