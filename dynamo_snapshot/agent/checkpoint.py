@@ -30,14 +30,15 @@ from dynamo_snapshot.agent.prefetch import plan_for_tree, write_plan
 from dynamo_snapshot.agent.privileges import worker_needs
 from dynamo_snapshot.agent.runtime.base import Workload, WorkloadRuntimeError, pid_running
 from dynamo_snapshot.agent.runtime.rootfs_diff import DIFF_FILE
-from dynamo_snapshot.agent.sentinels import write_sentinel
+from dynamo_snapshot.agent.sentinels import present, write_sentinel
 from dynamo_snapshot.agent.timings import Timings
 from dynamo_snapshot.agent.weights import (
     CarriedWeights,
     WeightsPlacementError,
     capture_weights,
-    host_path,
+    locate,
     mib,
+    read_offload,
     weights_features,
 )
 from dynamo_snapshot.agent.zero_page_release import ZeroPageRelease, ZeroPagesReleased
@@ -48,7 +49,7 @@ from dynamo_snapshot.artifact.manifest import FEATURE_COMPRESSED_PAGES, FEATURE_
 from dynamo_snapshot.criu.packed import PagesPacked
 from dynamo_snapshot.criu.sparse import SparseStats
 from dynamo_snapshot.cuda import find_cuda_pids, process_tree
-from dynamo_snapshot.workload.weights import OffloadManifest, read_offload_manifest
+from dynamo_snapshot.workload.weights import OffloadManifest
 
 __all__ = ["CheckpointOutcome", "CheckpointRun", "wait_ready"]
 
@@ -73,7 +74,7 @@ async def wait_ready(workload: Workload, within: float) -> None:
     sentinels = [workload.control_dir / name for name in protocol.FILES_READY]
     names = " or ".join(protocol.FILES_READY)
     deadline = time.monotonic() + within
-    while not any(s.exists() for s in sentinels):
+    while not any(present(s) for s in sentinels):
         if not pid_running(workload.pid):  # a zombie has exited too
             raise AgentError(f"worker (pid {workload.pid}) exited before writing {names}")
         if time.monotonic() > deadline:
@@ -123,6 +124,8 @@ class CheckpointRun:
             if self.node.prefetch_node_files:
                 with self.timings.phase("checkpoint", "prefetch_plan"):
                     await asyncio.to_thread(_record_prefetch_plan, self.workload.pid, writer.directory)
+            # Before the worker is touched: weights the agent refuses to carry leave it running.
+            await self.carry_weights(writer)
             release = await asyncio.to_thread(
                 ZeroPageRelease.prepare, self.workload.control_dir, self.cuda_pids
             )
@@ -135,7 +138,6 @@ class CheckpointRun:
             images.mkdir(parents=True, exist_ok=True)
             await self.dump(images)
             await self.shrink_pages(images)
-            await self.carry_weights(writer)
             published = await self.publish(writer, images)
             undo.pop_all()
         await self.tell_source()
@@ -155,7 +157,7 @@ class CheckpointRun:
         if self.node.cuda is not None:
             self.cuda_pids = await asyncio.to_thread(find_cuda_pids, self.workload.pid)
         try:
-            self.offload = await asyncio.to_thread(read_offload_manifest, self.workload.control_dir)
+            self.offload = await asyncio.to_thread(read_offload, self.workload.control_dir)
         except ValueError as e:
             raise AgentError(f"worker's {protocol.FILE_WEIGHTS_MANIFEST} is unreadable: {e}") from None
         self.held_mib = await asyncio.to_thread(gpu_memory_held_mib, self.cuda_pids)
@@ -186,15 +188,14 @@ class CheckpointRun:
             self.carried = await asyncio.to_thread(self._capture_weights, offload, writer)
 
     def _capture_weights(self, offload: OffloadManifest, writer: ArtifactWriter) -> list[CarriedWeights]:
-        containerized = self.node.runtime.name == "runc"
         try:
-            to_host = {
-                f.path: host_path(
-                    f.path, self.seen_ctl, self.workload.control_dir, containerized=containerized
+            located = {
+                f.path: locate(
+                    f.path, self.seen_ctl, self.workload.control_dir, host_process=self.node.host_processes
                 )
                 for f in offload.files
             }
-            return capture_weights(offload, to_host, writer.directory)
+            return capture_weights(offload, located, writer.directory)
         except WeightsPlacementError as e:
             raise AgentError(f"cannot carry the worker's weights: {e}") from None
 

@@ -126,6 +126,12 @@ class Node:
         await asyncio.to_thread(remove_abandoned, base)
         self.scratch_cleaned.add(base)
 
+    @property
+    def host_processes(self) -> bool:
+        """Whether the workers are processes of the host itself (the ``local`` runtime), not containers:
+        only theirs may name files outside their control directory."""
+        return self.runtime.name == "local"
+
     def control_dir_seen_by_worker(self, workload: Workload) -> str:
         # Inside a container the worker sees the mount path; a host process sees the host directory.
         if workload.worker_control_dir is not None:

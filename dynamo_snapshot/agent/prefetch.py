@@ -29,6 +29,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dynamo_snapshot.fileio.beneath import open_regular_beneath
 from dynamo_snapshot.workload.zero_pages import read_maps
 
 log = logging.getLogger(__name__)
@@ -107,9 +108,22 @@ def _present_runs(pagemap: int, vma: _Vma) -> Iterable[tuple[int, int]]:
 
 
 def _host_path(pid: int, path: str) -> str | None:
-    """``path`` as the node sees it, when it is the very file the worker maps; else None."""
+    """``path`` as the node sees it, when it is the very file the worker maps; else None. The worker's
+    side is resolved beneath its root without following a link (a link it swapped in after the mapping
+    would otherwise lead the agent to the node's files); the runtime's mounts in its root are crossed."""
     try:
-        inside = os.stat(f"/proc/{pid}/root{path}")
+        # The magic link /proc/PID/root is followed on purpose: its target is the worker's root.
+        root = os.open(f"/proc/{pid}/root", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            handle = open_regular_beneath(
+                root, path.lstrip("/"), what="mapped file", single_link=False, cross_mounts=True
+            )
+        finally:
+            os.close(root)
+        try:
+            inside = os.fstat(handle)
+        finally:
+            os.close(handle)
         outside = os.stat(path)
     except OSError:
         return None

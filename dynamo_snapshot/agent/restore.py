@@ -34,13 +34,13 @@ from dynamo_snapshot.agent.node import Node
 from dynamo_snapshot.agent.page_images import PagesScratch, StagedPages
 from dynamo_snapshot.agent.prefetch import PREFETCH_FILE, PrefetchStats, prefetch, read_plan, read_whole
 from dynamo_snapshot.agent.runtime.base import Workload, WorkloadRuntimeError
-from dynamo_snapshot.agent.sentinels import write_sentinel
+from dynamo_snapshot.agent.sentinels import present, write_sentinel
 from dynamo_snapshot.agent.timings import Timings
 from dynamo_snapshot.agent.weights import (
     CarriedWeights,
     WeightsPlacementError,
     check_carried,
-    host_path,
+    locate,
     place_weights,
 )
 from dynamo_snapshot.api import protocol
@@ -360,10 +360,11 @@ class RestoreRun:
 
     def _place_weights(self, workload: Workload) -> None:
         seen_ctl = self.node.control_dir_seen_by_worker(workload)
-        containerized = self.node.runtime.name == "runc"
         try:
             for w in self.weights:
-                target = host_path(w.worker_path, seen_ctl, workload.control_dir, containerized=containerized)
+                target = locate(
+                    w.worker_path, seen_ctl, workload.control_dir, host_process=self.node.host_processes
+                )
                 place_weights(self.artifact.path / w.file, target, w)
         except (WeightsPlacementError, OSError) as e:
             raise AgentError(f"cannot put the weights back: {e}") from None
@@ -387,7 +388,7 @@ def ensure_restore_context(control_dir: Path, env: Mapping[str, str]) -> None:
     """restore-context.json for a Dynamo worker, from the restore container's env, unless its standby
     entrypoint wrote one (it saw the env as Kubernetes resolved it: Secrets, the Downward API)."""
     path = control_dir / protocol.FILE_RESTORE_CONTEXT
-    if path.exists():
+    if present(path):
         return
     context = {"env": {name: env.get(name) for name in sorted(protocol.RESTORE_CONTEXT_ENV_NAMES)}}
     write_sentinel(path, context)

@@ -8,33 +8,62 @@ image holds process state only and the weights are sealed with the artifact's ch
 the agent checks each file's size and header against the artifact before anything starts, verifies
 its chunk digests while CRIU restores the process (the same parallel read fills the page cache the
 worker then loads from), and links it back to the path the worker recorded before the worker resumes.
+
+Every path here comes from the worker (weights.json, and the manifest's record of it), so each is
+resolved beneath the control directory's descriptor, never through a link, a `..` or a mount point
+(``fileio.beneath``), at checkpoint and at restore: what the agent links into an artifact is a regular
+file of the worker's own with no other name, and what it puts back lands inside the restore pod's
+control directory or nowhere.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from pydantic import JsonValue
 
+from dynamo_snapshot.agent.sentinels import read_worker_json
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.fileio import copy_file
-from dynamo_snapshot.workload.weights import OffloadManifest, WeightsFileError, read_header
+from dynamo_snapshot.fileio.beneath import (
+    UnsafePath,
+    fd_path,
+    kind_of,
+    lstat_beneath,
+    open_dirs_beneath,
+    open_regular_beneath,
+    opened_dir,
+    temporary_name,
+)
+from dynamo_snapshot.workload.weights import (
+    OffloadManifest,
+    WeightsFileError,
+    parse_offload_manifest,
+    read_header,
+)
 
 __all__ = [
     "CarriedWeights",
     "WeightsPlacementError",
+    "WorkerFile",
     "capture_weights",
     "check_carried",
     "gpu_memory_problem",
-    "host_path",
+    "locate",
     "place_weights",
+    "read_offload",
     "weights_features",
 ]
 
 _MIB = 1 << 20
+# weights.json lists a few files; anything this long is not one.
+_MAX_MANIFEST_BYTES = 1 << 20
 
 
 class WeightsPlacementError(Exception):
@@ -78,61 +107,103 @@ class CarriedWeights:
         return cls(worker_path, file, digest, device)
 
 
-def host_path(
-    worker_path: str, seen_control_dir: str, host_control_dir: Path, *, containerized: bool
-) -> Path:
-    """The host path behind a path the worker uses: inside its control dir it is the pod's host
-    directory; elsewhere it is the same path for a host process and unsupported in a container."""
+@dataclass(frozen=True)
+class WorkerFile:
+    """A file the worker names, as the agent reaches it: ``rel`` resolved beneath the directory ``base``
+    (the host directory behind the worker's control directory), never through a link."""
+
+    base: Path
+    rel: PurePosixPath
+
+    def __str__(self) -> str:
+        return str(self.base / self.rel)
+
+
+def locate(
+    worker_path: str, seen_control_dir: str, host_control_dir: Path, *, host_process: bool
+) -> WorkerFile:
+    """Where the agent finds a path the worker uses: inside its control dir, beneath the pod's host
+    directory. Only a worker that is itself a host process (the ``local`` runtime) may name a file
+    elsewhere; a container's path outside its control dir names nothing the agent may open."""
     worker = PurePosixPath(worker_path)
     if not worker.is_absolute() or ".." in worker.parts:
         raise WeightsPlacementError(f"weights path {worker_path!r} must be absolute, without '..'")
     try:
         rel = worker.relative_to(seen_control_dir)
     except ValueError:
-        if containerized:
+        if not host_process:
             raise WeightsPlacementError(
                 f"weights file {worker_path} is outside the control dir {seen_control_dir}: a container's "
                 "weights must be saved under its control dir so the agent can carry them"
             ) from None
-        return Path(worker)
-    return host_control_dir / rel
+        return WorkerFile(Path(worker.parent), PurePosixPath(worker.name))
+    if not rel.parts:
+        raise WeightsPlacementError(f"weights path {worker_path!r} is the control dir itself")
+    return WorkerFile(host_control_dir, rel)
+
+
+def read_offload(control_dir: Path) -> OffloadManifest | None:
+    """The worker's weights.json, read as any file the worker wrote (``sentinels.read_worker_json``);
+    None when there is none."""
+    try:
+        doc = read_worker_json(control_dir / protocol.FILE_WEIGHTS_MANIFEST, _MAX_MANIFEST_BYTES)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise ValueError(e.strerror or str(e)) from None
+    return parse_offload_manifest(doc)
 
 
 def capture_weights(
-    offload: OffloadManifest, to_host: dict[str, Path], staging: Path
+    offload: OffloadManifest, located: dict[str, WorkerFile], staging: Path
 ) -> list[CarriedWeights]:
-    """Link (or copy) each weights file into `staging/weights/`; `to_host` maps worker paths to host
-    paths. The files' own headers are read to check they are what weights.json says."""
+    """Link (or copy) each weights file into `staging/weights/`; `located` maps worker paths to where
+    the agent finds them. The files' own headers are read to check they are what weights.json says."""
     carried = []
     for i, entry in enumerate(offload.files):
-        src = to_host[entry.path]
-        try:
-            header, _ = read_header(src)
-            size = src.stat().st_size
-        except FileNotFoundError:
-            raise WeightsPlacementError(
-                f"weights file {entry.path} named in weights.json is missing"
-            ) from None
-        except (OSError, WeightsFileError) as e:
-            raise WeightsPlacementError(f"weights file {entry.path}: {e}") from None
-        if header.data_digest != entry.data_digest or size != entry.bytes:
-            raise WeightsPlacementError(
-                f"weights file {entry.path} changed after the worker saved it "
-                f"({size} bytes, data digest {header.data_digest[:16]}…; weights.json says "
-                f"{entry.bytes} bytes, {entry.data_digest[:16]}…)"
-            )
-        rel = f"{protocol.ARTIFACT_WEIGHTS_DIR}/{i:02d}-{Path(entry.path).name}"
+        rel = f"{protocol.ARTIFACT_WEIGHTS_DIR}/{i:02d}-{PurePosixPath(entry.path).name}"
         dest = staging / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            # A hard link costs nothing; the worker replaces its file by rename, never in place.
-            os.link(src, dest)
-        except OSError as e:
-            if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
-                raise
-            copy_file(src, dest)
+        with _worker_file(located[entry.path], entry.path) as handle:
+            src = fd_path(handle)
+            try:
+                header, _ = read_header(src)
+            except (OSError, WeightsFileError) as e:
+                raise WeightsPlacementError(f"weights file {entry.path}: {e}") from None
+            size = os.fstat(handle).st_size
+            if header.data_digest != entry.data_digest or size != entry.bytes:
+                raise WeightsPlacementError(
+                    f"weights file {entry.path} changed after the worker saved it "
+                    f"({size} bytes, data digest {header.data_digest[:16]}…; weights.json says "
+                    f"{entry.bytes} bytes, {entry.data_digest[:16]}…)"
+                )
+            try:
+                # A hard link costs nothing; the worker replaces its file by rename, never in place.
+                os.link(src, dest)
+            except OSError as e:
+                if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+                    raise
+                copy_file(src, dest)
         carried.append(CarriedWeights(entry.path, rel, entry.data_digest, entry.device))
     return carried
+
+
+@contextlib.contextmanager
+def _worker_file(where: WorkerFile, shown: str) -> Iterator[int]:
+    """An O_PATH descriptor of the worker's regular file (one name, reached without a link)."""
+    try:
+        with opened_dir(where.base) as base:
+            handle = open_regular_beneath(base, where.rel, what="weights file")
+    except FileNotFoundError:
+        raise WeightsPlacementError(f"weights file {shown} named in weights.json is missing") from None
+    except UnsafePath as e:
+        raise WeightsPlacementError(f"{e.strerror} (the worker's {shown})") from None
+    except OSError as e:
+        raise WeightsPlacementError(f"weights file {shown}: {e.strerror or e}") from None
+    try:
+        yield handle
+    finally:
+        os.close(handle)
 
 
 def check_carried(artifact_file: Path, weights: CarriedWeights) -> None:
@@ -152,34 +223,77 @@ def check_carried(artifact_file: Path, weights: CarriedWeights) -> None:
         )
 
 
-def place_weights(artifact_file: Path, target: Path, weights: CarriedWeights) -> None:
+def place_weights(artifact_file: Path, target: WorkerFile, weights: CarriedWeights) -> None:
     """Make `target` the artifact's copy (size and header checked; its checksums may still be being
-    checked, see Executor.restore). A file already there with the same weights is replaced by the
-    link; one with other weights is never overwritten."""
-    if target.exists():
-        if os.path.samefile(target, artifact_file):
+    checked, see Executor.restore). Its directories are made beneath the control dir without following
+    a link; a file already there with the same weights is replaced by the link; one with other weights,
+    or a link, FIFO, device or directory under that name, is never touched."""
+    try:
+        with opened_dir(target.base) as base:
+            parent = target.rel.parent
+            directory = open_dirs_beneath(base, parent, create=True) if parent.parts else os.dup(base)
+            try:
+                _place(artifact_file, directory, target.rel.name, weights)
+            finally:
+                os.close(directory)
+    except UnsafePath as e:
+        raise WeightsPlacementError(f"{e.strerror} (where the worker loads {weights.worker_path})") from None
+
+
+def _place(artifact_file: Path, directory: int, name: str, weights: CarriedWeights) -> None:
+    st = lstat_beneath(directory, name)
+    if st is not None:
+        if not stat.S_ISREG(st.st_mode):
+            raise WeightsPlacementError(
+                f"{weights.worker_path} on this node is {kind_of(st.st_mode)}; not replacing it"
+            )
+        ours = os.stat(artifact_file)
+        if (st.st_dev, st.st_ino) == (ours.st_dev, ours.st_ino):
             return
-        try:
-            existing, _ = read_header(target)
-            digest: str | None = existing.data_digest
-        except (OSError, WeightsFileError):
-            digest = None
+        if st.st_nlink != 1:
+            raise WeightsPlacementError(
+                f"{weights.worker_path} on this node has {st.st_nlink} hard links (it may be a file from "
+                "outside the control dir); not reading or replacing it"
+            )
+        digest = _digest_of(directory, name)
         if digest != weights.data_digest:
             raise WeightsPlacementError(
                 f"{weights.worker_path} on this node holds other weights "
                 f"(data digest {digest[:16] + '…' if digest else 'unreadable'}; the checkpoint's are "
                 f"{weights.data_digest[:16]}…); not overwriting it"
             )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.link")
-    tmp.unlink(missing_ok=True)
+    tmp = temporary_name(name)
     try:
-        os.link(artifact_file, tmp)
-    except OSError as e:
-        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
-            raise
-        os.symlink(artifact_file, tmp)
-    os.replace(tmp, target)
+        try:
+            os.link(artifact_file, tmp, dst_dir_fd=directory)
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+                raise
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=directory)
+            try:
+                copy_file(artifact_file, fd_path(fd))
+            finally:
+                os.close(fd)
+        os.replace(tmp, name, src_dir_fd=directory, dst_dir_fd=directory)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=directory)
+        raise
+
+
+def _digest_of(directory: int, name: str) -> str | None:
+    """The data digest in the header of the regular file ``name``; None when it is no weights file."""
+    try:
+        handle = open_regular_beneath(directory, name, what="weights file")
+    except OSError:
+        return None
+    try:
+        existing, _ = read_header(fd_path(handle))
+        return existing.data_digest
+    except (OSError, WeightsFileError):
+        return None
+    finally:
+        os.close(handle)
 
 
 def gpu_memory_problem(free_mib: list[int], held_mib: int, released_mib: int) -> str | None:

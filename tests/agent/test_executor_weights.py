@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 import time
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
@@ -23,7 +23,7 @@ from dynamo_snapshot.agent.prefetch import PREFETCH_FILE, read_plan
 from dynamo_snapshot.agent.restore import RestoreRun
 from dynamo_snapshot.agent.runtime import ProcessRuntime
 from dynamo_snapshot.agent.runtime.base import pid_running
-from dynamo_snapshot.agent.weights import WeightsPlacementError, gpu_memory_problem, host_path
+from dynamo_snapshot.agent.weights import WeightsPlacementError, WorkerFile, gpu_memory_problem, locate
 from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_hash
 from dynamo_snapshot.workload.weights import data_digest, read_header
 from tests.agent.local_node import checkpoint_worker, local_executor
@@ -350,18 +350,22 @@ async def test_a_second_restore_skips_checked_files_but_not_changed_ones(
     assert await runtime.find("second") is None
 
 
-def test_host_paths() -> None:
+def test_where_the_agent_finds_a_workers_weights_path() -> None:
     host_ctl = Path("/var/lib/agent/pod-1")
-    assert host_path(
-        "/snapshot-control/weights/m.dsw", "/snapshot-control", host_ctl, containerized=True
-    ) == (host_ctl / "weights" / "m.dsw")
-    assert host_path("/models/m.dsw", "/ctl", host_ctl, containerized=False) == Path("/models/m.dsw")
+    assert locate(
+        "/snapshot-control/weights/m.dsw", "/snapshot-control", host_ctl, host_process=False
+    ) == WorkerFile(host_ctl, PurePosixPath("weights/m.dsw"))
+    assert locate("/models/m.dsw", "/ctl", host_ctl, host_process=True) == WorkerFile(
+        Path("/models"), PurePosixPath("m.dsw")
+    )
     with pytest.raises(WeightsPlacementError, match="outside the control dir"):
-        host_path("/models/m.dsw", "/snapshot-control", host_ctl, containerized=True)
+        locate("/models/m.dsw", "/snapshot-control", host_ctl, host_process=False)
     with pytest.raises(WeightsPlacementError, match="absolute"):
-        host_path("weights/m.dsw", "/ctl", host_ctl, containerized=False)
+        locate("weights/m.dsw", "/ctl", host_ctl, host_process=True)
     with pytest.raises(WeightsPlacementError, match="absolute"):
-        host_path("/ctl/../etc/passwd", "/ctl", host_ctl, containerized=False)
+        locate("/ctl/../etc/passwd", "/ctl", host_ctl, host_process=True)
+    with pytest.raises(WeightsPlacementError, match="the control dir itself"):
+        locate("/ctl", "/ctl", host_ctl, host_process=False)
 
 
 def test_gpu_memory_check() -> None:

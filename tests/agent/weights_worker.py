@@ -41,6 +41,23 @@ path.parent.mkdir(parents=True, exist_ok=True)
 content = header.encode() + data
 path.write_bytes(content)
 whole = hashlib.sha256(content).hexdigest()  # what the restored worker must read back
+# A hostile tenant's weights file: the same bytes at WORKER_OUTSIDE (another pod's or the host's file),
+# reached from the control dir through a link; the agent must carry nothing from there.
+plant = os.environ.get("WORKER_PLANT")
+if plant:
+    outside = os.environ["WORKER_OUTSIDE"]
+    os.makedirs(outside, exist_ok=True)
+    target = os.path.join(outside, "model.dsw")
+    os.replace(path, target)
+    if plant == "symlink":
+        os.symlink(target, path)
+    elif plant == "hardlink":
+        os.link(target, path)
+    elif plant == "dirlink":
+        os.rmdir(path.parent)
+        os.symlink(outside, path.parent)
+    else:
+        raise SystemExit(f"unknown WORKER_PLANT {plant!r}")
 write_weights_manifest(
     handshake.control_dir,
     [WeightsFile(str(path), len(content), header.data_digest, 0)],

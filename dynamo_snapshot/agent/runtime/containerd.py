@@ -46,6 +46,7 @@ from dynamo_snapshot.agent.runtime.rootfs_diff import (
     overlay_upperdir,
 )
 from dynamo_snapshot.agent.runtime.uts_names import set_uts_names, uts_names
+from dynamo_snapshot.agent.sentinels import regular_present
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.criu import Criu, CriuError
 
@@ -226,7 +227,7 @@ class ContainerdRuntime:
         """Whether the attached container's placeholder says it waits for the restore: this SDK's
         standby file, or the restore context a Dynamo worker's standby writes."""
         ctl = self.control_dir(key)
-        return any((ctl / name).is_file() for name in _STANDBY_FILES)
+        return any(regular_present(ctl / name) for name in _STANDBY_FILES)
 
     async def launch(self, spec: WorkloadSpec) -> Workload:
         raise WorkloadRuntimeError("the kubelet starts containers on this node; the agent launches none")

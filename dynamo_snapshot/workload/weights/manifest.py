@@ -24,6 +24,7 @@ __all__ = [
     "FILE_WEIGHTS_MANIFEST",
     "OffloadManifest",
     "WeightsFile",
+    "parse_offload_manifest",
     "read_offload_manifest",
     "read_weights_manifest",
     "wait_for_weights_verified",
@@ -88,6 +89,12 @@ def read_offload_manifest(control_dir: Path | str) -> OffloadManifest | None:
         return None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: not JSON ({e})") from None
+    return parse_offload_manifest(doc, str(path))
+
+
+def parse_offload_manifest(doc: Any, source: str = FILE_WEIGHTS_MANIFEST) -> OffloadManifest:
+    """The weights manifest in ``doc`` (JSON as read from ``source``); ValueError naming ``source``."""
+    path = source
     files = doc.get("files") if isinstance(doc, dict) else None
     if not isinstance(files, list) or doc.get("version") not in _MANIFEST_VERSIONS_READ:
         raise ValueError(f"{path}: not a version {_MANIFEST_VERSION} weights manifest")
