@@ -21,7 +21,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
 from dynamo_snapshot.agent.metrics import ZERO_PAGES_RELEASED
-from dynamo_snapshot.agent.sentinels import read_worker_json, write_sentinel
+from dynamo_snapshot.agent.sentinels import present, read_worker_json, write_sentinel
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.workload.zero_pages import private_anonymous, read_maps
 
@@ -163,7 +163,7 @@ def _exchange(control_dir: Path, doc: dict[str, object], wait_s: float) -> objec
     write_sentinel(request, doc)
     try:
         deadline = time.monotonic() + wait_s
-        while not answer.exists():
+        while not present(answer):
             if time.monotonic() > deadline:
                 return None
             time.sleep(_POLL_S)
