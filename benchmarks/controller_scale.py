@@ -12,8 +12,9 @@ that subcommand) and measures it from outside:
   status.observedGeneration == metadata.generation (also reported: until every pod is Running and every
   DGD's status says readyReplicas == replicas, which includes the scheduler's and kwok's work);
 * RSS of the controller process (VmRSS / VmHWM from /proc/<pid>/status);
-* scale-up latency: `spec.services.<svc>.replicas` += 1 on randomly chosen DGDs, paced, from the patch
-  response to the new pod's ADDED event on the benchmark's own pod watch (p50/p95/max), plus a burst;
+* scale-up latency: the worker's replicas += 1 (`spec.components[0].replicas`, at v1beta1) on randomly
+  chosen DGDs, paced, from the patch response to the new pod's ADDED event on the benchmark's own pod
+  watch (p50/p95/max), plus a burst;
 * warm resync: the controller restarted with everything in place, until its caches are synced and a full
   pass over every DGD has finished (read from its Prometheus metrics), checking it creates nothing.
 
@@ -57,6 +58,7 @@ from kubernetes_asyncio import config as k8s_config
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.identity import compute_identity_hash
 from dynamo_snapshot.kube import NAMESPACE, NODE, POD, ApiError, Kube, Obj, ResourceKind
+from dynamo_snapshot.kube.dgd_versions import DgdVersion
 from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD
 from dynamo_snapshot.localcluster import LocalCluster, gpu_node_manifest
 
@@ -66,6 +68,8 @@ MANAGED = f"{protocol.LABEL_MANAGED_BY}={protocol.MANAGED_BY_VALUE}"
 IDENTITY = {"model": "Qwen/Qwen3-0.6B", "backendFramework": "vllm", "tensorParallelSize": 1}
 GPU_PRODUCT, DRIVER_MAJOR = "NVIDIA-H200", 580
 SERVICE_ACCOUNT = ResourceKind("", "v1", "serviceaccounts", "ServiceAccount")
+# DGDs are written and watched at the version their CRD stores (v1beta1), read in v1alpha1's shape.
+STORED = DgdVersion()
 DGD_KIND = "DynamoGraphDeployment"
 
 
@@ -81,7 +85,7 @@ def dgd_manifest(name: str, replicas: int, checkpoint_ref: str, scheduler: str |
     if scheduler:
         extra["schedulerName"] = scheduler
     return {
-        "apiVersion": DGD.api_version,
+        "apiVersion": DGD.api_version,  # v1alpha1's shape; written at the version stored (STORED)
         "kind": DGD.kind,
         "metadata": {"name": name},
         "spec": {
@@ -140,7 +144,7 @@ async def seed_bench_graph(kube: Kube, ns: str, *, nodes: int, gpus: int, pods: 
         await kube.create(NODE, node)
     await kube.create(CHECKPOINT, checkpoint_manifest("prewarmed"), ns)
     await kube.patch_status(CHECKPOINT, "prewarmed", ready_status(), ns)
-    await kube.create(DGD, dgd_manifest("bench", replicas, "prewarmed"), ns)
+    await kube.create(STORED.kind, STORED.manifest(dgd_manifest("bench", replicas, "prewarmed")), ns)
 
 
 async def bench_pods(kube: Kube, ns: str) -> list[Obj]:
@@ -444,7 +448,8 @@ class Observed:
             if want is not None and self.pods_per_graph[graph] > want:
                 self.overshoot[graph] = max(self.overshoot.get(graph, 0), self.pods_per_graph[graph] - want)
 
-    def on_dgd(self, etype: str, dgd: Obj, now: float) -> None:
+    def on_dgd(self, etype: str, stored: Obj, now: float) -> None:
+        dgd = STORED.view(stored)
         meta = dgd["metadata"]
         key = f"{meta['namespace']}/{meta['name']}"
         self.dgd_events += 1
@@ -614,7 +619,10 @@ async def populate(kube: Kube, args: argparse.Namespace, namespaces: list[str], 
     names = [(namespaces[i // per_ns], f"graph-{i:05d}") for i in range(args.dgds)]
     await bounded(
         args.create_concurrency,
-        [kube.create(DGD, dgd_manifest(n, args.replicas, ckpt, scheduler), ns) for ns, n in names],
+        [
+            kube.create(STORED.kind, STORED.manifest(dgd_manifest(n, args.replicas, ckpt, scheduler)), ns)
+            for ns, n in names
+        ],
     )
     t_dgds = time.monotonic()
     return {
@@ -640,7 +648,9 @@ async def scale_latency(
         want = obs.desired[key] + 1
         obs.desired[key] = want
         sent = time.monotonic()
-        await kube.merge_patch(DGD, name, {"spec": {"services": {SERVICE: {"replicas": want}}}}, ns)
+        # The graph's one component, at the version stored: one write, as a merge patch of v1alpha1 was.
+        replicas = [{"op": "replace", "path": "/spec/components/0/replicas", "value": want}]
+        await kube.json_patch(STORED.kind, name, replicas, ns)
         answered = time.monotonic()
         try:
             seen = await asyncio.wait_for(asyncio.shield(fut), limit_s)
@@ -677,12 +687,12 @@ async def bench(cluster: LocalCluster, args: argparse.Namespace, nodes: int, wor
         say(f"setup done: {setup}")
 
         obs = Observed()
-        dgd_items, dgd_rv = await kube.list_all(DGD)
+        dgd_items, dgd_rv = await kube.list_all(STORED.kind)
         for d in dgd_items:
             obs.on_dgd("ADDED", d, time.monotonic())
         pod_items, pod_rv = await kube.list_all(POD, label_selector=MANAGED)
         assert not pod_items, "managed pods exist before the controller started"
-        tasks.append(asyncio.create_task(watch_forever(kube, DGD, dgd_rv, obs.on_dgd)))
+        tasks.append(asyncio.create_task(watch_forever(kube, STORED.kind, dgd_rv, obs.on_dgd)))
         tasks.append(asyncio.create_task(watch_forever(kube, POD, pod_rv, obs.on_pod, MANAGED)))
         expected = args.dgds * args.replicas
 

@@ -37,7 +37,7 @@ from dynamo_snapshot.agent.watcher import workload_key  # noqa: E402
 from dynamo_snapshot.api import protocol  # noqa: E402
 from dynamo_snapshot.criu import Criu  # noqa: E402
 from dynamo_snapshot.kube import POD, Kube, is_not_found  # noqa: E402
-from dynamo_snapshot.kube.kinds import DGD  # noqa: E402
+from dynamo_snapshot.kube.dgd_versions import DgdClient  # noqa: E402
 from dynamo_snapshot.localcluster import LocalCluster  # noqa: E402
 from tests.helpers.kubelet_stack import (  # noqa: E402
     GRAPH,
@@ -134,7 +134,7 @@ async def main(restores: int) -> dict[str, Any]:
                 s.start_agent()
                 try:
                     ckpt, _ = await checkpointed_graph(s)
-                    dgd = await s.kube.get(DGD, GRAPH, NAMESPACE)
+                    dgd = await DgdClient(s.kube).get(GRAPH, NAMESPACE)
                     samples = []
                     for i in range(restores):
                         sample = await _one(s, f"bench-{i}", dgd, ckpt)

@@ -74,6 +74,18 @@ def crds(cluster: LocalCluster) -> list[str]:
     return cluster.install_crds()
 
 
+@pytest.fixture(scope="module")
+def v1alpha1_served(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """For a module's tests: DynamoGraphDeployments served at v1alpha1 too, converted by a webhook of this
+    process, as the chart serves them (crds/ serves v1beta1 alone); crds/ as installed again after. (It
+    installs the CRDs itself: a module that wants it overrides ``crds`` with it.)"""
+    from tests.helpers.dgd_conversion import every_version_served_sync
+
+    cluster.install_crds()
+    with every_version_served_sync(cluster, tmp_path_factory.mktemp("dgd-conversion")):
+        yield
+
+
 @pytest.fixture
 async def api(cluster: LocalCluster) -> AsyncIterator[client.ApiClient]:
     cfg = client.Configuration()

@@ -27,10 +27,10 @@ from dynamo_snapshot.api.resources import CUSTOM_RESOURCES
 from dynamo_snapshot.api.structural import PRESERVE_UNKNOWN, structural_problems, structural_schema
 
 __all__ = [
-    "ALSO_SERVED",
     "CONVERSION_PATH",
     "CONVERSION_SERVICE",
     "GENERATED_HEADER",
+    "VERSIONS",
     "build_crd",
     "crd_filename",
     "generated_crd",
@@ -38,6 +38,7 @@ __all__ = [
     "render_crds",
     "resource_schema",
     "stale_files",
+    "storage_model",
     "write_crds",
 ]
 
@@ -64,9 +65,12 @@ def resource_schema(resource: type[CustomResource]) -> dict[str, Any]:
     return schema
 
 
-# Versions a CRD lists beside its storage model's, converted by the controller's webhook.
-ALSO_SERVED: Mapping[type[CustomResource], tuple[type[CustomResource], ...]] = {
-    DynamoGraphDeployment: (DynamoGraphDeploymentV1Beta1,),
+# The CRDs of more than one version: every version's model, the first the one stored. The CRD serves the
+# stored version alone and lists the others unserved; the chart serves them too, converted by the
+# controller's webhook. DynamoGraphDeployments are stored at v1beta1, as Dynamo 1.5+ stores them, so that
+# crds/ as installed serves Dynamo's own v1beta1 manifests, `kubectl get dgd` included, with no webhook.
+VERSIONS: Mapping[type[CustomResource], tuple[type[CustomResource], ...]] = {
+    DynamoGraphDeployment: (DynamoGraphDeploymentV1Beta1, DynamoGraphDeployment),
 }
 CONVERSION_PATH = "/convert"
 # The chart's webhook Service for its default release (name and namespace dynamo-snapshot). The chart
@@ -128,22 +132,29 @@ def build_crd(resource: type[CustomResource]) -> dict[str, Any]:
     }
 
 
+def storage_model(resource: type[CustomResource]) -> type[CustomResource]:
+    """The model of the version ``resource``'s CRD stores (``resource`` itself for a CRD of one version)."""
+    return VERSIONS.get(resource, (resource,))[0]
+
+
 def generated_crd(resource: type[CustomResource]) -> dict[str, Any]:
-    """The CRD as crds/ holds it: ``build_crd`` plus the versions of ``ALSO_SERVED``, listed but not
-    served, and the conversion webhook that would convert them.
+    """The CRD as crds/ holds it: ``build_crd`` of the stored version's model, plus the other versions of
+    ``VERSIONS``, listed (in name order) but not served, and the conversion webhook that would convert
+    them.
 
     Serving them is the installer's step (the chart's, with its Service and CA): a version served while
-    no webhook answers breaks more than its own reads, since the apiserver prefers the newest version of
-    the group (``kubectl get dgd``, the garbage collector and the namespace controller read it).
+    no webhook answers fails every read and write at it, and the stored version alone needs none.
     """
-    crd = build_crd(resource)
-    others = ALSO_SERVED.get(resource, ())
-    if not others:
-        return crd
+    versions = VERSIONS.get(resource, ())
+    if not versions:
+        return build_crd(resource)
+    stored, *others = versions
+    crd = build_crd(stored)
     for other in others:
-        if other.resource.crd_name != resource.resource.crd_name:
-            raise ValueError(f"{other.__name__} is not a version of {resource.resource.crd_name}")
+        if other.resource.crd_name != stored.resource.crd_name:
+            raise ValueError(f"{other.__name__} is not a version of {stored.resource.crd_name}")
         crd["spec"]["versions"].append({**_version(other, storage=False), "served": False})
+    crd["spec"]["versions"].sort(key=lambda version: version["name"])
     crd["spec"]["conversion"] = {
         "strategy": "Webhook",
         "webhook": {

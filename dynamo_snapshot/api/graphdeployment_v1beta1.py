@@ -15,11 +15,13 @@ import re
 from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, ConfigDict, Field, JsonValue, field_validator, model_validator
 
 from dynamo_snapshot.api.container import EnvVar
 from dynamo_snapshot.api.graphdeployment import (
     GRAPH_AND_SERVICE_MAX_LENGTH,
+    GRAPH_NAME_MAX_LENGTH,
+    GRAPH_NAME_MESSAGE,
     SERVICE_NAME_MAX_LENGTH,
     SERVICE_NAME_PATTERN,
     CheckpointMode,
@@ -82,13 +84,62 @@ CONTAINER_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 _COMPONENT_NAME = re.compile(SERVICE_NAME_PATTERN)
 
 
+# The same rules as CEL, so that the apiserver refuses with the models' messages what they refuse: v1beta1
+# is the version stored and, in crds/, the only one served (no controller has to be up to say why).
+_COMPONENT_RULES: list[JsonValue] = [
+    {
+        "rule": f"self.name.size() <= {SERVICE_NAME_MAX_LENGTH} && "
+        f"self.name.matches('{SERVICE_NAME_PATTERN}')",
+        "message": COMPONENT_NAME_MESSAGE,
+        "fieldPath": ".name",
+    },
+    {
+        "rule": "!has(self.minAvailable) || (has(self.replicas) && self.replicas == 0) || "
+        "self.minAvailable <= (has(self.replicas) ? self.replicas : 1)",
+        "message": MIN_AVAILABLE_MESSAGE,
+        "fieldPath": ".minAvailable",
+    },
+]
+# Dynamo's own rules on the list (deploy/operator/api/v1beta1 DynamoGraphDeploymentSpec.Components); a
+# list keyed by name besides, so that the apiserver refuses two entries of one name outright.
+_COMPONENTS_RULES: list[JsonValue] = [
+    {"rule": "self.filter(c, has(c.type) && c.type == 'epp').size() <= 1", "message": ONE_EPP_MESSAGE},
+    {
+        "rule": "self.all(c1, self.filter(c2, c2.name.lowerAscii() == c1.name.lowerAscii()).size() == 1)",
+        "message": DUPLICATE_COMPONENT_MESSAGE,
+    },
+]
+_GRAPH_RULES: list[JsonValue] = [
+    {
+        "rule": f"self.metadata.name.size() <= {GRAPH_NAME_MAX_LENGTH}",
+        "message": GRAPH_NAME_MESSAGE,
+        "fieldPath": ".metadata",
+    },
+    {
+        "rule": "!has(self.spec.components) || self.spec.components.all(c, "
+        f"self.metadata.name.size() + c.name.size() <= {GRAPH_AND_SERVICE_MAX_LENGTH})",
+        "message": _COMPONENT_NAMES_MESSAGE,
+        "fieldPath": ".spec.components",
+    },
+]
+_CHECKPOINT_RULES: list[JsonValue] = [
+    {
+        "rule": "!has(self.job) || !has(self.checkpointRef) || size(self.checkpointRef) == 0",
+        "message": JOB_WITH_REF_MESSAGE,
+    },
+]
+
+
 def _component_name(name: str) -> str:
     if not 1 <= len(name) <= SERVICE_NAME_MAX_LENGTH or _COMPONENT_NAME.fullmatch(name) is None:
         raise ValueError(f"{name!r}: {COMPONENT_NAME_MESSAGE}")
     return name
 
 
-ComponentName = Annotated[str, AfterValidator(_component_name)]
+# maxLength bounds the cost the apiserver estimates for the list rules, which compare names pairwise.
+ComponentName = Annotated[
+    str, AfterValidator(_component_name), Field(json_schema_extra={"maxLength": SERVICE_NAME_MAX_LENGTH})
+]
 ContainerName = Annotated[str, Field(min_length=1, max_length=63, pattern=CONTAINER_NAME_PATTERN)]
 
 
@@ -131,6 +182,8 @@ class ComponentCheckpointJobConfig(KubeModel):
 class ComponentCheckpointConfig(KubeModel):
     """Checkpoint/restore for one component (components[].experimental.checkpoint)."""
 
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _CHECKPOINT_RULES})
+
     enabled: bool = Field(strict=True, description="Whether checkpointing is enabled; required.")
     mode: CheckpointMode | None = Field(
         default=None,
@@ -171,6 +224,8 @@ class ComponentExperimentalSpec(KubeModel):
 class Component(KubeModel):
     """One component of the graph: v1alpha1's service, with a native pod template."""
 
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _COMPONENT_RULES})
+
     name: ComponentName = Field(description="Stable logical name, unique in spec.components.")
     type: ComponentType | None = Field(default=None, description="Role of the component.")
     replicas: NonNegativeInt32 | None = None
@@ -190,7 +245,15 @@ class Component(KubeModel):
 
 
 class DynamoGraphDeploymentV1Beta1Spec(KubeModel):
-    components: list[Component] | None = Field(default=None, max_length=COMPONENTS_MAX_ITEMS)
+    components: list[Component] | None = Field(
+        default=None,
+        max_length=COMPONENTS_MAX_ITEMS,
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["name"],
+            "x-kubernetes-validations": _COMPONENTS_RULES,
+        },
+    )
     env: list[EnvVar] | None = Field(default=None, description="Prepended to every component's env.")
     backend_framework: BackendFramework | None = None
     annotations: dict[str, str] | None = None
@@ -261,7 +324,9 @@ class DynamoGraphDeploymentV1Beta1(CustomResource):
         ),
     )
 
-    model_config = ConfigDict(title="DynamoGraphDeployment")
+    model_config = ConfigDict(
+        title="DynamoGraphDeployment", json_schema_extra={"x-kubernetes-validations": _GRAPH_RULES}
+    )
 
     api_version: Literal["nvidia.com/v1beta1"] = "nvidia.com/v1beta1"
     kind: Literal["DynamoGraphDeployment"] = "DynamoGraphDeployment"

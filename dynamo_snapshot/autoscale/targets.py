@@ -1,7 +1,8 @@
 """Where a DynamoScalingPolicy's target (dgdName + serviceName) has its replicas: read and written.
 
-In mode standalone this controller runs the DGDs: the count is the v1alpha1 DGD's
-``spec.services[name].replicas`` and the DGD reconciler turns it into pods (``OwnDgds``).
+In mode standalone this controller runs the DGDs (``OwnDgds``): the count is the service's replicas of
+the controller's cached view (v1alpha1's ``spec.services[name].replicas``), written at the version the
+DGDs are read at (kube/dgd_versions.py), and the DGD reconciler turns it into pods.
 
 Beside NVIDIA's Dynamo operator (``OperatorDgds``), the operator owns the DGDs and offers outside
 autoscalers one DynamoGraphDeploymentScalingAdapter (DGDSA) per service, with a ``scale`` subresource: the
@@ -21,6 +22,7 @@ from typing import Final, Protocol
 
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.kube import ApiError, Informer, Kube, Obj, ResourceKind, is_not_found
+from dynamo_snapshot.kube.dgd_versions import DgdVersion, read_version
 from dynamo_snapshot.kube.kinds import CRD, DGD, POD
 from dynamo_snapshot.kube.pods import pods_of
 
@@ -48,13 +50,6 @@ _V1ALPHA1: Final = protocol.API_VERSION
 
 def adapter_kind(version: str) -> ResourceKind:
     return ResourceKind(protocol.API_GROUP, version, _ADAPTER_PLURAL, _ADAPTER_KIND)
-
-
-def read_version(crd: Obj | None) -> str | None:
-    """The version a CRD of Dynamo's is read at: v1beta1 where served, else v1alpha1; None when the CRD
-    is absent or serves neither."""
-    served = {v.get("name") for v in ((crd or {}).get("spec") or {}).get("versions") or [] if v.get("served")}
-    return next((v for v in (_V1BETA1, _V1ALPHA1) if v in served), None)
 
 
 class ScaleFailed(Exception):
@@ -108,10 +103,11 @@ def _replicas(entry: Obj) -> int:
 
 
 class OwnDgds:
-    """Mode standalone: this controller's v1alpha1 DGDs and worker pods, from the controller's caches."""
+    """Mode standalone: this controller's DGDs (cached as views) and worker pods, from its caches."""
 
-    def __init__(self, kube: Kube, dgds: Informer, pods: Informer) -> None:
+    def __init__(self, kube: Kube, dgds: Informer, pods: Informer, version: DgdVersion | None = None) -> None:
         self.kube, self.dgds, self._pods = kube, dgds, pods
+        self.version = version or DgdVersion()
 
     async def open(self) -> None:
         return None
@@ -129,7 +125,19 @@ class OwnDgds:
         return Found(dgd, service, _replicas(entry))
 
     async def scale(self, found: Found, desired: int) -> None:
-        await _write(self.kube, found, desired, DGD, None)
+        if self.version.converts:
+            found = self._indexed(found)
+        await _write(self.kube, found, desired, self.version.kind, None)
+
+    def _indexed(self, found: Found) -> Found:
+        """``found`` with its component's index in the stored list: the view converted back gives the
+        list's order (the conversion keeps it); the patch's test op refuses a stale one."""
+        components = (self.version.stored(found.dgd).get("spec") or {}).get("components") or []
+        index = next((i for i, c in enumerate(components) if c.get("name") == found.service), None)
+        if index is None:
+            name = found.dgd["metadata"]["name"]
+            raise ScaleFailed("TargetNotFound", f"component {found.service} of {name} does not exist")
+        return Found(found.dgd, found.service, found.replicas, index=index)
 
     def pods(self, namespace: str, dgd_name: str, service: str) -> list[Obj]:
         return pods_of(self._pods, namespace, dgd_name, service)

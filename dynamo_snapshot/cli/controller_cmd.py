@@ -19,6 +19,7 @@ from dynamo_snapshot.controller.install_mode import check_install_mode, kinds_le
 from dynamo_snapshot.controller.manager import Controller
 from dynamo_snapshot.controller.webhook_server import WebhookServer
 from dynamo_snapshot.kube import Informer, Kube, load_client
+from dynamo_snapshot.kube.dgd_versions import DgdVersion
 from dynamo_snapshot.kube.kinds import POD_SNAPSHOT, SCALING_POLICY
 
 
@@ -71,19 +72,22 @@ _OVERRIDES = (
 
 
 def build_controller(
-    kube: Kube, config: ControllerConfig, left_to_others: frozenset[str] = frozenset()
+    kube: Kube,
+    config: ControllerConfig,
+    left_to_others: frozenset[str] = frozenset(),
+    dgd_version: DgdVersion | None = None,
 ) -> Controller:
     """The controller process's parts wired together: the reconcilers and, when `config.autoscale` is on,
     the autoscaler, which runs only while the controller leads: over this controller's DGDs in mode
     standalone, over the Dynamo operator's (through its scaling adapters where installed) in mode
     dynamo-operator."""
-    controller = Controller(kube, config, left_to_others=left_to_others)
+    controller = Controller(kube, config, left_to_others=left_to_others, dgd_version=dgd_version)
     if config.autoscale:
         policies = Informer(kube, SCALING_POLICY, namespace=config.namespace)
         # Beside NVIDIA's Dynamo operator the autoscaler keeps read-only caches of its own (the operator's
         # DGDs, scaling adapters and pods), built when it starts leading from what the CRDs serve then.
         targets: Targets = (
-            OwnDgds(kube, controller.ctx.dgds, controller.ctx.pods)
+            OwnDgds(kube, controller.ctx.dgds, controller.ctx.pods, controller.dgd_version)
             if config.runs_dgds
             else OperatorDgds(kube, config.namespace)
         )
@@ -231,9 +235,9 @@ async def _main(config: ControllerCommandConfig, kubeconfig: str | None, stop: a
         api_client = await load_client(kubeconfig)
         async with api_client:
             kube = Kube(api_client, field_manager=CONTROLLER_NAME)
-            await check_install_mode(kube, config.mode)
+            dgd_version = await check_install_mode(kube, config.mode)
             left_to_others = await kinds_left_to_others(kube, config.mode)
-            controller = build_controller(kube, config, left_to_others)
+            controller = build_controller(kube, config, left_to_others, dgd_version)
             if not config.webhook_port:
                 health.use(controller.readiness)
                 await controller.run_until(stop)

@@ -14,6 +14,7 @@ from dynamo_snapshot.cli import (
     controller_cmd,
     crds_cmd,
     demo_absent,
+    dgd_cmd,
     identity_cmd,
     podsnapshot_cmds,
     snapshot_cmds,
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     podsnapshot_cmds.register(sub)
     identity_cmd.register(sub)
     crds_cmd.register(sub)
+    dgd_cmd.register(sub)
     return parser
 
 

@@ -18,6 +18,7 @@ from dynamo_snapshot.controller.expectations import Expectations
 from dynamo_snapshot.controller.failover import PAUSED, Failover, node_down, unhealthy_since
 from dynamo_snapshot.controller.podspec import keep_off_nodes
 from dynamo_snapshot.kube import EventRecorder, Informer, Kube, Obj
+from dynamo_snapshot.kube.dgd_versions import DgdVersion
 from dynamo_snapshot.kube.pods import pods_of
 
 PODS_CREATED = Counter(
@@ -58,6 +59,8 @@ class Context:
     recorder: EventRecorder
     # The process's own config, not a copy: what the reconcilers read is what the file and flags said.
     settings: ControllerConfig = field(default_factory=ControllerConfig)
+    # The version `dgds` reads and the status writes go to; its cache holds views (dgd_versions).
+    dgd_version: DgdVersion = field(default_factory=DgdVersion)
     expectations: Expectations = field(default_factory=Expectations)
     failover: Failover = field(default_factory=Failover)
     # Bridges informer lag right after we create a DynamoCheckpoint, so a second reconcile does not

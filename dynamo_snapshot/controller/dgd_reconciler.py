@@ -34,6 +34,7 @@ from dynamo_snapshot.controller.worker_pods import (
     start_mode,
 )
 from dynamo_snapshot.kube import WARNING, ApiError, Obj, Result
+from dynamo_snapshot.kube.dgd_versions import DgdUnreadable
 from dynamo_snapshot.kube.pods import pod_active, pod_ready, unschedulable
 
 __all__ = ["DGDReconciler"]
@@ -57,9 +58,10 @@ class DGDReconciler:
         generation = obj["metadata"].get("generation")
         status: dict[str, Any] = dict(obj.get("status") or {})
         try:
-            dgd = DynamoGraphDeployment.model_validate(obj)
-        except ValidationError as e:
-            msg = f"invalid spec, nothing changed: {validation_message(e)}"
+            dgd = ctx.dgd_version.model(obj)
+        except (ValidationError, DgdUnreadable) as e:
+            why = validation_message(e) if isinstance(e, ValidationError) else str(e)
+            msg = f"invalid spec, nothing changed: {why}"
             ctx.recorder.record(obj, WARNING, "InvalidSpec", msg)
             conds = cond.set_condition(
                 status.get("conditions") or [], cond.DEGRADED, True, "InvalidSpec", msg, generation

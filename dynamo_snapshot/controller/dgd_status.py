@@ -13,7 +13,6 @@ from dynamo_snapshot.api.graphdeployment import DGDState
 from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.controller.refusals import Refusal, Refusals, refusal_text, refused
 from dynamo_snapshot.kube import Obj, is_conflict, is_not_found
-from dynamo_snapshot.kube.kinds import DGD
 
 log = logging.getLogger(__name__)
 STATUS_MIN_INTERVAL = 1.0  # seconds between status writes of one DGD that carry no new generation
@@ -199,7 +198,7 @@ async def write_status(ctx: Context, refusals: Refusals, obj: Obj, status: dict[
     # Replace rather than merge: maps of services that disappeared must disappear from status too.
     body = {**obj, "status": status}
     try:
-        await ctx.kube.replace_status(DGD, body)
+        await ctx.kube.replace_status(ctx.dgd_version.kind, ctx.dgd_version.stored(body))
     except Exception as e:
         if is_conflict(e):
             # Someone else changed the DGD since our cache saw it: the informer delivers that version,

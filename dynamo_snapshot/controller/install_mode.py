@@ -19,6 +19,7 @@ from typing import Any, Final
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.controller.config import InstallMode
 from dynamo_snapshot.kube import ApiError, Kube, ResourceKind, is_not_found
+from dynamo_snapshot.kube.dgd_versions import DgdVersion, read_version
 from dynamo_snapshot.kube.kinds import CHECKPOINT, CRD, DGD, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT, SNAPSHOT_JOB
 
 __all__ = [
@@ -40,10 +41,11 @@ DGD_CRD_NAME: Final = f"{DGD.plural}.{DGD.group}"
 # Kinds another operator may define and run beside ours (ai-dynamo/dynamo deploy/operator/config/crd/bases
 # holds DynamoCheckpoint, PodSnapshot and PodSnapshotContent; ai-dynamo/snapshot adds SnapshotJob).
 SHARED_KINDS: Final = (CHECKPOINT, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT, SNAPSHOT_JOB)
-# The DGD versions this controller reads and writes: its own in mode standalone; beside NVIDIA's Dynamo
-# operator the autoscaler also reads and scales v1beta1 DGDs (preferred where the CRD serves both).
-UNDERSTOOD_DGD_VERSIONS: Final = frozenset({DGD.version})
-OPERATOR_DGD_VERSIONS: Final = frozenset({DGD.version, protocol.API_VERSION_V1BETA1})
+# The DGD versions this controller reads and writes, in either mode: v1beta1 where the CRD serves it (this
+# project's CRD stores it, as Dynamo 1.5+'s does), else v1alpha1 (the older operators' CRDs); either is
+# converted in-process to the shape the reconcilers read (kube/dgd_versions.py).
+UNDERSTOOD_DGD_VERSIONS: Final = frozenset({DGD.version, protocol.API_VERSION_V1BETA1})
+OPERATOR_DGD_VERSIONS: Final = UNDERSTOOD_DGD_VERSIONS
 _OWNER_LABEL: Final = f"{protocol.LABEL_CRD_OWNER}={protocol.MANAGED_BY_VALUE}"
 _SET_MODE: Final = "(Helm value mode, or the controller's --mode / config key mode)"
 
@@ -145,12 +147,18 @@ async def kinds_left_to_others(kube: Kube, mode: InstallMode) -> frozenset[str]:
     return frozenset(left)
 
 
-async def check_install_mode(kube: Kube, mode: InstallMode) -> None:
-    """Read the DGD CRD and raise InstallModeRefused (logged) when ``mode`` contradicts it."""
+async def check_install_mode(kube: Kube, mode: InstallMode) -> DgdVersion:
+    """Read the DGD CRD and raise InstallModeRefused (logged) when ``mode`` contradicts it; else the version
+    DGDs are read and written at."""
     crd = await _read_crd(kube, DGD_CRD_NAME, mode)
     problem = install_mode_problem(crd, mode)
     if problem:
         log.error("install mode refused", extra={"mode": str(mode), "reason": problem})
         raise InstallModeRefused(problem)
     versions = _served_versions(crd) if crd is not None else []
-    log.info("install mode checked", extra={"mode": str(mode), "dgdCrdVersions": versions})
+    chosen = DgdVersion(read_version(crd) or protocol.API_VERSION_V1BETA1)
+    log.info(
+        "install mode checked",
+        extra={"mode": str(mode), "dgdCrdVersions": versions, "dgdVersion": chosen.version},
+    )
+    return chosen

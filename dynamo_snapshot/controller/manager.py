@@ -31,9 +31,10 @@ from dynamo_snapshot.kube import (
     controller_ref,
     object_key,
 )
+from dynamo_snapshot.kube.dgd_versions import DgdVersion
+from dynamo_snapshot.kube.informer import compact
 from dynamo_snapshot.kube.kinds import (
     CHECKPOINT,
-    DGD,
     JOB,
     NODE,
     POD,
@@ -55,6 +56,16 @@ QueueKey = tuple[str, str]
 LeaderTask = Callable[[asyncio.Event], Coroutine[object, object, None]]
 
 
+def _dgd_informer(kube: Kube, version: DgdVersion, namespace: str | None) -> Informer:
+    """DGDs at ``version``, cached as views (v1alpha1's shape), compacted like every cached object."""
+
+    def transform(obj: Obj) -> Obj:
+        (obj.get("metadata") or {}).pop("managedFields", None)
+        return compact(version.view(obj))
+
+    return Informer(kube, version.kind, namespace=namespace, transform=transform)
+
+
 @dataclass(frozen=True)
 class _LeaderOnly:
     name: str
@@ -63,17 +74,24 @@ class _LeaderOnly:
 
 class Controller:
     def __init__(
-        self, kube: Kube, config: ControllerConfig, *, left_to_others: frozenset[str] = frozenset()
+        self,
+        kube: Kube,
+        config: ControllerConfig,
+        *,
+        left_to_others: frozenset[str] = frozenset(),
+        dgd_version: DgdVersion | None = None,
     ) -> None:
         self.kube = kube
         self.config = config
+        # The version DGDs are read and written at: v1beta1 where served (install_mode.check_install_mode).
+        self.dgd_version = dgd_version or DgdVersion()
         # Kinds whose objects another operator runs (install_mode.kinds_left_to_others): never reconciled.
         self.left_to_others = left_to_others
         managed = f"{protocol.LABEL_MANAGED_BY}={protocol.MANAGED_BY_VALUE}"
         ns = config.namespace
         self.ctx = Context(
             kube=kube,
-            dgds=Informer(kube, DGD, namespace=ns),
+            dgds=_dgd_informer(kube, self.dgd_version, ns),
             checkpoints=Informer(
                 kube, CHECKPOINT, namespace=ns, indexed_labels=[protocol.LABEL_CHECKPOINT_HASH]
             ),
@@ -92,6 +110,7 @@ class Controller:
             nodes=Informer(kube, NODE),
             recorder=EventRecorder(kube, CONTROLLER_NAME),
             settings=config,
+            dgd_version=self.dgd_version,
         )
         # Mode dynamo-operator: NVIDIA's Dynamo operator runs the DGDs; their informer is never started
         # and no DGD is reconciled (no worker pods, no status writes).

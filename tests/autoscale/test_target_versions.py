@@ -1,10 +1,12 @@
-"""Which DGD and DGDSA versions are read beside NVIDIA's Dynamo operator, and which DGD CRDs each install
-mode accepts (the operator's v1beta1 CRDs only in mode dynamo-operator)."""
+"""Which DGD and DGDSA versions are read (v1beta1 where served, else v1alpha1), and which DGD CRDs each
+install mode accepts."""
 
 from __future__ import annotations
 
 import pytest
 
+from dynamo_snapshot.api import crdgen
+from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment
 from dynamo_snapshot.autoscale.targets import read_version
 from dynamo_snapshot.controller.config import InstallMode
 from dynamo_snapshot.controller.install_mode import install_mode_problem
@@ -33,10 +35,16 @@ def test_a_crd_serving_neither_is_refused_in_both_modes() -> None:
     assert "reads only v1alpha1 or v1beta1" in problem, problem
 
 
-def test_standalone_still_reads_only_v1alpha1() -> None:
-    # Our own CRD serving only v1beta1 (v1alpha1 kept unserved): mode standalone cannot run it.
-    ours_beta = dgd_crd.operators_v1beta1()
-    ours_beta["metadata"]["labels"] = dgd_crd.ours()["metadata"]["labels"]
-    problem = install_mode_problem(ours_beta, STANDALONE)
+def test_standalone_reads_its_own_crd_at_v1beta1_and_an_older_one_at_v1alpha1() -> None:
+    # Ours as crds/ holds it: v1beta1 stored and served alone (v1alpha1 listed unserved).
+    generated = crdgen.generated_crd(DynamoGraphDeployment)
+    assert install_mode_problem(generated, STANDALONE) is None
+    assert read_version(generated) == "v1beta1"
+    # As an older release installed it, v1alpha1 alone.
+    older = dgd_crd.ours()
+    assert install_mode_problem(older, STANDALONE) is None
+    assert read_version(older) == "v1alpha1"
+    # Serving neither: refused, naming both.
+    problem = install_mode_problem(dgd_crd.serving_only_an_unknown_version(older), STANDALONE)
     assert problem is not None
-    assert "serves v1beta1, and this controller reads only v1alpha1:" in problem, problem
+    assert "reads only v1alpha1 or v1beta1" in problem, problem

@@ -23,7 +23,8 @@ from dynamo_snapshot.cli.controller_cmd import build_controller
 from dynamo_snapshot.controller.manager import Controller, ControllerConfig
 from dynamo_snapshot.controller.podspec import auto_checkpoint_name, gpus_of_pod
 from dynamo_snapshot.kube import EVENT, NODE, POD, ApiError, Kube, Obj, is_not_found
-from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
+from dynamo_snapshot.kube.dgd_versions import DgdClient
+from dynamo_snapshot.kube.kinds import CHECKPOINT, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
 
 IDENTITY = {"model": "Qwen/Qwen3-0.6B", "backendFramework": "vllm", "tensorParallelSize": 1}
 
@@ -208,13 +209,17 @@ class Harness:
     kill_controller: Callable[[], Awaitable[None]]
     controller: Callable[[], Controller]  # the one running now (a restart makes a new one)
 
+    @property
+    def dgds(self) -> DgdClient:
+        """DGDs written at the version the CRD stores (v1beta1: crds/ serves it alone), read as views in
+        v1alpha1's shape, as the controller reads them."""
+        return DgdClient(self.kube)
+
     async def apply_dgd(self, manifest: Obj) -> Obj:
-        return await self.kube.create(DGD, manifest, self.namespace)
+        return await self.dgds.create(manifest, self.namespace)
 
     async def scale(self, name: str, replicas: int, service: str = "VllmWorker") -> None:
-        await self.kube.merge_patch(
-            DGD, name, {"spec": {"services": {service: {"replicas": replicas}}}}, self.namespace
-        )
+        await self.dgds.set_replicas(name, self.namespace, service, replicas)
 
     async def pods(self, graph: str | None = None) -> list[Obj]:
         selector = (
@@ -230,7 +235,7 @@ class Harness:
         return items
 
     async def dgd(self, name: str) -> Obj:
-        return await self.kube.get(DGD, name, self.namespace)
+        return await self.dgds.get(name, self.namespace)
 
     async def auto_checkpoint(self, graph: str, identity: dict[str, Any] | None = None) -> str:
         """The name of the Auto-mode checkpoint DGD `graph` makes for `identity` (its own, never shared)."""

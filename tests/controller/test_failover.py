@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY
 
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.kube import NODE, POD, Obj
-from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD
+from dynamo_snapshot.kube.kinds import CHECKPOINT
 from dynamo_snapshot.localcluster.nodes import KWOK_NODE_ANNOTATION, KWOK_NODE_VALUE
 from tests.controller.conftest import Harness, dgd_manifest, eventually
 
@@ -166,7 +166,7 @@ async def test_losses_while_a_checkpoint_ref_waits_are_replaced_paced_once_it_is
     pods = await eventually(running, within=60)
     # The service is pointed at a checkpoint that does not exist yet: it waits, its workers keep running.
     ref = {"spec": {"services": {"VllmWorker": {"checkpoint": {"checkpointRef": "later"}}}}}
-    await h.kube.merge_patch(DGD, "fo", ref, h.namespace)
+    await h.dgds.merge_patch("fo", h.namespace, ref)
 
     async def condition(type_: str, *words: str) -> Obj | None:
         conds = ((await h.dgd("fo")).get("status") or {}).get("conditions") or []

@@ -22,7 +22,7 @@ from dynamo_snapshot.cli.controller_cmd import build_controller
 from dynamo_snapshot.controller.config import ControllerConfig
 from dynamo_snapshot.controller.failover import node_healthy
 from dynamo_snapshot.kube import EVENT, NODE, POD, ApiError, Kube, Obj
-from dynamo_snapshot.kube.kinds import DGD
+from dynamo_snapshot.kube.dgd_versions import DgdClient
 from dynamo_snapshot.localcluster import LocalCluster
 from tests.controller.conftest import Harness, dgd_manifest, eventually
 from tests.controller.test_failover import _fail_node, _heal_node, _mode, _replaced, _restored_service
@@ -312,7 +312,7 @@ async def test_a_control_plane_outage_deletes_no_worker(
 ) -> None:
     kube = controller
     nodes = [gpu_node(product="NVIDIA-H200", gpus=8, driver_major=580)["metadata"]["name"] for _ in range(3)]
-    await kube.create(DGD, dgd_manifest("blip", replicas=3), namespace)
+    await DgdClient(kube).create(dgd_manifest("blip", replicas=3), namespace)
 
     async def running() -> list[Obj]:
         items, _ = await kube.list_all(POD, namespace, label_selector=f"{protocol.LABEL_GRAPH}=blip")
@@ -337,7 +337,9 @@ async def test_a_control_plane_outage_deletes_no_worker(
         await eventually(lambda: nodes_ready(False), within=60)
 
         async def noted() -> bool:
-            conds = ((await kube.get(DGD, "blip", namespace)).get("status") or {}).get("conditions") or []
+            conds = ((await DgdClient(kube).get("blip", namespace)).get("status") or {}).get(
+                "conditions"
+            ) or []
             return any("NotReady node(s)" in (c.get("message") or "") for c in conds)
 
         await eventually(noted, within=30)  # the controller saw the nodes down, and keeps the workers

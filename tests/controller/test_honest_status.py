@@ -15,7 +15,6 @@ import pytest
 
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.kube import POD, Obj, ResourceKind
-from dynamo_snapshot.kube.kinds import DGD
 from dynamo_snapshot.localcluster import LocalCluster
 from dynamo_snapshot.localcluster.nodes import gpu_node_manifest
 from tests.api.examples import MANIFEST_DIR, load_manifest
@@ -378,7 +377,7 @@ async def test_a_pod_field_only_the_apiserver_can_check_is_a_condition_until_fix
     fixed = copy.deepcopy(manifest["spec"]["services"]["Worker"]["extraPodSpec"]["mainContainer"])
     fixed.update(fix)
     patch = {"spec": {"services": {"Worker": {"extraPodSpec": {"mainContainer": fixed}}}}}
-    await h.kube.merge_patch(DGD, "odd", patch, h.namespace)
+    await h.dgds.merge_patch("odd", h.namespace, patch)
     dgd = await eventually(lambda: _dgd_ready(h, "odd"), within=30)
     assert _condition(dgd, "Degraded")["status"] == "False"
     assert len(await h.events("PodCreateRejected")) == 1

@@ -48,6 +48,7 @@ UNKNOWN_VERSION = (
 
 
 def test_each_mode_runs_with_the_crd_it_expects() -> None:
+    assert install_mode_problem(dgd_crd.generated(), STANDALONE) is None
     assert install_mode_problem(dgd_crd.ours(), STANDALONE) is None
     assert install_mode_problem(dgd_crd.operators(), OPERATOR) is None
     # A CRD that serves v1alpha1 beside another version is read at v1alpha1.
@@ -142,9 +143,13 @@ def test_the_controller_refuses_to_start_with_the_message(
 
 @pytest.mark.cluster
 @pytest.mark.parametrize(
-    ("crd", "mode"),
-    [(dgd_crd.ours(), STANDALONE), (dgd_crd.operators(), OPERATOR)],
-    ids=["ours", "operators"],
+    ("crd", "mode", "versions"),
+    [
+        (dgd_crd.generated(), STANDALONE, ["v1beta1"]),
+        (dgd_crd.ours(), STANDALONE, ["v1alpha1"]),
+        (dgd_crd.operators(), OPERATOR, ["v1alpha1"]),
+    ],
+    ids=["ours", "ours-of-an-older-release", "operators"],
 )
 def test_each_mode_starts_with_its_own_crd(
     cluster: LocalCluster,
@@ -153,8 +158,10 @@ def test_each_mode_starts_with_its_own_crd(
     tmp_path: Path,
     crd: dict[str, object],
     mode: InstallMode,
+    versions: list[str],
 ) -> None:
-    """No refusal where mode and CRD agree: the process gets as far as ready, and stops cleanly."""
+    """No refusal where mode and CRD agree: the process gets as far as ready, reading DGDs at the version
+    served (v1beta1 where it is), and stops cleanly."""
     port, log = free_port(), tmp_path / "controller.log"
     args = ["controller", "--kubeconfig", str(cluster.kubeconfig), "--mode", str(mode)]
     args += ["--namespace", namespace, "--no-leader-elect", "--metrics-port", "0", "--health-port", str(port)]
@@ -167,7 +174,9 @@ def test_each_mode_starts_with_its_own_crd(
             rc = proc.wait(timeout=30)
     assert rc == 0, log.read_text()[-3000:]
     checked = [json.loads(line) for line in log.read_text().splitlines() if "install mode checked" in line]
-    assert [(c["mode"], c["dgdCrdVersions"]) for c in checked] == [(mode, ["v1alpha1"])]
+    assert [(c["mode"], c["dgdCrdVersions"], c["dgdVersion"]) for c in checked] == [
+        (mode, versions, versions[0])
+    ]
 
 
 def _ready(port: int, proc: subprocess.Popen[bytes], log: Path) -> bool:

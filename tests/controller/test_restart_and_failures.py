@@ -10,7 +10,7 @@ import pytest
 
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.identity import compute_identity_hash
-from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD, JOB
+from dynamo_snapshot.kube.kinds import CHECKPOINT, JOB
 from tests.helpers.invariants import InvariantWatch
 
 from .conftest import IDENTITY, Harness, dgd_manifest, eventually
@@ -153,7 +153,7 @@ async def test_identity_changed_in_place_keeps_running_replicas(
     before = sorted(p["metadata"]["name"] for p in await h.pods("drift"))
     new_identity = {**IDENTITY, "model": "Qwen/Qwen3-1.7B"}
     patch = {"spec": {"services": {"VllmWorker": {"checkpoint": {"identity": new_identity}}}}}
-    await h.kube.merge_patch(DGD, "drift", patch, h.namespace)
+    await h.dgds.merge_patch("drift", h.namespace, patch)
     assert await eventually(lambda: h.events("IdentityChanged"))
     new_name = await h.auto_checkpoint("drift", new_identity)
     await eventually(lambda: _ckpt_named_in_status(h, "drift", new_name))

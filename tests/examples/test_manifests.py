@@ -75,6 +75,13 @@ FLAGS: dict[str, dict[str, str]] = {
 }
 
 
+@pytest.fixture(scope="module")
+def crds(crds: list[str], v1alpha1_served: None) -> list[str]:
+    """The CRDs with v1alpha1 DGDs served too (the chart's arrangement): this module applies v1alpha1
+    manifests. crds/ alone serves v1beta1 only (test_crds_as_shipped.py)."""
+    return crds
+
+
 def _manifest_files() -> list[Path]:
     return sorted(
         path

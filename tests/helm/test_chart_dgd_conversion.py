@@ -1,6 +1,7 @@
-"""The DGD CRD template's conversion webhook: with webhook.enabled v1beta1 is served and converted by this
-release's webhook Service, trusted through the CA the restore webhook's certificate is signed by (or the
-given caBundle with webhook.certs.existingSecret); without the webhook the CRD is v1alpha1 alone."""
+"""The DGD CRD template's conversion webhook: v1beta1 is stored and always served; with webhook.enabled
+v1alpha1 is served too, converted by this release's webhook Service, trusted through the CA the restore
+webhook's certificate is signed by (or the given caBundle with webhook.certs.existingSecret); without the
+webhook the CRD is the generated one, v1beta1 alone served."""
 
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ def _crd(objs: list[Obj]) -> Obj:
     return one(objs, "CustomResourceDefinition")
 
 
-def test_with_the_webhook_v1beta1_is_served_and_converted_by_the_release_service() -> None:
+def test_with_the_webhook_v1alpha1_is_served_and_converted_by_the_release_service() -> None:
     objs = render(release="rel", namespace="snap")
     crd = _crd(objs)
     assert [(v["name"], v["served"], v["storage"]) for v in crd["spec"]["versions"]] == [
-        ("v1alpha1", True, True),
-        ("v1beta1", True, False),
+        ("v1alpha1", True, False),
+        ("v1beta1", True, True),
     ]
     conversion = crd["spec"]["conversion"]
     ca = conversion["webhook"]["clientConfig"].pop("caBundle")
@@ -57,19 +58,22 @@ def test_an_existing_secret_brings_its_ca_bundle() -> None:
     assert not [o for o in objs if o["kind"] == "Secret" and "webhook" in o["metadata"]["name"]]
 
 
-def test_without_the_webhook_the_crd_is_v1alpha1_alone() -> None:
+def test_without_the_webhook_the_crd_is_the_generated_one_serving_v1beta1_alone() -> None:
     crd = _crd(render(WEBHOOK_OFF))
-    assert [v["name"] for v in crd["spec"]["versions"]] == ["v1alpha1"]
-    assert "conversion" not in crd["spec"]
-    assert crd["spec"] == crdgen.build_crd(DynamoGraphDeployment)["spec"]
+    assert [(v["name"], v["served"], v["storage"]) for v in crd["spec"]["versions"]] == [
+        ("v1alpha1", False, False),
+        ("v1beta1", True, True),
+    ]
+    assert crd["spec"] == crdgen.generated_crd(DynamoGraphDeployment)["spec"]
 
 
 def test_the_generated_file_serves_only_the_storage_version() -> None:
-    """kubectl apply -f crds/ serves v1alpha1 alone: its placeholder Service converts nothing."""
+    """kubectl apply -f crds/ serves v1beta1 alone, the version stored: nothing needs converting, and its
+    placeholder Service is never called."""
     crd = crdgen.generated_crd(DynamoGraphDeployment)
-    assert [(v["name"], v["served"]) for v in crd["spec"]["versions"]] == [
-        ("v1alpha1", True),
-        ("v1beta1", False),
+    assert [(v["name"], v["served"], v["storage"]) for v in crd["spec"]["versions"]] == [
+        ("v1alpha1", False, False),
+        ("v1beta1", True, True),
     ]
     assert crd["spec"]["conversion"]["webhook"]["clientConfig"] == {
         "service": dict(crdgen.CONVERSION_SERVICE)

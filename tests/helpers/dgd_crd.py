@@ -2,10 +2,12 @@
 operator's, one serving only a version we do not read, the operator's serving v1beta1) or removed, and put
 back after: the install modes are about whose CRD that is.
 
-Every swap is built by editing the generated CRD, so the apiserver keeps the DGDs other tests made. A swap
-that stores v1beta1 (``operators_v1beta1``) is undone by a storage migration: the DGDs of the namespaces
-given to ``dgd_crd_as`` are deleted (they may be stored at v1beta1), v1beta1 is dropped from the CRD's
-storedVersions, and only then is our CRD put back. The restore waits until v1alpha1 is served again.
+Every swap is built by editing a generated CRD, and lists (unserved) every version the cluster's CRD has
+stored objects at, so the apiserver takes it and keeps the DGDs other tests made. A swap that stores
+another version than ours (v1beta1), such as ``operators()`` (v1alpha1, as Dynamo's older operators), is
+undone by a storage migration: the DGDs of the namespaces given to ``dgd_crd_as`` are deleted (they may
+be stored at that version), our CRD is put back, and the other version leaves its storedVersions. The
+restore waits until v1beta1 is served again.
 """
 
 from __future__ import annotations
@@ -34,8 +36,17 @@ OPERATOR_ANNOTATIONS = {
 
 
 def ours() -> Obj:
-    """The DGD CRD of our model alone (one version, nothing converted): what the swaps edit."""
+    """The DGD CRD of our v1alpha1 model alone (one version, nothing converted), as older releases of this
+    project installed it: what the swaps edit."""
     return crdgen.build_crd(DynamoGraphDeployment)
+
+
+def generated() -> Obj:
+    """Ours as crds/ holds it: v1beta1 stored and served, v1alpha1 listed."""
+    return crdgen.generated_crd(DynamoGraphDeployment)
+
+
+OUR_STORAGE = next(v["name"] for v in generated()["spec"]["versions"] if v["storage"])
 
 
 def operators(crd: Obj | None = None) -> Obj:
@@ -75,43 +86,68 @@ def _storage(crd: Obj) -> str:
     return str(next(v["name"] for v in crd["spec"]["versions"] if v.get("storage")))
 
 
-def _migrate_back(cluster: LocalCluster, crd: Obj, namespaces: tuple[str, ...]) -> None:
-    """Our CRD can list only v1alpha1: the DGDs possibly stored at ``crd``'s storage version go, v1alpha1
-    stores again, and the other version leaves storedVersions."""
+def _stored_versions(cluster: LocalCluster) -> list[str]:
+    proc = cluster.kubectl("get", "crd", DGD_CRD, "-o", "json", check=False)
+    if proc.returncode != 0:
+        return []
+    return list((json.loads(proc.stdout).get("status") or {}).get("storedVersions") or [])
+
+
+def _listing_stored_versions(cluster: LocalCluster, crd: Obj) -> Obj:
+    """``crd`` plus, unserved, each version the cluster's CRD has stored objects at that it lacks: the
+    apiserver refuses a CRD that drops one."""
+    out = copy.deepcopy(crd)
+    listed = {v["name"] for v in out["spec"]["versions"]}
+    schemas = {v["name"]: v for v in generated()["spec"]["versions"]}
+    for version in _stored_versions(cluster):
+        if version not in listed:
+            out["spec"]["versions"].append(
+                {**copy.deepcopy(schemas[version]), "served": False, "storage": False}
+            )
+    return out
+
+
+def _migrate_back(cluster: LocalCluster, namespaces: tuple[str, ...]) -> None:
+    """The DGDs possibly stored at another version than ours go, our CRD stores again, and the other
+    version leaves storedVersions."""
     for ns in namespaces:
         cluster.kubectl("delete", DGD_CRD, "--all", "-n", ns, "--wait=true", "--timeout=60s", check=False)
-    back = copy.deepcopy(crd)
-    for version in back["spec"]["versions"]:
-        version["storage"] = version["name"] == "v1alpha1"
-    cluster.kubectl("replace", "-f", "-", input=json.dumps(back))
-    stored = json.dumps({"status": {"storedVersions": ["v1alpha1"]}})
+    cluster.kubectl("replace", "-f", "-", input=json.dumps(generated()))
+    stored = json.dumps({"status": {"storedVersions": [OUR_STORAGE]}})
     cluster.kubectl("patch", "crd", DGD_CRD, "--subresource=status", "--type=merge", "-p", stored)
 
 
-def _served(cluster: LocalCluster, version: str) -> bool:
-    proc = cluster.kubectl(
-        "get", f"dynamographdeployments.{version}.nvidia.com", "-A", "-o", "name", check=False
+def served(cluster: LocalCluster, version: str) -> bool:
+    """Whether the apiserver serves DGDs at ``version`` (its discovery says so: no DGD is read, so an
+    object stored at a version nothing converts cannot hide the answer). Also refreshes kubectl's cached
+    discovery, which would otherwise resolve `dgd` to the version served before a swap."""
+    proc = cluster.kubectl("get", "--raw", f"/apis/nvidia.com/{version}", check=False)
+    names = (
+        {r.get("name") for r in json.loads(proc.stdout).get("resources", [])}
+        if proc.returncode == 0
+        else set()
     )
-    return proc.returncode == 0
+    cluster.kubectl("api-resources", "--api-group=nvidia.com", "-o", "name", check=False)
+    return "dynamographdeployments" in names
 
 
 @contextlib.contextmanager
 def dgd_crd_as(cluster: LocalCluster, crd: Obj | None, *namespaces: str) -> Iterator[None]:
     """The cluster's DGD CRD is ``crd`` (None: there is none) inside the block; ours again after it. A
-    ``crd`` storing another version than v1alpha1 takes the namespaces whose DGDs the block writes: their
+    ``crd`` storing another version than ours takes the namespaces whose DGDs the block writes: their
     DGDs are deleted on the way out."""
     if crd is None:
         cluster.kubectl("delete", "crd", DGD_CRD, "--ignore-not-found", "--wait=true", "--timeout=60s")
     else:
-        cluster.kubectl("replace", "-f", "-", input=json.dumps(crd))
+        cluster.kubectl("replace", "-f", "-", input=json.dumps(_listing_stored_versions(cluster, crd)))
     try:
         yield
     finally:
         if crd is None:
             # A Helm release may have made one meanwhile (and kept it): replaced too, it is ours again.
             cluster.install_crds()
-        elif _storage(crd) != "v1alpha1":
-            _migrate_back(cluster, crd, namespaces)
+        elif _storage(crd) != OUR_STORAGE:
+            _migrate_back(cluster, namespaces)
         # Back as crds/ holds it, as the session started.
-        cluster.kubectl("replace", "-f", "-", input=json.dumps(crdgen.generated_crd(DynamoGraphDeployment)))
-        wait_for(lambda: _served(cluster, "v1alpha1"), within=30, what="v1alpha1 DGDs served again")
+        cluster.kubectl("replace", "-f", "-", input=json.dumps(generated()))
+        wait_for(lambda: served(cluster, OUR_STORAGE), within=30, what=f"{OUR_STORAGE} DGDs served again")

@@ -21,7 +21,8 @@ from dynamo_snapshot.cli.demo.scenario import kubelet_worker_spec, worker_graph
 from dynamo_snapshot.controller.manager import ControllerConfig
 from dynamo_snapshot.criu import Criu
 from dynamo_snapshot.kube import POD, Kube, Obj
-from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD
+from dynamo_snapshot.kube.dgd_versions import DgdClient
+from dynamo_snapshot.kube.kinds import CHECKPOINT
 from dynamo_snapshot.localcluster.realnode import RUNC_ROOT, RealNode
 from dynamo_snapshot.localcluster.realnode.host import host_processes
 
@@ -126,8 +127,8 @@ async def eventually(check: Any, within: float, what: str) -> Any:
 
 async def checkpointed_graph(s: Stack) -> tuple[Obj, Obj]:
     """The graph applied with one replica: its Ready Auto-mode checkpoint and its Ready cold worker."""
-    await s.kube.create(
-        DGD, {**graph_manifest(s.node, 1), "metadata": {"name": GRAPH, "namespace": s.namespace}}
+    await DgdClient(s.kube).create(
+        {**graph_manifest(s.node, 1), "metadata": {"name": GRAPH, "namespace": s.namespace}}
     )
 
     async def checkpoint_ready() -> Obj | None:

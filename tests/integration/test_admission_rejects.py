@@ -35,6 +35,13 @@ from tests.integration.apply import refused_by_both, server_dry_run
 pytestmark = pytest.mark.cluster
 
 
+@pytest.fixture(scope="module")
+def crds(crds: list[str], v1alpha1_served: None) -> list[str]:
+    """The CRDs with v1alpha1 DGDs served too (the chart's arrangement): this module applies v1alpha1
+    manifests. crds/ alone serves v1beta1 only (test_crds_as_shipped.py)."""
+    return crds
+
+
 def _graph(name: str = "g", services: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
     return {
         "apiVersion": f"{API_GROUP}/{API_VERSION}",

@@ -26,6 +26,13 @@ from tests.integration.apply import refused, refused_by_both
 pytestmark = pytest.mark.cluster
 
 
+@pytest.fixture(scope="module")
+def crds(crds: list[str], v1alpha1_served: None) -> list[str]:
+    """The CRDs with v1alpha1 DGDs served too (the chart's arrangement): this module applies v1alpha1
+    manifests. crds/ alone serves v1beta1 only (test_crds_as_shipped.py)."""
+    return crds
+
+
 async def _read(api: client.ApiClient, namespace: str, manifest: dict[str, Any]) -> dict[str, Any]:
     plural = MODELS[manifest["kind"]].resource.plural
     stored: dict[str, Any] = await client.CustomObjectsApi(api).get_namespaced_custom_object(

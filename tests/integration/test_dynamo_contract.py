@@ -29,7 +29,8 @@ from dynamo_snapshot.agent.watcher import workload_key
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.cli.demo.scenario import worker_graph
 from dynamo_snapshot.kube import EVENT, POD, Obj
-from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD
+from dynamo_snapshot.kube.dgd_versions import DgdClient
+from dynamo_snapshot.kube.kinds import CHECKPOINT
 from dynamo_snapshot.localcluster import LocalCluster
 from dynamo_snapshot.localcluster.realnode import NO_IO_URING_PROFILE, REAL_NODE_TAINT, RealNode
 from tests.helpers.dynamo import MOCKER_WORKER, dynamo_env, dynamo_site, write_tiny_model
@@ -141,7 +142,7 @@ async def test_dynamo_workers_checkpoint_and_restore_through_dynamos_own_lifecyc
         "model": MODEL,
         "backendFramework": "vllm",
     }
-    await s.kube.create(DGD, {**graph, "metadata": {"name": GRAPH, "namespace": s.namespace}})
+    await DgdClient(s.kube).create({**graph, "metadata": {"name": GRAPH, "namespace": s.namespace}})
 
     # The checkpoint source ends with 0 once told snapshot-complete, before its SnapshotJob removes it.
     exits: dict[str, int] = {}
@@ -201,7 +202,7 @@ async def test_dynamo_workers_checkpoint_and_restore_through_dynamos_own_lifecyc
     assert answer["usage"]["completion_tokens"] == 4
 
     # Two restored replicas.
-    await s.kube.merge_patch(DGD, GRAPH, {"spec": {"services": {SERVICE: {"replicas": 3}}}}, s.namespace)
+    await DgdClient(s.kube).set_replicas(GRAPH, s.namespace, SERVICE, 3)
 
     async def restored() -> list[Obj]:
         found = await pods(s, protocol.StartMode.RESTORE.value)

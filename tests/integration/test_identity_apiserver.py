@@ -23,6 +23,14 @@ from dynamo_snapshot.localcluster import LocalCluster
 
 pytestmark = pytest.mark.cluster
 
+
+@pytest.fixture(scope="module")
+def crds(crds: list[str], v1alpha1_served: None) -> list[str]:
+    """The CRDs with v1alpha1 DGDs served too (the chart's arrangement): this module applies v1alpha1
+    manifests. crds/ alone serves v1beta1 only (test_crds_as_shipped.py)."""
+    return crds
+
+
 VECTORS = json.loads((Path(__file__).parents[1] / "api" / "go_identity_vectors.json").read_text("utf-8"))[
     "vectors"
 ]

@@ -21,7 +21,8 @@ from dynamo_snapshot.agent.runtime.base import pid_running
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.artifact import ArtifactStore, artifact_key
 from dynamo_snapshot.kube import EVENT, POD, Obj
-from dynamo_snapshot.kube.kinds import DGD, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
+from dynamo_snapshot.kube.dgd_versions import DgdClient
+from dynamo_snapshot.kube.kinds import POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
 from dynamo_snapshot.localcluster import LocalCluster
 from dynamo_snapshot.localcluster.realnode import RUNC_ROOT, TEST_IMAGE, RealNode
 from tests.helpers.kubelet_stack import (
@@ -88,7 +89,7 @@ async def test_auto_mode_on_the_kubelet_node(
     assert ckpt["status"]["sourcePod"].startswith(f"{ckpt['metadata']['name']}-checkpoint-")
     expected = await asyncio.to_thread(post, cold["status"]["podIP"])
 
-    await s.kube.merge_patch(DGD, GRAPH, {"spec": {"services": {SERVICE: {"replicas": 4}}}}, s.namespace)
+    await DgdClient(s.kube).set_replicas(GRAPH, s.namespace, SERVICE, 4)
     restored = await _restored_ready(s, 3)
     ips = {p["status"]["podIP"] for p in restored}
     assert len(ips) == 3
@@ -188,7 +189,7 @@ async def test_agent_killed_mid_restore_then_kubelet_restarted(
         await asyncio.Event().wait()
 
     runtime.restore = restore_then_hang  # type: ignore[method-assign]
-    await s.kube.merge_patch(DGD, GRAPH, {"spec": {"services": {SERVICE: {"replicas": 2}}}}, s.namespace)
+    await DgdClient(s.kube).set_replicas(GRAPH, s.namespace, SERVICE, 2)
     await asyncio.wait_for(restored_tree.wait(), 120)
     await s.kill_agent()
     assert workers_outside_pods() == []
@@ -241,7 +242,7 @@ async def test_bad_restores_are_refused_with_a_clear_message(stack: Stack, real_
     s = stack
     s.start_agent(standby_timeout=4)
     ckpt, _ = await checkpointed_graph(s)
-    dgd = await s.kube.get(DGD, GRAPH, s.namespace)
+    dgd = await DgdClient(s.kube).get(GRAPH, s.namespace)
     worker, busybox = real_node.worker_image.name, TEST_IMAGE.name
     sentinel = f"{protocol.CONTROL_MOUNT_PATH}/{protocol.FILE_RESTORE_STANDBY}"
     cases = {

@@ -39,7 +39,8 @@ from dynamo_snapshot.api.identity import compute_identity_hash
 from dynamo_snapshot.artifact import ArtifactStore
 from dynamo_snapshot.criu.packed import PACKED_SUFFIX
 from dynamo_snapshot.kube import EVENT, POD, ApiError, Kube, Obj
-from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD
+from dynamo_snapshot.kube.dgd_versions import DgdClient
+from dynamo_snapshot.kube.kinds import CHECKPOINT
 from dynamo_snapshot.localcluster import LocalCluster
 from tests.helpers.cli import CLI
 from tests.helpers.invariants import (
@@ -155,13 +156,11 @@ class Rig:
 
     async def create_graph(self, replicas: int, state_mib: int = 16) -> None:
         self.watch.allow(GRAPH, SERVICE, replicas)
-        await self.kube.create(DGD, self.graph(replicas, state_mib), self.namespace)
+        await DgdClient(self.kube).create(self.graph(replicas, state_mib), self.namespace)
 
     async def scale(self, replicas: int) -> None:
         self.watch.allow(GRAPH, SERVICE, max(replicas, self.watch.allowed.get((GRAPH, SERVICE), 0)))
-        await self.kube.merge_patch(
-            DGD, GRAPH, {"spec": {"services": {SERVICE: {"replicas": replicas}}}}, self.namespace
-        )
+        await DgdClient(self.kube).set_replicas(GRAPH, self.namespace, SERVICE, replicas)
 
     async def workers(self) -> list[Obj]:
         pods, _ = await self.kube.list_all(POD, self.namespace)
@@ -237,7 +236,7 @@ class Rig:
         await self.until(f"{replicas} workers", lambda: self.converged(replicas), 90)
         await asyncio.sleep(quiet)
         pods = await self.until(f"{replicas} workers, still", lambda: self.converged(replicas), 30)
-        dgd_uid = (await self.kube.get(DGD, GRAPH, self.namespace))["metadata"]["uid"]
+        dgd_uid = (await DgdClient(self.kube).get(GRAPH, self.namespace))["metadata"]["uid"]
         for pod in pods:
             assert [r["uid"] for r in pod["metadata"].get("ownerReferences") or []] == [dgd_uid]
         return list(pods)

@@ -28,7 +28,8 @@ from dynamo_snapshot.cli.demo.stack import (
 )
 from dynamo_snapshot.cli.demo.traffic import Load, Sample, Timeline
 from dynamo_snapshot.kube import DELETED, POD, Informer, Kube, Obj
-from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD, POD_SNAPSHOT, SCALING_POLICY
+from dynamo_snapshot.kube.dgd_versions import DgdClient
+from dynamo_snapshot.kube.kinds import CHECKPOINT, POD_SNAPSHOT, SCALING_POLICY
 from dynamo_snapshot.localcluster.realnode import REAL_NODE_TAINT, RealNode
 
 GRAPH, SERVICE = "demo", "CpuWorker"
@@ -208,8 +209,15 @@ class Scenario:
         self.desired = 0
         self._changes = Changes()
         self._pod_watch = Informer(self.kube, POD, namespace=NAMESPACE, label_selector=SELECTOR)
+        # The DGD is written and watched at v1beta1, the version its CRD stores (served with or without
+        # the chart's conversion webhook), and read in v1alpha1's shape, as dgd_manifest writes it.
+        self._dgds = DgdClient(self.kube)
         self._dgd_watch = Informer(
-            self.kube, DGD, namespace=NAMESPACE, field_selector=f"metadata.name={GRAPH}"
+            self.kube,
+            self._dgds.version.kind,
+            namespace=NAMESPACE,
+            field_selector=f"metadata.name={GRAPH}",
+            transform=self._dgds.version.view,
         )
         self._checkpoint_watch = Informer(self.kube, CHECKPOINT, namespace=NAMESPACE)
         self._pod_watch.add_handler(self._on_pod)
@@ -342,7 +350,7 @@ class Scenario:
         )
         self.timeline.mark("DGD applied")
         applied = self.timeline.now()
-        await self.kube.create(DGD, dgd_manifest(self.profile, self.stack), NAMESPACE)
+        await self._dgds.create(dgd_manifest(self.profile, self.stack), NAMESPACE)
 
         def cold_serving() -> PodRecord | None:
             return next((r for r in self.pods.values() if r.mode == "cold" and r.serving is not None), None)
