@@ -395,8 +395,12 @@ class Autoscaler:
         ):
             return
         try:
-            await self.kube.patch_status(
-                SCALING_POLICY, obj["metadata"]["name"], status, obj["metadata"]["namespace"]
+            await self.kube.json_patch(
+                SCALING_POLICY,
+                obj["metadata"]["name"],
+                _status_ops(obj, status),
+                obj["metadata"]["namespace"],
+                subresource="status",
             )
         except Exception as e:
             if not is_not_found(e):
@@ -404,6 +408,16 @@ class Autoscaler:
             return
         if state is not None:
             state.last_status, state.last_status_at = comparable, now
+
+
+def _status_ops(obj: Obj, status: dict[str, Any]) -> list[dict[str, Any]]:
+    """The JSON patch that writes `status`'s fields. Not a merge patch: that would delete lastMetrics'
+    null entries (a metric without a usable value) instead of storing them, and keep the entries of
+    metrics gone from the spec. A policy the cache shows without a status gets it whole (a field can only
+    be added to an object that exists); its only writer is this autoscaler, so nothing else is lost."""
+    if not obj.get("status"):
+        return [{"op": "add", "path": "/status", "value": status}]
+    return [{"op": "add", "path": f"/status/{key}", "value": value} for key, value in status.items()]
 
 
 def _metrics_condition(

@@ -320,8 +320,8 @@ class PolicyEngine:
 
         desired, qualifiers = self._stabilized(obs, recommendation)
         bound = self._params.upper_name
-        if desired != current and desired == self._params.upper < driver.wanted and bound not in qualifiers:
-            qualifiers.append(bound)  # the bound, not the load, set the count
+        if desired == self._params.upper < driver.wanted and bound not in qualifiers:
+            qualifiers.append(bound)  # the bound, not the load, sets the count
         if desired > current:
             head = f"scale up {current} -> {desired}"
         elif desired < current:
@@ -424,8 +424,12 @@ class PolicyEngine:
                 action += f" ({p.upper_name})"
         elif desired < current:
             action = f"scaling {current} -> {desired} ({p.upper_name})"
+        elif held_back:
+            action = f"holding {desired}{held_back}"
+        elif bounded and desired == p.upper:
+            action = f"holding {desired} ({p.upper_name})"
         else:
-            action = f"holding {desired}{held_back or ' (no scale-down while panicking)'}"
+            action = f"holding {desired} (no scale-down while panicking)"
         return Decision(
             desired=desired,
             reason=f"panic: {demand}, {action}: {notes}",

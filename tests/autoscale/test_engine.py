@@ -286,8 +286,16 @@ def test_the_rate_limit_and_the_ceiling_together() -> None:
     eng = PolicyEngine(params(max_replicas=MOST, replica_ceiling=8, scale_up_max_step=4))
     assert eng.decide(obs(0, 1, 1e300)).reason.startswith("scale up 1 -> 5 (at most +4 per 15s from 1): ")
     d = eng.decide(obs(15, 5, 1e300))
-    assert d.desired == 8  # the period allows 10
+    assert d.desired == 8  # the period allows 20
     assert d.reason.startswith("scale up 5 -> 8 (cluster ceiling 8): ")
+    # Held there, and the reason says by what, in either mode.
+    d = eng.decide(obs(17, 8, 1e300))
+    assert (d.desired, d.panic) == (8, False)
+    assert d.reason.startswith("steady at 8 (cluster ceiling 8): ")
+    panicking = PolicyEngine(params(max_replicas=MOST, replica_ceiling=8, panic_threshold=2.0))
+    d = panicking.decide(obs(0, 8, 1e300, ready=2, starting=6))
+    assert (d.desired, d.panic) == (8, True)
+    assert d.reason.startswith("panic: demand 4.0x ready capacity, holding 8 (cluster ceiling 8): ")
 
 
 # ------------------------------------------------------------------------------------------ grace period

@@ -95,7 +95,13 @@ async def test_an_absurd_total_moves_by_the_default_step_per_period_and_stops_at
 
     assert await eventually(moved, within=20, interval=0.1) == 1 + STEP
     first_step = time.monotonic()
-    status = await _status(h, "absurd")
+
+    async def decided() -> dict[str, Any] | None:
+        status = await _status(h, "absurd")
+        return status if status.get("lastDecision") else None
+
+    # The status is written after the replicas.
+    status = await eventually(decided, within=10)
     assert status["lastMetrics"] == {"absurd": 1e300}
     up = await h.event("ScaledUp", "1 -> 5", "at most +4 per 15s from 1")
     assert up["involvedObject"]["kind"] == "DynamoScalingPolicy"
