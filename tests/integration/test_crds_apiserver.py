@@ -13,6 +13,7 @@ from kubernetes_asyncio import client
 
 from dynamo_snapshot.api.checkpoint import IDENTITY_IMMUTABLE_MESSAGE
 from dynamo_snapshot.api.graphdeployment import (
+    DGD_MANAGED_FRAMEWORK_MESSAGE,
     MANUAL_NEEDS_REF_MESSAGE,
     DynamoGraphDeployment,
 )
@@ -164,6 +165,10 @@ async def test_enabled_checkpoint_alone_is_a_dgd_managed_checkpoint(
 ) -> None:
     # Dynamo's newest API: enabled without checkpointRef or identity asks for the DGD's own checkpoint.
     manifest = _graph("dgd-managed", {"enabled": True})
+    # Its backend must be known: stored at v1beta1, a v1alpha1 write goes through the conversion webhook,
+    # which refuses what the model refuses, with the model's message.
+    assert DGD_MANAGED_FRAMEWORK_MESSAGE in refused(cluster, namespace, manifest)
+    manifest["spec"]["backendFramework"] = "vllm"
     cluster.apply(manifest, namespace)
     stored = await _read(api, namespace, manifest)
     assert stored["spec"]["services"]["worker"]["checkpoint"] == {"enabled": True, "mode": "Auto"}
