@@ -31,6 +31,7 @@ from dynamo_snapshot.agent.runtime import ProcessRuntime, Workload
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_hash
 from dynamo_snapshot.artifact import Artifact, ArtifactError, ArtifactStore, validate_artifact_key
+from dynamo_snapshot.cli.bounded_yaml import safe_load_bounded
 from dynamo_snapshot.criu import Criu, CriuError
 
 T = TypeVar("T")
@@ -172,7 +173,9 @@ def _open(path: Path) -> Artifact:
 
 def _load_identity(path: Path) -> CheckpointIdentity:
     try:
-        return CheckpointIdentity.model_validate(yaml.safe_load(path.read_text()))
+        return CheckpointIdentity.model_validate(safe_load_bounded(path.read_text()))
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not YAML: {e}") from None
     except ValidationError as e:
         err = e.errors()[0]
         raise ValueError(f"{path}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
