@@ -25,6 +25,7 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.conditions import now_rfc3339
 from dynamo_snapshot.controller.podspec import owner_reference
 from dynamo_snapshot.kube import NODE, POD, Kube, Obj, ResourceKind
+from dynamo_snapshot.kube.dgd_versions import DgdClient
 from dynamo_snapshot.kube.kinds import DGD, POD_SNAPSHOT
 from dynamo_snapshot.localcluster.nodes import KWOK_NODE_ANNOTATION, KWOK_NODE_VALUE
 
@@ -79,7 +80,8 @@ class StandInOperator:
             "metadata": {"name": name},
             "spec": {"backendFramework": "vllm", "services": services},
         }
-        return await self.kube.create(DGD, manifest, self.namespace)
+        # Written at the version the CRD stores (its Deployments' ownerReferences name that version).
+        return await DgdClient(self.kube).create(manifest, self.namespace)
 
     async def component(
         self,
