@@ -129,6 +129,21 @@ class Context:
         # The one node filter both questions share, so they cannot disagree about which nodes count.
         return (n for n in self.nodes.list() if node_fits(n, compat))
 
+    def compatible_nodes_in_grace(self, compat: CheckpointCompatibility | None) -> dict[str, datetime]:
+        """Schedulable nodes whose GPUs fit the checkpoint that are NotReady or unreachable but whose
+        workers still count (inside the node grace, or kept while failover is paused) -> when their
+        grace ends: nodes a restore waits for rather than starting cold."""
+        now = datetime.now(UTC)
+        paused = self.node_health().paused is not None
+        found = {}
+        for node in self.nodes.list():
+            if not node_down(node) or node.get("spec", {}).get("unschedulable") or not gpus_fit(node, compat):
+                continue
+            ends = self.node_grace_ends(node, now)
+            if ends > now or paused:
+                found[node["metadata"]["name"]] = ends
+        return found
+
     # ------------------------------------------------------------------ node health
     def node_changed(self) -> None:
         """A node was added or removed, or its health changed: recount on the next ask."""
@@ -208,8 +223,11 @@ def node_ready(node: Obj) -> bool:
 
 def node_fits(node: Obj, compat: CheckpointCompatibility | None) -> bool:
     """A Ready, schedulable node with the GPUs the checkpoint needs (any, where it states none)."""
-    if not node_ready(node):
-        return False
+    return node_ready(node) and gpus_fit(node, compat)
+
+
+def gpus_fit(node: Obj, compat: CheckpointCompatibility | None) -> bool:
+    """Whether the node's GPUs, as its labels say, are those the checkpoint needs, whatever its health."""
     if compat is None:
         return True
     labels = node["metadata"].get("labels", {})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import ValidationError
@@ -24,7 +25,8 @@ from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment, ServiceSp
 from dynamo_snapshot.controller.checkpoint_choice import resolve_checkpoint
 from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.controller.dgd_status import ServiceOutcome, dgd_status, status_throttle, write_status
-from dynamo_snapshot.controller.failover import NO_COMPATIBLE_NODE
+from dynamo_snapshot.controller.failover import NO_COMPATIBLE_NODE, WAITING_FOR_NODE
+from dynamo_snapshot.controller.pod_problems import service_problems
 from dynamo_snapshot.controller.podspec import unsupported
 from dynamo_snapshot.controller.refusals import CreateHeldBack, Refusals, refusal_text, refused
 from dynamo_snapshot.controller.worker_pods import (
@@ -189,14 +191,17 @@ class DGDReconciler:
         count = len(pods) + len(
             ctx.expectations.pending_creates(owner, {p["metadata"]["name"] for p in pods})
         )
-        ready_ckpt = self._restorable(obj, owner, ready_ckpt, out)
+        ready_ckpt, node_wait = self._restorable(obj, owner, ready_ckpt, out, short=count < out.desired)
         # checkpointRef mode waits for its checkpoint (out.waiting says why) unless something is wrong
         # with it, in which case capacity by cold start beats none at all.
-        creates = ready_ckpt is not None or not ref_mode or bool(out.degraded)
+        creates = not node_wait and (ready_ckpt is not None or not ref_mode or bool(out.degraded))
         # Losses are owed only as far as the service is short: the rest (absorbed by a scale-down) would
         # keep it Degraded and hold back others' tokens for ever. A service that waits keeps its losses, so
         # that once its checkpoint is Ready their replacements are paced like any other failover.
-        ctx.failover.settle(owner, out.desired - count, waiting=not creates)
+        if node_wait:
+            ctx.failover.settle(owner, out.desired - count, waiting=True, waits_for=node_wait)
+        else:
+            ctx.failover.settle(owner, out.desired - count, waiting=not creates)
         if count < out.desired:
             missing = out.desired - count
             if creates:
@@ -243,27 +248,65 @@ class DGDReconciler:
         return again
 
     def _restorable(
-        self, obj: Obj, owner: tuple[str, str], ready_ckpt: DynamoCheckpoint | None, out: ServiceOutcome
-    ) -> DynamoCheckpoint | None:
-        """The Ready checkpoint new replicas restore from: none while no Ready node fits it (they start
-        cold then, and the service says why)."""
+        self,
+        obj: Obj,
+        owner: tuple[str, str],
+        ready_ckpt: DynamoCheckpoint | None,
+        out: ServiceOutcome,
+        *,
+        short: bool,
+    ) -> tuple[DynamoCheckpoint | None, str]:
+        """The Ready checkpoint new replicas restore from, and what they wait for instead ("" when
+        nothing). While no Ready node fits the checkpoint but one that does is NotReady inside its node
+        grace (or kept while failover is paused), new replicas wait for it; once none does, they start
+        cold (the checkpoint None) and the service says why."""
         ctx = self.ctx
         compat = ready_ckpt.status.compatibility if ready_ckpt and ready_ckpt.status else None
-        no_node = None
+        no_node, waits_for = None, ""
         if ready_ckpt is not None and ctx.compatible_nodes(compat) == 0:
-            # Level, not edge: the service stays Degraded for as long as no node can take a restore.
-            no_node = (
-                f"service {owner[1]}: no Ready node matches checkpoint {ready_ckpt.metadata.name} "
-                f"(gpu.product={compat.gpu_product if compat else '?'}, "
-                f"cuda.driver.major={compat.cuda_driver_major if compat else '?'}, "
-                f"gpus>={compat.gpu_count if compat else '?'}); new replicas start cold"
-            )
-            out.degraded.append(no_node)
-            ready_ckpt = None
+            coming = ctx.compatible_nodes_in_grace(compat)
+            if coming:
+                waits_for = (
+                    self._node_wait(owner, str(ready_ckpt.metadata.name), coming, out) if short else ""
+                )
+            else:
+                # Level, not edge: the service stays Degraded for as long as no node can take a restore.
+                no_node = (
+                    f"service {owner[1]}: no Ready node matches checkpoint {ready_ckpt.metadata.name} "
+                    f"(gpu.product={compat.gpu_product if compat else '?'}, "
+                    f"cuda.driver.major={compat.cuda_driver_major if compat else '?'}, "
+                    f"gpus>={compat.gpu_count if compat else '?'}); new replicas start cold"
+                )
+                out.degraded.append(no_node)
+                ready_ckpt = None
         # The Event, though, is an edge: once when no node fits any more, not once per pod it makes cold.
         if event := ctx.failover.report(owner, NO_COMPATIBLE_NODE, no_node):
             ctx.recorder.record(obj, *event)
-        return ready_ckpt
+        # Noted so that a node coming back wakes the service (see Controller's node handler).
+        ctx.failover.report(owner, WAITING_FOR_NODE, waits_for or None)
+        return ready_ckpt, waits_for
+
+    def _node_wait(
+        self, owner: tuple[str, str], checkpoint: str, coming: dict[str, datetime], out: ServiceOutcome
+    ) -> str:
+        """Say that the service's new replicas wait for the `coming` nodes (-> when their grace ends), and
+        look again when the first grace ends; what they wait for."""
+        now = datetime.now(UTC)
+        nodes = ", ".join(sorted(coming))
+        ends = [when for when in coming.values() if when > now]
+        until = (
+            f"until their node grace ends at {max(ends).strftime('%Y-%m-%dT%H:%M:%SZ')}"
+            if ends
+            else "while failover is paused"
+        )
+        out.waiting.append(
+            f"service {owner[1]}: new replicas wait for node(s) {nodes}, NotReady but fitting checkpoint "
+            f"{checkpoint}, {until}; they start cold only if no node that fits is Ready by then"
+        )
+        if ends:
+            later = (min(ends) - now).total_seconds() + 0.1
+            out.retry_after = min(out.retry_after or later, later)
+        return f"a node that fits checkpoint {checkpoint} ({nodes}: NotReady)"
 
     def _count(self, owner: tuple[str, str], out: ServiceOutcome) -> None:
         """The service's replicas as the pod cache has them now, and what failover says of them."""
@@ -282,6 +325,9 @@ class DGDReconciler:
             # Replacements held back by the wait for the checkpoint are waiting, not a fault of their own.
             (out.waiting if ctx.failover.held_back(owner) else out.degraded).append(recovering)
             out.degraded_reason = ctx.failover.cause(owner)
+        problems, reason = service_problems(owner[1], pods)
+        out.degraded += problems
+        out.degraded_reason = out.degraded_reason or reason
         out.restored = sum(1 for p in pods if start_mode(p) == protocol.StartMode.RESTORE.value)
         out.cold = out.replicas - out.restored
 

@@ -114,7 +114,13 @@ def _ready_conditions(
         ready_reason = cond.SERVICE_NOT_HANDLED
     else:
         ready_reason = "ReplicasNotReady"
-    not_ready = summary.not_handled + summary.short + [r.message for r in summary.refusals] + summary.degraded
+    not_ready = (
+        summary.not_handled
+        + summary.short
+        + [r.message for r in summary.refusals]
+        + summary.degraded
+        + summary.waiting
+    )
     conds = cond.set_condition(
         conds,
         cond.READY,

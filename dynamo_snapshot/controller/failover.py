@@ -69,6 +69,8 @@ WORKER_LOST = "WorkerLost"
 FAILOVER_PAUSED, FAILOVER_RESUMED = "FailoverPaused", "FailoverResumed"
 CRASH_LOOP_BACKOFF, CRASH_LOOP_BACKOFF_ENDED = "CrashLoopBackOff", "CrashLoopBackOffEnded"
 NO_COMPATIBLE_NODE = "NoCompatibleNode"
+# A state without an Event: new replicas wait for a compatible node that is NotReady inside its grace.
+WAITING_FOR_NODE = "WaitingForNode"
 NODE_GRACE = "NodeGrace"  # a note in status only: workers on NotReady nodes, not lost yet
 _ENDS: dict[str, str | None] = {
     FAILOVER_PAUSED: FAILOVER_RESUMED,
@@ -253,8 +255,9 @@ class Failover:
     recovering: dict[tuple[str, str], dict[str, float]] = field(default_factory=lambda: defaultdict(dict))
     # owner -> its desired replicas, as its last reconcile said (for the ordering)
     desired: dict[tuple[str, str], int] = field(default_factory=dict)
-    # services whose last reconcile could not create pods: their losses wait, and are owed no tokens yet
-    waiting: set[tuple[str, str]] = field(default_factory=set)
+    # services whose last reconcile could not create pods -> what they wait for: their losses wait, and
+    # are owed no tokens yet
+    waiting: dict[tuple[str, str], str] = field(default_factory=dict)
     # owner -> its crash-loop backoff, from its first early death until it starts over
     backoffs: dict[tuple[str, str], CrashBackoff] = field(default_factory=dict)
     # owner -> state (an Event reason, or NODE_GRACE) -> what was said about it, while it lasts
@@ -382,7 +385,7 @@ class Failover:
         self.services.pop(owner, None)
         self.recovering.pop(owner, None)
         self.desired.pop(owner, None)
-        self.waiting.discard(owner)
+        self.waiting.pop(owner, None)
         self.backoffs.pop(owner, None)
         if CRASH_LOOP_BACKOFF in self.states.pop(owner, {}):
             BACKOFF_SERVICES.dec()
@@ -397,9 +400,16 @@ class Failover:
         """The DGDs (keys) with a service in `state`."""
         return {o[0] for o, said in self.states.items() if state in said}
 
-    def settle(self, owner: tuple[str, str], owed: int, *, waiting: bool = False) -> None:
+    def settle(
+        self,
+        owner: tuple[str, str],
+        owed: int,
+        *,
+        waiting: bool = False,
+        waits_for: str = "the service's checkpoint",
+    ) -> None:
         """Keep no more losses pending than the `owed` replicas the service is short of; say whether it
-        can create them now or `waiting` (for its checkpoint) it cannot yet.
+        can create them now or `waiting` (for `waits_for`) it cannot yet.
 
         Only `replaced` retires a loss otherwise, and it runs only when pods are created: losses a
         scale-down absorbed would keep the service Degraded and hold back other services' tokens for ever.
@@ -409,9 +419,9 @@ class Failover:
         once it can create pods they count as seen then.
         """
         if waiting:
-            self.waiting.add(owner)
+            self.waiting[owner] = waits_for
         elif owner in self.waiting:
-            self.waiting.discard(owner)
+            del self.waiting[owner]
             # Failover latency is measured from when the controller could act: the time the service
             # waited for its checkpoint is not the failover's.
             now = time.monotonic()
@@ -473,7 +483,8 @@ class Failover:
                     f"; {CRASH_LOOP_BACKOFF}: its workers die young (latest: {backoff.what}), "
                     f"{held} replacement(s) wait until {backoff.until_wall}"
                 )
-            parts.append(f"{why}; replacements wait for its checkpoint" if self.held_back(owner) else why)
+            held = self.held_back(owner)
+            parts.append(f"{why}; replacements wait for {self.waiting[owner]}" if held else why)
         return "; ".join(parts) or None
 
     def cause(self, owner: tuple[str, str]) -> str | None:
@@ -487,7 +498,7 @@ class Failover:
     def replacing(self, owner: tuple[str, str]) -> str:
         """How a WorkerLost event ends: what happens next about the loss."""
         if owner in self.waiting:
-            return "its replacement waits for the service's checkpoint"
+            return f"its replacement waits for {self.waiting[owner]}"
         backoff = self.backoffs.get(owner)
         if self._held_by_backoff(owner, time.monotonic()) and backoff is not None:
             return f"its replacement waits for the crash-loop backoff, until {backoff.until_wall}"

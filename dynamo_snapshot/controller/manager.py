@@ -14,7 +14,13 @@ from dynamo_snapshot.controller.checkpoint_reconciler import CheckpointReconcile
 from dynamo_snapshot.controller.config import CONTROLLER_NAME, ControllerConfig
 from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.controller.dgd_reconciler import DGDReconciler
-from dynamo_snapshot.controller.failover import FAILOVER_PAUSED, node_down, node_healthy, unhealthy_since
+from dynamo_snapshot.controller.failover import (
+    FAILOVER_PAUSED,
+    WAITING_FOR_NODE,
+    node_down,
+    node_healthy,
+    unhealthy_since,
+)
 from dynamo_snapshot.controller.operator_failover import OperatorFailover
 from dynamo_snapshot.controller.podsnapshot_reconciler import PodSnapshotReconciler
 from dynamo_snapshot.controller.snapshotjob_reconciler import SnapshotJobReconciler
@@ -245,7 +251,7 @@ class Controller:
             # Every DGD whose failover is paused looks again: this change may have lifted the pause. A node
             # that went bad, came back or is gone: so does every DGD with a worker there (the node grace
             # is counted in that reconcile). A new node has none, and at start every DGD is reconciled.
-            keys = ctx.failover.in_state(FAILOVER_PAUSED)
+            keys = ctx.failover.in_state(FAILOVER_PAUSED) | ctx.failover.in_state(WAITING_FOR_NODE)
             name = obj["metadata"]["name"]
             for pod in ctx.pods.list() if old is not None else ():
                 labels = pod["metadata"].get("labels") or {}

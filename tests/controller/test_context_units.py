@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 from dynamo_snapshot.api import protocol
@@ -55,3 +56,31 @@ def test_both_node_questions_count_only_ready_schedulable_nodes() -> None:
     assert not ctx.other_compatible_node(h200, {"a"})
     for compat in (None, h200, CheckpointCompatibility(gpu_product="NVIDIA-A100")):
         assert ctx.other_compatible_node(compat, set()) == (ctx.compatible_nodes(compat) > 0)
+
+
+def _down(name: str, product: str, seconds_ago: float, *, cordoned: bool = False) -> Obj:
+    node = _node(name, product, ready=False, cordoned=cordoned)
+    since = datetime.now(UTC) - timedelta(seconds=seconds_ago)
+    node["status"]["conditions"][0]["lastTransitionTime"] = since.strftime("%Y-%m-%dT%H:%M:%SZ")
+    return node
+
+
+def test_a_fitting_node_inside_its_grace_is_one_a_restore_waits_for() -> None:
+    nodes = [
+        _down("inside", "NVIDIA-H200", 10),
+        _down("past", "NVIDIA-H200", 400),  # the default grace is 300 s
+        _down("other-gpus", "NVIDIA-L40S", 10),
+        _down("cordoned", "NVIDIA-H200", 10, cordoned=True),
+        *(_node(f"up-{i}", "NVIDIA-L40S") for i in range(4)),  # 4 of 8 down: failover not paused
+    ]
+    ctx = _context(nodes)
+    assert ctx.node_health().paused is None
+    h200 = CheckpointCompatibility(gpu_product="NVIDIA-H200")
+    waits = ctx.compatible_nodes_in_grace(h200)
+    assert list(waits) == ["inside"]
+    assert timedelta(seconds=285) < waits["inside"] - datetime.now(UTC) <= timedelta(seconds=290)
+    assert ctx.compatible_nodes(h200) == 0
+    # Most nodes down at once: failover is paused and keeps their workers, so a restore waits for any.
+    ctx = _context([*nodes[:4], _down("also", "NVIDIA-L40S", 10), *nodes[4:6]])
+    assert ctx.node_health().paused is not None
+    assert sorted(ctx.compatible_nodes_in_grace(h200)) == ["inside", "past"]

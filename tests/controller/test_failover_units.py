@@ -193,7 +193,7 @@ def test_losses_of_a_waiting_service_are_kept_hold_back_nothing_and_are_paced_la
     fo.settle(a, 3, waiting=True)
     assert _pending(fo, a) == ["a1", "a2", "a3"]
     assert fo.held_back(a)
-    assert "wait for its checkpoint" in (fo.degraded(a) or "")
+    assert "wait for the service's checkpoint" in (fo.degraded(a) or "")
     assert fo.replacing(a) == "its replacement waits for the service's checkpoint"
     assert fo.replacing(b) == "replacing it"
     # a ranks first (75% lost), but cannot use tokens now: none are held back from b for it.
