@@ -82,6 +82,9 @@ class Context:
     _node_health: NodeHealth | None = field(default=None, init=False, repr=False)
     # Unhealthy nodes whose status says since when by neither condition nor taint: when first seen so.
     _down_seen: dict[str, datetime] = field(default_factory=dict, init=False, repr=False)
+    # Nodes still down when a pause of failover ended -> then: their grace starts over from then.
+    _grace_restarted: dict[str, datetime] = field(default_factory=dict, init=False, repr=False)
+    _paused: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         # One set of settings: the failover brakes read the same config as everything else.
@@ -162,8 +165,11 @@ class Context:
         return self._down_seen.setdefault(node["metadata"]["name"], now)
 
     def node_grace_ends(self, node: Obj, now: datetime) -> datetime:
-        """When the workers of this unhealthy node count as lost."""
-        return self.down_since(node, now) + timedelta(seconds=self.settings.node_loss_grace_seconds)
+        """When the workers of this unhealthy node count as lost: the grace counts from when it went down,
+        or from when failover resumed if it was still down then (which `node_health` notes: ask it first)."""
+        since = self.down_since(node, now)
+        since = max(since, self._grace_restarted.get(node["metadata"]["name"], since))
+        return since + timedelta(seconds=self.settings.node_loss_grace_seconds)
 
     def keep_off_bad_nodes(self, spec: Obj, avoid: list[str]) -> None:
         """Keep a new pod off the nodes that are NotReady or unreachable now (required), and preferably
@@ -178,6 +184,8 @@ class Context:
         down = {n["metadata"]["name"]: self.down_since(n, now) for n in nodes if node_down(n)}
         for gone in set(self._down_seen) - set(down):
             del self._down_seen[gone]
+        for gone in set(self._grace_restarted) - set(down):
+            del self._grace_restarted[gone]
         newest_first = dict(sorted(down.items(), key=lambda kv: kv[1], reverse=True))
         threshold = self.settings.unhealthy_nodes_threshold
         paused = None
@@ -190,6 +198,13 @@ class Context:
                 f"{threshold:.0%}, at least {UNHEALTHY_NODES_MINIMUM} or all nodes): more likely a "
                 "control-plane or network outage than failed nodes, so their workers are not replaced"
             )
+        if self._paused and paused is None:
+            # Nodes come back one by one after an outage: the first back lifts the pause while the others'
+            # heartbeats are still on their way, all long past their grace. As kube-controller-manager does
+            # on leaving full disruption, the nodes still down get a fresh grace.
+            for name in down:
+                self._grace_restarted[name] = now
+        self._paused = paused is not None
         PAUSED.set(1 if paused else 0)
         return NodeHealth(len(nodes), newest_first, paused)
 

@@ -94,6 +94,28 @@ def test_the_grace_counts_from_the_nodes_own_record_else_from_when_it_was_first_
     assert ctx.node_grace_ends(unstamped, later) == later + timedelta(seconds=300)
 
 
+def test_nodes_still_down_when_a_pause_ends_get_a_fresh_grace() -> None:
+    # An outage of all three nodes, long past the grace; the first node back lifts the pause (2 of 3 down
+    # is below the 3 that pausing needs) while the others' heartbeats are on their way.
+    nodes = [_node(f"n{i}", down_at=T0) for i in range(3)]
+    ctx = _context(nodes, node_loss_grace_seconds=300)
+    assert ctx.node_health().paused is not None
+    outage = T0 + timedelta(seconds=3600)
+    assert ctx.node_grace_ends(nodes[1], outage) == T0 + timedelta(seconds=300)
+    ctx.nodes = cast(Any, _Nodes([_node("n0"), *nodes[1:]]))
+    ctx.node_changed()
+    resumed = datetime.now(UTC)
+    assert ctx.node_health().paused is None
+    ends = ctx.node_grace_ends(nodes[1], resumed)
+    assert resumed + timedelta(seconds=299) <= ends <= datetime.now(UTC) + timedelta(seconds=300)
+    # A node that goes down after that counts from its own record again.
+    ctx.nodes = cast(Any, _Nodes([_node("n0"), _node("n1"), nodes[2], _node("n3", down_at=T0)]))
+    ctx.node_changed()
+    assert ctx.node_health().paused is None
+    assert ctx.node_grace_ends(_node("n3", down_at=T0), resumed) == T0 + timedelta(seconds=300)
+    assert ctx.node_grace_ends(nodes[2], resumed) == ends
+
+
 def test_new_pods_are_kept_off_down_nodes_newest_first_and_only_so_many() -> None:
     many = AVOIDED_NODES_MAX + 8
     nodes = [_node(f"down-{i:03d}", down_at=T0 + timedelta(seconds=i)) for i in range(many)]
