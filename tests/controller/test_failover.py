@@ -185,7 +185,8 @@ async def test_losses_while_a_checkpoint_ref_waits_are_replaced_paced_once_it_is
     await h.kube.merge_patch(POD, pods[1]["metadata"]["name"], died, h.namespace)
     # Remembered as owed (not dropped because the service cannot replace them yet), and reported as
     # waiting for the checkpoint rather than as a fault.
-    await eventually(lambda: condition("CheckpointReady", "2 not yet replaced", "wait for the service's checkpoint"))
+    waits = ("2 not yet replaced", "wait for the service's checkpoint")
+    await eventually(lambda: condition("CheckpointReady", *waits))
     assert await condition("Degraded", "no problem detected")
     await asyncio.sleep(1.0)
     assert len(await h.pods("fo")) == 1, "a waiting service created pods"
