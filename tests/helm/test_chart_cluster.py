@@ -682,7 +682,7 @@ def test_controller_runs_on_its_rbac_alone(
             )
             assert json.loads(lease.stdout)["spec"]["holderIdentity"]
 
-            cluster.kubectl("apply", "-n", namespace, "-f", str(AUTO_DGD))
+            dgd_crd.apply_file(cluster, namespace, AUTO_DGD)
             ckpts = wait_for(
                 lambda: [c for c in get("dynamocheckpoints") if c.get("status")],
                 what="a checkpoint with status",

@@ -119,7 +119,7 @@ def test_a_standalone_release_owns_the_crd_upgrades_it_and_keeps_it_on_uninstall
             assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
             assert crd["metadata"]["labels"]["snapshot.nvidia.com/crd-owner"] == "dynamo-snapshot"
             cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{dgd_crd.DGD_CRD}")
-            cluster.kubectl("apply", "-n", namespace, "-f", str(AUTO_DGD))
+            dgd_crd.apply_file(cluster, namespace, AUTO_DGD)  # webhook off: v1beta1 alone is served
             upgraded = chart("upgrade", release, namespace)
             assert upgraded.returncode == 0, upgraded.stderr
             second = chart("install", f"{release}-2", "default")

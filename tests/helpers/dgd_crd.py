@@ -5,9 +5,11 @@ back after: the install modes are about whose CRD that is.
 Every swap is built by editing a generated CRD, and lists (unserved) every version the cluster's CRD has
 stored objects at, so the apiserver takes it and keeps the DGDs other tests made. A swap that stores
 another version than ours (v1beta1), such as ``operators()`` (v1alpha1, as Dynamo's older operators), is
-undone by a storage migration: the DGDs of the namespaces given to ``dgd_crd_as`` are deleted (they may
-be stored at that version), our CRD is put back, and the other version leaves its storedVersions. The
-restore waits until v1beta1 is served again.
+undone by a storage migration: every DGD is deleted (they may be stored at that version), our CRD is put
+back, and the other version leaves its storedVersions. The restore waits until v1beta1 is served again.
+
+``apply_file`` applies a DGD manifest file at the version the session's CRD serves (v1beta1), converting
+one written at v1alpha1, as ``dynamo-snapshot dgd convert`` does.
 """
 
 from __future__ import annotations
@@ -16,11 +18,15 @@ import contextlib
 import copy
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from dynamo_snapshot.api import crdgen, protocol
 from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment
 from dynamo_snapshot.api.graphdeployment_v1beta1 import DynamoGraphDeploymentV1Beta1
+from dynamo_snapshot.kube.dgd_versions import DgdVersion
 from dynamo_snapshot.localcluster import LocalCluster
 from tests.helpers.polling import wait_for
 
@@ -82,6 +88,13 @@ def operators_v1beta1(*, also_v1alpha1: bool = False) -> Obj:
     return out
 
 
+def apply_file(cluster: LocalCluster, namespace: str, path: Path) -> None:
+    """``kubectl apply`` of the DGD manifest file ``path``, written at v1beta1 (crds/ serves it alone)."""
+    manifest = yaml.safe_load(path.read_text(encoding="utf-8"))
+    beta = DgdVersion().manifest(manifest)
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(beta))
+
+
 def _storage(crd: Obj) -> str:
     return str(next(v["name"] for v in crd["spec"]["versions"] if v.get("storage")))
 
@@ -107,11 +120,11 @@ def _listing_stored_versions(cluster: LocalCluster, crd: Obj) -> Obj:
     return out
 
 
-def _migrate_back(cluster: LocalCluster, namespaces: tuple[str, ...]) -> None:
-    """The DGDs possibly stored at another version than ours go, our CRD stores again, and the other
+def _migrate_back(cluster: LocalCluster) -> None:
+    """The DGDs possibly stored at another version than ours go (in every namespace: one left behind could
+    not be read, nor the CRD deleted, with nothing to convert it), our CRD stores again, and the other
     version leaves storedVersions."""
-    for ns in namespaces:
-        cluster.kubectl("delete", DGD_CRD, "--all", "-n", ns, "--wait=true", "--timeout=60s", check=False)
+    cluster.kubectl("delete", DGD_CRD, "--all", "-A", "--wait=true", "--timeout=60s", check=False)
     cluster.kubectl("replace", "-f", "-", input=json.dumps(generated()))
     stored = json.dumps({"status": {"storedVersions": [OUR_STORAGE]}})
     cluster.kubectl("patch", "crd", DGD_CRD, "--subresource=status", "--type=merge", "-p", stored)
@@ -132,10 +145,9 @@ def served(cluster: LocalCluster, version: str) -> bool:
 
 
 @contextlib.contextmanager
-def dgd_crd_as(cluster: LocalCluster, crd: Obj | None, *namespaces: str) -> Iterator[None]:
-    """The cluster's DGD CRD is ``crd`` (None: there is none) inside the block; ours again after it. A
-    ``crd`` storing another version than ours takes the namespaces whose DGDs the block writes: their
-    DGDs are deleted on the way out."""
+def dgd_crd_as(cluster: LocalCluster, crd: Obj | None) -> Iterator[None]:
+    """The cluster's DGD CRD is ``crd`` (None: there is none) inside the block; ours again after it. With a
+    ``crd`` storing another version than ours, every DGD is deleted on the way out."""
     if crd is None:
         cluster.kubectl("delete", "crd", DGD_CRD, "--ignore-not-found", "--wait=true", "--timeout=60s")
     else:
@@ -147,7 +159,7 @@ def dgd_crd_as(cluster: LocalCluster, crd: Obj | None, *namespaces: str) -> Iter
             # A Helm release may have made one meanwhile (and kept it): replaced too, it is ours again.
             cluster.install_crds()
         elif _storage(crd) != OUR_STORAGE:
-            _migrate_back(cluster, namespaces)
+            _migrate_back(cluster)
         # Back as crds/ holds it, as the session started.
         cluster.kubectl("replace", "-f", "-", input=json.dumps(generated()))
         wait_for(lambda: served(cluster, OUR_STORAGE), within=30, what=f"{OUR_STORAGE} DGDs served again")

@@ -50,7 +50,7 @@ def prometheus(
 
 @pytest.fixture
 def operator_crd(cluster: LocalCluster, crds: list[str], namespace: str) -> Iterator[None]:
-    with dgd_crd.dgd_crd_as(cluster, dgd_crd.operators_v1beta1(), namespace):
+    with dgd_crd.dgd_crd_as(cluster, dgd_crd.operators_v1beta1()):
         yield
 
 

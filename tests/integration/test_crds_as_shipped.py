@@ -228,7 +228,7 @@ async def test_dgds_stored_at_v1alpha1_before_an_upgrade_are_migrated_to_v1beta1
     v1beta1 again, and from then on crds/ alone reads them."""
     kube = Kube(api)
     run = functools.partial(asyncio.to_thread, _kubectl, cluster)
-    with dgd_crd.dgd_crd_as(cluster, dgd_crd.ours(), namespace):
+    with dgd_crd.dgd_crd_as(cluster, dgd_crd.ours()):
         for name in ("old-a", "old-b"):
             proc = await run("create", "-n", namespace, "-f", "-", body=_alpha_graph(name))
             assert proc.returncode == 0, proc.stderr
