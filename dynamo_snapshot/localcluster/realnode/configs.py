@@ -3,6 +3,8 @@ KubeletConfiguration and flags, kube-proxy's flags, the CNI network and the kube
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,8 +24,11 @@ class RealNodeOptions:
     pod_subnet: str = "10.244.0.0/24"
     node_ip: str = "10.244.0.1"
     kubelet_port: int = 10250
+    # Where the machine has no iptables, the node runs without kube-proxy whatever this says.
     kube_proxy: bool = True
     labels: dict[str, str] = field(default_factory=dict)
+    # The machine's NVIDIA GPUs on the node (CDI spec, device plugin, labels); None: where /dev/nvidia0 is.
+    gpus: bool | None = None
 
     @property
     def prefix_len(self) -> int:
@@ -31,7 +36,8 @@ class RealNodeOptions:
 
 
 def cni_conflist(options: RealNodeOptions, state_dir: Path) -> dict[str, Any]:
-    """The pods' network: a bridge on this machine only, addresses from `options.pod_subnet`."""
+    """The pods' network: a bridge on this machine only, addresses from `options.pod_subnet`. Nothing in
+    it needs iptables (no masquerade, no portmap), so it serves a machine without them as well."""
     return {
         "cniVersion": "0.4.0",
         "name": CNI_NETWORK,
@@ -55,7 +61,18 @@ def cni_conflist(options: RealNodeOptions, state_dir: Path) -> dict[str, Any]:
     }
 
 
-def containerd_toml(*, root: Path, state_dir: Path, socket: Path, cni_conf_dir: Path) -> str:
+def containerd_toml(
+    *,
+    root: Path,
+    state_dir: Path,
+    socket: Path,
+    cni_conf_dir: Path,
+    runc: Path = RUNC,
+    cni_bin_dir: Path = CNI_BIN_DIR,
+    cdi_spec_dirs: Sequence[Path] = (),
+) -> str:
+    """containerd's configuration; CDI is on exactly when ``cdi_spec_dirs`` names where its specs are."""
+    cdi = f"enable_cdi = true\n  cdi_spec_dirs = {json.dumps([str(d) for d in cdi_spec_dirs])}"
     return f"""version = 3
 root = "{root}"
 state = "{state_dir}"
@@ -74,7 +91,7 @@ state = "{state_dir}"
   [plugins."io.containerd.cri.v1.images".pinned_images]
     sandbox = "{PAUSE_IMAGE.name}"
 [plugins."io.containerd.cri.v1.runtime"]
-  enable_cdi = false
+  {cdi if cdi_spec_dirs else "enable_cdi = false"}
   # root has no CAP_SYS_RESOURCE in this VM: lowering the pause process's oom_score_adj is refused.
   restrict_oom_score_adj = true
   enable_criu = true
@@ -87,9 +104,9 @@ state = "{state_dir}"
       runtime_type = "io.containerd.runc.v2"
       [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
         SystemdCgroup = false
-        BinaryName = "{RUNC}"
+        BinaryName = "{runc}"
   [plugins."io.containerd.cri.v1.runtime".cni]
-    bin_dirs = ["{CNI_BIN_DIR}"]
+    bin_dirs = ["{cni_bin_dir}"]
     conf_dir = "{cni_conf_dir}"
     max_conf_num = 1
 """
@@ -114,14 +131,20 @@ def kubelet_configuration(
     containerd_socket: Path,
     pod_logs_dir: Path,
     healthz_port: int,
+    cgroup_v2: bool = False,
 ) -> dict[str, Any]:
     sock = f"unix://{containerd_socket}"
+    # 1.37 refuses cgroup v1 unless told otherwise (then a deprecation warning only); v2 needs no switch.
+    cgroup_v1_switch = {} if cgroup_v2 else {"failCgroupV1": False}
     return {
         "apiVersion": "kubelet.config.k8s.io/v1beta1",
         "kind": "KubeletConfiguration",
-        # cgroup v1 only here; 1.37 refuses it unless told otherwise (then a deprecation warning only).
-        "failCgroupV1": False,
+        **cgroup_v1_switch,
+        # No systemd on these machines. Pods go under /kubepods at the root of the hierarchy (of each one on
+        # v1): the kubelet and containerd stay in the cgroup they were started in, a sibling of it.
         "cgroupDriver": "cgroupfs",
+        "cgroupRoot": "/",
+        "cgroupsPerQOS": True,
         "failSwapOn": False,
         "address": options.node_ip,
         "port": options.kubelet_port,
@@ -156,9 +179,15 @@ def kubelet_configuration(
 
 
 def kubelet_argv(
-    kubelet: Path, options: RealNodeOptions, *, config: Path, kubeconfig: Path, root_dir: Path
+    kubelet: Path,
+    options: RealNodeOptions,
+    *,
+    config: Path,
+    kubeconfig: Path,
+    root_dir: Path,
+    extra_labels: Mapping[str, str] | None = None,
 ) -> list[str]:
-    labels = ",".join(f"{k}={v}" for k, v in options.labels.items())
+    labels = ",".join(f"{k}={v}" for k, v in {**(extra_labels or {}), **options.labels}.items())
     return [
         str(kubelet),
         f"--config={config}",

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import shutil
 import socket
 import ssl
 import subprocess
@@ -19,12 +18,15 @@ from typing import Any
 
 from dynamo_snapshot.cuda.processes import ppid_from_stat
 from dynamo_snapshot.localcluster.components import SETUP_HINT, ComponentsMissingError, cache_dir
+from dynamo_snapshot.localcluster.realnode.facts import iptables_present
 
 # containerd's runc shim keeps runc state here whatever containerd's own state dir is.
 RUNC_ROOT = Path("/run/containerd/runc/k8s.io")
 CONTAINERD_NAMESPACE = "k8s.io"
+# The system's runc and CNI plugins (Debian's paths), used where the bin dir has none of its own.
 CNI_BIN_DIR = Path("/usr/lib/cni")
 RUNC = Path("/usr/sbin/runc")
+CNI_PLUGINS = ("bridge", "host-local", "loopback")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 CNI_NETWORK = "dsnap-pods"
 # Host paths the kubelet, containerd and libcni use whatever they are configured with. A stop removes
@@ -55,36 +57,58 @@ class RealNodeError(RuntimeError):
 @dataclass(frozen=True)
 class NodeComponents:
     kubelet: Path
-    kube_proxy: Path
+    # None where the machine has no iptables: kube-proxy cannot run there, so it is not looked for.
+    kube_proxy: Path | None
     containerd: Path
     containerd_shim: Path
     ctr: Path
     criu: Path
+    runc: Path = RUNC
+    cni_bin_dir: Path = CNI_BIN_DIR
+    # The GPU device plugin (the node binaries' `gpu-device-plugin`), where the bin dir has it.
+    gpu_device_plugin: Path | None = None
 
     @property
     def bin_dir(self) -> Path:
         return self.kubelet.parent
 
 
-def find_node_components(bin_dir: Path | None = None) -> NodeComponents:
-    """Locate the node's binaries (cache and Debian packages), or raise one error naming all missing ones."""
+def _executable(path: Path) -> bool:
+    return os.access(path, os.X_OK)
+
+
+def find_node_components(bin_dir: Path | None = None, *, iptables: bool | None = None) -> NodeComponents:
+    """Locate the node's binaries, or raise one error naming all missing ones.
+
+    runc and the CNI plugins come from the bin dir (``runc``, ``cni/``) or else the system's. kube-proxy is
+    looked for only where ``iptables`` (default: whether the machine has it) lets it run.
+    """
     base = bin_dir or cache_dir() / "bin"
-    names = {
-        "kubelet": "kubelet",
-        "kube_proxy": "kube-proxy",
-        "containerd": "containerd",
-        "containerd_shim": "containerd-shim-runc-v2",
-        "ctr": "ctr",
-        "criu": "criu",
-    }
-    paths = {attr: base / exe for attr, exe in names.items()}
-    missing = [str(paths[a]) for a in names if not os.access(paths[a], os.X_OK)]
-    system = [RUNC, *(CNI_BIN_DIR / p for p in ("bridge", "host-local", "loopback"))]
-    missing += [str(p) for p in system if not os.access(p, os.X_OK)]
-    missing += [tool for tool in ("ip", "iptables", "iptables-save") if shutil.which(tool) is None]
-    if missing:
+    with_iptables = iptables_present() if iptables is None else iptables
+    exes = ["kubelet", "kube-proxy", "containerd", "containerd-shim-runc-v2", "ctr", "criu"]
+    exes = [exe for exe in exes if with_iptables or exe != "kube-proxy"]
+    missing = [str(base / exe) for exe in exes if not _executable(base / exe)]
+    runc = next((p for p in (base / "runc", RUNC) if _executable(p)), None)
+    if runc is None:
+        missing.append(f"{base / 'runc'} (or {RUNC})")
+    cni_dirs = (base / "cni", CNI_BIN_DIR)
+    cni = next((d for d in cni_dirs if all(_executable(d / p) for p in CNI_PLUGINS)), None)
+    if cni is None:
+        missing.append(f"the CNI plugins {', '.join(CNI_PLUGINS)} (in {base / 'cni'} or {CNI_BIN_DIR})")
+    if missing or runc is None or cni is None:
         raise ComponentsMissingError(f"the real node needs: {', '.join(missing)} — {SETUP_HINT}")
-    return NodeComponents(**paths)
+    plugin = base / "gpu-device-plugin"
+    return NodeComponents(
+        kubelet=base / "kubelet",
+        kube_proxy=base / "kube-proxy" if with_iptables else None,
+        containerd=base / "containerd",
+        containerd_shim=base / "containerd-shim-runc-v2",
+        ctr=base / "ctr",
+        criu=base / "criu",
+        runc=runc,
+        cni_bin_dir=cni,
+        gpu_device_plugin=plugin if _executable(plugin) else None,
+    )
 
 
 def run(

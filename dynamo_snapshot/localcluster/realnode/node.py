@@ -17,14 +17,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from dynamo_snapshot.localcluster.components import SETUP_HINT
 from dynamo_snapshot.localcluster.images import ImageRef
 from dynamo_snapshot.localcluster.pki import Pki, PkiError, make_node_certs
-from dynamo_snapshot.localcluster.realnode import configs
+from dynamo_snapshot.localcluster.realnode import configs, gpu, links
 from dynamo_snapshot.localcluster.realnode.configs import REAL_NODE_TAINT, RealNodeOptions
+from dynamo_snapshot.localcluster.realnode.facts import HostFacts, read_host_facts
 from dynamo_snapshot.localcluster.realnode.host import (
     CONTAINERD_NAMESPACE,
     IP_FORWARD,
     LOCK_PATH,
+    RUNC,
     NodeComponents,
     RealNodeError,
     find_node_components,
@@ -68,13 +71,33 @@ class RealNode:
         # The bridge CNI plugin (isGateway) turns IPv4 forwarding on; a stop puts back what was there.
         self._ip_forward: str | None = None
         self._worker_image: ImageRef | None = None
+        self._facts: HostFacts | None = None
+        self._gpu_labels: dict[str, str] = {}
+        self._gpu_count = 0
 
     # ------------------------------------------------------------------ paths
     @property
+    def facts(self) -> HostFacts:
+        """What the machine offers (cgroup version, iptables, GPUs), read once."""
+        if self._facts is None:
+            self._facts = read_host_facts()
+        return self._facts
+
+    @property
     def components(self) -> NodeComponents:
         if self._components is None:
-            self._components = find_node_components()
+            self._components = find_node_components(iptables=self.facts.iptables)
         return self._components
+
+    @property
+    def kube_proxy(self) -> bool:
+        """Whether the node runs kube-proxy: asked for, and the machine has iptables for it."""
+        return self.options.kube_proxy and self.facts.iptables and self.components.kube_proxy is not None
+
+    @property
+    def gpus(self) -> int:
+        """How many GPUs the node gives pods (0 without the GPU option)."""
+        return self._gpu_count
 
     @property
     def name(self) -> str:
@@ -103,6 +126,11 @@ class RealNode:
         return self.workdir / "pod-logs"
 
     @property
+    def cdi_dir(self) -> Path:
+        """Where the node's CDI spec is: containerd's only cdi_spec_dirs entry, gone with the node."""
+        return self.state_dir / "cdi"
+
+    @property
     def _record(self) -> Path:
         return self.state_dir / "record.json"
 
@@ -112,7 +140,8 @@ class RealNode:
 
     @property
     def _traces(self) -> HostTraces:
-        return HostTraces(self.workdir, self.state_dir, self.containerd_socket, self.options.bridge)
+        runc = self._components.runc if self._components is not None else RUNC
+        return HostTraces(self.workdir, self.state_dir, self.containerd_socket, self.options.bridge, runc)
 
     @property
     def worker_image(self) -> ImageRef:
@@ -131,9 +160,18 @@ class RealNode:
         if os.geteuid() != 0:
             raise RealNodeError("the real node needs root (bridge, mounts, cgroups): re-run with sudo")
         comps = self.components
+        with_gpus = gpu.wants_gpus(self.options.gpus, self.facts.gpu_devices)
+        if with_gpus and comps.gpu_device_plugin is None:
+            plugin = comps.bin_dir / "gpu-device-plugin"
+            raise RealNodeError(f"a node with GPUs needs the device plugin {plugin}: {SETUP_HINT}")
         self._take_lock()
         deadline = time.monotonic() + timeout
         try:
+            if self.options.kube_proxy and not self.kube_proxy:
+                say(
+                    "no iptables on this machine: the node runs without kube-proxy (pods are reached on "
+                    "their pod IPs; Services do not work)"
+                )
             say("removing what an earlier run of the real node left behind")
             self._cleanup_leftovers()
             self.workdir.mkdir(parents=True, exist_ok=True)
@@ -146,14 +184,18 @@ class RealNode:
             say("building the pause and test images")
             self._worker_image, archives = build_node_images(self.workdir / "images")
             self._write_cni_config()
-            say("starting containerd")
-            self._start_containerd(comps, deadline)
+            cdi_dirs = self._prepare_gpus(say) if with_gpus else []
+            say(f"starting containerd (cgroup v{self.facts.cgroup_version})")
+            self._start_containerd(comps, deadline, cdi_dirs)
             for archive in archives:
                 self.ctr("images", "import", str(archive))
             say("starting kubelet")
             self._start_kubelet(comps)
             self._wait("node Ready", self._node_ready, deadline)
-            if self.options.kube_proxy:
+            if with_gpus:
+                say("starting the GPU device plugin")
+                self._start_device_plugin(comps, deadline)
+            if self.kube_proxy:
                 say("starting kube-proxy")
                 self._start_kube_proxy(comps)
                 self._wait("kube-proxy", self._kube_proxy_ready, deadline)
@@ -174,6 +216,7 @@ class RealNode:
             if self._proc("kubelet") is not None and self._api_ok():
                 self._drain_pods()
             self._stop_proc("kube-proxy")
+            self._stop_proc("gpu-device-plugin")
             self._stop_proc("kubelet")
             if self._proc("containerd") is not None:
                 self._remove_containers()
@@ -291,10 +334,23 @@ class RealNode:
         self._record.write_text(json.dumps(record))
 
     def _setup_bridge(self) -> None:
-        br = self.options.bridge
-        run(["ip", "link", "add", br, "type", "bridge"])
-        run(["ip", "addr", "add", f"{self.node_ip}/{self.options.prefix_len}", "dev", br])
-        run(["ip", "link", "set", br, "up"])
+        try:
+            links.add_bridge(self.options.bridge, self.node_ip, self.options.prefix_len)
+        except links.LinkError as e:
+            raise RealNodeError(f"the pods' bridge: {e}") from None
+
+    def _prepare_gpus(self, say: Callable[[str], None]) -> list[Path]:
+        """The GPUs' labels and CDI spec, before containerd starts (it reads its spec dirs at start)."""
+        found = gpu.read_node_gpus()
+        self._gpu_labels, self._gpu_count = gpu.gpu_labels(found), found.count
+        spec = gpu.write_cdi_spec(self.cdi_dir)
+        say(f"{found.count} x {found.product} (driver {found.driver_version}), CDI spec {spec}")
+        return [self.cdi_dir]
+
+    def _start_device_plugin(self, comps: NodeComponents, deadline: float) -> None:
+        assert comps.gpu_device_plugin is not None
+        self._spawn("gpu-device-plugin", gpu.device_plugin_argv(comps.gpu_device_plugin))
+        self._wait(f"{self._gpu_count} nvidia.com/gpu on the node", self._gpus_advertised, deadline)
 
     def _write_cni_config(self) -> None:
         net = self.workdir / "cni" / "net.d"
@@ -302,13 +358,16 @@ class RealNode:
         conf = configs.cni_conflist(self.options, self.state_dir)
         (net / "10-pods.conflist").write_text(json.dumps(conf, indent=2))
 
-    def _start_containerd(self, comps: NodeComponents, deadline: float) -> None:
+    def _start_containerd(self, comps: NodeComponents, deadline: float, cdi_dirs: list[Path]) -> None:
         config = self.workdir / "containerd.toml"
         toml = configs.containerd_toml(
             root=self.workdir / "containerd",
             state_dir=self.state_dir,
             socket=self.containerd_socket,
             cni_conf_dir=self.workdir / "cni" / "net.d",
+            runc=comps.runc,
+            cni_bin_dir=comps.cni_bin_dir,
+            cdi_spec_dirs=cdi_dirs,
         )
         config.write_text(toml)
         # The shim and runc (spawned by it) find containerd-shim-runc-v2 and criu on PATH.
@@ -344,15 +403,22 @@ class RealNode:
             containerd_socket=self.containerd_socket,
             pod_logs_dir=self.pod_logs_dir,
             healthz_port=healthz,
+            cgroup_v2=self.facts.cgroup_v2,
         )
         config_path = self.workdir / "kubelet-config.json"
         config_path.write_text(json.dumps(config, indent=2))
         argv = configs.kubelet_argv(
-            comps.kubelet, self.options, config=config_path, kubeconfig=kubeconfig, root_dir=self.kubelet_root
+            comps.kubelet,
+            self.options,
+            config=config_path,
+            kubeconfig=kubeconfig,
+            root_dir=self.kubelet_root,
+            extra_labels=self._gpu_labels,
         )
         self._spawn("kubelet", argv)
 
     def _start_kube_proxy(self, comps: NodeComponents) -> None:
+        assert comps.kube_proxy is not None
         self._ports["kube-proxy-healthz"] = healthz = free_port()
         argv = configs.kube_proxy_argv(
             comps.kube_proxy,
@@ -455,12 +521,20 @@ class RealNode:
     def _api_ok(self) -> bool:
         return self.kubectl("get", "--raw=/readyz", check=False, timeout=10).returncode == 0
 
-    def _node_ready(self) -> bool:
+    def _node(self) -> dict[str, Any] | None:
         proc = self.kubectl("get", "node", self.name, "-o", "json", check=False, timeout=10)
         if proc.returncode != 0:
-            return False
-        conditions = json.loads(proc.stdout).get("status", {}).get("conditions", [])
+            return None
+        node: dict[str, Any] = json.loads(proc.stdout)
+        return node
+
+    def _node_ready(self) -> bool:
+        conditions = (self._node() or {}).get("status", {}).get("conditions", [])
         return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+    def _gpus_advertised(self) -> bool:
+        node = self._node()
+        return node is not None and gpu.advertised_gpus(node) == self._gpu_count
 
     def _kube_proxy_ready(self) -> bool:
         url = f"http://127.0.0.1:{self._ports['kube-proxy-healthz']}/healthz"

@@ -1,6 +1,10 @@
 """What a real node leaves on the host, found and removed: processes, mounts, cgroups, runc state, shim
 sockets, the bridge, iptables chains, CNI results and log links.
 
+Both cgroup versions: the `kubepods` tree at the root of every v1 hierarchy, or of the one v2 hierarchy.
+Neither the `ip` nor the iptables commands are needed: the bridge goes through the kernel's ioctls
+(`links`), and iptables chains are looked for only where iptables is installed.
+
 A stop removes them all; a start after a killed run removes what that run left. Only this node's traces
 are touched: they are recognised by its state dir, its containerd socket and its network's name.
 """
@@ -19,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from dynamo_snapshot.localcluster.realnode import links
 from dynamo_snapshot.localcluster.realnode.host import (
     CGROUP_ROOT,
     CGROUP_SHARED_MARK,
@@ -49,13 +54,14 @@ class HostTraces:
     state_dir: Path
     containerd_socket: Path
     bridge: str
+    runc: Path = RUNC
 
     def found(self) -> list[str]:
         """Node traces on the host now (none after a clean stop): mounts, cgroups, shims, bridge, chains."""
         found = [f"mount {m}" for m in self.mounts()]
         found += [f"cgroup {c}" for c in kubepods_cgroups()]
         found += [f"process {pid} ({cmdline(pid)[:80]})" for pid in self.pids()]
-        if Path(f"/sys/class/net/{self.bridge}").exists():
+        if links.exists(self.bridge):
             found.append(f"bridge {self.bridge}")
         found += [f"iptables {c}" for c in iptables_chains(KUBELET_CHAINS + KUBE_PROXY_CHAINS)]
         if self.state_dir.exists():
@@ -94,7 +100,7 @@ class HostTraces:
         # runc's state of our containers lives outside our dirs; `runc delete --force` also kills them.
         containers = self.runc_containers()
         for cid in containers:
-            run([str(RUNC), "--root", str(RUNC_ROOT), "delete", "--force", cid], check=False)
+            run([str(self.runc), "--root", str(RUNC_ROOT), "delete", "--force", cid], check=False)
             shutil.rmtree(RUNC_ROOT / cid, ignore_errors=True)
         for sock in self.shim_sockets(containers):
             sock.unlink(missing_ok=True)
@@ -115,10 +121,10 @@ class HostTraces:
                 except OSError as e:
                     errors.append(f"rmdir {cg}: {e.strerror}")
         remove_iptables_chains(KUBELET_CHAINS + KUBE_PROXY_CHAINS)
-        if Path(f"/sys/class/net/{self.bridge}").exists():
-            proc = run(["ip", "link", "del", self.bridge], check=False)
-            if proc.returncode != 0:
-                errors.append(f"ip link del {self.bridge}: {proc.stderr.strip()}")
+        try:
+            links.delete_bridge(self.bridge)
+        except links.LinkError as e:
+            errors.append(str(e))
         if CGROUP_SHARED_MARK.exists():
             proc = run(["mount", "--make-rprivate", str(CGROUP_ROOT)], check=False)
             if proc.returncode != 0:
@@ -183,17 +189,25 @@ def kill(pid: int, sig: signal.Signals) -> None:
         os.kill(pid, sig)
 
 
-def kubepods_cgroups() -> list[Path]:
-    """Every kubepods cgroup dir in every v1 hierarchy (and v2 if mounted), deepest first."""
+def cgroup_hierarchies(root: Path = CGROUP_ROOT) -> list[Path]:
+    """Where the cgroup hierarchies are: ``root`` itself on cgroup v2 (the unified hierarchy is mounted
+    there, with its cgroup.controllers), else each v1 hierarchy (and a hybrid's unified) below it."""
+    if (root / "cgroup.controllers").is_file():
+        return [root]
+    if not root.is_dir():
+        return []
+    return [h for h in sorted(root.iterdir()) if h.is_dir() and not h.is_symlink()]
+
+
+def kubepods_cgroups(root: Path = CGROUP_ROOT) -> list[Path]:
+    """Every kubepods cgroup dir in every hierarchy, deepest first."""
     found: list[Path] = []
-    if not CGROUP_ROOT.is_dir():
-        return found
-    for hierarchy in CGROUP_ROOT.iterdir():
+    for hierarchy in cgroup_hierarchies(root):
         top = hierarchy / "kubepods"
         if top.is_dir() and not top.is_symlink():
             for dirpath, _dirs, _files in os.walk(top):
                 found.append(Path(dirpath))
-    return sorted(set(found), key=lambda p: -len(p.parts))
+    return sorted(set(found), key=lambda p: (-len(p.parts), str(p)))
 
 
 def cgroup_pids(cg: Path) -> list[int]:
