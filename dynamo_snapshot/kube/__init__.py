@@ -2,7 +2,8 @@
 informers, workqueue, leader election, events.
 
 Generic on purpose: nothing in these modules knows Dynamo's resources; only ``kinds`` names them (from the
-``dynamo_snapshot.api`` models), for the controller and the agent alike.
+``dynamo_snapshot.api`` models), for the controller and the agent alike, and ``dgd_versions`` reads and
+writes DynamoGraphDeployments at the version their CRD stores.
 """
 
 from dynamo_snapshot.kube.events import NORMAL, WARNING, EventRecorder, ObjectRef

@@ -34,13 +34,13 @@ __all__ = [
     "DgdVersion",
     "StorageMigration",
     "migrate_storage",
-    "read_dgd_version",
     "read_version",
 ]
 
 DGD_CRD_NAME: Final = f"{DGD.plural}.{DGD.group}"
 # Marks a cached view whose v1beta1 object could not be converted (the message says why); ``model``
-# refuses it, so the reconciler reports it instead of reading a graph of no services.
+# refuses it, so the reconciler reports it instead of reading a graph of no services. Never written to
+# the cluster: ``stored`` removes it.
 UNREADABLE_ANNOTATION: Final = "snapshot.nvidia.com/unreadable-dgd"
 _PREFERRED: Final = (protocol.API_VERSION_V1BETA1, protocol.API_VERSION)
 
@@ -114,18 +114,6 @@ class DgdVersion:
         return to_v1beta1(dgd) if self.converts else to_v1alpha1(dgd)
 
 
-async def read_dgd_version(kube: Kube) -> DgdVersion:
-    """The version the cluster's DGD CRD is read at (v1beta1 when the CRD cannot be read or is absent:
-    what this project's CRD stores)."""
-    try:
-        crd: Obj | None = await kube.get(CRD, DGD_CRD_NAME)
-    except ApiError as e:
-        if not is_not_found(e):
-            raise
-        crd = None
-    return DgdVersion(read_version(crd) or protocol.API_VERSION_V1BETA1)
-
-
 @dataclass(frozen=True)
 class StorageMigration:
     """What ``migrate_storage`` did: the DGDs written again, and the CRD's storedVersions before and after."""
@@ -186,10 +174,6 @@ class DgdClient:
     def __init__(self, kube: Kube, version: DgdVersion | None = None) -> None:
         self.kube = kube
         self.version = version or DgdVersion()
-
-    @classmethod
-    async def of_cluster(cls, kube: Kube) -> DgdClient:
-        return cls(kube, await read_dgd_version(kube))
 
     async def create(self, manifest: Obj, namespace: str | None = None) -> Obj:
         """Create ``manifest`` (either version); the created object as a view."""
