@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from dynamo_snapshot.localcluster.cluster import LocalCluster, LocalClusterError
+from dynamo_snapshot.localcluster.components import SETUP_HINT, ComponentsMissingError
 from dynamo_snapshot.localcluster.images import project_root
 from dynamo_snapshot.localcluster.project_images import agent_image_archive, controller_image_archive
 from dynamo_snapshot.localcluster.realnode import REAL_NODE_TAINT, RUNC_ROOT, RealNode
@@ -70,8 +71,11 @@ def import_images(node: RealNode) -> None:
 
 
 def helm(cluster: LocalCluster, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    binary = cluster.components.helm
+    if binary is None:
+        raise ComponentsMissingError(f"missing in {cluster.components.bin_dir}: helm — {SETUP_HINT}")
     return subprocess.run(
-        [str(cluster.components.helm), *args],
+        [str(binary), *args],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -56,10 +56,13 @@ class ClusterOptions:
     # Start a real kubelet + containerd node (realnode.py) next to kwok once the control plane is up.
     real_node: bool = False
     real_node_options: RealNodeOptions | None = None
+    # kwok and its fake GPU nodes; None: where the bin dir has kwok (a machine that runs a real node only
+    # has no need of it).
+    kwok: bool | None = None
 
 
 class LocalCluster:
-    """etcd + kube-apiserver + kube-scheduler + kube-controller-manager + kwok, rooted at `workdir`."""
+    """etcd + kube-apiserver + kube-scheduler + kube-controller-manager (+ kwok), rooted at `workdir`."""
 
     def __init__(
         self,
@@ -80,8 +83,14 @@ class LocalCluster:
     @property
     def components(self) -> Components:
         if self._components is None:
-            self._components = find_components()
+            # helm only installs the chart (chart_install), which says so where it is missing.
+            self._components = find_components(kwok=self.options.kwok is True, helm=False)
         return self._components
+
+    @property
+    def kwok(self) -> bool:
+        """Whether this cluster runs kwok (and so can have fake GPU nodes)."""
+        return self.options.kwok is not False and self.components.kwok is not None
 
     @property
     def kubeconfig(self) -> Path:
@@ -111,10 +120,13 @@ class LocalCluster:
         self._spawn("kube-apiserver", self._apiserver_argv(comps, pki, etcd_port))
         self._wait("kube-apiserver", lambda: self._api_ok("/readyz"), deadline)
 
-        say("starting kube-controller-manager, kube-scheduler and kwok")
+        say("starting kube-controller-manager, kube-scheduler" + (" and kwok" if self.kwok else ""))
+        if not self.kwok and self.options.kwok is None:
+            say(f"no kwok in {comps.bin_dir}: the cluster runs without fake nodes")
         self._spawn("kube-controller-manager", self._controller_manager_argv(comps, pki))
         self._spawn("kube-scheduler", self._scheduler_argv(comps))
-        self._spawn("kwok", self._kwok_argv(comps))
+        if self.kwok:
+            self._spawn("kwok", self._kwok_argv(comps))
         # The service-account controller proves the controller-manager is working, not merely alive.
         self._wait("kube-controller-manager", lambda: self._has_default_sa("default"), deadline)
         say(f"control plane ready at {self.server} (kubeconfig {self.kubeconfig})")
@@ -128,9 +140,12 @@ class LocalCluster:
     # ------------------------------------------------------------------ the control plane's pieces
     def _make_pki(self) -> Pki:
         try:
+            # The real node's address too: without kube-proxy (a machine with no iptables) its pods reach
+            # the apiserver there rather than through the `kubernetes` Service.
+            node_ip = (self.options.real_node_options or RealNodeOptions()).node_ip
             self._pki = make_pki(
                 self.workdir / "pki",
-                ["127.0.0.1", "localhost", "10.96.0.1", "kubernetes", "kubernetes.default.svc"],
+                ["127.0.0.1", "localhost", "10.96.0.1", node_ip, "kubernetes", "kubernetes.default.svc"],
             )
         except PkiError as e:
             raise LocalClusterError(str(e)) from None
@@ -210,6 +225,8 @@ class LocalCluster:
         ]
 
     def _kwok_argv(self, comps: Components) -> list[str]:
+        assert comps.kwok is not None
+        assert comps.kwok_stages is not None
         return [
             str(comps.kwok),
             f"--kubeconfig={self.kubeconfig}",
@@ -348,6 +365,10 @@ class LocalCluster:
         return names
 
     def add_gpu_node(self, name: str, **kwargs: Any) -> dict[str, Any]:
+        if not self.kwok:
+            raise LocalClusterError(
+                f"fake GPU node {name}: this cluster runs without kwok (none in {self.components.bin_dir})"
+            )
         manifest = gpu_node_manifest(name, **kwargs)
         self.apply(manifest)
         return manifest

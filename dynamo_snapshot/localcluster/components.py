@@ -25,34 +25,49 @@ class Components:
     kube_scheduler: Path
     kube_controller_manager: Path
     kubectl: Path
-    kwok: Path
-    helm: Path
+    # kwok (with its stages) and helm are optional where asked for so: None when the bin dir lacks them.
+    kwok: Path | None
+    helm: Path | None
     criu: Path
-    kwok_stages: Path
+    kwok_stages: Path | None
 
     @property
     def bin_dir(self) -> Path:
         return self.kubectl.parent
 
 
-def find_components(bin_dir: Path | None = None) -> Components:
-    """Locate every binary, or raise one error that names all missing ones and the fix."""
+def find_components(bin_dir: Path | None = None, *, kwok: bool = True, helm: bool = True) -> Components:
+    """Locate every binary, or raise one error that names all missing ones and the fix.
+
+    ``kwok=False`` / ``helm=False``: those are taken where present and otherwise left out (None), as on a
+    machine that runs the control plane and a real node only. A kwok without its stages file is refused.
+    """
     base = bin_dir or cache_dir() / "bin"
-    names = {
-        "etcd": "etcd",
-        "kube_apiserver": "kube-apiserver",
-        "kube_scheduler": "kube-scheduler",
-        "kube_controller_manager": "kube-controller-manager",
-        "kubectl": "kubectl",
-        "kwok": "kwok",
-        "helm": "helm",
-        "criu": "criu",
-    }
-    paths = {attr: base / exe for attr, exe in names.items()}
-    missing = [names[a] for a, p in paths.items() if not os.access(p, os.X_OK)]
-    paths["kwok_stages"] = base / "kwok-stages.yaml"
-    if not paths["kwok_stages"].is_file():
-        missing.append("kwok-stages.yaml")
+    missing: list[str] = []
+
+    def look(name: str, *, required: bool = True) -> Path | None:
+        path = base / name
+        ok = path.is_file() if name.endswith(".yaml") else os.access(path, os.X_OK)
+        if not ok and required:
+            missing.append(name)
+        return path if ok else None
+
+    for name in ("etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager", "kubectl"):
+        look(name)
+    kwok_bin = look("kwok", required=kwok)
+    helm_bin = look("helm", required=helm)
+    look("criu")
+    stages = look("kwok-stages.yaml", required=kwok or kwok_bin is not None)
     if missing:
         raise ComponentsMissingError(f"missing in {base}: {', '.join(missing)} — {SETUP_HINT}")
-    return Components(**paths)
+    return Components(
+        etcd=base / "etcd",
+        kube_apiserver=base / "kube-apiserver",
+        kube_scheduler=base / "kube-scheduler",
+        kube_controller_manager=base / "kube-controller-manager",
+        kubectl=base / "kubectl",
+        kwok=kwok_bin,
+        helm=helm_bin,
+        criu=base / "criu",
+        kwok_stages=stages,
+    )
