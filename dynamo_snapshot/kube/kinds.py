@@ -13,6 +13,8 @@ from dynamo_snapshot.kube import NODE, POD, ResourceKind
 
 _dgd = DynamoGraphDeployment.resource
 _ckpt = DynamoCheckpoint.resource
+# v1alpha1, the shape the controller reads DGDs in; they are read and written at the version their CRD
+# stores (v1beta1 where served: dgd_versions.DgdVersion.kind).
 DGD: Final = ResourceKind(_dgd.group, _dgd.version, _dgd.plural, _dgd.kind)
 CHECKPOINT: Final = ResourceKind(_ckpt.group, _ckpt.version, _ckpt.plural, _ckpt.kind)
 JOB: Final = ResourceKind("batch", "v1", "jobs", "Job")
