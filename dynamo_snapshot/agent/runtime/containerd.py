@@ -38,6 +38,14 @@ from dynamo_snapshot.agent.runtime.base import (
     pid_running,
     proc_stat,
 )
+from dynamo_snapshot.agent.runtime.container_cgroups import (
+    CgroupError,
+    ContainerCgroups,
+    cgroupns_args,
+    container_cgroups,
+    is_external_cgroup_mount,
+    restore_cgroup_source,
+)
 from dynamo_snapshot.agent.runtime.rootfs_diff import (
     DIFF_FILE,
     RootfsDiffError,
@@ -59,8 +67,9 @@ CONTAINER_META = "container.json"
 _STANDBY_FILES = (protocol.FILE_RESTORE_STANDBY, protocol.FILE_RESTORE_CONTEXT)
 _CGROUP_FS = Path("/sys/fs/cgroup")
 _CONTAINER_ID = re.compile(r"^[0-9a-f]{64}$")
-# Moves this shell into the cgroups named before "--", then runs the rest: CRIU's restored tasks are
-# its children and start in the container's cgroups, under the pod's limits.
+# Moves this shell into the cgroups named before "--" (one per v1 hierarchy, the one unified dir on v2),
+# then runs the rest: CRIU's restored tasks are its children and start in the container's cgroups, under
+# the pod's limits. (CRIU runs with --manage-cgroups=ignore: it leaves them where they start.)
 _JOIN_CGROUPS = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
 
 
@@ -324,7 +333,9 @@ class ContainerdRuntime:
             meta = json.loads(await asyncio.to_thread((images_dir / CONTAINER_META).read_text))
         except (OSError, ValueError) as e:
             raise WorkloadRuntimeError(f"checkpoint lacks its container description: {e}") from None
-        mounts = _restore_mounts(target, [str(d) for d in meta.get("externalMounts") or []], self.cgroup_root)
+        cgroups = await asyncio.to_thread(self._cgroups, target)
+        external = [str(d) for d in meta.get("externalMounts") or []]
+        mounts = _restore_mounts(target, external, cgroups, self.cgroup_root)
         phases = self.restore_phases[key] = {}
         started = time.monotonic()
         try:
@@ -344,11 +355,14 @@ class ContainerdRuntime:
         fds: list[int] = []
         restored = False
         try:
-            args, cgroups = self._restore_args(target, meta, mounts, fds)
+            args = self._restore_args(target, meta, mounts, fds)
+            procs = [str(d / "cgroup.procs") for d in cgroups.dirs]
+            own_ns = _ns_inode(os.getpid(), "cgroup")
+            cgroupns = cgroupns_args(target.pid, _ns_inode(target.pid, "cgroup"), own_ns)
             work = self._work_dir(key, "restore")
             wrapper = [
-                "/bin/sh", "-c", _JOIN_CGROUPS, "join-cgroups", *cgroups, "--",
-                self.nsenter, f"--pid=/proc/{target.pid}/ns/pid", "--",
+                "/bin/sh", "-c", _JOIN_CGROUPS, "join-cgroups", *procs, "--",
+                self.nsenter, *cgroupns, f"--pid=/proc/{target.pid}/ns/pid", "--",
                 self.unshare, "--mount", "--propagation", "private", "--mount-proc",
             ]  # fmt: skip
             try:
@@ -384,7 +398,7 @@ class ContainerdRuntime:
 
     def _restore_args(
         self, target: Container, meta: dict[str, Any], mounts: dict[str, str], fds: list[int]
-    ) -> tuple[list[str], list[str]]:
+    ) -> list[str]:
         def inherit(path: str, flags: int) -> int:
             # Non-blocking: the placeholder is the tenant's process, and a FIFO it put where its pipe
             # was would block an open for writing until someone reads it. Blocking again once open, as
@@ -414,19 +428,20 @@ class ContainerdRuntime:
                 args += ["--inherit-fd", f"fd[{fd}]:{source}"]
         for dest, source in sorted(mounts.items()):
             args += ["--ext-mount-map", f"{dest}:{source}"]
-        cgroups = [str(p / "cgroup.procs") for p in self._cgroup_dirs(target)]
-        return args, cgroups
+        return args
 
-    def _cgroup_dirs(self, target: Container) -> list[Path]:
-        rel = target.cgroups_path.lstrip("/")
-        dirs = [d / rel for d in sorted(self.cgroup_root.iterdir()) if (d / rel / "cgroup.procs").exists()]
-        if (self.cgroup_root / rel / "cgroup.procs").exists():
-            dirs.append(self.cgroup_root / rel)  # cgroup v2
-        if not dirs:
+    def _cgroups(self, target: Container) -> ContainerCgroups:
+        """The restore container's cgroups, from its placeholder's /proc/<pid>/cgroup as this agent's
+        mounts show them."""
+        try:
+            own = Path(f"/proc/{target.pid}/cgroup").read_text()
+            return container_cgroups(own, Path("/proc/self/mountinfo").read_text(), self.cgroup_root)
+        except OSError as e:
+            raise WorkloadRuntimeError(f"restore container {target.id[:12]} is gone: {e}") from None
+        except CgroupError as e:
             raise WorkloadRuntimeError(
-                f"cgroup {target.cgroups_path} of container {target.id[:12]} not found"
-            )
-        return dirs
+                f"cgroup {target.cgroups_path} of container {target.id[:12]}: {e}"
+            ) from None
 
     def _work_dir(self, key: str, op: str) -> Path:
         work = self.state_root / key / op
@@ -448,25 +463,29 @@ def _control_mount(c: Container) -> str:
 
 def _external_mounts(c: Container, mountinfo: str) -> set[str]:
     """The container's mounts whose content lives outside it: binds (hosts, resolv.conf, volumes, the
-    control dir, /dev/shm, the service-account token) and, on cgroup v1, the per-controller cgroup
-    mounts (binds of the host's hierarchies)."""
+    control dir, /dev/shm, the service-account token) and its cgroup mounts (v1: binds of the host's
+    hierarchies; v2: its cgroup2 mount at /sys/fs/cgroup)."""
     out = {str(m["destination"]) for m in c.mounts if _is_bind(m)}
     for line in mountinfo.splitlines():
         head, _, tail = line.partition(" - ")
-        if tail.split(" ", 1)[0] == "cgroup":
+        if is_external_cgroup_mount(head.split()[4], tail.split(" ", 1)[0]):
             out.add(head.split()[4])
     return out
 
 
-def _restore_mounts(target: Container, external: list[str], cgroup_root: Path) -> dict[str, str]:
+def _restore_mounts(
+    target: Container, external: list[str], cgroups: ContainerCgroups, cgroup_root: Path
+) -> dict[str, str]:
     """Each of the checkpoint's external mounts -> the restore container's own source for it."""
     out: dict[str, str] = {}
     missing: list[str] = []
     for dest in external:
-        if dest.startswith("/sys/fs/cgroup/"):
-            out[dest] = str(
-                cgroup_root / dest.removeprefix("/sys/fs/cgroup/") / target.cgroups_path.lstrip("/")
-            )
+        try:
+            cgroup = restore_cgroup_source(dest, cgroups, cgroup_root, target.cgroups_path)
+        except CgroupError as e:
+            raise WorkloadRuntimeError(f"restore container {target.id[:12]}: {e}") from None
+        if cgroup is not None:
+            out[dest] = cgroup
             continue
         source = target.bind_source(dest)
         if source is None:
