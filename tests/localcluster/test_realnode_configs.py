@@ -141,6 +141,15 @@ def test_gpus_unreadable_through_nvml_say_why() -> None:
     assert gpu.read_node_gpus(lambda: H200) is H200
 
 
+def test_the_device_plugin_reads_the_nodes_cdi_spec_and_serves_beside_the_kubelet() -> None:
+    argv = gpu.device_plugin_argv(Path("/cache/bin/gpu-device-plugin"), Path("/run/dsnap-real-node/cdi"))
+    assert argv == [
+        "/cache/bin/gpu-device-plugin",
+        "--cdi-spec-dir=/run/dsnap-real-node/cdi",
+        "--socket=dsnap-gpu.sock",
+    ]
+
+
 def test_advertised_gpus_from_the_node_status() -> None:
     assert gpu.advertised_gpus({"status": {"allocatable": {"nvidia.com/gpu": "8", "cpu": "16"}}}) == 8
     assert gpu.advertised_gpus({"status": {"allocatable": {"cpu": "16"}}}) == 0
@@ -157,6 +166,17 @@ def test_the_cdi_spec_is_written_by_the_generator_into_the_given_dir(
 
     monkeypatch.setitem(sys.modules, gpu.CDI_MODULE, types.SimpleNamespace(write_cdi_spec=write))
     assert gpu.write_cdi_spec(tmp_path / "cdi") == tmp_path / "cdi" / "nvidia.com-gpu.json"
+
+    class CdiSpecError(RuntimeError):
+        pass
+
+    def refuse(directory: Path) -> Path:
+        raise CdiSpecError("refusing to write a CDI spec that names missing device nodes: /dev/nvidia0")
+
+    fake = types.SimpleNamespace(write_cdi_spec=refuse, CdiSpecError=CdiSpecError)
+    monkeypatch.setitem(sys.modules, gpu.CDI_MODULE, fake)
+    with pytest.raises(RealNodeError, match=r"^the GPUs' CDI spec: refusing .* /dev/nvidia0$"):
+        gpu.write_cdi_spec(tmp_path / "cdi")
     monkeypatch.setitem(sys.modules, gpu.CDI_MODULE, None)  # the import fails
     with pytest.raises(RealNodeError, match="CDI spec generator"):
         gpu.write_cdi_spec(tmp_path / "cdi")

@@ -13,6 +13,7 @@ from dynamo_snapshot.localcluster.components import ComponentsMissingError
 from dynamo_snapshot.localcluster.pki import Pki
 from dynamo_snapshot.localcluster.realnode import (
     LOCK_PATH,
+    NodeComponents,
     RealNode,
     RealNodeError,
     RealNodeOptions,
@@ -54,3 +55,26 @@ def test_a_second_real_node_on_the_machine_is_refused(tmp_path: Path) -> None:
         ):
             node.start()
     assert not (tmp_path / "node").exists()
+
+
+def test_gpus_asked_for_on_a_machine_without_them_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.fail("needs root", pytrace=False)
+    if Path("/dev/nvidia0").exists():
+        pytest.skip("this machine has a GPU")
+    dummy = tmp_path / "none"
+    node = RealNode(
+        tmp_path / "node",
+        server="https://127.0.0.1:1",
+        pki=Pki(*([dummy] * 8)),
+        admin_kubeconfig=dummy,
+        kubectl=dummy,
+        options=RealNodeOptions(name="gpu-node", bridge="dsnap-gpu", gpus=True),
+        components=NodeComponents(*([dummy] * 6)),
+    )
+    with pytest.raises(
+        RealNodeError, match=r"gpus=True but this machine has no NVIDIA GPU \(/dev/nvidia0 is missing\)"
+    ):
+        node.start()
+    assert not (tmp_path / "node").exists()
+    assert not Path("/sys/class/net/dsnap-gpu").exists()

@@ -18,7 +18,7 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.cuda.errors import CudaUnavailableError
 from dynamo_snapshot.cuda.inventory import NodeGpus, node_gpus
 from dynamo_snapshot.localcluster.realnode.facts import GPU_DEVICE
-from dynamo_snapshot.localcluster.realnode.host import RealNodeError
+from dynamo_snapshot.localcluster.realnode.host import DEVICE_PLUGIN_SOCKET, RealNodeError
 
 CDI_MODULE = "dynamo_snapshot.localcluster.realnode.cdi"
 
@@ -63,14 +63,18 @@ def write_cdi_spec(directory: Path) -> Path:
     except ImportError:
         raise RealNodeError(f"the CDI spec generator ({CDI_MODULE}) is not in this checkout") from None
     directory.mkdir(parents=True, exist_ok=True)
-    path: Path = cdi.write_cdi_spec(directory)
+    refused: type[Exception] = getattr(cdi, "CdiSpecError", RuntimeError)
+    try:
+        path: Path = cdi.write_cdi_spec(directory)
+    except refused as e:
+        raise RealNodeError(f"the GPUs' CDI spec: {e}") from None
     return path
 
 
-def device_plugin_argv(plugin: Path) -> list[str]:
-    """The device plugin registers with the kubelet at its fixed socket
-    (/var/lib/kubelet/device-plugins/kubelet.sock)."""
-    return [str(plugin)]
+def device_plugin_argv(plugin: Path, cdi_dir: Path) -> list[str]:
+    """The device plugin finds the GPUs in the node's CDI spec (each named by UUID) and registers with
+    the kubelet through its socket in /var/lib/kubelet/device-plugins, serving beside it on its own."""
+    return [str(plugin), f"--cdi-spec-dir={cdi_dir}", f"--socket={DEVICE_PLUGIN_SOCKET.name}"]
 
 
 def advertised_gpus(node: dict[str, Any]) -> int:

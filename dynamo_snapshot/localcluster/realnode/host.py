@@ -33,6 +33,8 @@ CNI_NETWORK = "dsnap-pods"
 # what this node put there and each directory once it is empty (never one that holds anything else).
 CNI_RESULTS = Path("/var/lib/cni/results")
 KUBELET_DEVICE_PLUGINS = Path("/var/lib/kubelet/device-plugins")
+# The GPU device plugin's socket there (the kubelet's is kubelet.sock).
+DEVICE_PLUGIN_SOCKET = KUBELET_DEVICE_PLUGINS / "dsnap-gpu.sock"
 CONTAINER_LOG_LINKS = Path("/var/log/containers")
 SYSTEM_CONTAINERD = Path("/run/containerd")
 SHIM_SOCKETS = SYSTEM_CONTAINERD / "s"

@@ -349,7 +349,7 @@ class RealNode:
 
     def _start_device_plugin(self, comps: NodeComponents, deadline: float) -> None:
         assert comps.gpu_device_plugin is not None
-        self._spawn("gpu-device-plugin", gpu.device_plugin_argv(comps.gpu_device_plugin))
+        self._spawn("gpu-device-plugin", gpu.device_plugin_argv(comps.gpu_device_plugin, self.cdi_dir))
         self._wait(f"{self._gpu_count} nvidia.com/gpu on the node", self._gpus_advertised, deadline)
 
     def _write_cni_config(self) -> None:

@@ -31,6 +31,7 @@ from dynamo_snapshot.localcluster.realnode.host import (
     CNI_RESULTS,
     CONTAINER_LOG_LINKS,
     CONTAINERD_NAMESPACE,
+    DEVICE_PLUGIN_SOCKET,
     KUBE_PROXY_CHAINS,
     KUBELET_CHAINS,
     KUBELET_DEVICE_PLUGINS,
@@ -73,8 +74,9 @@ class HostTraces:
         containers = self.runc_containers()
         found += [f"runc state {RUNC_ROOT / c}" for c in containers]
         found += [f"shim socket {p}" for p in self.shim_sockets(containers)]
-        if (KUBELET_DEVICE_PLUGINS / "kubelet.sock").exists():
-            found.append(f"socket {KUBELET_DEVICE_PLUGINS / 'kubelet.sock'}")
+        for sock in (KUBELET_DEVICE_PLUGINS / "kubelet.sock", DEVICE_PLUGIN_SOCKET):
+            if sock.exists():
+                found.append(f"socket {sock}")
         if CGROUP_SHARED_MARK.exists():
             found.append(f"{CGROUP_ROOT} made a shared mount")
         return found
@@ -324,6 +326,7 @@ def tidy_shared_dirs() -> None:
         for f in ours:
             f.unlink(missing_ok=True)
     (KUBELET_DEVICE_PLUGINS / "kubelet.sock").unlink(missing_ok=True)
+    DEVICE_PLUGIN_SOCKET.unlink(missing_ok=True)
     empty_ok = [CNI_RESULTS, CNI_RESULTS.parent, KUBELET_DEVICE_PLUGINS, KUBELET_DEVICE_PLUGINS.parent]
     empty_ok.append(CONTAINER_LOG_LINKS)
     # The shim's socket dir and runc root under /run/containerd, unless a containerd of the system runs.
