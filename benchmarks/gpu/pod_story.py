@@ -1,0 +1,510 @@
+"""The Auto-mode story in kubelet pods on one machine, timed: the local control plane, the real kubelet +
+containerd node (with the machine's GPUs through the device plugin and CDI where it has them), this
+checkout's controller and node agent, and a DynamoGraphDeployment of the reference worker in Auto mode.
+
+    python3 benchmarks/gpu/pod_story.py --worker gpu --size 1g --out $OUT     # the GPU machine
+    python3 benchmarks/gpu/pod_story.py --worker cpu --out /tmp/story         # here: the same story, CPU
+
+1. the DGD's first pod cold-starts (an empty compile cache) while its SnapshotJob's pod is checkpointed in
+   place (CUDA checkpoint of the container's process, then CRIU);
+2. scaled to --replicas, the new pods are restored inside their own containers; each answers on its pod
+   IP with the cold worker's tokens, runs under its own pod's cgroup and gets `nvidia.com/Restored`;
+3. a restored worker's process is killed and its replacement is restored;
+4. (--bad-inputs) a restore pod that gets no GPU is refused without a half-restored process.
+
+Times are taken by this driver, which watches the pods every 50 ms: pod seen → its worker answers /health
+(`serving_s`) → its first token equals the cold worker's (`first_token_s`) → its whole answers do
+(`answers_s`). Results go to OUT/gpu-pod-<worker>-<size>.json after every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from dynamo_snapshot.agent.watcher import NodeAgent  # noqa: E402
+from dynamo_snapshot.api import protocol  # noqa: E402
+from dynamo_snapshot.cli import agent_cmd  # noqa: E402
+from dynamo_snapshot.cli.agent_cmd import AgentConfig  # noqa: E402
+from dynamo_snapshot.cli.controller_cmd import build_controller  # noqa: E402
+from dynamo_snapshot.controller.config import CONTROLLER_NAME  # noqa: E402
+from dynamo_snapshot.controller.manager import ControllerConfig  # noqa: E402
+from dynamo_snapshot.kube import POD, Kube, Obj, load_client  # noqa: E402
+from dynamo_snapshot.kube.dgd_versions import DgdClient  # noqa: E402
+from dynamo_snapshot.localcluster import LocalCluster  # noqa: E402
+from dynamo_snapshot.localcluster.cluster import ClusterOptions  # noqa: E402
+from dynamo_snapshot.localcluster.realnode import REAL_NODE_TAINT, RUNC_ROOT, RealNode, RealNodeOptions  # noqa: E402
+
+NAMESPACE = "story"
+GRAPH, SERVICE = "story", "worker"
+PORT = 8000
+# The GPU worker's model files, prepared on the host once and mounted read-only into every pod (a
+# node-local model cache, as a production node has one).
+MODELS = Path("/var/tmp/dsnap-models")
+PROMPTS = [[151644, 872, 198, 9707, 11, 1246], [785, 6722, 315, 9625, 374], [16, 17, 18, 19, 20, 21, 22]]
+
+
+def say(msg: str) -> None:
+    print(f"[story {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+@dataclass
+class PodTimes:
+    name: str
+    mode: str  # cold | restore | snapshot
+    seen: float
+    ip: str | None = None
+    serving: float | None = None
+    first_token: float | None = None
+    answers: float | None = None
+    identical: bool | None = None
+    restored_condition: str | None = None
+    restore_timings: dict[str, float] = field(default_factory=dict)
+    gone: float | None = None
+
+    def since_seen(self, t: float | None) -> float | None:
+        return None if t is None else round(t - self.seen, 3)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "pod": self.name,
+            "mode": self.mode,
+            "serving_s": self.since_seen(self.serving),
+            "first_token_s": self.since_seen(self.first_token),
+            "answers_s": self.since_seen(self.answers),
+            "output_identical": self.identical,
+            "restored_condition": self.restored_condition,
+            "restore_phases": self.restore_timings,
+        }
+
+
+def _http(address: str, path: str, body: Any = None, timeout: float = 2.0) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://{address}{path}", data=data, method="POST" if data else "GET")
+    req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+            return r.status, json.loads(raw) if raw[:1] in (b"{", b"[") else raw.decode()
+    except urllib.error.HTTPError as e:
+        return e.code, None
+    except (OSError, ValueError):
+        return 0, None
+
+
+class Worker:
+    """How the story asks a worker: the GPU reference worker's token API, or the CPU worker's text."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def ask(self, address: str, tokens: int) -> Any:
+        if self.kind == "gpu":
+            status, answer = _http(
+                address, "/generate", {"prompts": PROMPTS, "max_new_tokens": tokens}, timeout=60
+            )
+            return answer.get("tokens") if status == 200 and isinstance(answer, dict) else None
+        answers = []
+        for prompt in ("the same question", "another one"):
+            req = urllib.request.Request(f"http://{address}/generate", data=prompt.encode(), method="POST")
+            try:
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    answers.append(json.loads(r.read())["text"])
+            except (OSError, ValueError, KeyError):
+                return None
+        return answers
+
+    def first(self, answer: Any) -> Any:
+        return [t[:1] for t in answer] if self.kind == "gpu" and answer is not None else answer
+
+
+@dataclass
+class Story:
+    args: argparse.Namespace
+    results: dict[str, Any] = field(default_factory=dict)
+    pods: dict[str, PodTimes] = field(default_factory=dict)
+    cluster: LocalCluster | None = None
+    node: RealNode | None = None
+    kube: Kube | None = None
+    agent: NodeAgent | None = None
+    reference: Any = None
+    _api: Any = None
+    _stop: asyncio.Event = field(default_factory=asyncio.Event)
+    _tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+
+    @property
+    def work(self) -> Path:
+        return Path(self.args.work)
+
+    @property
+    def out_file(self) -> Path:
+        return Path(self.args.out) / f"gpu-pod-{self.args.worker}-{self.args.size}.json"
+
+    def save(self) -> None:
+        self.results["pods"] = [p.summary() for p in self.pods.values()]
+        self.out_file.parent.mkdir(parents=True, exist_ok=True)
+        self.out_file.write_text(json.dumps(self.results, indent=1, default=str))
+
+    def phase(self, name: str, started: float) -> None:
+        self.results.setdefault("phases_s", {})[name] = round(time.monotonic() - started, 2)
+        say(f"{name}: {time.monotonic() - started:.1f}s")
+        self.save()
+
+    # ------------------------------------------------------------------ bring-up
+    async def start(self) -> None:
+        t = time.monotonic()
+        self.cluster = LocalCluster(self.work / "cluster", options=ClusterOptions())
+        await asyncio.to_thread(self.cluster.start, progress=say)
+        await asyncio.to_thread(self.cluster.install_crds)
+        self.cluster.kubectl("create", "namespace", NAMESPACE)
+        self.phase("control_plane", t)
+        t = time.monotonic()
+        options = RealNodeOptions(gpus=self.args.worker == "gpu")
+        self.node = await asyncio.to_thread(self.cluster.start_real_node, options, timeout=300, progress=say)
+        self.results["node"] = {"gpus": self.node.gpus, "cgroup": str(self.node.facts.cgroup_version)}
+        self.phase("real_node", t)
+        self._api = await load_client(str(self.cluster.kubeconfig))
+        self.kube = Kube(self._api, field_manager="dynamo-snapshot-story")
+        config = ControllerConfig(leader_elect=False, metrics_port=0, resync_seconds=30)
+        controller = build_controller(Kube(self._api, field_manager=CONTROLLER_NAME), config)
+        self._tasks.append(asyncio.create_task(controller.run_until(self._stop), name="controller"))
+        base = self.work / "agent"
+        agent_config = AgentConfig(
+            node_name=self.node.name,
+            artifact_root=self.work / "artifacts",
+            control_root=base / "control",
+            state_root=base / "state",
+            runc_root=RUNC_ROOT,
+            ready_timeout_seconds=900,
+            metrics_port=0,
+            health_port=0,
+        )
+        self.agent = agent_cmd.build(agent_config, Kube(self._api, field_manager=agent_cmd.FIELD_MANAGER))
+        self._tasks.append(asyncio.create_task(self.agent.run_until(self._stop), name="agent"))
+        self._tasks.append(asyncio.create_task(self._watch_pods(), name="pods"))
+
+    async def image(self) -> str:
+        assert self.node is not None
+        if self.args.worker == "cpu":
+            return self.node.worker_image.name
+        from dynamo_snapshot.localcluster.gpu_worker_image import build_and_import_gpu_worker_image
+
+        t = time.monotonic()
+        site = [
+            Path(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p.startswith("/tmp/site")
+        ]
+        ref = await asyncio.to_thread(
+            build_and_import_gpu_worker_image,
+            self.node.components.ctr,
+            self.node.containerd_socket,
+            site_dirs=site,
+            say=say,
+        )
+        self.phase("gpu_image", t)
+        return ref.name
+
+    async def prepare_model(self) -> None:
+        if self.args.worker != "gpu":
+            return
+        from dynamo_snapshot.localcluster.gpu_worker_image import GPU_PYTHON
+
+        t = time.monotonic()
+        model = MODELS / self.args.size
+        proc = await asyncio.create_subprocess_exec(
+            str(GPU_PYTHON), str(REPO / "examples/reference_worker/worker.py"),
+            "--size", self.args.size, "--model-dir", str(model), "--prepare-only",
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
+        )  # fmt: skip
+        if await proc.wait() != 0:
+            raise RuntimeError("preparing the model failed")
+        self.phase("prepare_model", t)
+
+    # ------------------------------------------------------------------ the graph
+    def main_container(self, image: str) -> Obj:
+        env: dict[str, str]
+        if self.args.worker == "gpu":
+            from dynamo_snapshot.localcluster.gpu_worker_image import gpu_worker_command, gpu_worker_env
+
+            command = gpu_worker_command(
+                self.args.size,
+                model_dir=f"/models/{self.args.size}",
+                kv_gib=self.args.kv_gib,
+                port=PORT,
+                flags=["--release-kv", "--decouple-weights"],
+            )
+            env = gpu_worker_env("/tmp/compile-cache", PORT)
+        else:
+            command = []
+            env = {"WORKER_WEIGHTS_MIB": "64", "WORKER_HOST": "0.0.0.0", "WORKER_PORT": str(PORT)}
+        main: Obj = {
+            "image": image,
+            "imagePullPolicy": "Never",
+            "env": [{"name": k, "value": v} for k, v in env.items()],
+            "readinessProbe": {"httpGet": {"path": "/health", "port": PORT}, "periodSeconds": 1},
+        }
+        if command:
+            main["command"] = command
+        if self.args.worker == "gpu":
+            main["volumeMounts"] = [{"name": "models", "mountPath": "/models", "readOnly": True}]
+        return main
+
+    def graph(self, image: str) -> Obj:
+        pod: Obj = {
+            "nodeSelector": {"kubernetes.io/hostname": self.node.name if self.node else ""},
+            "tolerations": [{"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
+            "dnsPolicy": "Default",
+            "terminationGracePeriodSeconds": 2,
+            "mainContainer": self.main_container(image),
+        }
+        if self.args.worker == "gpu":
+            pod["volumes"] = [{"name": "models", "hostPath": {"path": str(MODELS), "type": "Directory"}}]
+        service: Obj = {"componentType": "worker", "replicas": 1, "extraPodSpec": pod}
+        if self.args.worker == "gpu":
+            service["resources"] = {"limits": {"gpu": "1"}}
+        service["checkpoint"] = {
+            "enabled": True,
+            "mode": "Auto",
+            "identity": {
+                "model": f"reference-worker-{self.args.worker}-{self.args.size}",
+                "backendFramework": "vllm",
+            },
+        }
+        return {
+            "apiVersion": f"{protocol.API_GROUP}/{protocol.API_VERSION}",
+            "kind": "DynamoGraphDeployment",
+            "metadata": {"name": GRAPH},
+            "spec": {"backendFramework": "vllm", "services": {SERVICE: service}},
+        }
+
+    # ------------------------------------------------------------------ watching
+    async def _watch_pods(self) -> None:
+        assert self.kube is not None
+        while not self._stop.is_set():
+            with contextlib.suppress(Exception):
+                pods, _ = await self.kube.list_all(POD, NAMESPACE)
+                now = time.monotonic()
+                names = set()
+                for pod in pods:
+                    meta = pod["metadata"]
+                    names.add(meta["name"])
+                    rec = self.pods.get(meta["name"])
+                    if rec is None:
+                        rec = self.pods[meta["name"]] = PodTimes(meta["name"], _mode(pod), now)
+                        say(f"pod {meta['name']} ({rec.mode}) seen")
+                    self._update(rec, pod)
+                for name, rec in self.pods.items():
+                    if name not in names and rec.gone is None:
+                        rec.gone = now
+            await asyncio.sleep(0.05)
+
+    def _update(self, rec: PodTimes, pod: Obj) -> None:
+        rec.ip = (pod.get("status") or {}).get("podIP") or rec.ip
+        for c in (pod.get("status") or {}).get("conditions") or []:
+            if c.get("type") == protocol.POD_CONDITION_RESTORED:
+                rec.restored_condition = f"{c.get('status')}/{c.get('reason')}"
+        raw = (pod["metadata"].get("annotations") or {}).get(protocol.ANNOTATION_RESTORE_TIMINGS)
+        if raw:
+            with contextlib.suppress(ValueError):
+                rec.restore_timings = json.loads(raw)
+        if rec.ip and rec.serving is None and rec.mode != "snapshot":
+            asyncio.get_running_loop().create_task(self._probe(rec))
+
+    async def _probe(self, rec: PodTimes) -> None:
+        if getattr(rec, "_probing", False):
+            return
+        rec._probing = True  # type: ignore[attr-defined]
+        worker = Worker(self.args.worker)
+        address = f"{rec.ip}:{PORT}"
+        while rec.serving is None and rec.gone is None and not self._stop.is_set():
+            status, _ = await asyncio.to_thread(_http, address, "/health", None, 0.5)
+            if status == 200:
+                rec.serving = time.monotonic()
+                say(f"pod {rec.name} ({rec.mode}) serving {rec.serving - rec.seen:.2f}s after it was seen")
+                break
+            await asyncio.sleep(0.05)
+        if rec.serving is None:
+            return
+        first = await asyncio.to_thread(worker.ask, address, 1)
+        rec.first_token = time.monotonic()
+        whole = await asyncio.to_thread(worker.ask, address, 16)
+        rec.answers = time.monotonic()
+        if rec.mode == "cold" and self.reference is None:
+            self.reference = whole
+        if self.reference is not None:
+            rec.identical = whole == self.reference and first == worker.first(self.reference)
+        self.save()
+
+    async def until(self, what: str, check: Any, within: float) -> Any:
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            got = check()
+            if got:
+                return got
+            await asyncio.sleep(0.1)
+        raise TimeoutError(f"{what}: not within {within:.0f}s")
+
+    # ------------------------------------------------------------------ the story
+    async def run(self) -> None:
+        assert self.kube is not None
+        assert self.cluster is not None
+        image = await self.image()
+        await self.prepare_model()
+        dgds = DgdClient(self.kube)
+        t = time.monotonic()
+        await dgds.create(self.graph(image), NAMESPACE)
+        say("DGD applied (Auto mode)")
+        cold = await self.until(
+            "the cold pod to answer", lambda: self._one("cold", answered=True), self.args.cold_timeout
+        )
+        self.results["cold"] = cold.summary()
+        self.phase("cold_pod_answers", t)
+        await self.until("the checkpoint to be Ready", self._checkpoint_ready, self.args.cold_timeout)
+        self.results["checkpoint_ready_after_apply_s"] = round(time.monotonic() - t, 2)
+        self.save()
+        say("checkpoint Ready")
+
+        t = time.monotonic()
+        before = set(self.pods)
+        await dgds.set_replicas(GRAPH, NAMESPACE, SERVICE, self.args.replicas)
+        wanted = self.args.replicas - 1
+
+        def restored() -> list[PodTimes] | None:
+            done = [p for n, p in self.pods.items() if n not in before and p.mode == "restore" and p.answers]
+            return done if len(done) >= wanted else None
+
+        pods = await self.until("the restore pods to answer", restored, 300)
+        self.results["restores"] = [p.summary() for p in pods]
+        self.results["cgroups"] = {p.name: await self._cgroup_of(p.name) for p in pods}
+        self.phase("scale_up_by_restore", t)
+
+        t = time.monotonic()
+        victim = pods[0]
+        pid = await self._worker_pid(victim.name)
+        before = set(self.pods)
+        killed = time.monotonic()
+        if pid is None:
+            raise RuntimeError(f"no worker process found in {victim.name}")
+        os.kill(pid, signal.SIGKILL)
+        say(f"killed pid {pid} of {victim.name}")
+
+        def replaced() -> PodTimes | None:
+            return next(
+                (p for n, p in self.pods.items() if n not in before and p.mode == "restore" and p.answers),
+                None,
+            )
+
+        new = await self.until("the replacement to answer", replaced, 300)
+        self.results["failover"] = {
+            **new.summary(),
+            "kill_to_serving_s": round((new.serving or 0) - killed, 3),
+            "kill_to_first_token_s": round((new.first_token or 0) - killed, 3),
+        }
+        self.phase("failover", t)
+
+    def _one(self, mode: str, *, answered: bool) -> PodTimes | None:
+        return next(
+            (p for p in self.pods.values() if p.mode == mode and (p.answers if answered else p.serving)), None
+        )
+
+    def _checkpoint_ready(self) -> bool:
+        assert self.cluster is not None
+        got = self.cluster.kubectl(
+            "get",
+            "dynamocheckpoints",
+            "-n",
+            NAMESPACE,
+            "-o",
+            "jsonpath={.items[*].status.phase}",
+            check=False,
+        )
+        if "Failed" in got.stdout:
+            shown = self.cluster.kubectl("get", "dynamocheckpoints", "-n", NAMESPACE, "-oyaml", check=False)
+            raise RuntimeError(f"checkpoint failed: {shown.stdout[-2000:]}")
+        return "Ready" in got.stdout
+
+    async def _worker_pid(self, pod_name: str) -> int | None:
+        assert self.kube is not None
+        assert self.agent is not None
+        from dynamo_snapshot.agent.watcher import workload_key
+
+        pod = await self.kube.get(POD, pod_name, NAMESPACE)
+        workload = await self.agent.runtime.find(workload_key(pod))
+        return workload.pid if workload is not None else None
+
+    async def _cgroup_of(self, pod_name: str) -> dict[str, Any]:
+        """The restored worker's cgroup, and whether it is its own pod's."""
+        assert self.kube is not None
+        pid = await self._worker_pid(pod_name)
+        pod = await self.kube.get(POD, pod_name, NAMESPACE)
+        uid = pod["metadata"]["uid"]
+        if pid is None:
+            return {"pid": None}
+        text = await asyncio.to_thread(Path(f"/proc/{pid}/cgroup").read_text)
+        mine = uid.replace("-", "_") in text or uid in text
+        return {"pid": pid, "cgroup": text.strip().splitlines()[-1], "in_own_pod": mine}
+
+    async def stop(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.gather(*self._tasks, return_exceptions=True), timeout=30)
+        if self._api is not None:
+            await self._api.close()
+        if self.cluster is not None:
+            await asyncio.to_thread(self.cluster.stop)
+
+
+def _mode(pod: Obj) -> str:
+    meta = pod["metadata"]
+    annotations = meta.get("annotations") or {}
+    if protocol.ANNOTATION_RESTORE_FROM in annotations:
+        return "restore"
+    if any(o.get("kind") == "Job" for o in meta.get("ownerReferences") or []):
+        return "snapshot"
+    return "cold"
+
+
+async def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", choices=("gpu", "cpu"), default="gpu")
+    p.add_argument("--size", default="1g")
+    p.add_argument("--kv-gib", type=float, default=2.0)
+    p.add_argument("--replicas", type=int, default=3)
+    p.add_argument("--cold-timeout", type=float, default=400)
+    p.add_argument("--work", default="/var/tmp/dsnap-story")
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/story-out"))
+    args = p.parse_args()
+    story = Story(args)
+    started = time.monotonic()
+    rc = 0
+    try:
+        await story.start()
+        await story.run()
+    except Exception as e:  # the results so far are saved with the reason
+        story.results["error"] = f"{type(e).__name__}: {e}"
+        story.results["traceback"] = traceback.format_exc()[-4000:]
+        say(f"FAILED: {e}")
+        rc = 1
+    finally:
+        story.results["total_s"] = round(time.monotonic() - started, 1)
+        story.save()
+        await story.stop()
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(asyncio.run(main()))
