@@ -41,6 +41,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.criu, pytest.mark.kubelet]
 
 GPU_LABEL = "nvidia.com/gpu.present"
 DGD_V1ALPHA1 = f"dynamographdeployments.{protocol.API_VERSION}.{protocol.API_GROUP}"
+DGD_V1BETA1 = f"dynamographdeployments.{protocol.API_VERSION_V1BETA1}.{protocol.API_GROUP}"
 
 
 @pytest.fixture
@@ -214,7 +215,8 @@ def _story(
     removed = helm(cluster, "uninstall", release, "-n", system, "--wait", timeout=120)
     assert removed.returncode == 0, removed.stderr
     wait_for(lambda: not _release_pods(cluster, system), within=60, what="the release's pods to go")
-    assert _json(cluster, "get", DGD_V1ALPHA1, GRAPH, "-n", apps)["metadata"]["name"] == GRAPH
+    # Read at v1beta1, the version stored: `kubectl get dgd` needs no webhook (the release's is gone).
+    assert _json(cluster, "get", "dgd", GRAPH, "-n", apps)["metadata"]["name"] == GRAPH
     assert _json(cluster, "get", "dynamocheckpoints", "-n", apps)["items"]
     assert sorted((store / "artifacts").rglob("manifest.json")) == artifacts
     assert workers_outside_pods() == []
@@ -286,7 +288,7 @@ def _answer(ip: str) -> dict[str, Any]:
 def _clear_workloads(cluster: LocalCluster, namespace: str) -> None:
     """What the docs tell users to do once the controller is gone: the checkpoints' finalizers removed
     by hand, the graph deleted (its pods go with it)."""
-    cluster.kubectl("delete", DGD_V1ALPHA1, "--all", "-n", namespace, "--wait=false", check=False)
+    cluster.kubectl("delete", DGD_V1BETA1, "--all", "-n", namespace, "--wait=false", check=False)
     for kind in ("dynamocheckpoints", "podsnapshots", "snapshotjobs"):
         items = (
             _json(cluster, "get", kind, "-n", namespace)["items"] if _has(cluster, kind, namespace) else []
