@@ -23,6 +23,7 @@ from dynamo_snapshot.localcluster.realnode import (
     find_node_components,
     gpu,
     host,
+    pod_images,
 )
 from dynamo_snapshot.localcluster.realnode.links import LinkError, ifreq_flags, ifreq_inet
 
@@ -236,3 +237,21 @@ def test_ifreq_layouts_are_the_kernels() -> None:
     for bad in ("", "a-name-of-16-chr", "a/b"):
         with pytest.raises(LinkError, match="not a valid interface name"):
             ifreq_flags(bad, 0)
+
+
+def test_images_whose_makings_the_machine_lacks_are_left_out_with_the_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pod_images, "WORKER_PYTHON", tmp_path / "no-python3.11")
+    images = pod_images.build_node_images(tmp_path / "with-busybox")
+    assert [a.name for a in images.archives] == ["pause.tar", "busybox.tar"]
+    assert images.worker is None
+    assert images.skipped == [f"the CPU worker image: no {tmp_path / 'no-python3.11'} on this machine"]
+
+    monkeypatch.setattr(pod_images, "BUSYBOX", tmp_path / "no-busybox")
+    images = pod_images.build_node_images(tmp_path / "bare")
+    assert [a.name for a in images.archives] == ["pause.tar"], "the sandbox image is always there"
+    assert images.skipped == [
+        f"the test image {pod_images.TEST_IMAGE.name}: no {tmp_path / 'no-busybox'} on this machine",
+        f"the CPU worker image: no {tmp_path / 'no-python3.11'} or {tmp_path / 'no-busybox'} on this machine",
+    ]

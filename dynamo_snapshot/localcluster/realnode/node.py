@@ -71,6 +71,7 @@ class RealNode:
         # The bridge CNI plugin (isGateway) turns IPv4 forwarding on; a stop puts back what was there.
         self._ip_forward: str | None = None
         self._worker_image: ImageRef | None = None
+        self._images_skipped: list[str] = []
         self._facts: HostFacts | None = None
         self._gpu_labels: dict[str, str] = {}
         self._gpu_count = 0
@@ -147,6 +148,8 @@ class RealNode:
     def worker_image(self) -> ImageRef:
         """The CPU reference worker image this node imported (its tag hashes the files it holds)."""
         if self._worker_image is None:
+            if self._images_skipped:
+                raise RealNodeError("this node has no worker image: " + "; ".join(self._images_skipped))
             raise RealNodeError("the worker image is known once the real node has started")
         return self._worker_image
 
@@ -182,12 +185,15 @@ class RealNode:
             self._setup_bridge()
             install_seccomp_profiles(self.kubelet_root)
             say("building the pause and test images")
-            self._worker_image, archives = build_node_images(self.workdir / "images")
+            images = build_node_images(self.workdir / "images")
+            self._worker_image, self._images_skipped = images.worker, images.skipped
+            for reason in images.skipped:
+                say(f"not built: {reason}")
             self._write_cni_config()
             cdi_dirs = self._prepare_gpus(say) if with_gpus else []
             say(f"starting containerd (cgroup v{self.facts.cgroup_version})")
             self._start_containerd(comps, deadline, cdi_dirs)
-            for archive in archives:
+            for archive in images.archives:
                 self.ctr("images", "import", str(archive))
             say("starting kubelet")
             self._start_kubelet(comps)

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from dynamo_snapshot.localcluster.images import (
+    BUSYBOX,
+    WORKER_PYTHON,
     ImageBuildError,
     ImageRef,
     build_busybox_rootfs,
@@ -43,21 +46,41 @@ def install_seccomp_profiles(kubelet_root: Path) -> None:
     path.write_text(json.dumps(NO_IO_URING_SECCOMP, indent=1))
 
 
-def build_node_images(d: Path) -> tuple[ImageRef, list[Path]]:
-    """The pause, test and worker images as OCI archives under `d` (the worker's is cached elsewhere);
-    returns the worker image's reference (its tag hashes the files it holds) and the archives."""
+@dataclass(frozen=True)
+class NodeImages:
+    archives: list[Path]
+    # The CPU reference worker's image (its tag hashes the files it holds), where it could be built.
+    worker: ImageRef | None
+    # Why an image is not there: what it is made of is not on this machine (one line each).
+    skipped: list[str]
+
+
+def build_node_images(d: Path) -> NodeImages:
+    """The pause, test and CPU worker images as OCI archives under `d` (the worker's is cached elsewhere).
+
+    The pause image is always needed. The test image is made of the machine's busybox-static and the
+    worker's of Debian's python3.11 (and busybox): a machine without them (the GPU machine: Ubuntu, no
+    busybox) gets the node without those images, and the reason."""
     shutil.rmtree(d, ignore_errors=True)
+    skipped: list[str] = []
+    worker_image = None
     try:
-        pause = write_oci_archive(
-            d / "pause.tar", build_pause_rootfs(d / "pause-rootfs"), PAUSE_IMAGE, entrypoint=["/pause"]
-        )
-        busybox = write_oci_archive(
-            d / "busybox.tar",
-            build_busybox_rootfs(d / "busybox-rootfs"),
-            TEST_IMAGE,
-            entrypoint=["/bin/sh"],
-        )
-        worker_image, worker = worker_image_archive()
+        archives = [
+            write_oci_archive(
+                d / "pause.tar", build_pause_rootfs(d / "pause-rootfs"), PAUSE_IMAGE, entrypoint=["/pause"]
+            )
+        ]
+        if BUSYBOX.exists():
+            rootfs = build_busybox_rootfs(d / "busybox-rootfs")
+            archives.append(write_oci_archive(d / "busybox.tar", rootfs, TEST_IMAGE, entrypoint=["/bin/sh"]))
+        else:
+            skipped.append(f"the test image {TEST_IMAGE.name}: no {BUSYBOX} on this machine")
+        lacking = [str(p) for p in (WORKER_PYTHON, BUSYBOX) if not p.exists()]
+        if lacking:
+            skipped.append(f"the CPU worker image: no {' or '.join(lacking)} on this machine")
+        else:
+            worker_image, worker = worker_image_archive()
+            archives.append(worker)
     except ImageBuildError as e:
         raise RealNodeError(str(e)) from None
-    return worker_image, [pause, busybox, worker]
+    return NodeImages(archives, worker_image, skipped)
