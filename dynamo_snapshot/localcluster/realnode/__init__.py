@@ -7,10 +7,12 @@ come from local OCI archives (`localcluster.images`), so pods use `imagePullPoli
 The node is tainted (`REAL_NODE_TAINT`) so that pods written for kwok nodes never land on it; pods meant for
 it tolerate the taint (`RealNode.pod_overrides`). One real node per machine: a lock under /run refuses a
 second one, and a start after a killed run first removes what that run left (processes, mounts, cgroups,
-netns, the bridge, iptables chains).
+netns, the bridge, iptables chains where iptables is installed).
 
-`node` holds `RealNode`; `host` the host paths, binaries and command runner; `configs` the daemons'
-configuration; `pod_images` the images and seccomp profile; `traces` what a node leaves on the host.
+`node` holds `RealNode`; `host` the host paths, binaries and command runner; `facts` what the machine offers
+(cgroup v1 or v2, iptables, GPUs), read at start; `configs` the daemons' configuration; `links` the pods'
+bridge; `gpu` the GPUs on the node (CDI spec, device plugin, labels); `pod_images` the images and seccomp
+profile; `traces` what a node leaves on the host.
 """
 
 from dynamo_snapshot.localcluster.realnode.configs import REAL_NODE_TAINT, RealNodeOptions
