@@ -13,7 +13,7 @@ from dynamo_snapshot.localcluster.realnode.facts import (
     mount_fstype,
     read_host_facts,
 )
-from dynamo_snapshot.localcluster.realnode.traces import cgroup_hierarchies, kubepods_cgroups
+from dynamo_snapshot.localcluster.realnode.traces import cgroup_hierarchies, kubepods_cgroups, propagation
 
 # /proc/self/mountinfo lines as the two machines have them.
 V2_ONLY = (
@@ -86,3 +86,13 @@ def test_kubepods_on_cgroup_v1_is_one_tree_per_hierarchy(tmp_path: Path) -> None
     assert {p.relative_to(root).parts[0] for p in found} == {"memory", "cpu,cpuacct", "unified"}
     assert [len(p.parts) for p in found] == sorted((len(p.parts) for p in found), reverse=True)
     assert kubepods_cgroups(tmp_path / "none") == []
+
+
+def test_the_cgroup_mount_propagation_is_read_on_either_version() -> None:
+    assert propagation("/sys/fs/cgroup", V2_ONLY) == "shared"
+    assert propagation("/sys/fs/cgroup", V2_ONLY.replace(" shared:9", "")) == "private"
+    assert propagation("/sys/fs/cgroup", V1_HYBRID) == "private", "v1: the tmpfs holding the hierarchies"
+    assert (
+        propagation("/sys/fs/cgroup", V1_HYBRID.replace("noexec - tmpfs", "noexec master:3 - tmpfs"))
+        == "slave"
+    )

@@ -229,10 +229,13 @@ def mountpoints() -> list[str]:
     return points
 
 
-def propagation(path: str) -> str:
-    """shared, slave or private: how the mount at ``path`` (or the one it lies in) propagates."""
+def propagation(path: str, mountinfo: str | None = None) -> str:
+    """shared, slave or private: how the mount at ``path`` (or the one it lies in) propagates, as
+    ``mountinfo`` (default: this process's) shows it. On cgroup v2 /sys/fs/cgroup is a mount of its own,
+    on v1 the tmpfs that holds the hierarchies: either way the one at that path."""
     best, how = "", "private"
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+    text = Path("/proc/self/mountinfo").read_text() if mountinfo is None else mountinfo
+    for line in text.splitlines():
         fields = line.split(" ")
         point = fields[4].encode().decode("unicode_escape")
         if (path + "/").startswith(point.rstrip("/") + "/") and len(point) >= len(best):
