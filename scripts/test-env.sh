@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Installs, builds and caches every real component the tests and the local demo start:
-#   kube-apiserver, kube-scheduler, kube-controller-manager, kubectl  (Go module proxy, version-stamped)
+#   dsnap-multicall (Go module proxy, version-stamped; scripts/nodebin): kube-apiserver, kube-scheduler,
+#     kube-controller-manager, kubectl, etcd, and the real node's kubelet, kube-proxy, containerd 2.x + shim +
+#     ctr and gpu-device-plugin, all one program, linked under each name
+#   runc (static, with seccomp) and the CNI bridge/host-local/loopback plugins (Go module proxy)
 #   kwok, helm                                                         (Go module proxy)
-#   etcd 3.5 (Debian 13 etcd-server), criu 4.x (Debian 13 source, built here), runc + prometheus (Debian)
-#   the real node: kubelet, kube-proxy (same build), containerd 2.x + shim + ctr (Go module proxy),
-#   CNI plugins, iptables, busybox-static (Debian)
+#   criu 4.x (Debian 13 source, built here), prometheus, iptables, busybox-static (Debian)
 # Idempotent: a warm cache costs seconds. Everything lands in $DYNSNAP_CACHE (default ~/.cache/dynamo-snapshot);
 # binaries in $DYNSNAP_CACHE/bin. Prints `export PATH=...` hints at the end.
 set -euo pipefail
@@ -60,31 +61,17 @@ with_trixie() {
   return $rc
 }
 
+# Debian's runc goes into the agent's image (localcluster.project_images); the real node runs the static one
+# built below.
 apt_need ca-certificates curl runc prometheus iproute2 procps
-# the real node (localcluster.realnode): CNI bridge/host-local/loopback in /usr/lib/cni, iptables for the
-# kubelet and kube-proxy, busybox for the local test image, Debian's Python and util-linux (nsenter,
-# unshare) for the worker image and the agent's restore into a pod
-apt_need containernetworking-plugins iptables busybox-static python3.11 util-linux
+# the real node (localcluster.realnode): iptables for the kubelet and kube-proxy, busybox for the local
+# test image, Debian's Python and util-linux (nsenter, unshare) for the worker image and the agent's restore
+# into a pod; libseccomp's static library for runc
+apt_need iptables busybox-static python3.11 util-linux libseccomp-dev
 # criu build dependencies (bookworm versions are fine for criu 4.1)
 apt_need build-essential pkg-config libprotobuf-dev libprotobuf-c-dev protobuf-c-compiler protobuf-compiler \
   python3-protobuf libnl-3-dev libnet1-dev libcap-dev libbsd-dev libgnutls28-dev libnftables-dev libaio-dev \
   uuid-dev xz-utils
-
-# ---------------------------------------------------------------- etcd (Debian 13 etcd-server)
-fetch_etcd() {
-  local d=$SRC/etcd-$ETCD_DEB_VERSION
-  rm -rf "$d"; mkdir -p "$d"
-  (cd "$d" && apt-get download -qq "etcd-server=$ETCD_DEB_VERSION" 2>/dev/null) || return 1
-  dpkg-deb -x "$d"/etcd-server_*.deb "$d/root"
-  cp "$d/root/usr/bin/etcd" "$BIN/etcd"
-}
-if stamp_ok etcd "$ETCD_DEB_VERSION" && [ -x "$BIN/etcd" ]; then
-  say "etcd $ETCD_DEB_VERSION cached"
-else
-  say "fetching etcd-server $ETCD_DEB_VERSION (Debian 13)"
-  with_trixie fetch_etcd || die "could not download etcd-server $ETCD_DEB_VERSION from Debian trixie"
-  stamp etcd "$ETCD_DEB_VERSION"
-fi
 
 # ---------------------------------------------------------------- criu (Debian 13 source, built here)
 build_criu() {
@@ -119,13 +106,26 @@ else
   stamp criu "$criu_rev"
 fi
 
-# ---------------------------------------------------------------- Kubernetes control plane from the module proxy
-build_k8s() {  # dir cmd...
-  local d=$1; shift
-  local cmds="$*"
-  mkdir -p "$d"
+# ---------------------------------------------------------------- dsnap-multicall (scripts/nodebin)
+# One Go program of the Kubernetes components, etcd, containerd and the GPU device plugin: one link of their
+# shared dependencies (175 MB, where the separate binaries are 460 MB) and one build. Its go.mod is written
+# here from versions.env: k8s.io/kubernetes with replace lines for its staging modules, etcd's server and
+# containerd, and containerd's own containerd/api (Kubernetes asks for a newer one that containerd's
+# sources do not build against).
+MULTICALL_NAMES="kube-apiserver kube-controller-manager kube-scheduler kubectl kubelet kube-proxy etcd containerd
+  containerd-shim-runc-v2 ctr gpu-device-plugin"
+build_multicall() {  # dir
+  local d=$1 cd_mod=github.com/containerd/containerd/v2
+  rm -rf "$d"; mkdir -p "$d"
+  cp "$here"/nodebin/*.go "$d/"
+  local cd_gomod cd_api
+  cd_gomod=$(cd "$d" && GOFLAGS= go mod download -json "$cd_mod@$CONTAINERD_VERSION" | sed -n 's/^\t"GoMod": "\(.*\)",$/\1/p')
+  cd_api=$(sed -n 's#^\tgithub.com/containerd/containerd/api \(v[^ ]*\).*#\1#p' "$cd_gomod")
+  [ -n "$cd_api" ] || { echo "no containerd/api requirement in $cd_gomod" >&2; return 1; }
   {
-    printf 'module dynamo-snapshot.local/k8s-build\n\ngo 1.26.0\n\nrequire k8s.io/kubernetes %s\n\nreplace (\n' "$K8S_VERSION"
+    printf 'module dynamo-snapshot.local/multicall\n\ngo 1.26.0\n\nrequire (\n'
+    printf '\tk8s.io/kubernetes %s\n\t%s %s\n\tgo.etcd.io/etcd/server/v3 %s\n)\n\nreplace (\n' \
+      "$K8S_VERSION" "$cd_mod" "$CONTAINERD_VERSION" "$ETCD_VERSION"
     for m in api apiextensions-apiserver apimachinery apiserver cli-runtime client-go cloud-provider \
       cluster-bootstrap code-generator component-base component-helpers controller-manager cri-api cri-client \
       cri-streaming csi-translation-lib dynamic-resource-allocation endpointslice externaljwt kms kube-aggregator \
@@ -133,36 +133,58 @@ build_k8s() {  # dir cmd...
       pod-security-admission sample-apiserver sample-cli-plugin sample-controller streaming; do
       printf '\tk8s.io/%s => k8s.io/%s %s\n' "$m" "$m" "$K8S_STAGING_VERSION"
     done
-    printf ')\n'
+    printf '\tgithub.com/containerd/containerd/api => github.com/containerd/containerd/api %s\n)\n' "$cd_api"
   } > "$d/go.mod"
   local minor=${K8S_VERSION#v1.}; minor=${minor%%.*}
-  local ld="-s -w"
+  local ld="-s -w -X $cd_mod/version.Version=$CONTAINERD_VERSION"
   for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
     ld+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor -X $pkg.gitTreeState=clean"
     ld+=" -X $pkg.buildDate=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
   done
-  (cd "$d" && go get $cmds 2>&1 | tail -n 5) || return 1
-  (cd "$d" && go build -trimpath -ldflags "$ld" -o "$BIN/" $cmds) || return 1
+  (cd "$d" && go get . 2>&1 | tail -n 5) || return 1
+  (cd "$d" && go build -trimpath -ldflags "$ld" -o "$BIN/dsnap-multicall" .) || return 1
 }
-if stamp_ok k8s "$K8S_VERSION" && [ -x "$BIN/kube-apiserver" ] && [ -x "$BIN/kubectl" ]; then
-  say "kubernetes $K8S_VERSION cached"
+multicall_rev="$K8S_VERSION $K8S_STAGING_VERSION containerd-$CONTAINERD_VERSION etcd-$ETCD_VERSION"
+multicall_rev+=" src-$(cat "$here"/nodebin/*.go | sha256sum | cut -c1-12) $(go env GOVERSION)"
+if stamp_ok multicall "$multicall_rev" && [ -x "$BIN/dsnap-multicall" ]; then
+  say "dsnap-multicall cached ($multicall_rev)"
 else
-  say "building kube-apiserver, kube-scheduler, kube-controller-manager, kubectl $K8S_VERSION (first time: ~20 min on 2 cores)"
-  build_k8s "$SRC/k8s-$K8S_VERSION" k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-scheduler \
-    k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kubectl || die "building Kubernetes $K8S_VERSION failed (see the go output above); the Go module proxy must be reachable"
-  "$BIN/kube-apiserver" --version | grep -q "$K8S_VERSION" || die "kube-apiserver --version does not report $K8S_VERSION"
-  stamp k8s "$K8S_VERSION"
+  say "building dsnap-multicall: Kubernetes $K8S_VERSION, etcd $ETCD_VERSION, containerd $CONTAINERD_VERSION (first time: ~20 min on 2 cores)"
+  build_multicall "$SRC/multicall" || die "building dsnap-multicall failed (see the go output above); the Go module proxy must be reachable"
+  stamp multicall "$multicall_rev"
 fi
-# The node binaries get their own module dir and stamp: a warm control plane is never rebuilt for them,
-# and their extra dependencies (netlink, nftables) stay out of the control plane's go.mod.
-if stamp_ok k8s-node "$K8S_VERSION" && [ -x "$BIN/kubelet" ] && [ -x "$BIN/kube-proxy" ]; then
-  say "kubelet, kube-proxy $K8S_VERSION cached"
+for n in $MULTICALL_NAMES; do ln -sfn dsnap-multicall "$BIN/$n"; done
+# What the separate builds left: their stamps and module dirs.
+rm -f "$BIN"/.stamp-{k8s,k8s-node,containerd,etcd}
+rm -rf "$SRC"/k8s-v* "$SRC"/k8s-node-v* "$SRC"/etcd-*
+"$BIN/kube-apiserver" --version | grep -qx "Kubernetes $K8S_VERSION" || die "kube-apiserver --version does not report $K8S_VERSION"
+"$BIN/containerd" --version | grep -q " $CONTAINERD_VERSION" || die "containerd --version does not report $CONTAINERD_VERSION"
+"$BIN/etcd" --version | grep -qx "etcd Version: ${ETCD_VERSION#v}" || die "etcd --version does not report $ETCD_VERSION"
+
+# ---------------------------------------------------------------- runc and the CNI plugins (Go module proxy)
+# Static, so that one build runs here and on a machine with none of their libraries (no libseccomp);
+# runc with seccomp filters, as its own `make static` builds it.
+if stamp_ok runc "$RUNC_VERSION" && [ -x "$BIN/runc" ]; then
+  say "runc $RUNC_VERSION cached"
 else
-  say "building kubelet, kube-proxy $K8S_VERSION (~1 min after the control plane, ~5 min from an empty Go cache)"
-  build_k8s "$SRC/k8s-node-$K8S_VERSION" k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-proxy \
-    || die "building kubelet/kube-proxy $K8S_VERSION failed (see the go output above); the Go module proxy must be reachable"
-  "$BIN/kubelet" --version | grep -q "$K8S_VERSION" || die "kubelet --version does not report $K8S_VERSION"
-  stamp k8s-node "$K8S_VERSION"
+  say "building runc $RUNC_VERSION (static, seccomp)"
+  CGO_ENABLED=1 GOBIN=$BIN go install -trimpath -buildmode=pie -tags "seccomp urfave_cli_no_docs netgo osusergo" \
+    -ldflags "-s -w -linkmode external -extldflags -static-pie" "github.com/opencontainers/runc@$RUNC_VERSION" \
+    || die "building runc $RUNC_VERSION failed (it needs gcc and libseccomp-dev's static library)"
+  "$BIN/runc" --version | grep -qx "runc version ${RUNC_VERSION#v}" || die "runc --version does not report $RUNC_VERSION"
+  ! readelf -d "$BIN/runc" | grep -q NEEDED || die "runc links shared libraries: $(readelf -d "$BIN/runc" | grep NEEDED)"
+  stamp runc "$RUNC_VERSION"
+fi
+cni_mod=github.com/containernetworking/plugins
+if stamp_ok cni "$CNI_PLUGINS_VERSION" && [ -x "$BIN/cni/bridge" ] && [ -x "$BIN/cni/host-local" ] && [ -x "$BIN/cni/loopback" ]; then
+  say "CNI plugins $CNI_PLUGINS_VERSION cached"
+else
+  say "building the CNI bridge, host-local and loopback plugins $CNI_PLUGINS_VERSION"
+  mkdir -p "$BIN/cni"
+  GOBIN=$BIN/cni go install -trimpath -ldflags "-s -w -X $cni_mod/pkg/utils/buildversion.BuildVersion=$CNI_PLUGINS_VERSION" \
+    "$cni_mod/plugins/main/bridge@$CNI_PLUGINS_VERSION" "$cni_mod/plugins/ipam/host-local@$CNI_PLUGINS_VERSION" \
+    "$cni_mod/plugins/main/loopback@$CNI_PLUGINS_VERSION" || die "building the CNI plugins $CNI_PLUGINS_VERSION failed"
+  stamp cni "$CNI_PLUGINS_VERSION"
 fi
 
 go_install() {  # name version module/cmd-path
@@ -191,20 +213,6 @@ else
   say "kwok stages written to $BIN/kwok-stages.yaml"
 fi
 go_install helm "$HELM_VERSION" helm.sh/helm/v3/cmd/helm "-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
-
-# containerd 2.x, not Debian 12's 1.6: only 2.x implements the CRI checkpoint call and restore into a new pod.
-if stamp_ok containerd "$CONTAINERD_VERSION" && [ -x "$BIN/containerd" ] && [ -x "$BIN/containerd-shim-runc-v2" ] \
-  && [ -x "$BIN/ctr" ]; then
-  say "containerd $CONTAINERD_VERSION cached"
-else
-  say "building containerd, containerd-shim-runc-v2, ctr $CONTAINERD_VERSION (~1 min with a warm Go cache)"
-  cd_mod=github.com/containerd/containerd/v2
-  GOBIN=$BIN go install -trimpath -ldflags "-s -w -X $cd_mod/version.Version=$CONTAINERD_VERSION" \
-    "$cd_mod/cmd/containerd@$CONTAINERD_VERSION" "$cd_mod/cmd/containerd-shim-runc-v2@$CONTAINERD_VERSION" \
-    "$cd_mod/cmd/ctr@$CONTAINERD_VERSION" || die "building containerd $CONTAINERD_VERSION failed"
-  "$BIN/containerd" --version | grep -q "$CONTAINERD_VERSION" || die "containerd --version does not report $CONTAINERD_VERSION"
-  stamp containerd "$CONTAINERD_VERSION"
-fi
 
 "$BIN/criu" --version | sed -n 1p | sed 's/^/[test-env] /'
 "$BIN/etcd" --version | sed -n 1p | sed 's/^/[test-env] /'
