@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import stat
+import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -47,6 +48,8 @@ NAME_MAX = 100
 END_OF_ARCHIVE = b"\0" * (2 * BLOCK)
 LAYER_PLACEHOLDER = "blobs/sha256/layer"
 CHUNK = 1 << 20
+PREFETCH_THREADS = 8
+PREFETCH_LEAD = 1 << 30
 _TYPEFLAGS = {"file": b"0", "hardlink": b"1", "link": b"2", "dir": b"5"}
 _LONG_NAME = b"././@LongLink"
 
@@ -145,29 +148,95 @@ class LayerStream:
         data = f.size + _padding(f.size) if kind == "file" else 0
         return header_size(f.path, kind, link) + data
 
-    def write(self, fd: int, progress: Callable[[int], None] | None = None) -> StreamStats:
-        """Write the layer to `fd`, hashing it; `progress` is told the bytes written so far."""
+    def write(
+        self, fd: int, progress: Callable[[int], None] | None = None, prefetch: bool = True
+    ) -> StreamStats:
+        """Write the layer to `fd`, hashing it; `progress` is told the bytes written so far. With
+        `prefetch`, a few threads ask the kernel to read the files ahead of the writer."""
         started = time.monotonic()
         out = _HashingWriter(fd)
         buf = bytearray(CHUNK)
-        for f in self.files:
-            kind = self._kind(f)
-            link = self._links[f.path] if kind == "hardlink" else f.link
-            size = f.size if kind == "file" else 0
-            mtime = f.mtime_ns // 1_000_000_000
-            head = tar_header(
-                f.path, kind, mode=f.mode, uid=f.uid, gid=f.gid, size=size, mtime=mtime, link=link
-            )
-            if kind != "file":
-                out.write(head)
-            else:
+        ahead = _Prefetcher(self.files) if prefetch else None
+        try:
+            for f in self.files:
+                kind = self._kind(f)
+                link = self._links[f.path] if kind == "hardlink" else f.link
+                size = f.size if kind == "file" else 0
+                mtime = f.mtime_ns // 1_000_000_000
+                head = tar_header(
+                    f.path, kind, mode=f.mode, uid=f.uid, gid=f.gid, size=size, mtime=mtime, link=link
+                )
+                if kind != "file":
+                    out.write(head)
+                    continue
                 _copy(f, head, out, buf)
+                if ahead is not None:
+                    ahead.passed(size)
                 if progress is not None and size >= CHUNK:
                     progress(out.written)
+        finally:
+            if ahead is not None:
+                ahead.stop()
         out.write(END_OF_ARCHIVE)
         if out.written != self.size:
             raise ImageBuildError(f"the layer came out {out.written} bytes long, {self.size} were announced")
         return StreamStats(out.digest(), out.written, len(self.files), time.monotonic() - started)
+
+
+class _Prefetcher:
+    """Threads that ask the kernel to read the layer's files (`posix_fadvise(WILLNEED)`), in the writer's
+    order and at most `PREFETCH_LEAD` bytes ahead of it: on a fresh machine the files are on disk, and a
+    single reader that waits for each small file in turn is bound by the disk's latency, not its
+    bandwidth."""
+
+    def __init__(self, files: Sequence[HostFile], threads: int = PREFETCH_THREADS) -> None:
+        self._files = [f for f in files if f.kind == "file" and f.size]
+        self._starts: list[int] = []
+        total = 0
+        for f in self._files:
+            self._starts.append(total)
+            total += f.size
+        self._next = 0
+        self._passed = 0
+        self._stopped = False
+        self._cond = threading.Condition()
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def passed(self, size: int) -> None:
+        """The writer is `size` bytes further."""
+        with self._cond:
+            self._passed += size
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join()
+
+    def _take(self) -> HostFile | None:
+        with self._cond:
+            while True:
+                if self._stopped or self._next >= len(self._files):
+                    return None
+                if self._starts[self._next] <= self._passed + PREFETCH_LEAD:
+                    self._next += 1
+                    return self._files[self._next - 1]
+                self._cond.wait()
+
+    def _run(self) -> None:
+        while (f := self._take()) is not None:
+            try:
+                fd = os.open(f.source, os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError:
+                continue  # the writer says what is wrong with it
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
 
 
 class _HashingWriter:

@@ -104,7 +104,14 @@ def test_cpu_worker_selection_takes_the_venv_at_its_host_paths(
     assert "etc/shadow" not in by_path
     assert "etc/hosts" not in by_path
     assert (by_path["tmp"].mode, by_path["root"].mode) == (0o1777, 0o700)
-    assert not any(p.startswith(("tmp/", "var/tmp/")) for p in by_path)
+    envs = tuple(p.lstrip("/") for p in (facts.prefix, facts.base_prefix))
+    stray = [
+        p
+        for p in by_path
+        if p.startswith(("tmp/", "var/tmp/"))
+        and not any(p == e or p.startswith(e + "/") or e.startswith(p + "/") for e in envs)
+    ]
+    assert stray == []
     # The sources and the site directory, compiled ahead (hash-based, unchecked), caches left out.
     app = APP_DIR.lstrip("/")
     pyc = by_path[f"{app}/dynamo_snapshot/workload/__pycache__/standby.cpython-311.pyc"]
@@ -178,8 +185,9 @@ def test_gpu_pod_runs_the_worker_as_restore_bench_does() -> None:
 # ------------------------------------------------------------------------------------------ the real node
 
 
-def _exec_python(cluster: LocalCluster, namespace: str, pod: str, code: str) -> Any:
-    out = cluster.kubectl("exec", "-n", namespace, pod, "--", str(VENV_PYTHON), "-c", code, timeout=60)
+def _exec_python(cluster: LocalCluster, namespace: str, pod: str, code: str, *args: str) -> Any:
+    argv = ["exec", "-n", namespace, pod, "--", str(VENV_PYTHON), "-c", code, *args]
+    out = cluster.kubectl(*argv, timeout=60)
     return json.loads(out.stdout)
 
 
@@ -194,10 +202,24 @@ for d, dirs, files in os.walk("/"):
     caches += [os.path.join(d, n) for n in found]
 print(json.dumps({
     "path": sys.path, "sdk": w.__file__, "site": sitecheck.ANSWER, "caches": caches,
-    "tmp": os.listdir("/tmp"), "root_cache": sorted(os.listdir("/root/.cache")),
-    "venvs": sorted(os.listdir("/root/.cache/dynamo-snapshot")),
+    "listed": {d: sorted(os.listdir(d)) for d in sys.argv[1:]},
 }))
 """
+
+
+def _expected_listings() -> dict[str, list[str]]:
+    """/tmp, /root and every directory above the venv and its base, as the image has them: each holds
+    only the next step towards the venv or the base (the host's hold much more), or nothing."""
+    facts = python_facts(VENV_PYTHON)
+    out: dict[str, set[str]] = {"/tmp": set(), "/root": set()}
+    for tree in (facts.prefix, facts.base_prefix):
+        parts = Path(tree).parts
+        for i in range(1, len(parts) - 1):
+            out.setdefault(str(Path(*parts[: i + 1])), set())
+        for d in out:
+            if tree.startswith(d + "/"):
+                out[d].add(Path(tree).relative_to(d).parts[0])
+    return {d: sorted(names) for d, names in out.items()}
 
 
 def _host_path() -> list[str]:
@@ -244,15 +266,14 @@ def test_venv_image_serves_the_cpu_worker_on_the_real_node(
     with urllib.request.urlopen(f"http://{pod['status']['podIP']}:{PORT}/health", timeout=10) as resp:
         assert json.loads(resp.read())["pod"] == "venv-worker"
 
-    inside = _exec_python(cluster, namespace, "venv-worker", _INSIDE)
+    expected = _expected_listings()
+    inside = _exec_python(cluster, namespace, "venv-worker", _INSIDE, *expected)
     assert inside["path"] == _host_path()
     assert inside["sdk"] == f"{APP_DIR}/dynamo_snapshot/workload/__init__.py"
     assert inside["site"] == 42
-    # No compile cache, no temporary file and none of the host's other caches came with the image.
+    # No compile cache, no temporary file and nothing beside the environment in the host's directories.
     assert inside["caches"] == []
-    assert inside["tmp"] == []
-    assert inside["root_cache"] == ["dynamo-snapshot"]
-    assert inside["venvs"] == [Path(python_facts(VENV_PYTHON).prefix).name]
+    assert inside["listed"] == expected
 
     # The same inputs again: containerd has the image, nothing is streamed.
     again = build_and_import(
