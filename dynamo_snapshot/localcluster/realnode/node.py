@@ -190,9 +190,13 @@ class RealNode:
             for reason in images.skipped:
                 say(f"not built: {reason}")
             self._write_cni_config()
-            cdi_dirs = self._prepare_gpus(say) if with_gpus else []
+            # CDI is on for every node, as containerd 2.x has it by default: a spec written into cdi_dir
+            # after the start (a test's fake GPU) is read when a container first asks for its devices.
+            self.cdi_dir.mkdir(parents=True, exist_ok=True)
+            if with_gpus:
+                self._prepare_gpus(say)
             say(f"starting containerd (cgroup v{self.facts.cgroup_version})")
-            self._start_containerd(comps, deadline, cdi_dirs)
+            self._start_containerd(comps, deadline, [self.cdi_dir])
             for archive in images.archives:
                 self.ctr("images", "import", str(archive))
             say("starting kubelet")
