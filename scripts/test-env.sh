@@ -149,7 +149,7 @@ multicall_rev+=" src-$(cat "$here"/nodebin/*.go | sha256sum | cut -c1-12) $(go e
 if stamp_ok multicall "$multicall_rev" && [ -x "$BIN/dsnap-multicall" ]; then
   say "dsnap-multicall cached ($multicall_rev)"
 else
-  say "building dsnap-multicall: Kubernetes $K8S_VERSION, etcd $ETCD_VERSION, containerd $CONTAINERD_VERSION (first time: ~20 min on 2 cores)"
+  say "building dsnap-multicall: Kubernetes $K8S_VERSION, etcd $ETCD_VERSION, containerd $CONTAINERD_VERSION (first time: ~15 min on 2 cores)"
   build_multicall "$SRC/multicall" || die "building dsnap-multicall failed (see the go output above); the Go module proxy must be reachable"
   stamp multicall "$multicall_rev"
 fi
