@@ -157,9 +157,9 @@ for n in $MULTICALL_NAMES; do ln -sfn dsnap-multicall "$BIN/$n"; done
 # What the separate builds left: their stamps and module dirs.
 rm -f "$BIN"/.stamp-{k8s,k8s-node,containerd,etcd}
 rm -rf "$SRC"/k8s-v* "$SRC"/k8s-node-v* "$SRC"/etcd-*
-"$BIN/kube-apiserver" --version | grep -qx "Kubernetes $K8S_VERSION" || die "kube-apiserver --version does not report $K8S_VERSION"
-"$BIN/containerd" --version | grep -q " $CONTAINERD_VERSION" || die "containerd --version does not report $CONTAINERD_VERSION"
-"$BIN/etcd" --version | grep -qx "etcd Version: ${ETCD_VERSION#v}" || die "etcd --version does not report $ETCD_VERSION"
+grep -qx "Kubernetes $K8S_VERSION" <<< "$("$BIN/kube-apiserver" --version)" || die "kube-apiserver --version does not report $K8S_VERSION"
+grep -q " $CONTAINERD_VERSION" <<< "$("$BIN/containerd" --version)" || die "containerd --version does not report $CONTAINERD_VERSION"
+grep -qx "etcd Version: ${ETCD_VERSION#v}" <<< "$("$BIN/etcd" --version)" || die "etcd --version does not report $ETCD_VERSION"
 
 # ---------------------------------------------------------------- runc and the CNI plugins (Go module proxy)
 # Static, so that one build runs here and on a machine with none of their libraries (no libseccomp);
@@ -171,8 +171,8 @@ else
   CGO_ENABLED=1 GOBIN=$BIN go install -trimpath -buildmode=pie -tags "seccomp urfave_cli_no_docs netgo osusergo" \
     -ldflags "-s -w -linkmode external -extldflags -static-pie" "github.com/opencontainers/runc@$RUNC_VERSION" \
     || die "building runc $RUNC_VERSION failed (it needs gcc and libseccomp-dev's static library)"
-  "$BIN/runc" --version | grep -qx "runc version ${RUNC_VERSION#v}" || die "runc --version does not report $RUNC_VERSION"
-  ! readelf -d "$BIN/runc" | grep -q NEEDED || die "runc links shared libraries: $(readelf -d "$BIN/runc" | grep NEEDED)"
+  grep -qx "runc version ${RUNC_VERSION#v}" <<< "$("$BIN/runc" --version)" || die "runc --version does not report $RUNC_VERSION"
+  ! grep -q NEEDED <<< "$(readelf -d "$BIN/runc")" || die "runc links shared libraries: $(readelf -d "$BIN/runc" | grep NEEDED)"
   stamp runc "$RUNC_VERSION"
 fi
 cni_mod=github.com/containernetworking/plugins

@@ -67,6 +67,7 @@ type gpuPlugin struct {
 	specDirs  []string
 	pluginDir string
 	socket    string
+	replicas  int
 	interval  time.Duration
 	cache     *cdi.Cache
 	reasons   map[string]string // why each device is unhealthy, "" when healthy: logged when it changes
@@ -85,6 +86,7 @@ func runDevicePlugin(args []string) int {
 	resource := fs.String("resource", "nvidia.com/gpu", "the extended resource the GPUs are advertised as")
 	pluginDir := fs.String("plugin-dir", pluginapi.DevicePluginPath, "the kubelet's device-plugin directory (kubelet.sock)")
 	socketName := fs.String("socket", "dsnap-gpu.sock", "this plugin's socket name in --plugin-dir")
+	replicas := fs.Int("replicas", 1, "advertise each GPU this many times (time-slicing: IDs <UUID>::<i>, all the same GPU)")
 	interval := fs.Duration("health-interval", 2*time.Second, "how often device health and the kubelet's socket are checked")
 	if err := fs.Parse(args[1:]); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -94,6 +96,10 @@ func runDevicePlugin(args []string) int {
 	}
 	if fs.NArg() > 0 {
 		fmt.Fprintf(os.Stderr, "gpu-device-plugin: unexpected arguments %v\n", fs.Args())
+		return 2
+	}
+	if *replicas < 1 {
+		fmt.Fprintf(os.Stderr, "gpu-device-plugin: --replicas %d: each GPU must be advertised at least once\n", *replicas)
 		return 2
 	}
 	if len(specDirs) == 0 {
@@ -110,7 +116,7 @@ func runDevicePlugin(args []string) int {
 	}
 	p := &gpuPlugin{
 		resource: *resource, devices: devices, specDirs: specDirs, pluginDir: *pluginDir,
-		socket: filepath.Join(*pluginDir, *socketName), interval: *interval,
+		socket: filepath.Join(*pluginDir, *socketName), interval: *interval, replicas: *replicas,
 		health: map[string]string{}, changed: make(chan struct{}), reasons: map[string]string{}, cache: cache,
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
@@ -194,7 +200,7 @@ func (p *gpuPlugin) registerWhenReady(ctx context.Context, kubeletSock string) (
 		if statErr == nil {
 			err := p.register(ctx, kubeletSock)
 			if err == nil {
-				log.Printf("gpu-device-plugin: registered %s with %d device(s) at %s", p.resource, len(p.devices), p.socket)
+				log.Printf("gpu-device-plugin: registered %s with %d GPU(s) x %d replica(s) at %s", p.resource, len(p.devices), p.replicas, p.socket)
 				return fi, nil
 			}
 			log.Printf("gpu-device-plugin: registering with %s: %v (retrying)", kubeletSock, err)
@@ -286,11 +292,21 @@ func deviceProblem(cache *cdi.Cache, name string, specErr error) string {
 func (p *gpuPlugin) snapshot() ([]*pluginapi.Device, chan struct{}) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	list := make([]*pluginapi.Device, 0, len(p.devices))
+	list := make([]*pluginapi.Device, 0, len(p.devices)*p.replicas)
 	for _, dev := range p.devices {
-		list = append(list, &pluginapi.Device{ID: dev.id, Health: p.health[dev.id]})
+		for i := 0; i < p.replicas; i++ {
+			list = append(list, &pluginapi.Device{ID: p.replicaID(dev.id, i), Health: p.health[dev.id]})
+		}
 	}
 	return list, p.changed
+}
+
+// replicaID is the kubelet's ID of a GPU's i-th replica: the UUID itself without time-slicing.
+func (p *gpuPlugin) replicaID(uuid string, i int) string {
+	if p.replicas == 1 {
+		return uuid
+	}
+	return fmt.Sprintf("%s::%d", uuid, i)
 }
 
 func (p *gpuPlugin) GetDevicePluginOptions(context.Context, *pluginapi.Empty) (*pluginapi.DevicePluginOptions, error) {
@@ -320,15 +336,23 @@ func (p *gpuPlugin) Allocate(_ context.Context, req *pluginapi.AllocateRequest) 
 	}
 	resp := &pluginapi.AllocateResponse{}
 	for _, creq := range req.ContainerRequests {
-		ids := append([]string(nil), creq.DevicesIds...)
+		// Replicas of one GPU are the GPU once: one CDI name and one UUID each.
+		seen := map[string]bool{}
+		var ids []string
+		for _, id := range creq.DevicesIds {
+			uuid, _, _ := strings.Cut(id, "::")
+			if _, ok := byID[uuid]; !ok {
+				return nil, fmt.Errorf("unknown device %q: this plugin has %v", id, p.ids())
+			}
+			if !seen[uuid] {
+				seen[uuid] = true
+				ids = append(ids, uuid)
+			}
+		}
 		sort.Strings(ids)
 		cresp := &pluginapi.ContainerAllocateResponse{}
 		for _, id := range ids {
-			dev, ok := byID[id]
-			if !ok {
-				return nil, fmt.Errorf("unknown device %q: this plugin has %v", id, p.ids())
-			}
-			cresp.CdiDevices = append(cresp.CdiDevices, &pluginapi.CDIDevice{Name: dev.cdi})
+			cresp.CdiDevices = append(cresp.CdiDevices, &pluginapi.CDIDevice{Name: byID[id].cdi})
 		}
 		cresp.Envs = map[string]string{"NVIDIA_VISIBLE_DEVICES": strings.Join(ids, ",")}
 		resp.ContainerResponses = append(resp.ContainerResponses, cresp)
@@ -337,9 +361,11 @@ func (p *gpuPlugin) Allocate(_ context.Context, req *pluginapi.AllocateRequest) 
 }
 
 func (p *gpuPlugin) ids() []string {
-	ids := make([]string, 0, len(p.devices))
+	ids := make([]string, 0, len(p.devices)*p.replicas)
 	for _, dev := range p.devices {
-		ids = append(ids, dev.id)
+		for i := 0; i < p.replicas; i++ {
+			ids = append(ids, p.replicaID(dev.id, i))
+		}
 	}
 	return ids
 }

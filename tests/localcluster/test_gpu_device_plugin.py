@@ -61,7 +61,10 @@ def _mknod_like_dev_null(path: Path) -> None:
 
 
 @pytest.fixture
-def fake_gpu(real_node: RealNode) -> Iterator[FakeGpu]:
+def fake_gpu(real_node: RealNode, request: pytest.FixtureRequest) -> Iterator[FakeGpu]:
+    """The fake GPU advertised by the plugin, ``request.param`` times (time-slicing replicas; 1 unless a
+    test parametrizes it indirectly)."""
+    replicas: int = getattr(request, "param", 1)
     plugin_bin = real_node.components.gpu_device_plugin
     assert plugin_bin is not None, f"no gpu-device-plugin in {real_node.components.bin_dir}"
     shutil.rmtree(FAKE_ROOT, ignore_errors=True)
@@ -84,10 +87,13 @@ def fake_gpu(real_node: RealNode) -> Iterator[FakeGpu]:
         f"--cdi-spec-dir={real_node.cdi_dir}",
         "--socket=dsnap-fake-gpu.sock",
         "--health-interval=500ms",
+        f"--replicas={replicas}",
     ]
     plugin = spawn_logged(real_node.workdir / "logs", "fake-gpu-device-plugin", argv)
     try:
-        _wait("nvidia.com/gpu: 1 on the node", lambda: _allocatable_gpus(real_node) == "1")
+        _wait(
+            f"nvidia.com/gpu: {replicas} on the node", lambda: _allocatable_gpus(real_node) == str(replicas)
+        )
         yield FakeGpu(real_node, dev, libcuda, spec, plugin)
     finally:
         terminate(plugin.popen, 10, 5)
@@ -209,3 +215,18 @@ def test_a_gpu_whose_device_node_is_gone_is_unhealthy(fake_gpu: FakeGpu) -> None
         f"{FAKE_UUID} (nvidia.com/gpu={FAKE_UUID}) is unhealthy: device node {fake_gpu.dev / 'nvidia0'}"
         in log
     )
+
+
+@pytest.mark.parametrize("fake_gpu", [2], indirect=True)
+def test_time_slicing_gives_one_gpu_to_as_many_pods_as_it_has_replicas(
+    cluster: LocalCluster, fake_gpu: FakeGpu, namespace: str
+) -> None:
+    null = os.stat("/dev/null").st_rdev
+    node_null = f"{os.major(null):x}:{os.minor(null):x}"
+    node = fake_gpu.node
+    for name in ("share-one", "share-two"):
+        # Each replica hands out the same GPU: the same device nodes, library and UUID.
+        _check_report(_run_and_inspect(cluster, node, namespace, name), node_null)
+    cluster.apply(_gpu_pod(node, "share-three", "exec sleep 3600"), namespace=namespace)
+    time.sleep(3)
+    assert _pod(cluster, namespace, "share-three")["status"]["phase"] == "Pending"

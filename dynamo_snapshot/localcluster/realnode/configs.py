@@ -29,6 +29,8 @@ class RealNodeOptions:
     labels: dict[str, str] = field(default_factory=dict)
     # The machine's NVIDIA GPUs on the node (CDI spec, device plugin, labels); None: where /dev/nvidia0 is.
     gpus: bool | None = None
+    # Each GPU advertised this many times (time-slicing): a one-GPU node runs several GPU pods.
+    gpu_replicas: int = 1
 
     @property
     def prefix_len(self) -> int:

@@ -71,10 +71,12 @@ def write_cdi_spec(directory: Path) -> Path:
     return path
 
 
-def device_plugin_argv(plugin: Path, cdi_dir: Path) -> list[str]:
+def device_plugin_argv(plugin: Path, cdi_dir: Path, replicas: int = 1) -> list[str]:
     """The device plugin finds the GPUs in the node's CDI spec (each named by UUID) and registers with
-    the kubelet through its socket in /var/lib/kubelet/device-plugins, serving beside it on its own."""
-    return [str(plugin), f"--cdi-spec-dir={cdi_dir}", f"--socket={DEVICE_PLUGIN_SOCKET.name}"]
+    the kubelet through its socket in /var/lib/kubelet/device-plugins, serving beside it on its own; with
+    ``replicas`` > 1 it advertises each GPU that many times (time-slicing, as NVIDIA's plugin offers)."""
+    argv = [str(plugin), f"--cdi-spec-dir={cdi_dir}", f"--socket={DEVICE_PLUGIN_SOCKET.name}"]
+    return [*argv, f"--replicas={replicas}"] if replicas > 1 else argv
 
 
 def advertised_gpus(node: dict[str, Any]) -> int:

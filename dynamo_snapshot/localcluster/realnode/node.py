@@ -359,8 +359,10 @@ class RealNode:
 
     def _start_device_plugin(self, comps: NodeComponents, deadline: float) -> None:
         assert comps.gpu_device_plugin is not None
-        self._spawn("gpu-device-plugin", gpu.device_plugin_argv(comps.gpu_device_plugin, self.cdi_dir))
-        self._wait(f"{self._gpu_count} nvidia.com/gpu on the node", self._gpus_advertised, deadline)
+        argv = gpu.device_plugin_argv(comps.gpu_device_plugin, self.cdi_dir, self.options.gpu_replicas)
+        self._spawn("gpu-device-plugin", argv)
+        wanted = self._gpu_count * self.options.gpu_replicas
+        self._wait(f"{wanted} nvidia.com/gpu on the node", self._gpus_advertised, deadline)
 
     def _write_cni_config(self) -> None:
         net = self.workdir / "cni" / "net.d"
@@ -544,7 +546,7 @@ class RealNode:
 
     def _gpus_advertised(self) -> bool:
         node = self._node()
-        return node is not None and gpu.advertised_gpus(node) == self._gpu_count
+        return node is not None and gpu.advertised_gpus(node) == self._gpu_count * self.options.gpu_replicas
 
     def _kube_proxy_ready(self) -> bool:
         url = f"http://127.0.0.1:{self._ports['kube-proxy-healthz']}/healthz"
