@@ -174,7 +174,9 @@ class Story:
         self.cluster.kubectl("create", "namespace", NAMESPACE)
         self.phase("control_plane", t)
         t = time.monotonic()
-        options = RealNodeOptions(gpus=self.args.worker == "gpu")
+        # One GPU shared by the cold pod, the SnapshotJob's pod and the restores (time-slicing).
+        gpu = self.args.worker == "gpu"
+        options = RealNodeOptions(gpus=gpu, gpu_replicas=self.args.replicas + 2 if gpu else 1)
         self.node = await asyncio.to_thread(self.cluster.start_real_node, options, timeout=300, progress=say)
         self.results["node"] = {"gpus": self.node.gpus, "cgroup": str(self.node.facts.cgroup_version)}
         self.phase("real_node", t)
@@ -482,7 +484,7 @@ async def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", choices=("gpu", "cpu"), default="gpu")
     p.add_argument("--size", default="1g")
-    p.add_argument("--kv-gib", type=float, default=2.0)
+    p.add_argument("--kv-gib", type=float, default=8.0)
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--cold-timeout", type=float, default=400)
     p.add_argument("--work", default="/var/tmp/dsnap-story")

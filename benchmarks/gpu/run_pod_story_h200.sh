@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The Auto-mode story in kubelet pods on the GPU machine (benchmarks/gpu/pod_story.py), in one device call:
+#   python3 scripts/gpu_bundle.py pack .gpu-bundle        # here, once: the node's binaries (about 43 MiB)
+#   run(command="bash benchmarks/gpu/run_pod_story_h200.sh 1g", carry=[".gpu-bundle", ".whl", ".gpu-extra"])
+# .whl holds the project's dependencies for Python 3.12 (pydantic, kubernetes-asyncio, ...; BENCHMARKS.md),
+# .gpu-extra/openssl.tar.xz the openssl command the local control plane makes its certificates with, used
+# only where the machine has none. Writes OUT/gpu-pod-gpu-<size>.json, OUT/story.log and OUT/logs.tar.xz.
+set -uo pipefail
+size=${1:-1g}
+: "${OUT:?OUT must be set (the device tool sets it)}"
+exec > >(tee "$OUT/story.log") 2>&1
+t0=$SECONDS
+export DYNSNAP_CACHE=/var/tmp/dsnap-cache PYTHONUNBUFFERED=1
+python3 -I scripts/gpu_bundle.py unpack .gpu-bundle || exit 1
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PATH=$DYNSNAP_CACHE/bin:$PATH DYNSNAP_CRIU=$DYNSNAP_CACHE/bin/criu
+if ! command -v openssl > /dev/null; then
+    tar -C /var/tmp -xJf .gpu-extra/openssl.tar.xz && ln -sfn /var/tmp/openssl/openssl.sh "$DYNSNAP_CACHE/bin/openssl"
+    echo "openssl: carried ($(openssl version))"
+fi
+echo "set-up $((SECONDS - t0)) s; $(nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader)"
+timeout "${STORY_TIMEOUT:-500}" python3 benchmarks/gpu/pod_story.py --worker gpu --size "$size" \
+    --work /var/tmp/dsnap-story --out "$OUT"
+rc=$?
+echo "story rc=$rc after $((SECONDS - t0)) s"
+# What the node, the control plane and the pods logged, for a failure's reason.
+find /var/tmp/dsnap-story /var/log/pods -name '*.log' -size -8M 2>/dev/null | tar -cJf "$OUT/logs.tar.xz" -T - 2>/dev/null
+exit $rc
