@@ -56,7 +56,8 @@ PORT = 8000
 # The GPU worker's model files, prepared on the host once and mounted read-only into every pod (a
 # node-local model cache, as a production node has one).
 MODELS = Path("/var/tmp/dsnap-models")
-PROMPTS = [[151644, 872, 198, 9707, 11, 1246], [785, 6722, 315, 9625, 374], [16, 17, 18, 19, 20, 21, 22]]
+# Token ids below the smallest vocabulary of the reference worker's shapes (tiny: 2048).
+PROMPTS = [[1, 2, 3, 4, 5, 6], [100, 200, 300, 400, 500], [7, 11, 13, 17, 19, 23, 29]]
 
 
 def say(msg: str) -> None:
@@ -380,6 +381,9 @@ class Story:
         self.save()
         say("checkpoint Ready")
 
+        if self.args.drop_caches:
+            # The restores read the artifact from the disk, as on a node that did not take it.
+            await asyncio.to_thread(Path("/proc/sys/vm/drop_caches").write_text, "3\n")
         t = time.monotonic()
         before = set(self.pods)
         await dgds.set_replicas(GRAPH, NAMESPACE, SERVICE, self.args.replicas)
@@ -417,6 +421,64 @@ class Story:
             "kill_to_first_token_s": round((new.first_token or 0) - killed, 3),
         }
         self.phase("failover", t)
+        if self.args.worker == "gpu":
+            self.results["bad_inputs"] = {"restore_pod_without_gpu": await self.restore_without_gpu(new.name)}
+            self.save()
+
+    async def restore_without_gpu(self, like: str) -> dict[str, Any]:
+        """A restore pod like ``like`` (the same checkpoint, node and image) that asks for no GPU: the agent
+        must refuse it (Restored False) and put no process into it."""
+        assert self.kube is not None
+        pod = await self.kube.get(POD, like, NAMESPACE)
+        meta = pod["metadata"]
+        spec = pod["spec"]
+        for c in spec.get("containers") or []:
+            for part in ("limits", "requests"):
+                (c.get("resources") or {}).get(part, {}).pop(protocol.RESOURCE_GPU, None)
+        name = "restore-without-gpu"
+        # Only the restore-from annotation: nothing of the agent's or the controller's.
+        source = meta.get("annotations") or {}
+        body: Obj = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "annotations": {protocol.ANNOTATION_RESTORE_FROM: source[protocol.ANNOTATION_RESTORE_FROM]},
+                # Owned by the graph as its pods are (a pod creator of the namespace may write this: see
+                # docs/security.md), without the labels the graph counts its replicas by.
+                "ownerReferences": meta.get("ownerReferences") or [],
+            },
+            "spec": {k: v for k, v in spec.items() if k not in ("nodeName",)}
+            | {"nodeName": spec["nodeName"]},
+        }
+        await self.kube.create(POD, body, NAMESPACE)
+        say(f"pod {name}: a restore that asks for no GPU")
+        deadline = time.monotonic() + 90
+        found: dict[str, Any] = {"refused": False}
+        while time.monotonic() < deadline:
+            got = await self.kube.get(POD, name, NAMESPACE)
+            restored: dict[str, Any] = next(
+                (
+                    c
+                    for c in (got.get("status") or {}).get("conditions") or []
+                    if c.get("type") == protocol.POD_CONDITION_RESTORED
+                ),
+                {},
+            )
+            done = restored.get("status") == "True" or restored.get("reason") == "RestoreFailed"
+            found = {
+                "refused": restored.get("status") == "False",
+                **{k: restored.get(k) for k in ("reason", "message")},
+            }
+            if done:
+                break
+            await asyncio.sleep(0.5)
+        ip = (got.get("status") or {}).get("podIP")
+        status = (await asyncio.to_thread(_http, f"{ip}:{PORT}", "/health", None, 1.0))[0] if ip else 0
+        found["worker_answers"] = status == 200
+        found["pid_in_pod"] = await self._worker_pid(name)
+        say(f"pod {name}: {found}")
+        return found
 
     def _one(self, mode: str, *, answered: bool) -> PodTimes | None:
         return next(
@@ -487,6 +549,9 @@ async def main() -> int:
     p.add_argument("--kv-gib", type=float, default=8.0)
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--cold-timeout", type=float, default=400)
+    p.add_argument(
+        "--no-drop-caches", dest="drop_caches", action="store_false", help="restore from the page cache"
+    )
     p.add_argument("--work", default="/var/tmp/dsnap-story")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/story-out"))
     args = p.parse_args()

@@ -4,7 +4,8 @@
 #   run(command="bash benchmarks/gpu/run_pod_story_h200.sh 1g", carry=[".gpu-bundle", ".whl", ".gpu-extra"])
 # .whl holds the project's dependencies for Python 3.12 (pydantic, kubernetes-asyncio, ...; BENCHMARKS.md),
 # .gpu-extra/openssl.tar.xz the openssl command the local control plane makes its certificates with, used
-# only where the machine has none. Writes OUT/gpu-pod-gpu-<size>.json, OUT/story.log and OUT/logs.tar.xz.
+# only where the machine has none. Writes OUT/gpu-pod-gpu-<size>.json, OUT/story.log, OUT/logs.tar.xz and
+# the process-path baseline (restore_bench.py, decoupled) OUT/gpu-restore-<size>-process.json.
 set -uo pipefail
 size=${1:-1g}
 : "${OUT:?OUT must be set (the device tool sets it)}"
@@ -23,6 +24,14 @@ timeout "${STORY_TIMEOUT:-500}" python3 benchmarks/gpu/pod_story.py --worker gpu
     --work /var/tmp/dsnap-story --out "$OUT"
 rc=$?
 echo "story rc=$rc after $((SECONDS - t0)) s"
+# The same worker restored as a bare process (the agent's ProcessRuntime) on the same machine and disk:
+# the baseline of the in-pod restores. Its cold start compiles from an empty cache too.
+if [ "${PROCESS_BASELINE:-1}" = 1 ]; then
+    timeout "${BASELINE_TIMEOUT:-280}" python3 benchmarks/gpu/restore_bench.py --size "$size" --modes decoupled \
+        --tag process --warm-restore --no-bad-inputs --no-diagnostics --calib-gib 2 \
+        --work /var/tmp/restore-bench --out "$OUT" > "$OUT/process-baseline.log" 2>&1
+    echo "process-path baseline rc=$? after $((SECONDS - t0)) s"
+fi
 # What the node, the control plane and the pods logged, for a failure's reason.
 find /var/tmp/dsnap-story /var/log/pods -name '*.log' -size -8M 2>/dev/null | tar -cJf "$OUT/logs.tar.xz" -T - 2>/dev/null
 exit $rc

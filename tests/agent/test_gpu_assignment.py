@@ -10,7 +10,7 @@ from pydantic import JsonValue
 
 from dynamo_snapshot.agent.errors import AgentError
 from dynamo_snapshot.agent.gpu_assignment import assigned_gpus, check_gpu_memory, container_gpus, gpu_remap
-from dynamo_snapshot.agent.runtime.containerd import visible_gpus
+from dynamo_snapshot.agent.runtime.container_gpus import container_gpus_given, visible_gpus
 from dynamo_snapshot.artifact import GpuInfo
 
 NODE = GpuInfo(
@@ -38,6 +38,28 @@ CHECKPOINT = GpuInfo(product="NVIDIA-H200", cuda_driver_major="580", count=1, uu
 def test_visible_gpus_reads_the_device_plugins_variable(value: str | None, expected: object) -> None:
     env = {} if value is None else {"NVIDIA_VISIBLE_DEVICES": value}
     assert visible_gpus(env) == expected
+
+
+@pytest.mark.parametrize(
+    ("env", "devices", "expected"),
+    [
+        ({}, [], ()),  # no device plugin, no CDI: a pod that never asked for a GPU
+        ({}, ["/dev/fuse"], ()),
+        ({}, ["/dev/nvidiactl", "/dev/nvidia-uvm"], ()),  # the control nodes alone are no GPU
+        ({}, ["/dev/nvidiactl", "/dev/nvidia3"], None),  # CDI injected a GPU without the variable
+        ({"NVIDIA_VISIBLE_DEVICES": "all"}, [], None),  # the legacy runtime hook injects them later
+        ({"NVIDIA_VISIBLE_DEVICES": "GPU-a"}, [], ("GPU-a",)),
+        ({"NVIDIA_VISIBLE_DEVICES": "void"}, ["/dev/nvidia0"], ()),
+    ],
+)
+def test_a_container_without_a_gpu_device_or_variable_was_given_none(
+    env: dict[str, str], devices: list[str], expected: object
+) -> None:
+    config: dict[str, object] = {"linux": {"devices": [{"path": p, "type": "c"} for p in devices]}}
+    assert container_gpus_given(env, config) == expected
+    if expected == ():
+        with pytest.raises(AgentError, match="given 0 GPU"):
+            assigned_gpus(NODE, container_gpus_given(env, config), CHECKPOINT)
 
 
 def test_the_restore_goes_onto_the_containers_gpu_by_index_or_uuid() -> None:

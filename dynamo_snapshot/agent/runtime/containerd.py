@@ -46,6 +46,7 @@ from dynamo_snapshot.agent.runtime.container_cgroups import (
     is_external_cgroup_mount,
     restore_cgroup_source,
 )
+from dynamo_snapshot.agent.runtime.container_gpus import container_gpus_given
 from dynamo_snapshot.agent.runtime.rootfs_diff import (
     DIFF_FILE,
     RootfsDiffError,
@@ -200,7 +201,7 @@ class ContainerdRuntime:
             container_id=c.id,
             worker_control_dir=_control_mount(c),
             image_id=attached.image_id,
-            visible_gpus=visible_gpus(c.env),
+            visible_gpus=container_gpus_given(c.env, c.config),
         )
 
     def _get(self, key: str) -> _Attached:
@@ -497,17 +498,6 @@ def _restore_mounts(
             "the restore container lacks mounts the checkpoint had: " + ", ".join(sorted(missing))
         )
     return out
-
-
-def visible_gpus(env: dict[str, str]) -> tuple[str, ...] | None:
-    """The GPUs NVIDIA_VISIBLE_DEVICES gives a container (UUIDs or indices, as the device plugin wrote
-    them); None when it names none in particular ("all", or unset: CDI injects devices without it)."""
-    value = env.get("NVIDIA_VISIBLE_DEVICES", "").strip()
-    if value in ("", "all"):
-        return None
-    if value in ("none", "void"):
-        return ()
-    return tuple(t.strip() for t in value.split(",") if t.strip())
 
 
 def _fd_target(pid: int, fd: int) -> str:
