@@ -174,10 +174,12 @@ def _read_manifest(bundle: Path) -> dict[str, Any]:
 
 
 def _inside(root: Path, name: str) -> Path:
-    path = (root / name).resolve()
-    if root.resolve() not in path.parents:
+    """``root / name``, its last component not followed (a link from an earlier unpack is replaced, not
+    resolved); a name that leaves ``root`` is refused."""
+    rel = Path(name)
+    if rel.is_absolute() or ".." in rel.parts or not rel.parts:
         raise BundleError(f"the manifest names {name!r}, outside the directory it unpacks into")
-    return path
+    return root.resolve() / rel
 
 
 def _files(manifest: dict[str, Any]) -> Iterator[dict[str, Any]]:

@@ -73,7 +73,9 @@ class PodTimes:
     serving: float | None = None
     first_token: float | None = None
     answers: float | None = None
-    identical: bool | None = None
+    identical: bool | None = None  # its answers equal the cold pod's
+    answer: Any = None
+    selftest_identical: bool | None = None  # the restored worker's own check against its checkpoint
     restored_condition: str | None = None
     restore_timings: dict[str, float] = field(default_factory=dict)
     gone: float | None = None
@@ -88,7 +90,8 @@ class PodTimes:
             "serving_s": self.since_seen(self.serving),
             "first_token_s": self.since_seen(self.first_token),
             "answers_s": self.since_seen(self.answers),
-            "output_identical": self.identical,
+            "output_identical_to_cold_pod": self.identical,
+            "selftest_identical": self.selftest_identical,
             "restored_condition": self.restored_condition,
             "restore_phases": self.restore_timings,
         }
@@ -346,6 +349,7 @@ class Story:
         rec.first_token = time.monotonic()
         whole = await asyncio.to_thread(worker.ask, address, 16)
         rec.answers = time.monotonic()
+        rec.answer = whole
         if rec.mode == "cold" and self.reference is None:
             self.reference = whole
         if self.reference is not None:
@@ -394,7 +398,10 @@ class Story:
             return done if len(done) >= wanted else None
 
         pods = await self.until("the restore pods to answer", restored, 300)
+        for p in pods:
+            p.selftest_identical = await self._selftest(p.name)
         self.results["restores"] = [p.summary() for p in pods]
+        self.results["restored_pods_agree"] = all(p.answer == pods[0].answer for p in pods)
         self.results["cgroups"] = {p.name: await self._cgroup_of(p.name) for p in pods}
         self.phase("scale_up_by_restore", t)
 
@@ -415,6 +422,7 @@ class Story:
             )
 
         new = await self.until("the replacement to answer", replaced, 300)
+        new.selftest_identical = await self._selftest(new.name)
         self.results["failover"] = {
             **new.summary(),
             "kill_to_serving_s": round((new.serving or 0) - killed, 3),
@@ -509,6 +517,26 @@ class Story:
         pod = await self.kube.get(POD, pod_name, NAMESPACE)
         workload = await self.agent.runtime.find(workload_key(pod))
         return workload.pid if workload is not None else None
+
+    async def _selftest(self, pod_name: str) -> bool | None:
+        """What the restored worker wrote after its resume (resume.json in its control directory, read
+        through the pod's emptyDir on the node): whether its self-test gave the tokens it gave before the
+        checkpoint. The cold pod is another process whose kernels were compiled apart: on the reference
+        worker's random weights its tokens may differ, so the restore is held to its own source."""
+        assert self.kube is not None
+        assert self.node is not None
+        pod = await self.kube.get(POD, pod_name, NAMESPACE)
+        path = (
+            self.node.kubelet_root / "pods" / pod["metadata"]["uid"] / "volumes" / "kubernetes.io~empty-dir"
+            / protocol.CONTROL_VOLUME_NAME / "resume.json"
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, ValueError):
+                doc = json.loads(await asyncio.to_thread(path.read_text))
+                return bool(doc.get("selftest_identical"))
+            await asyncio.sleep(0.2)
+        return None
 
     async def _cgroup_of(self, pod_name: str) -> dict[str, Any]:
         """The restored worker's cgroup, and whether it is its own pod's."""

@@ -13,7 +13,7 @@ exec > >(tee "$OUT/story.log") 2>&1
 t0=$SECONDS
 export DYNSNAP_CACHE=/var/tmp/dsnap-cache PYTHONUNBUFFERED=1
 python3 -I scripts/gpu_bundle.py unpack .gpu-bundle || exit 1
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PATH=$DYNSNAP_CACHE/bin:$PATH DYNSNAP_CRIU=$DYNSNAP_CACHE/bin/criu
 if ! command -v openssl > /dev/null; then
     tar -C /var/tmp -xJf .gpu-extra/openssl.tar.xz && ln -sfn /var/tmp/openssl/openssl.sh "$DYNSNAP_CACHE/bin/openssl"

@@ -104,6 +104,10 @@ def test_pack_and_unpack_round_trip(bundle_tool: ModuleType, bin_dir: Path, tmp_
     assert subprocess.run([into / "criu", "--version"], capture_output=True, check=False).returncode == 0
     assert f"LD_LIBRARY_PATH={into.resolve() / 'criu-bundle'}/lib" in (into / "criu").read_text()
     assert not [p for p in into.rglob(".*unpacking")], "no partial file left"
+    # Unpacked again over itself (a machine kept from an earlier call): the same tree.
+    again = _unpack_isolated(bundle, into)
+    assert again.returncode == 0, again.stderr
+    assert _tree(into) == there
 
 
 def test_over_the_budget_is_refused_naming_the_largest(
