@@ -191,6 +191,35 @@ def _layer_tar(rootfs: Path) -> bytes:
     return buf.getvalue()
 
 
+def oci_manifest_and_index(
+    config: bytes, layer: dict[str, Any], names: Sequence[ImageRef]
+) -> tuple[bytes, bytes]:
+    """The manifest of a one-layer image (``layer``: its descriptor) with ``config``, and the index.json
+    that names it under each of ``names`` (containerd's import creates an image for each)."""
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": MEDIA_MANIFEST,
+        "config": {"mediaType": MEDIA_CONFIG, "digest": _sha256(config), "size": len(config)},
+        "layers": [layer],
+    }
+    manifest_bytes = json.dumps(manifest, sort_keys=True).encode()
+    index = {
+        "schemaVersion": 2,
+        "mediaType": MEDIA_INDEX,
+        "manifests": [
+            {
+                "mediaType": MEDIA_MANIFEST,
+                "digest": _sha256(manifest_bytes),
+                "size": len(manifest_bytes),
+                "platform": {"architecture": "amd64", "os": "linux"},
+                "annotations": {ANNOTATION_CONTAINERD_NAME: name.name, ANNOTATION_REF_NAME: name.tag},
+            }
+            for name in names
+        ],
+    }
+    return manifest_bytes, json.dumps(index, sort_keys=True).encode()
+
+
 def write_oci_archive(
     out: Path,
     rootfs: Path,
@@ -220,31 +249,12 @@ def write_oci_archive(
     if user:
         config["config"]["User"] = user
     config_bytes = json.dumps(config, sort_keys=True).encode()
-    manifest = {
-        "schemaVersion": 2,
-        "mediaType": MEDIA_MANIFEST,
-        "config": {"mediaType": MEDIA_CONFIG, "digest": _sha256(config_bytes), "size": len(config_bytes)},
-        "layers": [{"mediaType": MEDIA_LAYER_GZIP, "digest": _sha256(layer_gz), "size": len(layer_gz)}],
-    }
-    manifest_bytes = json.dumps(manifest, sort_keys=True).encode()
-    index = {
-        "schemaVersion": 2,
-        "mediaType": MEDIA_INDEX,
-        "manifests": [
-            {
-                "mediaType": MEDIA_MANIFEST,
-                "digest": _sha256(manifest_bytes),
-                "size": len(manifest_bytes),
-                "platform": {"architecture": "amd64", "os": "linux"},
-                "annotations": {ANNOTATION_CONTAINERD_NAME: name.name, ANNOTATION_REF_NAME: name.tag},
-            }
-            for name in (image, *also)
-        ],
-    }
+    layer_ref = {"mediaType": MEDIA_LAYER_GZIP, "digest": _sha256(layer_gz), "size": len(layer_gz)}
+    manifest_bytes, index = oci_manifest_and_index(config_bytes, layer_ref, (image, *also))
     blobs = {_sha256(b).removeprefix("sha256:"): b for b in (layer_gz, config_bytes, manifest_bytes)}
     files: list[tuple[str, bytes]] = [
         ("oci-layout", json.dumps({"imageLayoutVersion": "1.0.0"}).encode()),
-        ("index.json", json.dumps(index, sort_keys=True).encode()),
+        ("index.json", index),
         *((f"blobs/sha256/{digest}", data) for digest, data in sorted(blobs.items())),
     ]
     out.parent.mkdir(parents=True, exist_ok=True)

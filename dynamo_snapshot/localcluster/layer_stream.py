@@ -32,15 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dynamo_snapshot.localcluster.host_trees import HostFile
-from dynamo_snapshot.localcluster.images import (
-    ANNOTATION_CONTAINERD_NAME,
-    ANNOTATION_REF_NAME,
-    MEDIA_CONFIG,
-    MEDIA_INDEX,
-    MEDIA_MANIFEST,
-    ImageBuildError,
-    ImageRef,
-)
+from dynamo_snapshot.localcluster.images import ImageBuildError, ImageRef, oci_manifest_and_index
 
 MEDIA_LAYER_TAR = "application/vnd.oci.image.layer.v1.tar"
 BLOCK = 512
@@ -329,27 +321,9 @@ def image_documents(image: ImageRef, config: ImageConfig, layer: StreamStats) ->
         "rootfs": {"type": "layers", "diff_ids": [layer.digest]},
     }
     config_bytes = json.dumps(config_doc, sort_keys=True).encode()
-    manifest = {
-        "schemaVersion": 2,
-        "mediaType": MEDIA_MANIFEST,
-        "config": {"mediaType": MEDIA_CONFIG, "digest": _sha256(config_bytes), "size": len(config_bytes)},
-        "layers": [{"mediaType": MEDIA_LAYER_TAR, "digest": layer.digest, "size": layer.size}],
-    }
-    manifest_bytes = json.dumps(manifest, sort_keys=True).encode()
-    index = {
-        "schemaVersion": 2,
-        "mediaType": MEDIA_INDEX,
-        "manifests": [
-            {
-                "mediaType": MEDIA_MANIFEST,
-                "digest": _sha256(manifest_bytes),
-                "size": len(manifest_bytes),
-                "platform": {"architecture": "amd64", "os": "linux"},
-                "annotations": {ANNOTATION_CONTAINERD_NAME: image.name, ANNOTATION_REF_NAME: image.tag},
-            }
-        ],
-    }
-    return {"config": config_bytes, "manifest": manifest_bytes, "index": json.dumps(index).encode()}
+    layer_ref = {"mediaType": MEDIA_LAYER_TAR, "digest": layer.digest, "size": layer.size}
+    manifest_bytes, index = oci_manifest_and_index(config_bytes, layer_ref, [image])
+    return {"config": config_bytes, "manifest": manifest_bytes, "index": index}
 
 
 def _small_member_bytes(name: str, data: bytes) -> bytes:
