@@ -161,10 +161,10 @@ class ContainerdRuntime:
                 "host's runc root mounted (Helm value agent.containerRuntime.runcRoot; containerd: "
                 f"{CONTAINERD_RUNC_ROOT}, CRI-O: {CRIO_RUNC_ROOT})"
             )
-        code, out = await _exec(self.runc, "--root", str(self.runc_root), "state", ident)
+        code, out, err = await _exec(self.runc, "--root", str(self.runc_root), "state", ident)
         if code != 0:
             raise WorkloadRuntimeError(
-                f"container {ident[:12]} not found under {self.runc_root}: {out.strip()}"
+                f"container {ident[:12]} not found under {self.runc_root}: {(err or out).strip()}"
             )
         try:
             state = json.loads(out)
@@ -578,12 +578,13 @@ def _explain(message: str) -> str:
     return message
 
 
-async def _exec(*argv: str) -> tuple[int, str]:
+async def _exec(*argv: str) -> tuple[int, str, str]:
+    """Exit status, stdout and stderr apart: runc warns on stderr even when it answers JSON on stdout."""
     try:
         proc = await asyncio.create_subprocess_exec(
-            *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+            *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
         )
     except OSError as e:
         raise WorkloadRuntimeError(f"cannot run {argv[0]}: {e}") from None
-    out, _ = await proc.communicate()
-    return proc.returncode or 0, out.decode(errors="replace")
+    out, err = await proc.communicate()
+    return proc.returncode or 0, out.decode(errors="replace"), err.decode(errors="replace")

@@ -73,13 +73,16 @@ class RuncRuntime:
             *args,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
+            # Apart: runc logs warnings (a deprecation, a cgroup note) on stderr even when it succeeds,
+            # and `state` answers JSON on stdout.
+            stderr=asyncio.subprocess.PIPE,
         )
-        out, _ = await proc.communicate()
+        out, err = await proc.communicate()
         text = out.decode(errors="replace").strip()
         rc = proc.returncode or 0
         if check and rc != 0:
-            raise WorkloadRuntimeError(f"runc {args[0]} failed ({rc}): {_last_lines(text)}")
+            said = "\n".join(t for t in (text, err.decode(errors="replace").strip()) if t)
+            raise WorkloadRuntimeError(f"runc {args[0]} failed ({rc}): {_last_lines(said)}")
         return rc, text
 
     def _write_bundle(self, key: str, spec: WorkloadSpec | None, template: dict[str, Any] | None) -> Path:
