@@ -7,14 +7,17 @@ checkout's controller and node agent, and a DynamoGraphDeployment of the referen
 
 1. the DGD's first pod cold-starts (an empty compile cache) while its SnapshotJob's pod is checkpointed in
    place (CUDA checkpoint of the container's process, then CRIU);
-2. scaled to --replicas, the new pods are restored inside their own containers; each answers on its pod
-   IP with the cold worker's tokens, runs under its own pod's cgroup and gets `nvidia.com/Restored`;
+2. scaled to 2 (one restore, from the disk with --drop-caches) and then to --replicas (from the page
+   cache), the new pods are restored inside their own containers; each answers on its pod IP with the
+   cold worker's tokens, runs under its own pod's cgroup and gets `nvidia.com/Restored`;
 3. a restored worker's process is killed and its replacement is restored;
 4. (--bad-inputs) a restore pod that gets no GPU is refused without a half-restored process.
 
 Times are taken by this driver, which watches the pods every 50 ms: pod seen → its worker answers /health
 (`serving_s`) → its first token equals the cold worker's (`first_token_s`) → its whole answers do
-(`answers_s`). Results go to OUT/gpu-pod-<worker>-<size>.json after every step.
+(`answers_s`). `timeline_s` says when each pod was scheduled, got its IP, ran its container and got each
+Restored reason; the agent's `await_container` phase is its wait for the kubelet. Results go to
+OUT/gpu-pod-<worker>-<size>.json after every step.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -37,6 +41,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.gpu.host import log_gaps  # noqa: E402
 from dynamo_snapshot.agent.watcher import NodeAgent  # noqa: E402
 from dynamo_snapshot.api import protocol  # noqa: E402
 from dynamo_snapshot.cli import agent_cmd  # noqa: E402
@@ -79,6 +84,13 @@ class PodTimes:
     restored_condition: str | None = None
     restore_timings: dict[str, float] = field(default_factory=dict)
     gone: float | None = None
+    # When the story's 50 ms poll first saw each step of the pod's start (monotonic): where the time
+    # between the pod's creation and the agent's restore goes.
+    steps: dict[str, float] = field(default_factory=dict)
+
+    def step(self, name: str, reached: bool) -> None:
+        if reached and name not in self.steps:
+            self.steps[name] = time.monotonic()
 
     def since_seen(self, t: float | None) -> float | None:
         return None if t is None else round(t - self.seen, 3)
@@ -94,6 +106,9 @@ class PodTimes:
             "selftest_identical": self.selftest_identical,
             "restored_condition": self.restored_condition,
             "restore_phases": self.restore_timings,
+            "timeline_s": {
+                k: self.since_seen(v) for k, v in sorted(self.steps.items(), key=lambda kv: kv[1])
+            },
         }
 
 
@@ -319,10 +334,18 @@ class Story:
             await asyncio.sleep(0.05)
 
     def _update(self, rec: PodTimes, pod: Obj) -> None:
-        rec.ip = (pod.get("status") or {}).get("podIP") or rec.ip
-        for c in (pod.get("status") or {}).get("conditions") or []:
+        st = pod.get("status") or {}
+        rec.ip = st.get("podIP") or rec.ip
+        rec.step("scheduled", bool(pod["spec"].get("nodeName")))
+        rec.step("pod_ip", bool(rec.ip))
+        rec.step(
+            "container_running",
+            any("running" in (c.get("state") or {}) for c in st.get("containerStatuses") or []),
+        )
+        for c in st.get("conditions") or []:
             if c.get("type") == protocol.POD_CONDITION_RESTORED:
                 rec.restored_condition = f"{c.get('status')}/{c.get('reason')}"
+                rec.step(f"restored_{c.get('reason')}", True)
         raw = (pod["metadata"].get("annotations") or {}).get(protocol.ANNOTATION_RESTORE_TIMINGS)
         if raw:
             with contextlib.suppress(ValueError):
@@ -340,6 +363,7 @@ class Story:
             status, _ = await asyncio.to_thread(_http, address, "/health", None, 0.5)
             if status == 200:
                 rec.serving = time.monotonic()
+                rec.step("serving", True)
                 say(f"pod {rec.name} ({rec.mode}) serving {rec.serving - rec.seen:.2f}s after it was seen")
                 break
             await asyncio.sleep(0.05)
@@ -385,24 +409,38 @@ class Story:
         self.save()
         say("checkpoint Ready")
 
-        if self.args.drop_caches:
-            # The restores read the artifact from the disk, as on a node that did not take it.
-            await asyncio.to_thread(Path("/proc/sys/vm/drop_caches").write_text, "3\n")
         t = time.monotonic()
-        before = set(self.pods)
-        await dgds.set_replicas(GRAPH, NAMESPACE, SERVICE, self.args.replicas)
-        wanted = self.args.replicas - 1
+        pods: list[PodTimes] = []
+        # One restore alone first (from the disk where --drop-caches), then the rest from the page cache:
+        # each pairs with the process-path baseline's restore of the same kind (restore_s, warm_restore).
+        for replicas, cache in (
+            (2, "dropped" if self.args.drop_caches else "page"),
+            (self.args.replicas, "page"),
+        ):
+            if replicas <= len(pods) + 1:
+                continue
+            if cache == "dropped":
+                # The restore reads the artifact from the disk, as on a node that did not take it.
+                await asyncio.to_thread(Path("/proc/sys/vm/drop_caches").write_text, "3\n")
+            before = set(self.pods)
+            await dgds.set_replicas(GRAPH, NAMESPACE, SERVICE, replicas)
+            wanted = replicas - 1 - len(pods)
 
-        def restored() -> list[PodTimes] | None:
-            done = [p for n, p in self.pods.items() if n not in before and p.mode == "restore" and p.answers]
-            return done if len(done) >= wanted else None
+            def restored(before: set[str] = before, wanted: int = wanted) -> list[PodTimes] | None:
+                done = [
+                    p for n, p in self.pods.items() if n not in before and p.mode == "restore" and p.answers
+                ]
+                return done if len(done) >= wanted else None
 
-        pods = await self.until("the restore pods to answer", restored, 300)
-        for p in pods:
-            p.selftest_identical = await self._selftest(p.name)
-        self.results["restores"] = [p.summary() for p in pods]
+            step = await self.until(f"{wanted} restore pod(s) to answer ({cache} cache)", restored, 300)
+            for p in step:
+                p.selftest_identical = await self._selftest(p.name)
+                self.results.setdefault("restores", []).append({**p.summary(), "cache": cache})
+            pods += step
+            self.save()
         self.results["restored_pods_agree"] = all(p.answer == pods[0].answer for p in pods)
         self.results["cgroups"] = {p.name: await self._cgroup_of(p.name) for p in pods}
+        self.results["criu_restore_log_gaps"] = self._criu_restore_logs()
         self.phase("scale_up_by_restore", t)
 
         t = time.monotonic()
@@ -428,6 +466,7 @@ class Story:
             "kill_to_serving_s": round((new.serving or 0) - killed, 3),
             "kill_to_first_token_s": round((new.first_token or 0) - killed, 3),
         }
+        self.results["criu_restore_log_gaps"] = self._criu_restore_logs()
         self.phase("failover", t)
         if self.args.worker == "gpu":
             self.results["bad_inputs"] = {"restore_pod_without_gpu": await self.restore_without_gpu(new.name)}
@@ -486,6 +525,21 @@ class Story:
         found["worker_answers"] = status == 200
         found["pid_in_pod"] = await self._worker_pid(name)
         say(f"pod {name}: {found}")
+        return found
+
+    def _criu_restore_logs(self) -> dict[str, Any]:
+        """CRIU's restore log of each pod restored so far: its span and its longest waits, to set against
+        the process-path restore's (the baseline's `criu_log_gaps`)."""
+        found: dict[str, Any] = {}
+        for log in sorted((self.work / "agent").rglob("restore/restore.log")):
+            stamps = [
+                float(m.group(1))
+                for m in re.finditer(r"^\((\d+\.\d+)\)", log.read_text(errors="replace"), re.M)
+            ]
+            found[log.parent.parent.name] = {
+                "logged_s": round(stamps[-1] - stamps[0], 3) if stamps else None,
+                "gaps": log_gaps(log),
+            }
         return found
 
     def _one(self, mode: str, *, answered: bool) -> PodTimes | None:

@@ -9,7 +9,11 @@ from dataclasses import dataclass, field
 
 from dynamo_snapshot.agent.metrics import PHASE_SECONDS
 
-__all__ = ["Timings"]
+__all__ = ["AWAIT_CONTAINER_PHASE", "Timings"]
+
+
+# A restore pod's wait for the kubelet to run its container in standby, before the executor's phases.
+AWAIT_CONTAINER_PHASE = "await_container"
 
 
 @dataclass

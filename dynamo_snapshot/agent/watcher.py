@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from dataclasses import dataclass
 
 from dynamo_snapshot.agent.artifact_sweeper import ArtifactSweeper
@@ -31,6 +32,7 @@ from dynamo_snapshot.agent.authorize import (
 from dynamo_snapshot.agent.errors import AgentError, backoff
 from dynamo_snapshot.agent.executor import Executor, RestoreOutcome
 from dynamo_snapshot.agent.kubelet_containers import KubeletContainers
+from dynamo_snapshot.agent.metrics import PHASE_SECONDS
 from dynamo_snapshot.agent.pod_container import running_container
 from dynamo_snapshot.agent.pod_reports import PodReporter
 from dynamo_snapshot.agent.pod_spec import (
@@ -46,6 +48,7 @@ from dynamo_snapshot.agent.pod_spec import (
 from dynamo_snapshot.agent.runtime.base import Runtime, Workload, WorkloadRuntimeError, wait_exit
 from dynamo_snapshot.agent.runtime.containerd import ContainerdRuntime
 from dynamo_snapshot.agent.snapshot_capture import SnapshotCapture
+from dynamo_snapshot.agent.timings import AWAIT_CONTAINER_PHASE
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.kube import (
     DELETED,
@@ -291,9 +294,14 @@ class NodeAgent:
             extra={protocol.ANNOTATION_RESTORE_ATTEMPTS: str(attempts + 1)},
         )
         self._restoring.add(pod["metadata"]["uid"])
+        # The time until the kubelet runs the restore pod's container in standby: a restore in a pod pays
+        # it and a restore as a process does not, so it is reported beside the executor's phases.
+        waiting = time.monotonic()
         target = await self._restore_target(pod, spent)
         if target is None:
             return
+        awaited = time.monotonic() - waiting
+        PHASE_SECONDS.labels("restore", AWAIT_CONTAINER_PHASE).observe(awaited)
         outcome = await self._run_restore(pod, grant, target)
         if outcome is None:
             return
@@ -302,7 +310,9 @@ class NodeAgent:
             f"restored from {grant.checkpoint_name} in {outcome.timings.total():.2f}s"
             + (" (node cache)" if outcome.source == "cache" else ""),
             {
-                protocol.ANNOTATION_RESTORE_TIMINGS: json.dumps(outcome.timings.phases),
+                protocol.ANNOTATION_RESTORE_TIMINGS: json.dumps(
+                    {AWAIT_CONTAINER_PHASE: round(awaited, 4), **outcome.timings.phases}
+                ),
                 protocol.ANNOTATION_RESTORE_CONTAINER_ID: outcome.workload.container_id
                 or str(outcome.workload.pid),
             },
