@@ -32,6 +32,7 @@ from dynamo_snapshot.api.checkpoint import CheckpointPhase
 from dynamo_snapshot.api.conditions import FAILED, READY, find_condition
 from dynamo_snapshot.api.identity import CheckpointIdentity
 from dynamo_snapshot.api.podsnapshot import PodSnapshotReason, content_artifact
+from dynamo_snapshot.api.restore_request import container_map, name_problem, restore_from
 from dynamo_snapshot.artifact import Binding, artifact_key
 from dynamo_snapshot.kube import Obj, controller_ref
 
@@ -92,9 +93,9 @@ def asks_to_be_restored(pod: Obj) -> bool:
 
 
 def name_to_restore(pod: Obj) -> str:
-    """What a restore pod asks to be restored from: the name in its ``nvidia.com/restore-from``."""
-    annotations = pod["metadata"].get("annotations") or {}
-    return str(annotations.get(protocol.ANNOTATION_RESTORE_FROM) or "").strip()
+    """What a restore pod asks to be restored from: its ``nvidia.com/restore-from`` as written ("" when
+    it has none); ``restore_grant`` refuses one that is no name of the pod's namespace."""
+    return restore_from(pod["metadata"].get("annotations")) or ""
 
 
 def _controlled_by_checkpoint(obj: Obj) -> dict[str, str] | None:
@@ -273,6 +274,9 @@ def restore_grant(
         raise Refused(
             f"the pod names nothing to restore from (annotation {protocol.ANNOTATION_RESTORE_FROM})"
         )
+    problem = name_problem(name, meta["namespace"])
+    if problem:
+        raise Refused(problem)
     if ckpt is None:
         if snapshot is None:
             raise Refused(
@@ -366,9 +370,16 @@ def _snapshot_grant(pod: Obj, snapshot: Obj, content: Obj | None) -> tuple[str, 
         )
     mapping = (meta.get("annotations") or {}).get(protocol.ANNOTATION_RESTORE_CONTAINER_MAP)
     main = protocol.DEFAULT_TARGET_CONTAINER
-    if mapping and mapping.replace(" ", "") != f"{main}={main}":
-        raise Refused(
-            f"{protocol.ANNOTATION_RESTORE_CONTAINER_MAP}={mapping!r}: this agent restores the captured "
-            f"container into the container called {main!r} only"
-        )
+    if mapping is not None:
+        try:
+            mapped = container_map(str(mapping))
+        except ValueError as e:
+            raise Refused(str(e)) from None
+        containers = ((snapshot.get("spec") or {}).get("source") or {}).get("podRef", {}).get("containers")
+        captured = str(containers[0]) if containers else main
+        if mapped != (captured, main):
+            raise Refused(
+                f"{protocol.ANNOTATION_RESTORE_CONTAINER_MAP}={mapping!r}: this agent restores the captured "
+                f"container ({captured!r}) into the container called {main!r} only: write {captured}={main}"
+            )
     return artifact_key(meta["namespace"], snapshot["metadata"]["uid"]), digest

@@ -215,7 +215,7 @@ def per_container(annotation: str, container: str) -> str:
     """
     key = f"{annotation}.{container}"
     _, _, name = key.partition("/")
-    if len(name) > 63 or not _QUALIFIED_NAME.match(name):
+    if len(name) > 63 or not _QUALIFIED_NAME.fullmatch(name):
         raise ValueError(f"container name {container!r} gives an invalid annotation key {key!r}")
     return key
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from dynamo_snapshot.api import conditions as cond
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointPhase
+from dynamo_snapshot.api.restore_request import name_problem, restore_from
 from dynamo_snapshot.kube import Kube, Obj, ResourceKind, controller_ref, is_not_found
 from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD, POD_SNAPSHOT, SNAPSHOT_JOB
 
@@ -121,11 +122,14 @@ def checkpoint_of(namespace: str, annotations: Mapping[str, str], get: Get) -> t
     nvidia.com/restore-from names a DynamoCheckpoint, else a PodSnapshot (as the node agent resolves it);
     Dynamo's restore-candidate annotations name a PodSnapshot, or the SnapshotJob producing one. `get`
     reads an object of the namespace by kind and name (None: not there)."""
-    restore_from = annotations.get(protocol.ANNOTATION_RESTORE_FROM, "").strip()
+    asked = restore_from(annotations)
     candidate = annotations.get(protocol.ANNOTATION_DYNAMO_RESTORE_CANDIDATE) == protocol.TRUE
     kinds: tuple[ResourceKind, ...]
-    if restore_from:
-        name, kinds = restore_from, (CHECKPOINT, POD_SNAPSHOT)
+    if asked is not None:
+        problem = name_problem(asked, namespace)
+        if problem:
+            return None, problem
+        name, kinds = asked, (CHECKPOINT, POD_SNAPSHOT)
     elif candidate and annotations.get(protocol.ANNOTATION_DYNAMO_CHECKPOINT_NAME, "").strip():
         name = annotations[protocol.ANNOTATION_DYNAMO_CHECKPOINT_NAME].strip()
         source = annotations.get(protocol.ANNOTATION_DYNAMO_RESTORE_SOURCE_KIND) or POD_SNAPSHOT.kind

@@ -18,7 +18,6 @@ the restore does not happen on the pod's ``nvidia.com/Restored`` condition.
 from __future__ import annotations
 
 import copy
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,16 +26,8 @@ from pydantic import ValidationError
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointCompatibility, CheckpointPhase
 from dynamo_snapshot.api.conditions import READY, find_condition, validation_message
-from dynamo_snapshot.api.kube import (
-    DNS1123_SUBDOMAIN_MAX_LENGTH,
-    DNS1123_SUBDOMAIN_PATTERN,
-    LABEL_VALUE_MAX_LENGTH,
-)
-from dynamo_snapshot.api.podsnapshot import (
-    CONTAINER_NAME_PATTERN,
-    PodSnapshotCompatibility,
-    content_compatibility,
-)
+from dynamo_snapshot.api.podsnapshot import PodSnapshotCompatibility, content_compatibility
+from dynamo_snapshot.api.restore_request import container_map, name_problem, restore_from
 from dynamo_snapshot.controller.podspec import (
     add_restore_standby,
     add_snapshot_control,
@@ -49,14 +40,11 @@ __all__ = [
     "Outcome",
     "mutate",
     "name_problem",
-    "parse_container_map",
     "requested_name",
 ]
 
 Obj = dict[str, Any]
 
-_SUBDOMAIN = re.compile(DNS1123_SUBDOMAIN_PATTERN)
-_CONTAINER = re.compile(CONTAINER_NAME_PATTERN)
 # What a pod that is not restored is told, after why: it waits, it is not cold-started.
 _STANDBY = (
     f"the pod waits as a restore placeholder; the node agent reports {protocol.POD_CONDITION_RESTORED}=False"
@@ -85,53 +73,7 @@ class Outcome:
 
 def requested_name(pod: Obj) -> str | None:
     """The value of ``nvidia.com/restore-from``; None when the pod has no such annotation."""
-    value = ((pod.get("metadata") or {}).get("annotations") or {}).get(protocol.ANNOTATION_RESTORE_FROM)
-    return None if value is None else str(value)
-
-
-def name_problem(name: str, namespace: str) -> str | None:
-    """Why ``name`` cannot be what a pod of ``namespace`` restores from, else None."""
-    key = protocol.ANNOTATION_RESTORE_FROM
-    if "/" in name:
-        return (
-            f"{key}={name!r}: there is no cross-namespace restore; a pod is restored only from a "
-            f"PodSnapshot or DynamoCheckpoint of its own namespace ({namespace}): give that object's "
-            "name alone"
-        )
-    if not name.strip():
-        return f"{key} is empty: give the name of a PodSnapshot or DynamoCheckpoint of namespace {namespace}"
-    if len(name) > DNS1123_SUBDOMAIN_MAX_LENGTH or not _SUBDOMAIN.match(name):
-        return (
-            f"{key}={name!r} is not an object name (a DNS-1123 subdomain: lowercase letters, digits, "
-            "'-' and '.', starting and ending with a letter or digit)"
-        )
-    if len(name) > LABEL_VALUE_MAX_LENGTH:
-        return (
-            f"{key}={name!r} is longer than {LABEL_VALUE_MAX_LENGTH} characters: the restore pod carries "
-            f"it as the label {protocol.LABEL_CHECKPOINT_ID}, whose values are at most that long"
-        )
-    return None
-
-
-def parse_container_map(value: str) -> tuple[str, str]:
-    """The (source, destination) of ``nvidia.com/restore-container-map`` ("source=destination");
-    ValueError with the reason when it is not one such pair of container names."""
-    key = protocol.ANNOTATION_RESTORE_CONTAINER_MAP
-    pairs = [p.strip() for p in value.split(",") if p.strip()]
-    if not pairs:
-        raise ValueError(f"{key} is empty: give source=destination, or leave the annotation out")
-    if len(pairs) > 1:
-        raise ValueError(
-            f"{key}={value!r} names {len(pairs)} pairs: a restore goes into one container, give one "
-            "source=destination"
-        )
-    source, eq, dest = (part.strip() for part in pairs[0].partition("="))
-    if not eq or not source or not dest:
-        raise ValueError(f"{key}={value!r} is not source=destination")
-    for role, name in (("source", source), ("destination", dest)):
-        if len(name) > LABEL_VALUE_MAX_LENGTH or not _CONTAINER.match(name):
-            raise ValueError(f"{key}={value!r}: {role} {name!r} is not a container name (a DNS-1123 label)")
-    return source, dest
+    return restore_from((pod.get("metadata") or {}).get("annotations"))
 
 
 def _captured(found: Found) -> str | None:
@@ -152,7 +94,7 @@ def _target(pod: Obj, found: Found) -> str:
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
     mapping = annotations.get(protocol.ANNOTATION_RESTORE_CONTAINER_MAP)
     if mapping is not None:
-        source, dest = parse_container_map(str(mapping))
+        source, dest = container_map(str(mapping))
         if captured is not None and source != captured:
             raise ValueError(
                 f"{protocol.ANNOTATION_RESTORE_CONTAINER_MAP}={mapping!r}: the snapshot captured container "

@@ -9,6 +9,7 @@ from dynamo_snapshot.api import conditions as cond
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import DynamoCheckpoint
 from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment
+from dynamo_snapshot.api.restore_request import restore_from
 from dynamo_snapshot.controller.batching import slow_start
 from dynamo_snapshot.controller.checkpoint_reconciler import agent_verdict
 from dynamo_snapshot.controller.context import PODS_CREATED, Context
@@ -224,7 +225,7 @@ class WorkerPods:
         _, message = agent_verdict(
             pod, protocol.ANNOTATION_RESTORE_STATUS, protocol.ANNOTATION_RESTORE_MESSAGE
         )
-        ckpt_name = annotations.get(protocol.ANNOTATION_RESTORE_FROM, "")
+        ckpt_name = restore_from(annotations) or ""
         node = (pod.get("spec") or {}).get("nodeName") or ""
         failed_on = sorted(
             {n for n in annotations.get(protocol.ANNOTATION_AVOID_NODES, "").split(",") if n} | {node} - {""}

@@ -16,7 +16,7 @@ from dynamo_snapshot.api.admission import AdmissionReview, allow, deny
 from dynamo_snapshot.api.checkpoint import DynamoCheckpoint
 from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment
 from dynamo_snapshot.controller.podspec import restore_pod
-from dynamo_snapshot.controller.restore_mutation import Found, Outcome, mutate, parse_container_map
+from dynamo_snapshot.controller.restore_mutation import Found, Outcome, mutate
 from tests.controller.conftest import IDENTITY, dgd_manifest
 
 Obj = dict[str, Any]
@@ -402,13 +402,6 @@ def test_a_map_to_another_container_is_still_checked_when_the_snapshot_is_missin
         pod(containers=("engine",), **{protocol.ANNOTATION_RESTORE_CONTAINER_MAP: "x=engine"}), NS, Found()
     )
     assert "restores only into the container called 'main', not 'engine'" in (refused.denied or "")
-
-
-def test_parse_container_map() -> None:
-    assert parse_container_map("main=engine-0") == ("main", "engine-0")
-    assert parse_container_map(" main = engine ,") == ("main", "engine")
-    with pytest.raises(ValueError, match="is not a container name"):
-        parse_container_map("main=" + "e" * 64)
 
 
 def test_a_pod_without_the_annotation_is_left_alone() -> None:

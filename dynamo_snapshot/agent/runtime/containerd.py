@@ -153,7 +153,7 @@ class ContainerdRuntime:
         """The running container with this id (containerStatuses' "containerd://<id>" or bare)."""
         runtime, sep, ident = container_id.partition("://")
         ident = ident if sep else runtime
-        if not _CONTAINER_ID.match(ident):
+        if not _CONTAINER_ID.fullmatch(ident):
             raise WorkloadRuntimeError(f"container id {container_id!r} is not a runc container id")
         if not self.runc_root.is_dir():
             raise WorkloadRuntimeError(

@@ -1,0 +1,76 @@
+"""How a pod asks to be restored, read and judged one way by the restore webhook, the controller and the
+node agent: ``nvidia.com/restore-from`` names a DynamoCheckpoint or a PodSnapshot of the pod's own
+namespace, and ``nvidia.com/restore-container-map`` maps the captured container onto the pod's.
+
+A value is taken as written: a name with spaces around it is no object's name, whoever reads it, so the
+webhook that denies it and an agent that meets it without a webhook (failurePolicy Ignore, a pod created
+before the webhook ran) say the same thing."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.kube import (
+    DNS1123_SUBDOMAIN_MAX_LENGTH,
+    DNS1123_SUBDOMAIN_PATTERN,
+    LABEL_VALUE_MAX_LENGTH,
+)
+from dynamo_snapshot.api.podsnapshot import CONTAINER_NAME_PATTERN
+
+__all__ = ["container_map", "name_problem", "restore_from"]
+
+_SUBDOMAIN = re.compile(DNS1123_SUBDOMAIN_PATTERN)
+_CONTAINER = re.compile(CONTAINER_NAME_PATTERN)
+
+
+def restore_from(annotations: Mapping[str, object] | None) -> str | None:
+    """The value of ``nvidia.com/restore-from`` as written; None when the annotation is not there."""
+    value = (annotations or {}).get(protocol.ANNOTATION_RESTORE_FROM)
+    return None if value is None else str(value)
+
+
+def name_problem(name: str, namespace: str) -> str | None:
+    """Why ``name`` cannot be what a pod of ``namespace`` restores from, else None."""
+    key = protocol.ANNOTATION_RESTORE_FROM
+    if "/" in name:
+        return (
+            f"{key}={name!r}: there is no cross-namespace restore; a pod is restored only from a "
+            f"PodSnapshot or DynamoCheckpoint of its own namespace ({namespace}): give that object's "
+            "name alone"
+        )
+    if not name.strip():
+        return f"{key} is empty: give the name of a PodSnapshot or DynamoCheckpoint of namespace {namespace}"
+    if len(name) > DNS1123_SUBDOMAIN_MAX_LENGTH or not _SUBDOMAIN.fullmatch(name):
+        return (
+            f"{key}={name!r} is not an object name (a DNS-1123 subdomain: lowercase letters, digits, "
+            "'-' and '.', starting and ending with a letter or digit)"
+        )
+    if len(name) > LABEL_VALUE_MAX_LENGTH:
+        return (
+            f"{key}={name!r} is longer than {LABEL_VALUE_MAX_LENGTH} characters: the restore pod carries "
+            f"it as the label {protocol.LABEL_CHECKPOINT_ID}, whose values are at most that long"
+        )
+    return None
+
+
+def container_map(value: str) -> tuple[str, str]:
+    """The (source, destination) of ``nvidia.com/restore-container-map`` ("source=destination");
+    ValueError with the reason when it is not one such pair of container names."""
+    key = protocol.ANNOTATION_RESTORE_CONTAINER_MAP
+    pairs = [p.strip() for p in value.split(",") if p.strip()]
+    if not pairs:
+        raise ValueError(f"{key} is empty: give source=destination, or leave the annotation out")
+    if len(pairs) > 1:
+        raise ValueError(
+            f"{key}={value!r} names {len(pairs)} pairs: a restore goes into one container, give one "
+            "source=destination"
+        )
+    source, eq, dest = (part.strip() for part in pairs[0].partition("="))
+    if not eq or not source or not dest:
+        raise ValueError(f"{key}={value!r} is not source=destination")
+    for role, name in (("source", source), ("destination", dest)):
+        if len(name) > LABEL_VALUE_MAX_LENGTH or not _CONTAINER.fullmatch(name):
+            raise ValueError(f"{key}={value!r}: {role} {name!r} is not a container name (a DNS-1123 label)")
+    return source, dest
