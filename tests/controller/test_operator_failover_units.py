@@ -42,10 +42,11 @@ def _lookup(*objs: tuple[ResourceKind, Obj]) -> Any:
 def test_restore_from_names_a_dynamocheckpoint_first_then_a_podsnapshot() -> None:
     ckpt = {"metadata": {"name": "snap"}, "status": {"phase": "Ready"}}
     get = _lookup((CHECKPOINT, ckpt), (POD_SNAPSHOT, _snapshot("snap", ready=False)))
-    assert checkpoint_of(NS, {protocol.ANNOTATION_RESTORE_FROM: " snap "}, get) == (
-        "DynamoCheckpoint snap",
-        "",
-    )
+    assert checkpoint_of(NS, {protocol.ANNOTATION_RESTORE_FROM: "snap"}, get) == ("DynamoCheckpoint snap", "")
+    # As the webhook and the agent read it: a name with spaces around it is no object's name.
+    found, why = checkpoint_of(NS, {protocol.ANNOTATION_RESTORE_FROM: " snap "}, get)
+    assert found is None
+    assert "is not an object name" in why
     get = _lookup((POD_SNAPSHOT, _snapshot("snap", ready=True)))
     assert checkpoint_of(NS, {protocol.ANNOTATION_RESTORE_FROM: "snap"}, get) == ("PodSnapshot snap", "")
 
