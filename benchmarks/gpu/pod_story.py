@@ -579,6 +579,8 @@ class Story:
         worker's random weights its tokens may differ, so the restore is held to its own source."""
         assert self.kube is not None
         assert self.node is not None
+        if self.args.worker != "gpu":
+            return None  # the CPU worker writes no resume.json
         pod = await self.kube.get(POD, pod_name, NAMESPACE)
         path = (
             self.node.kubelet_root / "pods" / pod["metadata"]["uid"] / "volumes" / "kubernetes.io~empty-dir"
