@@ -10,10 +10,11 @@ node reads it) and the copies into the node cache that restores from the store s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from dynamo_snapshot.agent.checkpoint import CheckpointOutcome, CheckpointRun, wait_ready
@@ -21,7 +22,14 @@ from dynamo_snapshot.agent.errors import AgentError, ArtifactRefused
 from dynamo_snapshot.agent.gpu_assignment import assigned_gpus
 from dynamo_snapshot.agent.metrics import CACHE_BYTES, CACHE_FILLS, CACHE_RESTORES, FAILURES
 from dynamo_snapshot.agent.node import DEFAULT_RESTORE_SCRATCH, Node
-from dynamo_snapshot.agent.restore import Greeting, RestoreOutcome, RestoreRun, check_before_reading
+from dynamo_snapshot.agent.restore import (
+    Greeting,
+    RestoreOutcome,
+    RestoreRun,
+    check_ahead,
+    check_before_reading,
+    check_digest,
+)
 from dynamo_snapshot.agent.runtime.base import Workload
 from dynamo_snapshot.agent.timings import Timings
 from dynamo_snapshot.api.identity import CheckpointIdentity
@@ -71,6 +79,38 @@ class Executor(Node):
         return await CheckpointRun(self, workload, identity_hash, identity, binding).run()
 
     # ------------------------------------------------------------------ restore
+    def check_ahead(self, artifact_key: str, manifest_digest: str | None) -> None:
+        """Begin the check of the artifact's process images before a restore that must first wait (for
+        the kubelet to run the restore pod's container): the restore joins it, or finds the files verified.
+        Best effort, and only where verified files are remembered (else the restore would hash them
+        again): whatever fails here fails again, and is reported, in the restore."""
+        if self.verified is None or self.deleting[artifact_key]:
+            return
+        task = asyncio.create_task(self._check_ahead(artifact_key, manifest_digest))
+        self.checks_ahead.add(task)
+        task.add_done_callback(self.checks_ahead.discard)
+
+    @contextlib.contextmanager
+    def _reading(self, artifact_key: str) -> Iterator[None]:
+        """While inside, a deletion of the artifact waits."""
+        self.reading[artifact_key] += 1
+        try:
+            yield
+        finally:
+            self.reading[artifact_key] -= 1
+            if not self.reading[artifact_key]:
+                del self.reading[artifact_key]
+
+    async def _check_ahead(self, artifact_key: str, manifest_digest: str | None) -> None:
+        with self._reading(artifact_key), contextlib.suppress(AgentError, ArtifactError, OSError, ValueError):
+            source = await asyncio.to_thread(self.store.open, artifact_key)
+            check_digest(source, manifest_digest)
+            cached = None
+            if self.cache is not None:
+                with self.cache.pinned(artifact_key):
+                    cached = await asyncio.to_thread(self.cache.lookup, source)
+            await check_ahead(self, cached or source)
+
     async def restore(
         self,
         key: str,
@@ -94,16 +134,11 @@ class Executor(Node):
         if self.deleting[artifact_key]:
             FAILURES.labels("restore").inc()
             raise ArtifactRefused(f"artifact {artifact_key} refused: it is being deleted")
-        self.reading[artifact_key] += 1
-        try:
+        with self._reading(artifact_key):
             greeting = Greeting(identity_info or {}, restore_env)
             return await self._restore_reading(
                 key, artifact_key, greeting, manifest_digest, image_id, visible_gpus
             )
-        finally:
-            self.reading[artifact_key] -= 1
-            if not self.reading[artifact_key]:
-                del self.reading[artifact_key]
 
     async def _restore_reading(
         self,

@@ -91,6 +91,8 @@ class Node:
         # Restores under way per artifact key, and keys being deleted: an artifact is deleted only while
         # no restore reads it, and no restore starts on what is being removed.
         self.reading: collections.Counter[str] = collections.Counter()
+        # Checks of artifacts begun ahead of their restores (Executor.check_ahead), held until they end.
+        self.checks_ahead: set[asyncio.Task[None]] = set()
         self.deleting: collections.Counter[str] = collections.Counter()
         # Big files are hashed in a helper process (see artifact.isolated); start it before it is needed.
         warm_up_hashing()

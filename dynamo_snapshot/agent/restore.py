@@ -50,7 +50,14 @@ from dynamo_snapshot.fileio import HASH_PARALLEL, TreeStats
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Greeting", "RestoreOutcome", "RestoreRun", "check_before_reading", "ensure_restore_context"]
+__all__ = [
+    "Greeting",
+    "RestoreOutcome",
+    "RestoreRun",
+    "check_ahead",
+    "check_before_reading",
+    "ensure_restore_context",
+]
 
 
 @dataclass
@@ -194,11 +201,7 @@ class RestoreRun:
     def check_manifest(self) -> None:
         # The store's artifact passed this already; the node cache's copy is held to it too.
         check_digest(self.artifact, self.manifest_digest)
-        try:
-            entries = _list(self.artifact.manifest.extra, "weights")
-            self.weights = [CarriedWeights.from_json(w) for w in entries]
-        except (ValueError, WeightsPlacementError) as e:
-            raise ArtifactRefused(f"artifact {self.artifact.key} refused: {e}") from None
+        self.weights = carried_weights(self.artifact)
         problems = self.artifact.compatibility(self.node.gpus)
         if problems:
             raise AgentError("incompatible node: " + "; ".join(problems))
@@ -240,15 +243,9 @@ class RestoreRun:
         hold the restored tree stopped, they are checked while CRIU restores them and the tree runs only
         once they passed. Compressed pages are not plain pages-N.img: they are checked here."""
         artifact = self.artifact
-        weight_files = set(self.weight_files)
-        process_files = [f.path for f in artifact.manifest.files if f.path not in weight_files]
-        overlap = self.node.overlap_page_check and self.node.runtime.restores_stopped
-        self.pages = [f for f in process_files if _is_pages(f)] if overlap else []
-        files = [f for f in process_files if f not in self.pages]
+        files, self.pages = process_images(self.node, artifact, self.weights)
         try:
-            check, own = self.node.shared_check(
-                artifact.path, files, lambda: artifact.averify(files=files, verified=self.node.verified)
-            )
+            check, own = check_process_images(self.node, artifact, files)
             stats = await asyncio.shield(check)
             self.process_stats = stats if own else TreeStats(0, 0.0)
             self.verified_bytes = self.process_stats.bytes
@@ -433,6 +430,48 @@ async def _prefetch_result(task: asyncio.Task[PrefetchStats] | None) -> Prefetch
 async def _collect_quietly(task: asyncio.Task[PrefetchStats]) -> None:
     with contextlib.suppress(BaseException):
         await _prefetch_result(task)
+
+
+def carried_weights(artifact: Artifact) -> list[CarriedWeights]:
+    """The weights files the artifact carries beside the process images, as its manifest lists them."""
+    try:
+        return [CarriedWeights.from_json(w) for w in _list(artifact.manifest.extra, "weights")]
+    except (ValueError, WeightsPlacementError) as e:
+        raise ArtifactRefused(f"artifact {artifact.key} refused: {e}") from None
+
+
+def process_images(
+    node: Node, artifact: Artifact, weights: list[CarriedWeights]
+) -> tuple[list[str], list[str]]:
+    """(the process images checked before CRIU starts, the pages images checked while it restores them:
+    only where the runtime can hold the restored tree stopped until they passed)."""
+    weight_files = {w.file for w in weights}
+    process_files = [f.path for f in artifact.manifest.files if f.path not in weight_files]
+    overlap = node.overlap_page_check and node.runtime.restores_stopped
+    pages = [f for f in process_files if _is_pages(f)] if overlap else []
+    return [f for f in process_files if f not in pages], pages
+
+
+def check_process_images(
+    node: Node, artifact: Artifact, files: list[str]
+) -> tuple[asyncio.Task[TreeStats], bool]:
+    """The node's one check of these files of the artifact (``Node.shared_check``): the restore's, or
+    one started ahead of it that the restore joins."""
+    return node.shared_check(
+        artifact.path, files, lambda: artifact.averify(files=files, verified=node.verified)
+    )
+
+
+async def check_ahead(node: Node, artifact: Artifact) -> TreeStats:
+    """The restore's check of the process images, begun before the restore itself: a restore into a
+    kubelet's pod waits for the kubelet to run the pod's container first, and meanwhile the bytes are
+    read and hashed; the restore then joins the check under way, or finds its files verified."""
+    files, _ = process_images(node, artifact, carried_weights(artifact))
+    check, own = check_process_images(node, artifact, files)
+    stats = await asyncio.shield(check)
+    if own:
+        BYTES.labels("restore").inc(stats.bytes)
+    return stats
 
 
 def _is_pages(rel: str) -> bool:

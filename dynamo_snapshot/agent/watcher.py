@@ -294,6 +294,9 @@ class NodeAgent:
             extra={protocol.ANNOTATION_RESTORE_ATTEMPTS: str(attempts + 1)},
         )
         self._restoring.add(pod["metadata"]["uid"])
+        if self.kubelet is not None:
+            # The artifact is read and hashed while the kubelet starts the pod's container.
+            self.executor.check_ahead(grant.artifact_key, grant.manifest_digest)
         # The time until the kubelet runs the restore pod's container in standby: a restore in a pod pays
         # it and a restore as a process does not, so it is reported beside the executor's phases.
         waiting = time.monotonic()

@@ -1,7 +1,8 @@
 """Restores of one artifact that check its files at the same time share one check (Node.shared_check): a
 burst of restores reads and hashes the weights, and the process images, once. Each waiter still gets the
 verdict, a waiter that gives up does not end the check for the others, and a check that ended is not
-reused."""
+reused. A check begun ahead of a restore (while the kubelet starts its pod's container) is the one the
+restore joins."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from dynamo_snapshot.agent.errors import ArtifactRefused
 from dynamo_snapshot.agent.node import Node
-from dynamo_snapshot.agent.restore import Greeting, RestoreRun
+from dynamo_snapshot.agent.restore import Greeting, RestoreRun, check_ahead
 from dynamo_snapshot.agent.timings import Timings
 from dynamo_snapshot.artifact import ArtifactError
 from dynamo_snapshot.fileio import TreeStats
@@ -125,3 +128,40 @@ async def test_concurrent_restores_share_one_check_of_the_process_images(tmp_pat
     await asyncio.gather(*waiters)
     assert artifact.calls == 1
     assert sorted(r.verified_bytes for r in runs) == [0, 0, 4096]
+
+
+def _with_images(artifact: _Artifact) -> _Artifact:
+    artifact.manifest = SimpleNamespace(  # type: ignore[attr-defined]
+        files=[SimpleNamespace(path="criu/pstree.img"), SimpleNamespace(path="criu/pages-1.img")], extra={}
+    )
+    return artifact
+
+
+async def test_the_restore_joins_the_check_begun_ahead_of_it(tmp_path: Path) -> None:
+    node, artifact = _node(), _with_images(_Artifact(tmp_path))
+    ahead = asyncio.create_task(check_ahead(node, artifact))  # type: ignore[arg-type]
+    await asyncio.sleep(0.05)
+    run = _run(node, artifact, "r1")
+    restore = asyncio.create_task(run.verify_process_images())
+    await asyncio.sleep(0.05)
+    artifact.go.set()
+    assert (await ahead).bytes == 4096  # counted once, by the check that read them
+    await restore
+    assert (artifact.calls, run.verified_bytes) == (1, 0)
+
+
+async def test_a_failed_check_ahead_is_the_restores_refusal_too(tmp_path: Path) -> None:
+    node, artifact = _node(), _with_images(_Artifact(tmp_path, fail=True))
+    ahead = asyncio.create_task(check_ahead(node, artifact))  # type: ignore[arg-type]
+    await asyncio.sleep(0.05)
+    restore = asyncio.create_task(_run(node, artifact, "r1").verify_process_images())
+    await asyncio.sleep(0.05)
+    artifact.go.set()
+    outcome = await asyncio.gather(ahead, restore, return_exceptions=True)
+    assert isinstance(outcome[0], ArtifactError)
+    assert isinstance(outcome[1], ArtifactRefused)
+    assert "checksum mismatch" in str(outcome[1])
+    # Ended with its verdict: a restore that comes later checks again and is refused by its own check.
+    with pytest.raises(ArtifactRefused):
+        await _run(node, artifact, "r2").verify_process_images()
+    assert artifact.calls == 2
