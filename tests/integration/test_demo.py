@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.criu, pytest.mark.kubelet]
 
 @pytest.fixture
 def workdir() -> Iterator[Path]:
-    """A workdir the demo keeps (it is ours), not under /tmp, as the demo's own (see demo_cmd)."""
+    """A workdir the demo keeps (it is ours), not under /tmp, as the demo's own (see demo/command.py)."""
     path = Path(tempfile.mkdtemp(prefix="test-demo-", dir="/var/tmp"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
