@@ -1,8 +1,9 @@
 """What the documents state about the code and the measurements, checked against the code and the results.
 
 The layer drawing in docs/architecture.md names every package and module the import-linter contracts
-layer (the files, not the contracts' own lists: a new module must be drawn), and the README's headline
-numbers are those of the results files under benchmarks/results they come from, rounded as printed.
+layer (the files, not the contracts' own lists: a new module must be drawn); the README's headline
+numbers are those of the results files under benchmarks/results they come from, rounded as printed; and
+where a document says an agent flag is on or off by default, the agent's settings say so too.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from dynamo_snapshot.cli.agent_cmd import AgentConfig
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -163,3 +166,38 @@ def test_the_demo_speedup_stated_is_its_tables() -> None:
         r"so the ([0-9.]+)× above \(a cold start of ([0-9.]+) s against a restore p50 of ([0-9.]+) s\)", text
     )
     assert stated == [(f"{cold / restore:.1f}", f"{cold:.2f}", f"{restore:.2f}")]
+
+
+# --------------------------------------------------------------------------- defaults the documents state
+
+# "`--compress-pages`, off by default", "with `--drop-zero-pages` (off by default)": a flag and, before the
+# sentence or clause ends, whether it is on.
+DEFAULT_STATEMENT = re.compile(r"`--([a-z][a-z-]*)`[^.;`]{0,40}?\b(on|off) by default")
+DOCUMENTS = ("README.md", "BENCHMARKS.md", "agent/README.md", "controller/README.md", "docs/*.md")
+
+
+def _default_statements() -> list[tuple[str, str, str]]:
+    found = []
+    for pattern in DOCUMENTS:
+        for path in sorted(REPO.glob(pattern)):
+            text = " ".join(path.read_text().split())
+            found += [
+                (path.relative_to(REPO).as_posix(), m[1], m[2]) for m in DEFAULT_STATEMENT.finditer(text)
+            ]
+    return found
+
+
+def test_the_documents_state_agent_defaults() -> None:
+    """The rule below has statements to check: the compressed pages and the zero-page rewrite, at least."""
+    flags = {flag for _, flag, _ in _default_statements()}
+    assert {"compress-pages", "drop-zero-pages"} <= flags, flags
+
+
+@pytest.mark.parametrize(("document", "flag", "state"), _default_statements())
+def test_a_default_the_documents_state_is_the_agents(document: str, flag: str, state: str) -> None:
+    field = AgentConfig.model_fields.get(flag.replace("-", "_"))
+    assert field is not None, f"{document} names --{flag}, which the agent does not have"
+    on = field.default not in (None, False)
+    assert on == (state == "on"), (
+        f"{document} says --{flag} is {state} by default; the agent: {field.default!r}"
+    )
