@@ -38,7 +38,7 @@ from dynamo_snapshot.cli.controller_cmd import build_controller  # noqa: E402
 from dynamo_snapshot.controller.manager import ControllerConfig  # noqa: E402
 from dynamo_snapshot.kube import Kube  # noqa: E402
 from dynamo_snapshot.kube.kinds import SCALING_POLICY  # noqa: E402
-from dynamo_snapshot.localcluster import LocalCluster, LocalPrometheus  # noqa: E402
+from dynamo_snapshot_dev.localcluster import LocalCluster, LocalPrometheus  # noqa: E402
 from tests.autoscale.exporter import FakeVllmExporter  # noqa: E402
 
 NS = "autoscale-bench"

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Controller at scale (issue 4): RSS, convergence from cold, warm resync and scale-up latency.
+"""Controller at scale: RSS, convergence from cold, warm resync and scale-up latency.
 
 A benchmark, not a test: it starts a real local control plane (etcd, kube-apiserver, kube-scheduler,
 kube-controller-manager, kwok) with enough fake GPU nodes, creates N DynamoGraphDeployments that restore
@@ -60,7 +60,7 @@ from dynamo_snapshot.api.identity import compute_identity_hash
 from dynamo_snapshot.kube import NAMESPACE, NODE, POD, ApiError, Kube, Obj, ResourceKind
 from dynamo_snapshot.kube.dgd_versions import DgdVersion
 from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD
-from dynamo_snapshot.localcluster import LocalCluster, gpu_node_manifest
+from dynamo_snapshot_dev.localcluster import LocalCluster, gpu_node_manifest
 
 REPO = Path(__file__).resolve().parent.parent
 SERVICE = "VllmWorker"

@@ -34,7 +34,7 @@ from benchmarks.controller_scale import (  # noqa: E402
 from dynamo_snapshot.cli.controller_cmd import build_controller  # noqa: E402
 from dynamo_snapshot.controller.manager import ControllerConfig  # noqa: E402
 from dynamo_snapshot.kube import NODE, POD, Kube, Obj  # noqa: E402
-from dynamo_snapshot.localcluster import LocalCluster  # noqa: E402
+from dynamo_snapshot_dev.localcluster import LocalCluster  # noqa: E402
 
 NS = "failover-bench"
 REPLICAS = 10

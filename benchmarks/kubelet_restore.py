@@ -38,7 +38,7 @@ from dynamo_snapshot.api import protocol  # noqa: E402
 from dynamo_snapshot.criu import Criu  # noqa: E402
 from dynamo_snapshot.kube import POD, Kube, is_not_found  # noqa: E402
 from dynamo_snapshot.kube.dgd_versions import DgdClient  # noqa: E402
-from dynamo_snapshot.localcluster import LocalCluster  # noqa: E402
+from dynamo_snapshot_dev.localcluster import LocalCluster  # noqa: E402
 from tests.helpers.kubelet_stack import (  # noqa: E402
     GRAPH,
     PORT,

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from kubernetes_asyncio import client, config
 
-from dynamo_snapshot.localcluster import LocalCluster, LocalClusterError
-from dynamo_snapshot.localcluster.components import ComponentsMissingError, cache_dir
-from dynamo_snapshot.localcluster.realnode import RealNode, RealNodeError
+from dynamo_snapshot_dev.localcluster import LocalCluster, LocalClusterError
+from dynamo_snapshot_dev.localcluster.components import ComponentsMissingError, cache_dir
+from dynamo_snapshot_dev.localcluster.realnode import RealNode, RealNodeError
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -51,9 +51,9 @@ from dynamo_snapshot.controller.config import CONTROLLER_NAME  # noqa: E402
 from dynamo_snapshot.controller.manager import ControllerConfig  # noqa: E402
 from dynamo_snapshot.kube import POD, Kube, Obj, load_client  # noqa: E402
 from dynamo_snapshot.kube.dgd_versions import DgdClient  # noqa: E402
-from dynamo_snapshot.localcluster import LocalCluster  # noqa: E402
-from dynamo_snapshot.localcluster.cluster import ClusterOptions  # noqa: E402
-from dynamo_snapshot.localcluster.realnode import REAL_NODE_TAINT, RUNC_ROOT, RealNode, RealNodeOptions  # noqa: E402
+from dynamo_snapshot_dev.localcluster import LocalCluster  # noqa: E402
+from dynamo_snapshot_dev.localcluster.cluster import ClusterOptions  # noqa: E402
+from dynamo_snapshot_dev.localcluster.realnode import REAL_NODE_TAINT, RUNC_ROOT, RealNode, RealNodeOptions  # noqa: E402
 
 NAMESPACE = "story"
 GRAPH, SERVICE = "story", "worker"
@@ -223,7 +223,7 @@ class Story:
         assert self.node is not None
         if self.args.worker == "cpu":
             return self.node.worker_image.name
-        from dynamo_snapshot.localcluster.gpu_worker_image import build_and_import_gpu_worker_image
+        from dynamo_snapshot_dev.localcluster.gpu_worker_image import build_and_import_gpu_worker_image
 
         t = time.monotonic()
         site = [
@@ -242,7 +242,7 @@ class Story:
     async def prepare_model(self) -> None:
         if self.args.worker != "gpu":
             return
-        from dynamo_snapshot.localcluster.gpu_worker_image import GPU_PYTHON
+        from dynamo_snapshot_dev.localcluster.gpu_worker_image import GPU_PYTHON
 
         t = time.monotonic()
         model = MODELS / self.args.size
@@ -259,7 +259,7 @@ class Story:
     def main_container(self, image: str) -> Obj:
         env: dict[str, str]
         if self.args.worker == "gpu":
-            from dynamo_snapshot.localcluster.gpu_worker_image import gpu_worker_command, gpu_worker_env
+            from dynamo_snapshot_dev.localcluster.gpu_worker_image import gpu_worker_command, gpu_worker_env
 
             command = gpu_worker_command(
                 self.args.size,

@@ -242,8 +242,8 @@ class CudaCheckpointer:
             raise ValueError(f"pid must be a positive int, got {pid!r}")
         tgid = processes.thread_group_id(pid, self._proc_root)
         if tgid is not None and tgid != pid:
-            # The driver accepts any task id under /proc and acts on its process (NVIDIA/cuda-checkpoint
-            # issue 41), which would checkpoint a process nobody named.
+            # The driver accepts any task id under /proc and acts on its process, which would checkpoint
+            # a process nobody named (https://github.com/NVIDIA/cuda-checkpoint/issues/41).
             raise NotCudaProcessError(op, pid, "not a process", f"{pid} is a thread of process {tgid}")
 
     def _classify_unknown_target(self, op: str, pid: int, result: str, detail: str) -> CudaError:

@@ -21,8 +21,8 @@ from dynamo_snapshot.agent.runtime.containerd import CONTAINER_META, ContainerdR
 from dynamo_snapshot.agent.runtime.rootfs_diff import DIFF_FILE
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.criu import Criu
-from dynamo_snapshot.localcluster import LocalCluster
-from dynamo_snapshot.localcluster.realnode import RUNC_ROOT, TEST_IMAGE, RealNode
+from dynamo_snapshot_dev.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster.realnode import RUNC_ROOT, TEST_IMAGE, RealNode
 from tests.helpers.kubelet_stack import snapshot_pod
 from tests.helpers.polling import wait_for
 

@@ -1,4 +1,4 @@
-"""The agent's local launch mode (kwok nodes, `dynamo-snapshot demo`) runs commands, not images: a managed
+"""The agent's local launch mode (kwok nodes, `dynamo-snapshot-demo`) runs commands, not images: a managed
 pod whose main container has none (a service relying on its image's entrypoint, which the controller now
 runs like any other) is said once and left alone, beside pods it does launch."""
 

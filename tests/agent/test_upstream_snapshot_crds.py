@@ -24,7 +24,7 @@ from dynamo_snapshot.api.podsnapshot import content_artifact, content_compatibil
 from dynamo_snapshot.artifact import ArtifactStore, artifact_key
 from dynamo_snapshot.kube import POD, Kube, Obj
 from dynamo_snapshot.kube.kinds import POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
-from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster import LocalCluster
 from tests.agent.test_agent import CONTENTS, _event, agents, pod  # noqa: F401  (agents: the fixture)
 from tests.controller.conftest import eventually
 from tests.helpers.upstream_snapshot_crds import upstream_snapshot_crds

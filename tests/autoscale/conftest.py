@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from dynamo_snapshot.localcluster import LocalPrometheus
+from dynamo_snapshot_dev.localcluster import LocalPrometheus
 from tests.autoscale.exporter import FakeVllmExporter
 from tests.helpers.prometheus import local_prometheus
 

@@ -24,8 +24,8 @@ from dynamo_snapshot.autoscale.prometheus import (
     PrometheusSource,
     TickCache,
 )
-from dynamo_snapshot.localcluster import LocalPrometheus
-from dynamo_snapshot.localcluster.components import ComponentsMissingError
+from dynamo_snapshot_dev.localcluster import LocalPrometheus
+from dynamo_snapshot_dev.localcluster.components import ComponentsMissingError
 from tests.autoscale.exporter import KV_CACHE, RUNNING, WAITING, FakeVllmExporter
 from tests.helpers.stub_server import Response, StubServer
 

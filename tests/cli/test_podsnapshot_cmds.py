@@ -15,7 +15,7 @@ from dynamo_snapshot.cli.podsnapshot_cmds import (
     snapshot_name,
     snapshot_state,
 )
-from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster import LocalCluster
 from tests.helpers.cli import run_cli
 
 pytestmark = pytest.mark.cluster

@@ -17,7 +17,7 @@ import pytest
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.kube import Obj
 from dynamo_snapshot.kube.kinds import SCALING_POLICY
-from dynamo_snapshot.localcluster import LocalPrometheus
+from dynamo_snapshot_dev.localcluster import LocalPrometheus
 from tests.autoscale.exporter import FakeVllmExporter
 from tests.controller.conftest import Harness, dgd_manifest, eventually
 from tests.helpers.prometheus import local_prometheus

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster import LocalCluster
 from tests.helpers.cli import CLI, run_cli
 from tests.helpers.polling import wait_for
 

@@ -13,7 +13,7 @@ import yaml
 
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.kube import POD, Obj
-from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster import LocalCluster
 from tests.controller.conftest import Harness, dgd_manifest, eventually
 from tests.helpers.dgd_conversion import every_version_served, kubectl
 

@@ -17,7 +17,7 @@ from prometheus_client import REGISTRY
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.kube import NODE, POD, Obj
 from dynamo_snapshot.kube.kinds import CHECKPOINT
-from dynamo_snapshot.localcluster.nodes import KWOK_NODE_ANNOTATION, KWOK_NODE_VALUE
+from dynamo_snapshot_dev.localcluster.nodes import KWOK_NODE_ANNOTATION, KWOK_NODE_VALUE
 from tests.controller.conftest import Harness, dgd_manifest, eventually
 
 pytestmark = pytest.mark.cluster

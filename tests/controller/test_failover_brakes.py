@@ -23,7 +23,7 @@ from dynamo_snapshot.controller.config import ControllerConfig
 from dynamo_snapshot.controller.failover import node_healthy
 from dynamo_snapshot.kube import EVENT, NODE, POD, ApiError, Kube, Obj
 from dynamo_snapshot.kube.dgd_versions import DgdClient
-from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster import LocalCluster
 from tests.controller.conftest import Harness, dgd_manifest, eventually
 from tests.controller.test_failover import _fail_node, _heal_node, _mode, _replaced, _restored_service
 

@@ -15,8 +15,8 @@ import pytest
 
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.kube import POD, Obj, ResourceKind
-from dynamo_snapshot.localcluster import LocalCluster
-from dynamo_snapshot.localcluster.nodes import gpu_node_manifest
+from dynamo_snapshot_dev.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster.nodes import gpu_node_manifest
 from tests.api.examples import MANIFEST_DIR, load_manifest
 
 from .conftest import Harness, eventually

@@ -15,8 +15,8 @@ import pytest
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.controller.config import InstallMode
 from dynamo_snapshot.controller.install_mode import DGD_CRD_NAME, install_mode_problem
-from dynamo_snapshot.localcluster import LocalCluster
-from dynamo_snapshot.localcluster.cluster import free_port
+from dynamo_snapshot_dev.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster.cluster import free_port
 from tests.helpers import dgd_crd
 from tests.helpers.cli import CLI, run_cli
 from tests.helpers.polling import wait_for

@@ -22,7 +22,7 @@ from dynamo_snapshot.controller.install_mode import crd_name, kinds_left_to_othe
 from dynamo_snapshot.controller.webhook_server import WebhookServer
 from dynamo_snapshot.kube import POD, ApiError, Kube, Obj, ResourceKind, is_not_found
 from dynamo_snapshot.kube.kinds import CHECKPOINT, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
-from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster import LocalCluster
 from tests.controller.conftest import eventually
 
 OWNER = f"{protocol.LABEL_CRD_OWNER}={protocol.MANAGED_BY_VALUE}"

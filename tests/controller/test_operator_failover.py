@@ -21,7 +21,7 @@ from dynamo_snapshot.controller.manager import Controller
 from dynamo_snapshot.controller.operator_failover import LOST_WORKER_DELETED
 from dynamo_snapshot.kube import EVENT, POD, Kube, Obj, controller_ref
 from dynamo_snapshot.kube.kinds import CHECKPOINT, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT, SNAPSHOT_JOB
-from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster import LocalCluster
 from tests.controller.conftest import eventually
 from tests.helpers.dynamo_operator_pods import (
     StandInOperator,

@@ -25,8 +25,8 @@ from dynamo_snapshot.api.conditions import parse_rfc3339
 from dynamo_snapshot.controller.failover import node_healthy
 from dynamo_snapshot.kube import EVENT, NODE, POD, Kube, Obj
 from dynamo_snapshot.kube.dgd_versions import DgdClient
-from dynamo_snapshot.localcluster import LocalCluster
-from dynamo_snapshot.localcluster.nodes import KWOK_NODE_ANNOTATION, KWOK_NODE_VALUE
+from dynamo_snapshot_dev.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster.nodes import KWOK_NODE_ANNOTATION, KWOK_NODE_VALUE
 from tests.controller.conftest import dgd_manifest, eventually
 from tests.helpers.cli import CLI
 

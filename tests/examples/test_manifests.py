@@ -32,7 +32,7 @@ from dynamo_snapshot.api.identity import compute_identity_hash
 from dynamo_snapshot.api.scalingpolicy import TARGET_PER_REPLICA_MESSAGE
 from dynamo_snapshot.autoscale.prometheus import NoData, PrometheusError, PrometheusSource
 from dynamo_snapshot.controller.podspec import MAIN_CONTAINER, new_pod_name, pod_name_prefix
-from dynamo_snapshot.localcluster import LocalCluster, LocalPrometheus
+from dynamo_snapshot_dev.localcluster import LocalCluster, LocalPrometheus
 from tests.api.helpers import MODELS, lost
 from tests.helpers.prometheus import local_prometheus
 from tests.helpers.stub_server import StubServer

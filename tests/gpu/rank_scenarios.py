@@ -1,4 +1,4 @@
-"""The ranks of a multi-GPU worker against the real driver, CRIU and NCCL (issue 23): several CUDA
+"""The ranks of a multi-GPU worker against the real driver, CRIU and NCCL: several CUDA
 processes in one tree through one CRIU dump, and a torch NCCL worker's communicator around the
 checkpoint. Run by name through `python -m tests.gpu.cuda_scenarios WORKDIR NAME...`; the ones in
 SCENARIOS and CRIU_SCENARIOS are also tests (test_cuda_checkpoint.py)."""

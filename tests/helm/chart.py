@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from dynamo_snapshot.localcluster.components import SETUP_HINT, cache_dir
+from dynamo_snapshot_dev.localcluster.components import SETUP_HINT, cache_dir
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "dynamo-snapshot"

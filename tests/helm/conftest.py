@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster import LocalCluster
 from tests.helpers import dgd_crd
 
 

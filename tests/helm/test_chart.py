@@ -26,7 +26,7 @@ from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment
 from dynamo_snapshot.cli.agent_cmd import AgentConfig
 from dynamo_snapshot.cli.controller_cmd import ControllerCommandConfig
 from dynamo_snapshot.controller.config import InstallMode
-from dynamo_snapshot.localcluster.realnode import NO_IO_URING_SECCOMP
+from dynamo_snapshot_dev.localcluster.realnode import NO_IO_URING_SECCOMP
 from tests.helm import rbac
 from tests.helm.chart import (
     CHART,

@@ -24,8 +24,8 @@ import pytest
 import yaml
 
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.localcluster import LocalCluster
-from dynamo_snapshot.localcluster.cluster import free_port
+from dynamo_snapshot_dev.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster.cluster import free_port
 from tests.helm import rbac
 from tests.helm.chart import CHART, REPO, Obj, helm, one, render, render_text
 from tests.helpers import dgd_crd

@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from dynamo_snapshot.localcluster.project_images import AGENT_REPOSITORY, CONTROLLER_REPOSITORY, LOCAL_TAG
+from dynamo_snapshot_dev.localcluster.project_images import AGENT_REPOSITORY, CONTROLLER_REPOSITORY, LOCAL_TAG
 from tests.helm.chart import CHART, helm, lint, one, render
 
 VALUES_LOCAL = CHART / "values-local.yaml"

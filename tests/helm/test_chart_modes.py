@@ -13,7 +13,7 @@ import subprocess
 import pytest
 import yaml
 
-from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster import LocalCluster
 from tests.helm.chart import CHART, REPO, Obj, helm
 from tests.helpers import dgd_crd
 

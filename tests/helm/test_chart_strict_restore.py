@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster import LocalCluster
 from tests.helm.chart import Obj, render
 from tests.helpers.polling import wait_for
 

@@ -21,7 +21,7 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.cli.controller_cmd import ControllerCommandConfig, load_config
 from dynamo_snapshot.cli.main import build_parser
 from dynamo_snapshot.controller.webhook_server import CERT_FILE, KEY_FILE, MUTATE_PATH
-from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster import LocalCluster
 from tests.helm.chart import (
     CHART,
     WEBHOOK_OFF,

@@ -29,7 +29,7 @@ from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment
 from dynamo_snapshot.controller.conversion_webhook import handle_convert
 from dynamo_snapshot.controller.webhook_server import CERT_FILE, CONVERSION_PATH, KEY_FILE, WebhookServer
 from dynamo_snapshot.kube import Kube
-from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster import LocalCluster
 from tests.helpers.dgd_crd import served
 from tests.helpers.polling import wait_for
 from tests.helpers.webhook import Certs, make_certs, serving, until

@@ -27,7 +27,7 @@ from dynamo_snapshot.api import crdgen, protocol
 from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment
 from dynamo_snapshot.api.graphdeployment_v1beta1 import DynamoGraphDeploymentV1Beta1
 from dynamo_snapshot.kube.dgd_versions import DgdVersion
-from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster import LocalCluster
 from tests.helpers.polling import wait_for
 
 Obj = dict[str, Any]

@@ -26,7 +26,7 @@ from typing import Any
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.autoscale.targets import DGDSA_CRD_NAME, adapter_kind
 from dynamo_snapshot.kube import ApiError, Kube, ResourceKind
-from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster import LocalCluster
 from tests.helpers.dgd_crd import OPERATOR_ANNOTATIONS, OPERATOR_LABELS
 from tests.helpers.polling import wait_for
 

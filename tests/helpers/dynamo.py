@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dynamo_snapshot.localcluster.components import cache_dir
+from dynamo_snapshot_dev.localcluster.components import cache_dir
 
 REPO = Path(__file__).resolve().parents[2]
 MOCKER_WORKER = REPO / "examples" / "reference_worker" / "dynamo_mocker_worker.py"

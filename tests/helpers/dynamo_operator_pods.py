@@ -27,7 +27,7 @@ from dynamo_snapshot.controller.podspec import owner_reference
 from dynamo_snapshot.kube import NODE, POD, Kube, Obj, ResourceKind
 from dynamo_snapshot.kube.dgd_versions import DgdClient
 from dynamo_snapshot.kube.kinds import DGD, POD_SNAPSHOT
-from dynamo_snapshot.localcluster.nodes import KWOK_NODE_ANNOTATION, KWOK_NODE_VALUE
+from dynamo_snapshot_dev.localcluster.nodes import KWOK_NODE_ANNOTATION, KWOK_NODE_VALUE
 
 DEPLOYMENT = ResourceKind("apps", "v1", "deployments", "Deployment")
 REPLICA_SET = ResourceKind("apps", "v1", "replicasets", "ReplicaSet")

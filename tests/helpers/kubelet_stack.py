@@ -17,14 +17,14 @@ from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.artifact import ArtifactStore
 from dynamo_snapshot.cli.controller_cmd import build_controller
-from dynamo_snapshot.cli.demo.scenario import kubelet_worker_spec, worker_graph
 from dynamo_snapshot.controller.manager import ControllerConfig
 from dynamo_snapshot.criu import Criu
 from dynamo_snapshot.kube import POD, Kube, Obj
 from dynamo_snapshot.kube.dgd_versions import DgdClient
 from dynamo_snapshot.kube.kinds import CHECKPOINT
-from dynamo_snapshot.localcluster.realnode import RUNC_ROOT, RealNode
-from dynamo_snapshot.localcluster.realnode.host import host_processes
+from dynamo_snapshot_dev.demo.scenario import kubelet_worker_spec, worker_graph
+from dynamo_snapshot_dev.localcluster.realnode import RUNC_ROOT, RealNode
+from dynamo_snapshot_dev.localcluster.realnode.host import host_processes
 
 GRAPH, SERVICE, PORT = "kub", "CpuWorker", 8000
 MEMORY_LIMIT, MEMORY_LIMIT_BYTES = "160Mi", 160 << 20

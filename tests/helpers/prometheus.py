@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dynamo_snapshot.localcluster import LocalPrometheus, LocalPrometheusError
-from dynamo_snapshot.localcluster.components import ComponentsMissingError
+from dynamo_snapshot_dev.localcluster import LocalPrometheus, LocalPrometheusError
+from dynamo_snapshot_dev.localcluster.components import ComponentsMissingError
 
 
 @contextmanager

@@ -18,7 +18,7 @@ from typing import Any
 
 from dynamo_snapshot.api import crdgen
 from dynamo_snapshot.api.podsnapshot import PodSnapshot, PodSnapshotContent
-from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster import LocalCluster
 from tests.helpers.polling import wait_for
 
 Obj = dict[str, Any]

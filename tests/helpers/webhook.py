@@ -18,8 +18,8 @@ from typing import Any
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.controller.webhook_server import CERT_FILE, KEY_FILE, MUTATE_PATH, WebhookServer
 from dynamo_snapshot.kube import ApiError, Kube, Obj, ResourceKind, is_not_found
-from dynamo_snapshot.localcluster import LocalCluster
-from dynamo_snapshot.localcluster.pki import make_pki
+from dynamo_snapshot_dev.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster.pki import make_pki
 from tests.helm.chart import one, render
 
 WEBHOOK_CONFIG = ResourceKind(

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster import LocalCluster
 from tests.api.helpers import MODELS
 
 # A server-side apply the apiserver validates, defaults and answers with, storing nothing.

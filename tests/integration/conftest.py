@@ -10,7 +10,7 @@ from kubernetes_asyncio import client
 
 from dynamo_snapshot.criu import Criu
 from dynamo_snapshot.kube import Kube
-from dynamo_snapshot.localcluster.realnode import RealNode
+from dynamo_snapshot_dev.localcluster.realnode import RealNode
 from tests.helpers.kubelet_stack import Stack
 
 

@@ -28,7 +28,7 @@ from dynamo_snapshot.api.graphdeployment import (
 )
 from dynamo_snapshot.api.kube import QUANTITY_MESSAGE, RESOURCE_NAME_MESSAGE
 from dynamo_snapshot.api.protocol import API_GROUP, API_VERSION
-from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster import LocalCluster
 from tests.api.helpers import MODELS, lost
 from tests.integration.apply import refused_by_both, server_dry_run
 

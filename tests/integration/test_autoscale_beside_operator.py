@@ -20,7 +20,7 @@ from dynamo_snapshot.cli.controller_cmd import build_controller
 from dynamo_snapshot.controller.config import CONTROLLER_NAME, ControllerConfig, InstallMode
 from dynamo_snapshot.kube import EVENT, POD, Kube, Obj
 from dynamo_snapshot.kube.kinds import SCALING_POLICY
-from dynamo_snapshot.localcluster import LocalCluster, LocalPrometheus
+from dynamo_snapshot_dev.localcluster import LocalCluster, LocalPrometheus
 from tests.autoscale.exporter import FakeVllmExporter
 from tests.controller.conftest import eventually
 from tests.helpers import dgd_crd, dgdsa

@@ -20,10 +20,10 @@ import pytest
 
 from dynamo_snapshot.agent.privileges import CONTAINERD_DEFAULT_CAPABILITIES, REQUIRED_CAPABILITIES
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.localcluster import LocalCluster
-from dynamo_snapshot.localcluster.chart_install import CHART, helm, install, node_values
-from dynamo_snapshot.localcluster.realnode import RealNode
-from dynamo_snapshot.localcluster.realnode.host import host_processes
+from dynamo_snapshot_dev.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster.chart_install import CHART, helm, install, node_values
+from dynamo_snapshot_dev.localcluster.realnode import RealNode
+from dynamo_snapshot_dev.localcluster.realnode.host import host_processes
 from tests.helm.conftest import without_dgd_crd  # noqa: F401  (a fixture)
 from tests.helpers.kubelet_stack import (
     GRAPH,

@@ -19,7 +19,7 @@ from dynamo_snapshot.api.graphdeployment import (
 )
 from dynamo_snapshot.api.identity import compute_identity_hash
 from dynamo_snapshot.api.protocol import API_GROUP, API_VERSION
-from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster import LocalCluster
 from tests.api.examples import MANIFEST_DIR, MANIFEST_FILES, load_manifest
 from tests.api.helpers import MODELS, lost
 from tests.integration.apply import refused, refused_by_both

@@ -35,7 +35,7 @@ from dynamo_snapshot.api.graphdeployment_v1beta1 import (
 )
 from dynamo_snapshot.kube import Kube
 from dynamo_snapshot.kube.dgd_versions import DgdVersion, migrate_storage
-from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster import LocalCluster
 from tests.api.test_dgd_v1beta1 import FIXTURES
 from tests.helpers import dgd_crd
 from tests.helpers.dgd_conversion import current_crd, every_version_served_sync

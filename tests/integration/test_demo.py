@@ -1,4 +1,4 @@
-"""The README's first command, end to end: `dynamo-snapshot demo --quick` on the real control plane and
+"""The README's first command, end to end: `dynamo-snapshot-demo --quick` on the real control plane and
 its real kubelet + containerd node, Prometheus, the controller, the node agent (CRIU into the pods'
 containers) and the CPU reference worker's image."""
 
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from dynamo_snapshot.artifact import ArtifactStore
-from dynamo_snapshot.cli.demo.report import speedup
-from tests.helpers.cli import run_cli
+from dynamo_snapshot_dev.demo.report import speedup
+from tests.helpers.cli import run_demo
 
 # Where the worker image runs the reference worker.
 WORKER_SCRIPT = "/app/cpu_worker.py"
@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.criu, pytest.mark.kubelet]
 
 @pytest.fixture
 def workdir() -> Iterator[Path]:
-    """A workdir the demo keeps (it is ours), not under /tmp, as the demo's own (see demo_cmd)."""
+    """A workdir the demo keeps (it is ours), not under /tmp, as the demo's own (see demo/command.py)."""
     path = Path(tempfile.mkdtemp(prefix="test-demo-", dir="/var/tmp"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
@@ -40,8 +40,7 @@ def test_demo_tells_the_whole_story_with_measured_numbers(
     tmp_path: Path, workdir: Path, mode: list[str]
 ) -> None:
     out = tmp_path / "out"
-    proc = run_cli(
-        "demo",
+    proc = run_demo(
         "--quick",
         *mode,
         "--out",

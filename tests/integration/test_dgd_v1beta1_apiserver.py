@@ -20,7 +20,7 @@ from kubernetes_asyncio import client
 from dynamo_snapshot.api.dgd_conversion import to_v1alpha1
 from dynamo_snapshot.controller.webhook_server import WebhookServer
 from dynamo_snapshot.kube import Kube
-from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster import LocalCluster
 from tests.api.test_dgd_v1beta1 import ALPHA_EXAMPLES, FIXTURES
 from tests.helpers.dgd_conversion import every_version_served, kubectl
 

@@ -27,12 +27,12 @@ import pytest
 
 from dynamo_snapshot.agent.watcher import workload_key
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.cli.demo.scenario import worker_graph
 from dynamo_snapshot.kube import EVENT, POD, Obj
 from dynamo_snapshot.kube.dgd_versions import DgdClient
 from dynamo_snapshot.kube.kinds import CHECKPOINT
-from dynamo_snapshot.localcluster import LocalCluster
-from dynamo_snapshot.localcluster.realnode import NO_IO_URING_PROFILE, REAL_NODE_TAINT, RealNode
+from dynamo_snapshot_dev.demo.scenario import worker_graph
+from dynamo_snapshot_dev.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster.realnode import NO_IO_URING_PROFILE, REAL_NODE_TAINT, RealNode
 from tests.helpers.dynamo import MOCKER_WORKER, dynamo_env, dynamo_site, write_tiny_model
 from tests.helpers.kubelet_stack import Stack, eventually, pods
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from dynamo_snapshot.localcluster import LocalCluster, LocalClusterError
-from dynamo_snapshot.localcluster.cluster import ClusterOptions, ensure_port_free
-from dynamo_snapshot.localcluster.components import ComponentsMissingError, find_components
-from tests.helpers.cli import run_cli
+from dynamo_snapshot_dev.localcluster import LocalCluster, LocalClusterError
+from dynamo_snapshot_dev.localcluster.cluster import ClusterOptions, ensure_port_free
+from dynamo_snapshot_dev.localcluster.components import ComponentsMissingError, find_components
+from tests.helpers.cli import run_demo
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -68,7 +68,7 @@ def test_setup_script_refuses_non_root_in_one_line() -> None:
 
 def test_demo_reports_missing_components_in_one_line(tmp_path: Path) -> None:
     env = {**os.environ, "DYNSNAP_CACHE": str(tmp_path / "empty-cache"), "COLUMNS": "300"}
-    proc = run_cli("demo", "--setup-only", "--workdir", str(tmp_path / "w"), timeout=60, env=env)
+    proc = run_demo("--setup-only", "--workdir", str(tmp_path / "w"), timeout=60, env=env)
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     assert "demo failed: missing in" in proc.stderr
@@ -77,8 +77,7 @@ def test_demo_reports_missing_components_in_one_line(tmp_path: Path) -> None:
 
 @pytest.mark.cluster
 def test_demo_brings_up_cluster_with_crds_and_gpu_nodes(tmp_path: Path) -> None:
-    proc = run_cli(
-        "demo",
+    proc = run_demo(
         "--setup-only",
         "--kwok",
         "--gpu-nodes",

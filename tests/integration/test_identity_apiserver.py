@@ -19,7 +19,7 @@ from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment
 from dynamo_snapshot.api.identity import compute_identity_hash
 from dynamo_snapshot.api.protocol import API_GROUP, API_VERSION
 from dynamo_snapshot.cli.identity_cmd import hashes
-from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster import LocalCluster
 
 pytestmark = pytest.mark.cluster
 

@@ -23,8 +23,8 @@ from dynamo_snapshot.artifact import ArtifactStore, artifact_key
 from dynamo_snapshot.kube import EVENT, POD, Obj
 from dynamo_snapshot.kube.dgd_versions import DgdClient
 from dynamo_snapshot.kube.kinds import POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
-from dynamo_snapshot.localcluster import LocalCluster
-from dynamo_snapshot.localcluster.realnode import RUNC_ROOT, TEST_IMAGE, RealNode
+from dynamo_snapshot_dev.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster.realnode import RUNC_ROOT, TEST_IMAGE, RealNode
 from tests.helpers.kubelet_stack import (
     GRAPH,
     MEMORY_LIMIT_BYTES,

@@ -17,8 +17,8 @@ import pytest
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.kube import POD, Obj, ResourceKind
 from dynamo_snapshot.kube.kinds import POD_SNAPSHOT, SNAPSHOT_JOB
-from dynamo_snapshot.localcluster import LocalCluster
-from dynamo_snapshot.localcluster.realnode import RealNode
+from dynamo_snapshot_dev.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster.realnode import RealNode
 from tests.helpers.kubelet_stack import PORT, PROMPT, Stack, eventually, health, post, ready, snapshot_pod
 from tests.helpers.webhook import make_certs, registered_webhook
 

@@ -13,11 +13,11 @@ import pytest
 from kubernetes_asyncio import client
 
 from dynamo_snapshot.cli.controller_cmd import build_controller
-from dynamo_snapshot.cli.demo.scenario import kubelet_worker_spec, worker_graph
 from dynamo_snapshot.controller.config import ControllerConfig
 from dynamo_snapshot.kube import Kube, Obj
 from dynamo_snapshot.kube.dgd_versions import DgdClient
-from dynamo_snapshot.localcluster.realnode import RealNode
+from dynamo_snapshot_dev.demo.scenario import kubelet_worker_spec, worker_graph
+from dynamo_snapshot_dev.localcluster.realnode import RealNode
 from tests.helpers.kubelet_stack import eventually
 
 pytestmark = [pytest.mark.cluster, pytest.mark.kubelet]

@@ -8,7 +8,7 @@ and waits for convergence, while an ``InvariantWatch`` started before anything e
 every moment with more worker pods than replicas plus the surge, two DynamoCheckpoints or two artifacts for
 one identity, or a partial artifact visible in the store.
 
-The agent runs in its kwok mode (``--runtime runc --launch-workloads``, as ``dynamo-snapshot demo --kwok``
+The agent runs in its kwok mode (``--runtime runc --launch-workloads``, as ``dynamo-snapshot-demo --kwok``
 runs it): the kwok node's pods become runc containers of the CPU reference worker
 (examples/reference_worker/cpu_worker.py, which also runs cold), checkpointed and restored by the real CRIU.
 """
@@ -41,7 +41,7 @@ from dynamo_snapshot.criu.packed import PACKED_SUFFIX
 from dynamo_snapshot.kube import EVENT, POD, ApiError, Kube, Obj
 from dynamo_snapshot.kube.dgd_versions import DgdClient
 from dynamo_snapshot.kube.kinds import CHECKPOINT
-from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster import LocalCluster
 from tests.helpers.cli import CLI
 from tests.helpers.invariants import (
     WORKER_SURGE,

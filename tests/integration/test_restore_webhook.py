@@ -31,8 +31,8 @@ from dynamo_snapshot.api.podsnapshot import content_name
 from dynamo_snapshot.controller.webhook_server import CERT_FILE, KEY_FILE, MUTATE_PATH
 from dynamo_snapshot.kube import Kube, Obj
 from dynamo_snapshot.kube.kinds import POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
-from dynamo_snapshot.localcluster import LocalCluster
-from dynamo_snapshot.localcluster.cluster import free_port
+from dynamo_snapshot_dev.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster.cluster import free_port
 from tests.helpers.cli import CLI
 from tests.helpers.polling import wait_for
 from tests.helpers.webhook import (

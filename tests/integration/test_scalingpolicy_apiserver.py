@@ -19,7 +19,7 @@ from dynamo_snapshot.api.scalingpolicy import (
     TOLERANCE_MESSAGE,
     DynamoScalingPolicy,
 )
-from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster import LocalCluster
 from tests.api.helpers import scaling_policy
 from tests.integration.apply import refused, refused_by_both
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from kubernetes_asyncio import client, watch
 
-from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster import LocalCluster
 from tests.helpers.polling import wait_file
 
 SMOKE_CRD = """

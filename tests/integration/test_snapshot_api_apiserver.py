@@ -15,7 +15,7 @@ import yaml
 
 from dynamo_snapshot.api.podsnapshot import SPEC_IMMUTABLE_MESSAGE
 from dynamo_snapshot.api.snapshotjob import SNAPSHOT_JOB_NAME_MESSAGE, TARGET_CONTAINERS_MESSAGE
-from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster import LocalCluster
 from tests.api.helpers import MODELS, lost
 from tests.api.test_snapshot_api import UPSTREAM_FILES, upstream
 from tests.integration.apply import refused, refused_by_both, server_dry_run

@@ -8,7 +8,7 @@ import pytest
 from kubernetes_asyncio import client
 
 from dynamo_snapshot.kube.kube import Kube, ResourceKind
-from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster import LocalCluster
 
 GADGET_CRD: dict[str, Any] = {
     "apiVersion": "apiextensions.k8s.io/v1",

@@ -24,7 +24,7 @@ from dynamo_snapshot.kube.kube import (
     is_not_found,
     load_client,
 )
-from dynamo_snapshot.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster import LocalCluster
 from tests.kube.helpers import eventually_async
 
 pytestmark = pytest.mark.cluster

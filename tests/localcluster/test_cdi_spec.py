@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dynamo_snapshot.localcluster.realnode.cdi import (
+from dynamo_snapshot_dev.localcluster.realnode.cdi import (
     CdiSpecError,
     DeviceNode,
     Gpu,

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from dynamo_snapshot.localcluster import LocalCluster, LocalClusterError
-from dynamo_snapshot.localcluster.chart_install import helm
-from dynamo_snapshot.localcluster.components import (
+from dynamo_snapshot_dev.localcluster import LocalCluster, LocalClusterError
+from dynamo_snapshot_dev.localcluster.chart_install import helm
+from dynamo_snapshot_dev.localcluster.components import (
     CACHE_ENV,
     ComponentsMissingError,
     cache_dir,

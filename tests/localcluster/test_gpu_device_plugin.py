@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from dynamo_snapshot.localcluster.cluster import LocalCluster
-from dynamo_snapshot.localcluster.realnode import TEST_IMAGE, RealNode
-from dynamo_snapshot.localcluster.realnode.cdi import Gpu, GpuFacts, read_device_nodes, write_cdi_spec
-from dynamo_snapshot.localcluster.supervise import Proc, spawn_logged, terminate
+from dynamo_snapshot_dev.localcluster.cluster import LocalCluster
+from dynamo_snapshot_dev.localcluster.realnode import TEST_IMAGE, RealNode
+from dynamo_snapshot_dev.localcluster.realnode.cdi import Gpu, GpuFacts, read_device_nodes, write_cdi_spec
+from dynamo_snapshot_dev.localcluster.supervise import Proc, spawn_logged, terminate
 
 pytestmark = pytest.mark.kubelet
 

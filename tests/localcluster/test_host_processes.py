@@ -8,7 +8,7 @@ import sys
 import time
 import uuid
 
-from dynamo_snapshot.localcluster.realnode.host import HostProcess, host_processes
+from dynamo_snapshot_dev.localcluster.realnode.host import HostProcess, host_processes
 
 
 def test_a_marked_process_is_found_with_its_parent() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dynamo_snapshot.localcluster.host_trees import (
+from dynamo_snapshot_dev.localcluster.host_trees import (
     HostFile,
     SelectionError,
     Tree,

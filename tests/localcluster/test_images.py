@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
-from dynamo_snapshot.localcluster import LocalCluster
-from dynamo_snapshot.localcluster.images import (
+from dynamo_snapshot_dev.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster.distributions import SDK_PYPROJECT
+from dynamo_snapshot_dev.localcluster.images import (
     ANNOTATION_CONTAINERD_NAME,
     ANNOTATION_REF_NAME,
     WORKER_ENTRYPOINT,
@@ -33,7 +34,7 @@ from dynamo_snapshot.localcluster.images import (
     worker_image_archive,
     write_oci_archive,
 )
-from dynamo_snapshot.localcluster.realnode import RealNode
+from dynamo_snapshot_dev.localcluster.realnode import RealNode
 from tests.helpers.polling import wait_for
 
 REF = ImageRef("localhost/test/app", "1.0")
@@ -118,6 +119,9 @@ def repo(tmp_path: Path) -> Path:
     shutil.copytree(
         src / "dynamo_snapshot", dst / "dynamo_snapshot", ignore=shutil.ignore_patterns("__pycache__")
     )
+    # The SDK's pyproject names the files a worker image takes.
+    (dst / SDK_PYPROJECT).parent.mkdir(parents=True)
+    shutil.copy2(src / SDK_PYPROJECT, dst / SDK_PYPROJECT)
     (dst / WORKER_SCRIPT).parent.mkdir(parents=True)
     shutil.copy2(src / WORKER_SCRIPT, dst / WORKER_SCRIPT)
     return dst
@@ -154,16 +158,19 @@ def test_worker_rootfs_imports_the_sdk_under_chroot(tmp_path: Path, repo: Path) 
 
     proc = _chroot_python(
         rootfs,
-        "import sys, dynamo_snapshot.workload, pydantic, pydantic_core, cpu_worker; "
-        "print('ok', sys.prefix, pydantic.__file__, cpu_worker.__file__)",
+        "import sys, dynamo_snapshot.workload, cpu_worker; "
+        "print('ok', sys.prefix, dynamo_snapshot.workload.__file__, cpu_worker.__file__)",
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == [
         "ok",
         "/usr",
-        "/usr/lib/python3/dist-packages/pydantic/__init__.py",
+        "/app/dynamo_snapshot/workload/__init__.py",
         "/app/cpu_worker.py",
     ]
+    # The SDK needs no site-packages: the image carries none, and the product's modules are not there.
+    assert not (rootfs / "usr/lib/python3/dist-packages").exists()
+    assert not (rootfs / "app/dynamo_snapshot/controller").exists()
     # The extension modules the worker and its SDK use load with the libraries the image carries.
     proc = _chroot_python(
         rootfs, "import ctypes, hashlib, ssl, lzma, bz2, zlib, json, mmap, uuid; print('ext-ok')"

@@ -13,15 +13,15 @@ from typing import Any
 
 import pytest
 
-from dynamo_snapshot.localcluster.host_trees import Tree, merge, walk_tree
-from dynamo_snapshot.localcluster.images import (
+from dynamo_snapshot_dev.localcluster.host_trees import Tree, merge, walk_tree
+from dynamo_snapshot_dev.localcluster.images import (
     ANNOTATION_CONTAINERD_NAME,
     MEDIA_CONFIG,
     MEDIA_MANIFEST,
     ImageBuildError,
     ImageRef,
 )
-from dynamo_snapshot.localcluster.layer_stream import (
+from dynamo_snapshot_dev.localcluster.layer_stream import (
     MEDIA_LAYER_TAR,
     ImageConfig,
     LayerStream,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dynamo_snapshot.localcluster.components import SETUP_HINT, cache_dir
+from dynamo_snapshot_dev.localcluster.components import SETUP_HINT, cache_dir
 
 REPO = Path(__file__).resolve().parents[2]
 MULTICALL = "dsnap-multicall"

@@ -22,8 +22,8 @@ import pytest
 
 from dynamo_snapshot.cli.main import build_parser
 from dynamo_snapshot.criu import MIN_VERSION, CriuVersion
-from dynamo_snapshot.localcluster.images import ANNOTATION_CONTAINERD_NAME, ImageBuildError, project_root
-from dynamo_snapshot.localcluster.project_images import (
+from dynamo_snapshot_dev.localcluster.images import ANNOTATION_CONTAINERD_NAME, ImageBuildError, project_root
+from dynamo_snapshot_dev.localcluster.project_images import (
     AGENT_REPOSITORY,
     CONTROLLER_REPOSITORY,
     CONTROLLER_UID,
@@ -182,11 +182,12 @@ def test_agent_image_is_the_dockerfiles(agent: Unpacked, frozen_repo: Path) -> N
 @pytest.mark.parametrize("which", ["controller", "agent"])
 def test_images_hold_production_code_only(which: str, request: pytest.FixtureRequest) -> None:
     image: Unpacked = request.getfixturevalue(which)
-    package = image.rootfs / "usr/lib/python3/dist-packages/dynamo_snapshot"
+    site = image.rootfs / "usr/lib/python3/dist-packages"
+    package = site / "dynamo_snapshot"
+    # The product and the worker SDK it depends on; the dev harness (a package of its own) is not there.
     assert (package / "cli/main.py").is_file()
-    assert (package / "cli/demo_absent.py").is_file()
-    for left_out in ("localcluster", "cli/demo", "cli/demo_cmd.py"):
-        assert not (package / left_out).exists(), left_out
+    assert (package / "workload/__init__.py").is_file()
+    assert not (site / "dynamo_snapshot_dev").exists()
     assert not (image.rootfs / "usr/lib/python3.11/test").exists()
     # Bytecode compiled at build time, hash-based and unchecked (flags 0b01): no compile at each start.
     pyc = package / "cli/__pycache__/main.cpython-311.pyc"
@@ -220,7 +221,9 @@ def test_controller_image_runs_as_its_user_and_leaves_the_demo_out(
 ) -> None:
     proc = _run(controller, ["dynamo-snapshot", "demo"], tmp_path)
     assert proc.returncode == 2, proc.stderr
-    assert "the local demo is not part of this installation" in proc.stderr
+    assert "invalid choice: 'demo'" in proc.stderr
+    demo = _run(controller, ["python3", "-c", "import dynamo_snapshot_dev"], tmp_path)
+    assert "No module named 'dynamo_snapshot_dev'" in demo.stderr, demo.stderr
     who = _run(controller, ["python3", "-c", "import os; print(os.getuid())"], tmp_path)
     assert who.stdout.strip() == str(CONTROLLER_UID), who.stderr
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from dynamo_snapshot.localcluster import LocalCluster
-from dynamo_snapshot.localcluster.realnode import IP_FORWARD, RUNC, RUNC_ROOT, TEST_IMAGE, RealNode
+from dynamo_snapshot_dev.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster.realnode import IP_FORWARD, RUNC, RUNC_ROOT, TEST_IMAGE, RealNode
 from tests.helpers.polling import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.kubelet]
@@ -204,8 +204,8 @@ def test_kubelet_checkpoint_api_dumps_the_container(
 KILLED_RUN = """
 import json, sys, time
 from pathlib import Path
-from dynamo_snapshot.localcluster.pki import make_pki
-from dynamo_snapshot.localcluster.realnode import RealNode
+from dynamo_snapshot_dev.localcluster.pki import make_pki
+from dynamo_snapshot_dev.localcluster.realnode import RealNode
 server, pki_dir, kubeconfig, kubectl, workdir, namespace, manifest = sys.argv[1:]
 node = RealNode(Path(workdir), server=server, pki=make_pki(Path(pki_dir), []),
                 admin_kubeconfig=Path(kubeconfig), kubectl=Path(kubectl))

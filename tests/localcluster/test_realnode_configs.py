@@ -13,10 +13,10 @@ import pytest
 
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.cuda.inventory import NodeGpus, NvmlUnavailableError
-from dynamo_snapshot.localcluster.components import ComponentsMissingError
-from dynamo_snapshot.localcluster.nodes import gpu_node_manifest
-from dynamo_snapshot.localcluster.pki import NodeCerts, Pki
-from dynamo_snapshot.localcluster.realnode import (
+from dynamo_snapshot_dev.localcluster.components import ComponentsMissingError
+from dynamo_snapshot_dev.localcluster.nodes import gpu_node_manifest
+from dynamo_snapshot_dev.localcluster.pki import NodeCerts, Pki
+from dynamo_snapshot_dev.localcluster.realnode import (
     RealNodeError,
     RealNodeOptions,
     configs,
@@ -25,7 +25,7 @@ from dynamo_snapshot.localcluster.realnode import (
     host,
     pod_images,
 )
-from dynamo_snapshot.localcluster.realnode.links import LinkError, ifreq_flags, ifreq_inet
+from dynamo_snapshot_dev.localcluster.realnode.links import LinkError, ifreq_flags, ifreq_inet
 
 H200 = NodeGpus(
     product="NVIDIA-H200",

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from dynamo_snapshot.localcluster.components import ComponentsMissingError
-from dynamo_snapshot.localcluster.pki import Pki
-from dynamo_snapshot.localcluster.realnode import (
+from dynamo_snapshot_dev.localcluster.components import ComponentsMissingError
+from dynamo_snapshot_dev.localcluster.pki import Pki
+from dynamo_snapshot_dev.localcluster.realnode import (
     LOCK_PATH,
     NodeComponents,
     RealNode,

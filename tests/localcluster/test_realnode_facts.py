@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from dynamo_snapshot.localcluster.realnode.facts import (
+from dynamo_snapshot_dev.localcluster.realnode.facts import (
     cgroup_v2,
     iptables_present,
     mount_fstype,
     read_host_facts,
 )
-from dynamo_snapshot.localcluster.realnode.traces import cgroup_hierarchies, kubepods_cgroups, propagation
+from dynamo_snapshot_dev.localcluster.realnode.traces import cgroup_hierarchies, kubepods_cgroups, propagation
 
 # /proc/self/mountinfo lines as the two machines have them.
 V2_ONLY = (

@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 
-from dynamo_snapshot.localcluster import LocalCluster
-from dynamo_snapshot.localcluster.gpu_worker_image import (
+from dynamo_snapshot_dev.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster.distributions import SDK_PYPROJECT
+from dynamo_snapshot_dev.localcluster.gpu_worker_image import (
     GPU_PYTHON,
     GPU_WORKER_SCRIPT,
     USR_SKIP,
@@ -29,10 +30,10 @@ from dynamo_snapshot.localcluster.gpu_worker_image import (
     gpu_worker_env,
     gpu_worker_spec,
 )
-from dynamo_snapshot.localcluster.images import ImageBuildError, project_root
-from dynamo_snapshot.localcluster.realnode import RealNode
-from dynamo_snapshot.localcluster.realnode.host import CONTAINERD_NAMESPACE
-from dynamo_snapshot.localcluster.venv_image import (
+from dynamo_snapshot_dev.localcluster.images import ImageBuildError, project_root
+from dynamo_snapshot_dev.localcluster.realnode import RealNode
+from dynamo_snapshot_dev.localcluster.realnode.host import CONTAINERD_NAMESPACE
+from dynamo_snapshot_dev.localcluster.venv_image import (
     APP_DIR,
     WorkerImageSpec,
     build_and_import,
@@ -53,6 +54,9 @@ def repo(tmp_path: Path) -> Path:
     shutil.copytree(
         src / "dynamo_snapshot", dst / "dynamo_snapshot", ignore=shutil.ignore_patterns("__pycache__")
     )
+    # The SDK's pyproject names the files a worker image takes.
+    (dst / SDK_PYPROJECT).parent.mkdir(parents=True)
+    shutil.copy2(src / SDK_PYPROJECT, dst / SDK_PYPROJECT)
     shutil.copytree(src / "examples" / "reference_worker", dst / "examples" / "reference_worker")
     return dst
 

@@ -1,1 +1,0 @@
-"""`dynamo-snapshot demo`: the whole story on one machine (see demo_cmd)."""

@@ -1,0 +1,1 @@
+"""`dynamo-snapshot-demo`: the whole story on one machine (see command)."""
