@@ -29,12 +29,19 @@ from pydantic import ValidationError
 from dynamo_snapshot.agent.errors import AgentError
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointPhase
-from dynamo_snapshot.api.conditions import FAILED, READY, find_condition
+from dynamo_snapshot.api.conditions import FAILED, READY
 from dynamo_snapshot.api.identity import CheckpointIdentity
 from dynamo_snapshot.api.podsnapshot import PodSnapshotReason, content_artifact
-from dynamo_snapshot.api.restore_request import container_map, name_problem, restore_from
+from dynamo_snapshot.api.restore_request import container_map, name_problem
+from dynamo_snapshot.api.views import (
+    CheckpointView,
+    ObjectView,
+    PodSnapshotContentView,
+    PodSnapshotView,
+    PodView,
+)
 from dynamo_snapshot.artifact import Binding, artifact_key
-from dynamo_snapshot.kube import Obj, controller_ref
+from dynamo_snapshot.kube import Obj
 
 __all__ = [
     "CHECKPOINT_KIND",
@@ -86,20 +93,23 @@ class RestoreGrant:
 def asks_to_be_restored(pod: Obj) -> bool:
     """A restore pod of ours is labelled; any other pod asks with nvidia.com/restore-from alone. Asking
     grants nothing: the object it names does (``restore_grant``)."""
-    meta = pod["metadata"]
-    return (meta.get("labels") or {}).get(protocol.LABEL_RESTORE_TARGET) == protocol.TRUE or bool(
-        (meta.get("annotations") or {}).get(protocol.ANNOTATION_RESTORE_FROM)
-    )
+    view = PodView(pod)
+    return view.meta.labels.get(protocol.LABEL_RESTORE_TARGET) == protocol.TRUE or bool(view.restore_from)
 
 
 def name_to_restore(pod: Obj) -> str:
     """What a restore pod asks to be restored from: its ``nvidia.com/restore-from`` as written ("" when
     it has none); ``restore_grant`` refuses one that is no name of the pod's namespace."""
-    return restore_from(pod["metadata"].get("annotations")) or ""
+    return PodView(pod).restore_from or ""
 
 
-def _controlled_by_checkpoint(obj: Obj) -> dict[str, str] | None:
-    ref = controller_ref(obj)
+def _same(a: str, b: str) -> bool:
+    """Two UIDs name the same object: equal, and not both missing."""
+    return bool(a) and a == b
+
+
+def _controlled_by_checkpoint(obj: ObjectView) -> dict[str, str] | None:
+    ref = obj.meta.controller
     if ref is None or ref.get("kind") != CHECKPOINT_KIND:
         return None
     if ref.get("apiVersion", "").split("/")[0] != protocol.API_GROUP:
@@ -110,56 +120,52 @@ def _controlled_by_checkpoint(obj: Obj) -> dict[str, str] | None:
 def capture_checkpoint_name(snapshot: Obj | None) -> str | None:
     """The DynamoCheckpoint (of the PodSnapshot's namespace) whose identity a capture of ``snapshot`` is
     sealed with: its controller, where that is a DynamoCheckpoint; else None."""
-    ref = _controlled_by_checkpoint(snapshot) if snapshot is not None else None
+    ref = _controlled_by_checkpoint(PodSnapshotView(snapshot)) if snapshot is not None else None
     return ref.get("name") if ref is not None else None
 
 
 def snapshot_to_restore(name: str, ckpt: Obj | None) -> str:
     """The PodSnapshot a restore from ``name`` reads: the one the DynamoCheckpoint of that name records
     (``status.podSnapshotName``, "" while it records none), else the PodSnapshot of that name."""
-    if ckpt is not None:
-        return str((ckpt.get("status") or {}).get("podSnapshotName") or "")
-    return name
+    return CheckpointView(ckpt).pod_snapshot_name if ckpt is not None else name
 
 
-def _snapshot_grants_content(content: Obj, snapshot: Obj | None) -> None:
+def _snapshot_grants_content(content: PodSnapshotContentView, snapshot: PodSnapshotView | None) -> None:
     """The PodSnapshot a content names exists, lives, has not failed, is bound to this content (or not yet
     to any) and asks for the pod and container the content names; ``ContentRefused`` otherwise."""
-    spec = content.get("spec") or {}
-    ref = spec.get("snapshotRef") or {}
-    pod_ref = (spec.get("source") or {}).get("podRef") or {}
+    ref = content.snapshot_ref
     namespace, name = str(ref.get("namespace") or ""), str(ref.get("name") or "")
-    if snapshot is None or snapshot["metadata"].get("uid") != ref.get("uid"):
+    if snapshot is None or not _same(snapshot.meta.uid, str(ref.get("uid") or "")):
         raise ContentRefused(
             PodSnapshotReason.SNAPSHOT_NOT_FOUND,
             f"PodSnapshot {namespace}/{name} of this content does not exist",
         )
-    if snapshot["metadata"].get("deletionTimestamp"):
+    if snapshot.meta.deleting:
         raise ContentRefused(
             PodSnapshotReason.SNAPSHOT_DELETED, f"PodSnapshot {namespace}/{name} is being deleted"
         )
-    failed = find_condition(snapshot, FAILED) or {}
+    failed = snapshot.condition(FAILED)
     if failed.get("status") == "True":
         raise ContentRefused(
             PodSnapshotReason.SNAPSHOT_FAILED,
             f"PodSnapshot {namespace}/{name} failed already ({failed.get('reason')}): nothing to capture",
         )
-    bound = (snapshot.get("status") or {}).get("boundSnapshotContentName")
-    if bound and bound != content["metadata"]["name"]:
+    bound = snapshot.bound_content
+    if bound and bound != content.meta.name:
         raise ContentRefused(
             PodSnapshotReason.CONTENT_CONFLICT, f"PodSnapshot {namespace}/{name} is bound to {bound}"
         )
     # Whoever made the content, the PodSnapshot says which pod and container it asks for.
-    asked = ((snapshot.get("spec") or {}).get("source") or {}).get("podRef") or {}
+    asked, named = snapshot.source, content.source
     if (
-        asked.get("name") != pod_ref.get("name")
-        or (asked.get("uid") and asked.get("uid") != pod_ref.get("uid"))
-        or list(asked.get("containers") or []) != list(pod_ref.get("containers") or [])
+        asked.name != named.name
+        or (asked.uid and asked.uid != named.uid)
+        or asked.containers != named.containers
     ):
         raise ContentRefused(
             PodSnapshotReason.CONTENT_CONFLICT,
-            f"PodSnapshot {namespace}/{name} asks for pod {asked.get('name')!r} "
-            f"{list(asked.get('containers') or [])}, not what this content names",
+            f"PodSnapshot {namespace}/{name} asks for pod {asked.name!r} "
+            f"{asked.containers}, not what this content names",
         )
 
 
@@ -175,39 +181,38 @@ def content_grant(
     container; ``ckpt`` is the DynamoCheckpoint ``capture_checkpoint_name`` names, read in that namespace
     (None: not there or none named), whose identity the artifact is sealed with.
     """
-    spec = content.get("spec") or {}
-    ref = spec.get("snapshotRef") or {}
-    source = spec.get("source") or {}
-    pod_ref = source.get("podRef") or {}
+    view = PodSnapshotContentView(content)
+    ref, pod_ref = view.snapshot_ref, view.source
     namespace, name = str(ref.get("namespace") or ""), str(ref.get("name") or "")
-    _snapshot_grants_content(content, snapshot)
-    assert snapshot is not None  # _snapshot_grants_content refuses a missing PodSnapshot
-    identity = _capture_identity(snapshot, ckpt)
-    if source.get("nodeName") != node_name:
+    snap = PodSnapshotView(snapshot) if snapshot is not None else None
+    _snapshot_grants_content(view, snap)
+    assert snap is not None  # _snapshot_grants_content refuses a missing PodSnapshot
+    identity = _capture_identity(snap, CheckpointView(ckpt) if ckpt is not None else None)
+    if view.source_node != node_name:
         raise ContentRefused(
-            PodSnapshotReason.INVALID_DESTINATION, f"the content names node {source.get('nodeName')!r}"
+            PodSnapshotReason.INVALID_DESTINATION, f"the content names node {view.source_node!r}"
         )
-    pod_name = str(pod_ref.get("name") or "")
+    pod_name = pod_ref.name
     if pod is None:
         raise ContentRefused(
             PodSnapshotReason.SOURCE_POD_NOT_FOUND, f"source pod {namespace}/{pod_name} does not exist"
         )
-    if pod["metadata"].get("uid") != pod_ref.get("uid"):
+    source = PodView(pod)
+    if not _same(source.meta.uid, pod_ref.uid):
         raise ContentRefused(
             PodSnapshotReason.STALE_POD_REFERENCE,
             f"source pod {namespace}/{pod_name} was replaced (its UID differs)",
         )
-    if pod["metadata"].get("deletionTimestamp"):
+    if source.meta.deleting:
         raise ContentRefused(
             PodSnapshotReason.SOURCE_POD_GONE, f"source pod {namespace}/{pod_name} is being deleted"
         )
-    if (pod.get("spec") or {}).get("nodeName") != node_name:
+    if source.node_name != node_name:
         raise ContentRefused(
             PodSnapshotReason.INVALID_DESTINATION, f"source pod {namespace}/{pod_name} is not on this node"
         )
-    containers = [str(c) for c in pod_ref.get("containers") or []]
-    names = [c.get("name") for c in (pod.get("spec") or {}).get("containers") or []]
-    if len(containers) != 1 or containers[0] not in names:
+    containers = pod_ref.containers
+    if len(containers) != 1 or containers[0] not in source.container_names:
         raise ContentRefused(
             PodSnapshotReason.INVALID_TARGET_CONTAINER,
             f"source pod {namespace}/{pod_name} has no container {containers!r}",
@@ -222,34 +227,34 @@ def content_grant(
     binding = Binding(
         namespace=namespace,
         checkpoint_name=name,
-        checkpoint_uid=ref["uid"],
+        checkpoint_uid=snap.meta.uid,
         source_pod=pod_name,
-        source_pod_uid=pod["metadata"]["uid"],
+        source_pod_uid=source.meta.uid,
     )
     return CaptureGrant(binding, identity)
 
 
-def _capture_identity(snapshot: Obj, ckpt: Obj | None) -> CheckpointIdentity | None:
+def _capture_identity(snapshot: PodSnapshotView, ckpt: CheckpointView | None) -> CheckpointIdentity | None:
     """The identity a capture of ``snapshot`` is sealed with: that of the DynamoCheckpoint controlling it
     (``ckpt``, read by name in its namespace; None: not there), which must be that very one (same UID),
     live and hold a valid identity; None for a PodSnapshot no DynamoCheckpoint controls."""
     ref = _controlled_by_checkpoint(snapshot)
     if ref is None:
         return None
-    where = f"DynamoCheckpoint {snapshot['metadata'].get('namespace')}/{ref.get('name')}"
+    where = f"DynamoCheckpoint {snapshot.meta.namespace}/{ref.get('name')}"
     if ckpt is None:
         raise ContentRefused(
             PodSnapshotReason.CHECKPOINT_NOT_FOUND, f"{where}, which controls the PodSnapshot, does not exist"
         )
-    if ckpt["metadata"].get("uid") != ref.get("uid"):
+    if not _same(ckpt.meta.uid, ref.get("uid", "")):
         raise ContentRefused(
             PodSnapshotReason.CHECKPOINT_NOT_FOUND,
             f"{where} is not the one that controls the PodSnapshot (its UID differs)",
         )
-    if ckpt["metadata"].get("deletionTimestamp"):
+    if ckpt.meta.deleting:
         raise ContentRefused(PodSnapshotReason.CHECKPOINT_DELETED, f"{where} is being deleted")
     try:
-        return CheckpointIdentity.model_validate((ckpt.get("spec") or {}).get("identity"))
+        return CheckpointIdentity.model_validate(ckpt.identity)
     except ValidationError as e:
         raise ContentRefused(
             PodSnapshotReason.INVALID_IDENTITY, f"{where} has an invalid identity: {e.errors()[0]['msg']}"
@@ -268,42 +273,45 @@ def restore_grant(
     DynamoCheckpoint controls is restored under that checkpoint's rules even when the pod names the
     PodSnapshot itself: ``owner`` is that DynamoCheckpoint, read in the namespace (None: none).
     """
-    meta = pod["metadata"]
-    name = name_to_restore(pod)
+    target = PodView(pod)
+    name = target.restore_from or ""
     if not name:
         raise Refused(
             f"the pod names nothing to restore from (annotation {protocol.ANNOTATION_RESTORE_FROM})"
         )
-    problem = name_problem(name, meta["namespace"])
+    problem = name_problem(name, target.meta.namespace)
     if problem:
         raise Refused(problem)
+    snap = PodSnapshotView(snapshot) if snapshot is not None else None
+    found = PodSnapshotContentView(content) if content is not None else None
     if ckpt is None:
-        if snapshot is None:
+        if snap is None:
             raise Refused(
                 f"neither a DynamoCheckpoint nor a PodSnapshot named {name!r} exists in namespace "
-                f"{meta['namespace']}: a pod is restored only from one of its own namespace"
+                f"{target.meta.namespace}: a pod is restored only from one of its own namespace"
             )
-        controller = _controlled_by_checkpoint(snapshot)
+        controller = _controlled_by_checkpoint(snap)
         if controller is None:
-            key, digest = _snapshot_grant(pod, snapshot, content)
+            key, digest = _snapshot_grant(target, snap, found)
             return RestoreGrant(name, key, digest)
-        if owner is None or owner["metadata"].get("uid") != controller.get("uid"):
+        if owner is None or not _same(CheckpointView(owner).meta.uid, controller.get("uid", "")):
             raise Refused(
                 f"PodSnapshot {name!r} belongs to DynamoCheckpoint {controller.get('name')!r}, "
                 "which no longer exists"
             )
         ckpt = owner  # its rules (Ready, a graph's checkpoint only into that graph's pods) hold here too
-    ckpt_name = ckpt["metadata"]["name"]
-    recorded = _checkpoint_grant(pod, ckpt)
-    snapshot_name = snapshot_to_restore(ckpt_name, ckpt)
+    checkpoint = CheckpointView(ckpt)
+    ckpt_name = checkpoint.meta.name
+    recorded = _checkpoint_grant(target, checkpoint)
+    snapshot_name = checkpoint.pod_snapshot_name
     if not snapshot_name:
         raise Refused(f"DynamoCheckpoint {ckpt_name!r} records no PodSnapshot (status.podSnapshotName)")
-    if snapshot is None or snapshot["metadata"]["name"] != snapshot_name:
+    if snap is None or snap.meta.name != snapshot_name:
         raise Refused(f"PodSnapshot {snapshot_name!r} of DynamoCheckpoint {ckpt_name!r} does not exist")
-    controller = _controlled_by_checkpoint(snapshot)
-    if controller is None or controller.get("uid") != ckpt["metadata"].get("uid"):
+    controller = _controlled_by_checkpoint(snap)
+    if controller is None or not _same(controller.get("uid", ""), checkpoint.meta.uid):
         raise Refused(f"PodSnapshot {snapshot_name!r} is not controlled by DynamoCheckpoint {ckpt_name!r}")
-    key, digest = _snapshot_grant(pod, snapshot, content)
+    key, digest = _snapshot_grant(target, snap, found)
     if digest != recorded:
         raise Refused(
             f"artifact digest mismatch: the content of PodSnapshot {snapshot_name!r} records {digest}, "
@@ -312,54 +320,51 @@ def restore_grant(
     return RestoreGrant(name, key, digest)
 
 
-def _checkpoint_grant(pod: Obj, ckpt: Obj) -> str:
+def _checkpoint_grant(pod: PodView, ckpt: CheckpointView) -> str:
     """The DynamoCheckpoint part of a restore: it lives, is Ready, records the digest of its artifact
     (returned), and a DGD's own checkpoint goes only into that DGD's pods."""
-    meta = pod["metadata"]
-    name = ckpt["metadata"]["name"]
-    if ckpt["metadata"].get("deletionTimestamp"):
+    name = ckpt.meta.name
+    if ckpt.meta.deleting:
         raise Refused(f"DynamoCheckpoint {name!r} is being deleted")
-    status = ckpt.get("status") or {}
-    if status.get("phase") != CheckpointPhase.READY.value:
-        raise Refused(f"DynamoCheckpoint {name!r} is not Ready (phase {status.get('phase') or 'Pending'})")
-    digest = str(status.get("artifactDigest") or "")
+    if ckpt.phase != CheckpointPhase.READY.value:
+        raise Refused(f"DynamoCheckpoint {name!r} is not Ready (phase {ckpt.phase or 'Pending'})")
+    digest = ckpt.artifact_digest
     if not _SHA256.fullmatch(digest):
         raise Refused(
             f"DynamoCheckpoint {name!r} records no artifact digest (status.artifactDigest): "
             "take the checkpoint again"
         )
-    dgd = controller_ref(ckpt)
-    if dgd is not None and dgd.get("kind") == DGD_KIND:
-        pod_owners = {ref.get("uid") for ref in meta.get("ownerReferences") or []}
-        if dgd.get("uid") not in pod_owners:
-            raise Refused(
-                f"DynamoCheckpoint {name!r} belongs to DynamoGraphDeployment {dgd.get('name')!r}; "
-                f"pod {meta['name']} is not one of its pods"
-            )
+    dgd = ckpt.meta.controller
+    if dgd is not None and dgd.get("kind") == DGD_KIND and dgd.get("uid") not in pod.meta.owner_uids:
+        raise Refused(
+            f"DynamoCheckpoint {name!r} belongs to DynamoGraphDeployment {dgd.get('name')!r}; "
+            f"pod {pod.meta.name} is not one of its pods"
+        )
     return digest
 
 
-def _snapshot_grant(pod: Obj, snapshot: Obj, content: Obj | None) -> tuple[str, str]:
+def _snapshot_grant(
+    pod: PodView, snapshot: PodSnapshotView, content: PodSnapshotContentView | None
+) -> tuple[str, str]:
     """The PodSnapshot part of a restore, whether the pod names it or a DynamoCheckpoint records it: it
     lives, is Ready, is bound to a content of the pod's namespace that records the artifact's digest, and
     the pod asks for no container map this agent cannot follow. The artifact's key and digest."""
-    meta = pod["metadata"]
-    name = snapshot["metadata"]["name"]
-    if snapshot["metadata"].get("deletionTimestamp"):
+    name = snapshot.meta.name
+    if snapshot.meta.deleting:
         raise Refused(f"PodSnapshot {name!r} is being deleted")
-    ready = find_condition(snapshot, READY) or {}
+    ready = snapshot.condition(READY)
     if ready.get("status") != "True":
         why = ready.get("message") or ready.get("reason") or "not captured yet"
         raise Refused(f"PodSnapshot {name!r} is not Ready ({why})")
-    ref = (content or {}).get("spec", {}).get("snapshotRef") or {}
+    ref = content.snapshot_ref if content is not None else {}
     if (
         content is None
-        or ref.get("uid") != snapshot["metadata"]["uid"]
-        or ref.get("namespace") != meta["namespace"]
+        or not _same(str(ref.get("uid") or ""), snapshot.meta.uid)
+        or ref.get("namespace") != pod.meta.namespace
     ):
         raise Refused(f"PodSnapshot {name!r} has no content bound to it")
     try:
-        facts = content_artifact(content)
+        facts = content_artifact(dict(content.raw))
     except ValueError as e:
         raise Refused(f"the content of PodSnapshot {name!r}: {e}") from None
     digest = str((facts.digest if facts else None) or "")
@@ -368,18 +373,17 @@ def _snapshot_grant(pod: Obj, snapshot: Obj, content: Obj | None) -> tuple[str, 
             f"the content of PodSnapshot {name!r} records no artifact digest (status.artifact, "
             f"else annotation {protocol.ANNOTATION_CONTENT_ARTIFACT})"
         )
-    mapping = (meta.get("annotations") or {}).get(protocol.ANNOTATION_RESTORE_CONTAINER_MAP)
+    mapping = pod.container_map
     main = protocol.DEFAULT_TARGET_CONTAINER
     if mapping is not None:
         try:
-            mapped = container_map(str(mapping))
+            mapped = container_map(mapping)
         except ValueError as e:
             raise Refused(str(e)) from None
-        containers = ((snapshot.get("spec") or {}).get("source") or {}).get("podRef", {}).get("containers")
-        captured = str(containers[0]) if containers else main
+        captured = (snapshot.source.containers or [main])[0]
         if mapped != (captured, main):
             raise Refused(
                 f"{protocol.ANNOTATION_RESTORE_CONTAINER_MAP}={mapping!r}: this agent restores the captured "
                 f"container ({captured!r}) into the container called {main!r} only: write {captured}={main}"
             )
-    return artifact_key(meta["namespace"], snapshot["metadata"]["uid"]), digest
+    return artifact_key(pod.meta.namespace, snapshot.meta.uid), digest

@@ -1,0 +1,197 @@
+"""Typed views over the objects as the apiserver and the informers' caches hold them (plain dicts): each
+field is read in one place, with its absence (a missing map, a null list) read as empty, so the code
+that decides reads ``pod.meta.uid`` and ``snapshot.bound_content``, not ``(obj.get("status") or {})``.
+
+A view never copies or changes its object: it is a lens, cheap to make on every event. The models in
+this package validate what we write and what users write; these read what the cluster holds, which may
+be of any shape a newer or older writer gave it, so a wrong type reads as absent rather than raising.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.restore_request import restore_from
+
+__all__ = [
+    "CheckpointView",
+    "ContainerRef",
+    "Meta",
+    "ObjectView",
+    "PodSnapshotContentView",
+    "PodSnapshotView",
+    "PodView",
+]
+
+Obj = dict[str, Any]
+
+
+def _map(value: object) -> Obj:
+    return value if isinstance(value, dict) else {}
+
+
+def _list(value: object) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _str(value: object) -> str:
+    return value if isinstance(value, str) else ""
+
+
+class Meta:
+    """An object's metadata."""
+
+    def __init__(self, raw: Mapping[str, Any]) -> None:
+        self.raw = _map(raw.get("metadata"))
+
+    @property
+    def name(self) -> str:
+        return _str(self.raw.get("name"))
+
+    @property
+    def namespace(self) -> str:
+        return _str(self.raw.get("namespace"))
+
+    @property
+    def uid(self) -> str:
+        return _str(self.raw.get("uid"))
+
+    @property
+    def labels(self) -> Mapping[str, str]:
+        return _map(self.raw.get("labels"))
+
+    @property
+    def annotations(self) -> Mapping[str, str]:
+        return _map(self.raw.get("annotations"))
+
+    @property
+    def deleting(self) -> bool:
+        return bool(self.raw.get("deletionTimestamp"))
+
+    @property
+    def owner_uids(self) -> set[str]:
+        return {_str(_map(r).get("uid")) for r in _list(self.raw.get("ownerReferences"))} - {""}
+
+    @property
+    def controller(self) -> dict[str, str] | None:
+        """The controller ownerReference (its string fields), or None: what manages the object."""
+        for ref in _list(self.raw.get("ownerReferences")):
+            if isinstance(ref, dict) and ref.get("controller"):
+                return {k: v for k, v in ref.items() if isinstance(v, str)}
+        return None
+
+
+class ObjectView:
+    """Any object: its metadata, spec, status and conditions."""
+
+    def __init__(self, raw: Mapping[str, Any]) -> None:
+        self.raw = raw
+        self.meta = Meta(raw)
+
+    @property
+    def spec(self) -> Obj:
+        return _map(self.raw.get("spec"))
+
+    @property
+    def status(self) -> Obj:
+        return _map(self.raw.get("status"))
+
+    def condition(self, type_: str) -> Obj:
+        """The condition of ``type_`` in ``status.conditions``; empty when there is none."""
+        for c in _list(self.status.get("conditions")):
+            if isinstance(c, dict) and c.get("type") == type_:
+                return c
+        return {}
+
+    def condition_true(self, type_: str) -> bool:
+        return self.condition(type_).get("status") == "True"
+
+
+class PodView(ObjectView):
+    @property
+    def node_name(self) -> str:
+        return _str(self.spec.get("nodeName"))
+
+    @property
+    def pod_ip(self) -> str:
+        return _str(self.status.get("podIP"))
+
+    @property
+    def container_names(self) -> list[str]:
+        return [_str(_map(c).get("name")) for c in _list(self.spec.get("containers"))]
+
+    @property
+    def restore_from(self) -> str | None:
+        """``nvidia.com/restore-from`` as written (``api.restore_request``); None when not there."""
+        return restore_from(self.meta.annotations)
+
+    @property
+    def container_map(self) -> str | None:
+        value = self.meta.annotations.get(protocol.ANNOTATION_RESTORE_CONTAINER_MAP)
+        return None if value is None else str(value)
+
+
+class ContainerRef:
+    """A pod and its containers as a PodSnapshot or its content names them (``podRef``)."""
+
+    def __init__(self, raw: object) -> None:
+        self.raw = _map(raw)
+
+    @property
+    def name(self) -> str:
+        return _str(self.raw.get("name"))
+
+    @property
+    def uid(self) -> str:
+        return _str(self.raw.get("uid"))
+
+    @property
+    def containers(self) -> list[str]:
+        return [str(c) for c in _list(self.raw.get("containers"))]
+
+
+class PodSnapshotView(ObjectView):
+    @property
+    def source(self) -> ContainerRef:
+        return ContainerRef(_map(self.spec.get("source")).get("podRef"))
+
+    @property
+    def bound_content(self) -> str:
+        return _str(self.status.get("boundSnapshotContentName"))
+
+
+class PodSnapshotContentView(ObjectView):
+    @property
+    def snapshot_ref(self) -> Obj:
+        """The PodSnapshot the content is of: ``namespace``, ``name`` and ``uid`` (empty where absent)."""
+        return _map(self.spec.get("snapshotRef"))
+
+    @property
+    def source_node(self) -> str:
+        return _str(_map(self.spec.get("source")).get("nodeName"))
+
+    @property
+    def source(self) -> ContainerRef:
+        return ContainerRef(_map(self.spec.get("source")).get("podRef"))
+
+
+class CheckpointView(ObjectView):
+    """A DynamoCheckpoint."""
+
+    @property
+    def phase(self) -> str:
+        return _str(self.status.get("phase"))
+
+    @property
+    def pod_snapshot_name(self) -> str:
+        return _str(self.status.get("podSnapshotName"))
+
+    @property
+    def artifact_digest(self) -> str:
+        return _str(self.status.get("artifactDigest"))
+
+    @property
+    def identity(self) -> object:
+        return self.spec.get("identity")

@@ -1,0 +1,72 @@
+"""Typed views read what the cluster holds: absent or null fields, and fields of a wrong type, read as
+empty; nothing is copied or changed."""
+
+from __future__ import annotations
+
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.views import CheckpointView, PodSnapshotContentView, PodSnapshotView, PodView
+
+
+def test_a_bare_object_reads_as_empty() -> None:
+    for raw in ({}, {"metadata": None, "spec": None, "status": None}, {"metadata": [], "status": "x"}):
+        pod = PodView(raw)
+        assert (pod.meta.name, pod.meta.namespace, pod.meta.uid) == ("", "", "")
+        assert (dict(pod.meta.labels), dict(pod.meta.annotations)) == ({}, {})
+        assert (pod.meta.deleting, pod.meta.controller, pod.meta.owner_uids) == (False, None, set())
+        assert (pod.node_name, pod.pod_ip, pod.container_names) == ("", "", [])
+        assert (pod.restore_from, pod.condition("Ready")) == (None, {})
+        assert not pod.condition_true("Ready")
+
+
+def test_a_pod() -> None:
+    raw = {
+        "metadata": {
+            "name": "w-1",
+            "namespace": "team-a",
+            "uid": "u1",
+            "deletionTimestamp": "2026-01-01T00:00:00Z",
+            "annotations": {
+                protocol.ANNOTATION_RESTORE_FROM: " ckpt",
+                protocol.ANNOTATION_RESTORE_CONTAINER_MAP: "a=b",
+            },
+            "ownerReferences": [
+                {"kind": "ReplicaSet", "name": "rs", "uid": "o1"},
+                {"kind": "DynamoGraphDeployment", "name": "g", "uid": "o2", "controller": True, "x": 1},
+            ],
+        },
+        "spec": {"nodeName": "n1", "containers": [{"name": "main"}, {"name": "side"}]},
+        "status": {"podIP": "10.0.0.2", "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+    pod = PodView(raw)
+    assert pod.meta.deleting
+    assert pod.restore_from == " ckpt"  # as written: the rules in api.restore_request judge it
+    assert pod.container_map == "a=b"
+    assert pod.meta.owner_uids == {"o1", "o2"}
+    assert pod.meta.controller == {"kind": "DynamoGraphDeployment", "name": "g", "uid": "o2"}
+    assert pod.container_names == ["main", "side"]
+    assert (pod.node_name, pod.pod_ip, pod.condition_true("Ready")) == ("n1", "10.0.0.2", True)
+    assert pod.raw is raw
+
+
+def test_snapshots_contents_and_checkpoints() -> None:
+    ref = {"name": "p", "uid": "pu", "containers": ["main"]}
+    snap = PodSnapshotView({"spec": {"source": {"podRef": ref}}, "status": {"boundSnapshotContentName": "c"}})
+    assert (snap.source.name, snap.source.uid, snap.source.containers, snap.bound_content) == (
+        "p",
+        "pu",
+        ["main"],
+        "c",
+    )
+    content = PodSnapshotContentView(
+        {"spec": {"snapshotRef": {"name": "s", "uid": "su"}, "source": {"nodeName": "n", "podRef": ref}}}
+    )
+    assert (content.snapshot_ref["uid"], content.source_node, content.source.name) == ("su", "n", "p")
+    ckpt = CheckpointView(
+        {"spec": {"identity": {"model": "m"}}, "status": {"phase": "Ready", "artifactDigest": 3}}
+    )
+    assert (ckpt.phase, ckpt.artifact_digest, ckpt.pod_snapshot_name, ckpt.identity) == (
+        "Ready",
+        "",  # not a string: read as absent
+        "",
+        {"model": "m"},
+    )
