@@ -4,22 +4,13 @@ the executor, which runs without one (the GPU benchmarks, `dynamo-snapshot check
 
 from __future__ import annotations
 
-__all__ = ["RETRY_BASE_S", "RETRY_CAP_S", "AgentError", "ArtifactRefused", "backoff", "permanent"]
+__all__ = ["RETRY_BASE_S", "RETRY_CAP_S", "AgentError", "ArtifactRefused", "backoff"]
 
 RETRY_BASE_S, RETRY_CAP_S = 1.0, 60.0
-# Answers in 4xx that a retry can change: credentials since refreshed (401), a timeout (408), a
-# conflict (409), throttling (429).
-_RETRYABLE_4XX = frozenset({401, 408, 409, 429})
 
 
 def backoff(attempt: int) -> float:
     return min(RETRY_CAP_S, RETRY_BASE_S * 2.0 ** (attempt - 1))
-
-
-def permanent(http_status: int) -> bool:
-    """Whether no retry can change the apiserver's answer of this HTTP status: the agent may not write the
-    object (403), it is gone (404), the patch is invalid (422), say. 5xx and throttling pass."""
-    return 400 <= http_status < 500 and http_status not in _RETRYABLE_4XX
 
 
 class AgentError(Exception):

@@ -6,26 +6,25 @@ its PodSnapshotContent (agent.snapshot_capture)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
-from dynamo_snapshot.agent.errors import backoff, permanent
+from dynamo_snapshot.agent.errors import backoff
 from dynamo_snapshot.agent.pod_spec import MAIN, workload_key
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.kube import (
     NORMAL,
     POD,
     WARNING,
-    ApiError,
     EventRecorder,
     Kube,
     Obj,
     ObjectRef,
     is_not_found,
 )
+from dynamo_snapshot.kube.until_written import write_until_done
 
 log = logging.getLogger(__name__)
 
@@ -190,40 +189,19 @@ class PodReporter:
     async def annotate_until_written(self, pod: Obj, ann: dict[str, str], what: str) -> bool:
         """Write `ann` on the pod, retrying transient errors with backoff; True once written. Never
         raises, for reports that a dispatch of the pod anew must not stand in for. An answer no retry
-        changes (errors.permanent; a 404 for a pod deleted meanwhile among them) is logged and gives up:
-        False. A deleted pod's task is cancelled besides."""
+        changes (``kube.until_written.permanent``; a 404 for a pod deleted meanwhile among them) is
+        logged and gives up: False. A deleted pod's task is cancelled besides."""
         return await self._until_written(pod, lambda: self._patch(pod, ann), "annotations", what)
 
     async def _until_written(
         self, pod: Obj, write: Callable[[], Awaitable[Any]], subject: str, what: str
     ) -> bool:
-        attempt = 0
-        while True:
-            try:
-                await write()
-                return True
-            except Exception as e:
-                if isinstance(e, ApiError) and permanent(e.status):
-                    log.log(
-                        logging.WARNING if is_not_found(e) else logging.ERROR,
-                        f"giving up on the pod's {subject}: the apiserver refused them for good",
-                        extra={
-                            "pod": workload_key(pod),
-                            "what": what,
-                            "attempt": attempt + 1,
-                            "http_status": e.status,
-                            "reason": e.reason,
-                            "detail": e.message,
-                        },
-                    )
-                    return False
-                attempt += 1
-                delay = backoff(attempt)
-                log.exception(
-                    f"writing the pod's {subject} failed; retrying",
-                    extra={"pod": workload_key(pod), "what": what, "attempt": attempt, "retry_in_s": delay},
-                )
-                await asyncio.sleep(delay)
+        return await write_until_done(
+            write,
+            what=f"the pod's {subject}",
+            extra={"pod": workload_key(pod), "what": what},
+            backoff=backoff,
+        )
 
     async def annotate(self, pod: Obj, ann: dict[str, str]) -> None:
         """Write `ann` on the pod; a pod gone already is no error."""

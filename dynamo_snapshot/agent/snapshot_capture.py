@@ -31,7 +31,7 @@ from dynamo_snapshot.agent.authorize import (
     capture_checkpoint_name,
     content_grant,
 )
-from dynamo_snapshot.agent.errors import AgentError, backoff, permanent
+from dynamo_snapshot.agent.errors import AgentError, backoff
 from dynamo_snapshot.agent.executor import Executor
 from dynamo_snapshot.agent.runtime.base import Workload, WorkloadRuntimeError
 from dynamo_snapshot.api import conditions as cond
@@ -46,15 +46,13 @@ from dynamo_snapshot.kube import (
     DELETED,
     NORMAL,
     WARNING,
-    ApiError,
     EventRecorder,
     Informer,
     Kube,
     Obj,
-    ResourceKind,
-    is_not_found,
 )
 from dynamo_snapshot.kube.kinds import CHECKPOINT, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
+from dynamo_snapshot.kube.until_written import get_or_none, write_until_done
 
 __all__ = ["CAPTURED_MESSAGE", "SnapshotCapture", "snapshot_identity_hash"]
 
@@ -150,23 +148,14 @@ class SnapshotCapture:
         spec = content.get("spec") or {}
         ref = spec.get("snapshotRef") or {}
         namespace = str(ref.get("namespace") or "")
-        snapshot = await self._get(POD_SNAPSHOT, str(ref.get("name") or ""), namespace)
+        snapshot = await get_or_none(self.kube, POD_SNAPSHOT, str(ref.get("name") or ""), namespace)
         ckpt_name = capture_checkpoint_name(snapshot)
-        ckpt = await self._get(CHECKPOINT, ckpt_name, namespace) if ckpt_name else None
+        ckpt = await get_or_none(self.kube, CHECKPOINT, ckpt_name, namespace) if ckpt_name else None
         pod_name = ((spec.get("source") or {}).get("podRef") or {}).get("name")
         pod = await self._pod(f"{namespace}/{pod_name}")
         grant = content_grant(content, snapshot, pod, self.node_name, ckpt)
         assert pod is not None  # content_grant refuses a missing pod
         return grant, pod
-
-    async def _get(self, kind: ResourceKind, name: str, namespace: str) -> Obj | None:
-        try:
-            found: Obj = await self.kube.get(kind, name, namespace)
-        except Exception as e:
-            if not is_not_found(e):
-                raise
-            return None
-        return found
 
     async def _pod(self, key: str) -> Obj | None:
         await self.pods.wait_synced()
@@ -276,36 +265,9 @@ class SnapshotCapture:
         )
 
     async def _until_written(self, name: str, what: str, write: Callable[[], Awaitable[Obj]]) -> None:
-        """Write the content's status or annotations, retrying what a retry can change: a capture's
-        outcome is in hand once, and a content is looked at again only by a new agent process. A content
-        gone meanwhile has nobody to tell; an answer no retry changes is logged and given up."""
-        attempt = 0
-        while True:
-            try:
-                await write()
-                return
-            except Exception as e:
-                if is_not_found(e):
-                    return
-                if isinstance(e, ApiError) and permanent(e.status):
-                    log.error(
-                        "giving up on the content's outcome: the apiserver refused it for good",
-                        extra={
-                            "content": name,
-                            "what": what,
-                            "http_status": e.status,
-                            "reason": e.reason,
-                            "detail": e.message,
-                        },
-                    )
-                    return
-                attempt += 1
-                delay = backoff(attempt)
-                log.exception(
-                    "writing the content's outcome failed; retrying",
-                    extra={"content": name, "what": what, "attempt": attempt, "retry_in_s": delay},
-                )
-                await asyncio.sleep(delay)
+        """Write the content's status or annotations until taken: a capture's outcome is in hand once,
+        and a content is looked at again only by a new agent process."""
+        await write_until_done(write, what=f"the content's {what}", extra={"content": name}, backoff=backoff)
 
 
 def _conditions(content: Obj, ready: bool, reason: str, message: str) -> list[dict[str, Any]]:

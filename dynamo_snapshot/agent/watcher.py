@@ -50,6 +50,7 @@ from dynamo_snapshot.agent.runtime.containerd import ContainerdRuntime
 from dynamo_snapshot.agent.snapshot_capture import SnapshotCapture
 from dynamo_snapshot.agent.timings import AWAIT_CONTAINER_PHASE
 from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.views import PodSnapshotView
 from dynamo_snapshot.kube import (
     DELETED,
     POD,
@@ -57,11 +58,10 @@ from dynamo_snapshot.kube import (
     Informer,
     Kube,
     Obj,
-    ResourceKind,
-    is_not_found,
     object_key,
 )
 from dynamo_snapshot.kube.kinds import CHECKPOINT, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
+from dynamo_snapshot.kube.until_written import get_or_none
 
 __all__ = ["AGENT_NAME", "MAIN", "AgentSettings", "NodeAgent", "workload_key"]
 
@@ -253,14 +253,6 @@ class NodeAgent:
             raise AgentError(f"no running container found for {key}")
         return await self.runtime.launch(workload_spec(pod, key, snapshot=snapshot))
 
-    async def _get(self, kind: ResourceKind, name: str, namespace: str) -> Obj | None:
-        try:
-            return await self.kube.get(kind, name, namespace)
-        except Exception as e:
-            if is_not_found(e):
-                return None
-            raise
-
     # ------------------------------------------------------------------ restore
     async def _restore(self, pod: Obj) -> None:
         """Restore into the pod, from its status on: a finished restore is watched again, a failed one
@@ -328,13 +320,15 @@ class NodeAgent:
         either way with the content that PodSnapshot is bound to."""
         namespace = pod["metadata"]["namespace"]
         name = name_to_restore(pod)
-        ckpt = await self._get(CHECKPOINT, name, namespace) if name else None
+        ckpt = await get_or_none(self.kube, CHECKPOINT, name, namespace) if name else None
         snapshot_name = snapshot_to_restore(name, ckpt)
-        snapshot = await self._get(POD_SNAPSHOT, snapshot_name, namespace) if snapshot_name else None
-        bound = ((snapshot or {}).get("status") or {}).get("boundSnapshotContentName")
-        content = await self._get(POD_SNAPSHOT_CONTENT, bound, "") if bound else None
+        snapshot = (
+            await get_or_none(self.kube, POD_SNAPSHOT, snapshot_name, namespace) if snapshot_name else None
+        )
+        bound = PodSnapshotView(snapshot).bound_content if snapshot is not None else ""
+        content = await get_or_none(self.kube, POD_SNAPSHOT_CONTENT, bound, "") if bound else None
         owner_name = capture_checkpoint_name(snapshot) if ckpt is None else None
-        owner = await self._get(CHECKPOINT, owner_name, namespace) if owner_name else None
+        owner = await get_or_none(self.kube, CHECKPOINT, owner_name, namespace) if owner_name else None
         return restore_grant(pod, ckpt, snapshot, content, owner)
 
     async def _retake_container(self, pod: Obj, state: Status | None) -> str | None:

@@ -30,8 +30,9 @@ from dynamo_snapshot.api.admission import AdmissionRequest, AdmissionResponse, A
 from dynamo_snapshot.api.conditions import validation_message
 from dynamo_snapshot.controller.conversion_webhook import CONVERSION_PATH, handle_convert
 from dynamo_snapshot.controller.restore_mutation import Found, mutate, name_problem, requested_name
-from dynamo_snapshot.kube import ApiError, Kube, Obj, ResourceKind, is_not_found
+from dynamo_snapshot.kube import ApiError, Kube, Obj
 from dynamo_snapshot.kube.kinds import CHECKPOINT, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
+from dynamo_snapshot.kube.until_written import get_or_none
 
 __all__ = ["CERT_FILE", "CONVERSION_PATH", "KEY_FILE", "MUTATE_PATH", "WebhookServer"]
 
@@ -219,21 +220,13 @@ class WebhookServer:
 
     async def _lookup(self, name: str, namespace: str) -> Found:
         """A DynamoCheckpoint of the name wins, as in the node agent; else a PodSnapshot and its content."""
-        checkpoint = await self._get(CHECKPOINT, name, namespace)
+        checkpoint = await get_or_none(self.kube, CHECKPOINT, name, namespace)
         if checkpoint is not None:
             return Found(checkpoint=checkpoint)
-        snapshot = await self._get(POD_SNAPSHOT, name, namespace)
+        snapshot = await get_or_none(self.kube, POD_SNAPSHOT, name, namespace)
         bound = ((snapshot or {}).get("status") or {}).get("boundSnapshotContentName")
-        content = await self._get(POD_SNAPSHOT_CONTENT, str(bound), None) if bound else None
+        content = await get_or_none(self.kube, POD_SNAPSHOT_CONTENT, str(bound), None) if bound else None
         return Found(snapshot=snapshot, content=content)
-
-    async def _get(self, kind: ResourceKind, name: str, namespace: str | None) -> Obj | None:
-        try:
-            return await self.kube.get(kind, name, namespace)
-        except ApiError as e:
-            if is_not_found(e):
-                return None
-            raise
 
 
 def _pod_name(pod: Obj) -> str:
