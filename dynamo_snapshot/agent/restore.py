@@ -315,6 +315,7 @@ class RestoreRun:
         return workload
 
     async def criu_restore(self, images: Path, source_control_dir: str | None) -> Workload:
+        """The runtime's restore of the tree from ``images`` (benchmarks/agent_variants.py varies it)."""
         return await self.node.runtime.restore(self.key, images, source_control_dir)
 
     async def resume_process(self, workload: Workload) -> None:
@@ -423,12 +424,6 @@ async def _prefetch_result(task: asyncio.Task[PrefetchStats] | None) -> Prefetch
 async def _collect_quietly(task: asyncio.Task[PrefetchStats]) -> None:
     with contextlib.suppress(BaseException):
         await _prefetch_result(task)
-
-
-def _is_pages(rel: str) -> bool:
-    # CRIU's memory contents (pages-N.img); the other images describe the tree it rebuilds.
-    name = rel.rsplit("/", 1)[-1]
-    return name.startswith("pages-") and name.endswith(".img")
 
 
 def _list(extra: dict[str, JsonValue], key: str) -> list[JsonValue]:
