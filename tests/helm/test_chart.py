@@ -357,7 +357,10 @@ def test_agent_daemonset(monkeypatch: pytest.MonkeyPatch) -> None:
     # The key itself: the model's default would hide a missing line.
     assert _config(objs, "agent")["restore"]["weightsCheckIdleIo"] is True
     assert config.restore.weights_check_idle_io is True
-    assert mounted[str(config.restore.restore_scratch)]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+    assert mounted[str(config.restore.restore_scratch)]["emptyDir"] == {
+        "medium": "Memory",
+        "sizeLimit": "8Gi",
+    }
     assert agent["resources"]["limits"]["memory"] == "16Gi"
 
     changed = render(
