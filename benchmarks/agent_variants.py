@@ -5,7 +5,8 @@ way (BENCHMARKS.md).
   (CRIU's --leave-stopped) until they passed. Measured on the H200 it was slower than checking them first
   (at full parallel read speed) and letting CRIU read them from the page cache, so the agent checks first.
 - ``weights_check_early`` off: at idle I/O priority the weights check starts after the check of the process
-  images rather than with it; on the H200 (mq-deadline) no faster.
+  images rather than with it; on the H200 (mq-deadline) no faster: 8g 6.31 vs 5.84/6.34 s, 1g 4.65 vs
+  4.07/4.12 s.
 - ``weights_check_parallel``: threads of the weights check beside CRIU.
 
 ``VariantExecutor`` is the agent's Executor with these as attributes; its runtime must be a
