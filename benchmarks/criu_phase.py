@@ -27,6 +27,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.agent_variants import VariantExecutor, agent_config  # noqa: E402
 from benchmarks.gpu.host import (  # noqa: E402
     FileWatch,
     IoSampler,
@@ -37,7 +38,6 @@ from benchmarks.gpu.host import (  # noqa: E402
     host_facts,
     log_gaps,
 )
-from dynamo_snapshot.agent.executor import Executor  # noqa: E402
 from dynamo_snapshot.agent.runtime import ProcessRuntime, WorkloadSpec  # noqa: E402
 from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_hash  # noqa: E402
 from dynamo_snapshot.artifact import ArtifactStore  # noqa: E402
@@ -62,16 +62,10 @@ async def one(work: Path, weights_mib: int, prefetch: bool, variant: str = "defa
     ident_hash = compute_identity_hash(identity)
     criu = Criu()
     runtime = ProcessRuntime(work / "node", criu)
-    executor = Executor(
-        runtime,
-        ArtifactStore(work / "store"),
-        criu,
-        node_name="bench",
-        cuda=None,
-        gpus=None,
-        prefetch_node_files=prefetch,
-        **VARIANTS[variant],
-    )
+    settings = agent_config(node_name="bench", prefetch_node_files=prefetch)
+    executor = VariantExecutor(runtime, ArtifactStore(work / "store"), criu, settings, cuda=None, gpus=None)
+    for knob, value in VARIANTS[variant].items():
+        setattr(executor, knob, value)
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     env = {"PYTHONPATH": path, "WORKER_WEIGHTS_MIB": str(weights_mib)}
     source = await runtime.launch(WorkloadSpec("source", [sys.executable, str(WORKER)], env))

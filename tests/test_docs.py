@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from dynamo_snapshot.cli.agent_cmd import AgentConfig
+from dynamo_snapshot.cli.settings_flags import setting_default, setting_names
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -195,9 +195,9 @@ def test_the_documents_state_agent_defaults() -> None:
 
 @pytest.mark.parametrize(("document", "flag", "state"), _default_statements())
 def test_a_default_the_documents_state_is_the_agents(document: str, flag: str, state: str) -> None:
-    field = AgentConfig.model_fields.get(flag.replace("-", "_"))
-    assert field is not None, f"{document} names --{flag}, which the agent does not have"
-    on = field.default not in (None, False)
-    assert on == (state == "on"), (
-        f"{document} says --{flag} is {state} by default; the agent: {field.default!r}"
-    )
+    name = flag.replace("-", "_")
+    assert name in setting_names(), f"{document} names --{flag}, which the agent does not have"
+    default = setting_default(name)
+    # A setting unset by default (the node cache's root) is off; one with a value of its own is on.
+    on = default not in (None, "off")
+    assert on == (state == "on"), f"{document} says --{flag} is {state} by default; the agent: {default}"

@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.gpu.host import drop_caches, wait_json  # noqa: E402
+from dynamo_snapshot.agent.config import AgentConfig  # noqa: E402
 from dynamo_snapshot.agent.executor import Executor  # noqa: E402
 from dynamo_snapshot.agent.runtime import ProcessRuntime, WorkloadSpec  # noqa: E402
 from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_hash  # noqa: E402
@@ -65,7 +66,7 @@ async def main() -> int:
     await criu.require()
     runtime = ProcessRuntime(args.work / "control", criu)
     store = ArtifactStore(args.work / "artifacts")
-    executor = Executor(runtime, store, criu, node_name=os.uname().nodename)
+    executor = Executor(runtime, store, criu, AgentConfig(node_name=os.uname().nodename))
     identity = CheckpointIdentity.model_validate({"model": "bench/raw-weights", "backendFramework": "vllm"})
     ident_hash = compute_identity_hash(identity)
     pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from benchmarks.agent_variants import continue_tree
 from benchmarks.gpu.host import http
 from dynamo_snapshot.agent.runtime import ProcessRuntime
 from dynamo_snapshot.agent.runtime.base import Workload, WorkloadRuntimeError
@@ -53,15 +54,25 @@ _CLONE_NEWNET = 0x40000000
 
 
 class IsolatedRuntime(ProcessRuntime):
+    """Restores into namespaces of their own; stopped ones too (benchmarks.agent_variants.StoppedRestores)."""
+
     name = "local-isolated"
-    restores_stopped = True
 
     def __init__(self, control_root: Path, criu: Any) -> None:
         super().__init__(control_root, criu)
         self.placeholders: dict[str, tuple[asyncio.subprocess.Process, int]] = {}
 
-    async def restore(
-        self, key: str, images_dir: Path, source_control_dir: str | None, *, stopped: bool = False
+    async def restore(self, key: str, images_dir: Path, source_control_dir: str | None) -> Workload:
+        return await self._restore(key, images_dir, source_control_dir, stopped=False)
+
+    async def restore_stopped(self, key: str, images_dir: Path, source_control_dir: str | None) -> Workload:
+        return await self._restore(key, images_dir, source_control_dir, stopped=True)
+
+    async def resume(self, workload: Workload) -> None:
+        await continue_tree(workload.pid)
+
+    async def _restore(
+        self, key: str, images_dir: Path, source_control_dir: str | None, *, stopped: bool
     ) -> Workload:
         if not source_control_dir:
             raise WorkloadRuntimeError("artifact does not record the source control dir")

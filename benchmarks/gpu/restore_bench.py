@@ -40,6 +40,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.agent_variants import StoppableProcessRuntime, VariantExecutor, agent_config  # noqa: E402
 from benchmarks.gpu.host import (  # noqa: E402
     FileWatch,
     IoSampler,
@@ -53,9 +54,10 @@ from benchmarks.gpu.host import (  # noqa: E402
     wait_json,
 )
 from benchmarks.gpu.isolated import IsolatedRuntime, NetnsHttp  # noqa: E402
-from dynamo_snapshot.agent.executor import AgentError, Executor  # noqa: E402
+from dynamo_snapshot.agent.config import AgentConfig  # noqa: E402
+from dynamo_snapshot.agent.executor import AgentError  # noqa: E402
 from dynamo_snapshot.agent.prefetch import PREFETCH_FILE, read_plan  # noqa: E402
-from dynamo_snapshot.agent.runtime import ProcessRuntime, WorkloadSpec  # noqa: E402
+from dynamo_snapshot.agent.runtime import WorkloadSpec  # noqa: E402
 from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_hash  # noqa: E402
 from dynamo_snapshot.artifact import ArtifactStore, VerifiedFiles  # noqa: E402
 from dynamo_snapshot.criu import Criu  # noqa: E402
@@ -136,16 +138,10 @@ class Bench:
         self.args = args
         self.work: Path = args.work
         self.criu = Criu()
-        self.runtime = ProcessRuntime(self.work / "control", self.criu)
+        # Stopped restores: the overlap variants.
+        self.runtime = StoppableProcessRuntime(self.work / "control", self.criu)
         self.store = ArtifactStore(self.work / "artifacts")
-        self.executor = Executor(
-            self.runtime,
-            self.store,
-            self.criu,
-            node_name=os.uname().nodename,
-            compress_pages=args.compress_pages == "on",
-            drop_zero_pages=args.drop_zero_pages == "on",
-        )
+        self.executor = VariantExecutor(self.runtime, self.store, self.criu, self.agent_config())
         self.result: dict[str, Any] = {
             "size": args.size,
             "kv_gib": args.kv_gib,
@@ -155,6 +151,11 @@ class Bench:
         }
         tag = f"-{args.tag}" if args.tag else ""
         self.out = args.out / f"gpu-restore-{args.size}{tag}.json"
+
+    def agent_config(self) -> AgentConfig:
+        return agent_config(
+            compress_pages=self.args.compress_pages == "on", drop_zero_pages=self.args.drop_zero_pages == "on"
+        )
 
     def save(self) -> None:
         self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -381,14 +382,7 @@ class Bench:
         How much longer the last of the burst takes to serve than one alone; each copy's /generate
         answer compared with the cold worker's."""
         runtime = IsolatedRuntime(self.work / "isolated", self.criu)
-        ex = Executor(
-            runtime,
-            self.store,
-            self.criu,
-            node_name=os.uname().nodename,
-            compress_pages=self.args.compress_pages == "on",
-            drop_zero_pages=self.args.drop_zero_pages == "on",
-        )
+        ex = VariantExecutor(runtime, self.store, self.criu, self.agent_config())
         for attr, value in VARIANTS[self.args.burst_variant][0].items():
             setattr(ex, attr, value)
         out: dict[str, Any] = {"variant": self.args.burst_variant}

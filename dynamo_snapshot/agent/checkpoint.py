@@ -121,7 +121,7 @@ class CheckpointRun:
             # Until it is published, whatever ends the checkpoint leaves no staging and counts a failure.
             undo.callback(writer.discard)
             undo.callback(FAILURES.labels("checkpoint").inc)
-            if self.node.prefetch_node_files:
+            if self.node.config.checkpoint.prefetch_node_files:
                 with self.timings.phase("checkpoint", "prefetch_plan"):
                     await asyncio.to_thread(_record_prefetch_plan, self.workload.pid, writer.directory)
             # Before the worker is touched: weights the agent refuses to carry leave it running.
@@ -173,10 +173,10 @@ class CheckpointRun:
                 raise AgentError(f"CRIU dump failed: {e}") from None
 
     async def shrink_pages(self, images: Path) -> None:
-        if self.node.drop_zero_pages:
+        if self.node.config.checkpoint.drop_zero_pages:
             with self.timings.phase("checkpoint", "drop_zero_pages"):
                 self.sparse = await drop_zero_pages_of(images)
-        if self.node.compress_pages:
+        if self.node.config.checkpoint.compress_pages:
             with self.timings.phase("checkpoint", "compress_pages"):
                 self.packed = await compress_pages(images, self.node.pages_threads)
 

@@ -9,6 +9,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from dynamo_snapshot.agent.config import DEFAULT_RESTORE_SCRATCH, AgentConfig
 from dynamo_snapshot.agent.gpu_assignment import local_gpus
 from dynamo_snapshot.agent.page_images import remove_abandoned
 from dynamo_snapshot.agent.runtime.base import Runtime, Workload
@@ -21,67 +22,36 @@ from dynamo_snapshot.fileio import TreeStats
 
 __all__ = ["DEFAULT_RESTORE_SCRATCH", "Node"]
 
-# Where a restore unpacks compressed pages for CRIU: a tmpfs, so CRIU reads them at memory speed.
-DEFAULT_RESTORE_SCRATCH = Path("/dev/shm/dynamo-snapshot")
-
 
 class Node:
+    # Lock timeout of the CUDA checkpoint API, and threads that compress and unpack pages images.
+    cuda_lock_timeout_ms = 10_000
+    pages_threads = DEFAULT_THREADS
+
     def __init__(
         self,
         runtime: Runtime,
         store: ArtifactStore,
         criu: Criu,
+        config: AgentConfig,
         *,
-        node_name: str,
         cuda: CudaCheckpointer | None = None,
         gpus: GpuInfo | None = None,
-        cuda_lock_timeout_ms: int = 10_000,
-        overlap_page_check: bool = False,
-        verify_cache_s: float = 3600.0,
-        prefetch_node_files: bool = True,
-        weights_check_idle_io: bool = True,
-        weights_check_early: bool = True,
-        weights_check_parallel: int | None = None,
-        drop_zero_pages: bool = False,
-        compress_pages: bool = False,
-        restore_scratch: Path | None = DEFAULT_RESTORE_SCRATCH,
-        pages_threads: int | None = None,
         cache: ArtifactCache | None = None,
     ) -> None:
         self.runtime = runtime
         self.store = store
         self.criu = criu
-        self.node_name = node_name
+        # The settings checkpoints and restores read (config.checkpoint, config.restore) as they start.
+        self.config = config
+        self.node_name = config.node.node_name
         self.cuda = cuda if cuda is not None else (CudaCheckpointer() if cuda_available() else None)
         self.gpus = gpus if gpus is not None else local_gpus()
-        self.cuda_lock_timeout_ms = cuda_lock_timeout_ms
-        # Off by default: measured on the H200, CRIU reading pages from disk while they are checked
-        # in parallel was slower than checking them first (at full parallel read speed) and letting
-        # CRIU read them from the page cache.
-        self.overlap_page_check = overlap_page_check
         # Restores 2..N of one checkpoint on this node skip hashing files verified unchanged (0: never).
-        self.verified = VerifiedFiles(ttl_s=verify_cache_s) if verify_cache_s > 0 else None
-        # Record the node files the worker maps at checkpoint; read them ahead at restore.
-        self.prefetch_node_files = prefetch_node_files
-        # The weights check beside CRIU at idle I/O priority, so CRIU's reads (on the critical path) go
-        # first. Restores on the H200, idle vs normal priority, same artifact (BENCHMARKS.md): 8 GiB of
-        # weights 5.26/6.43, 5.14/7.21, 6.71/6.93 s; 1 GiB 3.33/3.24, 3.56/3.42 s.
-        self.weights_check_idle_io = weights_check_idle_io
-        # At idle priority, start the weights check with the check of the process images rather than
-        # after it. On the H200 (mq-deadline) after it was no faster: 8g 6.31 vs 5.84/6.34 s, 1g 4.65
-        # vs 4.07/4.12 s (BENCHMARKS.md).
-        self.weights_check_early = weights_check_early
-        # Leave the zero pages of anonymous memory out of the CRIU images (see criu.sparse).
-        self.drop_zero_pages = drop_zero_pages
-        # Store the pages images compressed (see criu.packed); a restore unpacks them into a staging
-        # images directory under restore_scratch (None, or unusable: beside the workload's control dir).
-        self.compress_pages = compress_pages
-        self.restore_scratch = restore_scratch
-        self.pages_threads = pages_threads or DEFAULT_THREADS
+        ttl = config.store.verify_cache_seconds
+        self.verified = VerifiedFiles(ttl_s=ttl) if ttl > 0 else None
         # Scratch bases already rid of the staging of agent processes that died mid-restore.
         self.scratch_cleaned: set[Path] = set()
-        # Threads of the weights check beside CRIU (None: the artifact default, twice the cores).
-        self.weights_check_parallel = weights_check_parallel
         # The checks of artifact files under way, per artifact directory and files (shared_check).
         self.checks: dict[tuple[str, tuple[str, ...]], asyncio.Task[TreeStats]] = {}
         # A node-local copy of the store's artifacts (None: every restore reads the store), and the
@@ -122,8 +92,8 @@ class Node:
     async def remove_abandoned_scratch(self) -> None:
         """The restore staging of agent processes that died mid-restore, removed when this one starts:
         the scratch is a tmpfs by default, so what they left holds node memory until then."""
-        base = self.restore_scratch
-        if base is None or not await asyncio.to_thread(base.is_dir):
+        base = self.config.restore.restore_scratch
+        if not await asyncio.to_thread(base.is_dir):
             return
         await asyncio.to_thread(remove_abandoned, base)
         self.scratch_cleaned.add(base)

@@ -3,14 +3,14 @@ or a cancellation at any stage undoes exactly what was done:
 
 verify (the manifest's digest and weights entries, GPU compatibility and free memory, the process images,
 the weights files' sizes and headers; meanwhile the node files are read ahead, the compressed pages
-unpacked and, at idle I/O priority, the weights checked) → restore the process (CRIU) → resume it (the
-pages' check, where it overlapped CRIU; CUDA restored onto the assigned GPUs) → hand it over (the
-weights' verdict, the weights linked back, `restore-context.json`, `restore-complete`).
+unpacked and, at idle I/O priority, the weights checked) → restore the process (CRIU) → resume it (CUDA
+restored onto the assigned GPUs) → hand it over (the weights' verdict, the weights linked back,
+`restore-context.json`, `restore-complete`).
 
-Undo, last registered first: the go-ahead withdrawn, the restored workload stopped, the weights check and
-the pages check cancelled, the unpacked pages removed (or their unpacking stopped), the read-ahead waited
-for. A worker whose SDK waits for `weights-verified` gets `restore-complete` as soon as its process is
-back, so it loads its weights while the check still reads them; any other gets it only after the check.
+Undo, last registered first: the go-ahead withdrawn, the restored workload stopped, the weights check
+cancelled, the unpacked pages removed (or their unpacking stopped), the read-ahead waited for. A worker
+whose SDK waits for `weights-verified` gets `restore-complete` as soon as its process is back, so it loads
+its weights while the check still reads them; any other gets it only after the check.
 """
 
 from __future__ import annotations
@@ -117,6 +117,9 @@ def _check_image(artifact: Artifact, image_id: str | None) -> None:
 class RestoreRun:
     """One restore of ``artifact`` as workload ``key``; ``run`` goes through the stages."""
 
+    # Threads of the weights check beside CRIU.
+    weights_check_parallel = HASH_PARALLEL
+
     def __init__(
         self,
         node: Node,
@@ -139,8 +142,6 @@ class RestoreRun:
         self.prefetching: asyncio.Task[PrefetchStats] | None = None
         self.staging: StagedPages | None = None
         self.weights_check: asyncio.Task[TreeStats] | None = None
-        self.pages_check: asyncio.Task[TreeStats] | None = None
-        self.pages: list[str] = []  # pages images checked while CRIU restores them
         self.process_stats = TreeStats(0, 0.0)
         self.verified_bytes = 0
 
@@ -156,11 +157,6 @@ class RestoreRun:
             # cache the worker loads them from.
             if self.weights and self.weights_check is None:
                 self.start_weights_check(undo)
-            if self.pages:
-                self.pages_check = asyncio.create_task(
-                    self.artifact.averify(files=self.pages, verified=self.node.verified)
-                )
-                undo.push_async_callback(_cancel, self.pages_check)
             workload = await self.restore_process(undo)
             await self.resume_process(workload)
             await self.hand_over(workload, undo)
@@ -184,14 +180,15 @@ class RestoreRun:
             undo.push_async_callback(_collect_quietly, self.prefetching)
         # Compressed pages are unpacked (into a directory of this restore's own) while they are checked;
         # CRIU starts on them only once the check passed.
-        scratch = PagesScratch(self.node.restore_scratch, self.node.pages_threads, self.node.scratch_cleaned)
+        settings = self.node.config.restore
+        scratch = PagesScratch(settings.restore_scratch, self.node.pages_threads, self.node.scratch_cleaned)
         runtime, key = self.node.runtime, self.key
         self.staging = scratch.start(
             self.artifact, lambda: runtime.control_dir(key).parent / ".restore-images", key, self.timings
         )
         if self.staging is not None:
             undo.push_async_callback(self.staging.discard)
-        if self.weights and self.node.weights_check_idle_io and self.node.weights_check_early:
+        if self.weights and settings.weights_check_idle_io:
             # Where the disk's scheduler honours idle I/O priority the weights check takes only the disk
             # time nobody else wants, so it can start now, beside the check of what CRIU needs.
             self.start_weights_check(undo)
@@ -208,7 +205,7 @@ class RestoreRun:
 
     async def read_tools(self) -> None:
         """CRIU's (and the runtime's) own files into the page cache before the bulk reads begin."""
-        if not self.node.prefetch_node_files:
+        if not self.node.config.checkpoint.prefetch_node_files:
             return
         try:
             files = [*await self.node.criu.files(), *self.node.runtime.tool_files()]
@@ -221,7 +218,7 @@ class RestoreRun:
     async def start_prefetch(self) -> asyncio.Task[PrefetchStats] | None:
         """Start reading the node files the checkpoint's plan names; None without a (valid) plan."""
         artifact = self.artifact
-        if not self.node.prefetch_node_files or not any(
+        if not self.node.config.checkpoint.prefetch_node_files or not any(
             f.path == PREFETCH_FILE for f in artifact.manifest.files
         ):
             return None
@@ -238,12 +235,17 @@ class RestoreRun:
         self.weights_check = asyncio.create_task(self.verify_weights(self.weight_files))
         undo.push_async_callback(_cancel, self.weights_check)
 
+    def process_files(self) -> list[str]:
+        """The artifact's files CRIU acts on: all but the weights."""
+        return process_files(self.artifact, self.weights)
+
     async def verify_process_images(self) -> None:
-        """The process images CRIU acts on. The memory pages are most of the bytes: where the runtime can
-        hold the restored tree stopped, they are checked while CRIU restores them and the tree runs only
-        once they passed. Compressed pages are not plain pages-N.img: they are checked here."""
+        """The process images CRIU acts on, before it starts (the memory pages, most of the bytes,
+        included)."""
+        await self.verify_files(self.process_files())
+
+    async def verify_files(self, files: list[str]) -> None:
         artifact = self.artifact
-        files, self.pages = process_images(self.node, artifact, self.weights)
         try:
             check, own = check_process_images(self.node, artifact, files)
             stats = await asyncio.shield(check)
@@ -272,8 +274,8 @@ class RestoreRun:
             lambda: self.artifact.averify(
                 files=files,
                 verified=self.node.verified,
-                idle_io=self.node.weights_check_idle_io,
-                parallel=self.node.weights_check_parallel or HASH_PARALLEL,
+                idle_io=self.node.config.restore.weights_check_idle_io,
+                parallel=self.weights_check_parallel,
             ),
         )
         try:
@@ -286,7 +288,7 @@ class RestoreRun:
 
     # ------------------------------------------------------------------ process
     async def restore_process(self, undo: contextlib.AsyncExitStack) -> Workload:
-        """CRIU restores the tree (stopped, where its pages are still being checked)."""
+        """CRIU restores the tree."""
         staged: Path | None = None
         if self.staging is not None:
             # What is left of the unpacking, which began with the check.
@@ -299,11 +301,8 @@ class RestoreRun:
         source_ctl = self.artifact.manifest.extra.get("control_dir")
         with self.timings.phase("restore", "criu_restore"):
             try:
-                workload = await self.node.runtime.restore(
-                    self.key,
-                    staged or self.artifact.path / "criu",
-                    source_ctl if isinstance(source_ctl, str) else None,
-                    stopped=self.pages_check is not None,
+                workload = await self.criu_restore(
+                    staged or self.artifact.path / "criu", source_ctl if isinstance(source_ctl, str) else None
                 )
             except WorkloadRuntimeError as e:
                 raise AgentError(f"CRIU restore failed: {e}") from None
@@ -315,21 +314,16 @@ class RestoreRun:
         undo.push_async_callback(self.node.runtime.stop, self.key)
         return workload
 
+    async def criu_restore(self, images: Path, source_control_dir: str | None) -> Workload:
+        """The runtime's restore of the tree from ``images`` (benchmarks/agent_variants.py varies it)."""
+        return await self.node.runtime.restore(self.key, images, source_control_dir)
+
     async def resume_process(self, workload: Workload) -> None:
-        """The tree runs once its pages passed; its CUDA state comes back on the GPUs it was assigned."""
-        if self.pages_check is not None:
-            with self.timings.phase("restore", "pages_wait"):
-                try:
-                    await self.pages_check
-                except (ArtifactError, ValueError) as e:
-                    raise ArtifactRefused(f"artifact {self.artifact.key} refused: {e}") from None
-            await self.node.runtime.resume(workload)
+        """The tree's CUDA state comes back on the GPUs it was assigned."""
         with self.timings.phase("restore", "cuda_restore"):
             remap = gpu_remap(self.artifact.manifest.gpus, self.gpus)
             cuda = self.node.cuda
             await resume_cuda(cuda, await checkpointed_pids(cuda, workload.pid), remap)
-        if self.pages_check is not None:
-            self.verified_bytes += self.pages_check.result().bytes
 
     # ------------------------------------------------------------------ hand over
     async def hand_over(self, workload: Workload, undo: contextlib.AsyncExitStack) -> None:
@@ -440,16 +434,10 @@ def carried_weights(artifact: Artifact) -> list[CarriedWeights]:
         raise ArtifactRefused(f"artifact {artifact.key} refused: {e}") from None
 
 
-def process_images(
-    node: Node, artifact: Artifact, weights: list[CarriedWeights]
-) -> tuple[list[str], list[str]]:
-    """(the process images checked before CRIU starts, the pages images checked while it restores them:
-    only where the runtime can hold the restored tree stopped until they passed)."""
+def process_files(artifact: Artifact, weights: list[CarriedWeights]) -> list[str]:
+    """The artifact's files CRIU acts on: all but the weights."""
     weight_files = {w.file for w in weights}
-    process_files = [f.path for f in artifact.manifest.files if f.path not in weight_files]
-    overlap = node.overlap_page_check and node.runtime.restores_stopped
-    pages = [f for f in process_files if _is_pages(f)] if overlap else []
-    return [f for f in process_files if f not in pages], pages
+    return [f.path for f in artifact.manifest.files if f.path not in weight_files]
 
 
 def check_process_images(
@@ -466,18 +454,11 @@ async def check_ahead(node: Node, artifact: Artifact) -> TreeStats:
     """The restore's check of the process images, begun before the restore itself: a restore into a
     kubelet's pod waits for the kubelet to run the pod's container first, and meanwhile the bytes are
     read and hashed; the restore then joins the check under way, or finds its files verified."""
-    files, _ = process_images(node, artifact, carried_weights(artifact))
-    check, own = check_process_images(node, artifact, files)
+    check, own = check_process_images(node, artifact, process_files(artifact, carried_weights(artifact)))
     stats = await asyncio.shield(check)
     if own:
         BYTES.labels("restore").inc(stats.bytes)
     return stats
-
-
-def _is_pages(rel: str) -> bool:
-    # CRIU's memory contents (pages-N.img); the other images describe the tree it rebuilds.
-    name = rel.rsplit("/", 1)[-1]
-    return name.startswith("pages-") and name.endswith(".img")
 
 
 def _list(extra: dict[str, JsonValue], key: str) -> list[JsonValue]:

@@ -63,22 +63,11 @@ from dynamo_snapshot.kube import (
 from dynamo_snapshot.kube.kinds import CHECKPOINT, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
 from dynamo_snapshot.kube.until_written import get_or_none
 
-__all__ = ["AGENT_NAME", "MAIN", "AgentSettings", "NodeAgent", "workload_key"]
+__all__ = ["AGENT_NAME", "MAIN", "NodeAgent", "workload_key"]
 
 log = logging.getLogger(__name__)
 AGENT_NAME = "dynamo-snapshot-agent"
 Status = protocol.SnapshotStatus
-
-
-@dataclass
-class AgentSettings:
-    node_name: str
-    launch_workloads: bool = True  # local mode: no kubelet here, the agent starts pods' main containers
-    ready_timeout: float = 3600.0
-    # Kubelet node: how long a pod's main container may take to start (image pulls), and a restore
-    # container to say it waits in standby.
-    container_start_timeout: float = 600.0
-    standby_timeout: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -91,16 +80,21 @@ class _RestoreTarget:
 
 
 class NodeAgent:
-    def __init__(self, kube: Kube, executor: Executor, runtime: Runtime, settings: AgentSettings) -> None:
+    def __init__(self, kube: Kube, executor: Executor, runtime: Runtime) -> None:
         self.kube = kube
         self.executor = executor
         self.runtime = runtime
-        self.settings = settings
+        # This node, whether the agent starts pods' main containers itself (local mode: no kubelet
+        # here), and how long it waits for them: the settings the executor was built with.
+        config = executor.config
+        self.node_name = config.node.node_name
+        self.launch_workloads = config.containers.launch_workloads
+        self.timeouts = config.timeouts
         # The kubelet's containers, where it runs them (no local launching).
         self.containers = (
-            runtime if isinstance(runtime, ContainerdRuntime) and not settings.launch_workloads else None
+            runtime if isinstance(runtime, ContainerdRuntime) and not self.launch_workloads else None
         )
-        self.pods = Informer(kube, POD, field_selector=f"spec.nodeName={settings.node_name}")
+        self.pods = Informer(kube, POD, field_selector=f"spec.nodeName={self.node_name}")
         self.kubelet = KubeletContainers(self.containers, self.pods) if self.containers is not None else None
         # Every namespace's PodSnapshots: their artifacts live as long as they do.
         self.snapshots = Informer(kube, POD_SNAPSHOT)
@@ -112,9 +106,9 @@ class NodeAgent:
             executor,
             self.pods,
             self.recorder,
-            settings.node_name,
+            self.node_name,
             lambda pod: self._ensure_running(pod, snapshot=True),
-            settings.ready_timeout,
+            self.timeouts.ready_timeout_seconds,
         )
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[None]] = set()
@@ -154,7 +148,7 @@ class NodeAgent:
 
     async def _on_pod(self, etype: str, pod: Obj, old: Obj | None) -> None:
         uid = pod["metadata"]["uid"]
-        if pod["spec"].get("nodeName") != self.settings.node_name:
+        if pod["spec"].get("nodeName") != self.node_name:
             return  # never touch another node's pod, whatever the watch delivers
         if etype == DELETED or pod["metadata"].get("deletionTimestamp"):
             self._restoring.discard(uid)
@@ -167,7 +161,7 @@ class NodeAgent:
             ) == protocol.TRUE
             key = workload_key(pod)
             containers = self.containers if etype == DELETED else None
-            if self.settings.launch_workloads or restored:
+            if self.launch_workloads or restored:
                 # Whatever this agent started or restored goes with its pod (a kubelet stops only the
                 # containers it started itself).
                 stopping = asyncio.create_task(self.runtime.stop(key))
@@ -219,7 +213,7 @@ class NodeAgent:
         if asks_to_be_restored(pod):
             await self._restore(pod)
         elif (
-            self.settings.launch_workloads
+            self.launch_workloads
             and labels.get(protocol.LABEL_MANAGED_BY) == protocol.MANAGED_BY_VALUE
             and annotation(pod, protocol.ANNOTATION_WORKLOAD_EXITED) is None
             # A pod given the snapshot control directory is a capture's source: the capture of its
@@ -245,11 +239,11 @@ class NodeAgent:
     async def _ensure_running(self, pod: Obj, *, snapshot: bool) -> Workload:
         key = workload_key(pod)
         if self.kubelet is not None:
-            return await self.kubelet.attach(pod, self.settings.container_start_timeout)
+            return await self.kubelet.attach(pod, self.timeouts.container_start_timeout_seconds)
         found = await self.runtime.find(key)
         if found is not None:
             return found
-        if not self.settings.launch_workloads:
+        if not self.launch_workloads:
             raise AgentError(f"no running container found for {key}")
         return await self.runtime.launch(workload_spec(pod, key, snapshot=snapshot))
 
@@ -378,7 +372,10 @@ class NodeAgent:
             return _RestoreTarget(None, None, pod_env(pod))
         try:
             target = await self.kubelet.attach_restore_target(
-                pod, self.settings.container_start_timeout, self.settings.standby_timeout, spent
+                pod,
+                self.timeouts.container_start_timeout_seconds,
+                self.timeouts.standby_timeout_seconds,
+                spent,
             )
         except Refused as e:
             await self.reports.refuse(pod, str(e))

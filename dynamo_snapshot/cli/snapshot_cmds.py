@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from dynamo_snapshot.agent.config import AgentConfig
 from dynamo_snapshot.agent.executor import AgentError, Executor, Timings
 from dynamo_snapshot.agent.runtime import ProcessRuntime, Workload
 from dynamo_snapshot.api import protocol
@@ -81,7 +82,7 @@ def _run(coro: Coroutine[Any, Any, int]) -> int:
 def _executor(criu_path: Path | None, store_root: Path) -> Executor:
     criu = Criu(criu_path)
     runtime = ProcessRuntime(Path(tempfile.mkdtemp(prefix="dynamo-snapshot-cli-")), criu)
-    return Executor(runtime, ArtifactStore(store_root), criu, node_name=socket.gethostname())
+    return Executor(runtime, ArtifactStore(store_root), criu, AgentConfig(node_name=socket.gethostname()))
 
 
 async def _phase(label: str, work: Awaitable[T]) -> T:

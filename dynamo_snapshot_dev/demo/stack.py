@@ -253,7 +253,7 @@ class Stack:
         for node, agent in self.agents.items():
             if self.kubelet:
                 break  # the kubelet's containers go with the node
-            for key in await asyncio.to_thread(_workload_keys, self.agent_config(node).control_root):
+            for key in await asyncio.to_thread(_workload_keys, self.agent_config(node).node.control_root):
                 with contextlib.suppress(Exception):
                     await agent.runtime.stop(key)
         if self.chart and self.cluster is not None and self.logs_dir is not None:

@@ -7,28 +7,38 @@ import asyncio
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from dynamo_snapshot.agent.config import AgentConfig
 from dynamo_snapshot.agent.executor import CheckpointOutcome, Executor
 from dynamo_snapshot.agent.runtime import ProcessRuntime, WorkloadSpec
 from dynamo_snapshot.agent.runtime.base import Workload
 from dynamo_snapshot.api.identity import CheckpointIdentity
-from dynamo_snapshot.artifact import ArtifactStore, Binding
+from dynamo_snapshot.artifact import ArtifactCache, ArtifactStore, Binding
 from dynamo_snapshot.criu import Criu
 
 REPO = Path(__file__).resolve().parents[2]
 NODE = "node-a"
+E = TypeVar("E", bound=Executor)
+R = TypeVar("R", bound=ProcessRuntime)
 
 
-def local_executor(tmp: Path, criu_bin: Path, **settings: Any) -> tuple[Executor, ProcessRuntime]:
-    """An Executor on ``tmp/node-a`` (control dirs) over the store ``tmp/store``; ``settings`` go to it
-    (the restore scratch defaults to ``tmp/scratch``)."""
+def local_executor(
+    tmp: Path,
+    criu_bin: Path,
+    *,
+    cache: ArtifactCache | None = None,
+    kind: type[E] = Executor,  # type: ignore[assignment]
+    runtime_kind: type[R] = ProcessRuntime,  # type: ignore[assignment]
+    **settings: Any,
+) -> tuple[E, R]:
+    """An Executor (``kind``) on ``tmp/node-a`` (control dirs) over the store ``tmp/store``; ``settings``
+    are the agent's, by name (the restore scratch defaults to ``tmp/scratch``)."""
     criu = Criu(criu_bin)
-    runtime = ProcessRuntime(tmp / NODE, criu)
+    runtime = runtime_kind(tmp / NODE, criu)
     settings.setdefault("restore_scratch", tmp / "scratch")
-    executor = Executor(
-        runtime, ArtifactStore(tmp / "store"), criu, node_name=NODE, cuda=None, gpus=None, **settings
-    )
+    config = AgentConfig.model_validate({"node_name": NODE, "runtime": "local", **settings})
+    executor = kind(runtime, ArtifactStore(tmp / "store"), criu, config, cuda=None, gpus=None, cache=cache)
     return executor, runtime
 
 

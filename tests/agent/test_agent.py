@@ -24,11 +24,12 @@ from typing import Any
 import pytest
 from kubernetes_asyncio import client
 
+from dynamo_snapshot.agent.config import AgentConfig
 from dynamo_snapshot.agent.executor import Executor
 from dynamo_snapshot.agent.runtime import ProcessRuntime, RuncRuntime, Runtime
 from dynamo_snapshot.agent.runtime.base import pid_running
 from dynamo_snapshot.agent.snapshot_capture import CAPTURED_MESSAGE
-from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent, workload_key
+from dynamo_snapshot.agent.watcher import NodeAgent, workload_key
 from dynamo_snapshot.api import conditions as cond
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.identity import compute_identity_hash
@@ -99,17 +100,22 @@ async def agents(
             runtime = RuncRuntime(base / "state", base / "control", criu_binary=criu.binary, host_binds=binds)
         else:
             runtime = ProcessRuntime(base / "control", criu)
+        config = AgentConfig(
+            node_name=node,
+            runtime="runc" if runtime_kind == "runc" else "local",
+            ready_timeout_seconds=60,
+            launch_workloads=launch,
+        )
         executor = Executor(
             runtime,
             ArtifactStore(store_root),
             criu,
-            node_name=node,
+            config,
             cuda=None,
             gpus=gpus,
             cache=ArtifactCache(base / "cache", 1 << 30) if cache else None,
         )
-        settings = AgentSettings(node_name=node, ready_timeout=60, launch_workloads=launch)
-        agent = NodeAgent(kube, executor, runtime, settings)
+        agent = NodeAgent(kube, executor, runtime)
         stop = asyncio.Event()
         handle = AgentHandle(node, agent, runtime, stop, asyncio.create_task(agent.run_until(stop)))
         started.append(handle)

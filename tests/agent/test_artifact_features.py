@@ -9,6 +9,7 @@ from typing import Any, cast
 
 import pytest
 
+from dynamo_snapshot.agent.config import AgentConfig
 from dynamo_snapshot.agent.executor import ArtifactRefused, Executor
 from dynamo_snapshot.agent.runtime.base import Runtime
 from dynamo_snapshot.agent.weights import weights_features
@@ -38,7 +39,6 @@ class Untouchable:
     """A runtime or CRIU that fails the test on any use but naming itself."""
 
     name = "process"
-    restores_stopped = False
 
     def __getattr__(self, attr: str) -> Any:
         raise AssertionError(f"{attr} used for a refused artifact")
@@ -52,7 +52,12 @@ async def _executor(tmp_path: Path, features: list[str]) -> Executor:
         await writer.publish(criu_version="4.1.1", source_node="node-a", features=features)
     untouchable = Untouchable()
     return Executor(
-        cast(Runtime, untouchable), store, cast(Criu, untouchable), node_name="node-a", cuda=None, gpus=None
+        cast(Runtime, untouchable),
+        store,
+        cast(Criu, untouchable),
+        AgentConfig(node_name="node-a"),
+        cuda=None,
+        gpus=None,
     )
 
 

@@ -50,7 +50,8 @@ async def test_a_failed_dump_names_a_log_that_outlives_its_staging_dir(
     criu = Criu(criu_bin, kept_logs=kept)
     runtime = ProcessRuntime(tmp_path / "control", criu)
     store = tmp_path / "store"
-    executor = Executor(runtime, ArtifactStore(store), criu, node_name="n", cuda=None, gpus=None)
+    config = AgentConfig(node_name="n", runtime="local")
+    executor = Executor(runtime, ArtifactStore(store), criu, config, cuda=None, gpus=None)
     spec = WorkloadSpec("source", [sys.executable, "-c", CONNECTED_WORKER], {"PYTHONPATH": str(REPO)})
     source = await runtime.launch(spec)
     try:

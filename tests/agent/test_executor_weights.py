@@ -37,16 +37,9 @@ WEIGHTS = "weights/00-model.dsw"
 
 
 async def _checkpoint(
-    tmp: Path,
-    criu_bin: Path,
-    *,
-    overlap: bool = False,
-    waits_for_check: bool = True,
-    compress_pages: bool = True,
+    tmp: Path, criu_bin: Path, *, waits_for_check: bool = True, **settings: Any
 ) -> tuple[Executor, ProcessRuntime, Path]:
-    executor, runtime = local_executor(
-        tmp, criu_bin, overlap_page_check=overlap, compress_pages=compress_pages
-    )
+    executor, runtime = local_executor(tmp, criu_bin, **{"compress_pages": True, **settings})
     env = {"WORKER_WAITS_FOR_CHECK": "1" if waits_for_check else "0"}
     # A fresh node: the source pod's control dir (and its copy of the weights) is gone.
     source = await checkpoint_worker(executor, runtime, WORKER, HASH, env, identity=IDENTITY)
@@ -243,7 +236,8 @@ async def test_a_refused_process_image_cancels_the_weights_check_begun_beside_it
     criu_bin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     executor, runtime, ctl = await _checkpoint(tmp_path, criu_bin)
-    assert executor.weights_check_idle_io  # the default: the check starts with the process check
+    # The default: the check starts with the process check.
+    assert executor.config.restore.weights_check_idle_io
     began, cancelled = asyncio.Event(), asyncio.Event()
 
     async def endless(self: RestoreRun, *args: Any, **kwargs: Any) -> Any:
@@ -267,12 +261,13 @@ async def test_a_refused_process_image_cancels_the_weights_check_begun_beside_it
 
 
 @pytest.mark.criu
-@pytest.mark.parametrize("early", [True, False], ids=["with-process-check", "after-process-check"])
+@pytest.mark.parametrize("idle_io", [True, False], ids=["idle-io-with-process-check", "after-process-check"])
 async def test_where_the_weights_check_starts(
-    criu_bin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, early: bool
+    criu_bin: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, idle_io: bool
 ) -> None:
-    executor, runtime, ctl = await _checkpoint(tmp_path, criu_bin)
-    executor.weights_check_early = early
+    """At idle I/O priority the weights check takes only the disk time nobody else wants: it starts with
+    the check of the process images; at normal priority only once that passed."""
+    executor, runtime, ctl = await _checkpoint(tmp_path, criu_bin, weights_check_idle_io=idle_io)
     seen: list[bool] = []
     check_process = RestoreRun.verify_process_images
 
@@ -283,7 +278,7 @@ async def test_where_the_weights_check_starts(
     monkeypatch.setattr(RestoreRun, "verify_process_images", recording)
     await executor.restore("restored", HASH)
     try:
-        assert seen == [early]
+        assert seen == [idle_io]
         assert (await await_json(ctl / "verify.json", settle=0.05))["weights_ok"]
     finally:
         await runtime.stop("restored")
@@ -298,30 +293,6 @@ async def test_other_weights_at_the_path_are_not_overwritten(criu_bin: Path, tmp
     with pytest.raises(AgentError, match=r"holds other weights .* not overwriting it"):
         await executor.restore("restored", HASH)
     assert theirs.read_bytes() == b"somebody else's file"
-    assert not (ctl / "verify.json").exists()
-    assert await runtime.find("restored") is None
-
-
-@pytest.mark.criu
-@pytest.mark.parametrize("flip", [False, True], ids=["intact", "flipped-page"])
-async def test_pages_checked_while_criu_restores_a_stopped_tree(
-    criu_bin: Path, tmp_path: Path, flip: bool
-) -> None:
-    # Plain pages images: compressed ones are checked before they are unpacked, never beside CRIU.
-    executor, runtime, ctl = await _checkpoint(tmp_path, criu_bin, overlap=True, compress_pages=False)
-    (pages,) = (executor.store.path_for(HASH) / "criu").glob("pages-*.img")
-    if not flip:
-        restored = await executor.restore("restored", HASH)
-        try:
-            assert (await await_json(ctl / "verify.json", settle=0.05))["weights_ok"]
-            assert "pages_wait" in restored.timings.phases
-        finally:
-            await runtime.stop("restored")
-        return
-    _flip_a_byte(pages)
-    with pytest.raises(AgentError, match=r"refused: checksum mismatch: criu/pages-"):
-        await executor.restore("restored", HASH)
-    # The tree CRIU rebuilt stayed stopped and was killed: it never ran.
     assert not (ctl / "verify.json").exists()
     assert await runtime.find("restored") is None
 

@@ -156,7 +156,7 @@ async def test_an_artifact_of_plain_pages_restores_as_before(criu_bin: Path, tmp
     assert not [f.path for f in artifact.manifest.files if is_packed_pages(f.path)]
     assert artifact.manifest.extra["pagesCompressed"] == {"files": 0, "bytesBefore": 0, "bytesAfter": 0}
     assert artifact.manifest.features == []
-    executor.compress_pages = True  # the restoring agent compresses its own checkpoints
+    executor.config.checkpoint.compress_pages = True  # the restoring agent compresses its own checkpoints
     calls = RestoreCalls(runtime)
     phases = await _restored_intact(executor, runtime, ctl)
     assert calls.images == [artifact.path / "criu"], "CRIU reads the artifact's own images"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from dynamo_snapshot.agent.config import AgentConfig
 from dynamo_snapshot.agent.executor import AgentError, Executor
 from dynamo_snapshot.agent.runtime import ProcessRuntime, Workload
 from dynamo_snapshot.api import protocol
@@ -31,7 +32,10 @@ def worker(tmp_path: Path) -> Iterator[Workload]:
 def executor(tmp_path: Path) -> Executor:
     criu = Criu(Path("/bin/true"))
     return Executor(
-        ProcessRuntime(tmp_path / "control", criu), ArtifactStore(tmp_path / "store"), criu, node_name="n"
+        ProcessRuntime(tmp_path / "control", criu),
+        ArtifactStore(tmp_path / "store"),
+        criu,
+        AgentConfig(node_name="n", runtime="local"),
     )
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from dynamo_snapshot.agent.config import AgentConfig
 from dynamo_snapshot.agent.errors import ArtifactRefused
 from dynamo_snapshot.agent.node import Node
 from dynamo_snapshot.agent.restore import Greeting, RestoreRun, check_ahead
@@ -51,10 +52,7 @@ def _node() -> _Node:
     return _Node(
         checks={},
         verified=None,
-        weights_check_idle_io=True,
-        weights_check_parallel=None,
-        overlap_page_check=False,
-        runtime=SimpleNamespace(restores_stopped=False),
+        config=AgentConfig(node_name="n"),
     )
 
 

@@ -10,6 +10,7 @@ import pytest
 import yaml
 from kubernetes_asyncio import client
 
+from dynamo_snapshot.agent.config import AgentConfig, settings_fields
 from dynamo_snapshot.agent.executor import DEFAULT_RESTORE_SCRATCH
 from dynamo_snapshot.cli import agent_cmd
 from dynamo_snapshot.cli.main import build_parser
@@ -45,19 +46,24 @@ async def test_page_flags_reach_the_executor(
     kube: Kube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(ENV_CRIU, "/bin/true")  # build() resolves CRIU; none runs here
+
+    def pages(config: AgentConfig) -> tuple[bool, Path]:
+        return config.checkpoint.compress_pages, config.restore.restore_scratch
+
     default = _config(tmp_path)
-    assert (default.compress_pages, default.restore_scratch) == (False, DEFAULT_RESTORE_SCRATCH)
-    executor = agent_cmd.build(default, kube).executor
-    assert (executor.compress_pages, executor.restore_scratch) == (False, DEFAULT_RESTORE_SCRATCH)
+    assert pages(default) == (False, DEFAULT_RESTORE_SCRATCH)
+    assert pages(agent_cmd.build(default, kube).executor.config) == (False, DEFAULT_RESTORE_SCRATCH)
 
     on = _config(tmp_path, "--compress-pages", "--restore-scratch", "/mnt/fast")
-    assert (on.compress_pages, on.restore_scratch) == (True, Path("/mnt/fast"))
-    executor = agent_cmd.build(on, kube).executor
-    assert (executor.compress_pages, executor.restore_scratch) == (True, Path("/mnt/fast"))
+    assert pages(on) == (True, Path("/mnt/fast"))
+    assert pages(agent_cmd.build(on, kube).executor.config) == (True, Path("/mnt/fast"))
 
     from_file = _config(tmp_path, file="compressPages: true\nrestoreScratch: /x\n")
-    assert (from_file.compress_pages, from_file.restore_scratch) == (True, Path("/x"))
-    assert _config(tmp_path, "--no-compress-pages", file="compressPages: true\n").compress_pages is False
+    assert pages(from_file) == (True, Path("/x"))
+    in_sections = _config(tmp_path, file="checkpoint: {compressPages: true}\nrestore: {restoreScratch: /x}\n")
+    assert pages(in_sections) == (True, Path("/x"))
+    no = _config(tmp_path, "--no-compress-pages", file="checkpoint: {compressPages: true}\n")
+    assert no.checkpoint.compress_pages is False
 
 
 async def test_weights_check_idle_io_reaches_the_executor(
@@ -65,16 +71,16 @@ async def test_weights_check_idle_io_reaches_the_executor(
 ) -> None:
     monkeypatch.setenv(ENV_CRIU, "/bin/true")  # build() resolves CRIU; none runs here
     default = _config(tmp_path)
-    assert default.weights_check_idle_io is True
-    assert agent_cmd.build(default, kube).executor.weights_check_idle_io is True
+    assert default.restore.weights_check_idle_io is True
+    assert agent_cmd.build(default, kube).executor.config.restore.weights_check_idle_io is True
 
     off = _config(tmp_path, "--no-weights-check-idle-io")
-    assert off.weights_check_idle_io is False
-    assert agent_cmd.build(off, kube).executor.weights_check_idle_io is False
+    assert off.restore.weights_check_idle_io is False
+    assert agent_cmd.build(off, kube).executor.config.restore.weights_check_idle_io is False
 
-    assert _config(tmp_path, file="weightsCheckIdleIo: false\n").weights_check_idle_io is False
-    on = _config(tmp_path, "--weights-check-idle-io", file="weightsCheckIdleIo: false\n")
-    assert on.weights_check_idle_io is True
+    assert _config(tmp_path, file="weightsCheckIdleIo: false\n").restore.weights_check_idle_io is False
+    on = _config(tmp_path, "--weights-check-idle-io", file="restore: {weightsCheckIdleIo: false}\n")
+    assert on.restore.weights_check_idle_io is True
 
 
 async def test_cache_settings_reach_the_executor(
@@ -94,7 +100,10 @@ async def test_cache_settings_reach_the_executor(
     assert helps["cache_min_free"].endswith("(default 10.0GiB)"), helps["cache_min_free"]
 
     from_file = _config(tmp_path, file="cacheRoot: /nvme/c\ncacheMaxSize: 1.5TiB\ncacheMinFree: 500GB\n")
-    assert (from_file.cache_max_size, from_file.cache_min_free) == (int(1.5 * (1 << 40)), 500 * 10**9)
+    assert (from_file.cache.cache_max_size, from_file.cache.cache_min_free) == (
+        int(1.5 * (1 << 40)),
+        500 * 10**9,
+    )
 
 
 @pytest.mark.parametrize(
@@ -115,21 +124,56 @@ def test_shipped_config_carries_the_agent_switches() -> None:
     """agent/config.yaml is what the image runs with: the keys themselves, as the model's defaults would
     hide a missing line."""
     shipped = yaml.safe_load((REPO / "agent" / "config.yaml").read_text())
-    expected = {"weightsCheckIdleIo": True, "dropZeroPages": False, "compressPages": False}
-    for key, value in expected.items():
-        assert shipped[key] is value, key
+    expected = {
+        ("restore", "weightsCheckIdleIo"): True,
+        ("checkpoint", "dropZeroPages"): False,
+        ("checkpoint", "compressPages"): False,
+    }
+    for (section, key), value in expected.items():
+        assert shipped[section][key] is value, key
     config = agent_cmd.AgentConfig.model_validate({**shipped, "nodeName": "n"})
-    switches = (config.weights_check_idle_io, config.drop_zero_pages, config.compress_pages)
+    switches = (
+        config.restore.weights_check_idle_io,
+        config.checkpoint.drop_zero_pages,
+        config.checkpoint.compress_pages,
+    )
     assert switches == (True, False, False)
 
 
 def test_every_bool_setting_has_a_switch_whose_help_gives_its_default() -> None:
     helps = _agent_helps()
-    switches = [n for n, f in agent_cmd.AgentConfig.model_fields.items() if f.annotation is bool]
-    assert switches
-    for name in switches:
-        default = agent_cmd.AgentConfig.model_fields[name].default
+    switches = [
+        (n, m.model_fields[n]) for _, n, m in settings_fields() if m.model_fields[n].annotation is bool
+    ]
+    assert len(switches) >= 5
+    for name, info in switches:
+        default = info.default
         assert name in agent_cmd._FLAGS, name
         assert helps[name].endswith(f"(default {'on' if default else 'off'})"), (name, helps[name])
         args = build_parser().parse_args(["agent", f"--no-{name.replace('_', '-')}"])
         assert getattr(args, name) is False
+
+
+def test_every_setting_is_a_flag_with_its_type_and_default() -> None:
+    """The flags are the model's settings: a value given on the command line reaches the same setting a
+    file would set, and the help states the model's default."""
+    helps = _agent_helps()
+    for section, name, model in settings_fields():
+        assert name in helps, name
+        info = model.model_fields[name]
+        assert info.description, f"{section}.{name} has no description for its help"
+        assert helps[name].startswith(info.description), name
+    args = build_parser().parse_args(
+        ["agent", "--node-name", "n", "--ready-timeout-seconds", "7.5", "--writable-binds", "/a", "/b"]
+    )
+    config = load_settings(AgentConfig, None, args, agent_cmd._FLAGS)
+    assert config.timeouts.ready_timeout_seconds == 7.5
+    assert config.containers.writable_binds == ["/a", "/b"]
+    assert config.containers.host_binds == ["/usr", "/etc", "/opt"]
+
+
+def test_an_unknown_setting_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="dropZeroPage: no such setting"):
+        _config(tmp_path, file="dropZeroPage: true\n")
+    with pytest.raises(ConfigError, match=r"\('checkpoint', 'zeroPages'\): Extra inputs are not permitted"):
+        _config(tmp_path, file="checkpoint: {zeroPages: true}\n")

@@ -251,8 +251,10 @@ def test_health_port_is_a_setting_and_a_flag(tmp_path: Path) -> None:
     assert controller_settings("--config", str(cfg), "--health-port", "0").health_port == 0
 
     args = parser.parse_args(["agent", "--node-name", "n", "--health-port", "1234"])
-    assert load_settings(agent_cmd.AgentConfig, None, args, agent_cmd._FLAGS).health_port == 1234
-    assert agent_cmd.AgentConfig(node_name="n").health_port == 8082
+    assert (
+        load_settings(agent_cmd.AgentConfig, None, args, agent_cmd._FLAGS).observability.health_port == 1234
+    )
+    assert agent_cmd.AgentConfig(node_name="n").observability.health_port == 8082
 
 
 def test_shipped_config_files_carry_the_health_ports() -> None:
@@ -262,8 +264,8 @@ def test_shipped_config_files_carry_the_health_ports() -> None:
     assert ctrl["healthPort"] == 8081
     assert controller_cmd.ControllerCommandConfig.model_validate(ctrl).health_port == 8081
     agent = yaml.safe_load((REPO / "agent" / "config.yaml").read_text())
-    assert agent["healthPort"] == 8082
-    assert agent_cmd.AgentConfig.model_validate({**agent, "nodeName": "n"}).health_port == 8082
+    assert agent["observability"]["healthPort"] == 8082
+    assert agent_cmd.AgentConfig.model_validate({**agent, "nodeName": "n"}).observability.health_port == 8082
 
 
 def test_one_port_for_metrics_and_health_is_refused() -> None:

@@ -35,19 +35,19 @@ async def test_demo_agents_come_from_an_agent_config(
     # What the demo sets is what a config file could say: it survives the file's round trip.
     assert agent_cmd.AgentConfig.model_validate(config.model_dump(by_alias=True, mode="json")) == config
     agent = agent_cmd.build(config, kube)
-    assert (agent.settings.node_name, agent.settings.launch_workloads) == ("gpu-node-1", True)
+    assert (agent.node_name, agent.launch_workloads) == ("gpu-node-1", True)
     assert agent.executor.store.root == stack.artifacts.root, "one artifact store for all nodes"
-    assert str(REPO) in config.host_binds, "the workers run this checkout"
+    assert str(REPO) in config.containers.host_binds, "the workers run this checkout"
     # Where the workers register: the one directory their containers may write.
     assert isinstance(agent.runtime, RuncRuntime)
     assert agent.runtime.writable_binds == [str(stack.endpoint_dir.resolve())]
-    assert stack.agent_config("gpu-node-2").control_root != config.control_root
+    assert stack.agent_config("gpu-node-2").node.control_root != config.node.control_root
 
 
 def test_writable_binds_is_a_setting_of_the_shipped_config() -> None:
     shipped = yaml.safe_load((REPO / "agent" / "config.yaml").read_text())
-    assert shipped["writableBinds"] == []
-    assert agent_cmd.AgentConfig.model_validate({**shipped, "nodeName": "n"}).writable_binds == []
+    assert shipped["containers"]["writableBinds"] == []
+    assert agent_cmd.AgentConfig.model_validate({**shipped, "nodeName": "n"}).containers.writable_binds == []
 
 
 async def test_the_kubelet_nodes_agent_uses_the_shipped_defaults(
@@ -57,7 +57,12 @@ async def test_the_kubelet_nodes_agent_uses_the_shipped_defaults(
     stack = Stack(tmp_path / "work")
     config = stack.agent_config("real-node")
     assert agent_cmd.AgentConfig.model_validate(config.model_dump(by_alias=True, mode="json")) == config
-    assert (config.runtime, config.launch_workloads, config.runc_root) == ("containerd", False, RUNC_ROOT)
+    containers = config.containers
+    assert (containers.runtime, containers.launch_workloads, containers.runc_root) == (
+        "containerd",
+        False,
+        RUNC_ROOT,
+    )
     agent = agent_cmd.build(config, kube)
     assert isinstance(agent.runtime, ContainerdRuntime)
     assert agent.containers is agent.runtime, "the agent finds the kubelet's containers, it launches none"

@@ -345,18 +345,22 @@ def test_agent_daemonset(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setenv("NODE_NAME", "gpu-0")
     config = AgentConfig.model_validate(_config(objs, "agent"))
-    assert (config.runtime, str(config.runc_root)) == ("containerd", "/run/containerd/runc/k8s.io")
+    containers = config.containers
+    assert (containers.runtime, str(containers.runc_root)) == ("containerd", "/run/containerd/runc/k8s.io")
     assert mounted["/run/containerd"]["hostPath"]["path"] == "/run/containerd"
-    assert (config.metrics_port, config.health_port) == (9090, 8082)
-    assert str(config.artifact_root) == "/var/lib/dynamo-snapshot/artifacts"
-    assert str(config.control_root) in mounted
-    assert str(config.state_root) in mounted
+    assert (config.observability.metrics_port, config.observability.health_port) == (9090, 8082)
+    assert str(config.store.artifact_root) == "/var/lib/dynamo-snapshot/artifacts"
+    assert str(config.node.control_root) in mounted
+    assert str(config.node.state_root) in mounted
     # Pages stored as CRIU wrote them unless turned on (BENCHMARKS.md, compressed pages A/B).
-    assert config.compress_pages is False
+    assert config.checkpoint.compress_pages is False
     # The key itself: the model's default would hide a missing line.
-    assert _config(objs, "agent")["weightsCheckIdleIo"] is True
-    assert config.weights_check_idle_io is True
-    assert mounted[str(config.restore_scratch)]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+    assert _config(objs, "agent")["restore"]["weightsCheckIdleIo"] is True
+    assert config.restore.weights_check_idle_io is True
+    assert mounted[str(config.restore.restore_scratch)]["emptyDir"] == {
+        "medium": "Memory",
+        "sizeLimit": "8Gi",
+    }
     assert agent["resources"]["limits"]["memory"] == "16Gi"
 
     changed = render(
@@ -369,8 +373,8 @@ def test_agent_daemonset(monkeypatch: pytest.MonkeyPatch) -> None:
         }
     )
     config = AgentConfig.model_validate(_config(changed, "agent"))
-    assert (config.compress_pages, str(config.restore_scratch)) == (True, "/scratch")
-    assert config.weights_check_idle_io is False
+    assert (config.checkpoint.compress_pages, str(config.restore.restore_scratch)) == (True, "/scratch")
+    assert config.restore.weights_check_idle_io is False
     agent = _container(one(changed, "DaemonSet", "-agent"), "agent")
     volumes = {
         v["name"]: v for v in one(changed, "DaemonSet", "-agent")["spec"]["template"]["spec"]["volumes"]
@@ -393,14 +397,14 @@ def test_node_cache_is_off_by_default_and_mounted_where_the_agent_keeps_it(
         }
 
     config, mounted = agent_of(render())
-    assert config.cache_root is None
+    assert config.cache.cache_root is None
     assert "/var/lib/dynamo-snapshot/cache" not in mounted
 
     config, mounted = agent_of(
         render({"agent": {"cache": {"enabled": True, "hostPath": "/nvme/snap-cache", "maxSize": "1.5Ti"}}})
     )
-    assert str(config.cache_root) == "/nvme/snap-cache"
-    assert (config.cache_max_size, config.cache_min_free) == (int(1.5 * (1 << 40)), 10 << 30)
+    assert str(config.cache.cache_root) == "/nvme/snap-cache"
+    assert (config.cache.cache_max_size, config.cache.cache_min_free) == (int(1.5 * (1 << 40)), 10 << 30)
     assert mounted["/nvme/snap-cache"]["hostPath"] == {
         "path": "/nvme/snap-cache",
         "type": "DirectoryOrCreate",
@@ -425,9 +429,14 @@ def test_health_port_follows_the_value(
     the container's port and both probes."""
     objs = render({component: {"healthPort": 9443}})
     data = _config(objs, component)
-    assert data["healthPort"] == 9443
     monkeypatch.setenv("NODE_NAME", "gpu-0")
-    assert model.model_validate(data).health_port == 9443
+    settings = model.model_validate(data)
+    if isinstance(settings, AgentConfig):
+        assert data["observability"]["healthPort"] == 9443
+        assert settings.observability.health_port == 9443
+    else:
+        assert data["healthPort"] == 9443
+        assert settings.health_port == 9443
     c = _container(one(objs, kind, f"-{component}"), container)
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert ports["health"] == 9443
@@ -516,7 +525,7 @@ def test_service_monitor_toggle() -> None:
 def test_runtime_local() -> None:
     objs = render(RUNTIME_LOCAL)
     data = _config(objs, "agent")
-    assert (data["runtime"], data["launchWorkloads"]) == ("local", True)
+    assert (data["containers"]["runtime"], data["containers"]["launchWorkloads"]) == ("local", True)
     pod = one(objs, "DaemonSet")["spec"]["template"]["spec"]
     paths = {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
     assert not paths & {"/run/containerd", "/run/runc"}, "the local runtime runs no containers"
@@ -573,8 +582,8 @@ def test_launched_workloads_get_their_binds_mounted_in_the_agent(monkeypatch: py
     # The agent is told the same: the image's system directories, then the host's.
     monkeypatch.setenv("NODE_NAME", "gpu-0")
     config = AgentConfig.model_validate(_config(objs, "agent"))
-    assert config.host_binds == [*DEFAULT_HOST_BINDS, *HOST_BINDS]
-    assert config.writable_binds == WRITABLE_BINDS
+    assert config.containers.host_binds == [*DEFAULT_HOST_BINDS, *HOST_BINDS]
+    assert config.containers.writable_binds == WRITABLE_BINDS
 
 
 def test_binds_are_mounted_only_for_launched_runc_workloads(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -596,9 +605,9 @@ def test_binds_are_mounted_only_for_launched_runc_workloads(monkeypatch: pytest.
     }
     assert render_text(empty) == render_text(launch)
     data = _config(render(), "agent")
-    assert "hostBinds" not in data
+    assert "hostBinds" not in data["containers"]
     monkeypatch.setenv("NODE_NAME", "gpu-0")
-    assert AgentConfig.model_validate(data).host_binds == list(DEFAULT_HOST_BINDS)
+    assert AgentConfig.model_validate(data).containers.host_binds == list(DEFAULT_HOST_BINDS)
 
 
 def test_bind_and_mount_paths_the_agent_cannot_use_are_refused() -> None:

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dynamo_snapshot.agent.config import AgentConfig
 from dynamo_snapshot.agent.executor import Executor
 from dynamo_snapshot.agent.runtime.containerd import ContainerdRuntime
-from dynamo_snapshot.agent.watcher import AgentSettings, NodeAgent
+from dynamo_snapshot.agent.watcher import NodeAgent
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.artifact import ArtifactStore
 from dynamo_snapshot.cli.controller_cmd import build_controller
@@ -60,13 +61,11 @@ class Stack:
 
     def start_agent(self, runc_root: Path = RUNC_ROOT, **settings: Any) -> ContainerdRuntime:
         runtime = ContainerdRuntime(self.criu, self.state, runc_root=runc_root)
-        executor = Executor(
-            runtime, ArtifactStore(self.store), self.criu, node_name=self.node.name, cuda=None, gpus=None
+        config = AgentConfig.model_validate(
+            {"node_name": self.node.name, "runc_root": runc_root, "ready_timeout_seconds": 120, **settings}
         )
-        agent_settings = AgentSettings(
-            **{"node_name": self.node.name, "launch_workloads": False, "ready_timeout": 120, **settings}
-        )
-        agent = NodeAgent(self.kube, executor, runtime, agent_settings)
+        executor = Executor(runtime, ArtifactStore(self.store), self.criu, config, cuda=None, gpus=None)
+        agent = NodeAgent(self.kube, executor, runtime)
         self.agent_task = asyncio.create_task(agent.run_until(asyncio.Event()))
         self.runtime = runtime
         return runtime

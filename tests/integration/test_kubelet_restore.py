@@ -240,7 +240,7 @@ async def _verdict(s: Stack, name: str) -> tuple[str, str]:
 
 async def test_bad_restores_are_refused_with_a_clear_message(stack: Stack, real_node: RealNode) -> None:
     s = stack
-    s.start_agent(standby_timeout=4)
+    s.start_agent(standby_timeout_seconds=4)
     ckpt, _ = await checkpointed_graph(s)
     dgd = await DgdClient(s.kube).get(GRAPH, s.namespace)
     worker, busybox = real_node.worker_image.name, TEST_IMAGE.name

@@ -56,9 +56,6 @@ class WorkloadRuntimeError(Exception):
 
 class Runtime(Protocol):
     name: str
-    # Whether restore(stopped=True) works: the tree comes back stopped until resume(), so the agent can
-    # finish checking the memory pages while CRIU restores them.
-    restores_stopped: bool
 
     def control_dir(self, key: str) -> Path:
         """Host directory behind the workload's snapshot control dir."""
@@ -78,15 +75,9 @@ class Runtime(Protocol):
         """CRIU-dump the workload's whole process tree into `images_dir`; returns seconds. Kills it."""
         ...
 
-    async def restore(
-        self, key: str, images_dir: Path, source_control_dir: str | None, *, stopped: bool = False
-    ) -> Workload:
+    async def restore(self, key: str, images_dir: Path, source_control_dir: str | None) -> Workload:
         """Restore a dumped tree as workload `key`; returns once the processes exist (not yet resumed
-        past the CUDA lock). With `stopped` (where restores_stopped) every process stays stopped."""
-        ...
-
-    async def resume(self, workload: Workload) -> None:
-        """Let a tree restored with stopped=True run."""
+        past the CUDA lock)."""
         ...
 
     def tool_files(self) -> list[Path]:

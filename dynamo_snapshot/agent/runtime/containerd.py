@@ -124,7 +124,6 @@ class ContainerdRuntime:
     """Pods' main containers on a kubelet node; ``attach`` names the container of a workload key."""
 
     name = "containerd"
-    restores_stopped = False
 
     def __init__(
         self,
@@ -270,9 +269,6 @@ class ContainerdRuntime:
         found = (shutil.which(t) for t in (self.runc, "sh", self.nsenter, self.unshare))
         return [Path(p) for p in found if p]
 
-    async def resume(self, workload: Workload) -> None:
-        return None
-
     # ------------------------------------------------------------------ checkpoint
     async def dump(self, workload: Workload, images_dir: Path) -> float:
         c = self._get(workload.key).container
@@ -321,11 +317,7 @@ class ContainerdRuntime:
         return time.monotonic() - started
 
     # ------------------------------------------------------------------ restore
-    async def restore(
-        self, key: str, images_dir: Path, source_control_dir: str | None, *, stopped: bool = False
-    ) -> Workload:
-        if stopped:
-            raise WorkloadRuntimeError("a restore into a container cannot hold the tree stopped")
+    async def restore(self, key: str, images_dir: Path, source_control_dir: str | None) -> Workload:
         attached = self._get(key)
         target = attached.container
         if not pid_running(target.pid):

@@ -28,7 +28,6 @@ from dynamo_snapshot.agent.runtime.base import (
 )
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.criu import Criu, CriuError
-from dynamo_snapshot.cuda import process_tree
 
 # Per workload: its pid, its start time and the control dir it really uses (a restored one keeps its
 # source's).
@@ -44,7 +43,6 @@ class _State:
 
 class ProcessRuntime:
     name = "local"
-    restores_stopped = True
 
     def __init__(self, control_root: Path, criu: Criu) -> None:
         self.control_root = control_root
@@ -94,9 +92,6 @@ class ProcessRuntime:
             await _reap(state.pid)
         await asyncio.to_thread(shutil.rmtree, self.control_dir(key), ignore_errors=True)
 
-    async def resume(self, workload: Workload) -> None:
-        await _continue_tree(workload.pid)
-
     def tool_files(self) -> list[Path]:
         return []  # CRIU only, which the executor reads ahead itself
 
@@ -108,9 +103,7 @@ class ProcessRuntime:
         await _reap(workload.pid)
         return result.seconds
 
-    async def restore(
-        self, key: str, images_dir: Path, source_control_dir: str | None, *, stopped: bool = False
-    ) -> Workload:
+    async def restore(self, key: str, images_dir: Path, source_control_dir: str | None) -> Workload:
         if not source_control_dir:
             raise WorkloadRuntimeError("artifact does not record the source control dir")
         ctl = Path(source_control_dir)
@@ -122,19 +115,11 @@ class ProcessRuntime:
                 detach=True,
                 pidfile=ctl / ".criu-restore.pid",
                 log_dir=self.control_dir(key),
-                leave_stopped=stopped,
             )
         except CriuError as e:
             raise WorkloadRuntimeError(str(e)) from None
         await asyncio.to_thread(_write_state, self.control_dir(key), result.pid, ctl)
         return Workload(key, result.pid, ctl)
-
-
-async def _continue_tree(root: int) -> None:
-    pids = await asyncio.to_thread(process_tree, root)
-    for pid in pids or [root]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
 
 
 def _prepare_restored_control_dir(ctl: Path) -> None:

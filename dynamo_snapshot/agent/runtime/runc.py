@@ -29,7 +29,6 @@ _MERGED_USR = ("bin", "lib", "lib64", "sbin")
 
 class RuncRuntime:
     name = "runc"
-    restores_stopped = False  # runc restore has no --leave-stopped
 
     def __init__(
         self,
@@ -202,14 +201,7 @@ class RuncRuntime:
         await self._runc("delete", "-f", workload.key, check=False)
         return time.monotonic() - started
 
-    async def resume(self, workload: Workload) -> None:
-        return None
-
-    async def restore(
-        self, key: str, images_dir: Path, source_control_dir: str | None, *, stopped: bool = False
-    ) -> Workload:
-        if stopped:
-            raise WorkloadRuntimeError("runc cannot restore a container stopped")
+    async def restore(self, key: str, images_dir: Path, source_control_dir: str | None) -> Workload:
         try:
             template = json.loads((images_dir / "runc-config.json").read_text())
         except (OSError, ValueError) as e:
