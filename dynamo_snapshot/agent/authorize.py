@@ -384,6 +384,6 @@ def _snapshot_grant(
         if mapped != (captured, main):
             raise Refused(
                 f"{protocol.ANNOTATION_RESTORE_CONTAINER_MAP}={mapping!r}: this agent restores the captured "
-                f"container ({captured!r}) into the container called {main!r} only: write {captured}={main}"
+                f"container into the container called {main!r} only (write {captured}={main})"
             )
     return artifact_key(pod.meta.namespace, snapshot.meta.uid), digest
