@@ -14,6 +14,7 @@ import asyncio
 import logging
 
 from dynamo_snapshot.agent.executor import Executor
+from dynamo_snapshot.api.views import Meta
 from dynamo_snapshot.artifact import ArtifactStore, artifact_key, validate_artifact_key
 from dynamo_snapshot.artifact.store import is_bound_key
 from dynamo_snapshot.kube import DELETED, Informer, Obj
@@ -36,8 +37,8 @@ class ArtifactSweeper:
 
     async def on_owner(self, etype: str, owner: Obj, old: Obj | None) -> None:
         if etype == DELETED:
-            meta = owner["metadata"]
-            self.remove_soon(artifact_key(meta["namespace"], meta["uid"]))
+            meta = Meta(owner)
+            self.remove_soon(artifact_key(meta.namespace, meta.uid))
 
     async def sweep_forever(self) -> None:
         """Remove the artifacts whose owner no longer exists: after the first sync (owners
@@ -46,9 +47,7 @@ class ArtifactSweeper:
             await owners.wait_synced()
         while True:
             live = {
-                artifact_key(c["metadata"]["namespace"], c["metadata"]["uid"])
-                for owners in self.owners
-                for c in owners.list()
+                artifact_key(Meta(c).namespace, Meta(c).uid) for owners in self.owners for c in owners.list()
             }
             for key in await asyncio.to_thread(self._namespaced_keys):
                 if key not in live:

@@ -12,6 +12,7 @@ from dynamo_snapshot.agent.pod_spec import MAIN, workload_key
 from dynamo_snapshot.agent.runtime.base import Workload
 from dynamo_snapshot.agent.runtime.containerd import ContainerdRuntime
 from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.views import still_live
 from dynamo_snapshot.kube import Informer, Obj, object_key
 
 __all__ = ["KubeletContainers"]
@@ -30,9 +31,7 @@ class KubeletContainers:
         deadline = asyncio.get_running_loop().time() + within
         while True:
             latest = self.pods.get(object_key(pod)) or pod
-            if latest["metadata"].get("uid") != pod["metadata"].get("uid") or latest["metadata"].get(
-                "deletionTimestamp"
-            ):
+            if not still_live(latest, pod):
                 raise AgentError("the pod is being deleted")
             running = running_container(latest)
             if running is not None and running.container_id != spent:

@@ -6,8 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.views import PodView
+
 Obj = dict[str, Any]
-MAIN = "main"
+MAIN = protocol.DEFAULT_TARGET_CONTAINER
 
 
 @dataclass(frozen=True)
@@ -19,8 +22,7 @@ class RunningContainer:
 
 def main_status(pod: Obj) -> Obj | None:
     """The status of the pod's main container: the one named "main", else the first."""
-    statuses = [s for s in (pod.get("status") or {}).get("containerStatuses") or [] if isinstance(s, dict)]
-    return next((s for s in statuses if s.get("name") == MAIN), statuses[0] if statuses else None)
+    return PodView(pod).main_status
 
 
 def running_container(pod: Obj) -> RunningContainer | None:

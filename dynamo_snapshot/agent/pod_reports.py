@@ -14,6 +14,7 @@ from typing import Any
 from dynamo_snapshot.agent.errors import backoff
 from dynamo_snapshot.agent.pod_spec import MAIN, workload_key
 from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.views import Meta, ObjectView
 from dynamo_snapshot.kube import (
     NORMAL,
     POD,
@@ -37,14 +38,6 @@ _MESSAGE_MAX = 4000
 
 def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _restored_condition(pod: Obj) -> Obj | None:
-    for cond in (pod.get("status") or {}).get("conditions") or []:
-        if cond.get("type") == protocol.POD_CONDITION_RESTORED:
-            found: Obj = cond
-            return found
-    return None
 
 
 class PodReporter:
@@ -112,7 +105,7 @@ class PodReporter:
         ``until_written`` retried like annotate_until_written and never raised (for an outcome, which no
         dispatch anew writes again); else a pod gone already is no error and others raise. True once
         written."""
-        meta = pod["metadata"]
+        meta = Meta(pod)
         status = "True" if reason is Restored.SUCCEEDED else "False"
         since = self._transition_time(pod, status)
         condition = {
@@ -123,7 +116,7 @@ class PodReporter:
             "lastTransitionTime": since,
         }
         body = {
-            "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
+            "metadata": {"name": meta.name, "namespace": meta.namespace},
             "status": {"conditions": [condition]},
         }
 
@@ -138,7 +131,7 @@ class PodReporter:
             written = await self._until_written(pod, write, "Restored condition", reason.value)
         else:
             written = await self._once(write)
-        uid = meta.get("uid", "")
+        uid = meta.uid
         if written and reason is Restored.IN_PROGRESS:
             self._restored[uid] = (status, since)
         else:
@@ -152,9 +145,9 @@ class PodReporter:
         self._restored.pop(uid, None)
 
     def _transition_time(self, pod: Obj, status: str) -> str:
-        written = self._restored.get(pod["metadata"].get("uid", ""))
+        written = self._restored.get(Meta(pod).uid)
         if written is None:
-            cond = _restored_condition(pod)
+            cond = ObjectView(pod).condition(protocol.POD_CONDITION_RESTORED)
             written = (cond.get("status", ""), cond.get("lastTransitionTime", "")) if cond else None
         if written is not None and written[0] == status and written[1]:
             return written[1]
@@ -182,8 +175,8 @@ class PodReporter:
         await self.set_restored(pod, Restored.FAILED, message, until_written=True)
 
     def _event(self, pod: Obj, kind: str, reason: str, message: str) -> None:
-        meta = pod["metadata"]
-        ref = ObjectRef("Pod", meta["name"], meta["namespace"], meta.get("uid", ""), "v1")
+        meta = Meta(pod)
+        ref = ObjectRef("Pod", meta.name, meta.namespace, meta.uid, "v1")
         self.recorder.record(ref, kind, reason, message)
 
     async def annotate_until_written(self, pod: Obj, ann: dict[str, str], what: str) -> bool:
@@ -219,6 +212,5 @@ class PodReporter:
         return True
 
     async def _patch(self, pod: Obj, ann: dict[str, str]) -> None:
-        await self.kube.merge_patch(
-            POD, pod["metadata"]["name"], {"metadata": {"annotations": ann}}, pod["metadata"]["namespace"]
-        )
+        meta = Meta(pod)
+        await self.kube.merge_patch(POD, meta.name, {"metadata": {"annotations": ann}}, meta.namespace)

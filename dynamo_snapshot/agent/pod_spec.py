@@ -6,6 +6,7 @@ from __future__ import annotations
 from dynamo_snapshot.agent.errors import AgentError
 from dynamo_snapshot.agent.runtime.base import WorkloadSpec
 from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.views import Meta, PodView
 from dynamo_snapshot.kube import Obj
 
 __all__ = [
@@ -19,23 +20,23 @@ __all__ = [
     "workload_spec",
 ]
 
-MAIN = "main"
+MAIN = protocol.DEFAULT_TARGET_CONTAINER
 Status = protocol.SnapshotStatus
 
 
 def workload_key(pod: Obj) -> str:
-    meta = pod["metadata"]
-    return f"{meta['namespace']}_{meta['name']}_{meta['uid'][:8]}"
+    meta = Meta(pod)
+    return f"{meta.namespace}_{meta.name}_{meta.uid[:8]}"
 
 
 def annotation(pod: Obj, key: str) -> str | None:
     """The main container's annotation ``key``."""
-    return (pod["metadata"].get("annotations") or {}).get(protocol.per_container(key, MAIN))
+    return Meta(pod).annotations.get(protocol.per_container(key, MAIN))
 
 
 def restore_attempts(pod: Obj) -> int:
     """Restores into the pod started so far (by any agent process)."""
-    raw = (pod["metadata"].get("annotations") or {}).get(protocol.ANNOTATION_RESTORE_ATTEMPTS)
+    raw = Meta(pod).annotations.get(protocol.ANNOTATION_RESTORE_ATTEMPTS)
     if raw is None:
         return 0
     try:
@@ -55,8 +56,7 @@ def status(pod: Obj, key: str) -> Status | None:
 
 
 def _main_container(pod: Obj) -> Obj:
-    containers = pod["spec"].get("containers") or []
-    main = next((c for c in containers if c.get("name") == MAIN), containers[0] if containers else None)
+    main = PodView(pod).main_container
     if main is None:
         raise AgentError("pod has no containers")
     return dict(main)
@@ -77,8 +77,8 @@ def pod_env(pod: Obj) -> dict[str, str]:
     identity: what a worker the agent launches gets, and a restore's env where no kubelet resolved one."""
     main = _main_container(pod)
     env = {e["name"]: str(e.get("value", "")) for e in main.get("env") or [] if "value" in e}
-    meta = pod["metadata"]
-    env.update(POD_NAME=meta["name"], POD_NAMESPACE=meta["namespace"], POD_UID=meta.get("uid", ""))
+    meta = Meta(pod)
+    env.update(POD_NAME=meta.name, POD_NAMESPACE=meta.namespace, POD_UID=meta.uid)
     return env
 
 

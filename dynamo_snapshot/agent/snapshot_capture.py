@@ -41,6 +41,7 @@ from dynamo_snapshot.api.podsnapshot import (
     PodSnapshotCompatibility,
     PodSnapshotReason,
 )
+from dynamo_snapshot.api.views import Meta, ObjectView, PodSnapshotContentView, still_live
 from dynamo_snapshot.artifact import Artifact, Binding
 from dynamo_snapshot.kube import (
     DELETED,
@@ -99,8 +100,9 @@ class SnapshotCapture:
         self.contents.add_handler(self.on_content)
 
     async def on_content(self, etype: str, content: Obj, old: Obj | None) -> None:
-        uid = content["metadata"]["uid"]
-        if etype == DELETED or content["metadata"].get("deletionTimestamp"):
+        meta = Meta(content)
+        uid = meta.uid
+        if etype == DELETED or meta.deleting:
             task = self.tasks.pop(uid, None)
             if task is not None:
                 task.cancel()
@@ -145,14 +147,13 @@ class SnapshotCapture:
         await self._ready(content, artifact, binding)
 
     async def _grant(self, content: Obj) -> tuple[CaptureGrant, Obj]:
-        spec = content.get("spec") or {}
-        ref = spec.get("snapshotRef") or {}
+        view = PodSnapshotContentView(content)
+        ref = view.snapshot_ref
         namespace = str(ref.get("namespace") or "")
         snapshot = await get_or_none(self.kube, POD_SNAPSHOT, str(ref.get("name") or ""), namespace)
         ckpt_name = capture_checkpoint_name(snapshot)
         ckpt = await get_or_none(self.kube, CHECKPOINT, ckpt_name, namespace) if ckpt_name else None
-        pod_name = ((spec.get("source") or {}).get("podRef") or {}).get("name")
-        pod = await self._pod(f"{namespace}/{pod_name}")
+        pod = await self._pod(f"{namespace}/{view.source.name}")
         grant = content_grant(content, snapshot, pod, self.node_name, ckpt)
         assert pod is not None  # content_grant refuses a missing pod
         return grant, pod
@@ -171,11 +172,7 @@ class SnapshotCapture:
         """Whether the source pod was deleted while it was being captured. A pod deleted mid-capture is not
         snapshotted: whatever the capture published is removed, and the content fails with the reason."""
         latest = self.pods.get(f"{binding.namespace}/{binding.source_pod}")
-        if (
-            latest is not None
-            and latest["metadata"].get("uid") == pod["metadata"]["uid"]
-            and not latest["metadata"].get("deletionTimestamp")
-        ):
+        if still_live(latest, pod):
             return False
         await self.executor.delete_artifact(binding.key)
         await self._fail(
@@ -189,16 +186,15 @@ class SnapshotCapture:
     # ------------------------------------------------------------------ the outcome, on the content
     async def _taken_up(self, content: Obj, binding: Binding) -> None:
         """Say on the content that this agent captures it (the controller fails one no agent takes up)."""
-        container = ",".join(
-            ((content.get("spec") or {}).get("source") or {}).get("podRef", {}).get("containers") or []
-        )
+        view = PodSnapshotContentView(content)
+        container = ",".join(view.source.containers)
         conditions = cond.set_condition(
-            list((content.get("status") or {}).get("conditions") or []),
+            view.conditions,
             cond.READY,
             False,
             PodSnapshotReason.CAPTURE_IN_PROGRESS,
             f"the node agent of {self.node_name} captures container {container} of pod {binding.source_pod}",
-            content["metadata"].get("generation"),
+            view.meta.generation,
         )
         await self._write(content, {"conditions": conditions})
 
@@ -216,7 +212,7 @@ class SnapshotCapture:
             gpu_count=gpus.count if gpus else 0,
             image_id=manifest.extra.get("image") or None,
         )
-        name = content["metadata"]["name"]
+        name = Meta(content).name
         annotations = {
             protocol.ANNOTATION_CONTENT_ARTIFACT: facts.model_dump_json(by_alias=True, exclude_none=True),
             protocol.ANNOTATION_CONTENT_COMPATIBILITY: compatibility.model_dump_json(
@@ -241,13 +237,11 @@ class SnapshotCapture:
 
     async def _fail(self, content: Obj, reason: str, message: str) -> None:
         await self._write(content, {"conditions": _conditions(content, False, reason, message)})
-        log.warning(
-            "pod snapshot not captured", extra={"content": content["metadata"]["name"], "why": message}
-        )
+        log.warning("pod snapshot not captured", extra={"content": Meta(content).name, "why": message})
 
     async def _write(self, content: Obj, status: dict[str, Any]) -> None:
         ready = next(c for c in status["conditions"] if c["type"] == cond.READY)
-        ref = (content.get("spec") or {}).get("snapshotRef") or {}
+        ref = PodSnapshotContentView(content).snapshot_ref
         event_on = {
             "apiVersion": f"{protocol.API_GROUP}/{protocol.API_VERSION}",
             "kind": "PodSnapshot",
@@ -259,7 +253,7 @@ class SnapshotCapture:
             self.recorder.record(event_on, NORMAL, ready["reason"], ready["message"])
         else:
             self.recorder.record(event_on, WARNING, ready["reason"], ready["message"])
-        name = content["metadata"]["name"]
+        name = Meta(content).name
         await self._until_written(
             name, "status", lambda: self.kube.patch_status(POD_SNAPSHOT_CONTENT, name, status)
         )
@@ -271,5 +265,5 @@ class SnapshotCapture:
 
 
 def _conditions(content: Obj, ready: bool, reason: str, message: str) -> list[dict[str, Any]]:
-    conditions = list((content.get("status") or {}).get("conditions") or [])
-    return cond.set_outcome(conditions, ready, reason, message, content["metadata"].get("generation"))
+    view = ObjectView(content)
+    return cond.set_outcome(view.conditions, ready, reason, message, view.meta.generation)

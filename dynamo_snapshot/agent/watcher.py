@@ -50,7 +50,7 @@ from dynamo_snapshot.agent.runtime.containerd import ContainerdRuntime
 from dynamo_snapshot.agent.snapshot_capture import SnapshotCapture
 from dynamo_snapshot.agent.timings import AWAIT_CONTAINER_PHASE
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.api.views import PodSnapshotView
+from dynamo_snapshot.api.views import Meta, PodSnapshotView, PodView, still_live
 from dynamo_snapshot.kube import (
     DELETED,
     POD,
@@ -147,18 +147,17 @@ class NodeAgent:
             await self.executor.aclose()
 
     async def _on_pod(self, etype: str, pod: Obj, old: Obj | None) -> None:
-        uid = pod["metadata"]["uid"]
-        if pod["spec"].get("nodeName") != self.node_name:
+        view = PodView(pod)
+        uid = view.meta.uid
+        if view.node_name != self.node_name:
             return  # never touch another node's pod, whatever the watch delivers
-        if etype == DELETED or pod["metadata"].get("deletionTimestamp"):
+        if etype == DELETED or view.meta.deleting:
             self._restoring.discard(uid)
             self.reports.forget(uid)
             task = self._tasks.pop(uid, None)
             if task is not None:
                 task.cancel()
-            restored = (pod["metadata"].get("labels") or {}).get(
-                protocol.LABEL_RESTORE_TARGET
-            ) == protocol.TRUE
+            restored = view.meta.labels.get(protocol.LABEL_RESTORE_TARGET) == protocol.TRUE
             key = workload_key(pod)
             containers = self.containers if etype == DELETED else None
             if self.launch_workloads or restored:
@@ -200,16 +199,12 @@ class NodeAgent:
                 )
                 await asyncio.sleep(delay)
                 latest = self.pods.get(object_key(pod))
-                if (
-                    latest is None
-                    or latest["metadata"].get("uid") != pod["metadata"].get("uid")
-                    or latest["metadata"].get("deletionTimestamp")
-                ):
+                if latest is None or not still_live(latest, pod):
                     return
                 pod = latest
 
     async def _dispatch(self, pod: Obj) -> None:
-        labels = pod["metadata"].get("labels") or {}
+        labels = Meta(pod).labels
         if asks_to_be_restored(pod):
             await self._restore(pod)
         elif (
@@ -279,7 +274,7 @@ class NodeAgent:
             "restoring",
             extra={protocol.ANNOTATION_RESTORE_ATTEMPTS: str(attempts + 1)},
         )
-        self._restoring.add(pod["metadata"]["uid"])
+        self._restoring.add(Meta(pod).uid)
         if self.kubelet is not None:
             # The artifact is read and hashed while the kubelet starts the pod's container.
             self.executor.check_ahead(grant.artifact_key, grant.manifest_digest)
@@ -312,7 +307,7 @@ class NodeAgent:
         """The grant of what ``restore-from`` names in the pod's namespace: a DynamoCheckpoint (the Dynamo
         layer), read with the PodSnapshot it records, else a PodSnapshot (NVIDIA Snapshot's generic API);
         either way with the content that PodSnapshot is bound to."""
-        namespace = pod["metadata"]["namespace"]
+        namespace = Meta(pod).namespace
         name = name_to_restore(pod)
         ckpt = await get_or_none(self.kube, CHECKPOINT, name, namespace) if name else None
         snapshot_name = snapshot_to_restore(name, ckpt)
@@ -356,7 +351,7 @@ class NodeAgent:
         process (which died mid-restore) is no fault of the checkpoint's, so it is not reported as a
         failure unless it keeps happening."""
         await self.runtime.stop(workload_key(pod))
-        if pod["metadata"]["uid"] not in self._restoring and attempts >= protocol.RESTORE_ATTEMPTS_MAX:
+        if Meta(pod).uid not in self._restoring and attempts >= protocol.RESTORE_ATTEMPTS_MAX:
             await self.reports.report_restore_failed(
                 pod,
                 f"the restore was cut short {attempts} times (node agent restarts); "
@@ -391,7 +386,7 @@ class NodeAgent:
     ) -> RestoreOutcome | None:
         """The executor's restore; None where it failed (what it left stopped, the failure reported, a
         refused artifact among them)."""
-        meta = pod["metadata"]
+        view = PodView(pod)
         key = workload_key(pod)
         try:
             return await self.executor.restore(
@@ -399,13 +394,13 @@ class NodeAgent:
                 grant.artifact_key,
                 manifest_digest=grant.manifest_digest,
                 identity_info={
-                    "podName": meta["name"],
-                    "namespace": meta["namespace"],
-                    "podIP": (pod.get("status") or {}).get("podIP"),
-                    "hostname": meta["name"][:63],
+                    "podName": view.meta.name,
+                    "namespace": view.meta.namespace,
+                    "podIP": view.pod_ip or None,
+                    "hostname": view.meta.name[:63],
                     "env": {
-                        "POD_NAME": meta["name"],
-                        "POD_NAMESPACE": meta["namespace"],
+                        "POD_NAME": view.meta.name,
+                        "POD_NAMESPACE": view.meta.namespace,
                     },
                 },
                 image_id=target.image_id,

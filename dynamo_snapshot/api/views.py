@@ -23,6 +23,7 @@ __all__ = [
     "PodSnapshotContentView",
     "PodSnapshotView",
     "PodView",
+    "still_live",
 ]
 
 Obj = dict[str, Any]
@@ -67,6 +68,11 @@ class Meta:
         return _map(self.raw.get("annotations"))
 
     @property
+    def generation(self) -> int | None:
+        value = self.raw.get("generation")
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    @property
     def deleting(self) -> bool:
         return bool(self.raw.get("deletionTimestamp"))
 
@@ -83,6 +89,17 @@ class Meta:
         return None
 
 
+def _main(entries: list[Obj]) -> Obj | None:
+    named = (e for e in entries if e.get("name") == protocol.DEFAULT_TARGET_CONTAINER)
+    return next(named, entries[0] if entries else None)
+
+
+def still_live(latest: Mapping[str, Any] | None, seen: Mapping[str, Any]) -> bool:
+    """Whether ``latest`` (a cache's copy, None: gone) is still the object ``seen`` was (same UID) and is
+    not being deleted."""
+    return latest is not None and Meta(latest).uid == Meta(seen).uid and not Meta(latest).deleting
+
+
 class ObjectView:
     """Any object: its metadata, spec, status and conditions."""
 
@@ -97,6 +114,11 @@ class ObjectView:
     @property
     def status(self) -> Obj:
         return _map(self.raw.get("status"))
+
+    @property
+    def conditions(self) -> list[Obj]:
+        """A copy of ``status.conditions`` (its maps), to change and write back."""
+        return [c for c in _list(self.status.get("conditions")) if isinstance(c, dict)]
 
     def condition(self, type_: str) -> Obj:
         """The condition of ``type_`` in ``status.conditions``; empty when there is none."""
@@ -119,8 +141,26 @@ class PodView(ObjectView):
         return _str(self.status.get("podIP"))
 
     @property
+    def container_statuses(self) -> list[Obj]:
+        return [s for s in _list(self.status.get("containerStatuses")) if isinstance(s, dict)]
+
+    @property
+    def containers(self) -> list[Obj]:
+        return [c for c in _list(self.spec.get("containers")) if isinstance(c, dict)]
+
+    @property
     def container_names(self) -> list[str]:
         return [_str(_map(c).get("name")) for c in _list(self.spec.get("containers"))]
+
+    @property
+    def main_container(self) -> Obj | None:
+        """The container a worker runs in: the one called main, else the first; None without any."""
+        return _main(self.containers)
+
+    @property
+    def main_status(self) -> Obj | None:
+        """The main container's status (``main_container``'s rule)."""
+        return _main(self.container_statuses)
 
     @property
     def restore_from(self) -> str | None:

@@ -4,7 +4,13 @@ empty; nothing is copied or changed."""
 from __future__ import annotations
 
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.api.views import CheckpointView, PodSnapshotContentView, PodSnapshotView, PodView
+from dynamo_snapshot.api.views import (
+    CheckpointView,
+    PodSnapshotContentView,
+    PodSnapshotView,
+    PodView,
+    still_live,
+)
 
 
 def test_a_bare_object_reads_as_empty() -> None:
@@ -70,3 +76,31 @@ def test_snapshots_contents_and_checkpoints() -> None:
         "",
         {"model": "m"},
     )
+
+
+def test_the_main_container_is_main_else_the_first() -> None:
+    two = {"spec": {"containers": [{"name": "side"}, {"name": "main"}]}}
+    assert PodView(two).main_container == {"name": "main"}
+    one = {
+        "spec": {"containers": [{"name": "engine"}]},
+        "status": {"containerStatuses": [{"name": "engine"}]},
+    }
+    assert PodView(one).main_container == {"name": "engine"}
+    assert PodView(one).main_status == {"name": "engine"}
+    assert PodView({}).main_container is None
+
+
+def test_conditions_and_generation() -> None:
+    raw = {"metadata": {"generation": 3}, "status": {"conditions": [{"type": "Ready"}, "junk"]}}
+    view = PodSnapshotView(raw)
+    assert view.meta.generation == 3
+    assert view.conditions == [{"type": "Ready"}]
+    assert PodSnapshotView({"metadata": {"generation": True}}).meta.generation is None
+
+
+def test_still_live() -> None:
+    seen = {"metadata": {"uid": "a"}}
+    assert still_live({"metadata": {"uid": "a"}}, seen)
+    assert not still_live(None, seen)
+    assert not still_live({"metadata": {"uid": "b"}}, seen)
+    assert not still_live({"metadata": {"uid": "a", "deletionTimestamp": "t"}}, seen)
