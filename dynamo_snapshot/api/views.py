@@ -68,6 +68,10 @@ class Meta:
         return _map(self.raw.get("annotations"))
 
     @property
+    def creation_timestamp(self) -> str:
+        return _str(self.raw.get("creationTimestamp"))
+
+    @property
     def generation(self) -> int | None:
         value = self.raw.get("generation")
         return value if isinstance(value, int) and not isinstance(value, bool) else None

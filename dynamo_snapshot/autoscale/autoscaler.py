@@ -34,6 +34,7 @@ from dynamo_snapshot.api import conditions as cond
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.conditions import validation_message
 from dynamo_snapshot.api.scalingpolicy import DynamoScalingPolicy, DynamoScalingPolicySpec
+from dynamo_snapshot.api.views import Meta, ObjectView
 from dynamo_snapshot.autoscale.engine import (
     Decision,
     MetricSample,
@@ -151,7 +152,7 @@ class Autoscaler:
             return True
         obj = self.policies.get(key)
         # A changed spec is looked at on the next tick, whatever the interval.
-        return obj is not None and int(obj["metadata"].get("generation") or 0) != state.generation
+        return obj is not None and (Meta(obj).generation or 0) != state.generation
 
     def _source(self, spec: DynamoScalingPolicySpec) -> PrometheusSource:
         url = spec.prometheus_url or self.prometheus_url
@@ -171,9 +172,10 @@ class Autoscaler:
             EVALUATION_SECONDS.observe(self.clock() - started)
 
     async def _evaluate(self, key: str, obj: Obj, cache: TickCache) -> Decision | None:
-        generation = int(obj["metadata"].get("generation") or 0)
+        view = ObjectView(obj)
+        generation = view.meta.generation or 0
         status: dict[str, Any] = {"observedGeneration": generation}
-        conditions: list[dict[str, Any]] = list((obj.get("status") or {}).get("conditions") or [])
+        conditions: list[dict[str, Any]] = view.conditions
         checked = self._check_spec(key, obj, generation)
         if isinstance(checked, str):
             await self._finish(key, obj, status, conditions, invalid=checked)
@@ -181,7 +183,7 @@ class Autoscaler:
         spec, state = checked
         conditions = cond.set_condition(conditions, INVALID_SPEC, False, "Valid", "spec is valid", generation)
         conditions = self._ceiling_condition(obj, spec, conditions, generation)
-        ns, target = obj["metadata"]["namespace"], spec.target
+        ns, target = Meta(obj).namespace, spec.target
         found = self.targets.find(ns, target.dgd_name, target.service_name)
         if isinstance(found, str):
             conditions = self._target_problem(
@@ -271,7 +273,7 @@ class Autoscaler:
             log.warning(
                 "autoscaler target problem",
                 extra={
-                    "policy": obj["metadata"]["name"],
+                    "policy": Meta(obj).name,
                     "reason": problem.reason,
                     "detail": problem.message,
                 },
@@ -300,7 +302,7 @@ class Autoscaler:
             self.recorder.record(obj, WARNING, MAX_REPLICAS_CAPPED, message)
             log.warning(
                 "policy capped to the replica ceiling",
-                extra={"policy": obj["metadata"]["name"], "detail": message},
+                extra={"policy": Meta(obj).name, "detail": message},
             )
         return cond.set_condition(
             conditions, MAX_REPLICAS_CAPPED, True, "AboveClusterCeiling", message, generation
@@ -361,10 +363,8 @@ class Autoscaler:
         if found.adapter is not None:
             message += f" (through {found.written})"
         self.recorder.record(obj, NORMAL, reason, message)
-        self.recorder.record(
-            dgd, NORMAL, reason, f"by DynamoScalingPolicy {obj['metadata']['name']}: {message}"
-        )
-        log.info("scaled", extra={"policy": obj["metadata"]["name"], "detail": message})
+        self.recorder.record(dgd, NORMAL, reason, f"by DynamoScalingPolicy {Meta(obj).name}: {message}")
+        log.info("scaled", extra={"policy": Meta(obj).name, "detail": message})
 
     async def _finish(
         self,
@@ -397,9 +397,9 @@ class Autoscaler:
         try:
             await self.kube.json_patch(
                 SCALING_POLICY,
-                obj["metadata"]["name"],
+                Meta(obj).name,
                 _status_ops(obj, status),
-                obj["metadata"]["namespace"],
+                Meta(obj).namespace,
                 subresource="status",
             )
         except Exception as e:
@@ -415,7 +415,7 @@ def _status_ops(obj: Obj, status: dict[str, Any]) -> list[dict[str, Any]]:
     null entries (a metric without a usable value) instead of storing them, and keep the entries of
     metrics gone from the spec. A policy the cache shows without a status gets it whole (a field can only
     be added to an object that exists); its only writer is this autoscaler, so nothing else is lost."""
-    if not obj.get("status"):
+    if not ObjectView(obj).status:
         return [{"op": "add", "path": "/status", "value": status}]
     return [{"op": "add", "path": f"/status/{key}", "value": value} for key, value in status.items()]
 
@@ -481,7 +481,7 @@ def _params(spec: DynamoScalingPolicySpec, ceiling: int) -> PolicyParams:
 
 
 def _created_at(pod: Obj) -> float:
-    stamp = pod["metadata"].get("creationTimestamp")
+    stamp = Meta(pod).creation_timestamp
     if not stamp:
         return time.time()
     return cond.parse_rfc3339(stamp).timestamp()
@@ -491,7 +491,7 @@ def _restore_latency(pods: list[Obj]) -> float | None:
     """Median of the restore times the node agents reported on these pods (seconds), if any."""
     seen = []
     for pod in pods:
-        raw = (pod["metadata"].get("annotations") or {}).get(protocol.ANNOTATION_RESTORE_TIMINGS)
+        raw = Meta(pod).annotations.get(protocol.ANNOTATION_RESTORE_TIMINGS)
         if not raw:
             continue
         try:
