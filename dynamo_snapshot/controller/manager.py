@@ -10,20 +10,20 @@ from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.controller.checkpoint_reconciler import CheckpointReconciler
 from dynamo_snapshot.controller.config import CONTROLLER_NAME, ControllerConfig
 from dynamo_snapshot.controller.context import Context
-from dynamo_snapshot.controller.dgd_reconciler import DGDReconciler
-from dynamo_snapshot.controller.failover import (
+from dynamo_snapshot.controller.dynamo.checkpoint_reconciler import CheckpointReconciler
+from dynamo_snapshot.controller.dynamo.dgd_reconciler import DGDReconciler
+from dynamo_snapshot.controller.dynamo.operator_failover import OperatorFailover
+from dynamo_snapshot.controller.failover.losses import (
     FAILOVER_PAUSED,
     WAITING_FOR_NODE,
     node_down,
     node_healthy,
     unhealthy_since,
 )
-from dynamo_snapshot.controller.operator_failover import OperatorFailover
-from dynamo_snapshot.controller.podsnapshot_reconciler import PodSnapshotReconciler
-from dynamo_snapshot.controller.snapshotjob_reconciler import SnapshotJobReconciler
+from dynamo_snapshot.controller.snapshot.podsnapshot_reconciler import PodSnapshotReconciler
+from dynamo_snapshot.controller.snapshot.snapshotjob_reconciler import SnapshotJobReconciler
 from dynamo_snapshot.kube import (
     DELETED,
     WARNING,

@@ -11,7 +11,7 @@ from prometheus_client import REGISTRY
 
 from dynamo_snapshot.controller.config import ControllerConfig
 from dynamo_snapshot.controller.context import AVOIDED_NODES_MAX, Context
-from dynamo_snapshot.controller.failover import node_down
+from dynamo_snapshot.controller.failover.losses import node_down
 from dynamo_snapshot.kube import Obj
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)

@@ -39,20 +39,20 @@ from prometheus_client import Counter
 
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.controller.context import Context
-from dynamo_snapshot.controller.failover import (
+from dynamo_snapshot.controller.dynamo.operator_chain import (
+    Chain,
+    checkpoint_of,
+    controller_chain,
+    next_pod_annotations,
+)
+from dynamo_snapshot.controller.failover.losses import (
     FAILOVER_PAUSED,
     WORKER_LOST,
     Failover,
     node_healthy,
     worker_lifetime,
 )
-from dynamo_snapshot.controller.operator_chain import (
-    Chain,
-    checkpoint_of,
-    controller_chain,
-    next_pod_annotations,
-)
-from dynamo_snapshot.controller.worker_loss import judge_loss
+from dynamo_snapshot.controller.failover.worker_loss import judge_loss
 from dynamo_snapshot.kube import (
     DELETED,
     NORMAL,

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
-from dynamo_snapshot.controller.failover import loss_cause
+from dynamo_snapshot.controller.failover.losses import loss_cause
 from dynamo_snapshot.kube import Obj
 
 
