@@ -112,8 +112,8 @@ async def every_version_served(
 
 @contextlib.contextmanager
 def _conversion_thread(certs: Certs) -> Iterator[int]:
-    """The conversion handler (controller/dynamo/conversion_webhook.py) served over TLS on 127.0.0.1 by a thread
-    of its own; yields its port."""
+    """The conversion handler (controller/dynamo/conversion_webhook.py) served over TLS on 127.0.0.1 by a
+    thread of its own; yields its port."""
     started = threading.Event()
     state: dict[str, Any] = {}
     loop = asyncio.new_event_loop()

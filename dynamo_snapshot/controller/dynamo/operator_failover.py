@@ -57,7 +57,6 @@ from dynamo_snapshot.kube import (
     DELETED,
     NORMAL,
     WARNING,
-    Informer,
     Obj,
     ResourceKind,
     Result,
@@ -106,19 +105,13 @@ class OperatorFailover:
     """Watches the pods labelled nvidia.com/dynamo-component (one component per queue key) and deletes
     the lost ones that may be failed over by restore. Runs only while the controller leads."""
 
-    def __init__(self, ctx: Context, snapshots: Informer, snapshot_jobs: Informer) -> None:
+    def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
-        self.snapshots = snapshots
-        self.snapshot_jobs = snapshot_jobs
-        cfg = ctx.settings
-        self.pods = Informer(
-            ctx.kube,
-            POD,
-            namespace=cfg.namespace,
-            label_selector=protocol.LABEL_DYNAMO_COMPONENT,
-            indexed_labels=[protocol.LABEL_DYNAMO_GRAPH],
-        )
-        self.failover = Failover(settings=cfg, wake=self._wake)
+        self.snapshots = ctx.snapshots
+        self.snapshot_jobs = ctx.snapshot_jobs
+        # Labelled nvidia.com/dynamo-component, indexed by nvidia.com/dynamo-graph-deployment-name.
+        self.pods = ctx.component_pods
+        self.failover = Failover(settings=ctx.settings, wake=self._wake)
         # Lost pods deleted whose owner has not made their successor yet: name -> (creator UID, when).
         self.deleted: dict[Owner, dict[str, tuple[str, float]]] = defaultdict(dict)
         # The DGD last seen for each component, for the Events that say a state ended.
