@@ -93,7 +93,7 @@ class Context:
     )
     dgd_seen_at: dict[str, float] = field(default_factory=dict)
     # DGD key -> the resourceVersion our last status write replaced. While the cache still holds that
-    # version, another status write could only conflict (see dgd_status.write_status).
+    # version, another status write could only conflict (see dynamo.dgd_status.write_status).
     status_written_over: dict[str, str] = field(default_factory=dict)
     # When each DGD's status was last written, to pace writes that carry no new generation.
     status_written_at: dict[str, float] = field(default_factory=dict)

@@ -9,19 +9,19 @@ the checkpoint's name and kind (PodSnapshot, or the SnapshotJob producing one); 
 webhook (PodCheckpointRestoreMutator) turns each new pod of it into a restore pod (nvidia.com/restore-from)
 once that checkpoint is Ready, and mutates no pod on UPDATE. Where the PodSnapshots or DynamoCheckpoints
 are this project's, a template naming one in nvidia.com/restore-from is shaped by this project's restore
-webhook (restore_mutation) the same way. So only a new pod restores; what a lost worker gets without help
-is a cold start: the kubelet restarts a crashed container in place, and a pod on a dead node is replaced
-by its ReplicaSet only once the node lifecycle controller evicts it (after 300 s of NotReady) or a
-StatefulSet's only once the pod is gone.
+webhook (snapshot.restore_mutation) the same way. So only a new pod restores; what a lost worker gets
+without help is a cold start: the kubelet restarts a crashed container in place, and a pod on a dead node
+is replaced by its ReplicaSet only once the node lifecycle controller evicts it (after 300 s of NotReady)
+or a StatefulSet's only once the pod is gone.
 
-Mechanism: a lost worker (worker_loss.judge_loss, the judgement the controller's own DGD failover uses:
-pod Failed, crash-looping, its worker process gone, its node deleted, or NotReady past the node grace
-while failover is not paused) of an operator-made pod of a component whose next pod restores from a
+Mechanism: a lost worker (failover.worker_loss.judge_loss, the judgement the controller's own DGD
+failover uses: pod Failed, crash-looping, its worker process gone, its node deleted, or NotReady past the
+node grace while failover is not paused) of an operator-made pod of a component whose next pod restores from a
 Ready checkpoint of the pod's own namespace is deleted, with its UID as precondition and no grace, so
 that its owner creates the new pod at once and the admission path makes it a restore pod. Nothing else
 is acted on: a pod whose controller chain does not lead to its DGD (operator_chain.controller_chain), or
 whose component's next pod would not restore from a Ready checkpoint of its namespace, is left alone.
-Deletions draw from failover.Failover's per-component and cluster token buckets and wait out its
+Deletions draw from failover.losses.Failover's per-component and cluster token buckets and wait out its
 crash-loop backoff; its FailoverPaused, CrashLoopBackOff and WorkerLost Events go to the pod's DGD, and
 its metrics count the losses, the time to the owner's new pod and to that pod being Ready.
 """

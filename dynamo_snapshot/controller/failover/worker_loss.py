@@ -1,5 +1,6 @@
 """Whether a worker pod is lost, with the node grace and the pause brake applied: the one judgement the
-controller's own DGD workers (worker_pods) and the Dynamo operator's pods (operator_failover) share."""
+controller's own DGD workers (dynamo.worker_pods) and the Dynamo operator's pods (dynamo.operator_failover)
+share."""
 
 from __future__ import annotations
 
