@@ -1,5 +1,5 @@
 """A controller Context for pure-logic tests: every informer and the client left out (None), but for the
-node cache a test hands in."""
+caches a test hands in."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.kube import Informer
 
 
-def bare_context(*, nodes: Any = None, settings: ControllerConfig | None = None) -> Context:
-    """Only the node questions (and what reads `settings`) can be asked of it."""
+def bare_context(*, settings: ControllerConfig | None = None, **caches: Any) -> Context:
+    """Only what reads the handed-in caches (by field name: nodes=, snapshots=, ...) and `settings` can be
+    asked of it."""
     unused = cast(Any, None)
-    caches = {f.name: unused for f in fields(Context) if f.type in (Informer, "Informer")}
-    caches["nodes"] = cast(Informer, nodes)
+    given = {f.name: caches.pop(f.name, unused) for f in fields(Context) if f.type in (Informer, "Informer")}
+    assert not caches, f"no such cache on the Context: {sorted(caches)}"
     extra = {} if settings is None else {"settings": settings}
-    return Context(kube=unused, recorder=unused, **caches, **extra)
+    return Context(kube=unused, recorder=unused, **given, **extra)
