@@ -1,5 +1,6 @@
-"""What every reconciler shares: the client, the informer caches, the event recorder, the expectations
-and the settings. Reads go to the caches (level-triggered, never to memory that a restart would lose)."""
+"""What every reconciler shares: the client, every informer cache of both layers, the event recorder, the
+expectations and the settings. Reads go to the caches (level-triggered, never to memory that a restart
+would lose)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,22 @@ from prometheus_client import Counter, Histogram
 
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointCompatibility
-from dynamo_snapshot.controller.config import ControllerConfig
+from dynamo_snapshot.controller.config import CONTROLLER_NAME, ControllerConfig
 from dynamo_snapshot.controller.expectations import Expectations
-from dynamo_snapshot.controller.failover import PAUSED, Failover, node_down, unhealthy_since
+from dynamo_snapshot.controller.failover.losses import PAUSED, Failover, node_down, unhealthy_since
 from dynamo_snapshot.controller.podspec import keep_off_nodes
 from dynamo_snapshot.kube import EventRecorder, Informer, Kube, Obj
 from dynamo_snapshot.kube.dgd_versions import DgdVersion
+from dynamo_snapshot.kube.informer import compact
+from dynamo_snapshot.kube.kinds import (
+    CHECKPOINT,
+    JOB,
+    NODE,
+    POD,
+    POD_SNAPSHOT,
+    POD_SNAPSHOT_CONTENT,
+    SNAPSHOT_JOB,
+)
 from dynamo_snapshot.kube.pods import pods_of
 
 PODS_CREATED = Counter(
@@ -48,15 +59,23 @@ class NodeHealth:
     paused: str | None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Context:
     kube: Kube
+    recorder: EventRecorder
+    # The Dynamo layer's kinds. DGDs are cached as views (v1alpha1's shape) of `dgd_version`.
     dgds: Informer
     checkpoints: Informer
+    # The generic layer's kinds; contents are cluster-scoped.
+    snapshots: Informer
+    contents: Informer
+    snapshot_jobs: Informer
+    # What this controller made (label managed-by): worker and capture pods, and the SnapshotJobs' Jobs.
     pods: Informer
     jobs: Informer
     nodes: Informer
-    recorder: EventRecorder
+    # Mode dynamo-operator: the operator's pods of Dynamo components, which operator failover watches.
+    component_pods: Informer
     # The process's own config, not a copy: what the reconcilers read is what the file and flags said.
     settings: ControllerConfig = field(default_factory=ControllerConfig)
     # The version `dgds` reads and the status writes go to; its cache holds views (dgd_versions).
@@ -74,7 +93,7 @@ class Context:
     )
     dgd_seen_at: dict[str, float] = field(default_factory=dict)
     # DGD key -> the resourceVersion our last status write replaced. While the cache still holds that
-    # version, another status write could only conflict (see dgd_status.write_status).
+    # version, another status write could only conflict (see dynamo.dgd_status.write_status).
     status_written_over: dict[str, str] = field(default_factory=dict)
     # When each DGD's status was last written, to pace writes that carry no new generation.
     status_written_at: dict[str, float] = field(default_factory=dict)
@@ -89,6 +108,47 @@ class Context:
     def __post_init__(self) -> None:
         # One set of settings: the failover brakes read the same config as everything else.
         self.failover.settings = self.settings
+
+    @classmethod
+    def for_controller(cls, kube: Kube, config: ControllerConfig, dgd_version: DgdVersion) -> Context:
+        """Every informer the controller uses, in `config.namespace` (nodes and contents: cluster-wide);
+        none is started here (`Controller.informers` says which run in the install mode)."""
+        ns = config.namespace
+        managed = f"{protocol.LABEL_MANAGED_BY}={protocol.MANAGED_BY_VALUE}"
+        return cls(
+            kube=kube,
+            recorder=EventRecorder(kube, CONTROLLER_NAME),
+            dgds=_dgd_informer(kube, dgd_version, ns),
+            checkpoints=Informer(
+                kube, CHECKPOINT, namespace=ns, indexed_labels=[protocol.LABEL_CHECKPOINT_HASH]
+            ),
+            snapshots=Informer(kube, POD_SNAPSHOT, namespace=ns),
+            contents=Informer(kube, POD_SNAPSHOT_CONTENT),
+            # Their Jobs and pods come through the managed-by informers below.
+            snapshot_jobs=Informer(kube, SNAPSHOT_JOB, namespace=ns),
+            pods=Informer(
+                kube,
+                POD,
+                namespace=ns,
+                label_selector=managed,
+                indexed_labels=[
+                    protocol.LABEL_GRAPH,
+                    protocol.LABEL_CHECKPOINT_ID,
+                    protocol.LABEL_SNAPSHOT_JOB_UID,
+                ],
+            ),
+            jobs=Informer(kube, JOB, namespace=ns, label_selector=managed),
+            nodes=Informer(kube, NODE),
+            component_pods=Informer(
+                kube,
+                POD,
+                namespace=ns,
+                label_selector=protocol.LABEL_DYNAMO_COMPONENT,
+                indexed_labels=[protocol.LABEL_DYNAMO_GRAPH],
+            ),
+            settings=config,
+            dgd_version=dgd_version,
+        )
 
     def pods_of(self, namespace: str, graph: str, service: str | None = None) -> list[Obj]:
         return pods_of(self.pods, namespace, graph, service)
@@ -217,6 +277,16 @@ class Context:
             elapsed = time.monotonic() - seen
             for _ in range(pods):
                 SCALE_TO_POD.observe(elapsed)
+
+
+def _dgd_informer(kube: Kube, version: DgdVersion, namespace: str | None) -> Informer:
+    """DGDs at ``version``, cached as views (v1alpha1's shape), compacted like every cached object."""
+
+    def transform(obj: Obj) -> Obj:
+        (obj.get("metadata") or {}).pop("managedFields", None)
+        return compact(version.view(obj))
+
+    return Informer(kube, version.kind, namespace=namespace, transform=transform)
 
 
 def usable_by_dgd(ckpt: Obj, dgd_uid: str) -> bool:

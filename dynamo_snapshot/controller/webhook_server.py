@@ -28,8 +28,8 @@ from pydantic import ValidationError
 
 from dynamo_snapshot.api.admission import AdmissionRequest, AdmissionResponse, AdmissionReview, allow, deny
 from dynamo_snapshot.api.conditions import validation_message
-from dynamo_snapshot.controller.conversion_webhook import CONVERSION_PATH, handle_convert
-from dynamo_snapshot.controller.restore_mutation import Found, mutate, name_problem, requested_name
+from dynamo_snapshot.controller.dynamo.conversion_webhook import CONVERSION_PATH, handle_convert
+from dynamo_snapshot.controller.snapshot.restore_mutation import Found, mutate, name_problem, requested_name
 from dynamo_snapshot.kube import ApiError, Kube, Obj
 from dynamo_snapshot.kube.kinds import CHECKPOINT, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
 from dynamo_snapshot.kube.until_written import get_or_none

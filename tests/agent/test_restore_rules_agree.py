@@ -8,7 +8,7 @@ import pytest
 
 from dynamo_snapshot.agent.authorize import Refused, restore_grant
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.controller.restore_mutation import Found, mutate
+from dynamo_snapshot.controller.snapshot.restore_mutation import Found, mutate
 from tests.agent.test_authorize import _content, _snapshot, _target
 
 

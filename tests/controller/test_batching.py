@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from dynamo_snapshot.controller.batching import slow_start
+from dynamo_snapshot.controller.dynamo.batching import slow_start
 
 
 def test_batches_double_and_run_concurrently() -> None:

@@ -16,7 +16,7 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.conditions import now_rfc3339
 from dynamo_snapshot.api.podsnapshot import content_name
 from dynamo_snapshot.api.snapshotjob import SnapshotJobReason
-from dynamo_snapshot.controller.checkpoint_reconciler import LEGACY_CHECKPOINT_MESSAGE
+from dynamo_snapshot.controller.dynamo.checkpoint_reconciler import LEGACY_CHECKPOINT_MESSAGE
 from dynamo_snapshot.controller.podspec import owner_reference
 from dynamo_snapshot.kube import POD, ApiError, Obj, is_not_found
 from dynamo_snapshot.kube.kinds import CHECKPOINT, JOB, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT, SNAPSHOT_JOB

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.controller.checkpoint_reconciler import ready_status
+from dynamo_snapshot.controller.dynamo.checkpoint_reconciler import ready_status
 
 DIGEST = "b" * 64
 ARTIFACT = {"location": "/artifacts/ns/uid-1", "digest": DIGEST, "sizeBytes": 10}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import pytest
 import yaml
@@ -18,8 +18,8 @@ from dynamo_snapshot.cli.controller_cmd import build_controller
 from dynamo_snapshot.cli.main import build_parser
 from dynamo_snapshot.cli.service import load_settings
 from dynamo_snapshot.controller.config import ControllerConfig
-from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.kube import Kube
+from tests.helpers.controller_context import bare_context
 
 REPO = Path(__file__).resolve().parents[2]
 # Settings the shipped file sets on purpose to something other than the model's default.
@@ -46,8 +46,7 @@ def _subparser() -> argparse.ArgumentParser:
 
 def test_a_context_built_without_settings_has_the_controller_defaults() -> None:
     # Tests and benchmarks build a Context without settings: it must not carry defaults of its own.
-    unused = cast(Any, None)
-    ctx = Context(unused, unused, unused, unused, unused, unused, unused)
+    ctx = bare_context()
     assert ctx.settings == ControllerConfig()
 
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from typing import Any, cast
 
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointCompatibility
 from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.kube import Obj
+from tests.helpers.controller_context import bare_context
 
 
 class _Nodes:
@@ -33,8 +33,7 @@ def _node(name: str, product: str, *, ready: bool = True, cordoned: bool = False
 
 
 def _context(nodes: list[Obj]) -> Context:
-    unused = cast(Any, None)  # the node questions touch nothing else
-    return Context(unused, unused, unused, unused, unused, cast(Any, _Nodes(nodes)), unused)
+    return bare_context(nodes=_Nodes(nodes))  # the node questions touch nothing else
 
 
 def test_both_node_questions_count_only_ready_schedulable_nodes() -> None:

@@ -10,9 +10,9 @@ import pytest
 from prometheus_client import REGISTRY
 
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.controller import failover
 from dynamo_snapshot.controller.config import ControllerConfig
-from dynamo_snapshot.controller.failover import (
+from dynamo_snapshot.controller.failover import losses
+from dynamo_snapshot.controller.failover.losses import (
     Failover,
     TokenBucket,
     loss_cause,
@@ -251,7 +251,7 @@ class _Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
     fake = _Clock()
-    monkeypatch.setattr(failover.time, "monotonic", fake)
+    monkeypatch.setattr(losses.time, "monotonic", fake)
     return fake
 
 

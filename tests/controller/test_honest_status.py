@@ -9,12 +9,14 @@ import asyncio
 import copy
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from dynamo_snapshot.api import protocol
+from dynamo_snapshot.controller.dynamo.dgd_reconciler import DGDReconciler
 from dynamo_snapshot.kube import POD, Obj, ResourceKind
+from dynamo_snapshot.kube.kinds import DGD
 from dynamo_snapshot_dev.localcluster import LocalCluster
 from dynamo_snapshot_dev.localcluster.nodes import gpu_node_manifest
 from tests.api.examples import MANIFEST_DIR, load_manifest
@@ -293,7 +295,7 @@ async def test_a_quota_that_refuses_the_workers_is_a_condition_and_one_event_unt
     await eventually(lambda: _only(h, "vllm-disagg", {"Frontend": 1}))
 
     # Retried with backoff (1 s, 2 s, 4 s, ...), with one Event per service, not one per attempt.
-    reconciler = h.controller().dgd_reconciler
+    reconciler = cast(DGDReconciler, h.controller().reconcilers[DGD.kind])
     owner = (f"{h.namespace}/vllm-disagg", "VllmDecodeWorker")
     await eventually(lambda: _attempts(reconciler.refusals.current, owner, 3), within=20)
     events = await h.events("PodCreateRejected")

@@ -10,9 +10,9 @@ import pytest
 
 from dynamo_snapshot.api import conditions as cond
 from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment, ServiceSpec
-from dynamo_snapshot.controller.dgd_status import ServiceOutcome, dgd_status
+from dynamo_snapshot.controller.dynamo.dgd_status import ServiceOutcome, dgd_status
+from dynamo_snapshot.controller.dynamo.refusals import Refusal, refused
 from dynamo_snapshot.controller.podspec import cold_start_pod, unsupported
-from dynamo_snapshot.controller.refusals import Refusal, refused
 from dynamo_snapshot.kube import ApiError, Obj
 from tests.api.examples import MANIFEST_DIR, load_manifest
 

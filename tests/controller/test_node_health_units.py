@@ -11,8 +11,9 @@ from prometheus_client import REGISTRY
 
 from dynamo_snapshot.controller.config import ControllerConfig
 from dynamo_snapshot.controller.context import AVOIDED_NODES_MAX, Context
-from dynamo_snapshot.controller.failover import node_down
+from dynamo_snapshot.controller.failover.losses import node_down
 from dynamo_snapshot.kube import Obj
+from tests.helpers.controller_context import bare_context
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 
@@ -35,10 +36,7 @@ def _node(name: str, *, down_at: datetime | None = None, stamped: bool = True) -
 
 
 def _context(nodes: list[Obj], **settings: Any) -> Context:
-    unused = cast(Any, None)
-    return Context(
-        unused, unused, unused, unused, unused, cast(Any, _Nodes(nodes)), unused, ControllerConfig(**settings)
-    )
+    return bare_context(nodes=_Nodes(nodes), settings=ControllerConfig(**settings))
 
 
 @pytest.mark.parametrize(

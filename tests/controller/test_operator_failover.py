@@ -17,8 +17,8 @@ from kubernetes_asyncio import client
 
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.controller.config import ControllerConfig, InstallMode
+from dynamo_snapshot.controller.dynamo.operator_failover import LOST_WORKER_DELETED
 from dynamo_snapshot.controller.manager import Controller
-from dynamo_snapshot.controller.operator_failover import LOST_WORKER_DELETED
 from dynamo_snapshot.kube import EVENT, POD, Kube, Obj, controller_ref
 from dynamo_snapshot.kube.kinds import CHECKPOINT, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT, SNAPSHOT_JOB
 from dynamo_snapshot_dev.localcluster import LocalCluster

@@ -11,8 +11,8 @@ import pytest
 
 from dynamo_snapshot.api import conditions as cond
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.controller.operator_chain import Chain, checkpoint_of, next_pod_annotations
-from dynamo_snapshot.controller.worker_loss import Judgement, judge_loss
+from dynamo_snapshot.controller.dynamo.operator_chain import Chain, checkpoint_of, next_pod_annotations
+from dynamo_snapshot.controller.failover.worker_loss import Judgement, judge_loss
 from dynamo_snapshot.kube import Obj, ResourceKind
 from dynamo_snapshot.kube.kinds import CHECKPOINT, POD_SNAPSHOT, SNAPSHOT_JOB
 

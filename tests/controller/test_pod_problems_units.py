@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from dynamo_snapshot.api import conditions as cond
-from dynamo_snapshot.controller.dgd_status import ServiceOutcome, dgd_status
-from dynamo_snapshot.controller.pod_problems import (
+from dynamo_snapshot.controller.dynamo.dgd_status import ServiceOutcome, dgd_status
+from dynamo_snapshot.controller.dynamo.pod_problems import (
     CONFIG_ERROR,
     CONTAINER_START_FAILED,
     CRASH_LOOP,

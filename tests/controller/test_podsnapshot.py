@@ -16,7 +16,7 @@ import pytest
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.conditions import now_rfc3339
 from dynamo_snapshot.api.podsnapshot import PodSnapshotReason, content_name
-from dynamo_snapshot.controller.podsnapshot_reconciler import PENDING_MESSAGE, UNSCHEDULED_MESSAGE
+from dynamo_snapshot.controller.snapshot.podsnapshot_reconciler import PENDING_MESSAGE, UNSCHEDULED_MESSAGE
 from dynamo_snapshot.kube import POD, ApiError, Obj, is_not_found
 from dynamo_snapshot.kube.kinds import POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
 from tests.controller.conftest import Harness, eventually

@@ -16,7 +16,7 @@ from dynamo_snapshot.api.admission import AdmissionReview, allow, deny
 from dynamo_snapshot.api.checkpoint import DynamoCheckpoint
 from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment
 from dynamo_snapshot.controller.podspec import restore_pod
-from dynamo_snapshot.controller.restore_mutation import Found, Outcome, mutate
+from dynamo_snapshot.controller.snapshot.restore_mutation import Found, Outcome, mutate
 from tests.controller.conftest import IDENTITY, dgd_manifest
 
 Obj = dict[str, Any]

@@ -49,7 +49,7 @@ CONTROLLER_CLUSTER_SCOPED: set[Grant] = (
 )
 # Mode dynamo-operator: NVIDIA's Dynamo operator runs the DGDs, so the controller's ClusterRole grants no
 # DGD status and no owner references; it reads (get) the controller chain of a lost operator pod up to its
-# DGD (controller/operator_chain.py), and the autoscaler reads the DGDs and their scaling adapters and
+# DGD (controller/dynamo/operator_chain.py), and the autoscaler reads the DGDs and their scaling adapters and
 # writes replicas through an adapter's scale subresource, else the DGD (autoscale/targets.py).
 OPERATOR_CHAIN: set[Grant] = {
     ("apps", "replicasets", "*", "get"),

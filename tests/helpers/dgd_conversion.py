@@ -26,7 +26,7 @@ from aiohttp import web
 
 from dynamo_snapshot.api import crdgen
 from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment
-from dynamo_snapshot.controller.conversion_webhook import handle_convert
+from dynamo_snapshot.controller.dynamo.conversion_webhook import handle_convert
 from dynamo_snapshot.controller.webhook_server import CERT_FILE, CONVERSION_PATH, KEY_FILE, WebhookServer
 from dynamo_snapshot.kube import Kube
 from dynamo_snapshot_dev.localcluster import LocalCluster
@@ -112,8 +112,8 @@ async def every_version_served(
 
 @contextlib.contextmanager
 def _conversion_thread(certs: Certs) -> Iterator[int]:
-    """The conversion handler (controller/conversion_webhook.py) served over TLS on 127.0.0.1 by a thread
-    of its own; yields its port."""
+    """The conversion handler (controller/dynamo/conversion_webhook.py) served over TLS on 127.0.0.1 by a
+    thread of its own; yields its port."""
     started = threading.Event()
     state: dict[str, Any] = {}
     loop = asyncio.new_event_loop()

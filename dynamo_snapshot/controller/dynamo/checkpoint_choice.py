@@ -13,7 +13,7 @@ from dynamo_snapshot.api.conditions import validation_message
 from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment, ServiceSpec, checkpoint_identity
 from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_hash
 from dynamo_snapshot.controller.context import Context
-from dynamo_snapshot.controller.dgd_status import ServiceOutcome
+from dynamo_snapshot.controller.dynamo.dgd_status import ServiceOutcome
 from dynamo_snapshot.controller.podspec import auto_checkpoint_name, checkpoint_job_template, owner_reference
 from dynamo_snapshot.kube import NORMAL, WARNING, Obj, is_already_exists
 from dynamo_snapshot.kube.kinds import CHECKPOINT

@@ -1,5 +1,6 @@
 """Whether a worker pod is lost, with the node grace and the pause brake applied: the one judgement the
-controller's own DGD workers (worker_pods) and the Dynamo operator's pods (operator_failover) share."""
+controller's own DGD workers (dynamo.worker_pods) and the Dynamo operator's pods (dynamo.operator_failover)
+share."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
-from dynamo_snapshot.controller.failover import loss_cause
+from dynamo_snapshot.controller.failover.losses import loss_cause
 from dynamo_snapshot.kube import Obj
 
 

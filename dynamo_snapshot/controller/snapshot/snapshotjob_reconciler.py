@@ -26,14 +26,12 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.conditions import validation_message
 from dynamo_snapshot.api.podsnapshot import content_name
 from dynamo_snapshot.api.snapshotjob import SnapshotJob, SnapshotJobCondition, SnapshotJobReason
+from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.controller.podspec import snapshot_job_labels, snapshot_job_source
 from dynamo_snapshot.kube import (
     NORMAL,
     WARNING,
     ApiError,
-    EventRecorder,
-    Informer,
-    Kube,
     Obj,
     Result,
     controller_ref,
@@ -58,25 +56,16 @@ RECHECK_S = 1.0
 
 
 class SnapshotJobReconciler:
-    def __init__(
-        self,
-        kube: Kube,
-        snapshot_jobs: Informer,
-        jobs: Informer,
-        pods: Informer,
-        snapshots: Informer,
-        contents: Informer,
-        recorder: EventRecorder,
-    ) -> None:
-        """``pods`` must index protocol.LABEL_SNAPSHOT_JOB_UID; ``jobs`` and ``pods`` may select on the
-        managed-by label (the Job and its pod carry it)."""
-        self.kube = kube
-        self.snapshot_jobs = snapshot_jobs
-        self.jobs = jobs
-        self.pods = pods
-        self.snapshots = snapshots
-        self.contents = contents
-        self.recorder = recorder
+    def __init__(self, ctx: Context) -> None:
+        # ctx.pods indexes protocol.LABEL_SNAPSHOT_JOB_UID; ctx.jobs and ctx.pods select on the managed-by
+        # label (the Job and its pod carry it).
+        self.kube = ctx.kube
+        self.snapshot_jobs = ctx.snapshot_jobs
+        self.jobs = ctx.jobs
+        self.pods = ctx.pods
+        self.snapshots = ctx.snapshots
+        self.contents = ctx.contents
+        self.recorder = ctx.recorder
 
     async def reconcile(self, key: str) -> Result | None:
         obj = self.snapshot_jobs.get(key)

@@ -36,7 +36,6 @@ from dynamo_snapshot.kube import (
     NORMAL,
     WARNING,
     ApiError,
-    Informer,
     Obj,
     Result,
     controller_ref,
@@ -108,13 +107,11 @@ def _restore_under_way(pod: Obj) -> bool:
 
 
 class CheckpointReconciler:
-    def __init__(
-        self, ctx: Context, snapshot_jobs: Informer, snapshots: Informer, contents: Informer
-    ) -> None:
+    def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
-        self.snapshot_jobs = snapshot_jobs
-        self.snapshots = snapshots
-        self.contents = contents
+        self.snapshot_jobs = ctx.snapshot_jobs
+        self.snapshots = ctx.snapshots
+        self.contents = ctx.contents
 
     async def reconcile(self, key: str) -> Result | None:
         ctx = self.ctx

@@ -22,19 +22,24 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointPhase, DynamoCheckpoint
 from dynamo_snapshot.api.conditions import validation_message
 from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment, ServiceSpec
-from dynamo_snapshot.controller.checkpoint_choice import resolve_checkpoint
 from dynamo_snapshot.controller.context import Context
-from dynamo_snapshot.controller.dgd_status import ServiceOutcome, dgd_status, status_throttle, write_status
-from dynamo_snapshot.controller.failover import NO_COMPATIBLE_NODE, WAITING_FOR_NODE
-from dynamo_snapshot.controller.pod_problems import service_problems
-from dynamo_snapshot.controller.podspec import unsupported
-from dynamo_snapshot.controller.refusals import CreateHeldBack, Refusals, refusal_text, refused
-from dynamo_snapshot.controller.worker_pods import (
+from dynamo_snapshot.controller.dynamo.checkpoint_choice import resolve_checkpoint
+from dynamo_snapshot.controller.dynamo.dgd_status import (
+    ServiceOutcome,
+    dgd_status,
+    status_throttle,
+    write_status,
+)
+from dynamo_snapshot.controller.dynamo.pod_problems import service_problems
+from dynamo_snapshot.controller.dynamo.refusals import CreateHeldBack, Refusals, refusal_text, refused
+from dynamo_snapshot.controller.dynamo.worker_pods import (
     WorkerPods,
     restore_failed,
     scale_down_order,
     start_mode,
 )
+from dynamo_snapshot.controller.failover.losses import NO_COMPATIBLE_NODE, WAITING_FOR_NODE
+from dynamo_snapshot.controller.podspec import unsupported
 from dynamo_snapshot.kube import WARNING, ApiError, Obj, Result
 from dynamo_snapshot.kube.dgd_versions import DgdUnreadable
 from dynamo_snapshot.kube.pods import pod_active, pod_ready, unschedulable

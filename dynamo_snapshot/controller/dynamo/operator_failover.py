@@ -9,19 +9,19 @@ the checkpoint's name and kind (PodSnapshot, or the SnapshotJob producing one); 
 webhook (PodCheckpointRestoreMutator) turns each new pod of it into a restore pod (nvidia.com/restore-from)
 once that checkpoint is Ready, and mutates no pod on UPDATE. Where the PodSnapshots or DynamoCheckpoints
 are this project's, a template naming one in nvidia.com/restore-from is shaped by this project's restore
-webhook (restore_mutation) the same way. So only a new pod restores; what a lost worker gets without help
-is a cold start: the kubelet restarts a crashed container in place, and a pod on a dead node is replaced
-by its ReplicaSet only once the node lifecycle controller evicts it (after 300 s of NotReady) or a
-StatefulSet's only once the pod is gone.
+webhook (snapshot.restore_mutation) the same way. So only a new pod restores; what a lost worker gets
+without help is a cold start: the kubelet restarts a crashed container in place, and a pod on a dead node
+is replaced by its ReplicaSet only once the node lifecycle controller evicts it (after 300 s of NotReady)
+or a StatefulSet's only once the pod is gone.
 
-Mechanism: a lost worker (worker_loss.judge_loss, the judgement the controller's own DGD failover uses:
-pod Failed, crash-looping, its worker process gone, its node deleted, or NotReady past the node grace
-while failover is not paused) of an operator-made pod of a component whose next pod restores from a
+Mechanism: a lost worker (failover.worker_loss.judge_loss, the judgement the controller's own DGD
+failover uses: pod Failed, crash-looping, its worker process gone, its node deleted, or NotReady past the
+node grace while failover is not paused) of an operator-made pod of a component whose next pod restores from a
 Ready checkpoint of the pod's own namespace is deleted, with its UID as precondition and no grace, so
 that its owner creates the new pod at once and the admission path makes it a restore pod. Nothing else
 is acted on: a pod whose controller chain does not lead to its DGD (operator_chain.controller_chain), or
 whose component's next pod would not restore from a Ready checkpoint of its namespace, is left alone.
-Deletions draw from failover.Failover's per-component and cluster token buckets and wait out its
+Deletions draw from failover.losses.Failover's per-component and cluster token buckets and wait out its
 crash-loop backoff; its FailoverPaused, CrashLoopBackOff and WorkerLost Events go to the pod's DGD, and
 its metrics count the losses, the time to the owner's new pod and to that pod being Ready.
 """
@@ -39,25 +39,24 @@ from prometheus_client import Counter
 
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.controller.context import Context
-from dynamo_snapshot.controller.failover import (
+from dynamo_snapshot.controller.dynamo.operator_chain import (
+    Chain,
+    checkpoint_of,
+    controller_chain,
+    next_pod_annotations,
+)
+from dynamo_snapshot.controller.failover.losses import (
     FAILOVER_PAUSED,
     WORKER_LOST,
     Failover,
     node_healthy,
     worker_lifetime,
 )
-from dynamo_snapshot.controller.operator_chain import (
-    Chain,
-    checkpoint_of,
-    controller_chain,
-    next_pod_annotations,
-)
-from dynamo_snapshot.controller.worker_loss import judge_loss
+from dynamo_snapshot.controller.failover.worker_loss import judge_loss
 from dynamo_snapshot.kube import (
     DELETED,
     NORMAL,
     WARNING,
-    Informer,
     Obj,
     ResourceKind,
     Result,
@@ -106,19 +105,13 @@ class OperatorFailover:
     """Watches the pods labelled nvidia.com/dynamo-component (one component per queue key) and deletes
     the lost ones that may be failed over by restore. Runs only while the controller leads."""
 
-    def __init__(self, ctx: Context, snapshots: Informer, snapshot_jobs: Informer) -> None:
+    def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
-        self.snapshots = snapshots
-        self.snapshot_jobs = snapshot_jobs
-        cfg = ctx.settings
-        self.pods = Informer(
-            ctx.kube,
-            POD,
-            namespace=cfg.namespace,
-            label_selector=protocol.LABEL_DYNAMO_COMPONENT,
-            indexed_labels=[protocol.LABEL_DYNAMO_GRAPH],
-        )
-        self.failover = Failover(settings=cfg, wake=self._wake)
+        self.snapshots = ctx.snapshots
+        self.snapshot_jobs = ctx.snapshot_jobs
+        # Labelled nvidia.com/dynamo-component, indexed by nvidia.com/dynamo-graph-deployment-name.
+        self.pods = ctx.component_pods
+        self.failover = Failover(settings=ctx.settings, wake=self._wake)
         # Lost pods deleted whose owner has not made their successor yet: name -> (creator UID, when).
         self.deleted: dict[Owner, dict[str, tuple[str, float]]] = defaultdict(dict)
         # The DGD last seen for each component, for the Events that say a state ended.

@@ -20,12 +20,10 @@ from dynamo_snapshot.api import conditions as cond
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.conditions import validation_message
 from dynamo_snapshot.api.podsnapshot import PodSnapshot, PodSnapshotReason, content_name
+from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.kube import (
     NORMAL,
     WARNING,
-    EventRecorder,
-    Informer,
-    Kube,
     Obj,
     Result,
     is_already_exists,
@@ -40,26 +38,15 @@ PENDING_MESSAGE = "Waiting for node agent to capture the checkpoint"
 UNSCHEDULED_MESSAGE = "Waiting for the source pod to be scheduled"
 # How soon an unscheduled source pod, and a content being deleted, are looked at again.
 RECHECK_S = 1.0
-# How long a bound content may wait for its node's agent to take it up (a pod on a node without one):
-# ControllerConfig.snapshot_pickup_timeout_seconds.
-DEFAULT_PICKUP_TIMEOUT_S = 60.0
 
 
 class PodSnapshotReconciler:
-    def __init__(
-        self,
-        kube: Kube,
-        snapshots: Informer,
-        contents: Informer,
-        recorder: EventRecorder,
-        *,
-        pickup_timeout_s: float = DEFAULT_PICKUP_TIMEOUT_S,
-    ) -> None:
-        self.kube = kube
-        self.snapshots = snapshots
-        self.contents = contents
-        self.recorder = recorder
-        self.pickup_timeout_s = pickup_timeout_s
+    def __init__(self, ctx: Context) -> None:
+        self.kube = ctx.kube
+        self.snapshots = ctx.snapshots
+        self.contents = ctx.contents
+        self.recorder = ctx.recorder
+        self.pickup_timeout_s = ctx.settings.snapshot_pickup_timeout_seconds
 
     async def reconcile(self, key: str) -> Result | None:
         obj = self.snapshots.get(key)

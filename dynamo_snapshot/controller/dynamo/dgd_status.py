@@ -11,7 +11,7 @@ from typing import Any
 from dynamo_snapshot.api import conditions as cond
 from dynamo_snapshot.api.graphdeployment import DGDState
 from dynamo_snapshot.controller.context import Context
-from dynamo_snapshot.controller.refusals import Refusal, Refusals, refusal_text, refused
+from dynamo_snapshot.controller.dynamo.refusals import Refusal, Refusals, refusal_text, refused
 from dynamo_snapshot.kube import Obj, is_conflict, is_not_found
 
 log = logging.getLogger(__name__)

@@ -10,13 +10,13 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import DynamoCheckpoint
 from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment
 from dynamo_snapshot.api.restore_request import restore_from
-from dynamo_snapshot.controller.batching import slow_start
-from dynamo_snapshot.controller.checkpoint_reconciler import agent_verdict
 from dynamo_snapshot.controller.context import PODS_CREATED, Context
-from dynamo_snapshot.controller.failover import WORKER_LOST, worker_lifetime
+from dynamo_snapshot.controller.dynamo.batching import slow_start
+from dynamo_snapshot.controller.dynamo.checkpoint_reconciler import agent_verdict
+from dynamo_snapshot.controller.dynamo.refusals import CreateHeldBack, Refusals, refusal_text, refused
+from dynamo_snapshot.controller.failover.losses import WORKER_LOST, worker_lifetime
+from dynamo_snapshot.controller.failover.worker_loss import judge_loss
 from dynamo_snapshot.controller.podspec import cold_start_pod, keep_off_nodes, pod_name_prefix, restore_pod
-from dynamo_snapshot.controller.refusals import CreateHeldBack, Refusals, refusal_text, refused
-from dynamo_snapshot.controller.worker_loss import judge_loss
 from dynamo_snapshot.kube import (
     NORMAL,
     WARNING,
