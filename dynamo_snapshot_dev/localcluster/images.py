@@ -57,9 +57,14 @@ WORKER_REPOSITORY = "localhost/dynamo-snapshot/worker"
 WORKER_PYTHON = Path("/usr/bin/python3.11")
 WORKER_STDLIB = Path("/usr/lib/python3.11")
 WORKER_DIST_PACKAGES = "usr/lib/python3/dist-packages"
-# What manylinux wheels' compiled modules may expect from the system besides libc (PEP 600): C++ modules
-# (NVIDIA Dynamo's runtime, for one) need these, which the interpreter itself does not pull in.
-MANYLINUX_SYSTEM_LIBS = ("libstdc++.so.6", "libgcc_s.so.1")
+# What manylinux wheels' compiled modules may expect from the system besides libc (PEP 600's list, the
+# libraries every glibc system has): C++ modules (NVIDIA Dynamo's runtime, for one) need libstdc++, and
+# modules linked against an older glibc name its split-out parts (uvloop, in Dynamo's packages: librt),
+# which the interpreter itself does not pull in.
+MANYLINUX_SYSTEM_LIBS = (
+    "libstdc++.so.6", "libgcc_s.so.1", "libm.so.6", "libdl.so.2", "librt.so.1", "libpthread.so.0",
+    "libutil.so.1",
+)  # fmt: skip
 SYSTEM_LIB_DIRS = ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64")
 WORKER_SCRIPT = Path("examples/reference_worker/cpu_worker.py")
 WORKER_ENTRYPOINT = ("/usr/bin/python3.11", "/app/cpu_worker.py")
