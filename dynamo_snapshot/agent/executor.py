@@ -292,7 +292,10 @@ class Executor(Node):
         await asyncio.gather(*self.fills.values(), return_exceptions=True)
 
     async def aclose(self) -> None:
-        """Stop the node cache copies in progress (an unfinished copy is never published)."""
-        for task in self.fills.values():
+        """Stop the node cache copies in progress (an unfinished copy is never published) and the checks
+        begun ahead of restores."""
+        ahead = list(self.checks_ahead)
+        for task in [*self.fills.values(), *ahead]:
             task.cancel()
+        await asyncio.gather(*ahead, return_exceptions=True)
         await self.wait_cache_fills()
