@@ -169,13 +169,24 @@ def page_stats(path: Path, page: int = 4096, sample_every: int = 8) -> dict[str,
 _LOG_LINE = re.compile(r"^\((\d+\.\d+)\)\s?(.*)$")
 
 
-def log_gaps(log: Path, top: int = 8) -> list[list[Any]]:
-    """The longest waits inside CRIU's own log: [seconds before the line, the line], longest first."""
+def _stamped(log: Path) -> list[tuple[float, str]]:
+    """CRIU's log lines with their timestamps (seconds since CRIU started); none where it is unreadable."""
     try:
         lines = log.read_text(errors="replace").splitlines()
     except OSError:
         return []
-    stamped = [(float(m.group(1)), m.group(2)) for line in lines if (m := _LOG_LINE.match(line))]
+    return [(float(m.group(1)), m.group(2)) for line in lines if (m := _LOG_LINE.match(line))]
+
+
+def log_span(log: Path) -> float | None:
+    """Seconds from CRIU's first logged line to its last; None for a log without any."""
+    stamped = _stamped(log)
+    return round(stamped[-1][0] - stamped[0][0], 3) if stamped else None
+
+
+def log_gaps(log: Path, top: int = 8) -> list[list[Any]]:
+    """The longest waits inside CRIU's own log: [seconds before the line, the line], longest first."""
+    stamped = _stamped(log)
     gaps = [[round(b[0] - a[0], 4), b[1][:160]] for a, b in itertools.pairwise(stamped)]
     return sorted(gaps, key=lambda g: -g[0])[:top]
 

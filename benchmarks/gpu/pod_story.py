@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import signal
 import sys
 import time
@@ -41,7 +40,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.gpu.host import log_gaps  # noqa: E402
+from benchmarks.gpu.host import log_gaps, log_span  # noqa: E402
 from dynamo_snapshot.agent.watcher import NodeAgent  # noqa: E402
 from dynamo_snapshot.api import protocol  # noqa: E402
 from dynamo_snapshot.cli import agent_cmd  # noqa: E402
@@ -532,14 +531,7 @@ class Story:
         the process-path restore's (the baseline's `criu_log_gaps`)."""
         found: dict[str, Any] = {}
         for log in sorted((self.work / "agent").rglob("restore/restore.log")):
-            stamps = [
-                float(m.group(1))
-                for m in re.finditer(r"^\((\d+\.\d+)\)", log.read_text(errors="replace"), re.M)
-            ]
-            found[log.parent.parent.name] = {
-                "logged_s": round(stamps[-1] - stamps[0], 3) if stamps else None,
-                "gaps": log_gaps(log),
-            }
+            found[log.parent.parent.name] = {"logged_s": log_span(log), "gaps": log_gaps(log)}
         return found
 
     def _one(self, mode: str, *, answered: bool) -> PodTimes | None:

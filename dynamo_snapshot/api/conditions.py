@@ -8,6 +8,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from dynamo_snapshot.api.views import ObjectView
+
 READY = "Ready"
 CHECKPOINT_READY = "CheckpointReady"
 PROGRESSING = "Progressing"
@@ -60,15 +62,11 @@ def set_condition(
 
 def find_condition(obj: dict[str, Any], type_: str) -> dict[str, Any] | None:
     """The object's condition of ``type_`` (from ``status.conditions``), or None."""
-    for c in (obj.get("status") or {}).get("conditions") or []:
-        if c.get("type") == type_:
-            found: dict[str, Any] = c
-            return found
-    return None
+    return ObjectView(obj).condition(type_) or None
 
 
 def is_true(obj: dict[str, Any], type_: str) -> bool:
-    return (find_condition(obj, type_) or {}).get("status") == "True"
+    return ObjectView(obj).condition_true(type_)
 
 
 def set_outcome(

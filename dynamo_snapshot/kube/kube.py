@@ -23,6 +23,8 @@ from typing import Any, Final, TypeVar
 from kubernetes_asyncio import client as k8s_client
 from kubernetes_asyncio import config as k8s_config
 
+from dynamo_snapshot.api.views import Meta
+
 log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
@@ -541,7 +543,4 @@ def object_key(obj: Mapping[str, Any]) -> str:
 
 def controller_ref(obj: Mapping[str, Any]) -> dict[str, str] | None:
     """The object's controller ownerReference (its string fields), or None: what manages it."""
-    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
-        if ref.get("controller"):
-            return {k: v for k, v in ref.items() if isinstance(v, str)}
-    return None
+    return Meta(obj).controller
