@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -41,6 +42,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.gpu.host import log_gaps, log_span  # noqa: E402
+from benchmarks.gpu.story_wrong_gpu import artifact_from_another_gpu  # noqa: E402
 from dynamo_snapshot.agent.watcher import NodeAgent  # noqa: E402
 from dynamo_snapshot.api import protocol  # noqa: E402
 from dynamo_snapshot.cli import agent_cmd  # noqa: E402
@@ -186,15 +188,19 @@ class Story:
     # ------------------------------------------------------------------ bring-up
     async def start(self) -> None:
         t = time.monotonic()
+        # A story is one fresh cluster: what an earlier run left (its etcd, its artifacts) would be read
+        # back as this run's state.
+        await asyncio.to_thread(shutil.rmtree, self.work, True)
         self.cluster = LocalCluster(self.work / "cluster", options=ClusterOptions())
         await asyncio.to_thread(self.cluster.start, progress=say)
         await asyncio.to_thread(self.cluster.install_crds)
         self.cluster.kubectl("create", "namespace", NAMESPACE)
         self.phase("control_plane", t)
         t = time.monotonic()
-        # One GPU shared by the cold pod, the SnapshotJob's pod and the restores (time-slicing).
+        # One GPU shared by the cold pod, the SnapshotJob's pod, the restores and the bad inputs' pods
+        # (time-slicing).
         gpu = self.args.worker == "gpu"
-        options = RealNodeOptions(gpus=gpu, gpu_replicas=self.args.replicas + 2 if gpu else 1)
+        options = RealNodeOptions(gpus=gpu, gpu_replicas=self.args.replicas + 3 if gpu else 1)
         self.node = await asyncio.to_thread(self.cluster.start_real_node, options, timeout=300, progress=say)
         self.results["node"] = {"gpus": self.node.gpus, "cgroup": str(self.node.facts.cgroup_version)}
         self.phase("real_node", t)
@@ -467,9 +473,19 @@ class Story:
         }
         self.results["criu_restore_log_gaps"] = self._criu_restore_logs()
         self.phase("failover", t)
+        bad = self.results["bad_inputs"] = {}
         if self.args.worker == "gpu":
-            self.results["bad_inputs"] = {"restore_pod_without_gpu": await self.restore_without_gpu(new.name)}
+            bad["restore_pod_without_gpu"] = await self.restore_without_gpu(new.name)
             self.save()
+        bad["artifact_from_another_gpu"] = await artifact_from_another_gpu(
+            self.cluster,
+            self.work / "artifacts",
+            NAMESPACE,
+            lambda: dgds.set_replicas(GRAPH, NAMESPACE, SERVICE, self.args.replicas + 1),
+            lambda: self.pods,
+        )
+        say(f"artifact from another GPU: {bad['artifact_from_another_gpu']}")
+        self.save()
 
     async def restore_without_gpu(self, like: str) -> dict[str, Any]:
         """A restore pod like ``like`` (the same checkpoint, node and image) that asks for no GPU: the agent
