@@ -62,6 +62,9 @@ class IsolatedRuntime(ProcessRuntime):
         super().__init__(control_root, criu)
         self.placeholders: dict[str, tuple[asyncio.subprocess.Process, int]] = {}
 
+    async def prepare_restore(self, key: str, images_dir: Path) -> None:
+        return None  # the tree comes back onto the host's own files
+
     async def restore(self, key: str, images_dir: Path, source_control_dir: str | None) -> Workload:
         return await self._restore(key, images_dir, source_control_dir, stopped=False)
 

@@ -84,6 +84,7 @@ class PodTimes:
     selftest_identical: bool | None = None  # the restored worker's own check against its checkpoint
     restored_condition: str | None = None
     restore_timings: dict[str, float] = field(default_factory=dict)
+    resume: dict[str, Any] = field(default_factory=dict)  # the restored worker's own account
     gone: float | None = None
     # When the story's 50 ms poll first saw each step of the pod's start (monotonic): where the time
     # between the pod's creation and the agent's restore goes.
@@ -107,6 +108,7 @@ class PodTimes:
             "selftest_identical": self.selftest_identical,
             "restored_condition": self.restored_condition,
             "restore_phases": self.restore_timings,
+            "resume": self.resume,
             "timeline_s": {
                 k: self.since_seen(v) for k, v in sorted(self.steps.items(), key=lambda kv: kv[1])
             },
@@ -598,6 +600,7 @@ class Story:
         while time.monotonic() < deadline:
             with contextlib.suppress(OSError, ValueError):
                 doc = json.loads(await asyncio.to_thread(path.read_text))
+                self.pods[pod_name].resume = _resume_summary(doc)
                 return bool(doc.get("selftest_identical"))
             await asyncio.sleep(0.2)
         return None
@@ -622,6 +625,23 @@ class Story:
             await self._api.close()
         if self.cluster is not None:
             await asyncio.to_thread(self.cluster.stop)
+
+
+def _resume_summary(doc: dict[str, Any]) -> dict[str, Any]:
+    """From the reference worker's resume.json: how long it took to wake after the agent wrote
+    restore-complete (both clocks are the node's), and its reacquire of GPU memory and weights load."""
+    offload = doc.get("offload") or {}
+    resume_s = offload.get("resume_seconds")
+    loads = offload.get("loaded") or []
+    woke = None
+    if isinstance(resume_s, float) and isinstance(doc.get("restore_complete_at"), float):
+        woke = round(doc["resumed_at"] - resume_s - doc["restore_complete_at"], 4)
+    return {
+        "wake_s": woke,
+        "resume_s": resume_s,
+        "weights_load": [{k: w.get(k) for k in ("seconds", "gbps", "threads", "direct")} for w in loads],
+        "resumed_to_ready_s": round(doc["ready_at"] - doc["resumed_at"], 4) if "ready_at" in doc else None,
+    }
 
 
 def _mode(pod: Obj) -> str:

@@ -298,12 +298,17 @@ class RestoreRun:
         ctl = self.node.runtime.control_dir(self.key)
         for stale in (protocol.FILE_RESTORE_COMPLETE, protocol.FILE_SNAPSHOT_COMPLETE):
             await asyncio.to_thread((ctl / stale).unlink, missing_ok=True)
-        source_ctl = self.artifact.manifest.extra.get("control_dir")
+        recorded = self.artifact.manifest.extra.get("control_dir")
+        source_ctl = recorded if isinstance(recorded, str) else None
+        images = staged or self.artifact.path / "criu"
+        with self.timings.phase("restore", "writable_layer"):
+            try:
+                await self.node.runtime.prepare_restore(self.key, images)
+            except WorkloadRuntimeError as e:
+                raise AgentError(f"CRIU restore failed: {e}") from None
         with self.timings.phase("restore", "criu_restore"):
             try:
-                workload = await self.criu_restore(
-                    staged or self.artifact.path / "criu", source_ctl if isinstance(source_ctl, str) else None
-                )
+                workload = await self.criu_restore(images, source_ctl)
             except WorkloadRuntimeError as e:
                 raise AgentError(f"CRIU restore failed: {e}") from None
             finally:
@@ -341,7 +346,8 @@ class RestoreRun:
         if check is not None and not pending:
             self.verified_bytes += await _weights_verdict(check, verdict if early else None, self.timings)
         if self.weights:
-            await asyncio.to_thread(self._place_weights, workload)
+            with self.timings.phase("restore", "place_weights"):
+                await asyncio.to_thread(self._place_weights, workload)
         # A worker restored here later must not find this restore's go-ahead.
         undo.push_async_callback(_withdraw_go_ahead, workload.control_dir)
         with self.timings.phase("restore", "signal"):

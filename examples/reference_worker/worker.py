@@ -1319,6 +1319,10 @@ def checkpoint(
             handshake.control_dir / RESUME_FILE,
             {
                 "resumed_at": resumed_at,
+                # The agent's clock when it wrote restore-complete: how long the worker took to wake.
+                "restore_complete_at": (info.content or {}).get("restoredAt")
+                if isinstance(info.content, dict)
+                else None,
                 "restored": info.restored,
                 "pod_name": info.pod_name,
                 "waited_s": info.waited_s,

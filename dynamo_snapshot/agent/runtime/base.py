@@ -75,6 +75,12 @@ class Runtime(Protocol):
         """CRIU-dump the workload's whole process tree into `images_dir`; returns seconds. Kills it."""
         ...
 
+    async def prepare_restore(self, key: str, images_dir: Path) -> None:
+        """Put into the restore's target what the dumped tree needs there besides CRIU's images (a
+        container's writable layer: files the worker wrote, some of them mapped); nothing where the target
+        needs none. Called once before ``restore``, on images already verified."""
+        ...
+
     async def restore(self, key: str, images_dir: Path, source_control_dir: str | None) -> Workload:
         """Restore a dumped tree as workload `key`; returns once the processes exist (not yet resumed
         past the CUDA lock)."""

@@ -118,6 +118,7 @@ class _Attached:
     image_id: str | None
     restored_pid: int | None = None
     restored_start: int | None = None
+    layer_applied: bool = False
 
 
 class ContainerdRuntime:
@@ -317,19 +318,12 @@ class ContainerdRuntime:
         return time.monotonic() - started
 
     # ------------------------------------------------------------------ restore
-    async def restore(self, key: str, images_dir: Path, source_control_dir: str | None) -> Workload:
+    async def prepare_restore(self, key: str, images_dir: Path) -> None:
+        """The checkpointed container's writable layer onto the restore container's root filesystem."""
         attached = self._get(key)
         target = attached.container
         if not pid_running(target.pid):
             raise WorkloadRuntimeError(f"restore container {target.id[:12]} stopped before the restore")
-        try:
-            meta = json.loads(await asyncio.to_thread((images_dir / CONTAINER_META).read_text))
-        except (OSError, ValueError) as e:
-            raise WorkloadRuntimeError(f"checkpoint lacks its container description: {e}") from None
-        cgroups = await asyncio.to_thread(self._cgroups, target)
-        external = [str(d) for d in meta.get("externalMounts") or []]
-        mounts = _restore_mounts(target, external, cgroups, self.cgroup_root)
-        phases = self.restore_phases[key] = {}
         started = time.monotonic()
         try:
             await asyncio.to_thread(
@@ -340,7 +334,24 @@ class ContainerdRuntime:
             )
         except (RootfsDiffError, OSError) as e:
             raise WorkloadRuntimeError(f"writable layer not applied: {e}") from None
-        phases["rootfs_diff"] = time.monotonic() - started
+        attached.layer_applied = True
+        self.restore_phases.setdefault(key, {})["rootfs_diff"] = time.monotonic() - started
+
+    async def restore(self, key: str, images_dir: Path, source_control_dir: str | None) -> Workload:
+        attached = self._get(key)
+        if not attached.layer_applied:
+            await self.prepare_restore(key, images_dir)
+        target = attached.container
+        if not pid_running(target.pid):
+            raise WorkloadRuntimeError(f"restore container {target.id[:12]} stopped before the restore")
+        try:
+            meta = json.loads(await asyncio.to_thread((images_dir / CONTAINER_META).read_text))
+        except (OSError, ValueError) as e:
+            raise WorkloadRuntimeError(f"checkpoint lacks its container description: {e}") from None
+        cgroups = await asyncio.to_thread(self._cgroups, target)
+        external = [str(d) for d in meta.get("externalMounts") or []]
+        mounts = _restore_mounts(target, external, cgroups, self.cgroup_root)
+        phases = self.restore_phases.setdefault(key, {})
         # CRIU writes the checkpointed host and domain names into the UTS namespace it joins: the
         # pod's, which must keep its own.
         names = await asyncio.to_thread(uts_names, target.pid)

@@ -103,6 +103,9 @@ class ProcessRuntime:
         await _reap(workload.pid)
         return result.seconds
 
+    async def prepare_restore(self, key: str, images_dir: Path) -> None:
+        return None  # the tree comes back onto the host's own files
+
     async def restore(self, key: str, images_dir: Path, source_control_dir: str | None) -> Workload:
         if not source_control_dir:
             raise WorkloadRuntimeError("artifact does not record the source control dir")
