@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -193,6 +194,12 @@ class Story:
         # A story is one fresh cluster: what an earlier run left (its etcd, its artifacts) would be read
         # back as this run's state.
         await asyncio.to_thread(shutil.rmtree, self.work, True)
+        self.work.mkdir(parents=True)
+        # The in-process controller's and agent's own account, for the run's logs.
+        handler = logging.FileHandler(self.work / "controller-and-agent.log")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        logging.getLogger("dynamo_snapshot").addHandler(handler)
+        logging.getLogger("dynamo_snapshot").setLevel(logging.INFO)
         self.cluster = LocalCluster(self.work / "cluster", options=ClusterOptions())
         await asyncio.to_thread(self.cluster.start, progress=say)
         await asyncio.to_thread(self.cluster.install_crds)
@@ -413,6 +420,7 @@ class Story:
         self.phase("cold_pod_answers", t)
         await self.until("the checkpoint to be Ready", self._checkpoint_ready, self.args.cold_timeout)
         self.results["checkpoint_ready_after_apply_s"] = round(time.monotonic() - t, 2)
+        self.results["artifact_files"] = self._artifact_files()
         self.save()
         say("checkpoint Ready")
 
@@ -551,6 +559,15 @@ class Story:
         for log in sorted((self.work / "agent").rglob("restore/restore.log")):
             found[log.parent.parent.name] = {"logged_s": log_span(log), "gaps": log_gaps(log)}
         return found
+
+    def _artifact_files(self) -> dict[str, int]:
+        """The checkpoint's files and their sizes, largest first (the writable layer's diff among them)."""
+        sizes = {
+            str(f.relative_to(self.work / "artifacts")): f.stat().st_size
+            for f in (self.work / "artifacts").rglob("*")
+            if f.is_file()
+        }
+        return dict(sorted(sizes.items(), key=lambda kv: -kv[1])[:12])
 
     def _one(self, mode: str, *, answered: bool) -> PodTimes | None:
         return next(
