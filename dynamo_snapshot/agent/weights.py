@@ -7,7 +7,8 @@ hard-links (or, across filesystems, copies) each file into the artifact under `w
 image holds process state only and the weights are sealed with the artifact's chunk digests. At restore
 the agent checks each file's size and header against the artifact before anything starts, verifies
 its chunk digests while CRIU restores the process (the same parallel read fills the page cache the
-worker then loads from), and links it back to the path the worker recorded before the worker resumes.
+worker then loads from), and links it (or, across mounts, copies it through the page cache) back to the
+path the worker recorded before the worker resumes.
 
 Every path here comes from the worker (weights.json, and the manifest's record of it), so each is
 resolved beneath the control directory's descriptor, never through a link, a `..` or a mount point
@@ -271,7 +272,7 @@ def _place(artifact_file: Path, directory: int, name: str, weights: CarriedWeigh
                 raise
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=directory)
             try:
-                copy_file(artifact_file, fd_path(fd))
+                _copy_into(artifact_file, fd)
             finally:
                 os.close(fd)
         os.replace(tmp, name, src_dir_fd=directory, dst_dir_fd=directory)
@@ -279,6 +280,37 @@ def _place(artifact_file: Path, directory: int, name: str, weights: CarriedWeigh
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=directory)
         raise
+
+
+# What copy_file_range says where it cannot copy between these two files (older kernels across mount
+# points, some file systems): the copy goes through user space instead.
+_NO_KERNEL_COPY = (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
+
+
+def _copy_into(artifact_file: Path, fd: int) -> None:
+    """The artifact's weights into the worker's new, empty file ``fd``, through the page cache.
+
+    A restore pod's control dir is another mount than the artifact store (the kubelet's directory is a
+    shared mount of its own), so the link fails across it even on one file system. The kernel copies
+    (or, where the file system shares extents, clones) with copy_file_range, from the pages the weights
+    check just read, and the worker then loads from memory. Not synced: the copy lives as long as the
+    pod's directory, and a crash loses the pod too."""
+    with open(artifact_file, "rb") as src:
+        size = os.fstat(src.fileno()).st_size
+        done = 0
+        try:
+            while done < size:
+                n = os.copy_file_range(src.fileno(), fd, size - done)
+                if n == 0:
+                    break
+                done += n
+        except OSError as e:
+            if e.errno not in _NO_KERNEL_COPY or done:
+                raise
+            copy_file(artifact_file, fd_path(fd), direct=False, fsync=False)
+            return
+    if done != size:
+        raise WeightsPlacementError(f"{artifact_file} ended after {done} of its {size} bytes")
 
 
 def _digest_of(directory: int, name: str) -> str | None:

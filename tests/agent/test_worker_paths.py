@@ -6,8 +6,10 @@ as they were."""
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
+import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
@@ -26,6 +28,7 @@ from dynamo_snapshot.agent.weights import (
     read_offload,
 )
 from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_hash
+from dynamo_snapshot.fileio.pagecache import page_cache_fraction
 from dynamo_snapshot.workload.weights import (
     OffloadManifest,
     WeightsFile,
@@ -234,6 +237,49 @@ def test_restore_links_into_fresh_directories(pod: tuple[Path, Path, bytes, str]
     place_weights(artifact, target, CarriedWeights("/ctl/deep/weights/m.dsw", "f", digest, 0))
     assert sorted(p.name for p in (ctl / "deep" / "weights").iterdir()) == ["m.dsw"]
     assert target == WorkerFile(ctl, PurePosixPath("deep/weights/m.dsw"))
+
+
+def _copied_into(ctl: Path, artifact: Path, digest: str) -> Path:
+    target = locate("/ctl/weights/m.dsw", "/ctl", ctl, host_process=False)
+    place_weights(artifact, target, CarriedWeights("/ctl/weights/m.dsw", "f", digest, 0))
+    placed = ctl / "weights" / "m.dsw"
+    assert not os.path.samefile(placed, artifact)
+    assert placed.read_bytes() == artifact.read_bytes()
+    assert placed.stat().st_nlink == 1
+    assert artifact.stat().st_nlink == 1
+    # The worker loads the copy from memory (buffered), not back from the disk.
+    assert page_cache_fraction(placed) == 1.0
+    return placed
+
+
+def test_restore_copies_across_file_systems(pod: tuple[Path, Path, bytes, str]) -> None:
+    """An artifact store on another file system: the link fails, and the copy goes through user space."""
+    ctl, _, _, _ = pod
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or os.stat(shm).st_dev == os.stat(ctl).st_dev:
+        pytest.skip("no /dev/shm on another file system than the test's directory")
+    ours, digest = _weights_bytes(9)
+    with tempfile.TemporaryDirectory(dir=shm) as store:
+        artifact = Path(store) / "artifact-file.dsw"
+        artifact.write_bytes(ours)
+        _copied_into(ctl, artifact, digest)
+
+
+def test_restore_copies_across_mounts_of_one_file_system(
+    pod: tuple[Path, Path, bytes, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kubelet's directory is a mount of its own, so link(2) answers EXDEV on one file system too
+    (made to answer so here); the kernel copies with copy_file_range."""
+    ctl, _, _, _ = pod
+    ours, digest = _weights_bytes(9)
+    artifact = tmp_path / "artifact-file.dsw"
+    artifact.write_bytes(ours)
+
+    def across_mounts(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+
+    monkeypatch.setattr(os, "link", across_mounts)
+    _copied_into(ctl, artifact, digest)
 
 
 # ---------------------------------------------------------------- through the Executor, with real CRIU
