@@ -299,10 +299,7 @@ def _unschedulable(node: Obj) -> bool:
 
 
 def node_ready(node: Obj) -> bool:
-    conds = ObjectView(node).conditions
-    return not _unschedulable(node) and any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in conds
-    )
+    return not _unschedulable(node) and ObjectView(node).condition_true("Ready")
 
 
 def node_fits(node: Obj, compat: CheckpointCompatibility | None) -> bool:

@@ -129,19 +129,20 @@ class PodSnapshotReconciler:
         """The PodSnapshot says what its content says: Ready, Failed (terminal), or still pending."""
         view = PodSnapshotView(obj)
         status = dict(view.status)
-        status["boundSnapshotContentName"] = Meta(content).name
+        bound = PodSnapshotContentView(content)
+        status["boundSnapshotContentName"] = bound.meta.name
         generation = view.meta.generation
-        ready, failed = cond.find_condition(content, cond.READY), cond.find_condition(content, cond.FAILED)
-        if failed is not None and failed.get("status") == "True":
+        ready, failed = bound.condition(cond.READY), bound.condition(cond.FAILED)
+        if bound.condition_true(cond.FAILED):
             reason, message = failed.get("reason") or "CheckpointFailed", failed.get("message") or ""
             return await self._fail(obj, reason, message, base=status)
-        conditions = list(status.get("conditions") or [])
-        if ready is not None and ready.get("status") == "True":
+        conditions = view.conditions
+        if bound.condition_true(cond.READY):
             reason, message = ready.get("reason") or "Captured", ready.get("message") or ""
             conditions = cond.set_outcome(conditions, True, reason, message, generation)
-            if not cond.is_true(obj, cond.READY):
+            if not view.condition_true(cond.READY):
                 self.recorder.record(obj, NORMAL, "SnapshotReady", message or "captured")
-        elif ready is not None:  # the node agent took it up
+        elif ready:  # the node agent took it up
             reason, message = (
                 ready.get("reason") or PodSnapshotReason.CAPTURE_IN_PROGRESS,
                 ready.get("message") or "",
@@ -150,7 +151,7 @@ class PodSnapshotReconciler:
         else:
             waited = _age_s(content)
             if waited >= self.pickup_timeout_s:
-                node = PodSnapshotContentView(content).source_node
+                node = bound.source_node
                 return await self._fail(
                     obj,
                     PodSnapshotReason.NO_NODE_AGENT,

@@ -130,8 +130,8 @@ def _snapshot_state(name: str, found: Found) -> tuple[str | None, PodSnapshotCom
     snapshot = PodSnapshotView(found.snapshot or {})
     if snapshot.meta.deleting:
         return f"PodSnapshot {name!r} is being deleted", None
-    ready = snapshot.condition(READY)
-    if ready.get("status") != "True":
+    if not snapshot.condition_true(READY):
+        ready = snapshot.condition(READY)
         why = ready.get("message") or ready.get("reason") or "not captured yet"
         return f"PodSnapshot {name!r} is not Ready ({why})", None
     content = found.content

@@ -249,13 +249,14 @@ class SnapshotJobReconciler:
 
     async def _snapshot_outcome(self, obj: Obj, snapshot: Obj, job: Obj | None) -> Result | None:
         """Completed when the PodSnapshot is Ready, Failed when it failed; None while it is pending."""
-        name = Meta(snapshot).name
-        failed = cond.find_condition(snapshot, cond.FAILED)
-        if failed is not None and failed.get("status") == "True":
+        made = ObjectView(snapshot)
+        name = made.meta.name
+        if made.condition_true(cond.FAILED):
+            failed = made.condition(cond.FAILED)
             why = f"{failed.get('reason') or 'Failed'}: {failed.get('message') or ''}".rstrip(": ")
             message = f"PodSnapshot {name} failed: {why}"
             return await self._fail(obj, Reason.POD_SNAPSHOT_FAILED, message, job, keep_snapshot=True)
-        if not cond.is_true(snapshot, cond.READY):
+        if not made.condition_true(cond.READY):
             return None
         view = ObjectView(obj)
         status, generation = dict(view.status), view.meta.generation
