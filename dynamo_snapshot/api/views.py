@@ -23,6 +23,7 @@ __all__ = [
     "PodSnapshotContentView",
     "PodSnapshotView",
     "PodView",
+    "SnapshotJobView",
     "still_live",
 ]
 
@@ -68,8 +69,20 @@ class Meta:
         return _map(self.raw.get("annotations"))
 
     @property
+    def generate_name(self) -> str:
+        return _str(self.raw.get("generateName"))
+
+    @property
     def creation_timestamp(self) -> str:
         return _str(self.raw.get("creationTimestamp"))
+
+    @property
+    def resource_version(self) -> str:
+        return _str(self.raw.get("resourceVersion"))
+
+    @property
+    def finalizers(self) -> list[str]:
+        return [f for f in _list(self.raw.get("finalizers")) if isinstance(f, str)]
 
     @property
     def generation(self) -> int | None:
@@ -79,6 +92,11 @@ class Meta:
     @property
     def deleting(self) -> bool:
         return bool(self.raw.get("deletionTimestamp"))
+
+    @property
+    def owner_references(self) -> list[Obj]:
+        """The ownerReferences (their maps, as written), to read or copy onto another object."""
+        return [r for r in _list(self.raw.get("ownerReferences")) if isinstance(r, dict)]
 
     @property
     def owner_uids(self) -> set[str]:
@@ -139,6 +157,10 @@ class PodView(ObjectView):
     @property
     def node_name(self) -> str:
         return _str(self.spec.get("nodeName"))
+
+    @property
+    def phase(self) -> str:
+        return _str(self.status.get("phase"))
 
     @property
     def pod_ip(self) -> str:
@@ -239,3 +261,27 @@ class CheckpointView(ObjectView):
     @property
     def identity(self) -> object:
         return self.spec.get("identity")
+
+
+class SnapshotJobView(ObjectView):
+    """A SnapshotJob: its pod template, and what its reconcile made (as its status records it)."""
+
+    @property
+    def pod_template(self) -> Obj:
+        return _map(self.spec.get("podTemplate"))
+
+    @property
+    def source_job_uid(self) -> str:
+        return _str(self.status.get("sourceJobUid"))
+
+    @property
+    def pod_snapshot_name(self) -> str:
+        return _str(self.status.get("podSnapshotName"))
+
+    @property
+    def pod_snapshot_uid(self) -> str:
+        return _str(self.status.get("podSnapshotUid"))
+
+    @property
+    def started_at(self) -> str:
+        return _str(self.status.get("startedAt"))

@@ -5,7 +5,7 @@ would lose)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
@@ -14,6 +14,7 @@ from prometheus_client import Counter, Histogram
 
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointCompatibility
+from dynamo_snapshot.api.views import Meta, ObjectView
 from dynamo_snapshot.controller.config import CONTROLLER_NAME, ControllerConfig
 from dynamo_snapshot.controller.expectations import Expectations
 from dynamo_snapshot.controller.failover.losses import PAUSED, Failover, node_down, unhealthy_since
@@ -159,13 +160,11 @@ class Context:
         found = [
             c
             for c in self.checkpoints.by_label(protocol.LABEL_CHECKPOINT_HASH, identity_hash)
-            if c["metadata"]["namespace"] == namespace and usable_by_dgd(c, dgd_uid)
+            if Meta(c).namespace == namespace and usable_by_dgd(c, dgd_uid)
         ]
         if found:
             # Deterministic choice when a user pre-warmed one under another name: the oldest wins.
-            return min(
-                found, key=lambda c: (c["metadata"].get("creationTimestamp", ""), c["metadata"]["name"])
-            )
+            return min(found, key=lambda c: (Meta(c).creation_timestamp, Meta(c).name))
         name = self.recent_checkpoints.get((namespace, identity_hash, dgd_uid))
         return self.checkpoints.get(f"{namespace}/{name}") if name else None
 
@@ -186,7 +185,7 @@ class Context:
 
     def other_compatible_node(self, compat: CheckpointCompatibility | None, exclude: set[str]) -> bool:
         """Whether a Ready node outside `exclude` fits the checkpoint."""
-        return any(n["metadata"]["name"] not in exclude for n in self._fitting(compat))
+        return any(Meta(n).name not in exclude for n in self._fitting(compat))
 
     def _fitting(self, compat: CheckpointCompatibility | None) -> Iterator[Obj]:
         # The one node filter both questions share, so they cannot disagree about which nodes count.
@@ -200,11 +199,11 @@ class Context:
         paused = self.node_health().paused is not None
         found = {}
         for node in self.nodes.list():
-            if not node_down(node) or node.get("spec", {}).get("unschedulable") or not gpus_fit(node, compat):
+            if not node_down(node) or _unschedulable(node) or not gpus_fit(node, compat):
                 continue
             ends = self.node_grace_ends(node, now)
             if ends > now or paused:
-                found[node["metadata"]["name"]] = ends
+                found[Meta(node).name] = ends
         return found
 
     # ------------------------------------------------------------------ node health
@@ -222,13 +221,13 @@ class Context:
         since = unhealthy_since(node)
         if since is not None:
             return since
-        return self._down_seen.setdefault(node["metadata"]["name"], now)
+        return self._down_seen.setdefault(Meta(node).name, now)
 
     def node_grace_ends(self, node: Obj, now: datetime) -> datetime:
         """When the workers of this unhealthy node count as lost: the grace counts from when it went down,
         or from when failover resumed if it was still down then (which `node_health` notes: ask it first)."""
         since = self.down_since(node, now)
-        since = max(since, self._grace_restarted.get(node["metadata"]["name"], since))
+        since = max(since, self._grace_restarted.get(Meta(node).name, since))
         return since + timedelta(seconds=self.settings.node_loss_grace_seconds)
 
     def keep_off_bad_nodes(self, spec: Obj, avoid: list[str]) -> None:
@@ -241,7 +240,7 @@ class Context:
 
     def _count_nodes(self, now: datetime) -> NodeHealth:
         nodes = self.nodes.list()
-        down = {n["metadata"]["name"]: self.down_since(n, now) for n in nodes if node_down(n)}
+        down = {Meta(n).name: self.down_since(n, now) for n in nodes if node_down(n)}
         for gone in set(self._down_seen) - set(down):
             del self._down_seen[gone]
         for gone in set(self._grace_restarted) - set(down):
@@ -291,19 +290,16 @@ def _dgd_informer(kube: Kube, version: DgdVersion, namespace: str | None) -> Inf
 
 def usable_by_dgd(ckpt: Obj, dgd_uid: str) -> bool:
     """A checkpoint owned by this DGD, or by no DGD at all (a user's, in the DGD's namespace)."""
-    dgd_owners = [
-        ref
-        for ref in ckpt["metadata"].get("ownerReferences") or []
-        if ref.get("kind") == "DynamoGraphDeployment"
-    ]
+    dgd_owners = [ref for ref in Meta(ckpt).owner_references if ref.get("kind") == "DynamoGraphDeployment"]
     return not dgd_owners or any(ref.get("uid") == dgd_uid for ref in dgd_owners)
 
 
+def _unschedulable(node: Obj) -> bool:
+    return bool(ObjectView(node).spec.get("unschedulable"))
+
+
 def node_ready(node: Obj) -> bool:
-    if node.get("spec", {}).get("unschedulable"):
-        return False
-    conds: Iterable[Obj] = node.get("status", {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+    return not _unschedulable(node) and ObjectView(node).condition_true("Ready")
 
 
 def node_fits(node: Obj, compat: CheckpointCompatibility | None) -> bool:
@@ -315,7 +311,7 @@ def gpus_fit(node: Obj, compat: CheckpointCompatibility | None) -> bool:
     """Whether the node's GPUs, as its labels say, are those the checkpoint needs, whatever its health."""
     if compat is None:
         return True
-    labels = node["metadata"].get("labels", {})
+    labels = Meta(node).labels
     if compat.gpu_product and labels.get(protocol.LABEL_GPU_PRODUCT) != compat.gpu_product:
         return False
     if compat.cuda_driver_major and labels.get(protocol.LABEL_CUDA_DRIVER_MAJOR) != compat.cuda_driver_major:

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.views import Meta, ObjectView
 from dynamo_snapshot.controller.config import InstallMode
 from dynamo_snapshot.kube import ApiError, Kube, ResourceKind, is_not_found
 from dynamo_snapshot.kube.dgd_versions import DgdVersion, read_version
@@ -55,12 +56,11 @@ class InstallModeRefused(Exception):
 
 
 def _is_ours(crd: Mapping[str, Any]) -> bool:
-    labels = (crd.get("metadata") or {}).get("labels") or {}
-    return bool(labels.get(protocol.LABEL_CRD_OWNER) == protocol.MANAGED_BY_VALUE)
+    return bool(Meta(crd).labels.get(protocol.LABEL_CRD_OWNER) == protocol.MANAGED_BY_VALUE)
 
 
 def _served_versions(crd: Mapping[str, Any]) -> list[str]:
-    versions = (crd.get("spec") or {}).get("versions") or []
+    versions = ObjectView(crd).spec.get("versions") or []
     return [str(v.get("name")) for v in versions if v.get("served")]
 
 

@@ -14,6 +14,7 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointCompatibility, DynamoCheckpoint
 from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment, ServiceSpec
 from dynamo_snapshot.api.podsnapshot import PodSnapshotCompatibility
+from dynamo_snapshot.api.views import Meta, PodView, SnapshotJobView
 
 Obj = dict[str, Any]
 
@@ -27,8 +28,8 @@ def owner_reference(obj: Obj, *, controller: bool = True) -> Obj:
     return {
         "apiVersion": obj["apiVersion"],
         "kind": obj["kind"],
-        "name": obj["metadata"]["name"],
-        "uid": obj["metadata"]["uid"],
+        "name": Meta(obj).name,
+        "uid": Meta(obj).uid,
         "controller": controller,
         "blockOwnerDeletion": controller,
     }
@@ -64,7 +65,7 @@ def _resources(service: ServiceSpec) -> dict[str, Any]:
 def gpus_of_pod(pod: Obj) -> int:
     """GPUs a pod asks for (limits, else requests) across its containers."""
     total = 0
-    for c in pod.get("spec", {}).get("containers", []):
+    for c in PodView(pod).containers:
         res = c.get("resources") or {}
         value = (res.get("limits") or {}).get(protocol.RESOURCE_GPU) or (res.get("requests") or {}).get(
             protocol.RESOURCE_GPU
@@ -379,9 +380,9 @@ def snapshot_job_source(sj_obj: Obj, target: str, active_deadline_seconds: int) 
     ``ready-for-snapshot`` instead of its own probes: no liveness or startup probe may kill it while it is
     quiesced for the capture. Raises ValueError when the template has no container ``target``.
     """
-    meta = sj_obj["metadata"]
-    labels = snapshot_job_labels(meta["name"], meta["uid"])
-    template = copy.deepcopy((sj_obj.get("spec") or {}).get("podTemplate") or {})
+    meta = Meta(sj_obj)
+    labels = snapshot_job_labels(meta.name, meta.uid)
+    template = copy.deepcopy(SnapshotJobView(sj_obj).pod_template)
     template_meta = template.get("metadata") or {}
     template["metadata"] = {**template_meta, "labels": {**(template_meta.get("labels") or {}), **labels}}
     spec = template.setdefault("spec", {})
@@ -395,8 +396,8 @@ def snapshot_job_source(sj_obj: Obj, target: str, active_deadline_seconds: int) 
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": {
-            "name": meta["name"],
-            "namespace": meta["namespace"],
+            "name": meta.name,
+            "namespace": meta.namespace,
             "labels": labels,
             "ownerReferences": [owner_reference(sj_obj)],
         },

@@ -28,6 +28,7 @@ from pydantic import ValidationError
 
 from dynamo_snapshot.api.admission import AdmissionRequest, AdmissionResponse, AdmissionReview, allow, deny
 from dynamo_snapshot.api.conditions import validation_message
+from dynamo_snapshot.api.views import Meta, PodSnapshotView
 from dynamo_snapshot.controller.dynamo.conversion_webhook import CONVERSION_PATH, handle_convert
 from dynamo_snapshot.controller.snapshot.restore_mutation import Found, mutate, name_problem, requested_name
 from dynamo_snapshot.kube import ApiError, Kube, Obj
@@ -183,7 +184,7 @@ class WebhookServer:
         name = requested_name(pod)
         if req.kind.kind != "Pod" or req.operation != "CREATE" or name is None or self.passes_by:
             return allow(req.uid)
-        namespace = req.namespace or (pod.get("metadata") or {}).get("namespace") or ""
+        namespace = req.namespace or Meta(pod).namespace
         where = {"namespace": namespace, "pod": _pod_name(pod), "restore_from": name}
         problem = name_problem(name, namespace)
         if problem:
@@ -224,11 +225,11 @@ class WebhookServer:
         if checkpoint is not None:
             return Found(checkpoint=checkpoint)
         snapshot = await get_or_none(self.kube, POD_SNAPSHOT, name, namespace)
-        bound = ((snapshot or {}).get("status") or {}).get("boundSnapshotContentName")
-        content = await get_or_none(self.kube, POD_SNAPSHOT_CONTENT, str(bound), None) if bound else None
+        bound = PodSnapshotView(snapshot).bound_content if snapshot is not None else ""
+        content = await get_or_none(self.kube, POD_SNAPSHOT_CONTENT, bound, None) if bound else None
         return Found(snapshot=snapshot, content=content)
 
 
 def _pod_name(pod: Obj) -> str:
-    meta = pod.get("metadata") or {}
-    return str(meta.get("name") or f"{meta.get('generateName') or ''}*")
+    meta = Meta(pod)
+    return meta.name or f"{meta.generate_name}*"

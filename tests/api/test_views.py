@@ -9,6 +9,7 @@ from dynamo_snapshot.api.views import (
     PodSnapshotContentView,
     PodSnapshotView,
     PodView,
+    SnapshotJobView,
     still_live,
 )
 
@@ -104,3 +105,60 @@ def test_still_live() -> None:
     assert not still_live(None, seen)
     assert not still_live({"metadata": {"uid": "b"}}, seen)
     assert not still_live({"metadata": {"uid": "a", "deletionTimestamp": "t"}}, seen)
+
+
+def test_metadata_read_for_writes_and_finalizers() -> None:
+    owner = {"kind": "DynamoCheckpoint", "name": "c", "uid": "o1", "controller": True}
+    raw = {
+        "metadata": {
+            "generateName": "w-",
+            "resourceVersion": "42",
+            "finalizers": ["a/b", 3],
+            "ownerReferences": [owner, "junk"],
+        }
+    }
+    meta = PodView(raw).meta
+    assert (meta.generate_name, meta.resource_version, meta.finalizers) == ("w-", "42", ["a/b"])
+    assert meta.owner_references == [owner]  # as written, its flags too: copied onto what it makes
+    assert meta.owner_references[0] is owner
+    bare = PodView({"metadata": {"resourceVersion": 42, "finalizers": None}}).meta
+    assert (bare.generate_name, bare.resource_version, bare.finalizers, bare.owner_references) == (
+        "",
+        "",
+        [],
+        [],
+    )
+
+
+def test_a_pods_phase() -> None:
+    assert PodView({"status": {"phase": "Running"}}).phase == "Running"
+    assert PodView({"status": {"phase": None}}).phase == ""
+    assert PodView({}).phase == ""
+
+
+def test_a_snapshot_job() -> None:
+    template = {"spec": {"containers": [{"name": "main"}]}}
+    raw = {
+        "spec": {"podTemplate": template},
+        "status": {
+            "sourceJobUid": "j1",
+            "podSnapshotName": "s",
+            "podSnapshotUid": "su",
+            "startedAt": "2026-01-01T00:00:00Z",
+        },
+    }
+    view = SnapshotJobView(raw)
+    assert view.pod_template is template
+    assert (view.source_job_uid, view.pod_snapshot_name, view.pod_snapshot_uid, view.started_at) == (
+        "j1",
+        "s",
+        "su",
+        "2026-01-01T00:00:00Z",
+    )
+    bare = SnapshotJobView({"spec": {"podTemplate": []}, "status": {"podSnapshotUid": 7}})
+    assert (bare.pod_template, bare.source_job_uid, bare.pod_snapshot_uid, bare.started_at) == (
+        {},
+        "",
+        "",
+        "",
+    )

@@ -20,6 +20,7 @@ from dynamo_snapshot.api import conditions as cond
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.conditions import validation_message
 from dynamo_snapshot.api.podsnapshot import PodSnapshot, PodSnapshotReason, content_name
+from dynamo_snapshot.api.views import Meta, PodSnapshotContentView, PodSnapshotView, PodView
 from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.kube import (
     NORMAL,
@@ -52,7 +53,7 @@ class PodSnapshotReconciler:
         obj = self.snapshots.get(key)
         if obj is None:
             return None
-        if obj["metadata"].get("deletionTimestamp"):
+        if Meta(obj).deleting:
             return await self._finalize(obj)
         await self._hold(obj)
         if cond.is_true(obj, cond.FAILED):
@@ -61,84 +62,87 @@ class PodSnapshotReconciler:
             snapshot = PodSnapshot.model_validate(obj)
         except ValidationError as e:
             return await self._fail(obj, PodSnapshotReason.INVALID_SPEC, validation_message(e))
-        content = self.contents.get(content_name(obj["metadata"]["uid"]))
+        content = self.contents.get(content_name(Meta(obj).uid))
         if content is None:
             return await self._bind(obj, snapshot)
         return await self._mirror(obj, content)
 
     # ------------------------------------------------------------------ binding
     async def _bind(self, obj: Obj, snapshot: PodSnapshot) -> Result | None:
-        meta = obj["metadata"]
+        meta = Meta(obj)
         ref = snapshot.spec.source.pod_ref
         try:
-            pod = await self.kube.get(POD, ref.name, meta["namespace"])
+            pod = PodView(await self.kube.get(POD, ref.name, meta.namespace))
         except Exception as e:
             if not is_not_found(e):
                 raise
             return await self._fail(
                 obj, PodSnapshotReason.SOURCE_POD_NOT_FOUND, f"source pod {ref.name!r} does not exist"
             )
-        if ref.uid and pod["metadata"]["uid"] != ref.uid:
+        if ref.uid and pod.meta.uid != ref.uid:
             return await self._fail(
                 obj,
                 PodSnapshotReason.STALE_POD_REFERENCE,
-                f"source pod {ref.name!r} has UID {pod['metadata']['uid']}, not {ref.uid}: it was replaced",
+                f"source pod {ref.name!r} has UID {pod.meta.uid}, not {ref.uid}: it was replaced",
             )
-        names = [c.get("name") for c in (pod.get("spec") or {}).get("containers") or []]
+        names = pod.container_names
         missing = [c for c in ref.containers if c not in names]
         if missing:
-            has = ", ".join(map(str, names))
+            has = ", ".join(names)
             return await self._fail(
                 obj,
                 PodSnapshotReason.INVALID_TARGET_CONTAINER,
                 f"source pod {ref.name!r} has no container {missing[0]!r} (it has {has})",
             )
-        node = (pod.get("spec") or {}).get("nodeName")
+        node = pod.node_name
         if not node:
             await self._write(obj, _pending(obj, UNSCHEDULED_MESSAGE))
             return Result(requeue_after=RECHECK_S)
         content = _content(obj, pod, list(ref.containers), node)
+        bound = Meta(content).name
         try:
             await self.kube.create(POD_SNAPSHOT_CONTENT, content)
         except Exception as e:
             if not is_already_exists(e):
                 raise
-            existing = await self.kube.get(POD_SNAPSHOT_CONTENT, content["metadata"]["name"])
-            if (existing["spec"].get("snapshotRef") or {}).get("uid") != meta["uid"]:
+            existing = await self.kube.get(POD_SNAPSHOT_CONTENT, bound)
+            if PodSnapshotContentView(existing).snapshot_ref.get("uid") != meta.uid:
                 return await self._fail(
                     obj,
                     PodSnapshotReason.CONTENT_CONFLICT,
-                    f"PodSnapshotContent {content['metadata']['name']} is bound to another PodSnapshot",
+                    f"PodSnapshotContent {bound} is bound to another PodSnapshot",
                 )
         else:
             self.recorder.record(
                 obj,
                 NORMAL,
                 "ContentBound",
-                f"{content['metadata']['name']} on node {node} captures {ref.name}",
+                f"{bound} on node {node} captures {ref.name}",
             )
         status = _pending(obj, PENDING_MESSAGE)
-        status["boundSnapshotContentName"] = content["metadata"]["name"]
+        status["boundSnapshotContentName"] = bound
         await self._write(obj, status)
         return None
 
     # ------------------------------------------------------------------ mirroring
     async def _mirror(self, obj: Obj, content: Obj) -> Result | None:
         """The PodSnapshot says what its content says: Ready, Failed (terminal), or still pending."""
-        status = dict(obj.get("status") or {})
-        status["boundSnapshotContentName"] = content["metadata"]["name"]
-        generation = obj["metadata"].get("generation")
-        ready, failed = cond.find_condition(content, cond.READY), cond.find_condition(content, cond.FAILED)
-        if failed is not None and failed.get("status") == "True":
+        view = PodSnapshotView(obj)
+        status = dict(view.status)
+        bound = PodSnapshotContentView(content)
+        status["boundSnapshotContentName"] = bound.meta.name
+        generation = view.meta.generation
+        ready, failed = bound.condition(cond.READY), bound.condition(cond.FAILED)
+        if bound.condition_true(cond.FAILED):
             reason, message = failed.get("reason") or "CheckpointFailed", failed.get("message") or ""
             return await self._fail(obj, reason, message, base=status)
-        conditions = list(status.get("conditions") or [])
-        if ready is not None and ready.get("status") == "True":
+        conditions = view.conditions
+        if bound.condition_true(cond.READY):
             reason, message = ready.get("reason") or "Captured", ready.get("message") or ""
             conditions = cond.set_outcome(conditions, True, reason, message, generation)
-            if not cond.is_true(obj, cond.READY):
+            if not view.condition_true(cond.READY):
                 self.recorder.record(obj, NORMAL, "SnapshotReady", message or "captured")
-        elif ready is not None:  # the node agent took it up
+        elif ready:  # the node agent took it up
             reason, message = (
                 ready.get("reason") or PodSnapshotReason.CAPTURE_IN_PROGRESS,
                 ready.get("message") or "",
@@ -147,7 +151,7 @@ class PodSnapshotReconciler:
         else:
             waited = _age_s(content)
             if waited >= self.pickup_timeout_s:
-                node = ((content.get("spec") or {}).get("source") or {}).get("nodeName")
+                node = bound.source_node
                 return await self._fail(
                     obj,
                     PodSnapshotReason.NO_NODE_AGENT,
@@ -172,10 +176,10 @@ class PodSnapshotReconciler:
     async def _fail(
         self, obj: Obj, reason: str, message: str, *, base: dict[str, Any] | None = None
     ) -> Result | None:
-        status = dict(base if base is not None else obj.get("status") or {})
-        generation = obj["metadata"].get("generation")
+        view = PodSnapshotView(obj)
+        status = dict(base if base is not None else view.status)
         status["conditions"] = cond.set_outcome(
-            list(status.get("conditions") or []), False, reason, message, generation
+            list(status.get("conditions") or []), False, reason, message, view.meta.generation
         )
         if not cond.is_true(obj, cond.FAILED):
             self.recorder.record(obj, WARNING, reason, message)
@@ -183,17 +187,17 @@ class PodSnapshotReconciler:
         return None
 
     async def _write(self, obj: Obj, status: dict[str, Any]) -> None:
-        if status == (obj.get("status") or {}):
+        view = PodSnapshotView(obj)
+        if status == view.status:
             return
-        meta = obj["metadata"]
         # Only this reconcile writes a PodSnapshot's status, one at a time per object (the work queue).
-        await self.kube.patch_status(POD_SNAPSHOT, meta["name"], status, meta["namespace"])
+        await self.kube.patch_status(POD_SNAPSHOT, view.meta.name, status, view.meta.namespace)
 
     async def _finalize(self, obj: Obj) -> Result | None:
-        meta = obj["metadata"]
-        if protocol.FINALIZER_CONTENT_CLEANUP not in (meta.get("finalizers") or []):
+        view = PodSnapshotView(obj)
+        if protocol.FINALIZER_CONTENT_CLEANUP not in view.meta.finalizers:
             return None
-        name = (obj.get("status") or {}).get("boundSnapshotContentName") or content_name(meta["uid"])
+        name = view.bound_content or content_name(view.meta.uid)
         try:
             await self.kube.get(POD_SNAPSHOT_CONTENT, name)
         except Exception as e:
@@ -210,22 +214,22 @@ class PodSnapshotReconciler:
         return None
 
 
-def _content(obj: Obj, pod: Obj, containers: list[str], node: str) -> Obj:
-    meta = obj["metadata"]
+def _content(obj: Obj, pod: PodView, containers: list[str], node: str) -> Obj:
+    meta = Meta(obj)
     return {
         "apiVersion": f"{protocol.API_GROUP}/{protocol.API_VERSION}",
         "kind": "PodSnapshotContent",
         "metadata": {
-            "name": content_name(meta["uid"]),
+            "name": content_name(meta.uid),
             "labels": {protocol.LABEL_SNAPSHOT_NODE: node},
         },
         "spec": {
-            "snapshotRef": {"namespace": meta["namespace"], "name": meta["name"], "uid": meta["uid"]},
+            "snapshotRef": {"namespace": meta.namespace, "name": meta.name, "uid": meta.uid},
             "source": {
                 "nodeName": node,
                 "podRef": {
-                    "name": pod["metadata"]["name"],
-                    "uid": pod["metadata"]["uid"],
+                    "name": pod.meta.name,
+                    "uid": pod.meta.uid,
                     "containers": containers,
                 },
             },
@@ -234,20 +238,16 @@ def _content(obj: Obj, pod: Obj, containers: list[str], node: str) -> Obj:
 
 
 def _age_s(obj: Obj) -> float:
-    created = obj["metadata"].get("creationTimestamp")
+    created = Meta(obj).creation_timestamp
     if not created:
         return 0.0
     return (datetime.now(UTC) - datetime.fromisoformat(created.replace("Z", "+00:00"))).total_seconds()
 
 
 def _pending(obj: Obj, message: str) -> dict[str, Any]:
-    status = dict(obj.get("status") or {})
+    view = PodSnapshotView(obj)
+    status = dict(view.status)
     status["conditions"] = cond.set_condition(
-        list(status.get("conditions") or []),
-        cond.READY,
-        False,
-        PodSnapshotReason.PENDING,
-        message,
-        obj["metadata"].get("generation"),
+        view.conditions, cond.READY, False, PodSnapshotReason.PENDING, message, view.meta.generation
     )
     return status

@@ -25,9 +25,10 @@ from pydantic import ValidationError
 
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointCompatibility, CheckpointPhase
-from dynamo_snapshot.api.conditions import READY, find_condition, validation_message
+from dynamo_snapshot.api.conditions import READY, validation_message
 from dynamo_snapshot.api.podsnapshot import PodSnapshotCompatibility, content_compatibility
-from dynamo_snapshot.api.restore_request import container_map, name_problem, restore_from
+from dynamo_snapshot.api.restore_request import container_map, name_problem
+from dynamo_snapshot.api.views import CheckpointView, PodSnapshotContentView, PodSnapshotView, PodView
 from dynamo_snapshot.controller.podspec import (
     add_restore_standby,
     add_snapshot_control,
@@ -73,7 +74,7 @@ class Outcome:
 
 def requested_name(pod: Obj) -> str | None:
     """The value of ``nvidia.com/restore-from``; None when the pod has no such annotation."""
-    return restore_from((pod.get("metadata") or {}).get("annotations"))
+    return PodView(pod).restore_from
 
 
 def _captured(found: Found) -> str | None:
@@ -82,19 +83,17 @@ def _captured(found: Found) -> str | None:
         # A DynamoCheckpoint's Job captures the worker's main container.
         return protocol.DEFAULT_TARGET_CONTAINER
     if found.snapshot is not None:
-        source = (found.snapshot.get("spec") or {}).get("source") or {}
-        containers = (source.get("podRef") or {}).get("containers")
-        return str(containers[0]) if containers else None
+        containers = PodSnapshotView(found.snapshot).source.containers
+        return containers[0] if containers else None
     return None
 
 
 def _target(pod: Obj, found: Found) -> str:
     """The container to restore into; ValueError with the reason when the request cannot be right."""
     captured = _captured(found)
-    annotations = (pod.get("metadata") or {}).get("annotations") or {}
-    mapping = annotations.get(protocol.ANNOTATION_RESTORE_CONTAINER_MAP)
+    mapping = PodView(pod).container_map
     if mapping is not None:
-        source, dest = container_map(str(mapping))
+        source, dest = container_map(mapping)
         if captured is not None and source != captured:
             raise ValueError(
                 f"{protocol.ANNOTATION_RESTORE_CONTAINER_MAP}={mapping!r}: the snapshot captured container "
@@ -112,31 +111,31 @@ def _target(pod: Obj, found: Found) -> str:
 
 def _checkpoint_state(name: str, ckpt: Obj) -> tuple[str | None, CheckpointCompatibility | None]:
     """(warning, compatibility) of a DynamoCheckpoint: a warning unless it can be restored now."""
-    status = ckpt.get("status") or {}
-    if ckpt["metadata"].get("deletionTimestamp"):
+    view = CheckpointView(ckpt)
+    if view.meta.deleting:
         return f"DynamoCheckpoint {name!r} is being deleted", None
-    if status.get("phase") != CheckpointPhase.READY.value:
-        return f"DynamoCheckpoint {name!r} is not Ready (phase {status.get('phase') or 'Pending'})", None
-    if not status.get("compatibility"):
+    if view.phase != CheckpointPhase.READY.value:
+        return f"DynamoCheckpoint {name!r} is not Ready (phase {view.phase or 'Pending'})", None
+    compatibility = view.status.get("compatibility")
+    if not compatibility:
         return None, None
     try:
-        return None, CheckpointCompatibility.model_validate(status["compatibility"])
+        return None, CheckpointCompatibility.model_validate(compatibility)
     except ValidationError as e:
         return f"DynamoCheckpoint {name!r} has an unreadable compatibility ({validation_message(e)})", None
 
 
 def _snapshot_state(name: str, found: Found) -> tuple[str | None, PodSnapshotCompatibility | None]:
     """(warning, compatibility) of a PodSnapshot and its content: a warning unless it can be restored now."""
-    snapshot = found.snapshot or {}
-    if snapshot["metadata"].get("deletionTimestamp"):
+    snapshot = PodSnapshotView(found.snapshot or {})
+    if snapshot.meta.deleting:
         return f"PodSnapshot {name!r} is being deleted", None
-    ready = find_condition(snapshot, READY) or {}
-    if ready.get("status") != "True":
+    if not snapshot.condition_true(READY):
+        ready = snapshot.condition(READY)
         why = ready.get("message") or ready.get("reason") or "not captured yet"
         return f"PodSnapshot {name!r} is not Ready ({why})", None
     content = found.content
-    ref = ((content or {}).get("spec") or {}).get("snapshotRef") or {}
-    if content is None or ref.get("uid") != snapshot["metadata"].get("uid"):
+    if content is None or PodSnapshotContentView(content).snapshot_ref.get("uid") != snapshot.meta.uid:
         return f"PodSnapshot {name!r} has no PodSnapshotContent bound to it", None
     try:
         return None, content_compatibility(content)
@@ -207,7 +206,7 @@ def mutate(pod: Obj, namespace: str, found: Found) -> Outcome:
         target = _target(pod, found)
     except ValueError as e:
         return Outcome(denied=str(e))
-    names = [str(c.get("name")) for c in (pod.get("spec") or {}).get("containers") or []]
+    names = PodView(pod).container_names
     if target not in names:
         return Outcome(
             denied=f"the pod has no container {target!r} to restore into (it has "

@@ -26,6 +26,7 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.conditions import validation_message
 from dynamo_snapshot.api.podsnapshot import content_name
 from dynamo_snapshot.api.snapshotjob import SnapshotJob, SnapshotJobCondition, SnapshotJobReason
+from dynamo_snapshot.api.views import Meta, ObjectView, PodSnapshotView, PodView, SnapshotJobView
 from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.controller.podspec import snapshot_job_labels, snapshot_job_source
 from dynamo_snapshot.kube import (
@@ -34,7 +35,6 @@ from dynamo_snapshot.kube import (
     ApiError,
     Obj,
     Result,
-    controller_ref,
     is_already_exists,
     is_conflict,
     is_not_found,
@@ -69,7 +69,7 @@ class SnapshotJobReconciler:
 
     async def reconcile(self, key: str) -> Result | None:
         obj = self.snapshot_jobs.get(key)
-        if obj is None or obj["metadata"].get("deletionTimestamp"):
+        if obj is None or Meta(obj).deleting:
             return None  # the garbage collector takes the Job; the PodSnapshot stays
         try:
             return await self._step(obj)
@@ -80,13 +80,13 @@ class SnapshotJobReconciler:
             return Result(requeue=True)
 
     async def _step(self, obj: Obj) -> Result | None:
-        meta = obj["metadata"]
-        if cond.is_true(obj, COMPLETED) or cond.is_true(obj, cond.FAILED):
+        view = SnapshotJobView(obj)
+        if view.condition_true(COMPLETED) or view.condition_true(cond.FAILED):
             # What a crash after the terminal status write left (the cache only: this runs every resync).
-            left = self.jobs.get(f"{meta['namespace']}/{meta['name']}")
+            left = self.jobs.get(f"{view.meta.namespace}/{view.meta.name}")
             if left is not None and _ours(left, obj):
                 await self._delete_job(left)
-            failed = cond.find_condition(obj, cond.FAILED) or {}
+            failed = view.condition(cond.FAILED)
             if failed.get("status") == "True" and failed.get("reason") != Reason.POD_SNAPSHOT_FAILED:
                 await self._unpublish(obj, cached_only=True)
             return None
@@ -96,13 +96,12 @@ class SnapshotJobReconciler:
         except ValidationError as e:
             return await self._fail(obj, Reason.INVALID_SPEC, validation_message(e), job)
         if job is not None and not _ours(job, obj):
-            if job["metadata"].get("deletionTimestamp"):
+            if Meta(job).deleting:
                 return Result(requeue_after=RECHECK_S)  # an earlier SnapshotJob's Job, going away
-            message = f"Job {job['metadata']['name']} exists and is not controlled by this SnapshotJob"
+            message = f"Job {Meta(job).name} exists and is not controlled by this SnapshotJob"
             return await self._fail(obj, Reason.JOB_NAME_CONFLICT, message, None)
-        status = obj.get("status") or {}
-        if status.get("podSnapshotUid"):
-            snapshot = await self._made_snapshot(obj, status)
+        if view.pod_snapshot_uid:
+            snapshot = await self._made_snapshot(view)
             if isinstance(snapshot, str):
                 return await self._fail(obj, Reason.POD_SNAPSHOT_DELETED, snapshot, job)
             outcome = await self._snapshot_outcome(obj, snapshot, job)
@@ -114,10 +113,10 @@ class SnapshotJobReconciler:
                 f"not captured within activeDeadlineSeconds ({sj.spec.active_deadline_seconds}s) of the "
                 "SnapshotJob's creation"
             )
-            return await self._fail(obj, Reason.DEADLINE_EXCEEDED, message + _never_ready(status), job)
+            return await self._fail(obj, Reason.DEADLINE_EXCEEDED, message + _never_ready(view), job)
         if job is None:
-            if status.get("sourceJobUid"):
-                message = f"Job {obj['metadata']['name']} was deleted before the capture completed"
+            if view.source_job_uid:
+                message = f"Job {view.meta.name} was deleted before the capture completed"
                 return await self._fail(obj, Reason.JOB_DELETED, message, None)
             return await self._create_job(obj, sj, remaining)
         return await self._follow_job(obj, sj, job, remaining)
@@ -126,12 +125,12 @@ class SnapshotJobReconciler:
     async def _job(self, obj: Obj) -> Obj | None:
         """The Job of the SnapshotJob's name, whoever made it; the cache first, then the apiserver (the
         cache holds only Jobs with the managed-by label, and may not have seen a Job just made)."""
-        meta = obj["metadata"]
-        cached = self.jobs.get(f"{meta['namespace']}/{meta['name']}")
+        meta = Meta(obj)
+        cached = self.jobs.get(f"{meta.namespace}/{meta.name}")
         if cached is not None:
             return cached
         try:
-            job: Obj = await self.kube.get(JOB, meta["name"], meta["namespace"])
+            job: Obj = await self.kube.get(JOB, meta.name, meta.namespace)
         except ApiError as e:
             if is_not_found(e):
                 return None
@@ -152,35 +151,35 @@ class SnapshotJobReconciler:
             if e.status in (400, 422):
                 return await self._fail(obj, Reason.INVALID_SPEC, f"the Job was refused: {e.message}", None)
             raise
-        self.recorder.record(obj, NORMAL, "JobCreated", f"created Job {job['metadata']['name']}")
+        self.recorder.record(obj, NORMAL, "JobCreated", f"created Job {Meta(job).name}")
         status = _with(obj, RUNNING, False, Reason.POD_PENDING, POD_PENDING_MESSAGE)
-        status["sourceJobUid"] = job["metadata"]["uid"]
+        status["sourceJobUid"] = Meta(job).uid
         await self._write(obj, status)
         return Result(requeue_after=remaining)
 
     async def _follow_job(self, obj: Obj, sj: SnapshotJob, job: Obj, remaining: float) -> Result | None:
         """A Job of ours: its failure or end, else its pod's readiness and then the PodSnapshot."""
-        name = job["metadata"]["name"]
-        if job["metadata"].get("deletionTimestamp"):
-            return await self._fail(obj, Reason.JOB_DELETED, f"Job {name} is being deleted", job)
-        status = dict(obj.get("status") or {})
+        view, job_meta = SnapshotJobView(obj), Meta(job)
+        if job_meta.deleting:
+            return await self._fail(obj, Reason.JOB_DELETED, f"Job {job_meta.name} is being deleted", job)
+        status = dict(view.status)
         ended = _job_ended(job)
         if ended is not None:
-            if status.get("podSnapshotUid") and self._content_has_outcome(status["podSnapshotUid"]):
+            if view.pod_snapshot_uid and self._content_has_outcome(view.pod_snapshot_uid):
                 return Result(requeue_after=RECHECK_S)  # the outcome is on its way to the PodSnapshot
             reason, message = ended
             if reason == Reason.DEADLINE_EXCEEDED:
-                message += _never_ready(status)
+                message += _never_ready(view)
             return await self._fail(obj, reason, message, job)
-        status["sourceJobUid"] = job["metadata"]["uid"]
+        status["sourceJobUid"] = job_meta.uid
         pods = self._pods_of(obj, job)
-        if status.get("podSnapshotUid"):
+        if view.pod_snapshot_uid:
             return await self._capturing(obj, status, pods, job, remaining)
         pod = next((p for p in pods if _pod_ready(p)), None)
         if pod is None:
             done = next((p for p in pods if _phase(p) == "Succeeded"), None)
             if done is not None:
-                message = f"source pod {done['metadata']['name']} exited before it was captured"
+                message = f"source pod {Meta(done).name} exited before it was captured"
                 return await self._fail(obj, Reason.SOURCE_COMPLETED_WITHOUT_CAPTURE, message, job)
             status["conditions"] = _set(obj, RUNNING, False, Reason.POD_PENDING, POD_PENDING_MESSAGE)
             await self._write(obj, status)
@@ -189,80 +188,78 @@ class SnapshotJobReconciler:
 
     def _pods_of(self, obj: Obj, job: Obj) -> list[Obj]:
         """The Job's own pods: a pod that merely carries the labels proves nothing."""
-        namespace, job_uid = obj["metadata"]["namespace"], job["metadata"]["uid"]
+        meta, job_uid = Meta(obj), Meta(job).uid
         return [
             p
-            for p in self.pods.by_label(protocol.LABEL_SNAPSHOT_JOB_UID, obj["metadata"]["uid"])
-            if p["metadata"]["namespace"] == namespace and (controller_ref(p) or {}).get("uid") == job_uid
+            for p in self.pods.by_label(protocol.LABEL_SNAPSHOT_JOB_UID, meta.uid)
+            if Meta(p).namespace == meta.namespace and (Meta(p).controller or {}).get("uid") == job_uid
         ]
 
     # ------------------------------------------------------------------ the PodSnapshot
     async def _create_snapshot(
         self, obj: Obj, sj: SnapshotJob, status: dict[str, Any], pod: Obj, job: Obj, remaining: float
     ) -> Result | None:
-        meta = obj["metadata"]
+        meta = Meta(obj)
         containers = list(sj.spec.pod_snapshot_template.target_containers)
         manifest = _pod_snapshot(obj, pod, containers)
         try:
-            snapshot: Obj = await self.kube.create(POD_SNAPSHOT, manifest, meta["namespace"])
+            snapshot: Obj = await self.kube.create(POD_SNAPSHOT, manifest, meta.namespace)
         except ApiError as e:
             if not is_already_exists(e):
                 raise
-            snapshot = await self.kube.get(POD_SNAPSHOT, meta["name"], meta["namespace"])
-            if _labels(snapshot).get(protocol.LABEL_SNAPSHOT_JOB_UID) != meta["uid"]:
-                message = f"PodSnapshot {meta['name']} exists and was not made by this SnapshotJob"
+            snapshot = await self.kube.get(POD_SNAPSHOT, meta.name, meta.namespace)
+            if Meta(snapshot).labels.get(protocol.LABEL_SNAPSHOT_JOB_UID) != meta.uid:
+                message = f"PodSnapshot {meta.name} exists and was not made by this SnapshotJob"
                 return await self._fail(obj, Reason.POD_SNAPSHOT_NAME_CONFLICT, message, job)
         else:
-            message = f"created PodSnapshot {meta['name']} of pod {pod['metadata']['name']}"
+            message = f"created PodSnapshot {meta.name} of pod {Meta(pod).name}"
             self.recorder.record(obj, NORMAL, "PodSnapshotCreated", message)
         status.setdefault("startedAt", cond.now_rfc3339())
-        status.update(podSnapshotName=meta["name"], podSnapshotUid=snapshot["metadata"]["uid"])
+        status.update(podSnapshotName=meta.name, podSnapshotUid=Meta(snapshot).uid)
         conditions = _set(obj, RUNNING, True, Reason.POD_READY, POD_READY_MESSAGE)
         status["conditions"] = cond.set_condition(
             conditions,
             CAPTURED,
             False,
             Reason.CAPTURE_IN_PROGRESS,
-            f"waiting for PodSnapshot {meta['name']} to be captured",
-            meta.get("generation"),
+            f"waiting for PodSnapshot {meta.name} to be captured",
+            meta.generation,
         )
         await self._write(obj, status)
         return Result(requeue_after=remaining)
 
-    async def _made_snapshot(self, obj: Obj, status: dict[str, Any]) -> Obj | str:
+    async def _made_snapshot(self, view: SnapshotJobView) -> Obj | str:
         """The PodSnapshot this SnapshotJob made, or why it is gone."""
-        name, namespace = (
-            status.get("podSnapshotName") or obj["metadata"]["name"],
-            obj["metadata"]["namespace"],
-        )
+        name, namespace = view.pod_snapshot_name or view.meta.name, view.meta.namespace
         snapshot = self.snapshots.get(f"{namespace}/{name}")
-        if snapshot is None or snapshot["metadata"]["uid"] != status["podSnapshotUid"]:
+        if snapshot is None or Meta(snapshot).uid != view.pod_snapshot_uid:
             try:  # the cache may not have seen it made yet, or seen it replaced
                 snapshot = await self.kube.get(POD_SNAPSHOT, name, namespace)
             except ApiError as e:
                 if not is_not_found(e):
                     raise
                 return f"PodSnapshot {name} was deleted before the capture completed"
-        if snapshot["metadata"]["uid"] != status["podSnapshotUid"]:
+        if Meta(snapshot).uid != view.pod_snapshot_uid:
             return (
                 f"PodSnapshot {name} was deleted before the capture completed (one of that name replaced it)"
             )
-        if snapshot["metadata"].get("deletionTimestamp") and not cond.is_true(snapshot, cond.READY):
+        if Meta(snapshot).deleting and not cond.is_true(snapshot, cond.READY):
             return f"PodSnapshot {name} is being deleted before the capture completed"
         return snapshot
 
     async def _snapshot_outcome(self, obj: Obj, snapshot: Obj, job: Obj | None) -> Result | None:
         """Completed when the PodSnapshot is Ready, Failed when it failed; None while it is pending."""
-        name = snapshot["metadata"]["name"]
-        failed = cond.find_condition(snapshot, cond.FAILED)
-        if failed is not None and failed.get("status") == "True":
+        made = ObjectView(snapshot)
+        name = made.meta.name
+        if made.condition_true(cond.FAILED):
+            failed = made.condition(cond.FAILED)
             why = f"{failed.get('reason') or 'Failed'}: {failed.get('message') or ''}".rstrip(": ")
             message = f"PodSnapshot {name} failed: {why}"
             return await self._fail(obj, Reason.POD_SNAPSHOT_FAILED, message, job, keep_snapshot=True)
-        if not cond.is_true(snapshot, cond.READY):
+        if not made.condition_true(cond.READY):
             return None
-        status = dict(obj.get("status") or {})
-        generation = obj["metadata"].get("generation")
+        view = ObjectView(obj)
+        status, generation = dict(view.status), view.meta.generation
         message = f"PodSnapshot {name} is Ready"
         conditions = _set(obj, CAPTURED, True, Reason.CAPTURE_COMPLETED, message)
         status["conditions"] = cond.set_condition(
@@ -278,23 +275,22 @@ class SnapshotJobReconciler:
         if job is not None:
             await self._delete_job(job)
         self.recorder.record(obj, NORMAL, "Completed", f"captured into PodSnapshot {name}")
-        log.info(
-            "snapshot job completed", extra={"snapshot_job": obj["metadata"]["name"], "podsnapshot": name}
-        )
+        log.info("snapshot job completed", extra={"snapshot_job": view.meta.name, "podsnapshot": name})
         return None
 
     async def _capturing(
         self, obj: Obj, status: dict[str, Any], pods: list[Obj], job: Obj, remaining: float
     ) -> Result | None:
         """The PodSnapshot is pending: its source pod must stay until the capture's outcome."""
-        snapshot = self.snapshots.get(f"{obj['metadata']['namespace']}/{status.get('podSnapshotName')}")
-        source_uid = (((snapshot or {}).get("spec") or {}).get("source") or {}).get("podRef", {}).get("uid")
-        source = next((p for p in pods if p["metadata"]["uid"] == source_uid), None)
-        if source is None or source["metadata"].get("deletionTimestamp") or _phase(source) in _ENDED:
-            if self._content_has_outcome(status["podSnapshotUid"]):
+        view = SnapshotJobView(obj)
+        snapshot = self.snapshots.get(f"{view.meta.namespace}/{view.pod_snapshot_name}")
+        source_uid = PodSnapshotView(snapshot).source.uid if snapshot is not None else ""
+        source = next((PodView(p) for p in pods if Meta(p).uid == source_uid), None)
+        if source is None or source.meta.deleting or source.phase in _ENDED:
+            if self._content_has_outcome(view.pod_snapshot_uid):
                 return Result(requeue_after=RECHECK_S)  # the outcome is on its way to the PodSnapshot
-            pod = (source or {}).get("metadata", {}).get("name") or "the source pod"
-            if source is not None and _phase(source) == "Succeeded":
+            pod = (source.meta.name if source is not None else "") or "the source pod"
+            if source is not None and source.phase == "Succeeded":
                 message = f"source pod {pod} exited before the capture completed"
                 return await self._fail(obj, Reason.SOURCE_COMPLETED_WITHOUT_CAPTURE, message, job)
             message = f"{pod} was deleted or failed before the capture completed"
@@ -317,9 +313,8 @@ class SnapshotJobReconciler:
 
         The status is written first, conditional on the version read: a reconcile from a stale cache fails
         there before touching anything, and a crash after it leaves the cleanup to the terminal path."""
-        status = dict(obj.get("status") or {})
-        generation = obj["metadata"].get("generation")
-        conditions = list(status.get("conditions") or [])
+        view = ObjectView(obj)
+        status, generation, conditions = dict(view.status), view.meta.generation, view.conditions
         have = {c.get("type") for c in conditions}
         backfill = [
             (
@@ -343,85 +338,78 @@ class SnapshotJobReconciler:
         self.recorder.record(obj, WARNING, reason, message)
         log.info(
             "snapshot job failed",
-            extra={"snapshot_job": obj["metadata"]["name"], "reason": reason, "detail": message},
+            extra={"snapshot_job": view.meta.name, "reason": reason, "detail": message},
         )
         return None
 
     async def _unpublish(self, obj: Obj, *, cached_only: bool = False) -> None:
         """Delete the PodSnapshot this SnapshotJob made unless it is Ready: a failed job publishes nothing."""
-        meta = obj["metadata"]
-        name = (obj.get("status") or {}).get("podSnapshotName") or meta["name"]
-        snapshot = self.snapshots.get(f"{meta['namespace']}/{name}")
+        view = SnapshotJobView(obj)
+        meta = view.meta
+        name = view.pod_snapshot_name or meta.name
+        snapshot = self.snapshots.get(f"{meta.namespace}/{name}")
         if snapshot is None and cached_only:
             return
         if snapshot is None:
             try:  # made by a reconcile that crashed before its status write, and not cached yet
-                snapshot = await self.kube.get(POD_SNAPSHOT, name, meta["namespace"])
+                snapshot = await self.kube.get(POD_SNAPSHOT, name, meta.namespace)
             except ApiError as e:
                 if is_not_found(e):
                     return
                 raise
-        if _labels(snapshot).get(protocol.LABEL_SNAPSHOT_JOB_UID) != meta["uid"]:
+        made = ObjectView(snapshot)
+        if made.meta.labels.get(protocol.LABEL_SNAPSHOT_JOB_UID) != meta.uid:
             return
-        if cond.is_true(snapshot, cond.READY) or snapshot["metadata"].get("deletionTimestamp"):
+        if made.condition_true(cond.READY) or made.meta.deleting:
             return
         try:
-            await self.kube.delete(POD_SNAPSHOT, name, meta["namespace"], uid=snapshot["metadata"]["uid"])
+            await self.kube.delete(POD_SNAPSHOT, name, meta.namespace, uid=made.meta.uid)
         except ApiError as e:
             if not is_not_found(e):
                 raise
 
     async def _delete_job(self, job: Obj) -> None:
-        if job["metadata"].get("deletionTimestamp"):
+        meta = Meta(job)
+        if meta.deleting:
             return
-        meta = job["metadata"]
         try:
             # Background: the Job goes at once and the garbage collector takes its pod.
-            await self.kube.delete(JOB, meta["name"], meta["namespace"], propagation_policy="Background")
+            await self.kube.delete(JOB, meta.name, meta.namespace, propagation_policy="Background")
         except ApiError as e:
             if not is_not_found(e):
                 raise
 
     async def _write(self, obj: Obj, status: dict[str, Any]) -> None:
-        if status == (obj.get("status") or {}):
+        view = ObjectView(obj)
+        if status == view.status:
             return
-        meta = obj["metadata"]
+        meta = view.meta
         # Conditional on the version read: a reconcile from a cache that has not seen the last write (a
         # terminal one above all) must not write over it.
-        patch = {"metadata": {"resourceVersion": meta["resourceVersion"]}, "status": status}
-        await self.kube.merge_patch(
-            SNAPSHOT_JOB, meta["name"], patch, meta["namespace"], subresource="status"
-        )
+        patch = {"metadata": {"resourceVersion": meta.resource_version}, "status": status}
+        await self.kube.merge_patch(SNAPSHOT_JOB, meta.name, patch, meta.namespace, subresource="status")
 
 
 def _ours(job: Obj, obj: Obj) -> bool:
-    return bool((controller_ref(job) or {}).get("uid") == obj["metadata"]["uid"])
-
-
-def _labels(obj: Obj) -> dict[str, str]:
-    labels: dict[str, str] = obj["metadata"].get("labels") or {}
-    return labels
+    return bool((Meta(job).controller or {}).get("uid") == Meta(obj).uid)
 
 
 _ENDED = ("Succeeded", "Failed")
 
 
 def _phase(pod: Obj) -> str:
-    return str((pod.get("status") or {}).get("phase") or "")
+    return PodView(pod).phase
 
 
 def _pod_ready(pod: Obj) -> bool:
-    return (
-        not pod["metadata"].get("deletionTimestamp")
-        and _phase(pod) == "Running"
-        and cond.is_true(pod, "Ready")
-    )
+    view = PodView(pod)
+    return not view.meta.deleting and view.phase == "Running" and view.condition_true("Ready")
 
 
-def _never_ready(status: dict[str, Any]) -> str:
+def _never_ready(view: SnapshotJobView) -> str:
     """What a deadline message adds when the pod never became ready: the worker never said it may be
     captured (its readiness probe reads the ready file)."""
-    if status.get("startedAt"):
+    if view.started_at:
         return ""
     return (
         f"; its pod never became ready: the worker wrote no {protocol.FILE_READY_FOR_SNAPSHOT} in "
@@ -431,8 +419,9 @@ def _never_ready(status: dict[str, Any]) -> str:
 
 def _job_ended(job: Obj) -> tuple[str, str] | None:
     """The Job's own verdict, when it has one: the reason and message a SnapshotJob fails with."""
-    name = job["metadata"]["name"]
-    for c in (job.get("status") or {}).get("conditions") or []:
+    view = ObjectView(job)
+    name = view.meta.name
+    for c in view.conditions:
         if c.get("status") != "True":
             continue
         detail = f"{c.get('reason') or ''}: {c.get('message') or ''}".strip(": ")
@@ -447,24 +436,24 @@ def _job_ended(job: Obj) -> tuple[str, str] | None:
 
 def _remaining_s(obj: Obj, deadline_s: int) -> float:
     """Seconds left of activeDeadlineSeconds, counted from the SnapshotJob's creation."""
-    created = cond.parse_rfc3339(obj["metadata"]["creationTimestamp"])
+    created = cond.parse_rfc3339(Meta(obj).creation_timestamp)
     return deadline_s - (datetime.now(UTC) - created).total_seconds()
 
 
 def _set(obj: Obj, type_: str, status: bool, reason: str, message: str) -> list[dict[str, Any]]:
-    conditions = list((obj.get("status") or {}).get("conditions") or [])
-    return cond.set_condition(conditions, type_, status, reason, message, obj["metadata"].get("generation"))
+    view = ObjectView(obj)
+    return cond.set_condition(view.conditions, type_, status, reason, message, view.meta.generation)
 
 
 def _with(obj: Obj, type_: str, status: bool, reason: str, message: str) -> dict[str, Any]:
-    return {**(obj.get("status") or {}), "conditions": _set(obj, type_, status, reason, message)}
+    return {**ObjectView(obj).status, "conditions": _set(obj, type_, status, reason, message)}
 
 
 def _pod_snapshot(obj: Obj, pod: Obj, containers: list[str]) -> Obj:
-    meta = obj["metadata"]
-    labels = snapshot_job_labels(meta["name"], meta["uid"])
-    snapshot_meta: Obj = {"name": meta["name"], "namespace": meta["namespace"], "labels": labels}
-    owner = next((ref for ref in meta.get("ownerReferences") or [] if ref.get("controller")), None)
+    meta = Meta(obj)
+    labels = snapshot_job_labels(meta.name, meta.uid)
+    snapshot_meta: Obj = {"name": meta.name, "namespace": meta.namespace, "labels": labels}
+    owner = next((ref for ref in meta.owner_references if ref.get("controller")), None)
     if owner is not None:
         snapshot_meta["ownerReferences"] = [dict(owner)]
     return {
@@ -474,8 +463,8 @@ def _pod_snapshot(obj: Obj, pod: Obj, containers: list[str]) -> Obj:
         "spec": {
             "source": {
                 "podRef": {
-                    "name": pod["metadata"]["name"],
-                    "uid": pod["metadata"]["uid"],
+                    "name": Meta(pod).name,
+                    "uid": Meta(pod).uid,
                     "containers": containers,
                 }
             }

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.views import Meta, PodSnapshotContentView
 from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.controller.snapshot.podsnapshot_reconciler import PodSnapshotReconciler
 from dynamo_snapshot.controller.snapshot.snapshotjob_reconciler import SnapshotJobReconciler
 from dynamo_snapshot.controller.watch import Reconciles, Watch
-from dynamo_snapshot.kube import DELETED, Obj, controller_ref, object_key
+from dynamo_snapshot.kube import DELETED, Obj, object_key
 from dynamo_snapshot.kube.kinds import POD_SNAPSHOT, SNAPSHOT_JOB
 
 
@@ -18,22 +19,23 @@ def itself(ctx: Context, etype: str, obj: Obj, old: Obj | None) -> list[str]:
 
 def snapshot_job_of_snapshot(ctx: Context, etype: str, obj: Obj, old: Obj | None) -> list[str]:
     """The SnapshotJob that made a PodSnapshot follows its outcome, and its deletion."""
-    job = (obj["metadata"].get("labels") or {}).get(protocol.LABEL_SNAPSHOT_JOB)
-    return [f"{obj['metadata']['namespace']}/{job}"] if job else []
+    meta = Meta(obj)
+    job = meta.labels.get(protocol.LABEL_SNAPSHOT_JOB)
+    return [f"{meta.namespace}/{job}"] if job else []
 
 
 def snapshot_job_of_part(ctx: Context, etype: str, obj: Obj, old: Obj | None) -> list[str]:
     """A SnapshotJob's Job (its controller) and the Job's pod (labelled with the SnapshotJob's name)."""
-    meta = obj["metadata"]
-    owner = controller_ref(obj) or {}
+    meta = Meta(obj)
+    owner = meta.controller or {}
     name = owner.get("name") if owner.get("kind") == SNAPSHOT_JOB.kind else None
-    name = name or (meta.get("labels") or {}).get(protocol.LABEL_SNAPSHOT_JOB)
-    return [f"{meta['namespace']}/{name}"] if name else []
+    name = name or meta.labels.get(protocol.LABEL_SNAPSHOT_JOB)
+    return [f"{meta.namespace}/{name}"] if name else []
 
 
 def bound_snapshot(ctx: Context, content: Obj) -> str | None:
     """The key of the PodSnapshot a content is bound to, when that is in the controller's namespace."""
-    ref = (content.get("spec") or {}).get("snapshotRef") or {}
+    ref = PodSnapshotContentView(content).snapshot_ref
     if ref.get("namespace") and ref.get("name") and ctx.settings.namespace in (None, ref["namespace"]):
         return f"{ref['namespace']}/{ref['name']}"
     return None
