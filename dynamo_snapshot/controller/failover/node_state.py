@@ -41,7 +41,7 @@ def unhealthy_since(node: Obj) -> datetime | None:
     view = NodeView(node)
     ready = view.condition("Ready")
     stamps = [t.get("timeAdded") for t in view.taints if t.get("key") in _UNHEALTHY_TAINTS]
-    if ready and ready.get("status") != "True":
+    if ready and view.ready != "True":
         stamps = [ready.get("lastTransitionTime")]
     times = []
     for stamp in stamps:
