@@ -16,8 +16,7 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointCompatibility
 from dynamo_snapshot.controller.config import CONTROLLER_NAME, ControllerConfig
 from dynamo_snapshot.controller.expectations import Expectations
-from dynamo_snapshot.controller.failover.losses import PAUSED, Failover
-from dynamo_snapshot.controller.failover.node_state import node_down, unhealthy_since
+from dynamo_snapshot.controller.failover.losses import PAUSED, Failover, node_down, unhealthy_since
 from dynamo_snapshot.controller.podspec import keep_off_nodes
 from dynamo_snapshot.kube import EventRecorder, Informer, Kube, Obj
 from dynamo_snapshot.kube.dgd_versions import DgdVersion
