@@ -20,7 +20,7 @@ from kubernetes_asyncio import client
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.cli.controller_cmd import build_controller
 from dynamo_snapshot.controller.config import ControllerConfig
-from dynamo_snapshot.controller.failover.losses import node_healthy
+from dynamo_snapshot.controller.failover.node_state import node_healthy
 from dynamo_snapshot.kube import EVENT, NODE, POD, ApiError, Kube, Obj
 from dynamo_snapshot.kube.dgd_versions import DgdClient
 from dynamo_snapshot_dev.localcluster import LocalCluster

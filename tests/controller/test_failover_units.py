@@ -12,14 +12,9 @@ from prometheus_client import REGISTRY
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.controller.config import ControllerConfig
 from dynamo_snapshot.controller.failover import losses
-from dynamo_snapshot.controller.failover.losses import (
-    Failover,
-    TokenBucket,
-    loss_cause,
-    node_healthy,
-    unhealthy_since,
-    worker_lifetime,
-)
+from dynamo_snapshot.controller.failover.losses import Failover, TokenBucket
+from dynamo_snapshot.controller.failover.node_state import node_healthy, unhealthy_since
+from dynamo_snapshot.controller.failover.worker_loss import loss_cause, worker_lifetime
 from dynamo_snapshot.controller.podspec import keep_off_nodes
 from dynamo_snapshot.kube.pods import unschedulable
 

@@ -11,7 +11,7 @@ from prometheus_client import REGISTRY
 
 from dynamo_snapshot.controller.config import ControllerConfig
 from dynamo_snapshot.controller.context import AVOIDED_NODES_MAX, Context
-from dynamo_snapshot.controller.failover.losses import node_down
+from dynamo_snapshot.controller.failover.node_state import node_down
 from dynamo_snapshot.kube import Obj
 from tests.helpers.controller_context import bare_context
 

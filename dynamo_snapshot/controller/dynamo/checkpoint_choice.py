@@ -3,15 +3,15 @@ mode the one its identity hashes to, created (owned by the DGD) when there is no
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import ValidationError
 
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointPhase, DynamoCheckpoint
 from dynamo_snapshot.api.conditions import validation_message
+from dynamo_snapshot.api.dynamo_views import GraphDeploymentView
 from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment, ServiceSpec, checkpoint_identity
 from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_hash
+from dynamo_snapshot.api.views import Meta
 from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.controller.dynamo.dgd_status import ServiceOutcome
 from dynamo_snapshot.controller.podspec import auto_checkpoint_name, checkpoint_job_template, owner_reference
@@ -25,14 +25,14 @@ async def resolve_checkpoint(
     dgd: DynamoGraphDeployment,
     svc_name: str,
     svc: ServiceSpec,
-    status: dict[str, Any],
     out: ServiceOutcome,
 ) -> tuple[Obj | None, DynamoCheckpoint | None]:
     """Find (checkpointRef) or find-or-create (Auto) the service's DynamoCheckpoint."""
     namespace = dgd.metadata.namespace or ""
     cfg = svc.checkpoint
     assert cfg is not None
-    previous = (status.get("checkpoints") or {}).get(svc_name) or {}
+    graph = GraphDeploymentView(obj)
+    previous_hash = graph.checkpoint_status(svc_name).identity_hash
     if cfg.checkpoint_ref:
         ckpt_obj = ctx.checkpoints.get(f"{namespace}/{cfg.checkpoint_ref}")
         if ckpt_obj is None:
@@ -51,28 +51,26 @@ async def resolve_checkpoint(
             return None, None
         identity = checkpoint_identity(dgd.spec, svc_name)
         identity_hash = compute_identity_hash(identity)
-        if previous.get("identityHash") and previous["identityHash"] != identity_hash:
+        if previous_hash and previous_hash != identity_hash:
             ctx.recorder.record(
                 obj,
                 WARNING,
                 "IdentityChanged",
-                f"service {svc_name}: checkpoint identity changed from {previous['identityHash']} to "
+                f"service {svc_name}: checkpoint identity changed from {previous_hash} to "
                 f"{identity_hash}; running replicas are kept, "
                 "new replicas use the new checkpoint once Ready",
             )
-        ckpt_obj = ctx.checkpoint_by_hash(namespace, identity_hash, obj["metadata"]["uid"])
+        ckpt_obj = ctx.checkpoint_by_hash(namespace, identity_hash, graph.meta.uid)
         if ckpt_obj is None:
             ckpt_obj = await create_checkpoint(ctx, obj, dgd, svc_name, identity)
     try:
         ckpt = DynamoCheckpoint.model_validate(ckpt_obj)
     except ValidationError as e:
-        out.degraded.append(
-            f"DynamoCheckpoint {ckpt_obj['metadata']['name']} is invalid: {validation_message(e)}"
-        )
+        out.degraded.append(f"DynamoCheckpoint {Meta(ckpt_obj).name} is invalid: {validation_message(e)}")
         out.checkpoint_ready = False
         return None, None
     phase = ckpt.status.phase if ckpt.status else None
-    deleting = bool(ckpt_obj["metadata"].get("deletionTimestamp"))
+    deleting = Meta(ckpt_obj).deleting
     ready = phase == CheckpointPhase.READY and not deleting
     out.checkpoint_ready = ready
     out.checkpoint = {
@@ -98,7 +96,8 @@ async def create_checkpoint(
     DGD, so no deployment ever restores a process another one's worker started."""
     namespace = dgd.metadata.namespace or ""
     identity_hash = compute_identity_hash(identity)
-    name = auto_checkpoint_name(obj["metadata"]["name"], identity_hash, obj["metadata"]["uid"])
+    meta = Meta(obj)
+    name = auto_checkpoint_name(meta.name, identity_hash, meta.uid)
     body: Obj = {
         "apiVersion": CHECKPOINT.api_version,
         "kind": CHECKPOINT.kind,
@@ -108,7 +107,7 @@ async def create_checkpoint(
             "labels": {
                 protocol.LABEL_MANAGED_BY: protocol.MANAGED_BY_VALUE,
                 protocol.LABEL_CHECKPOINT_HASH: identity_hash,
-                protocol.LABEL_GRAPH: obj["metadata"]["name"],
+                protocol.LABEL_GRAPH: meta.name,
             },
             "ownerReferences": [owner_reference(obj)],
         },
@@ -129,6 +128,6 @@ async def create_checkpoint(
         if not is_already_exists(e):
             raise
         created = await ctx.kube.get(CHECKPOINT, name, namespace)
-    remembered = (namespace, identity_hash, obj["metadata"]["uid"])
-    ctx.recent_checkpoints[remembered] = created["metadata"]["name"]
+    remembered = (namespace, identity_hash, meta.uid)
+    ctx.recent_checkpoints[remembered] = Meta(created).name
     return created

@@ -19,6 +19,7 @@ from dynamo_snapshot.api import conditions as cond
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointCompatibility, CheckpointPhase, DynamoCheckpoint
 from dynamo_snapshot.api.conditions import validation_message
+from dynamo_snapshot.api.dynamo_views import SnapshotJobView, finalizers, resource_version
 from dynamo_snapshot.api.identity import compute_identity_hash
 from dynamo_snapshot.api.podsnapshot import (
     PodSnapshotArtifact,
@@ -26,6 +27,7 @@ from dynamo_snapshot.api.podsnapshot import (
     content_artifact,
     content_compatibility,
 )
+from dynamo_snapshot.api.views import CheckpointView, Meta, PodSnapshotContentView, PodSnapshotView
 from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.controller.podspec import (
     MAIN_CONTAINER,
@@ -61,7 +63,7 @@ WAITING_MESSAGE = "waiting for the worker to become ready and the node agent to 
 def agent_verdict(pod: Obj, status_key: str, message_key: str) -> tuple[protocol.SnapshotStatus | None, str]:
     """The node agent's status for the pod's target containers: failed if any failed, completed if all
     completed, else the furthest state seen."""
-    ann = pod["metadata"].get("annotations") or {}
+    ann = Meta(pod).annotations
     targets = (ann.get(protocol.ANNOTATION_TARGET_CONTAINERS) or MAIN_CONTAINER).split(",")
     states: list[protocol.SnapshotStatus] = []
     message = ""
@@ -89,12 +91,8 @@ def controlled_by(obj: Obj, owner_uid: str | None) -> bool:
 
 def _earlier(obj: Obj, ckpt: Obj) -> bool:
     """`obj` is controlled by an earlier DynamoCheckpoint of `ckpt`'s name (deleted, and made again)."""
-    ref = controller_ref(obj) or {}
-    return (
-        ref.get("kind") == CHECKPOINT.kind
-        and ref.get("name") == ckpt["metadata"]["name"]
-        and ref.get("uid") != ckpt["metadata"]["uid"]
-    )
+    ref, meta = controller_ref(obj) or {}, Meta(ckpt)
+    return ref.get("kind") == CHECKPOINT.kind and ref.get("name") == meta.name and ref.get("uid") != meta.uid
 
 
 def _restore_under_way(pod: Obj) -> bool:
@@ -118,7 +116,8 @@ class CheckpointReconciler:
         obj = ctx.checkpoints.get(key)
         if obj is None:
             return None
-        if obj["metadata"].get("deletionTimestamp"):
+        view = CheckpointView(obj)
+        if view.meta.deleting:
             return await self._finalize(obj)
         namespace, name = key.split("/", 1)
         try:
@@ -129,18 +128,18 @@ class CheckpointReconciler:
             return None
         identity_hash = compute_identity_hash(ckpt.spec.identity)
         meta_patch: dict[str, Any] = {}
-        if (obj["metadata"].get("labels") or {}).get(protocol.LABEL_CHECKPOINT_HASH) != identity_hash:
+        if view.meta.labels.get(protocol.LABEL_CHECKPOINT_HASH) != identity_hash:
             # The hash label is how Auto mode finds checkpoints, pre-warmed ones included.
             meta_patch["labels"] = {protocol.LABEL_CHECKPOINT_HASH: identity_hash}
-        finalizers = list(obj["metadata"].get("finalizers") or [])
-        if protocol.FINALIZER not in finalizers:
+        held = finalizers(view.meta)
+        if protocol.FINALIZER not in held:
             # Held until no restore reads the artifact; the resourceVersion makes the list write safe.
-            meta_patch["finalizers"] = [*finalizers, protocol.FINALIZER]
-            meta_patch["resourceVersion"] = obj["metadata"]["resourceVersion"]
+            meta_patch["finalizers"] = [*held, protocol.FINALIZER]
+            meta_patch["resourceVersion"] = resource_version(view.meta)
         if meta_patch:
             await ctx.kube.merge_patch(CHECKPOINT, name, {"metadata": meta_patch}, namespace)
 
-        status: dict[str, Any] = dict(obj.get("status") or {})
+        status: dict[str, Any] = dict(view.status)
         phase = status.get("phase") or CheckpointPhase.PENDING.value
         new = dict(status, identityHash=identity_hash)
         result: Result | None = None
@@ -168,7 +167,7 @@ class CheckpointReconciler:
             new.get("phase") == CheckpointPhase.READY.value,
             new.get("phase") or CheckpointPhase.PENDING.value,
             new.get("message") or "",
-            obj["metadata"].get("generation"),
+            view.meta.generation,
         )
         if new != status:
             if new.get("phase") != status.get("phase"):
@@ -180,10 +179,11 @@ class CheckpointReconciler:
         self, obj: Obj, ckpt: DynamoCheckpoint, identity_hash: str
     ) -> tuple[dict[str, Any], Result | None]:
         """Pending or Creating: make the SnapshotJob, or follow the one made."""
-        namespace, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        meta = Meta(obj)
+        namespace, name = meta.namespace, meta.name
         job_name = checkpoint_job_name(name)
         job = self.snapshot_jobs.get(f"{namespace}/{job_name}")
-        if job is not None and controlled_by(job, obj["metadata"]["uid"]):
+        if job is not None and controlled_by(job, meta.uid):
             return self._progress(job), None
         snapshot = self.snapshots.get(f"{namespace}/{job_name}")
         left = [k for k, o in (("SnapshotJob", job), ("PodSnapshot", snapshot)) if o and _earlier(o, obj)]
@@ -208,7 +208,7 @@ class CheckpointReconciler:
         manifest = checkpoint_snapshot_job(obj, ckpt, identity_hash)
         job_name = manifest["metadata"]["name"]
         try:
-            await ctx.kube.create(SNAPSHOT_JOB, manifest, obj["metadata"]["namespace"])
+            await ctx.kube.create(SNAPSHOT_JOB, manifest, Meta(obj).namespace)
         except ApiError as e:
             if e.status in (400, 422):
                 # The SnapshotJob's schema checks the pod template (a container named main, above all).
@@ -227,9 +227,10 @@ class CheckpointReconciler:
     def _progress(self, job: Obj) -> dict[str, Any]:
         """Creating -> Ready/Failed from the SnapshotJob's conditions, its PodSnapshot and that PodSnapshot's
         content."""
-        job_name = job["metadata"]["name"]
-        failed = cond.find_condition(job, cond.FAILED)
-        if failed is not None and failed.get("status") == "True":
+        view = SnapshotJobView(job)
+        job_name = view.meta.name
+        if view.condition_true(cond.FAILED):
+            failed = view.condition(cond.FAILED)
             why = f"{failed.get('reason') or 'Failed'}: {failed.get('message') or ''}".rstrip(": ")
             return {"phase": CheckpointPhase.FAILED.value, "message": f"SnapshotJob {job_name} failed: {why}"}
         creating: dict[str, Any] = {
@@ -240,10 +241,10 @@ class CheckpointReconciler:
         snapshot = self._snapshot_of(job)
         if snapshot is None:
             return creating
-        creating["podSnapshotName"] = snapshot["metadata"]["name"]
-        if not cond.is_true(snapshot, cond.READY):
-            pod = ((snapshot.get("spec") or {}).get("source") or {}).get("podRef", {}).get("name")
-            creating["message"] = f"waiting for the node agent to checkpoint pod {pod}"
+        taken = PodSnapshotView(snapshot)
+        creating["podSnapshotName"] = taken.meta.name
+        if not taken.condition_true(cond.READY):
+            creating["message"] = f"waiting for the node agent to checkpoint pod {taken.source.name or None}"
             return creating
         content = self._content_of(snapshot)
         if content is None:
@@ -252,21 +253,21 @@ class CheckpointReconciler:
 
     def _snapshot_of(self, job: Obj) -> Obj | None:
         """The PodSnapshot the SnapshotJob made (by its recorded UID), once it is in the cache."""
-        status = job.get("status") or {}
-        name, uid = status.get("podSnapshotName"), status.get("podSnapshotUid")
+        view = SnapshotJobView(job)
+        name, uid = view.pod_snapshot_name, view.pod_snapshot_uid
         if not name or not uid:
             return None
-        snapshot = self.snapshots.get(f"{job['metadata']['namespace']}/{name}")
-        return snapshot if snapshot is not None and snapshot["metadata"]["uid"] == uid else None
+        snapshot = self.snapshots.get(f"{view.meta.namespace}/{name}")
+        return snapshot if snapshot is not None and Meta(snapshot).uid == uid else None
 
     def _content_of(self, snapshot: Obj) -> Obj | None:
         """The Ready content bound to `snapshot`, once it is in the cache."""
-        bound = (snapshot.get("status") or {}).get("boundSnapshotContentName")
+        bound = PodSnapshotView(snapshot).bound_content
         content = self.contents.get(bound) if bound else None
         if content is None:
             return None
-        ref = (content.get("spec") or {}).get("snapshotRef") or {}
-        if ref.get("uid") != snapshot["metadata"]["uid"] or not cond.is_true(content, cond.READY):
+        view = PodSnapshotContentView(content)
+        if view.snapshot_ref.get("uid") != Meta(snapshot).uid or not view.condition_true(cond.READY):
             return None
         return content
 
@@ -274,11 +275,9 @@ class CheckpointReconciler:
         """A deleted checkpoint keeps its finalizer while a restore from it is under way, so its artifact
         is never removed under a reader; the node agents remove the artifact once the object is gone."""
         ctx = self.ctx
-        meta = obj["metadata"]
-        finalizers = list(meta.get("finalizers") or [])
-        if protocol.FINALIZER not in finalizers:
+        if protocol.FINALIZER not in finalizers(Meta(obj)):
             return None
-        restoring = [p["metadata"]["name"] for p in self._restore_pods(obj) if _restore_under_way(p)]
+        restoring = [Meta(p).name for p in self._restore_pods(obj) if _restore_under_way(p)]
         if restoring:
             msg = f"deleting once no restore reads it; restores under way: {', '.join(sorted(restoring))}"
             ctx.recorder.record(obj, NORMAL, "DeletionWaits", msg)
@@ -288,12 +287,12 @@ class CheckpointReconciler:
         return None
 
     def _restore_pods(self, obj: Obj) -> list[Obj]:
-        namespace, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        meta = Meta(obj)
         return [
             p
-            for p in self.ctx.pods.by_label(protocol.LABEL_CHECKPOINT_ID, name)
-            if p["metadata"]["namespace"] == namespace
-            and (p["metadata"].get("labels") or {}).get(protocol.LABEL_RESTORE_TARGET) == protocol.TRUE
+            for p in self.ctx.pods.by_label(protocol.LABEL_CHECKPOINT_ID, meta.name)
+            if Meta(p).namespace == meta.namespace
+            and Meta(p).labels.get(protocol.LABEL_RESTORE_TARGET) == protocol.TRUE
         ]
 
     def _announce(self, obj: Obj, status: dict[str, Any]) -> None:
@@ -308,7 +307,8 @@ def ready_status(snapshot: Obj, content: Obj) -> dict[str, Any]:
     """The status of a DynamoCheckpoint whose PodSnapshot is Ready with ``content``: Ready with the
     artifact's location, digest and compatibility (the content's status, else the annotations the node
     agent keeps where another operator's CRD prunes them), else Failed saying what is missing."""
-    content_name = content["metadata"]["name"]
+    view = PodSnapshotContentView(content)
+    content_name = view.meta.name
     try:
         artifact = content_artifact(content) or PodSnapshotArtifact()
         compat = content_compatibility(content) or PodSnapshotCompatibility()
@@ -331,15 +331,16 @@ def ready_status(snapshot: Obj, content: Obj) -> dict[str, Any]:
         # 0 GPUs asks nothing of a node, as a checkpoint that names no count.
         gpu_count=compat.gpu_count or None,
     )
-    source = (((content.get("spec") or {}).get("source") or {}).get("podRef") or {}).get("name")
+    source = view.source.name or None
+    snapshot_name = Meta(snapshot).name
     return {
         "phase": CheckpointPhase.READY.value,
-        "message": f"checkpointed from pod {source} into PodSnapshot {snapshot['metadata']['name']}",
+        "message": f"checkpointed from pod {source} into PodSnapshot {snapshot_name}",
         "location": artifact.location,
         "artifactDigest": digest,
         "sourcePod": source,
         "storageType": "pvc",
         "createdAt": cond.now_rfc3339(),
         "compatibility": compatibility.model_dump(by_alias=True, exclude_none=True),
-        "podSnapshotName": snapshot["metadata"]["name"],
+        "podSnapshotName": snapshot_name,
     }

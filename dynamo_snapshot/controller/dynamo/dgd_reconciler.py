@@ -21,7 +21,9 @@ from dynamo_snapshot.api import conditions as cond
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointPhase, DynamoCheckpoint
 from dynamo_snapshot.api.conditions import validation_message
+from dynamo_snapshot.api.dynamo_views import GraphDeploymentView
 from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment, ServiceSpec
+from dynamo_snapshot.api.views import Meta
 from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.controller.dynamo.checkpoint_choice import resolve_checkpoint
 from dynamo_snapshot.controller.dynamo.dgd_status import (
@@ -58,12 +60,13 @@ class DGDReconciler:
     async def reconcile(self, key: str) -> Result | None:
         ctx = self.ctx
         obj = ctx.dgds.get(key)
-        if obj is None or obj["metadata"].get("deletionTimestamp"):
+        if obj is None or Meta(obj).deleting:
             self.refusals.forget(key)
             return None  # pods and Jobs carry ownerReferences: the garbage collector removes them
         namespace, name = key.split("/", 1)
-        generation = obj["metadata"].get("generation")
-        status: dict[str, Any] = dict(obj.get("status") or {})
+        graph = GraphDeploymentView(obj)
+        generation = graph.meta.generation
+        status: dict[str, Any] = dict(graph.status)
         try:
             dgd = ctx.dgd_version.model(obj)
         except (ValidationError, DgdUnreadable) as e:
@@ -98,9 +101,8 @@ class DGDReconciler:
             outcomes[svc_name] = outcome
             requeue = requeue or again
         # A removed service may have pods left, or only losses remembered (all its pods were lost).
-        known = {p["metadata"]["labels"][protocol.LABEL_SERVICE] for p in ctx.pods_of(namespace, name)} | {
-            owner[1] for owner in ctx.failover.owners(key)
-        }
+        labelled = (Meta(p).labels.get(protocol.LABEL_SERVICE) for p in ctx.pods_of(namespace, name))
+        known = {svc for svc in labelled if svc} | {owner[1] for owner in ctx.failover.owners(key)}
         for stale in known - set(outcomes):
             if stale not in services:
                 await self._release_service(obj, stale)
@@ -158,8 +160,8 @@ class DGDReconciler:
 
     def _observed(self, obj: Obj, svc_name: str, svc: ServiceSpec, status: dict[str, Any]) -> ServiceOutcome:
         """A service's outcome read off the caches alone, for a service not reconciled this time."""
-        namespace, graph = obj["metadata"]["namespace"], obj["metadata"]["name"]
-        pods = [p for p in self.ctx.pods_of(namespace, graph, svc_name) if pod_active(p)]
+        meta = Meta(obj)
+        pods = [p for p in self.ctx.pods_of(meta.namespace, meta.name, svc_name) if pod_active(p)]
         restored = sum(1 for p in pods if start_mode(p) == protocol.StartMode.RESTORE.value)
         checkpointed = svc.checkpoint is not None and svc.checkpoint.enabled
         previous = (status.get("checkpoints") or {}).get(svc_name) if checkpointed else None
@@ -177,13 +179,14 @@ class DGDReconciler:
         self, obj: Obj, dgd: DynamoGraphDeployment, svc_name: str, svc: ServiceSpec, status: dict[str, Any]
     ) -> tuple[ServiceOutcome, bool]:
         ctx = self.ctx
-        namespace, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        meta = Meta(obj)
+        namespace, name = meta.namespace, meta.name
         out = ServiceOutcome(desired=svc.replicas if svc.replicas is not None else 1)
         # A service without checkpointing runs cold-start pods only, scaled and replaced like any other's.
         checkpointed = svc.checkpoint is not None and svc.checkpoint.enabled
         ckpt = None
         if checkpointed:
-            _, ckpt = await resolve_checkpoint(ctx, obj, dgd, svc_name, svc, status, out)
+            _, ckpt = await resolve_checkpoint(ctx, obj, dgd, svc_name, svc, out)
         ready_ckpt = ckpt if ckpt and ckpt.status and ckpt.status.phase == CheckpointPhase.READY else None
         ref_mode = svc.checkpoint is not None and checkpointed and bool(svc.checkpoint.checkpoint_ref)
 
@@ -193,9 +196,7 @@ class DGDReconciler:
         # Cache and expectations are read together, with no await in between: an informer event handled
         # during an await would otherwise move a pod out of the expectations before we count the cache.
         pods = self.pods.live(owner)
-        count = len(pods) + len(
-            ctx.expectations.pending_creates(owner, {p["metadata"]["name"] for p in pods})
-        )
+        count = len(pods) + len(ctx.expectations.pending_creates(owner, {Meta(p).name for p in pods}))
         ready_ckpt, node_wait = self._restorable(obj, owner, ready_ckpt, out, short=count < out.desired)
         # checkpointRef mode waits for its checkpoint (out.waiting says why) unless something is wrong
         # with it, in which case capacity by cold start beats none at all.
@@ -319,11 +320,11 @@ class DGDReconciler:
         namespace, graph = owner[0].split("/", 1)
         pods = [p for p in ctx.pods_of(namespace, graph, owner[1]) if pod_active(p)]
         out.replicas = len(pods)
-        ready = {p["metadata"]["name"] for p in pods if pod_ready(p)}
+        ready = {Meta(p).name for p in pods if pod_ready(p)}
         out.ready = len(ready)
         # A replacement just created is usually not in the pod cache yet: it still exists, and must stay
         # followed until Ready, or its observed-to-ready sample is lost.
-        names = {p["metadata"]["name"] for p in pods}
+        names = {Meta(p).name for p in pods}
         ctx.failover.track_ready(owner, ready, names | ctx.expectations.pending_creates(owner, names))
         recovering = ctx.failover.degraded(owner)
         if recovering:
@@ -339,11 +340,12 @@ class DGDReconciler:
     async def _release_service(self, obj: Obj, svc_name: str) -> None:
         """The service removed from the graph, or one the controller does not run: our pods for it go,
         nothing else does."""
-        ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        meta = Meta(obj)
+        ns, name = meta.namespace, meta.name
         owner = (f"{ns}/{name}", svc_name)
         self.ctx.failover.forget_service(owner)
         self.refusals.current.pop(owner, None)
-        pods = [p for p in self.ctx.pods_of(ns, name, svc_name) if not p["metadata"].get("deletionTimestamp")]
+        pods = [p for p in self.ctx.pods_of(ns, name, svc_name) if not Meta(p).deleting]
         if not pods:
             return
         try:

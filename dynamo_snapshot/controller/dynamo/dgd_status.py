@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dynamo_snapshot.api import conditions as cond
+from dynamo_snapshot.api.dynamo_views import GraphDeploymentView, resource_version
 from dynamo_snapshot.api.graphdeployment import DGDState
 from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.controller.dynamo.refusals import Refusal, Refusals, refusal_text, refused
@@ -191,10 +192,10 @@ def status_throttle(ctx: Context, key: str, old: dict[str, Any], new: dict[str, 
 
 
 async def write_status(ctx: Context, refusals: Refusals, obj: Obj, status: dict[str, Any]) -> None:
-    if status == (obj.get("status") or {}):
+    graph = GraphDeploymentView(obj)
+    if status == graph.status:
         return
-    meta = obj["metadata"]
-    key, rv = f"{meta['namespace']}/{meta['name']}", meta.get("resourceVersion")
+    key, rv = f"{graph.meta.namespace}/{graph.meta.name}", resource_version(graph.meta)
     if rv is not None and ctx.status_written_over.get(key) == rv:
         # Performance (benchmarks/controller_scale.py): our previous status write has not reached the
         # cache yet, so this PUT would only earn a 409. The watch event of that write requeues this DGD

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from dynamo_snapshot.api import conditions as cond
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointPhase
+from dynamo_snapshot.api.dynamo_views import SnapshotJobView
 from dynamo_snapshot.api.restore_request import name_problem, restore_from
+from dynamo_snapshot.api.views import CheckpointView, Meta, ObjectView, PodSnapshotView
 from dynamo_snapshot.kube import Kube, Obj, ResourceKind, controller_ref, is_not_found
 from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD, POD_SNAPSHOT, SNAPSHOT_JOB
 
@@ -56,7 +58,7 @@ class Chain:
     dgd: Obj
 
     def describe(self) -> str:
-        return f"{self.creator['kind']} {self.creator['metadata']['name']}"
+        return f"{self.creator['kind']} {Meta(self.creator).name}"
 
 
 def _kind_of(ref: Mapping[str, str], allowed: frozenset[tuple[str, str]]) -> ResourceKind | None:
@@ -70,14 +72,14 @@ def _kind_of(ref: Mapping[str, str], allowed: frozenset[tuple[str, str]]) -> Res
 async def controller_chain(kube: Kube, pod: Obj) -> Chain | str:
     """The pod's controller chain up to its DGD, read from the apiserver; else why it is not the
     operator's (a sentence)."""
-    meta = pod["metadata"]
-    namespace = meta["namespace"]
-    graph = (meta.get("labels") or {}).get(protocol.LABEL_DYNAMO_GRAPH)
+    meta = Meta(pod)
+    namespace = meta.namespace
+    graph = meta.labels.get(protocol.LABEL_DYNAMO_GRAPH)
     obj, chain = pod, []
     allowed = POD_CREATORS
     for _ in range(CHAIN_MAX):
         ref = controller_ref(obj)
-        what = f"{obj.get('kind', 'Pod')} {obj['metadata']['name']}"
+        what = f"{obj.get('kind', 'Pod')} {Meta(obj).name}"
         if ref is None:
             return f"{what} has no controller"
         kind = _kind_of(ref, allowed)
@@ -92,27 +94,27 @@ async def controller_chain(kube: Kube, pod: Obj) -> Chain | str:
             if not is_not_found(e):
                 raise
             return f"{what}'s controller {kind.kind} {ref['name']} is not in namespace {namespace}"
-        if found["metadata"].get("uid") != ref.get("uid"):
+        if Meta(found).uid != ref.get("uid", ""):
             return f"{what}'s controller {kind.kind} {ref['name']} in {namespace} has another UID"
         chain.append(found)
         if (kind.group, kind.kind) == (DGD.group, DGD.kind):
-            if found["metadata"]["name"] != graph:
+            if Meta(found).name != graph:
                 return (
-                    f"pod {meta['name']} is labelled {protocol.LABEL_DYNAMO_GRAPH}={graph} but belongs "
-                    f"to DynamoGraphDeployment {found['metadata']['name']}"
+                    f"pod {meta.name} is labelled {protocol.LABEL_DYNAMO_GRAPH}={graph} but belongs "
+                    f"to DynamoGraphDeployment {Meta(found).name}"
                 )
             return Chain(creator=chain[0], dgd=found)
         obj, allowed = found, _ABOVE
-    return f"pod {meta['name']}: no DynamoGraphDeployment within {CHAIN_MAX} controllers"
+    return f"pod {meta.name}: no DynamoGraphDeployment within {CHAIN_MAX} controllers"
 
 
 def next_pod_annotations(chain: Chain, pod: Obj) -> Mapping[str, str]:
     """The annotations the creator's next pod is created with: its pod template's, else (a Grove PodClique
     holds no template metadata; it copies its pods' from the PodCliqueSet) the lost pod's own."""
-    template = (chain.creator.get("spec") or {}).get("template")
+    template = ObjectView(chain.creator).spec.get("template")
     if isinstance(template, dict):
-        return (template.get("metadata") or {}).get("annotations") or {}
-    return pod["metadata"].get("annotations") or {}
+        return Meta(template).annotations
+    return Meta(pod).annotations
 
 
 def checkpoint_of(namespace: str, annotations: Mapping[str, str], get: Get) -> tuple[str | None, str]:
@@ -153,19 +155,20 @@ def checkpoint_of(namespace: str, annotations: Mapping[str, str], get: Get) -> t
 
 
 def _ready(kind: ResourceKind, obj: Obj, get: Get) -> tuple[str | None, str]:
-    name, status = obj["metadata"]["name"], obj.get("status") or {}
-    what = f"{kind.kind} {name}"
+    what = f"{kind.kind} {Meta(obj).name}"
     if kind == CHECKPOINT:
-        phase = status.get("phase") or CheckpointPhase.PENDING.value
+        phase = CheckpointView(obj).phase or CheckpointPhase.PENDING.value
         return (what, "") if phase == CheckpointPhase.READY.value else (None, f"{what} is {phase}")
     if kind == SNAPSHOT_JOB:
-        snapshot = status.get("podSnapshotName")
+        job = SnapshotJobView(obj)
+        snapshot = job.pod_snapshot_name
         found = get(POD_SNAPSHOT, snapshot) if snapshot else None
         if found is None:
             return None, f"{what} has produced no PodSnapshot yet"
-        if status.get("podSnapshotUid") not in (None, "", found["metadata"].get("uid")):
+        if job.pod_snapshot_uid not in ("", Meta(found).uid):
             return None, f"{what}'s PodSnapshot {snapshot} was replaced by another of the same name"
         return _ready(POD_SNAPSHOT, found, get)
-    if cond.is_true(obj, cond.READY) and status.get("boundSnapshotContentName"):
+    snapshot_view = PodSnapshotView(obj)
+    if snapshot_view.condition_true(cond.READY) and snapshot_view.bound_content:
         return what, ""
     return None, f"{what} is not Ready"

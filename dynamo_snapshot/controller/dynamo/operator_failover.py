@@ -38,6 +38,7 @@ from cachetools import TTLCache
 from prometheus_client import Counter
 
 from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.views import Meta, PodView
 from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.controller.dynamo.operator_chain import (
     Chain,
@@ -45,14 +46,9 @@ from dynamo_snapshot.controller.dynamo.operator_chain import (
     controller_chain,
     next_pod_annotations,
 )
-from dynamo_snapshot.controller.failover.losses import (
-    FAILOVER_PAUSED,
-    WORKER_LOST,
-    Failover,
-    node_healthy,
-    worker_lifetime,
-)
-from dynamo_snapshot.controller.failover.worker_loss import judge_loss
+from dynamo_snapshot.controller.failover.losses import FAILOVER_PAUSED, WORKER_LOST, Failover
+from dynamo_snapshot.controller.failover.node_state import node_healthy
+from dynamo_snapshot.controller.failover.worker_loss import judge_loss, worker_lifetime
 from dynamo_snapshot.kube import (
     DELETED,
     NORMAL,
@@ -94,11 +90,12 @@ Owner = tuple[str, str]  # ("namespace/dgd", component)
 
 def component_of(pod: Obj) -> Owner | None:
     """The DGD (key) and component a pod's Dynamo labels claim; None without both labels."""
-    labels = pod["metadata"].get("labels") or {}
-    graph, component = labels.get(protocol.LABEL_DYNAMO_GRAPH), labels.get(protocol.LABEL_DYNAMO_COMPONENT)
+    meta = Meta(pod)
+    graph = meta.labels.get(protocol.LABEL_DYNAMO_GRAPH)
+    component = meta.labels.get(protocol.LABEL_DYNAMO_COMPONENT)
     if not graph or not component:
         return None
-    return f"{pod['metadata']['namespace']}/{graph}", component
+    return f"{meta.namespace}/{graph}", component
 
 
 class OperatorFailover:
@@ -150,7 +147,7 @@ class OperatorFailover:
         return [
             p
             for p in self.pods.by_label(protocol.LABEL_DYNAMO_GRAPH, graph)
-            if p["metadata"]["namespace"] == namespace and component_of(p) == owner
+            if Meta(p).namespace == namespace and component_of(p) == owner
         ]
 
     def _wake(self, dgd_key: str, delay: float) -> None:
@@ -173,7 +170,7 @@ class OperatorFailover:
         for name, (uid, _) in list(waiting.items()):
             if uid == creator:
                 del waiting[name]
-                self.failover.replaced(owner, [pod["metadata"]["name"]])
+                self.failover.replaced(owner, [Meta(pod).name])
                 return
 
     async def _on_node(self, etype: str, obj: Obj, old: Obj | None) -> None:
@@ -181,19 +178,19 @@ class OperatorFailover:
             return  # a new node holds no pod yet
         if etype != DELETED and node_healthy(old) == node_healthy(obj):
             return
-        name = obj["metadata"]["name"]
+        name = Meta(obj).name
         paused = self.failover.in_state(FAILOVER_PAUSED)
         for pod in self.pods.list():
             owner = component_of(pod)
-            if owner is not None and ((pod.get("spec") or {}).get("nodeName") == name or owner[0] in paused):
+            if owner is not None and (PodView(pod).node_name == name or owner[0] in paused):
                 self.queue.add(owner)
 
     # ------------------------------------------------------------------ one component
     async def reconcile(self, owner: Owner) -> Result | None:
         pods = self._pods_of(owner)
         self._forget_stale_deletions(owner)
-        names = {p["metadata"]["name"] for p in pods}
-        self.failover.track_ready(owner, {p["metadata"]["name"] for p in pods if pod_ready(p)}, names)
+        names = {Meta(p).name for p in pods}
+        self.failover.track_ready(owner, {Meta(p).name for p in pods if pod_ready(p)}, names)
         if not pods and not self.deleted.get(owner):
             self.failover.forget_service(owner)
             self.dgds.pop(owner, None)
@@ -204,10 +201,10 @@ class OperatorFailover:
         grace: dict[str, datetime] = {}
         kept: dict[str, str] = {}
         for pod in pods:
-            meta = pod["metadata"]
-            if meta.get("deletionTimestamp") or meta["name"] in self.deleted.get(owner, {}):
+            view = PodView(pod)
+            if view.meta.deleting or view.meta.name in self.deleted.get(owner, {}):
                 continue
-            node_name = (pod.get("spec") or {}).get("nodeName")
+            node_name = view.node_name or None
             node = self.ctx.nodes.get(node_name) if node_name else None
             verdict = judge_loss(pod, node, now, self.ctx.node_grace_ends, paused is not None)
             if verdict.cause is None and verdict.grace_ends is None and not verdict.kept:
@@ -219,10 +216,10 @@ class OperatorFailover:
             if verdict.grace_ends is not None and node_name:
                 grace[node_name] = verdict.grace_ends
             elif verdict.kept and node_name:
-                kept[meta["name"]] = node_name
+                kept[view.meta.name] = node_name
             elif verdict.cause is not None:
                 lost.append((pod, verdict.cause, node_name, chain))
-        self._drop_losses_but(owner, {item[0]["metadata"]["name"] for item in lost})
+        self._drop_losses_but(owner, {Meta(item[0]).name for item in lost})
         dgd = self.dgds.get(owner)
         if dgd is not None:
             for event in self.failover.review(owner, grace=grace, paused=paused if kept else None, kept=kept):
@@ -242,8 +239,8 @@ class OperatorFailover:
     async def _eligible(self, pod: Obj) -> Chain | None:
         """The pod's controller chain when the pod may be failed over by restore; None (and said once)
         when it is to be left alone."""
-        meta = pod["metadata"]
-        creator_uid = (controller_ref(pod) or {}).get("uid") or f"pod:{meta.get('uid')}"
+        meta = Meta(pod)
+        creator_uid = (controller_ref(pod) or {}).get("uid") or f"pod:{meta.uid}"
         chain = self._chains.get(creator_uid)
         if chain is None:
             chain = self._chains[creator_uid] = await controller_chain(self.ctx.kube, pod)
@@ -251,7 +248,7 @@ class OperatorFailover:
             self._leave_alone(pod, "not-operator-made", chain)
             return None
         annotations = next_pod_annotations(chain, pod)
-        namespace = meta["namespace"]
+        namespace = meta.namespace
         ready, why = checkpoint_of(
             namespace, annotations, lambda kind, name: self._get(kind, namespace, name)
         )
@@ -269,14 +266,14 @@ class OperatorFailover:
         return caches[kind.kind].get(f"{namespace}/{name}")
 
     def _leave_alone(self, pod: Obj, why: str, message: str) -> None:
-        meta = pod["metadata"]
-        if self._told.get((str(meta.get("uid")), message)):
+        meta = Meta(pod)
+        if self._told.get((meta.uid, message)):
             return
-        self._told[(str(meta.get("uid")), message)] = True
+        self._told[(meta.uid, message)] = True
         LEFT_ALONE.labels(why).inc()
         log.info(
             "lost pod left alone",
-            extra={"namespace": meta["namespace"], "pod": meta["name"], "why": why, "detail": message},
+            extra={"namespace": meta.namespace, "pod": meta.name, "why": why, "detail": message},
         )
 
     async def _delete_lost(
@@ -284,7 +281,7 @@ class OperatorFailover:
     ) -> Result | None:
         component = owner[1]
         for pod, cause, node_name, chain in lost:
-            name = pod["metadata"]["name"]
+            name = Meta(pod).name
             if self.failover.observe(owner, name, cause, node_name, worker_lifetime(pod, now)):
                 self.ctx.recorder.record(
                     chain.dgd,
@@ -295,17 +292,17 @@ class OperatorFailover:
                 )
         allowed, later = self.failover.allowance(owner, len(lost), pods)
         seen = {name: loss.seen for name, loss in self.failover.pending.get(owner, {}).items()}
-        oldest = sorted(lost, key=lambda item: seen.get(item[0]["metadata"]["name"], 0.0))
+        oldest = sorted(lost, key=lambda item: seen.get(Meta(item[0]).name, 0.0))
         for pod, cause, _, chain in oldest[:allowed]:
             await self._delete(owner, pod, cause, chain)
         return Result(requeue_after=later) if later else None
 
     async def _delete(self, owner: Owner, pod: Obj, cause: str, chain: Chain) -> None:
-        meta = pod["metadata"]
-        name = meta["name"]
+        meta = Meta(pod)
+        name = meta.name
         try:
             await self.ctx.kube.delete(
-                POD, name, meta["namespace"], uid=meta.get("uid"), grace_period_seconds=0
+                POD, name, meta.namespace, uid=meta.uid or None, grace_period_seconds=0
             )
         except Exception as e:
             if not (is_not_found(e) or is_conflict(e)):
@@ -313,7 +310,7 @@ class OperatorFailover:
             # Gone already, or a pod of the same name with another UID: not this loss any more.
             self.failover.pending.get(owner, {}).pop(name, None)
             return
-        self.deleted[owner][name] = (chain.creator["metadata"]["uid"], time.monotonic())
+        self.deleted[owner][name] = (Meta(chain.creator).uid, time.monotonic())
         DELETIONS.labels(cause).inc()
         self.ctx.recorder.record(
             chain.dgd,
@@ -324,7 +321,7 @@ class OperatorFailover:
         )
         log.info(
             "lost worker deleted for restore",
-            extra={"namespace": meta["namespace"], "pod": name, "cause": cause, "creator": chain.describe()},
+            extra={"namespace": meta.namespace, "pod": name, "cause": cause, "creator": chain.describe()},
         )
 
     def _forget_stale_deletions(self, owner: Owner) -> None:

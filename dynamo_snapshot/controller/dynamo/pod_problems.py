@@ -8,6 +8,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+from dynamo_snapshot.api.dynamo_views import WorkerPodView
+from dynamo_snapshot.api.views import Meta
 from dynamo_snapshot.kube import Obj
 from dynamo_snapshot.kube.pods import pod_ready
 
@@ -73,8 +75,8 @@ def pod_problem(pod: Obj) -> PodProblem | None:
     it says nothing wrong (starting, or not scheduled yet: the scheduler's business, not a fault)."""
     if pod_ready(pod):
         return None
-    status = pod.get("status") or {}
-    containers = [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
+    view = WorkerPodView(pod)
+    containers = [*view.init_container_statuses, *view.container_statuses]
     found = [p for c in containers if (p := _container_problem(c)) is not None]
     # A container that cannot start at all says more than one that exited and runs again.
     waiting = [p for p in found if p.reason in (IMAGE_PULL_FAILED, CONFIG_ERROR, CONTAINER_START_FAILED)]
@@ -118,11 +120,11 @@ def service_problems(service: str, pods: list[Obj]) -> tuple[list[str], str | No
     """The Degraded lines of a service's pods, one per kind of problem and container (the first pod's
     words, the others named), and the reason of the first; ([], None) when no pod has a problem."""
     grouped: dict[tuple[str, str], list[tuple[str, PodProblem]]] = defaultdict(list)
-    for pod in sorted(pods, key=lambda p: str(p["metadata"]["name"])):
+    for pod in sorted(pods, key=lambda p: Meta(p).name):
         problem = pod_problem(pod)
         if problem is not None:
             container = problem.detail.split(":", 1)[0]
-            grouped[(problem.reason, container)].append((pod["metadata"]["name"], problem))
+            grouped[(problem.reason, container)].append((Meta(pod).name, problem))
     lines = []
     for (reason, _), found in grouped.items():
         names = [name for name, _ in found]

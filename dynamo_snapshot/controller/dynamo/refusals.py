@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import TypeGuard
 
+from dynamo_snapshot.api.views import Meta, ObjectView
 from dynamo_snapshot.kube import WARNING, ApiError, EventRecorder, Obj
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,8 @@ def refusal_text(err: ApiError) -> str:
 
 
 def owner_of(obj: Obj, svc_name: str) -> Owner:
-    return (f"{obj['metadata']['namespace']}/{obj['metadata']['name']}", svc_name)
+    meta = Meta(obj)
+    return (f"{meta.namespace}/{meta.name}", svc_name)
 
 
 @dataclass
@@ -85,7 +87,7 @@ class Refusals:
         refusal = Refusal(
             reason,
             message,
-            obj["metadata"].get("generation"),
+            Meta(obj).generation,
             attempts,
             time.monotonic() + delay,
             whole_service,
@@ -105,8 +107,7 @@ class Refusals:
         if self._announced.get(owner) == (reason, message):
             return False
         self._announced[owner] = (reason, message)
-        conditions = (obj.get("status") or {}).get("conditions") or []
-        if any(message in (c.get("message") or "") for c in conditions):
+        if any(message in (c.get("message") or "") for c in ObjectView(obj).conditions):
             return False
         self.recorder.record(obj, WARNING, reason, message)
         return True

@@ -4,16 +4,13 @@ nodes under the DGDs, and the generic layer's objects a DynamoCheckpoint is made
 from __future__ import annotations
 
 from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.dynamo_views import GraphDeploymentView, NodeView, WorkerPodView
+from dynamo_snapshot.api.views import Meta, PodView
 from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.controller.dynamo.checkpoint_reconciler import CheckpointReconciler
 from dynamo_snapshot.controller.dynamo.dgd_reconciler import DGDReconciler
-from dynamo_snapshot.controller.failover.losses import (
-    FAILOVER_PAUSED,
-    WAITING_FOR_NODE,
-    node_down,
-    node_healthy,
-    unhealthy_since,
-)
+from dynamo_snapshot.controller.failover.losses import FAILOVER_PAUSED, WAITING_FOR_NODE
+from dynamo_snapshot.controller.failover.node_state import node_down, node_healthy, unhealthy_since
 from dynamo_snapshot.controller.snapshot.watches import bound_snapshot
 from dynamo_snapshot.controller.watch import Reconciles, Watch
 from dynamo_snapshot.kube import DELETED, WARNING, Obj, controller_ref, object_key
@@ -40,26 +37,25 @@ def checkpoint_itself(ctx: Context, etype: str, obj: Obj, old: Obj | None) -> li
 
 def dgds_of_checkpoint(ctx: Context, etype: str, obj: Obj, old: Obj | None) -> list[str]:
     """The DGDs of the checkpoint's namespace that use it, or may (Auto mode)."""
-    ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+    meta = Meta(obj)
     return [
         object_key(dgd)
         for dgd in ctx.dgds.list()
-        if dgd["metadata"]["namespace"] == ns and _dgd_uses(dgd, name, obj)
+        if Meta(dgd).namespace == meta.namespace and _dgd_uses(dgd, meta.name, obj)
     ]
 
 
 def dgd_of_worker(ctx: Context, etype: str, obj: Obj, old: Obj | None) -> list[str]:
     """A worker pod's DGD; the pod's creation or deletion is noted against what the DGD's reconcile
     expects, and a deletion by someone else is a loss."""
-    meta = obj["metadata"]
-    labels = meta.get("labels") or {}
-    graph, service = labels.get(protocol.LABEL_GRAPH), labels.get(protocol.LABEL_SERVICE)
+    meta = Meta(obj)
+    graph, service = meta.labels.get(protocol.LABEL_GRAPH), meta.labels.get(protocol.LABEL_SERVICE)
     if not (graph and service):
         return []
-    owner = (f"{meta['namespace']}/{graph}", service)
-    if _deletion_began(etype, obj, old) and not ctx.expectations.pending_delete(owner, meta["name"]):
+    owner = (f"{meta.namespace}/{graph}", service)
+    if _deletion_began(etype, obj, old) and not ctx.expectations.pending_delete(owner, meta.name):
         _deleted_unexpectedly(ctx, owner, obj)
-    ctx.expectations.observed(owner, meta["name"], deleted=etype == DELETED)
+    ctx.expectations.observed(owner, meta.name, deleted=etype == DELETED)
     return [owner[0]]
 
 
@@ -77,11 +73,12 @@ def dgds_of_node(ctx: Context, etype: str, obj: Obj, old: Obj | None) -> list[st
     else:
         return []
     keys = ctx.failover.in_state(FAILOVER_PAUSED) | ctx.failover.in_state(WAITING_FOR_NODE)
-    name = obj["metadata"]["name"]
+    name = Meta(obj).name
     for pod in ctx.pods.list() if old is not None else ():
-        labels = pod["metadata"].get("labels") or {}
-        if (pod.get("spec") or {}).get("nodeName") == name and labels.get(protocol.LABEL_GRAPH):
-            keys.add(f"{pod['metadata']['namespace']}/{labels[protocol.LABEL_GRAPH]}")
+        view = PodView(pod)
+        graph = view.meta.labels.get(protocol.LABEL_GRAPH)
+        if view.node_name == name and graph:
+            keys.add(f"{view.meta.namespace}/{graph}")
     if old is not None or ctx.nodes.has_synced.is_set():
         ctx.node_health()  # the pause gauge follows the nodes even when no reconcile asks
     return list(keys)
@@ -91,7 +88,7 @@ def checkpoint_controlling(ctx: Context, etype: str, obj: Obj, old: Obj | None) 
     """A DynamoCheckpoint's SnapshotJob and PodSnapshot name it as their controller."""
     owner = controller_ref(obj) or {}
     if owner.get("kind") == CHECKPOINT.kind and owner.get("name"):
-        return [f"{obj['metadata']['namespace']}/{owner['name']}"]
+        return [f"{Meta(obj).namespace}/{owner['name']}"]
     return []
 
 
@@ -125,10 +122,10 @@ def _deleted_unexpectedly(ctx: Context, owner: tuple[str, str], pod: Obj) -> Non
     """A worker pod deleted by someone else (a user, an eviction, node cleanup): a loss, unless its
     DGD is going away (the garbage collector deletes the pods of a deleted DGD)."""
     dgd = ctx.dgds.get(owner[0])
-    finished = (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
-    if dgd is None or dgd["metadata"].get("deletionTimestamp") or finished:
+    worker = WorkerPodView(pod)
+    if dgd is None or Meta(dgd).deleting or worker.finished:
         return
-    name = pod["metadata"]["name"]
+    name = worker.meta.name
     if ctx.failover.observe(owner, name, "pod-deleted"):
         ctx.recorder.record(
             dgd,
@@ -141,37 +138,32 @@ def _deleted_unexpectedly(ctx: Context, owner: tuple[str, str], pod: Obj) -> Non
 def _deletion_began(etype: str, pod: Obj, old: Obj | None) -> bool:
     """This event is the first sign of the pod's deletion: graceful (deletionTimestamp appears) or not."""
     if etype == DELETED:
-        return not pod["metadata"].get("deletionTimestamp")
-    return bool(pod["metadata"].get("deletionTimestamp")) and not (old or {}).get("metadata", {}).get(
-        "deletionTimestamp"
-    )
+        return not Meta(pod).deleting
+    return Meta(pod).deleting and not (old is not None and Meta(old).deleting)
 
 
 def _dgd_uses(dgd: Obj, ckpt_name: str, ckpt: Obj) -> bool:
-    ckpt_hash = (ckpt["metadata"].get("labels") or {}).get(protocol.LABEL_CHECKPOINT_HASH)
-    for svc_name, svc in ((dgd.get("spec") or {}).get("services") or {}).items():
-        cfg = (svc or {}).get("checkpoint") or {}
-        if cfg.get("checkpointRef") == ckpt_name:
+    ckpt_hash = Meta(ckpt).labels.get(protocol.LABEL_CHECKPOINT_HASH)
+    graph = GraphDeploymentView(dgd)
+    for svc in graph.services.values():
+        cfg = svc.checkpoint
+        if cfg.checkpoint_ref == ckpt_name:
             return True
-        used = ((dgd.get("status") or {}).get("checkpoints") or {}).get(svc_name) or {}
-        if used.get("checkpointName") == ckpt_name or (ckpt_hash and used.get("identityHash") == ckpt_hash):
+        used = graph.checkpoint_status(svc.name)
+        if used.checkpoint_name == ckpt_name or (ckpt_hash and used.identity_hash == ckpt_hash):
             return True
-        if cfg.get("identity") and cfg.get("enabled"):
+        if cfg.identity and cfg.enabled:
             return True  # Auto mode before status names the checkpoint: cheap to check by reconciling
     return False
 
 
 def _node_shape(node: Obj) -> tuple[object, ...]:
-    labels = node["metadata"].get("labels") or {}
-    ready = [
-        c.get("status")
-        for c in (node.get("status") or {}).get("conditions") or []
-        if c.get("type") == "Ready"
-    ]
+    view = NodeView(node)
+    labels = view.meta.labels
     return (
         labels.get(protocol.LABEL_GPU_PRODUCT),
         labels.get(protocol.LABEL_CUDA_DRIVER_MAJOR),
         labels.get(protocol.LABEL_GPU_COUNT),
-        tuple(ready),
-        (node.get("spec") or {}).get("unschedulable"),
+        view.ready,
+        view.spec.get("unschedulable"),
     )

@@ -8,14 +8,15 @@ from datetime import UTC, datetime
 from dynamo_snapshot.api import conditions as cond
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import DynamoCheckpoint
+from dynamo_snapshot.api.dynamo_views import WorkerPodView, resource_version
 from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment
-from dynamo_snapshot.api.restore_request import restore_from
+from dynamo_snapshot.api.views import CheckpointView, Meta, PodView
 from dynamo_snapshot.controller.context import PODS_CREATED, Context
 from dynamo_snapshot.controller.dynamo.batching import slow_start
 from dynamo_snapshot.controller.dynamo.checkpoint_reconciler import agent_verdict
 from dynamo_snapshot.controller.dynamo.refusals import CreateHeldBack, Refusals, refusal_text, refused
-from dynamo_snapshot.controller.failover.losses import WORKER_LOST, worker_lifetime
-from dynamo_snapshot.controller.failover.worker_loss import judge_loss
+from dynamo_snapshot.controller.failover.losses import WORKER_LOST
+from dynamo_snapshot.controller.failover.worker_loss import judge_loss, worker_lifetime
 from dynamo_snapshot.controller.podspec import cold_start_pod, keep_off_nodes, pod_name_prefix, restore_pod
 from dynamo_snapshot.kube import (
     NORMAL,
@@ -31,9 +32,7 @@ from dynamo_snapshot.kube.pods import pod_active, pod_ready
 
 
 def start_mode(pod: Obj) -> str:
-    return str(
-        (pod["metadata"].get("labels") or {}).get(protocol.LABEL_START_MODE, protocol.StartMode.COLD.value)
-    )
+    return WorkerPodView(pod).start_mode
 
 
 def restore_failed(pod: Obj) -> bool:
@@ -45,11 +44,8 @@ def restore_failed(pod: Obj) -> bool:
 
 def scale_down_order(pod: Obj) -> tuple[bool, str, str]:
     # Not-ready pods first (they serve nothing yet), then the newest; name breaks ties deterministically.
-    return (
-        pod_ready(pod),
-        _newest_first(pod["metadata"].get("creationTimestamp") or ""),
-        pod["metadata"]["name"],
-    )
+    meta = Meta(pod)
+    return pod_ready(pod), _newest_first(meta.creation_timestamp), meta.name
 
 
 def _newest_first(timestamp: str) -> str:
@@ -70,7 +66,7 @@ class WorkerPods:
         return [
             p
             for p in self.ctx.pods_of(namespace, graph, owner[1])
-            if pod_active(p) and not self.ctx.expectations.pending_delete(owner, p["metadata"]["name"])
+            if pod_active(p) and not self.ctx.expectations.pending_delete(owner, Meta(p).name)
         ]
 
     async def create(
@@ -152,10 +148,11 @@ class WorkerPods:
         grace: dict[str, datetime] = {}
         kept: dict[str, str] = {}
         for pod in ctx.pods_of(namespace, graph, owner[1]):
-            pname = pod["metadata"]["name"]
+            view = PodView(pod)
+            pname = view.meta.name
             if ctx.expectations.pending_delete(owner, pname):
                 continue
-            node_name = (pod.get("spec") or {}).get("nodeName")
+            node_name = view.node_name or None
             node = ctx.nodes.get(node_name) if node_name else None
             verdict = judge_loss(pod, node, now, ctx.node_grace_ends, ctx.node_health().paused is not None)
             if verdict.grace_ends is not None and node_name:
@@ -186,20 +183,20 @@ class WorkerPods:
         self, obj: Obj, owner: tuple[str, str], pods: list[Obj], reason: str, *, force: bool = False
     ) -> None:
         for pod in pods:
-            pname = pod["metadata"]["name"]
-            self.ctx.expectations.expect_delete(owner, pname)
+            meta = Meta(pod)
+            self.ctx.expectations.expect_delete(owner, meta.name)
             try:
                 await self.ctx.kube.delete(
                     POD,
-                    pname,
-                    pod["metadata"]["namespace"],
-                    uid=pod["metadata"].get("uid"),
+                    meta.name,
+                    meta.namespace,
+                    uid=meta.uid or None,
                     grace_period_seconds=0 if force else None,
                 )
             except Exception as e:
                 if not is_not_found(e):
                     raise
-        names = ", ".join(p["metadata"]["name"] for p in pods)
+        names = ", ".join(Meta(p).name for p in pods)
         self.ctx.recorder.record(
             obj, NORMAL, reason, f"service {owner[1]}: deleted {len(pods)} pod(s): {names}"
         )
@@ -220,16 +217,15 @@ class WorkerPods:
         killed half-way finishes the swap on its next run without doubling anything.
         """
         ctx = self.ctx
-        pname = pod["metadata"]["name"]
-        annotations = pod["metadata"].get("annotations") or {}
+        view = PodView(pod)
+        pname = view.meta.name
         _, message = agent_verdict(
             pod, protocol.ANNOTATION_RESTORE_STATUS, protocol.ANNOTATION_RESTORE_MESSAGE
         )
-        ckpt_name = restore_from(annotations) or ""
-        node = (pod.get("spec") or {}).get("nodeName") or ""
-        failed_on = sorted(
-            {n for n in annotations.get(protocol.ANNOTATION_AVOID_NODES, "").split(",") if n} | {node} - {""}
-        )
+        ckpt_name = view.restore_from or ""
+        node = view.node_name
+        avoided = view.meta.annotations.get(protocol.ANNOTATION_AVOID_NODES, "")
+        failed_on = sorted({n for n in avoided.split(",") if n} | {node} - {""})
         compat = ckpt.status.compatibility if ckpt is not None and ckpt.status else None
         retry = None
         if (
@@ -243,7 +239,7 @@ class WorkerPods:
         if ckpt_name:
             # Before the swap deletes the pod: a controller killed in between sees the failed pod again
             # on its next run and records it then (the failure list is a set).
-            await self._record_restore_failure(pod["metadata"]["namespace"], ckpt_name, pname)
+            await self._record_restore_failure(view.meta.namespace, ckpt_name, pname)
         await self._swap_restore(
             obj,
             dgd,
@@ -267,7 +263,7 @@ class WorkerPods:
             owner,
             pod,
             "RestoreUnschedulable",
-            f"service {owner[1]}: restore pod {pod['metadata']['name']} could not be scheduled for "
+            f"service {owner[1]}: restore pod {Meta(pod).name} could not be scheduled for "
             f"{waited:.0f}s ({why or 'no reason given'})",
         )
 
@@ -287,7 +283,7 @@ class WorkerPods:
         named after the pod, so a controller killed half-way finds it (see `_create_replacement`) instead
         of creating a second one.
         """
-        pname = pod["metadata"]["name"]
+        pname = Meta(pod).name
         replacement = retry or cold_start_pod(obj, dgd, owner[1], name=f"{pname}-cold"[:63], replaces=pname)
         self.ctx.keep_off_bad_nodes(replacement["spec"], [])
         mode = protocol.StartMode.RESTORE if retry else protocol.StartMode.COLD
@@ -335,7 +331,7 @@ class WorkerPods:
                 if is_not_found(e):
                     return
                 raise
-            failures = list((fresh.get("status") or {}).get("failedRestores") or [])
+            failures = list(CheckpointView(fresh).status.get("failedRestores") or [])
             if pod_name in failures:
                 return
             failures = [*failures, pod_name][-20:]
@@ -346,7 +342,7 @@ class WorkerPods:
                     {
                         "op": "test",
                         "path": "/metadata/resourceVersion",
-                        "value": fresh["metadata"]["resourceVersion"],
+                        "value": resource_version(Meta(fresh)),
                     },
                     {"op": "add", "path": "/status/failedRestores", "value": failures},
                 ],

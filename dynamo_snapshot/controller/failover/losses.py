@@ -1,9 +1,10 @@
 """Worker failures: telling a lost worker from a voluntary scale-down, and pacing the replacements.
 
 A worker is lost when its pod failed, is crash-looping, was deleted by someone other than this
-controller, or sits on a node that is gone, or NotReady or unreachable for longer than the node grace.
-Lost pods stop counting as replicas at once, so the DGD reconcile that notices creates the replacement (a
-restore pod where the service has a Ready checkpoint, kept off NotReady nodes) in the same pass.
+controller, or sits on a node that is gone, or NotReady or unreachable for longer than the node grace
+(judged by `worker_loss`, which reads a node's health through `node_state`). Lost pods stop counting as
+replicas at once, so the DGD reconcile that notices creates the replacement (a restore pod where the
+service has a Ready checkpoint, kept off NotReady nodes) in the same pass.
 Replacements draw from a per-service and a cluster-wide token bucket, so a node taking many workers down
 does not send all of their restores to the storage at the same moment.
 
@@ -28,11 +29,12 @@ from datetime import UTC, datetime, timedelta
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from dynamo_snapshot.api import protocol
-from dynamo_snapshot.api.conditions import parse_rfc3339
 from dynamo_snapshot.controller.config import ControllerConfig
-from dynamo_snapshot.controller.podspec import MAIN_CONTAINER
-from dynamo_snapshot.kube import NORMAL, WARNING, Obj
+
+# Named here too because controller/context.py imports them from this module; their home is node_state.
+from dynamo_snapshot.controller.failover.node_state import node_down as node_down
+from dynamo_snapshot.controller.failover.node_state import unhealthy_since as unhealthy_since
+from dynamo_snapshot.kube import NORMAL, WARNING
 
 FAILURES = Counter("dynsnap_worker_failures_total", "Worker losses detected, by cause", ["cause"])
 _LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
@@ -59,8 +61,6 @@ BACKOFF_WAITS = Counter(
     "Times a service's replacements of workers that died young were made to wait",
 )
 
-CRASH_LOOP_RESTARTS = 3
-_UNHEALTHY_TAINTS = ("node.kubernetes.io/unreachable", "node.kubernetes.io/not-ready")
 # Losses that say something about the worker itself; node failures, evictions and deletions do not.
 WORKER_CAUSES = frozenset({"pod-failed", "crash-loop", "process-exited"})
 
@@ -80,101 +80,6 @@ _ENDS: dict[str, str | None] = {
 _SHOWN = (FAILOVER_PAUSED, NODE_GRACE)  # states degraded() reports (the others say it elsewhere)
 
 Event = tuple[str, str, str]  # type, reason, message
-
-
-def node_healthy(node: Obj | None) -> bool:
-    """A node a worker can live on: it exists, says Ready, and is not tainted unreachable/not-ready."""
-    if node is None:
-        return False
-    ready = any(
-        c.get("type") == "Ready" and c.get("status") == "True"
-        for c in (node.get("status") or {}).get("conditions") or []
-    )
-    taints = (node.get("spec") or {}).get("taints") or []
-    return ready and not any(t.get("key") in _UNHEALTHY_TAINTS for t in taints)
-
-
-def node_down(node: Obj) -> bool:
-    """A node that has failed, as far as pausing failover and keeping new pods off it go: its Ready
-    condition is False or Unknown, or it is tainted unreachable. A node that has not reported Ready yet
-    (just registered) or still carries the not-ready taint for a moment after turning Ready is not: the
-    scheduler keeps pods off a tainted node by itself, and a required NotIn would keep them off for good."""
-    ready = [
-        c.get("status")
-        for c in (node.get("status") or {}).get("conditions") or []
-        if c.get("type") == "Ready"
-    ]
-    if ready and ready[0] != "True":
-        return True
-    taints = (node.get("spec") or {}).get("taints") or []
-    return any(t.get("key") == "node.kubernetes.io/unreachable" for t in taints)
-
-
-def unhealthy_since(node: Obj) -> datetime | None:
-    """When the node stopped being healthy, by its own record: its Ready condition's lastTransitionTime
-    while that is not True, else when the first unreachable/not-ready taint was added; None when it
-    says neither (or is healthy)."""
-    ready = next(
-        (c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"), None
-    )
-    stamps = [
-        t.get("timeAdded")
-        for t in (node.get("spec") or {}).get("taints") or []
-        if t.get("key") in _UNHEALTHY_TAINTS
-    ]
-    if ready is not None and ready.get("status") != "True":
-        stamps = [ready.get("lastTransitionTime")]
-    times = []
-    for stamp in stamps:
-        try:
-            times.append(parse_rfc3339(str(stamp or "")))
-        except ValueError:
-            continue
-    return min(times, default=None)
-
-
-def worker_lifetime(pod: Obj, now: datetime) -> float | None:
-    """Seconds the pod has lived, from its status.startTime (the kubelet took it on; a restore pod's
-    worker runs within seconds of it), else its creationTimestamp; None when it carries neither."""
-    for stamp in (
-        (pod.get("status") or {}).get("startTime"),
-        pod.get("metadata", {}).get("creationTimestamp"),
-    ):
-        try:
-            return max(0.0, (now - parse_rfc3339(str(stamp or ""))).total_seconds())
-        except ValueError:
-            continue
-    return None
-
-
-def crash_looping(pod: Obj) -> bool:
-    for status in (pod.get("status") or {}).get("containerStatuses") or []:
-        waiting = (status.get("state") or {}).get("waiting") or {}
-        if (
-            waiting.get("reason") == "CrashLoopBackOff"
-            or int(status.get("restartCount") or 0) >= CRASH_LOOP_RESTARTS
-        ):
-            return True
-    return False
-
-
-def loss_cause(pod: Obj, node: Obj | None) -> str | None:
-    """Why a (not deleted by us) pod no longer counts as a worker; None while it does."""
-    annotations = pod.get("metadata", {}).get("annotations") or {}
-    if annotations.get(protocol.per_container(protocol.ANNOTATION_WORKLOAD_EXITED, MAIN_CONTAINER)):
-        return "process-exited"  # reported by the node agent where no kubelet watches the worker
-    phase = (pod.get("status") or {}).get("phase")
-    if phase == "Failed":
-        reason = (pod.get("status") or {}).get("reason") or ""
-        return "evicted" if reason in ("Evicted", "Preempting", "Terminated") else "pod-failed"
-    if crash_looping(pod):
-        return "crash-loop"
-    if (pod.get("spec") or {}).get("nodeName"):
-        if node is None:
-            return "node-deleted"
-        if not node_healthy(node):
-            return "node-not-ready"
-    return None
 
 
 @dataclass

@@ -1,0 +1,268 @@
+"""Typed views over the Dynamo layer's objects as the informers' caches hold them (plain dicts), built on
+``api.views``: a DynamoGraphDeployment, its services and what its status says of them; and the reads of
+other kinds that the Dynamo layer and worker failover make and ``api.views`` does not have (a worker
+pod's phase and start, a node's health signals, what a SnapshotJob made, an object's resourceVersion and
+finalizers).
+
+As in ``api.views``, a view never copies or changes its object, and a field absent, null or of a wrong
+type reads as absent. A DGD here is the cached view in ``v1alpha1``'s shape (``kube.dgd_versions``):
+``spec.services`` is a map of service name to service.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.views import Meta, ObjectView, PodView
+
+__all__ = [
+    "GraphDeploymentView",
+    "NodeView",
+    "ServiceCheckpointStatusView",
+    "ServiceCheckpointView",
+    "ServiceReplicaStatusView",
+    "ServiceView",
+    "SnapshotJobView",
+    "WorkerPodView",
+    "finalizers",
+    "resource_version",
+]
+
+Obj = dict[str, Any]
+
+# The checkpoint mode a service's checkpoint settings default to (api.graphdeployment.CheckpointMode).
+AUTO_MODE = "Auto"
+
+
+def _map(value: object) -> Obj:
+    return value if isinstance(value, dict) else {}
+
+
+def _list(value: object) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _str(value: object) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def resource_version(meta: Meta) -> str | None:
+    """``metadata.resourceVersion``; None when the object carries none (one built, not read)."""
+    value = meta.raw.get("resourceVersion")
+    return value if isinstance(value, str) else None
+
+
+def finalizers(meta: Meta) -> list[str]:
+    """A copy of ``metadata.finalizers``, to change and write back."""
+    return [f for f in _list(meta.raw.get("finalizers")) if isinstance(f, str)]
+
+
+class ServiceCheckpointView:
+    """A service's ``checkpoint`` settings."""
+
+    def __init__(self, raw: object) -> None:
+        self.raw = _map(raw)
+
+    @property
+    def enabled(self) -> bool:
+        return self.raw.get("enabled") is True
+
+    @property
+    def mode(self) -> str:
+        return _str(self.raw.get("mode")) or AUTO_MODE
+
+    @property
+    def checkpoint_ref(self) -> str:
+        return _str(self.raw.get("checkpointRef"))
+
+    @property
+    def identity(self) -> Obj:
+        """The legacy ``identity``; empty when the service names none."""
+        return _map(self.raw.get("identity"))
+
+    @property
+    def auto(self) -> bool:
+        """The controller finds or creates the checkpoint (``ServiceCheckpointConfig.auto``'s rule)."""
+        return self.enabled and not self.checkpoint_ref and self.mode == AUTO_MODE
+
+
+class ServiceView:
+    """One service of a DGD's ``spec.services``."""
+
+    def __init__(self, name: str, raw: object) -> None:
+        self.name = name
+        self.raw = _map(raw)
+
+    @property
+    def replicas(self) -> int | None:
+        """``replicas`` as written; None when absent."""
+        return _int(self.raw.get("replicas"))
+
+    @property
+    def desired_replicas(self) -> int:
+        """The replicas the service asks for: one when it names none."""
+        replicas = self.replicas
+        return 1 if replicas is None else replicas
+
+    @property
+    def component_type(self) -> str:
+        return _str(self.raw.get("componentType"))
+
+    @property
+    def sub_component_type(self) -> str:
+        return _str(self.raw.get("subComponentType"))
+
+    @property
+    def extra_pod_spec(self) -> Obj:
+        return _map(self.raw.get("extraPodSpec"))
+
+    @property
+    def main_container(self) -> Obj:
+        """``extraPodSpec.mainContainer``: what is merged into the main container; empty when absent."""
+        return _map(self.extra_pod_spec.get("mainContainer"))
+
+    @property
+    def checkpoint(self) -> ServiceCheckpointView:
+        return ServiceCheckpointView(self.raw.get("checkpoint"))
+
+
+class ServiceCheckpointStatusView:
+    """``status.checkpoints.<service>``: the checkpoint a service uses, as last written."""
+
+    def __init__(self, raw: object) -> None:
+        self.raw = _map(raw)
+
+    @property
+    def checkpoint_name(self) -> str:
+        return _str(self.raw.get("checkpointName"))
+
+    @property
+    def identity_hash(self) -> str:
+        return _str(self.raw.get("identityHash"))
+
+    @property
+    def ready(self) -> bool:
+        return self.raw.get("ready") is True
+
+
+class ServiceReplicaStatusView:
+    """``status.services.<service>``: its replicas, as last written (0 where absent)."""
+
+    def __init__(self, raw: object) -> None:
+        self.raw = _map(raw)
+
+    def _count(self, key: str) -> int:
+        return _int(self.raw.get(key)) or 0
+
+    @property
+    def replicas(self) -> int:
+        return self._count("replicas")
+
+    @property
+    def ready_replicas(self) -> int:
+        return self._count("readyReplicas")
+
+    @property
+    def restored_replicas(self) -> int:
+        return self._count("restoredReplicas")
+
+    @property
+    def cold_started_replicas(self) -> int:
+        return self._count("coldStartedReplicas")
+
+
+class GraphDeploymentView(ObjectView):
+    """A DynamoGraphDeployment."""
+
+    @property
+    def services(self) -> dict[str, ServiceView]:
+        """``spec.services``, by name, in the spec's order."""
+        return {
+            name: ServiceView(name, svc)
+            for name, svc in _map(self.spec.get("services")).items()
+            if isinstance(name, str)
+        }
+
+    def service(self, name: str) -> ServiceView | None:
+        """The service called ``name``; None when the spec has none of that name."""
+        services = _map(self.spec.get("services"))
+        return ServiceView(name, services[name]) if name in services else None
+
+    @property
+    def state(self) -> str:
+        return _str(self.status.get("state"))
+
+    @property
+    def observed_generation(self) -> int | None:
+        return _int(self.status.get("observedGeneration"))
+
+    def checkpoint_status(self, service: str) -> ServiceCheckpointStatusView:
+        """What ``status.checkpoints`` says of ``service`` (empty when nothing)."""
+        return ServiceCheckpointStatusView(_map(self.status.get("checkpoints")).get(service))
+
+    def replica_status(self, service: str) -> ServiceReplicaStatusView:
+        """What ``status.services`` says of ``service`` (zeros when nothing)."""
+        return ServiceReplicaStatusView(_map(self.status.get("services")).get(service))
+
+
+class SnapshotJobView(ObjectView):
+    """A SnapshotJob: the PodSnapshot it made, once its status records it."""
+
+    @property
+    def pod_snapshot_name(self) -> str:
+        return _str(self.status.get("podSnapshotName"))
+
+    @property
+    def pod_snapshot_uid(self) -> str:
+        return _str(self.status.get("podSnapshotUid"))
+
+
+class NodeView(ObjectView):
+    """A Node, as far as worker failover reads its health."""
+
+    @property
+    def ready(self) -> str | None:
+        """Its Ready condition's status ("True", "False", "Unknown"); None without a Ready condition."""
+        found = self.condition("Ready")
+        return _str(found.get("status")) if found else None
+
+    @property
+    def taints(self) -> list[Obj]:
+        return [t for t in _list(self.spec.get("taints")) if isinstance(t, dict)]
+
+
+class WorkerPodView(PodView):
+    """A worker pod: the reads of its state that worker failover and the DGD reconcile make."""
+
+    @property
+    def phase(self) -> str:
+        return _str(self.status.get("phase"))
+
+    @property
+    def reason(self) -> str:
+        """``status.reason`` (e.g. Evicted)."""
+        return _str(self.status.get("reason"))
+
+    @property
+    def start_time(self) -> str:
+        """``status.startTime``: when the kubelet took the pod on."""
+        return _str(self.status.get("startTime"))
+
+    @property
+    def init_container_statuses(self) -> list[Obj]:
+        return [s for s in _list(self.status.get("initContainerStatuses")) if isinstance(s, dict)]
+
+    @property
+    def finished(self) -> bool:
+        """Its phase is Succeeded or Failed: it runs nothing any more."""
+        return self.phase in ("Succeeded", "Failed")
+
+    @property
+    def start_mode(self) -> str:
+        """How the controller started it (label ``snapshot.nvidia.com/start-mode``): cold when unlabelled."""
+        return str(self.meta.labels.get(protocol.LABEL_START_MODE, protocol.StartMode.COLD.value))

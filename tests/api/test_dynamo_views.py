@@ -1,0 +1,217 @@
+"""The Dynamo layer's typed views read a DGD, its services and status, worker pods, nodes and SnapshotJobs as
+the caches hold them: absent, null or mistyped fields read as absent, and nothing is copied or changed."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.dynamo_views import (
+    GraphDeploymentView,
+    NodeView,
+    ServiceCheckpointView,
+    SnapshotJobView,
+    WorkerPodView,
+    finalizers,
+    resource_version,
+)
+from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment
+from dynamo_snapshot.api.views import Meta
+
+
+def _dgd() -> dict[str, Any]:
+    return {
+        "apiVersion": "nvidia.com/v1alpha1",
+        "kind": "DynamoGraphDeployment",
+        "metadata": {"name": "g", "namespace": "team-a", "uid": "u", "generation": 4},
+        "spec": {
+            "backendFramework": "vllm",
+            "services": {
+                "Frontend": {"componentType": "frontend"},
+                "decode": {
+                    "componentType": "worker",
+                    "subComponentType": "decode",
+                    "replicas": 3,
+                    "extraPodSpec": {
+                        "mainContainer": {"image": "vllm:1", "args": ["serve"]},
+                        "nodeSelector": {"gpu": "h100"},
+                    },
+                    "checkpoint": {"enabled": True, "checkpointRef": "ckpt-1"},
+                },
+                "prefill": {"replicas": 0, "checkpoint": {"enabled": True}},
+            },
+        },
+        "status": {
+            "state": "pending",
+            "observedGeneration": 3,
+            "checkpoints": {"decode": {"checkpointName": "ckpt-1", "identityHash": "abc", "ready": True}},
+            "services": {"decode": {"replicas": 3, "readyReplicas": 2, "restoredReplicas": 2}},
+        },
+    }
+
+
+def test_a_dgd_reads_as_the_model_reads_it() -> None:
+    raw = _dgd()
+    before = copy.deepcopy(raw)
+    view = GraphDeploymentView(raw)
+    model = DynamoGraphDeployment.model_validate(raw)
+    assert model.spec.services is not None
+    assert list(view.services) == list(model.spec.services) == ["Frontend", "decode", "prefill"]
+    for name, svc in model.spec.services.items():
+        seen = view.services[name]
+        assert (seen.name, seen.replicas, seen.component_type) == (
+            name,
+            svc.replicas,
+            svc.component_type or "",
+        )
+        cfg = svc.checkpoint
+        assert seen.checkpoint.enabled == (cfg is not None and cfg.enabled)
+        assert seen.checkpoint.auto == (cfg is not None and cfg.auto)
+        assert seen.checkpoint.checkpoint_ref == ((cfg.checkpoint_ref if cfg else None) or "")
+    decode = view.services["decode"]
+    assert decode.main_container == {"image": "vllm:1", "args": ["serve"]}
+    assert decode.extra_pod_spec["nodeSelector"] == {"gpu": "h100"}
+    assert (decode.sub_component_type, decode.desired_replicas) == ("decode", 3)
+    assert view.services["Frontend"].desired_replicas == 1  # none named: one
+    assert view.services["prefill"].desired_replicas == 0
+    assert (view.meta.generation, view.observed_generation, view.state) == (4, 3, "pending")
+    used = view.checkpoint_status("decode")
+    assert (used.checkpoint_name, used.identity_hash, used.ready) == ("ckpt-1", "abc", True)
+    counts = view.replica_status("decode")
+    assert (counts.replicas, counts.ready_replicas, counts.restored_replicas) == (3, 2, 2)
+    assert counts.cold_started_replicas == 0
+    assert raw == before  # a lens: nothing copied into it, nothing changed
+
+
+def test_services_are_looked_up_by_name() -> None:
+    view = GraphDeploymentView(_dgd())
+    found = view.service("decode")
+    assert found is not None
+    assert found.raw is _dgd_service(view, "decode")
+    assert view.service("missing") is None
+    unknown = view.checkpoint_status("Frontend")
+    assert (unknown.checkpoint_name, unknown.identity_hash, unknown.ready) == ("", "", False)
+    assert view.replica_status("missing").replicas == 0
+
+
+def _dgd_service(view: GraphDeploymentView, name: str) -> object:
+    return view.spec["services"][name]
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        {},
+        {"metadata": None, "spec": None, "status": None},
+        {"spec": {"services": None}, "status": {"checkpoints": "x", "services": []}},
+        {"spec": {"services": []}, "status": {"state": 3, "observedGeneration": True}},
+    ],
+)
+def test_a_bare_or_mistyped_dgd_reads_as_empty(raw: dict[str, Any]) -> None:
+    view = GraphDeploymentView(raw)
+    assert view.services == {}
+    assert view.service("decode") is None
+    assert (view.state, view.observed_generation) == ("", None)
+    assert not view.checkpoint_status("decode").ready
+    assert view.replica_status("decode").replicas == 0
+
+
+def test_a_mistyped_service_reads_as_absent_fields() -> None:
+    raw = {
+        "spec": {
+            "services": {
+                "a": None,
+                "b": {
+                    "replicas": True,
+                    "componentType": 1,
+                    "extraPodSpec": {"mainContainer": "x"},
+                    "checkpoint": {"enabled": "true", "checkpointRef": 5, "identity": "x", "mode": 2},
+                },
+            }
+        }
+    }
+    view = GraphDeploymentView(raw)
+    a, b = view.services["a"], view.services["b"]
+    assert (a.replicas, a.desired_replicas, a.component_type, a.main_container) == (None, 1, "", {})
+    assert (b.replicas, b.component_type, b.main_container) == (None, "", {})
+    cfg = b.checkpoint
+    assert (cfg.enabled, cfg.checkpoint_ref, cfg.identity, cfg.mode, cfg.auto) == (
+        False,
+        "",
+        {},
+        "Auto",
+        False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("raw", "auto"),
+    [
+        ({"enabled": True}, True),
+        ({"enabled": True, "mode": "Auto"}, True),
+        ({"enabled": True, "mode": "Manual", "checkpointRef": "c"}, False),
+        ({"enabled": True, "checkpointRef": "c"}, False),
+        ({"enabled": False}, False),
+        ({"identity": {"model": "m"}}, False),
+    ],
+)
+def test_auto_mode_is_the_models_rule(raw: dict[str, Any], auto: bool) -> None:
+    assert ServiceCheckpointView(raw).auto is auto
+
+
+def test_a_worker_pod() -> None:
+    raw = {
+        "metadata": {"name": "w", "labels": {protocol.LABEL_START_MODE: protocol.StartMode.RESTORE.value}},
+        "status": {
+            "phase": "Failed",
+            "reason": "Evicted",
+            "startTime": "2026-01-01T00:00:00Z",
+            "initContainerStatuses": [{"name": "init"}, "junk"],
+            "containerStatuses": [{"name": "main"}],
+        },
+    }
+    pod = WorkerPodView(raw)
+    assert (pod.phase, pod.reason, pod.start_time, pod.finished) == (
+        "Failed",
+        "Evicted",
+        "2026-01-01T00:00:00Z",
+        True,
+    )
+    assert pod.init_container_statuses == [{"name": "init"}]
+    assert pod.start_mode == protocol.StartMode.RESTORE.value
+    bare = WorkerPodView({"status": {"phase": None}})
+    assert (bare.phase, bare.finished, bare.start_mode) == ("", False, protocol.StartMode.COLD.value)
+    assert not WorkerPodView({"status": {"phase": "Running"}}).finished
+
+
+def test_a_node() -> None:
+    taint = {"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"}
+    raw = {
+        "spec": {"taints": [taint, "junk"]},
+        "status": {"conditions": [{"type": "MemoryPressure", "status": "False"}, {"type": "Ready"}]},
+    }
+    node = NodeView(raw)
+    assert node.taints == [taint]
+    assert node.ready == ""  # a Ready condition without a status: not True, and not absent
+    assert NodeView({"status": {"conditions": [{"type": "Ready", "status": "True"}]}}).ready == "True"
+    assert NodeView({}).ready is None
+    assert NodeView({"spec": {"taints": None}}).taints == []
+
+
+def test_a_snapshot_job() -> None:
+    job = SnapshotJobView({"status": {"podSnapshotName": "s", "podSnapshotUid": "su"}})
+    assert (job.pod_snapshot_name, job.pod_snapshot_uid) == ("s", "su")
+    assert (SnapshotJobView({}).pod_snapshot_name, SnapshotJobView({}).pod_snapshot_uid) == ("", "")
+
+
+def test_resource_version_and_finalizers() -> None:
+    meta = Meta({"metadata": {"resourceVersion": "42", "finalizers": ["a", 3, "b"]}})
+    assert (resource_version(meta), finalizers(meta)) == ("42", ["a", "b"])
+    held = finalizers(meta)
+    held.append("c")
+    assert meta.raw["finalizers"] == ["a", 3, "b"]  # a copy, to change and write back
+    bare = Meta({})
+    assert (resource_version(bare), finalizers(bare)) == (None, [])
