@@ -1,8 +1,6 @@
 """Typed views over the Dynamo layer's objects as the informers' caches hold them (plain dicts), built on
-``api.views``: a DynamoGraphDeployment, its services and what its status says of them; and the reads of
-other kinds that the Dynamo layer and worker failover make and ``api.views`` does not have (a worker
-pod's phase and start, a node's health signals, what a SnapshotJob made, an object's resourceVersion and
-finalizers).
+``api.views``: a DynamoGraphDeployment, its services and what its status says of them (pods, nodes and
+the snapshot kinds are read through ``api.views``).
 
 As in ``api.views``, a view never copies or changes its object, and a field absent, null or of a wrong
 type reads as absent. A DGD here is the cached view in ``v1alpha1``'s shape (``kube.dgd_versions``):
@@ -13,20 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from dynamo_snapshot.api import protocol
-from dynamo_snapshot.api.views import Meta, ObjectView, PodView
+from dynamo_snapshot.api.views import ObjectView, _map, _str
 
 __all__ = [
     "GraphDeploymentView",
-    "NodeView",
     "ServiceCheckpointStatusView",
     "ServiceCheckpointView",
     "ServiceReplicaStatusView",
     "ServiceView",
-    "SnapshotJobView",
-    "WorkerPodView",
-    "finalizers",
-    "resource_version",
 ]
 
 Obj = dict[str, Any]
@@ -35,31 +27,8 @@ Obj = dict[str, Any]
 AUTO_MODE = "Auto"
 
 
-def _map(value: object) -> Obj:
-    return value if isinstance(value, dict) else {}
-
-
-def _list(value: object) -> list[Any]:
-    return value if isinstance(value, list) else []
-
-
-def _str(value: object) -> str:
-    return value if isinstance(value, str) else ""
-
-
 def _int(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def resource_version(meta: Meta) -> str | None:
-    """``metadata.resourceVersion``; None when the object carries none (one built, not read)."""
-    value = meta.raw.get("resourceVersion")
-    return value if isinstance(value, str) else None
-
-
-def finalizers(meta: Meta) -> list[str]:
-    """A copy of ``metadata.finalizers``, to change and write back."""
-    return [f for f in _list(meta.raw.get("finalizers")) if isinstance(f, str)]
 
 
 class ServiceCheckpointView:
@@ -208,61 +177,3 @@ class GraphDeploymentView(ObjectView):
     def replica_status(self, service: str) -> ServiceReplicaStatusView:
         """What ``status.services`` says of ``service`` (zeros when nothing)."""
         return ServiceReplicaStatusView(_map(self.status.get("services")).get(service))
-
-
-class SnapshotJobView(ObjectView):
-    """A SnapshotJob: the PodSnapshot it made, once its status records it."""
-
-    @property
-    def pod_snapshot_name(self) -> str:
-        return _str(self.status.get("podSnapshotName"))
-
-    @property
-    def pod_snapshot_uid(self) -> str:
-        return _str(self.status.get("podSnapshotUid"))
-
-
-class NodeView(ObjectView):
-    """A Node, as far as worker failover reads its health."""
-
-    @property
-    def ready(self) -> str | None:
-        """Its Ready condition's status ("True", "False", "Unknown"); None without a Ready condition."""
-        found = self.condition("Ready")
-        return _str(found.get("status")) if found else None
-
-    @property
-    def taints(self) -> list[Obj]:
-        return [t for t in _list(self.spec.get("taints")) if isinstance(t, dict)]
-
-
-class WorkerPodView(PodView):
-    """A worker pod: the reads of its state that worker failover and the DGD reconcile make."""
-
-    @property
-    def phase(self) -> str:
-        return _str(self.status.get("phase"))
-
-    @property
-    def reason(self) -> str:
-        """``status.reason`` (e.g. Evicted)."""
-        return _str(self.status.get("reason"))
-
-    @property
-    def start_time(self) -> str:
-        """``status.startTime``: when the kubelet took the pod on."""
-        return _str(self.status.get("startTime"))
-
-    @property
-    def init_container_statuses(self) -> list[Obj]:
-        return [s for s in _list(self.status.get("initContainerStatuses")) if isinstance(s, dict)]
-
-    @property
-    def finished(self) -> bool:
-        """Its phase is Succeeded or Failed: it runs nothing any more."""
-        return self.phase in ("Succeeded", "Failed")
-
-    @property
-    def start_mode(self) -> str:
-        """How the controller started it (label ``snapshot.nvidia.com/start-mode``): cold when unlabelled."""
-        return str(self.meta.labels.get(protocol.LABEL_START_MODE, protocol.StartMode.COLD.value))

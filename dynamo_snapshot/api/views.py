@@ -19,6 +19,7 @@ __all__ = [
     "CheckpointView",
     "ContainerRef",
     "Meta",
+    "NodeView",
     "ObjectView",
     "PodSnapshotContentView",
     "PodSnapshotView",
@@ -163,6 +164,30 @@ class PodView(ObjectView):
         return _str(self.status.get("phase"))
 
     @property
+    def reason(self) -> str:
+        """``status.reason`` (e.g. Evicted)."""
+        return _str(self.status.get("reason"))
+
+    @property
+    def start_time(self) -> str:
+        """``status.startTime``: when the kubelet took the pod on."""
+        return _str(self.status.get("startTime"))
+
+    @property
+    def finished(self) -> bool:
+        """Its phase is Succeeded or Failed: it runs nothing any more."""
+        return self.phase in ("Succeeded", "Failed")
+
+    @property
+    def start_mode(self) -> str:
+        """How the controller started it (label ``snapshot.nvidia.com/start-mode``): cold when unlabelled."""
+        return str(self.meta.labels.get(protocol.LABEL_START_MODE, protocol.StartMode.COLD.value))
+
+    @property
+    def init_container_statuses(self) -> list[Obj]:
+        return [s for s in _list(self.status.get("initContainerStatuses")) if isinstance(s, dict)]
+
+    @property
     def pod_ip(self) -> str:
         return _str(self.status.get("podIP"))
 
@@ -285,3 +310,22 @@ class SnapshotJobView(ObjectView):
     @property
     def started_at(self) -> str:
         return _str(self.status.get("startedAt"))
+
+
+class NodeView(ObjectView):
+    """A Node, as far as worker failover reads its health."""
+
+    @property
+    def ready(self) -> str | None:
+        """Its Ready condition's status ("True", "False", "Unknown"); None without a Ready condition."""
+        found = self.condition("Ready")
+        return _str(found.get("status")) if found else None
+
+    @property
+    def taints(self) -> list[Obj]:
+        return [t for t in _list(self.spec.get("taints")) if isinstance(t, dict)]
+
+    @property
+    def unschedulable(self) -> bool:
+        """Cordoned (``spec.unschedulable``)."""
+        return bool(self.spec.get("unschedulable"))

@@ -14,10 +14,11 @@ from prometheus_client import Counter, Histogram
 
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointCompatibility
-from dynamo_snapshot.api.views import Meta, ObjectView
+from dynamo_snapshot.api.views import Meta, NodeView
 from dynamo_snapshot.controller.config import CONTROLLER_NAME, ControllerConfig
 from dynamo_snapshot.controller.expectations import Expectations
-from dynamo_snapshot.controller.failover.losses import PAUSED, Failover, node_down, unhealthy_since
+from dynamo_snapshot.controller.failover.losses import PAUSED, Failover
+from dynamo_snapshot.controller.failover.node_state import node_down, unhealthy_since
 from dynamo_snapshot.controller.podspec import keep_off_nodes
 from dynamo_snapshot.kube import EventRecorder, Informer, Kube, Obj
 from dynamo_snapshot.kube.dgd_versions import DgdVersion
@@ -199,7 +200,7 @@ class Context:
         paused = self.node_health().paused is not None
         found = {}
         for node in self.nodes.list():
-            if not node_down(node) or _unschedulable(node) or not gpus_fit(node, compat):
+            if not node_down(node) or NodeView(node).unschedulable or not gpus_fit(node, compat):
                 continue
             ends = self.node_grace_ends(node, now)
             if ends > now or paused:
@@ -294,12 +295,9 @@ def usable_by_dgd(ckpt: Obj, dgd_uid: str) -> bool:
     return not dgd_owners or any(ref.get("uid") == dgd_uid for ref in dgd_owners)
 
 
-def _unschedulable(node: Obj) -> bool:
-    return bool(ObjectView(node).spec.get("unschedulable"))
-
-
 def node_ready(node: Obj) -> bool:
-    return not _unschedulable(node) and ObjectView(node).condition_true("Ready")
+    view = NodeView(node)
+    return not view.unschedulable and view.condition_true("Ready")
 
 
 def node_fits(node: Obj, compat: CheckpointCompatibility | None) -> bool:

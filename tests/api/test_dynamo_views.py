@@ -8,18 +8,11 @@ from typing import Any
 
 import pytest
 
-from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.dynamo_views import (
     GraphDeploymentView,
-    NodeView,
     ServiceCheckpointView,
-    SnapshotJobView,
-    WorkerPodView,
-    finalizers,
-    resource_version,
 )
 from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment
-from dynamo_snapshot.api.views import Meta
 
 
 def _dgd() -> dict[str, Any]:
@@ -160,58 +153,3 @@ def test_a_mistyped_service_reads_as_absent_fields() -> None:
 )
 def test_auto_mode_is_the_models_rule(raw: dict[str, Any], auto: bool) -> None:
     assert ServiceCheckpointView(raw).auto is auto
-
-
-def test_a_worker_pod() -> None:
-    raw = {
-        "metadata": {"name": "w", "labels": {protocol.LABEL_START_MODE: protocol.StartMode.RESTORE.value}},
-        "status": {
-            "phase": "Failed",
-            "reason": "Evicted",
-            "startTime": "2026-01-01T00:00:00Z",
-            "initContainerStatuses": [{"name": "init"}, "junk"],
-            "containerStatuses": [{"name": "main"}],
-        },
-    }
-    pod = WorkerPodView(raw)
-    assert (pod.phase, pod.reason, pod.start_time, pod.finished) == (
-        "Failed",
-        "Evicted",
-        "2026-01-01T00:00:00Z",
-        True,
-    )
-    assert pod.init_container_statuses == [{"name": "init"}]
-    assert pod.start_mode == protocol.StartMode.RESTORE.value
-    bare = WorkerPodView({"status": {"phase": None}})
-    assert (bare.phase, bare.finished, bare.start_mode) == ("", False, protocol.StartMode.COLD.value)
-    assert not WorkerPodView({"status": {"phase": "Running"}}).finished
-
-
-def test_a_node() -> None:
-    taint = {"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"}
-    raw = {
-        "spec": {"taints": [taint, "junk"]},
-        "status": {"conditions": [{"type": "MemoryPressure", "status": "False"}, {"type": "Ready"}]},
-    }
-    node = NodeView(raw)
-    assert node.taints == [taint]
-    assert node.ready == ""  # a Ready condition without a status: not True, and not absent
-    assert NodeView({"status": {"conditions": [{"type": "Ready", "status": "True"}]}}).ready == "True"
-    assert NodeView({}).ready is None
-    assert NodeView({"spec": {"taints": None}}).taints == []
-
-
-def test_a_snapshot_job() -> None:
-    job = SnapshotJobView({"status": {"podSnapshotName": "s", "podSnapshotUid": "su"}})
-    assert (job.pod_snapshot_name, job.pod_snapshot_uid) == ("s", "su")
-    assert (SnapshotJobView({}).pod_snapshot_name, SnapshotJobView({}).pod_snapshot_uid) == ("", "")
-
-
-def test_resource_version_and_finalizers() -> None:
-    meta = Meta({"metadata": {"resourceVersion": "42", "finalizers": ["a", 3, "b"]}})
-    assert (resource_version(meta), finalizers(meta)) == ("42", ["a", "b"])
-    held = finalizers(meta)
-    held.append("c")
-    assert meta.raw["finalizers"] == ["a", 3, "b"]  # a copy, to change and write back
-    bare = Meta({})
-    assert (resource_version(bare), finalizers(bare)) == (None, [])

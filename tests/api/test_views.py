@@ -6,6 +6,7 @@ from __future__ import annotations
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.views import (
     CheckpointView,
+    NodeView,
     PodSnapshotContentView,
     PodSnapshotView,
     PodView,
@@ -162,3 +163,44 @@ def test_a_snapshot_job() -> None:
         "",
         "",
     )
+
+
+def test_a_worker_pod() -> None:
+    raw = {
+        "metadata": {"name": "w", "labels": {protocol.LABEL_START_MODE: protocol.StartMode.RESTORE.value}},
+        "status": {
+            "phase": "Failed",
+            "reason": "Evicted",
+            "startTime": "2026-01-01T00:00:00Z",
+            "initContainerStatuses": [{"name": "init"}, "junk"],
+            "containerStatuses": [{"name": "main"}],
+        },
+    }
+    pod = PodView(raw)
+    assert (pod.phase, pod.reason, pod.start_time, pod.finished) == (
+        "Failed",
+        "Evicted",
+        "2026-01-01T00:00:00Z",
+        True,
+    )
+    assert pod.init_container_statuses == [{"name": "init"}]
+    assert pod.start_mode == protocol.StartMode.RESTORE.value
+    bare = PodView({"status": {"phase": None}})
+    assert (bare.phase, bare.finished, bare.start_mode) == ("", False, protocol.StartMode.COLD.value)
+    assert not PodView({"status": {"phase": "Running"}}).finished
+
+
+def test_a_node() -> None:
+    taint = {"key": "node.kubernetes.io/unreachable", "effect": "NoExecute"}
+    raw = {
+        "spec": {"taints": [taint, "junk"]},
+        "status": {"conditions": [{"type": "MemoryPressure", "status": "False"}, {"type": "Ready"}]},
+    }
+    node = NodeView(raw)
+    assert node.taints == [taint]
+    assert node.ready == ""  # a Ready condition without a status: not True, and not absent
+    assert NodeView({"status": {"conditions": [{"type": "Ready", "status": "True"}]}}).ready == "True"
+    assert NodeView({}).ready is None
+    assert NodeView({"spec": {"taints": None}}).taints == []
+    assert NodeView({"spec": {"unschedulable": True}}).unschedulable
+    assert not NodeView({}).unschedulable

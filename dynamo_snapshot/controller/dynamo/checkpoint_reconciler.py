@@ -19,7 +19,6 @@ from dynamo_snapshot.api import conditions as cond
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointCompatibility, CheckpointPhase, DynamoCheckpoint
 from dynamo_snapshot.api.conditions import validation_message
-from dynamo_snapshot.api.dynamo_views import SnapshotJobView, finalizers, resource_version
 from dynamo_snapshot.api.identity import compute_identity_hash
 from dynamo_snapshot.api.podsnapshot import (
     PodSnapshotArtifact,
@@ -27,7 +26,13 @@ from dynamo_snapshot.api.podsnapshot import (
     content_artifact,
     content_compatibility,
 )
-from dynamo_snapshot.api.views import CheckpointView, Meta, PodSnapshotContentView, PodSnapshotView
+from dynamo_snapshot.api.views import (
+    CheckpointView,
+    Meta,
+    PodSnapshotContentView,
+    PodSnapshotView,
+    SnapshotJobView,
+)
 from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.controller.podspec import (
     MAIN_CONTAINER,
@@ -131,11 +136,11 @@ class CheckpointReconciler:
         if view.meta.labels.get(protocol.LABEL_CHECKPOINT_HASH) != identity_hash:
             # The hash label is how Auto mode finds checkpoints, pre-warmed ones included.
             meta_patch["labels"] = {protocol.LABEL_CHECKPOINT_HASH: identity_hash}
-        held = finalizers(view.meta)
+        held = view.meta.finalizers
         if protocol.FINALIZER not in held:
             # Held until no restore reads the artifact; the resourceVersion makes the list write safe.
             meta_patch["finalizers"] = [*held, protocol.FINALIZER]
-            meta_patch["resourceVersion"] = resource_version(view.meta)
+            meta_patch["resourceVersion"] = view.meta.resource_version or None
         if meta_patch:
             await ctx.kube.merge_patch(CHECKPOINT, name, {"metadata": meta_patch}, namespace)
 
@@ -275,7 +280,7 @@ class CheckpointReconciler:
         """A deleted checkpoint keeps its finalizer while a restore from it is under way, so its artifact
         is never removed under a reader; the node agents remove the artifact once the object is gone."""
         ctx = self.ctx
-        if protocol.FINALIZER not in finalizers(Meta(obj)):
+        if protocol.FINALIZER not in Meta(obj).finalizers:
             return None
         restoring = [Meta(p).name for p in self._restore_pods(obj) if _restore_under_way(p)]
         if restoring:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dynamo_snapshot.api import conditions as cond
-from dynamo_snapshot.api.dynamo_views import GraphDeploymentView, resource_version
+from dynamo_snapshot.api.dynamo_views import GraphDeploymentView
 from dynamo_snapshot.api.graphdeployment import DGDState
 from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.controller.dynamo.refusals import Refusal, Refusals, refusal_text, refused
@@ -195,7 +195,7 @@ async def write_status(ctx: Context, refusals: Refusals, obj: Obj, status: dict[
     graph = GraphDeploymentView(obj)
     if status == graph.status:
         return
-    key, rv = f"{graph.meta.namespace}/{graph.meta.name}", resource_version(graph.meta)
+    key, rv = f"{graph.meta.namespace}/{graph.meta.name}", graph.meta.resource_version or None
     if rv is not None and ctx.status_written_over.get(key) == rv:
         # Performance (benchmarks/controller_scale.py): our previous status write has not reached the
         # cache yet, so this PUT would only earn a 409. The watch event of that write requeues this DGD

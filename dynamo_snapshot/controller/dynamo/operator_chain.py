@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from dynamo_snapshot.api import conditions as cond
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointPhase
-from dynamo_snapshot.api.dynamo_views import SnapshotJobView
 from dynamo_snapshot.api.restore_request import name_problem, restore_from
-from dynamo_snapshot.api.views import CheckpointView, Meta, ObjectView, PodSnapshotView
+from dynamo_snapshot.api.views import CheckpointView, Meta, ObjectView, PodSnapshotView, SnapshotJobView
 from dynamo_snapshot.kube import Kube, Obj, ResourceKind, controller_ref, is_not_found
 from dynamo_snapshot.kube.kinds import CHECKPOINT, DGD, POD_SNAPSHOT, SNAPSHOT_JOB
 

@@ -8,8 +8,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from dynamo_snapshot.api.dynamo_views import WorkerPodView
-from dynamo_snapshot.api.views import Meta
+from dynamo_snapshot.api.views import Meta, PodView
 from dynamo_snapshot.kube import Obj
 from dynamo_snapshot.kube.pods import pod_ready
 
@@ -75,7 +74,7 @@ def pod_problem(pod: Obj) -> PodProblem | None:
     it says nothing wrong (starting, or not scheduled yet: the scheduler's business, not a fault)."""
     if pod_ready(pod):
         return None
-    view = WorkerPodView(pod)
+    view = PodView(pod)
     containers = [*view.init_container_statuses, *view.container_statuses]
     found = [p for c in containers if (p := _container_problem(c)) is not None]
     # A container that cannot start at all says more than one that exited and runs again.

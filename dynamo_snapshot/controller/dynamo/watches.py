@@ -4,8 +4,8 @@ nodes under the DGDs, and the generic layer's objects a DynamoCheckpoint is made
 from __future__ import annotations
 
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.api.dynamo_views import GraphDeploymentView, NodeView, WorkerPodView
-from dynamo_snapshot.api.views import Meta, PodView
+from dynamo_snapshot.api.dynamo_views import GraphDeploymentView
+from dynamo_snapshot.api.views import Meta, NodeView, PodView
 from dynamo_snapshot.controller.context import Context
 from dynamo_snapshot.controller.dynamo.checkpoint_reconciler import CheckpointReconciler
 from dynamo_snapshot.controller.dynamo.dgd_reconciler import DGDReconciler
@@ -122,7 +122,7 @@ def _deleted_unexpectedly(ctx: Context, owner: tuple[str, str], pod: Obj) -> Non
     """A worker pod deleted by someone else (a user, an eviction, node cleanup): a loss, unless its
     DGD is going away (the garbage collector deletes the pods of a deleted DGD)."""
     dgd = ctx.dgds.get(owner[0])
-    worker = WorkerPodView(pod)
+    worker = PodView(pod)
     if dgd is None or Meta(dgd).deleting or worker.finished:
         return
     name = worker.meta.name

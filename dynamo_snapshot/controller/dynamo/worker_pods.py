@@ -8,7 +8,6 @@ from datetime import UTC, datetime
 from dynamo_snapshot.api import conditions as cond
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import DynamoCheckpoint
-from dynamo_snapshot.api.dynamo_views import WorkerPodView, resource_version
 from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment
 from dynamo_snapshot.api.views import CheckpointView, Meta, PodView
 from dynamo_snapshot.controller.context import PODS_CREATED, Context
@@ -32,7 +31,7 @@ from dynamo_snapshot.kube.pods import pod_active, pod_ready
 
 
 def start_mode(pod: Obj) -> str:
-    return WorkerPodView(pod).start_mode
+    return PodView(pod).start_mode
 
 
 def restore_failed(pod: Obj) -> bool:
@@ -342,7 +341,7 @@ class WorkerPods:
                     {
                         "op": "test",
                         "path": "/metadata/resourceVersion",
-                        "value": resource_version(Meta(fresh)),
+                        "value": Meta(fresh).resource_version,
                     },
                     {"op": "add", "path": "/status/failedRestores", "value": failures},
                 ],

@@ -30,10 +30,6 @@ from datetime import UTC, datetime, timedelta
 from prometheus_client import Counter, Gauge, Histogram
 
 from dynamo_snapshot.controller.config import ControllerConfig
-
-# Named here too because controller/context.py imports them from this module; their home is node_state.
-from dynamo_snapshot.controller.failover.node_state import node_down as node_down
-from dynamo_snapshot.controller.failover.node_state import unhealthy_since as unhealthy_since
 from dynamo_snapshot.kube import NORMAL, WARNING
 
 FAILURES = Counter("dynsnap_worker_failures_total", "Worker losses detected, by cause", ["cause"])

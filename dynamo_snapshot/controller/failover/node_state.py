@@ -7,7 +7,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from dynamo_snapshot.api.conditions import parse_rfc3339
-from dynamo_snapshot.api.dynamo_views import NodeView
+from dynamo_snapshot.api.views import NodeView
 from dynamo_snapshot.kube import Obj
 
 __all__ = ["node_down", "node_healthy", "unhealthy_since"]

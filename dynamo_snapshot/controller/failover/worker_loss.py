@@ -10,7 +10,7 @@ from datetime import datetime
 
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.conditions import parse_rfc3339
-from dynamo_snapshot.api.dynamo_views import WorkerPodView
+from dynamo_snapshot.api.views import PodView
 from dynamo_snapshot.controller.failover.node_state import node_healthy
 from dynamo_snapshot.controller.podspec import MAIN_CONTAINER
 from dynamo_snapshot.kube import Obj
@@ -31,7 +31,7 @@ class Judgement:
 def worker_lifetime(pod: Obj, now: datetime) -> float | None:
     """Seconds the pod has lived, from its status.startTime (the kubelet took it on; a restore pod's
     worker runs within seconds of it), else its creationTimestamp; None when it carries neither."""
-    view = WorkerPodView(pod)
+    view = PodView(pod)
     for stamp in (view.start_time, view.meta.creation_timestamp):
         try:
             return max(0.0, (now - parse_rfc3339(stamp)).total_seconds())
@@ -41,7 +41,7 @@ def worker_lifetime(pod: Obj, now: datetime) -> float | None:
 
 
 def crash_looping(pod: Obj) -> bool:
-    for status in WorkerPodView(pod).container_statuses:
+    for status in PodView(pod).container_statuses:
         waiting = (status.get("state") or {}).get("waiting") or {}
         if (
             waiting.get("reason") == "CrashLoopBackOff"
@@ -53,7 +53,7 @@ def crash_looping(pod: Obj) -> bool:
 
 def loss_cause(pod: Obj, node: Obj | None) -> str | None:
     """Why a (not deleted by us) pod no longer counts as a worker; None while it does."""
-    view = WorkerPodView(pod)
+    view = PodView(pod)
     if view.meta.annotations.get(protocol.per_container(protocol.ANNOTATION_WORKLOAD_EXITED, MAIN_CONTAINER)):
         return "process-exited"  # reported by the node agent where no kubelet watches the worker
     if view.phase == "Failed":
