@@ -142,6 +142,7 @@ class RestoreRun:
         self.prefetching: asyncio.Task[PrefetchStats] | None = None
         self.staging: StagedPages | None = None
         self.weights_check: asyncio.Task[TreeStats] | None = None
+        self.placing: asyncio.Task[None] | None = None
         self.process_stats = TreeStats(0, 0.0)
         self.verified_bytes = 0
 
@@ -157,6 +158,7 @@ class RestoreRun:
             # cache the worker loads them from.
             if self.weights and self.weights_check is None:
                 self.start_weights_check(undo)
+            await self.start_placing_weights(undo)
             workload = await self.restore_process(undo)
             await self.resume_process(workload)
             await self.hand_over(workload, undo)
@@ -286,6 +288,19 @@ class RestoreRun:
             self.timings.overlapped["weights_verify"] = round(time.monotonic() - started, 4)
         return stats if own else TreeStats(0, 0.0)
 
+    async def start_placing_weights(self, undo: contextlib.AsyncExitStack) -> None:
+        """Where the target exists before CRIU (a restore pod's container, its control dir on the kubelet's
+        mount), its weights are copied in beside the writable layer and CRIU; elsewhere they are linked
+        after the restore. Their sizes and headers passed; their checksums are checked before the worker
+        is told to go on, as for a placement after the restore."""
+        if not self.weights:
+            return
+        target = self.node.runtime.restore_target(self.key)
+        if target is None:
+            return
+        self.placing = asyncio.create_task(asyncio.to_thread(self._place_weights, target))
+        undo.push_async_callback(_cancel, self.placing)
+
     # ------------------------------------------------------------------ process
     async def restore_process(self, undo: contextlib.AsyncExitStack) -> Workload:
         """CRIU restores the tree."""
@@ -346,8 +361,12 @@ class RestoreRun:
         if check is not None and not pending:
             self.verified_bytes += await _weights_verdict(check, verdict if early else None, self.timings)
         if self.weights:
+            # What is left of the placement begun before CRIU, else all of it.
             with self.timings.phase("restore", "place_weights"):
-                await asyncio.to_thread(self._place_weights, workload)
+                if self.placing is not None:
+                    await self.placing
+                else:
+                    await asyncio.to_thread(self._place_weights, workload)
         # A worker restored here later must not find this restore's go-ahead.
         undo.push_async_callback(_withdraw_go_ahead, workload.control_dir)
         with self.timings.phase("restore", "signal"):

@@ -7,7 +7,9 @@ Real kubelet, containerd, runc and CRIU; busybox containers (a shell loop plus h
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import os
 import urllib.error
 import urllib.request
 import uuid
@@ -19,8 +21,10 @@ import pytest
 from dynamo_snapshot.agent.runtime.base import WorkloadRuntimeError, pid_running
 from dynamo_snapshot.agent.runtime.containerd import CONTAINER_META, ContainerdRuntime
 from dynamo_snapshot.agent.runtime.rootfs_diff import DIFF_FILE
+from dynamo_snapshot.agent.weights import CarriedWeights, locate, place_weights
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.criu import Criu
+from dynamo_snapshot.fileio.pagecache import page_cache_fraction
 from dynamo_snapshot_dev.localcluster import LocalCluster
 from dynamo_snapshot_dev.localcluster.realnode import RUNC_ROOT, TEST_IMAGE, RealNode
 from tests.helpers.kubelet_stack import snapshot_pod
@@ -135,6 +139,34 @@ async def test_a_missing_runc_root_names_the_path_and_the_helm_value(tmp_path: P
         await runtime.attach("k", "containerd://" + "a" * 64)
     assert str(tmp_path / "no-runc") in str(err.value)
     assert "agent.containerRuntime.runcRoot" in str(err.value)
+
+
+async def test_weights_go_into_the_restore_container_before_the_restore(
+    cluster: LocalCluster, real_node: RealNode, namespace: str, runtime: ContainerdRuntime, tmp_path: Path
+) -> None:
+    """The restore pod's container is the restore's target before CRIU runs, so the agent copies the
+    weights into its control dir beside the writable layer; the dir is on the kubelet's own mount, so the
+    copy (not a link) is what the container sees, and it is in the page cache the worker loads from."""
+    target = _run(cluster, namespace, _pod(real_node, "target", ["/bin/sleep", "100000"], standby=True))
+    tcid, _ = _status(target)
+    attached = await runtime.attach("dst", tcid)
+    found = runtime.restore_target("dst")
+    assert found == attached
+    assert f"pods/{target['metadata']['uid']}/volumes" in str(found.control_dir)
+    weights = tmp_path / "00-m.dsw"
+    weights.write_bytes(os.urandom(3 << 20))
+    worker_path = f"{protocol.CONTROL_MOUNT_PATH}/weights/m.dsw"
+    file = locate(worker_path, protocol.CONTROL_MOUNT_PATH, found.control_dir, host_process=False)
+    place_weights(weights, file, CarriedWeights(worker_path, "weights/00-m.dsw", "0" * 64, 0))
+    placed = found.control_dir / "weights" / "m.dsw"
+    assert placed.stat().st_ino != weights.stat().st_ino
+    assert page_cache_fraction(placed) == 1.0
+    seen = cluster.kubectl(
+        "exec", "-n", namespace, "target", "--", "busybox", "md5sum", worker_path
+    ).stdout.split()[0]
+    assert seen == hashlib.md5(weights.read_bytes()).hexdigest()
+    runtime.forget("dst")
+    assert runtime.restore_target("dst") is None
 
 
 async def test_an_unknown_container_id_is_refused(runtime: ContainerdRuntime, real_node: RealNode) -> None:

@@ -75,6 +75,11 @@ class Runtime(Protocol):
         """CRIU-dump the workload's whole process tree into `images_dir`; returns seconds. Kills it."""
         ...
 
+    def restore_target(self, key: str) -> Workload | None:
+        """The workload a restore of ``key`` goes into where it exists before CRIU runs (a restore pod's
+        container, waiting in standby); None where the restore makes it."""
+        ...
+
     async def prepare_restore(self, key: str, images_dir: Path) -> None:
         """Put into the restore's target what the dumped tree needs there besides CRIU's images (a
         container's writable layer: files the worker wrote, some of them mapped); nothing where the target

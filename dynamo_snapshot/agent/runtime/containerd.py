@@ -318,6 +318,12 @@ class ContainerdRuntime:
         return time.monotonic() - started
 
     # ------------------------------------------------------------------ restore
+    def restore_target(self, key: str) -> Workload | None:
+        attached = self._attached.get(key)
+        if attached is None or attached.restored_pid is not None:
+            return None
+        return self._workload(key, attached)
+
     async def prepare_restore(self, key: str, images_dir: Path) -> None:
         """The checkpointed container's writable layer onto the restore container's root filesystem."""
         attached = self._get(key)
