@@ -42,7 +42,7 @@ def _tree(root: Path) -> Tree:
             elif stat.S_ISDIR(st.st_mode):
                 out[rel] = ("dir", *owner)
             elif stat.S_ISREG(st.st_mode):
-                out[rel] = ("file", *owner, int(st.st_mtime), path.read_bytes())
+                out[rel] = ("file", *owner, st.st_mtime_ns, path.read_bytes())
             else:
                 out[rel] = ("other", stat.S_IFMT(st.st_mode))
     return out
@@ -152,12 +152,13 @@ def test_real_overlay_round_trip(tmp_path: Path, mount_overlay: Mount) -> None:
         assert first.name == HEADER_NAME
         src = tar.extractfile(first)
         assert src is not None
-        assert json.loads(src.read()) == {
-            "format": 1,
-            "deleted": ["deaddir", "gone.txt"],
-            "opaque": ["olddir"],
-        }
+        doc = json.loads(src.read())
+        mtimes = doc.pop("mtimes")
+        assert doc == {"format": 2, "deleted": ["deaddir", "gone.txt"], "opaque": ["olddir"]}
         members = {m.name: m for m in tar.getmembers()[1:]}
+    # The sub-second mtimes ride in the header, so no member needs a PAX header of its own.
+    assert mtimes["new.txt"] == (upper / "new.txt").lstat().st_mtime_ns
+    assert all(not m.pax_headers for m in members.values())
     assert members["new-hard.txt"].isreg()
     assert members["new.txt"].isreg()
     assert members["link"].issym()
@@ -377,6 +378,23 @@ def test_symlinks_at_the_written_place_are_replaced_not_followed(tmp_path: Path)
     assert (stats.files, stats.bytes) == (6, len(b"mine" + b"now a file" + b"export A=1" + b"deep"))
 
 
+def test_a_format_1_diff_still_applies_with_its_pax_mtimes(tmp_path: Path) -> None:
+    """Artifacts taken before the mtimes moved into the header carry them in PAX headers."""
+    diff = tmp_path / "d.tar"
+    with tarfile.open(diff, "w", format=tarfile.PAX_FORMAT) as tar:
+        raw = json.dumps({"format": 1, "deleted": [], "opaque": []}).encode()
+        header = tarfile.TarInfo(HEADER_NAME)
+        header.size = len(raw)
+        tar.addfile(header, io.BytesIO(raw))
+        info = tarfile.TarInfo("f.txt")
+        info.size, info.mtime, info.uid, info.gid = 2, 1700000000.25, os.getuid(), os.getgid()
+        tar.addfile(info, io.BytesIO(b"hi"))
+    (tmp_path / "root").mkdir()
+    apply_diff(diff, tmp_path / "root")
+    assert (tmp_path / "root" / "f.txt").read_bytes() == b"hi"
+    assert (tmp_path / "root" / "f.txt").stat().st_mtime_ns == 1_700_000_000_250_000_000
+
+
 @pytest.mark.parametrize(
     ("make", "message"),
     [
@@ -385,11 +403,24 @@ def test_symlinks_at_the_written_place_are_replaced_not_followed(tmp_path: Path)
             "its first member is 'etc/passwd'",
         ),
         (lambda p: _diff_tar(p, with_header=False), "its first member is nothing"),
-        (lambda p: _diff_tar(p, header={"format": 2, "deleted": [], "opaque": []}), "format 2 is unknown"),
+        (lambda p: _diff_tar(p, header={"format": 3, "deleted": [], "opaque": []}), "format 3 is unknown"),
+        (
+            lambda p: _diff_tar(p, header={"format": 2, "mtimes": {"etc/x": 1.5}}),
+            "'mtimes' is not a map of paths to nanoseconds",
+        ),
+        (lambda p: _diff_tar(p, header={"format": 2, "mtimes": {"../x": 1}}), "mtimes path"),
         (lambda p: _diff_tar(p, header={"format": 1, "deleted": "etc"}), "'deleted' is not a list of paths"),
         (lambda p: p.write_bytes(b"not a tar at all" * 64) and p, "not a readable rootfs diff tar"),
     ],
-    ids=["no-header", "empty-tar", "unknown-format", "bad-list", "not-a-tar"],
+    ids=[
+        "no-header",
+        "empty-tar",
+        "unknown-format",
+        "bad-mtimes",
+        "mtime-out-of-tree",
+        "bad-list",
+        "not-a-tar",
+    ],
 )
 def test_apply_refuses_what_is_not_a_diff(tmp_path: Path, make: Callable[[Path], Path], message: str) -> None:
     diff = tmp_path / "d.tar"

@@ -23,7 +23,12 @@ from pathlib import Path
 
 DIFF_FILE = "rootfs-diff.tar"  # inside the artifact's criu/ directory
 HEADER_NAME = ".dynamo-snapshot-rootfs-diff.json"
-FORMAT = 1
+# 2: each member's whole-second mtime in its tar header and the sub-second ones in the diff's own header
+# (PAX would put a header of its own before every member with one: a compile cache's thousands of files
+# cost a restore more to parse than to write). 1: PAX mtimes, still applied.
+FORMAT = 2
+_READABLE_FORMATS = (1, 2)
+_NS = 1_000_000_000
 _MAX_HEADER = 256 << 20
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: a fifo swapped in at a file's place must fail the open (ENXIO) instead of blocking the agent.
@@ -176,15 +181,18 @@ def capture_diff(upperdir: Path, out: Path, *, exclude: Sequence[str] = ()) -> D
         root_fd = os.open(upperdir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         walk(str(upperdir), "")
+        mtimes = {rel: st.st_mtime_ns for rel, st, _ in entries if st.st_mtime_ns % _NS}
         with _naming(str(out)), tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
-            doc = json.dumps({"format": FORMAT, "deleted": deleted, "opaque": opaque}).encode()
+            doc = json.dumps(
+                {"format": FORMAT, "deleted": deleted, "opaque": opaque, "mtimes": mtimes}
+            ).encode()
             header = tarfile.TarInfo(HEADER_NAME)
             header.size, header.mode = len(doc), 0o644
             tar.addfile(header, io.BytesIO(doc))
             for rel, st, target in entries:
                 info = tarfile.TarInfo(rel)
                 info.mode, info.uid, info.gid = stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid
-                info.mtime = st.st_mtime
+                info.mtime = st.st_mtime_ns // _NS
                 if not stat.S_ISREG(st.st_mode):
                     info.type = tarfile.SYMTYPE if stat.S_ISLNK(st.st_mode) else tarfile.DIRTYPE
                     info.linkname = target
@@ -220,7 +228,7 @@ def _relpath(name: str, what: str) -> str:
     return "/".join(parts)
 
 
-def _read_header(tar: tarfile.TarFile, diff: Path) -> tuple[list[str], list[str]]:
+def _read_header(tar: tarfile.TarFile, diff: Path) -> tuple[list[str], list[str], dict[str, int]]:
     first = tar.next()
     if first is None or first.name != HEADER_NAME or not first.isreg() or first.size > _MAX_HEADER:
         found = repr(first.name) if first is not None else "nothing"
@@ -231,9 +239,10 @@ def _read_header(tar: tarfile.TarFile, diff: Path) -> tuple[list[str], list[str]
     except ValueError as e:
         raise RootfsDiffError(f"{diff}: its {HEADER_NAME} is not JSON: {e}") from e
     version = doc.get("format") if isinstance(doc, dict) else doc
-    if not isinstance(doc, dict) or version != FORMAT:
+    if not isinstance(doc, dict) or version not in _READABLE_FORMATS:
         raise RootfsDiffError(
-            f"{diff}: rootfs diff format {version!r} is unknown (this agent reads {FORMAT})"
+            f"{diff}: rootfs diff format {version!r} is unknown (this agent reads "
+            f"{' and '.join(map(str, _READABLE_FORMATS))})"
         )
     lists: list[list[str]] = []
     for key in ("deleted", "opaque"):
@@ -241,17 +250,33 @@ def _read_header(tar: tarfile.TarFile, diff: Path) -> tuple[list[str], list[str]
         if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
             raise RootfsDiffError(f"{diff}: the header's {key!r} is not a list of paths")
         lists.append([_relpath(p, f"{key} path") for p in paths])
-    return lists[0], lists[1]
+    mtimes = doc.get("mtimes", {})
+    if not isinstance(mtimes, dict) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in mtimes.values()
+    ):
+        raise RootfsDiffError(f"{diff}: the header's 'mtimes' is not a map of paths to nanoseconds")
+    try:
+        return lists[0], lists[1], {_relpath(k, "mtimes path"): v for k, v in mtimes.items()}
+    except RootfsDiffError as e:
+        raise RootfsDiffError(f"{diff}: {e}") from None
 
 
 class _Target:
     """Writes into the root filesystem open at `root`; counts what it did."""
 
-    def __init__(self, root: int, excl: tuple[str, ...]) -> None:
-        self.root, self.excl = root, excl
+    def __init__(self, root: int, excl: tuple[str, ...], mtimes: dict[str, int]) -> None:
+        self.root, self.excl, self.mtimes = root, excl, mtimes
         self.files = self.bytes = self.deleted = 0
         self.skipped: list[str] = []
-        self.dir_times: list[tuple[str, float]] = []
+        self.dir_times: list[tuple[str, int]] = []
+
+    def mtime_ns(self, rel: str, m: tarfile.TarInfo) -> int:
+        """The member's mtime as captured: the diff's header where it has sub-seconds, else the tar's."""
+        found = self.mtimes.get(rel)
+        if found is not None:
+            return found
+        whole = int(m.mtime)  # a PAX mtime (format 1) is a float: its fraction apart, to stay exact
+        return whole * _NS + round((m.mtime - whole) * _NS)
 
     def excluded(self, cpath: str) -> bool:
         hit = _under(cpath, self.excl)
@@ -315,26 +340,28 @@ class _Target:
             if m.issym():
                 os.symlink(m.linkname, name, dir_fd=parent)
                 os.chown(name, m.uid, m.gid, dir_fd=parent, follow_symlinks=False)
-                os.utime(name, (m.mtime, m.mtime), dir_fd=parent, follow_symlinks=False)
+                mtime = self.mtime_ns(rel, m)
+                os.utime(name, ns=(mtime, mtime), dir_fd=parent, follow_symlinks=False)
             else:
                 if m.isdir() and st is None:
                     os.mkdir(name, 0o700, dir_fd=parent)
                 fd = os.open(name, _DIR_FLAGS if m.isdir() else _FILE_FLAGS, 0o600, dir_fd=parent)
                 try:
-                    self.fill(tar, m, fd)
+                    self.fill(tar, m, fd, rel)
                 finally:
                     os.close(fd)
-            self.dir_times.extend([(rel, m.mtime)] if m.isdir() else [])
+            self.dir_times.extend([(rel, self.mtime_ns(rel, m))] if m.isdir() else [])
         self.files += 1
 
-    def fill(self, tar: tarfile.TarFile, m: tarfile.TarInfo, fd: int) -> None:
+    def fill(self, tar: tarfile.TarFile, m: tarfile.TarInfo, fd: int, rel: str) -> None:
         if m.isreg():
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise RootfsDiffError(f"/{m.name}: not a regular file in the target root filesystem")
             src = tar.extractfile(m)
             with open(fd, "wb", closefd=False) as out:
                 shutil.copyfileobj(src or io.BytesIO(), out, 1 << 20)
-            os.utime(fd, (m.mtime, m.mtime))
+            mtime = self.mtime_ns(rel, m)
+            os.utime(fd, ns=(mtime, mtime))
             self.bytes += m.size
         os.fchown(fd, m.uid, m.gid)
         os.fchmod(fd, m.mode & 0o7777)  # after chown, which clears set-id bits
@@ -345,10 +372,10 @@ def apply_diff(diff: Path, rootfs: Path, *, exclude: Sequence[str] = ()) -> Diff
     opaque directories emptied, then the members written; paths under `exclude` are left alone."""
     with _naming(str(rootfs)):
         root = os.open(rootfs, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    target = _Target(root, _excludes(exclude))
     try:
         with _naming(str(diff)), tarfile.open(diff, "r:") as tar:
-            deleted, opaque = _read_header(tar, diff)
+            deleted, opaque, mtimes = _read_header(tar, diff)
+            target = _Target(root, _excludes(exclude), mtimes)
             for rel in deleted:
                 target.delete(rel, opaque=False)
             for rel in opaque:
@@ -359,7 +386,7 @@ def apply_diff(diff: Path, rootfs: Path, *, exclude: Sequence[str] = ()) -> Diff
             for rel, mtime in reversed(target.dir_times):
                 with _parent(root, rel, create=False) as parent:
                     if parent is not None:
-                        os.utime(_base(rel), (mtime, mtime), dir_fd=parent, follow_symlinks=False)
+                        os.utime(_base(rel), ns=(mtime, mtime), dir_fd=parent, follow_symlinks=False)
     except tarfile.TarError as e:
         raise RootfsDiffError(f"{diff}: not a readable rootfs diff tar: {e}") from e
     finally:
