@@ -1,24 +1,29 @@
 """Typed views over the Dynamo layer's objects as the informers' caches hold them (plain dicts), built on
-``api.views``: a DynamoGraphDeployment, its services and what its status says of them (pods, nodes and
-the snapshot kinds are read through ``api.views``).
+``api.views``: a DynamoGraphDeployment, its services and what its status says of them, and the scaling
+adapter outside autoscalers write (pods, nodes and the snapshot kinds are read through ``api.views``).
 
 As in ``api.views``, a view never copies or changes its object, and a field absent, null or of a wrong
-type reads as absent. A DGD here is the cached view in ``v1alpha1``'s shape (``kube.dgd_versions``):
-``spec.services`` is a map of service name to service.
+type reads as absent. ``GraphDeploymentView`` reads the cached view in ``v1alpha1``'s shape
+(``kube.dgd_versions``): ``spec.services`` is a map of service name to service.
+``StoredGraphDeploymentView`` reads a DGD as ``v1beta1`` stores it: ``spec.components`` is a list, each
+component named by its own ``name``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from dynamo_snapshot.api.views import ObjectView, _map, _str
+from dynamo_snapshot.api.views import ObjectView, _list, _map, _str
 
 __all__ = [
+    "ComponentView",
     "GraphDeploymentView",
+    "ScalingAdapterView",
     "ServiceCheckpointStatusView",
     "ServiceCheckpointView",
     "ServiceReplicaStatusView",
     "ServiceView",
+    "StoredGraphDeploymentView",
 ]
 
 Obj = dict[str, Any]
@@ -177,3 +182,61 @@ class GraphDeploymentView(ObjectView):
     def replica_status(self, service: str) -> ServiceReplicaStatusView:
         """What ``status.services`` says of ``service`` (zeros when nothing)."""
         return ServiceReplicaStatusView(_map(self.status.get("services")).get(service))
+
+
+class ComponentView:
+    """One component of a ``v1beta1`` DGD's ``spec.components``, with its index in that list."""
+
+    def __init__(self, index: int, raw: object) -> None:
+        self.index = index
+        self.raw = _map(raw)
+
+    @property
+    def name(self) -> str:
+        return _str(self.raw.get("name"))
+
+    @property
+    def replicas(self) -> int | None:
+        """``replicas`` as written; None when absent."""
+        return _int(self.raw.get("replicas"))
+
+    @property
+    def desired_replicas(self) -> int:
+        """The replicas the component asks for: one when it names none."""
+        replicas = self.replicas
+        return 1 if replicas is None else replicas
+
+
+class StoredGraphDeploymentView(ObjectView):
+    """A DynamoGraphDeployment as ``v1beta1`` stores it (``spec.components``, a list)."""
+
+    def component(self, name: str) -> ComponentView | None:
+        """The first component called ``name``, at its index in the list as written; None when none is."""
+        for index, raw in enumerate(_list(self.spec.get("components"))):
+            if isinstance(raw, dict) and raw.get("name") == name:
+                return ComponentView(index, raw)
+        return None
+
+
+class ScalingAdapterView(ObjectView):
+    """A DynamoGraphDeploymentScalingAdapter (DGDSA): the replicas an outside autoscaler set on it, and the
+    DGD service it scales (``spec.dgdRef``)."""
+
+    @property
+    def replicas(self) -> int:
+        """``spec.replicas``; 0 when absent."""
+        return _int(self.spec.get("replicas")) or 0
+
+    @property
+    def dgd_ref(self) -> Obj:
+        return _map(self.spec.get("dgdRef"))
+
+    @property
+    def dgd_name(self) -> str:
+        return _str(self.dgd_ref.get("name"))
+
+    @property
+    def service_name(self) -> str:
+        """The service it scales: ``dgdRef.serviceName`` (v1alpha1), else ``dgdRef.componentName``
+        (v1beta1); empty when it names neither."""
+        return _str(self.dgd_ref.get("serviceName")) or _str(self.dgd_ref.get("componentName"))

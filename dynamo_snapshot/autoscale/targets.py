@@ -21,6 +21,14 @@ from dataclasses import dataclass
 from typing import Final, Protocol
 
 from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.dynamo_views import (
+    ComponentView,
+    GraphDeploymentView,
+    ScalingAdapterView,
+    ServiceView,
+    StoredGraphDeploymentView,
+)
+from dynamo_snapshot.api.views import Meta, ObjectView
 from dynamo_snapshot.kube import ApiError, Informer, Kube, Obj, ResourceKind, is_not_found
 from dynamo_snapshot.kube.dgd_versions import DgdVersion, read_version
 from dynamo_snapshot.kube.kinds import CRD, DGD, POD
@@ -75,8 +83,8 @@ class Found:
     def written(self) -> str:
         """What a scale writes, for messages."""
         if self.adapter is not None:
-            return f"{_ADAPTER_KIND} {self.adapter['metadata']['name']}"
-        return f"DynamoGraphDeployment {self.dgd['metadata']['name']}"
+            return f"{_ADAPTER_KIND} {Meta(self.adapter).name}"
+        return f"DynamoGraphDeployment {Meta(self.dgd).name}"
 
 
 class Targets(Protocol):
@@ -97,11 +105,6 @@ class Targets(Protocol):
     def pods(self, namespace: str, dgd_name: str, service: str) -> list[Obj]: ...
 
 
-def _replicas(entry: Obj) -> int:
-    value = entry.get("replicas")
-    return 1 if value is None else int(value)
-
-
 class OwnDgds:
     """Mode standalone: this controller's DGDs (cached as views) and worker pods, from its caches."""
 
@@ -119,10 +122,10 @@ class OwnDgds:
         dgd = self.dgds.get(f"{namespace}/{dgd_name}")
         if dgd is None:
             return f"DynamoGraphDeployment {dgd_name}"
-        entry = ((dgd.get("spec") or {}).get("services") or {}).get(service)
+        entry = GraphDeploymentView(dgd).service(service)
         if entry is None:
             return f"service {service} of {dgd_name}"
-        return Found(dgd, service, _replicas(entry))
+        return Found(dgd, service, entry.desired_replicas)
 
     async def scale(self, found: Found, desired: int) -> None:
         if self.version.converts:
@@ -132,12 +135,11 @@ class OwnDgds:
     def _indexed(self, found: Found) -> Found:
         """``found`` with its component's index in the stored list: the view converted back gives the
         list's order (the conversion keeps it); the patch's test op refuses a stale one."""
-        components = (self.version.stored(found.dgd).get("spec") or {}).get("components") or []
-        index = next((i for i, c in enumerate(components) if c.get("name") == found.service), None)
-        if index is None:
-            name = found.dgd["metadata"]["name"]
+        component = StoredGraphDeploymentView(self.version.stored(found.dgd)).component(found.service)
+        if component is None:
+            name = Meta(found.dgd).name
             raise ScaleFailed("TargetNotFound", f"component {found.service} of {name} does not exist")
-        return Found(found.dgd, found.service, found.replicas, index=index)
+        return Found(found.dgd, found.service, found.replicas, index=component.index)
 
     def pods(self, namespace: str, dgd_name: str, service: str) -> list[Obj]:
         return pods_of(self._pods, namespace, dgd_name, service)
@@ -205,23 +207,21 @@ class OperatorDgds:
         dgd = self.dgds.get(f"{namespace}/{dgd_name}")
         if dgd is None:
             return f"DynamoGraphDeployment {dgd_name}"
-        spec = dgd.get("spec") or {}
         index: int | None = None
+        entry: ComponentView | ServiceView | None
         if self.dgd_kind.version == _V1BETA1:
-            components = spec.get("components") or []
-            index = next((i for i, c in enumerate(components) if c.get("name") == service), None)
-            entry = components[index] if index is not None else None
+            entry = StoredGraphDeploymentView(dgd).component(service)
+            index = entry.index if entry is not None else None
             noun = "component"
         else:
-            entry = (spec.get("services") or {}).get(service)
+            entry = GraphDeploymentView(dgd).service(service)
             noun = "service"
         if entry is None:
             return f"{noun} {service} of {dgd_name}"
         adapter = self._adapter(namespace, dgd_name, service)
         if adapter is not None:
-            replicas = int((adapter.get("spec") or {}).get("replicas") or 0)
-            return Found(dgd, service, replicas, adapter=adapter, index=index)
-        return Found(dgd, service, _replicas(entry), index=index)
+            return Found(dgd, service, ScalingAdapterView(adapter).replicas, adapter=adapter, index=index)
+        return Found(dgd, service, entry.desired_replicas, index=index)
 
     def _adapter(self, namespace: str, dgd_name: str, service: str) -> Obj | None:
         """The DGDSA whose dgdRef names this DGD and service (v1alpha1's serviceName, v1beta1's
@@ -229,13 +229,8 @@ class OperatorDgds:
         if self.adapters is None:
             return None
         for adapter in self.adapters.by_label(protocol.LABEL_DYNAMO_GRAPH, dgd_name):
-            ref = (adapter.get("spec") or {}).get("dgdRef") or {}
-            named = ref.get("serviceName") or ref.get("componentName")
-            if (
-                adapter["metadata"]["namespace"] == namespace
-                and ref.get("name") == dgd_name
-                and named == service
-            ):
+            view = ScalingAdapterView(adapter)
+            if (view.meta.namespace, view.dgd_name, view.service_name) == (namespace, dgd_name, service):
                 return adapter
         return None
 
@@ -247,20 +242,20 @@ class OperatorDgds:
         return [
             p
             for p in self._pods.by_label(protocol.LABEL_DYNAMO_GRAPH, dgd_name)
-            if p["metadata"]["namespace"] == namespace
-            and (p["metadata"].get("labels") or {}).get(protocol.LABEL_DYNAMO_COMPONENT) == service
+            if (meta := Meta(p)).namespace == namespace
+            and meta.labels.get(protocol.LABEL_DYNAMO_COMPONENT) == service
         ]
 
 
 async def _write(
     kube: Kube, found: Found, desired: int, dgd_kind: ResourceKind, adapter: ResourceKind | None
 ) -> None:
-    meta = found.dgd["metadata"]
+    meta = Meta(found.dgd)
     try:
         if found.adapter is not None and adapter is not None:
-            a = found.adapter["metadata"]
-            scale = await kube.get_scale(adapter, a["name"], a["namespace"])
-            scale["spec"] = {**(scale.get("spec") or {}), "replicas": desired}
+            a = Meta(found.adapter)
+            scale = await kube.get_scale(adapter, a.name, a.namespace)
+            scale["spec"] = {**ObjectView(scale).spec, "replicas": desired}
             await kube.replace_scale(adapter, scale)
         elif found.index is not None:
             at = f"/spec/components/{found.index}"
@@ -268,10 +263,10 @@ async def _write(
                 {"op": "test", "path": f"{at}/name", "value": found.service},
                 {"op": "add", "path": f"{at}/replicas", "value": desired},
             ]
-            await kube.json_patch(dgd_kind, meta["name"], ops, meta["namespace"])
+            await kube.json_patch(dgd_kind, meta.name, ops, meta.namespace)
         else:
             patch = {"spec": {"services": {found.service: {"replicas": desired}}}}
-            await kube.merge_patch(dgd_kind, meta["name"], patch, meta["namespace"])
+            await kube.merge_patch(dgd_kind, meta.name, patch, meta.namespace)
     except ApiError as e:
         written = adapter if found.adapter is not None and adapter is not None else dgd_kind
         raise _failure(found, e, written) from e

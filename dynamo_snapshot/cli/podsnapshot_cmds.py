@@ -20,10 +20,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from dynamo_snapshot.api.conditions import FAILED, READY, find_condition
+from dynamo_snapshot.api.conditions import FAILED, READY
 from dynamo_snapshot.api.kube import LABEL_VALUE_MAX_LENGTH
 from dynamo_snapshot.api.protocol import API_GROUP, API_VERSION, DEFAULT_TARGET_CONTAINER
 from dynamo_snapshot.api.snapshotjob import SnapshotJobCondition
+from dynamo_snapshot.api.views import Meta, ObjectView, PodSnapshotView, PodView, SnapshotJobView
 from dynamo_snapshot.kube import POD, ApiError, Kube, Obj, is_not_found, load_client
 from dynamo_snapshot.kube.kinds import POD_SNAPSHOT, SNAPSHOT_JOB
 
@@ -83,19 +84,18 @@ def snapshot_name(pod: str) -> str:
 
 
 def pick_container(pod: Obj, asked: str | None) -> str:
-    names = [str(c["name"]) for c in (pod.get("spec") or {}).get("containers") or []]
+    view = PodView(pod)
+    names = view.container_names
     if asked is not None:
         if asked not in names:
-            raise ValueError(
-                f"pod {pod['metadata']['name']} has no container {asked!r} (it has {', '.join(names)})"
-            )
+            raise ValueError(f"pod {view.meta.name} has no container {asked!r} (it has {', '.join(names)})")
         return asked
     if DEFAULT_TARGET_CONTAINER in names:
         return DEFAULT_TARGET_CONTAINER
     if len(names) == 1:
         return names[0]
     raise ValueError(
-        f"pod {pod['metadata']['name']} has containers {', '.join(names)} and none is called "
+        f"pod {view.meta.name} has containers {', '.join(names)} and none is called "
         f"{DEFAULT_TARGET_CONTAINER!r}: name the one to capture with --container"
     )
 
@@ -118,7 +118,7 @@ async def _snapshot(args: argparse.Namespace) -> int:
                 "source": {
                     "podRef": {
                         "name": args.pod,
-                        "uid": pod["metadata"]["uid"],
+                        "uid": Meta(pod).uid,
                         "containers": [pick_container(pod, args.container)],
                     }
                 }
@@ -147,24 +147,25 @@ async def _wait(kube: Kube, namespace: str, name: str, within: float) -> int:
 
 def snapshot_state(obj: Obj) -> tuple[str, str, str]:
     """(Ready | Failed | Pending, reason, message) from the PodSnapshot's conditions."""
+    view = ObjectView(obj)
     for type_ in (FAILED, READY):
-        c = find_condition(obj, type_)
-        if c is not None and c.get("status") == "True":
+        if view.condition_true(type_):
+            c = view.condition(type_)
             return type_, c.get("reason") or "", c.get("message") or ""
-    ready = find_condition(obj, READY) or {}
+    ready = view.condition(READY)
     return "Pending", ready.get("reason") or "Pending", ready.get("message") or "not bound yet"
 
 
 def snapshot_job_state(obj: Obj) -> tuple[str, str]:
     """(Completed | Failed | Capturing | Pending, reason) from the SnapshotJob's conditions."""
+    view = ObjectView(obj)
     for type_ in (SnapshotJobCondition.COMPLETED, FAILED):
-        c = find_condition(obj, type_)
-        if c is not None and c.get("status") == "True":
-            return type_, c.get("reason") or ""
-    captured = find_condition(obj, SnapshotJobCondition.CAPTURED)
-    if captured is not None:
+        if view.condition_true(type_):
+            return type_, view.condition(type_).get("reason") or ""
+    captured = view.condition(SnapshotJobCondition.CAPTURED)
+    if captured:
         return "Capturing", captured.get("reason") or ""
-    running = find_condition(obj, SnapshotJobCondition.RUNNING) or {}
+    running = view.condition(SnapshotJobCondition.RUNNING)
     return "Pending", running.get("reason") or "-"
 
 
@@ -175,30 +176,35 @@ async def _list(args: argparse.Namespace) -> int:
         items, _ = await kube.list_all(POD_SNAPSHOT, namespace)
         jobs, _ = await kube.list_all(SNAPSHOT_JOB, namespace)
     rows = [("NAMESPACE", "NAME", "POD", "CONTAINER", "STATE", "REASON", "CONTENT")]
-    for obj in sorted(items, key=lambda o: (o["metadata"]["namespace"], o["metadata"]["name"])):
-        ref = ((obj.get("spec") or {}).get("source") or {}).get("podRef") or {}
+    for obj in sorted(items, key=_by_name):
+        snapshot = PodSnapshotView(obj)
         state, reason, _ = snapshot_state(obj)
         rows.append(
             (
-                obj["metadata"]["namespace"],
-                obj["metadata"]["name"],
-                str(ref.get("name", "")),
-                ",".join(ref.get("containers") or []),
+                snapshot.meta.namespace,
+                snapshot.meta.name,
+                snapshot.source.name,
+                ",".join(snapshot.source.containers),
                 state,
                 reason,
-                (obj.get("status") or {}).get("boundSnapshotContentName") or "-",
+                snapshot.bound_content or "-",
             )
         )
     _print_table(rows)
     if jobs:
         print()
         job_rows = [("NAMESPACE", "SNAPSHOTJOB", "STATE", "REASON", "PODSNAPSHOT")]
-        for obj in sorted(jobs, key=lambda o: (o["metadata"]["namespace"], o["metadata"]["name"])):
+        for obj in sorted(jobs, key=_by_name):
+            job = SnapshotJobView(obj)
             state, reason = snapshot_job_state(obj)
-            made = (obj.get("status") or {}).get("podSnapshotName") or "-"
-            job_rows.append((obj["metadata"]["namespace"], obj["metadata"]["name"], state, reason, made))
+            job_rows.append((job.meta.namespace, job.meta.name, state, reason, job.pod_snapshot_name or "-"))
         _print_table(job_rows)
     return 0
+
+
+def _by_name(obj: Obj) -> tuple[str, str]:
+    meta = Meta(obj)
+    return meta.namespace, meta.name
 
 
 def _print_table(rows: Sequence[tuple[str, ...]]) -> None:

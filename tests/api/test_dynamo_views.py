@@ -1,5 +1,6 @@
-"""The Dynamo layer's typed views read a DGD, its services and status, worker pods, nodes and SnapshotJobs as
-the caches hold them: absent, null or mistyped fields read as absent, and nothing is copied or changed."""
+"""The Dynamo layer's typed views read a DGD (as cached at v1alpha1 and as stored at v1beta1), its services
+and status, and a scaling adapter as the caches hold them: absent, null or mistyped fields read as absent,
+and nothing is copied or changed."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import pytest
 
 from dynamo_snapshot.api.dynamo_views import (
     GraphDeploymentView,
+    ScalingAdapterView,
     ServiceCheckpointView,
+    StoredGraphDeploymentView,
 )
 from dynamo_snapshot.api.graphdeployment import DynamoGraphDeployment
+from dynamo_snapshot.api.graphdeployment_v1beta1 import DynamoGraphDeploymentV1Beta1
 
 
 def _dgd() -> dict[str, Any]:
@@ -153,3 +157,68 @@ def test_a_mistyped_service_reads_as_absent_fields() -> None:
 )
 def test_auto_mode_is_the_models_rule(raw: dict[str, Any], auto: bool) -> None:
     assert ServiceCheckpointView(raw).auto is auto
+
+
+def _stored() -> dict[str, Any]:
+    return {
+        "apiVersion": "nvidia.com/v1beta1",
+        "kind": "DynamoGraphDeployment",
+        "metadata": {"name": "g", "namespace": "team-a"},
+        "spec": {
+            "components": [
+                {"name": "Frontend", "type": "frontend"},
+                {"name": "decode", "type": "worker", "replicas": 3},
+                {"name": "prefill", "type": "worker", "replicas": 0},
+            ]
+        },
+    }
+
+
+def test_a_stored_dgd_reads_each_component_at_its_index_as_the_model_reads_it() -> None:
+    raw = _stored()
+    before = copy.deepcopy(raw)
+    view = StoredGraphDeploymentView(raw)
+    model = DynamoGraphDeploymentV1Beta1.model_validate(raw)
+    assert model.spec.components is not None
+    for index, component in enumerate(model.spec.components):
+        seen = view.component(component.name)
+        assert seen is not None
+        assert (seen.index, seen.name, seen.replicas) == (index, component.name, component.replicas)
+        assert seen.raw is raw["spec"]["components"][index]
+    desired = {n: c.desired_replicas for n in ("Frontend", "decode", "prefill") if (c := view.component(n))}
+    assert desired == {"Frontend": 1, "decode": 3, "prefill": 0}  # none named: one
+    assert view.component("missing") is None
+    assert raw == before
+
+
+def test_a_mistyped_component_keeps_the_others_at_their_index_in_the_list() -> None:
+    raw = {"spec": {"components": [None, "x", {"name": 5}, {"name": "decode", "replicas": "3"}]}}
+    found = StoredGraphDeploymentView(raw).component("decode")
+    assert found is not None
+    assert (found.index, found.replicas, found.desired_replicas) == (3, None, 1)
+
+
+@pytest.mark.parametrize(
+    "raw", [{}, {"spec": None}, {"spec": {"components": None}}, {"spec": {"components": {}}}]
+)
+def test_a_stored_dgd_without_components_has_none(raw: dict[str, Any]) -> None:
+    assert StoredGraphDeploymentView(raw).component("decode") is None
+
+
+@pytest.mark.parametrize(
+    ("spec", "read"),
+    [
+        ({"replicas": 2, "dgdRef": {"name": "g", "serviceName": "decode"}}, (2, "g", "decode")),
+        ({"replicas": 0, "dgdRef": {"name": "g", "componentName": "decode"}}, (0, "g", "decode")),
+        ({"dgdRef": {"name": "g", "serviceName": "a", "componentName": "b"}}, (0, "g", "a")),
+        ({"replicas": True, "dgdRef": {"name": 1, "serviceName": None}}, (0, "", "")),
+        ({"replicas": "2", "dgdRef": "g"}, (0, "", "")),
+    ],
+)
+def test_a_scaling_adapter_reads_its_replicas_and_the_service_it_scales(
+    spec: dict[str, Any], read: tuple[int, str, str]
+) -> None:
+    raw = {"metadata": {"name": "g-decode", "namespace": "team-a"}, "spec": spec}
+    view = ScalingAdapterView(raw)
+    assert (view.replicas, view.dgd_name, view.service_name) == read
+    assert (view.meta.name, view.meta.namespace) == ("g-decode", "team-a")
