@@ -252,7 +252,7 @@ def _read_header(tar: tarfile.TarFile, diff: Path) -> tuple[list[str], list[str]
         lists.append([_relpath(p, f"{key} path") for p in paths])
     mtimes = doc.get("mtimes", {})
     if not isinstance(mtimes, dict) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in mtimes.values()
+        isinstance(v, int) and not isinstance(v, bool) for v in mtimes.values()
     ):
         raise RootfsDiffError(f"{diff}: the header's 'mtimes' is not a map of paths to nanoseconds")
     try:
