@@ -228,12 +228,17 @@ def _expected_listings() -> dict[str, list[str]]:
 
 def _host_path() -> list[str]:
     """This venv's sys.path for `python -c` with the image's PYTHONPATH, less the checkout an editable
-    install adds (not in the image: its sources are at APP_DIR)."""
+    install adds (not in the image: its sources are at APP_DIR). That checkout need not be this one: a venv
+    is shared by every checkout with the same pyproject files."""
     env = {"PYTHONPATH": f"{APP_DIR}:{APP_DIR}/site", "PATH": "/usr/bin:/bin"}
     code = "import json, sys; print(json.dumps(sys.path))"
     out = subprocess.run([str(VENV_PYTHON), "-c", code], env=env, capture_output=True, text=True, check=True)
     repo = str(project_root())
-    return [p for p in json.loads(out.stdout) if not p.startswith(repo)]
+
+    def a_checkout(p: str) -> bool:
+        return p.startswith(repo) or (Path(p) / "dynamo_snapshot" / "__init__.py").is_file()
+
+    return [p for p in json.loads(out.stdout) if not a_checkout(p)]
 
 
 @pytest.mark.cluster
