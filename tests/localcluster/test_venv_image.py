@@ -236,7 +236,8 @@ def _host_path() -> list[str]:
     repo = str(project_root())
 
     def a_checkout(p: str) -> bool:
-        return p.startswith(repo) or (Path(p) / "dynamo_snapshot" / "__init__.py").is_file()
+        # "" (the working directory) stays: the image's interpreter puts it first as well.
+        return bool(p) and (p.startswith(repo) or (Path(p) / "dynamo_snapshot" / "__init__.py").is_file())
 
     return [p for p in json.loads(out.stdout) if not a_checkout(p)]
 
