@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dynamo_snapshot.api.views import ObjectView, _list, _map, _str
+from dynamo_snapshot.api.views import ObjectView, _int, _list, _map, _str
 
 __all__ = [
     "ComponentView",
@@ -30,10 +30,6 @@ Obj = dict[str, Any]
 
 # The checkpoint mode a service's checkpoint settings default to (api.graphdeployment.CheckpointMode).
 AUTO_MODE = "Auto"
-
-
-def _int(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 class ServiceCheckpointView:
@@ -65,11 +61,10 @@ class ServiceCheckpointView:
         return self.enabled and not self.checkpoint_ref and self.mode == AUTO_MODE
 
 
-class ServiceView:
-    """One service of a DGD's ``spec.services``."""
+class _Replicated:
+    """A service or component: the replicas it asks for."""
 
-    def __init__(self, name: str, raw: object) -> None:
-        self.name = name
+    def __init__(self, raw: object) -> None:
         self.raw = _map(raw)
 
     @property
@@ -79,9 +74,17 @@ class ServiceView:
 
     @property
     def desired_replicas(self) -> int:
-        """The replicas the service asks for: one when it names none."""
+        """The replicas it asks for: one when it names none."""
         replicas = self.replicas
         return 1 if replicas is None else replicas
+
+
+class ServiceView(_Replicated):
+    """One service of a DGD's ``spec.services``."""
+
+    def __init__(self, name: str, raw: object) -> None:
+        super().__init__(raw)
+        self.name = name
 
     @property
     def component_type(self) -> str:
@@ -184,27 +187,16 @@ class GraphDeploymentView(ObjectView):
         return ServiceReplicaStatusView(_map(self.status.get("services")).get(service))
 
 
-class ComponentView:
+class ComponentView(_Replicated):
     """One component of a ``v1beta1`` DGD's ``spec.components``, with its index in that list."""
 
     def __init__(self, index: int, raw: object) -> None:
+        super().__init__(raw)
         self.index = index
-        self.raw = _map(raw)
 
     @property
     def name(self) -> str:
         return _str(self.raw.get("name"))
-
-    @property
-    def replicas(self) -> int | None:
-        """``replicas`` as written; None when absent."""
-        return _int(self.raw.get("replicas"))
-
-    @property
-    def desired_replicas(self) -> int:
-        """The replicas the component asks for: one when it names none."""
-        replicas = self.replicas
-        return 1 if replicas is None else replicas
 
 
 class StoredGraphDeploymentView(ObjectView):

@@ -43,6 +43,10 @@ def _str(value: object) -> str:
     return value if isinstance(value, str) else ""
 
 
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 class Meta:
     """An object's metadata."""
 
@@ -87,8 +91,7 @@ class Meta:
 
     @property
     def generation(self) -> int | None:
-        value = self.raw.get("generation")
-        return value if isinstance(value, int) and not isinstance(value, bool) else None
+        return _int(self.raw.get("generation"))
 
     @property
     def deleting(self) -> bool:

@@ -330,7 +330,6 @@ class ContainerdRuntime:
         target = attached.container
         if not pid_running(target.pid):
             raise WorkloadRuntimeError(f"restore container {target.id[:12]} stopped before the restore")
-        started = time.monotonic()
         try:
             await asyncio.to_thread(
                 apply_diff,
@@ -341,7 +340,6 @@ class ContainerdRuntime:
         except (RootfsDiffError, OSError) as e:
             raise WorkloadRuntimeError(f"writable layer not applied: {e}") from None
         attached.layer_applied = True
-        self.restore_phases.setdefault(key, {})["rootfs_diff"] = time.monotonic() - started
 
     async def restore(self, key: str, images_dir: Path, source_control_dir: str | None) -> Workload:
         attached = self._get(key)
@@ -357,7 +355,7 @@ class ContainerdRuntime:
         cgroups = await asyncio.to_thread(self._cgroups, target)
         external = [str(d) for d in meta.get("externalMounts") or []]
         mounts = _restore_mounts(target, external, cgroups, self.cgroup_root)
-        phases = self.restore_phases.setdefault(key, {})
+        phases = self.restore_phases[key] = {}
         # CRIU writes the checkpointed host and domain names into the UTS namespace it joins: the
         # pod's, which must keep its own.
         names = await asyncio.to_thread(uts_names, target.pid)
