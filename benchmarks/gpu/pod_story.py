@@ -420,7 +420,7 @@ class Story:
         self.phase("cold_pod_answers", t)
         await self.until("the checkpoint to be Ready", self._checkpoint_ready, self.args.cold_timeout)
         self.results["checkpoint_ready_after_apply_s"] = round(time.monotonic() - t, 2)
-        self.results["artifact_files"] = self._artifact_files()
+        self.results["artifact_files"] = await asyncio.to_thread(self._artifact_files)
         self.save()
         say("checkpoint Ready")
 

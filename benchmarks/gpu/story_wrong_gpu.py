@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dynamo_snapshot.api.views import CheckpointView, PodSnapshotView
 from dynamo_snapshot.artifact.manifest import DIGEST_FIELD, MANIFEST_NAME, canonical_digest
 
 __all__ = ["OTHER_PRODUCT", "reseal_for_another_gpu"]
@@ -38,8 +39,13 @@ def reseal_for_another_gpu(manifest: Path) -> tuple[str, str]:
     return old, raw[DIGEST_FIELD]
 
 
-def _kubectl_json(cluster: Any, *args: str) -> Any:
-    return json.loads(cluster.kubectl(*args, "-o", "json").stdout)
+async def _kubectl(cluster: Any, *args: str) -> str:
+    """kubectl off the event loop: the controller and agent under test run on the story's loop."""
+    return str((await asyncio.to_thread(cluster.kubectl, *args)).stdout)
+
+
+async def _kubectl_json(cluster: Any, *args: str) -> Any:
+    return json.loads(await _kubectl(cluster, *args, "-o", "json"))
 
 
 def _find_manifest(artifacts: Path, digest: str) -> Path:
@@ -59,23 +65,23 @@ async def artifact_from_another_gpu(
     restore pod the controller made. ``scale_to()`` adds the replica; ``pods()`` gives the story's
     ``PodTimes`` of the pods seen so far, by name."""
     ckpt = next(
-        c
-        for c in _kubectl_json(cluster, "get", "dynamocheckpoints", "-n", namespace)["items"]
-        if (c.get("status") or {}).get("phase") == "Ready"
+        CheckpointView(c)
+        for c in (await _kubectl_json(cluster, "get", "dynamocheckpoints", "-n", namespace))["items"]
+        if CheckpointView(c).phase == "Ready"
     )
-    snap = _kubectl_json(cluster, "get", "podsnapshots", "-n", namespace, ckpt["status"]["podSnapshotName"])
-    content_name = snap["status"]["boundSnapshotContentName"]
-    manifest = _find_manifest(artifacts, ckpt["status"]["artifactDigest"])
+    snap = PodSnapshotView(
+        await _kubectl_json(cluster, "get", "podsnapshots", "-n", namespace, ckpt.pod_snapshot_name)
+    )
+    manifest = await asyncio.to_thread(_find_manifest, artifacts, ckpt.artifact_digest)
     old, new = await asyncio.to_thread(reseal_for_another_gpu, manifest)
-    content_patch = {"status": {"artifact": {"digest": new}}}
-    cluster.kubectl(
-        "patch", "podsnapshotcontents", content_name, "--subresource=status", "--type=merge",
-        "-p", json.dumps(content_patch),
-    )  # fmt: skip
-    cluster.kubectl(
-        "patch", "dynamocheckpoints", ckpt["metadata"]["name"], "-n", namespace, "--subresource=status",
-        "--type=merge", "-p", json.dumps({"status": {"artifactDigest": new}}),
-    )  # fmt: skip
+    for kind, name, where, status in (
+        ("podsnapshotcontents", snap.bound_content, [], {"artifact": {"digest": new}}),
+        ("dynamocheckpoints", ckpt.meta.name, ["-n", namespace], {"artifactDigest": new}),
+    ):
+        patch = json.dumps({"status": status})
+        await _kubectl(
+            cluster, "patch", kind, name, *where, "--subresource=status", "--type=merge", "-p", patch
+        )
     before = set(pods())
     await scale_to()
     found: dict[str, Any] = {"manifest": str(manifest), "old_digest": old, "new_digest": new}
@@ -95,14 +101,14 @@ async def artifact_from_another_gpu(
         found["restore_pod_serving"] = refused.serving is not None
     found["replaced_by_cold_pod"] = None if cold is None else cold.name
     found["restore_pod"] = None if refused is None else refused.name
-    found["events"] = [] if refused is None else _events_about(cluster, namespace, refused.name)
+    found["events"] = [] if refused is None else await _events_about(cluster, namespace, refused.name)
     return found
 
 
-def _events_about(cluster: Any, namespace: str, pod: str) -> list[str]:
+async def _events_about(cluster: Any, namespace: str, pod: str) -> list[str]:
     """The namespace's Events on ``pod`` or naming it (the graph's, when the controller replaces it)."""
     shown = []
-    for e in _kubectl_json(cluster, "get", "events", "-n", namespace)["items"]:
+    for e in (await _kubectl_json(cluster, "get", "events", "-n", namespace))["items"]:
         about = e.get("involvedObject") or {}
         if about.get("name") == pod or pod in (e.get("message") or ""):
             shown.append(f"{about.get('kind')}/{about.get('name')} {e.get('reason')}: {e.get('message')}")
