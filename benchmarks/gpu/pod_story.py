@@ -43,6 +43,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.gpu.host import log_gaps, log_span  # noqa: E402
+from benchmarks.gpu.story_missing_device import spec_naming_a_missing_device  # noqa: E402
 from benchmarks.gpu.story_wrong_gpu import artifact_from_another_gpu  # noqa: E402
 from dynamo_snapshot.agent.watcher import NodeAgent  # noqa: E402
 from dynamo_snapshot.api import protocol  # noqa: E402
@@ -209,7 +210,7 @@ class Story:
         # One GPU shared by the cold pod, the SnapshotJob's pod, the restores and the bad inputs' pods
         # (time-slicing).
         gpu = self.args.worker == "gpu"
-        options = RealNodeOptions(gpus=gpu, gpu_replicas=self.args.replicas + 3 if gpu else 1)
+        options = RealNodeOptions(gpus=gpu, gpu_replicas=self.args.replicas + 5 if gpu else 1)
         self.node = await asyncio.to_thread(self.cluster.start_real_node, options, timeout=300, progress=say)
         self.results["node"] = {"gpus": self.node.gpus, "cgroup": str(self.node.facts.cgroup_version)}
         self.phase("real_node", t)
@@ -484,15 +485,29 @@ class Story:
         self.results["criu_restore_log_gaps"] = self._criu_restore_logs()
         self.phase("failover", t)
         bad = self.results["bad_inputs"] = {}
+        replicas = self.args.replicas
+
+        async def one_more() -> None:
+            nonlocal replicas
+            replicas += 1
+            await dgds.set_replicas(GRAPH, NAMESPACE, SERVICE, replicas)
+
         if self.args.worker == "gpu":
+            assert self.node is not None
             bad["restore_pod_without_gpu"] = await self.restore_without_gpu(new.name)
             self.save()
+            # Before the wrong-GPU phase: that one leaves the checkpoint's recorded digest unrestorable.
+            try:
+                bad["cdi_spec_naming_a_missing_device"] = await spec_naming_a_missing_device(
+                    self.cluster, self.node.name, self.node.cdi_dir, NAMESPACE, one_more, lambda: self.pods
+                )
+            except TimeoutError as e:
+                # Recorded as the finding; the wrong-GPU phase still runs.
+                bad["cdi_spec_naming_a_missing_device"] = {"failed": str(e)}
+            say(f"CDI spec naming a missing device: {bad['cdi_spec_naming_a_missing_device']}")
+            self.save()
         bad["artifact_from_another_gpu"] = await artifact_from_another_gpu(
-            self.cluster,
-            self.work / "artifacts",
-            NAMESPACE,
-            lambda: dgds.set_replicas(GRAPH, NAMESPACE, SERVICE, self.args.replicas + 1),
-            lambda: self.pods,
+            self.cluster, self.work / "artifacts", NAMESPACE, one_more, lambda: self.pods
         )
         say(f"artifact from another GPU: {bad['artifact_from_another_gpu']}")
         self.save()

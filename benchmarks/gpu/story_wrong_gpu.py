@@ -21,7 +21,7 @@ from typing import Any
 from dynamo_snapshot.api.views import CheckpointView, PodSnapshotView
 from dynamo_snapshot.artifact.manifest import DIGEST_FIELD, MANIFEST_NAME, canonical_digest
 
-__all__ = ["OTHER_PRODUCT", "reseal_for_another_gpu"]
+__all__ = ["OTHER_PRODUCT", "events_about", "kubectl", "kubectl_json", "reseal_for_another_gpu"]
 
 OTHER_PRODUCT = "NVIDIA-A100-SXM4-80GB"
 
@@ -39,13 +39,13 @@ def reseal_for_another_gpu(manifest: Path) -> tuple[str, str]:
     return old, raw[DIGEST_FIELD]
 
 
-async def _kubectl(cluster: Any, *args: str) -> str:
+async def kubectl(cluster: Any, *args: str) -> str:
     """kubectl off the event loop: the controller and agent under test run on the story's loop."""
     return str((await asyncio.to_thread(cluster.kubectl, *args)).stdout)
 
 
-async def _kubectl_json(cluster: Any, *args: str) -> Any:
-    return json.loads(await _kubectl(cluster, *args, "-o", "json"))
+async def kubectl_json(cluster: Any, *args: str) -> Any:
+    return json.loads(await kubectl(cluster, *args, "-o", "json"))
 
 
 def _find_manifest(artifacts: Path, digest: str) -> Path:
@@ -66,11 +66,11 @@ async def artifact_from_another_gpu(
     ``PodTimes`` of the pods seen so far, by name."""
     ckpt = next(
         CheckpointView(c)
-        for c in (await _kubectl_json(cluster, "get", "dynamocheckpoints", "-n", namespace))["items"]
+        for c in (await kubectl_json(cluster, "get", "dynamocheckpoints", "-n", namespace))["items"]
         if CheckpointView(c).phase == "Ready"
     )
     snap = PodSnapshotView(
-        await _kubectl_json(cluster, "get", "podsnapshots", "-n", namespace, ckpt.pod_snapshot_name)
+        await kubectl_json(cluster, "get", "podsnapshots", "-n", namespace, ckpt.pod_snapshot_name)
     )
     manifest = await asyncio.to_thread(_find_manifest, artifacts, ckpt.artifact_digest)
     old, new = await asyncio.to_thread(reseal_for_another_gpu, manifest)
@@ -79,7 +79,7 @@ async def artifact_from_another_gpu(
         ("dynamocheckpoints", ckpt.meta.name, ["-n", namespace], {"artifactDigest": new}),
     ):
         patch = json.dumps({"status": status})
-        await _kubectl(
+        await kubectl(
             cluster, "patch", kind, name, *where, "--subresource=status", "--type=merge", "-p", patch
         )
     before = set(pods())
@@ -101,14 +101,14 @@ async def artifact_from_another_gpu(
         found["restore_pod_serving"] = refused.serving is not None
     found["replaced_by_cold_pod"] = None if cold is None else cold.name
     found["restore_pod"] = None if refused is None else refused.name
-    found["events"] = [] if refused is None else await _events_about(cluster, namespace, refused.name)
+    found["events"] = [] if refused is None else await events_about(cluster, namespace, refused.name)
     return found
 
 
-async def _events_about(cluster: Any, namespace: str, pod: str) -> list[str]:
+async def events_about(cluster: Any, namespace: str, pod: str) -> list[str]:
     """The namespace's Events on ``pod`` or naming it (the graph's, when the controller replaces it)."""
     shown = []
-    for e in (await _kubectl_json(cluster, "get", "events", "-n", namespace))["items"]:
+    for e in (await kubectl_json(cluster, "get", "events", "-n", namespace))["items"]:
         about = e.get("involvedObject") or {}
         if about.get("name") == pod or pod in (e.get("message") or ""):
             shown.append(f"{about.get('kind')}/{about.get('name')} {e.get('reason')}: {e.get('message')}")

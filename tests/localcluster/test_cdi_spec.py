@@ -19,6 +19,7 @@ from dynamo_snapshot_dev.localcluster.realnode.cdi import (
     cdi_spec,
     driver_library_files,
     gather_facts,
+    naming_a_missing_device_node,
     parse_ldconfig,
     parse_smi_gpus,
     proc_device_minor,
@@ -183,6 +184,21 @@ def test_write_refuses_a_node_gone_since_the_facts_were_read(tmp_path: Path) -> 
     with pytest.raises(CdiSpecError, match=f"names missing device nodes: {dev / 'nvidia0'}"):
         write_cdi_spec(tmp_path / "cdi", facts)
     assert not (tmp_path / "cdi").exists()
+
+
+def test_the_fault_of_a_spec_naming_a_missing_node_touches_one_device_only() -> None:
+    missing = Path("/dev/nvidia-gone")
+    faulty = naming_a_missing_device_node(H200_SPEC, H200_UUID, missing)
+    by_name = {d["name"]: d["containerEdits"]["deviceNodes"] for d in faulty["devices"]}
+    assert by_name[H200_UUID][-1] == {"path": str(missing), "hostPath": str(missing)}
+    assert (
+        by_name["0"]
+        == next(d for d in H200_SPEC["devices"] if d["name"] == "0")["containerEdits"]["deviceNodes"]
+    ), "the index's entry is left as it was"
+    assert missing in spec_device_nodes(faulty)
+    assert missing not in spec_device_nodes(H200_SPEC), "the spec given is not changed"
+    with pytest.raises(CdiSpecError, match="has no device 'GPU-nope'"):
+        naming_a_missing_device_node(H200_SPEC, "GPU-nope", missing)
 
 
 def test_smi_lines_and_the_drivers_device_minor(tmp_path: Path) -> None:

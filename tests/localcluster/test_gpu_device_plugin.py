@@ -21,7 +21,14 @@ import pytest
 
 from dynamo_snapshot_dev.localcluster.cluster import LocalCluster
 from dynamo_snapshot_dev.localcluster.realnode import TEST_IMAGE, RealNode
-from dynamo_snapshot_dev.localcluster.realnode.cdi import Gpu, GpuFacts, read_device_nodes, write_cdi_spec
+from dynamo_snapshot_dev.localcluster.realnode.cdi import (
+    Gpu,
+    GpuFacts,
+    naming_a_missing_device_node,
+    read_device_nodes,
+    replace_spec_file,
+    write_cdi_spec,
+)
 from dynamo_snapshot_dev.localcluster.supervise import Proc, spawn_logged, terminate
 
 pytestmark = pytest.mark.kubelet
@@ -215,6 +222,45 @@ def test_a_gpu_whose_device_node_is_gone_is_unhealthy(fake_gpu: FakeGpu) -> None
         f"{FAKE_UUID} (nvidia.com/gpu={FAKE_UUID}) is unhealthy: device node {fake_gpu.dev / 'nvidia0'}"
         in log
     )
+
+
+def test_a_spec_naming_a_missing_device_node_keeps_new_gpu_pods_pending_until_it_is_fixed(
+    cluster: LocalCluster, fake_gpu: FakeGpu, namespace: str
+) -> None:
+    good = json.loads(fake_gpu.spec.read_text())
+    missing = fake_gpu.dev / "nvidia7"
+    replace_spec_file(fake_gpu.spec, naming_a_missing_device_node(good, FAKE_UUID, missing))
+    _wait(
+        "nvidia.com/gpu: 0 while the spec names a missing node",
+        lambda: _allocatable_gpus(fake_gpu.node) == "0",
+        30,
+    )
+    assert f"{FAKE_UUID} (nvidia.com/gpu={FAKE_UUID}) is unhealthy: device node {missing}" in (
+        fake_gpu.plugin.log.read_text()
+    )
+    cluster.apply(_gpu_pod(fake_gpu.node, "after-bad-spec", "echo RAN; exec sleep 3600"), namespace=namespace)
+
+    def unschedulable() -> bool:
+        cond = next(
+            (
+                c
+                for c in _pod(cluster, namespace, "after-bad-spec")["status"].get("conditions") or []
+                if c["type"] == "PodScheduled"
+            ),
+            {},
+        )
+        return cond.get("reason") == "Unschedulable" and "nvidia.com/gpu" in cond.get("message", "")
+
+    _wait("the pod unschedulable for want of nvidia.com/gpu", unschedulable, 30)
+    pod = _pod(cluster, namespace, "after-bad-spec")
+    assert pod["status"]["phase"] == "Pending"
+    assert not pod["spec"].get("nodeName"), "no node, so no container was made"
+    replace_spec_file(fake_gpu.spec, good)
+    _wait("nvidia.com/gpu: 1 once the spec is fixed", lambda: _allocatable_gpus(fake_gpu.node) == "1", 30)
+    cluster.kubectl(
+        "wait", "-n", namespace, "--for=condition=Ready", "pod/after-bad-spec", "--timeout=120s", timeout=130
+    )
+    _wait("the pod's own output", lambda: "RAN" in _logs(cluster, namespace, "after-bad-spec"), 30)
 
 
 @pytest.mark.parametrize("fake_gpu", [2], indirect=True)

@@ -150,6 +150,29 @@ def spec_device_nodes(spec: Mapping[str, Any]) -> list[Path]:
     return [Path(n.get("hostPath") or n["path"]) for e in edits for n in e.get("deviceNodes") or []]
 
 
+def naming_a_missing_device_node(spec: Mapping[str, Any], device: str, host_path: Path) -> dict[str, Any]:
+    """``spec`` with ``host_path`` added to the device nodes of its device ``device`` (a GPU's UUID or
+    index): the spec a mis-edit or a driver reload leaves behind, naming a node the machine lacks. A fault
+    for tests; `write_cdi_spec` never writes such a spec."""
+    names = [d["name"] for d in spec["devices"]]
+    if device not in names:
+        raise CdiSpecError(f"the CDI spec has no device {device!r} (it has {', '.join(names)})")
+    out: dict[str, Any] = json.loads(json.dumps(spec))
+    for d in out["devices"]:
+        if d["name"] == device:
+            edits = d.setdefault("containerEdits", {})
+            edits.setdefault("deviceNodes", []).append({"path": str(host_path), "hostPath": str(host_path)})
+    return out
+
+
+def replace_spec_file(path: Path, spec: Mapping[str, Any]) -> None:
+    """Write ``spec`` to ``path`` whole or not at all: containerd and the device plugin read the directory
+    at any moment."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(spec, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
 def write_cdi_spec(directory: Path, facts: GpuFacts | None = None) -> Path:
     """Write the machine's spec (from ``facts``, else `gather_facts`) as ``directory``/SPEC_NAME, whole or
     not at all; refused when a device node it names is not a character device now."""
@@ -161,9 +184,7 @@ def write_cdi_spec(directory: Path, facts: GpuFacts | None = None) -> Path:
         )
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / SPEC_NAME
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(spec, indent=2) + "\n")
-    os.replace(tmp, path)
+    replace_spec_file(path, spec)
     return path
 
 
