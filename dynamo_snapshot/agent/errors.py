@@ -4,7 +4,7 @@ the executor, which runs without one (the GPU benchmarks, `dynamo-snapshot check
 
 from __future__ import annotations
 
-__all__ = ["RETRY_BASE_S", "RETRY_CAP_S", "AgentError", "ArtifactRefused", "backoff"]
+__all__ = ["RETRY_BASE_S", "RETRY_CAP_S", "AgentError", "ArtifactRefused", "Incompatible", "backoff"]
 
 RETRY_BASE_S, RETRY_CAP_S = 1.0, 60.0
 
@@ -20,3 +20,10 @@ class AgentError(Exception):
 class ArtifactRefused(AgentError):
     """The artifact's files (or its manifest) are not what it sealed: missing, truncated, altered; or it is
     not the artifact the checkpoint recorded, or it needs a format feature this agent cannot read."""
+
+
+class Incompatible(AgentError):
+    """This node or the restore container cannot run the checkpoint (another GPU product or driver, another
+    image, too little free GPU memory): refused before anything of the artifact is read or started, so the
+    restore container is left as it was. The pod's creator may ask for the restore anyway
+    (``nvidia.com/snapshot-skip-compat-check``)."""

@@ -19,7 +19,7 @@ from typing import Any
 
 from dynamo_snapshot.agent.checkpoint import CheckpointOutcome, CheckpointRun, wait_ready
 from dynamo_snapshot.agent.errors import AgentError, ArtifactRefused
-from dynamo_snapshot.agent.gpu_assignment import assigned_gpus
+from dynamo_snapshot.agent.gpu_assignment import assigned_gpus, check_gpu_memory
 from dynamo_snapshot.agent.metrics import CACHE_BYTES, CACHE_FILLS, CACHE_RESTORES, FAILURES
 from dynamo_snapshot.agent.node import DEFAULT_RESTORE_SCRATCH, Node
 from dynamo_snapshot.agent.restore import (
@@ -29,6 +29,7 @@ from dynamo_snapshot.agent.restore import (
     check_ahead,
     check_before_reading,
     check_digest,
+    compat_refused,
 )
 from dynamo_snapshot.agent.runtime.base import Workload
 from dynamo_snapshot.agent.timings import Timings
@@ -124,6 +125,7 @@ class Executor(Node):
         image_id: str | None = None,
         visible_gpus: tuple[str, ...] | None = None,
         restore_env: Mapping[str, str] | None = None,
+        skip_compat: bool = False,
     ) -> RestoreOutcome:
         """Restore the artifact ``artifact_key`` as workload ``key``: from the node cache's copy when it
         holds the store's current one (a refused copy is dropped and the store's used instead), else
@@ -133,14 +135,14 @@ class Executor(Node):
         ``visible_gpus`` (the restore container's GPUs), onto those. ``restore_env`` (the restore
         container's environment) fills restore-context.json where the worker's standby left none. An
         artifact that needs a format feature this agent does not know is refused before anything of it
-        is read."""
+        is read; one this node or container cannot run (``Incompatible``) too, unless ``skip_compat``."""
         if self.deleting[artifact_key]:
             FAILURES.labels("restore").inc()
             raise ArtifactRefused(f"artifact {artifact_key} refused: it is being deleted")
         with self._reading(artifact_key):
             greeting = Greeting(identity_info or {}, restore_env)
             return await self._restore_reading(
-                key, artifact_key, greeting, manifest_digest, image_id, visible_gpus
+                key, artifact_key, greeting, manifest_digest, image_id, visible_gpus, skip_compat
             )
 
     async def _restore_reading(
@@ -151,6 +153,7 @@ class Executor(Node):
         manifest_digest: str | None,
         image_id: str | None,
         visible_gpus: tuple[str, ...] | None,
+        skip_compat: bool,
     ) -> RestoreOutcome:
         timings = Timings()
         try:
@@ -159,7 +162,14 @@ class Executor(Node):
                     artifact = await asyncio.to_thread(self.store.open, artifact_key)
                 except (ArtifactError, ValueError) as e:
                     raise ArtifactRefused(f"artifact {artifact_key} refused: {e}") from None
-                gpus = check_before_reading(artifact, manifest_digest, image_id, self.gpus, visible_gpus)
+                gpus = check_before_reading(
+                    artifact, manifest_digest, image_id, self.gpus, visible_gpus, skip_compat=skip_compat
+                )
+                if self.cuda is not None:
+                    try:
+                        await check_gpu_memory(artifact.manifest.extra, gpus, artifact.manifest.gpus)
+                    except AgentError as e:
+                        compat_refused(str(e), skip_compat, artifact.key)
             if self.cache is not None:
                 cached = await self._restore_from_cache(
                     self.cache, key, artifact, timings, greeting, manifest_digest, gpus

@@ -6,6 +6,7 @@ its PodSnapshotContent (agent.snapshot_capture)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
@@ -13,6 +14,7 @@ from typing import Any
 
 from dynamo_snapshot.agent.errors import backoff
 from dynamo_snapshot.agent.pod_spec import MAIN, workload_key
+from dynamo_snapshot.agent.runtime.base import Workload
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.views import Meta, ObjectView
 from dynamo_snapshot.kube import (
@@ -29,7 +31,7 @@ from dynamo_snapshot.kube.until_written import write_until_done
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PodReporter"]
+__all__ = ["PodReporter", "restored_container_ids"]
 
 Status = protocol.SnapshotStatus
 Restored = protocol.RestoredReason
@@ -38,6 +40,15 @@ _MESSAGE_MAX = 4000
 
 def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def restored_container_ids(workload: Workload) -> dict[str, str]:
+    """The restored-container-ids annotation of a restore into ``workload``: the container the agent
+    restored into, by name, as the restore-pod contract has consumers find it; none for a restore as a
+    process (no container)."""
+    if not workload.container_id:
+        return {}
+    return {protocol.ANNOTATION_RESTORED_CONTAINER_IDS: json.dumps({MAIN: workload.container_id})}
 
 
 class PodReporter:
@@ -165,14 +176,30 @@ class PodReporter:
         """Say on the pod, as its restore status and as an Event, why the agent will not restore it."""
         await self.fail(pod, f"refused: {message}", reason="RestoreRefused")
 
-    async def fail(self, pod: Obj, message: str, *, reason: str = Restored.FAILED.value) -> None:
-        """Say on the pod why its restore failed: the failed status, a Warning Event and Restored False
-        (RestoreFailed), all with ``message``. A failed status is never acted on again, so that condition
-        is retried until written."""
+    async def incompatible(self, pod: Obj, message: str) -> None:
+        """``fail``, as Restored False (RestoreIncompatible): this node or container cannot run the
+        checkpoint, and nothing was read or started."""
+        await self.fail(pod, message, reason=Restored.INCOMPATIBLE.value, condition=Restored.INCOMPATIBLE)
+
+    async def fail(
+        self,
+        pod: Obj,
+        message: str,
+        *,
+        reason: str = Restored.FAILED.value,
+        condition: protocol.RestoredReason = Restored.FAILED,
+    ) -> None:
+        """Say on the pod why its restore failed: the failed status, a Warning Event (``reason``) and
+        Restored False (``condition``), all with ``message``. A failed status is never acted on again, so
+        that condition is retried until written."""
         self._event(pod, WARNING, reason, message)
         keys = (protocol.ANNOTATION_RESTORE_STATUS, protocol.ANNOTATION_RESTORE_MESSAGE)
         await self.report(pod, *keys, Status.FAILED, message)
-        await self.set_restored(pod, Restored.FAILED, message, until_written=True)
+        await self.set_restored(pod, condition, message, until_written=True)
+
+    def event(self, pod: Obj, reason: str, message: str) -> None:
+        """A Normal Event on the pod."""
+        self._event(pod, NORMAL, reason, message)
 
     def _event(self, pod: Obj, kind: str, reason: str, message: str) -> None:
         meta = Meta(pod)

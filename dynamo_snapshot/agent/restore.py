@@ -27,8 +27,8 @@ from typing import Any
 from pydantic import JsonValue
 
 from dynamo_snapshot.agent.cuda_processes import checkpointed_pids, resume_cuda
-from dynamo_snapshot.agent.errors import AgentError, ArtifactRefused
-from dynamo_snapshot.agent.gpu_assignment import assigned_gpus, check_gpu_memory, gpu_remap
+from dynamo_snapshot.agent.errors import AgentError, ArtifactRefused, Incompatible
+from dynamo_snapshot.agent.gpu_assignment import assigned_gpus, gpu_remap
 from dynamo_snapshot.agent.metrics import BYTES, PREFETCH_BYTES, PREFETCH_SKIPPED, THROUGHPUT
 from dynamo_snapshot.agent.node import Node
 from dynamo_snapshot.agent.page_images import PagesScratch, StagedPages
@@ -56,6 +56,7 @@ __all__ = [
     "RestoreRun",
     "check_ahead",
     "check_before_reading",
+    "compat_refused",
     "ensure_restore_context",
 ]
 
@@ -83,17 +84,34 @@ def check_before_reading(
     image_id: str | None,
     node_gpus: GpuInfo | None,
     visible_gpus: tuple[str, ...] | None,
+    *,
+    skip_compat: bool = False,
 ) -> GpuInfo | None:
     """Refuse, from its manifest alone, an artifact this restore must not read: not the one the
-    checkpoint recorded, needing a format feature this agent does not know, taken from another image, or
-    needing more GPUs than the restore container has. Returns the GPUs the restore goes onto."""
+    checkpoint recorded, needing a format feature this agent does not know, or needing more GPUs than
+    the restore container was given; and (``Incompatible``, unless ``skip_compat``) one taken from
+    another image or on GPUs this node does not have. Returns the GPUs the restore goes onto."""
     check_digest(artifact, manifest_digest)
     try:
         artifact.check_features()
     except ArtifactError as e:
         raise ArtifactRefused(f"artifact {artifact.key} refused: {e}") from None
-    _check_image(artifact, image_id)
-    return assigned_gpus(node_gpus, visible_gpus, artifact.manifest.gpus)
+    gpus = assigned_gpus(node_gpus, visible_gpus, artifact.manifest.gpus)
+    problems = [*_image_problems(artifact, image_id)]
+    node_problems = artifact.compatibility(node_gpus)
+    if node_problems:
+        problems.append("incompatible node: " + "; ".join(node_problems))
+    if problems:
+        compat_refused("; ".join(problems), skip_compat, artifact.key)
+    return gpus
+
+
+def compat_refused(problem: str, skip_compat: bool, artifact_key: str) -> None:
+    """``Incompatible`` with ``problem``; where the pod asked to skip the compatibility checks, a warning
+    in the log instead."""
+    if not skip_compat:
+        raise Incompatible(problem)
+    log.warning("compatibility check skipped", extra={"artifact": artifact_key, "problem": problem})
 
 
 def check_digest(artifact: Artifact, expected: str | None) -> None:
@@ -105,13 +123,14 @@ def check_digest(artifact: Artifact, expected: str | None) -> None:
         )
 
 
-def _check_image(artifact: Artifact, image_id: str | None) -> None:
+def _image_problems(artifact: Artifact, image_id: str | None) -> list[str]:
     """The process tree and its writable layer expect the image they were taken from underneath."""
     recorded = artifact.manifest.extra.get("image")
     if image_id and isinstance(recorded, str) and recorded and recorded != image_id:
-        raise AgentError(
+        return [
             f"image differs: the checkpoint was taken from image {recorded}, this container runs {image_id}"
-        )
+        ]
+    return []
 
 
 class RestoreRun:
@@ -173,8 +192,6 @@ class RestoreRun:
         """Everything CRIU acts on checked before it starts; the read-ahead, the unpacking of compressed
         pages and (at idle I/O priority) the weights check begin meanwhile."""
         self.check_manifest()
-        if self.node.cuda is not None:
-            await check_gpu_memory(self.artifact.manifest.extra, self.gpus, self.artifact.manifest.gpus)
         await self.read_tools()
         self.prefetching = await self.start_prefetch()
         if self.prefetching is not None:
@@ -201,9 +218,6 @@ class RestoreRun:
         # The store's artifact passed this already; the node cache's copy is held to it too.
         check_digest(self.artifact, self.manifest_digest)
         self.weights = carried_weights(self.artifact)
-        problems = self.artifact.compatibility(self.node.gpus)
-        if problems:
-            raise AgentError("incompatible node: " + "; ".join(problems))
 
     async def read_tools(self) -> None:
         """CRIU's (and the runtime's) own files into the page cache before the bulk reads begin."""

@@ -29,12 +29,12 @@ from dynamo_snapshot.agent.authorize import (
     restore_grant,
     snapshot_to_restore,
 )
-from dynamo_snapshot.agent.errors import AgentError, backoff
+from dynamo_snapshot.agent.errors import AgentError, Incompatible, backoff
 from dynamo_snapshot.agent.executor import Executor, RestoreOutcome
 from dynamo_snapshot.agent.kubelet_containers import KubeletContainers
 from dynamo_snapshot.agent.metrics import PHASE_SECONDS
 from dynamo_snapshot.agent.pod_container import running_container
-from dynamo_snapshot.agent.pod_reports import PodReporter
+from dynamo_snapshot.agent.pod_reports import PodReporter, restored_container_ids
 from dynamo_snapshot.agent.pod_spec import (
     MAIN,
     annotation,
@@ -50,6 +50,7 @@ from dynamo_snapshot.agent.runtime.containerd import ContainerdRuntime
 from dynamo_snapshot.agent.snapshot_capture import SnapshotCapture
 from dynamo_snapshot.agent.timings import AWAIT_CONTAINER_PHASE
 from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.restore_outcome import skip_compat_check
 from dynamo_snapshot.api.views import Meta, PodSnapshotView, PodView, still_live
 from dynamo_snapshot.kube import (
     DELETED,
@@ -77,6 +78,19 @@ class _RestoreTarget:
     image_id: str | None
     visible_gpus: tuple[str, ...] | None
     env: dict[str, str]
+
+
+def reopens_refused_restore(pod: Obj) -> bool:
+    """A restore refused as incompatible whose pod has since asked to skip the compatibility checks: it
+    is attempted again in place (the refusal came before anything was read or started). Any other
+    failed restore needs a new pod."""
+    view = PodView(pod)
+    refused = view.condition(protocol.POD_CONDITION_RESTORED).get("reason")
+    return (
+        status(pod, protocol.ANNOTATION_RESTORE_STATUS) is Status.FAILED
+        and refused == protocol.RestoredReason.INCOMPATIBLE
+        and skip_compat_check(view.meta.annotations)
+    )
 
 
 class NodeAgent:
@@ -171,7 +185,9 @@ class NodeAgent:
             elif containers is not None:
                 containers.forget(key)  # the pod is gone: nothing of its container is needed again
             return
-        if uid not in self._tasks:
+        task = self._tasks.get(uid)
+        # A pod is dispatched once; a refused restore its pod has since asked to attempt anyway, again.
+        if task is None or (task.done() and reopens_refused_restore(pod)):
             self._tasks[uid] = asyncio.create_task(self._handle(pod), name=f"pod-{workload_key(pod)}")
 
     # ------------------------------------------------------------------ per pod
@@ -252,7 +268,13 @@ class NodeAgent:
             await self._watch_restored(pod)
             return
         if state is Status.FAILED:
-            return  # a failed restore was cleaned up when it failed
+            if not reopens_refused_restore(pod):
+                return  # a failed restore was cleaned up when it failed
+            self.reports.event(
+                pod,
+                "RestoreCompatibilityCheckSkipped",
+                f"{protocol.ANNOTATION_SKIP_COMPAT_CHECK} is set: the refused restore is attempted anyway",
+            )
         attempts = restore_attempts(pod)
         if state is Status.RUNNING and not await self._clear_cut_short(pod, attempts):
             return
@@ -299,6 +321,7 @@ class NodeAgent:
                 ),
                 protocol.ANNOTATION_RESTORE_CONTAINER_ID: outcome.workload.container_id
                 or str(outcome.workload.pid),
+                **restored_container_ids(outcome.workload),
             },
         )
         await self._supervise(pod, outcome.workload)
@@ -406,7 +429,12 @@ class NodeAgent:
                 image_id=target.image_id,
                 visible_gpus=target.visible_gpus,
                 restore_env=target.env,
+                skip_compat=skip_compat_check(view.meta.annotations),
             )
+        except Incompatible as e:
+            # Refused before anything started: the container stays as it was, to be reopened in place.
+            await self.reports.incompatible(pod, str(e))
+            return None
         except (AgentError, WorkloadRuntimeError, ValueError) as e:
             with contextlib.suppress(Exception):
                 await self.runtime.stop(key)

@@ -28,6 +28,7 @@ __all__ = [
     "ANNOTATION_DYNAMO_RESTORE_CANDIDATE",
     "ANNOTATION_DYNAMO_RESTORE_SOURCE_KIND",
     "ANNOTATION_REPLACES",
+    "ANNOTATION_RESTORED_CONTAINER_IDS",
     "ANNOTATION_RESTORE_ATTEMPTS",
     "ANNOTATION_RESTORE_CONTAINER_ID",
     "ANNOTATION_RESTORE_CONTAINER_MAP",
@@ -35,6 +36,7 @@ __all__ = [
     "ANNOTATION_RESTORE_MESSAGE",
     "ANNOTATION_RESTORE_STATUS",
     "ANNOTATION_RESTORE_TIMINGS",
+    "ANNOTATION_SKIP_COMPAT_CHECK",
     "ANNOTATION_TARGET_CONTAINERS",
     "ANNOTATION_WORKLOAD_EXITED",
     "API_GROUP",
@@ -328,12 +330,30 @@ POD_CONDITION_RESTORED: Final = "nvidia.com/Restored"
 
 
 class RestoredReason(StrEnum):
-    """Reasons of the nvidia.com/Restored pod condition."""
+    """Reasons of the nvidia.com/Restored pod condition, as NVIDIA Snapshot's restore-pod contract
+    (api/podcontract) spells them; `api.restore_outcome` classifies them."""
 
     IN_PROGRESS = "RestoreInProgress"  # False
     SUCCEEDED = "RestoreSucceeded"  # True
     FAILED = "RestoreFailed"  # False
     PARTIALLY_SUCCEEDED = "RestorePartiallySucceeded"  # False
+    # Refused before anything was read: the node or the restore container cannot run the checkpoint
+    # (ANNOTATION_SKIP_COMPAT_CHECK lets it be attempted anyway).
+    INCOMPATIBLE = "RestoreIncompatible"  # False
+    # Another agent's: a replaced container of a restored pod being restored again, and its refusal.
+    REPLENISHING = "RestoreReplenishing"  # False
+    REPLENISHMENT_INCOMPATIBLE = "RestoreReplenishmentIncompatible"  # False
+
+
+# On a restore pod, by its creator: "true" (any spelling Go's strconv.ParseBool reads as true) has the
+# node agent attempt a restore its compatibility checks refuse (another GPU product or driver, another
+# image, too little free GPU memory). Added to a pod whose restore was refused as RestoreIncompatible,
+# it reopens that restore in place. Never skipped by it: the authorization (a Ready checkpoint of the
+# pod's own namespace), the artifact's digest and seal, and the GPUs the restore container was given.
+ANNOTATION_SKIP_COMPAT_CHECK: Final = "nvidia.com/snapshot-skip-compat-check"
+# On a restored pod, by the node agent alone: {"<container>": "<container ID>"} of the containers it
+# restored into (a producer must not set or copy it).
+ANNOTATION_RESTORED_CONTAINER_IDS: Final = "nvidia.com/restored-container-ids"
 
 
 # --- GPU node labels (NVIDIA GPU feature discovery) and the device-plugin resource -----------------

@@ -38,6 +38,11 @@ DYNAMO_SPELLINGS = {
     "LABEL_CUDA_DRIVER_MAJOR": "nvidia.com/cuda.driver.major",
     "LABEL_GPU_PRESENT": "nvidia.com/gpu.present",
     "RESOURCE_GPU": "nvidia.com/gpu",
+    # NVIDIA Snapshot's restore-pod contract (api/podcontract at 0e66e97).
+    "ANNOTATION_RESTORE_CONTAINER_MAP": "nvidia.com/restore-container-map",
+    "ANNOTATION_SKIP_COMPAT_CHECK": "nvidia.com/snapshot-skip-compat-check",
+    "ANNOTATION_RESTORED_CONTAINER_IDS": "nvidia.com/restored-container-ids",
+    "POD_CONDITION_RESTORED": "nvidia.com/Restored",
 }
 
 QUALIFIED_KEY = re.compile(
