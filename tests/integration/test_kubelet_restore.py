@@ -261,7 +261,7 @@ async def test_bad_restores_are_refused_with_a_clear_message(stack: Stack, real_
             busybox,
             ["sh", "-c", f"echo {{}} > {sentinel}; exec sleep 3600"],
             True,
-            "RestoreFailed",
+            "RestoreIncompatible",
             "image differs: the checkpoint was taken from image",
         ),
     }
