@@ -5,13 +5,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 from pydantic import JsonValue
 
 from dynamo_snapshot.agent.errors import AgentError
 from dynamo_snapshot.agent.weights import gpu_memory_problem
 from dynamo_snapshot.artifact import GpuInfo
-from dynamo_snapshot.cuda import CudaError, cuda_available, gpu_memory_by_pid, list_gpus, node_gpus
+from dynamo_snapshot.cuda import (
+    CudaError,
+    cuda_available,
+    gpu_memory_by_pid,
+    list_gpus,
+    node_gpus,
+    parse_gpu_uuid,
+)
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +29,7 @@ __all__ = [
     "check_gpu_memory",
     "container_gpus",
     "gpu_memory_held_mib",
+    "gpu_models",
     "gpu_remap",
     "local_gpus",
 ]
@@ -84,6 +94,25 @@ def gpu_remap(source: GpuInfo | None, target: GpuInfo | None) -> dict[str, str]:
     if source is None or target is None or list(source.uuids) == list(target.uuids[: len(source.uuids)]):
         return {}
     return dict(zip(source.uuids, target.uuids, strict=False))
+
+
+def gpu_models(uuids: Sequence[str], nvml: Any | None = None) -> list[str] | None:
+    """The model of each GPU ``uuids`` names, as nvidia-smi reports it: NVML's device name (a manifest
+    records GPU feature discovery's gpu.product, each space made '-', which cannot be turned back). None
+    unless NVML names every one of them: no NVML, or a UUID of no whole GPU here (a MIG slice, another
+    node's). ``nvml`` replaces the pynvml module (tests)."""
+    if not uuids:
+        return None
+    try:
+        names = {parse_gpu_uuid(g.uuid): g.name for g in list_gpus(nvml)}
+        found = [names.get(parse_gpu_uuid(u)) for u in uuids]
+    except Exception as e:
+        # Past nvmlInit pynvml raises its own NVMLError types (not CudaError); a model is a note for
+        # people, never worth failing the caller over.
+        log.info("no GPU models", extra={"error": str(e)})
+        return None
+    models = [name for name in found if name]
+    return models if len(models) == len(uuids) else None
 
 
 def gpu_memory_held_mib(pids: list[int]) -> int:

@@ -9,7 +9,8 @@ at once that the agent took it up (Ready False, reason CaptureInProgress), then 
 artifact's location, digest and size, what a restore needs) or Failed with the reason; the controller
 (or NVIDIA's snapshot operator, where the CRDs are its own) mirrors it onto the PodSnapshot. The artifact
 and compatibility facts go in the content's annotations too, before Ready: an upstream CRD's schema prunes
-those status fields, and the annotations of a cluster-scoped object are out of any tenant's reach. A
+those status fields, and the annotations of a cluster-scoped object are out of any tenant's reach. Ready
+also says what the capture ran on (``status.source``: the node, the container, the GPUs), for people. A
 source pod deleted before the capture ends is not snapshotted: what the capture published is removed
 (reason SourcePodGone). After an agent restart, a content without an outcome is looked at again: an
 artifact already published for it (the earlier process died before writing the outcome) is reported
@@ -22,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Awaitable, Callable
+import os
+import platform
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from dynamo_snapshot.agent.authorize import (
@@ -33,16 +36,30 @@ from dynamo_snapshot.agent.authorize import (
 )
 from dynamo_snapshot.agent.errors import AgentError, backoff
 from dynamo_snapshot.agent.executor import Executor
+from dynamo_snapshot.agent.gpu_assignment import gpu_models
 from dynamo_snapshot.agent.runtime.base import Workload, WorkloadRuntimeError
 from dynamo_snapshot.api import conditions as cond
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.podsnapshot import (
+    CheckpointSource,
+    CheckpointSourceDevices,
+    CheckpointSourceNode,
+    CheckpointSourcePod,
+    NvidiaCheckpointSource,
+    NvidiaCheckpointSourceInstance,
     PodSnapshotArtifact,
     PodSnapshotCompatibility,
     PodSnapshotReason,
 )
-from dynamo_snapshot.api.views import Meta, ObjectView, PodSnapshotContentView, still_live
-from dynamo_snapshot.artifact import Artifact, Binding
+from dynamo_snapshot.api.views import (
+    ContainerView,
+    Meta,
+    ObjectView,
+    PodSnapshotContentView,
+    PodView,
+    still_live,
+)
+from dynamo_snapshot.artifact import Artifact, Binding, GpuInfo, Manifest
 from dynamo_snapshot.kube import (
     DELETED,
     NORMAL,
@@ -55,7 +72,14 @@ from dynamo_snapshot.kube import (
 from dynamo_snapshot.kube.kinds import CHECKPOINT, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
 from dynamo_snapshot.kube.until_written import get_or_none, write_until_done
 
-__all__ = ["CAPTURED_MESSAGE", "SnapshotCapture", "snapshot_identity_hash"]
+__all__ = [
+    "CAPTURED_MESSAGE",
+    "SnapshotCapture",
+    "capture_source",
+    "goarch",
+    "snapshot_identity_hash",
+    "source_node",
+]
 
 log = logging.getLogger(__name__)
 CAPTURED_MESSAGE = "Checkpoint captured and verified"
@@ -67,6 +91,76 @@ def snapshot_identity_hash(snapshot_uid: str) -> str:
     """The identity hash a PodSnapshot's artifact is sealed with. A PodSnapshot captures a pod, not a Dynamo
     identity: the hash names the PodSnapshot (the first 16 hex digits of its UID's SHA-256)."""
     return hashlib.sha256(snapshot_uid.encode()).hexdigest()[:16]
+
+
+# platform.machine() (the kernel's name for the CPU) -> GOARCH, the spelling status.source uses.
+_GOARCH = {
+    "x86_64": "amd64",
+    "amd64": "amd64",
+    "aarch64": "arm64",
+    "arm64": "arm64",
+    "ppc64le": "ppc64le",
+    "s390x": "s390x",
+    "riscv64": "riscv64",
+}
+
+
+def goarch(machine: str) -> str | None:
+    """GOARCH's name for ``platform.machine()``; None for a machine it is not known to name."""
+    return _GOARCH.get(machine.lower())
+
+
+def source_node(node_name: str, machine: str, release: str) -> CheckpointSourceNode:
+    """The node part of ``status.source``: the agent's node, its CPU architecture and kernel release (a
+    container shares the node's kernel, so the agent's own uname is the node's)."""
+    return CheckpointSourceNode(
+        name=node_name or None, architecture=goarch(machine), kernel_version=release or None
+    )
+
+
+def capture_source(
+    node: CheckpointSourceNode,
+    pod: Obj,
+    container: str,
+    manifest: Manifest,
+    models: Sequence[str] | None,
+) -> CheckpointSource:
+    """``status.source`` of a capture of ``container`` of ``pod``: what ran it, as far as it is known.
+    ``models``: nvidia-smi's model of each of the manifest's GPUs; None where unknown."""
+    return CheckpointSource(
+        node=node,
+        pod=_source_pod(pod, container, manifest),
+        devices=_source_devices(manifest.gpus, models),
+    )
+
+
+def _source_pod(pod: Obj, container: str, manifest: Manifest) -> CheckpointSourcePod | None:
+    found = PodView(pod).container(container) or ContainerView(None, None)
+    recorded = manifest.extra.get("image")
+    # The kubelet's imageID of the container; the manifest holds the same value as the capture read it,
+    # for a status that no longer reports it.
+    digest = found.image_id or (recorded if isinstance(recorded, str) else "")
+    values = (found.image, digest, found.limit("memory"), found.limit("cpu"))
+    if not any(values):
+        return None
+    image, image_digest, memory, cpu = (value or None for value in values)
+    return CheckpointSourcePod(image=image, image_digest=image_digest, memory=memory, cpu=cpu)
+
+
+def _source_devices(gpus: GpuInfo | None, models: Sequence[str] | None) -> CheckpointSourceDevices | None:
+    if gpus is None:
+        return None
+    # One entry per GPU even where its model is unknown: the list's length is the count.
+    names: Sequence[str | None] = (
+        models if models is not None and len(models) == gpus.count else [None] * gpus.count
+    )
+    return CheckpointSourceDevices(
+        nvidia=NvidiaCheckpointSource(
+            # The full version only: the manifest's driver major is no version to report.
+            driver_version=gpus.driver_version or None,
+            instances=[NvidiaCheckpointSourceInstance(product_name=name) for name in names],
+        )
+    )
 
 
 def _identity_hash(grant: CaptureGrant) -> str:
@@ -93,6 +187,9 @@ class SnapshotCapture:
         self.node_name = node_name
         self.ensure_running = ensure_running
         self.ready_timeout = ready_timeout
+        self.this_node = source_node(node_name, platform.machine(), os.uname().release)
+        # nvidia-smi's model of each GPU UUID; replaced in tests.
+        self.gpu_models: Callable[[Sequence[str]], list[str] | None] = gpu_models
         self.contents = Informer(
             kube, POD_SNAPSHOT_CONTENT, label_selector=f"{protocol.LABEL_SNAPSHOT_NODE}={node_name}"
         )
@@ -123,7 +220,7 @@ class SnapshotCapture:
         published = await asyncio.to_thread(self.executor.published, binding.key)
         if published is not None:
             # An earlier agent process published it and died before saying so.
-            await self._ready(content, published, binding)
+            await self._ready(content, published, binding, pod)
             return
         await self._taken_up(content, binding)
         try:
@@ -144,7 +241,7 @@ class SnapshotCapture:
                 content, PodSnapshotReason.CHECKPOINT_FAILED, "the published artifact is unreadable"
             )
             return
-        await self._ready(content, artifact, binding)
+        await self._ready(content, artifact, binding, pod)
 
     async def _grant(self, content: Obj) -> tuple[CaptureGrant, Obj]:
         view = PodSnapshotContentView(content)
@@ -198,7 +295,7 @@ class SnapshotCapture:
         )
         await self._write(content, {"conditions": conditions})
 
-    async def _ready(self, content: Obj, artifact: Artifact, binding: Binding) -> None:
+    async def _ready(self, content: Obj, artifact: Artifact, binding: Binding, pod: Obj) -> None:
         manifest = artifact.manifest
         gpus = manifest.gpus
         facts = PodSnapshotArtifact(
@@ -231,9 +328,24 @@ class SnapshotCapture:
             "conditions": _conditions(content, True, PodSnapshotReason.CAPTURED, CAPTURED_MESSAGE),
             "artifact": facts.model_dump(mode="json", by_alias=True),
             "compatibility": compatibility.model_dump(mode="json", by_alias=True),
+            # Not in the annotations: nothing reads it back (restores check the manifest, which holds
+            # these facts), so a CRD that prunes it loses a note for people, not a restore.
+            "source": (await self._source(content, pod, manifest)).model_dump(
+                mode="json", by_alias=True, exclude_none=True
+            ),
         }
         await self._write(content, status)
         log.info("pod snapshot captured", extra={"content": name, "key": binding.key})
+
+    async def _source(self, content: Obj, pod: Obj, manifest: Manifest) -> CheckpointSource:
+        latest = self.pods.get(f"{Meta(pod).namespace}/{Meta(pod).name}")
+        # The cache's copy where it is still that pod: the one from the grant may predate the container.
+        current = latest if latest is not None and still_live(latest, pod) else pod
+        containers = PodSnapshotContentView(content).source.containers
+        uuids = manifest.gpus.uuids if manifest.gpus else []
+        models = await asyncio.to_thread(self.gpu_models, uuids) if uuids else None
+        container = containers[0] if containers else ""
+        return capture_source(self.this_node, current, container, manifest, models)
 
     async def _fail(self, content: Obj, reason: str, message: str) -> None:
         await self._write(content, {"conditions": _conditions(content, False, reason, message)})

@@ -7,7 +7,8 @@ and, once it is Ready, what was captured. Field for field as ai-dynamo/snapshot'
 unchanged. Status fields beyond upstream's (the artifact and what a node needs to restore it) are
 additive: an upstream reader ignores them. Where the CRD is upstream's, the apiserver prunes them: the
 node agent writes the same facts in annotations of the content too (``content_artifact`` and
-``content_compatibility`` read either).
+``content_compatibility`` read either). ``status.source`` (CheckpointSource) is upstream's own: what the
+capture ran on, for people choosing a restore target; nothing reads it back.
 """
 
 from __future__ import annotations
@@ -37,7 +38,13 @@ __all__ = [
     "CONTAINER_NAME_PATTERN",
     "CONTENT_NAME_PREFIX",
     "SPEC_IMMUTABLE_MESSAGE",
+    "CheckpointSource",
+    "CheckpointSourceDevices",
+    "CheckpointSourceNode",
+    "CheckpointSourcePod",
     "ContainerName",
+    "NvidiaCheckpointSource",
+    "NvidiaCheckpointSourceInstance",
     "PodReference",
     "PodSnapshot",
     "PodSnapshotArtifact",
@@ -204,12 +211,67 @@ class PodSnapshotCompatibility(KubeModel):
     )
 
 
+class CheckpointSourceNode(KubeModel):
+    """The node the checkpoint was captured on."""
+
+    name: str | None = Field(default=None, description="Node the source pod ran on.")
+    architecture: str | None = Field(
+        default=None, description="The node's CPU architecture as GOARCH spells it (amd64, arm64, ...)."
+    )
+    kernel_version: str | None = Field(default=None, description="The node's kernel release.")
+
+
+class CheckpointSourcePod(KubeModel):
+    """The container the checkpoint was captured from, and the limits it ran under."""
+
+    image: str | None = Field(default=None, description="Container image reference the capture ran.")
+    image_digest: str | None = Field(
+        default=None, description="Which build of the image ran, which a mutable tag does not say."
+    )
+    memory: str | None = Field(default=None, description="The container's memory limit; absent without one.")
+    cpu: str | None = Field(default=None, description="The container's CPU limit; absent without one.")
+
+
+class NvidiaCheckpointSourceInstance(KubeModel):
+    """One GPU the captured container could see."""
+
+    product_name: str | None = Field(default=None, description="GPU model as nvidia-smi reports it.")
+
+
+class NvidiaCheckpointSource(KubeModel):
+    """The NVIDIA GPUs the capture saw."""
+
+    driver_version: str | None = Field(default=None, description="NVIDIA driver the capture ran against.")
+    instances: list[NvidiaCheckpointSourceInstance] | None = Field(
+        default=None, description="One entry per GPU the captured container could see."
+    )
+
+
+# One field per vendor, so several can be there at once; a vendor not named here is kept (KubeModel's
+# schema preserves unknown fields), so a newer writer's values survive this CRD.
+class CheckpointSourceDevices(KubeModel):
+    """The devices the capture could see, by vendor."""
+
+    nvidia: NvidiaCheckpointSource | None = None
+
+
+# Restores never read it: their gates compare the artifact's manifest. A value the agent could not read
+# is absent, not empty.
+class CheckpointSource(KubeModel):
+    """What the checkpoint was captured on, written with Ready; informational only."""
+
+    node: CheckpointSourceNode | None = None
+    pod: CheckpointSourcePod | None = None
+    devices: CheckpointSourceDevices | None = None
+
+
 class PodSnapshotContentStatus(KubeModel):
     conditions: list[Condition] | None = Field(
         default=None, description="Ready (captured and verified) and Failed.", json_schema_extra=_CONDITIONS
     )
     artifact: PodSnapshotArtifact | None = None
     compatibility: PodSnapshotCompatibility | None = None
+    source: CheckpointSource | None = None
 
 
 class PodSnapshotContent(CustomResource):

@@ -18,6 +18,7 @@ from dynamo_snapshot.api.restore_request import restore_from
 __all__ = [
     "CheckpointView",
     "ContainerRef",
+    "ContainerView",
     "Meta",
     "NodeView",
     "ObjectView",
@@ -216,6 +217,13 @@ class PodView(ObjectView):
         """The main container's status (``main_container``'s rule)."""
         return _main(self.container_statuses)
 
+    def container(self, name: str) -> ContainerView | None:
+        """The container called ``name``, with the kubelet's status of it; None where the spec has none."""
+        spec = next((c for c in self.containers if c.get("name") == name), None)
+        if spec is None:
+            return None
+        return ContainerView(spec, next((s for s in self.container_statuses if s.get("name") == name), None))
+
     @property
     def restore_from(self) -> str | None:
         """``nvidia.com/restore-from`` as written (``api.restore_request``); None when not there."""
@@ -225,6 +233,35 @@ class PodView(ObjectView):
     def container_map(self) -> str | None:
         value = self.meta.annotations.get(protocol.ANNOTATION_RESTORE_CONTAINER_MAP)
         return None if value is None else str(value)
+
+
+class ContainerView:
+    """One container of a pod: its spec, and the kubelet's status of it (empty before it reports one)."""
+
+    def __init__(self, spec: object, status: object) -> None:
+        self.spec = _map(spec)
+        self.status = _map(status)
+
+    @property
+    def name(self) -> str:
+        return _str(self.spec.get("name"))
+
+    @property
+    def image(self) -> str:
+        """The image reference the spec names (a tag may name another build tomorrow)."""
+        return _str(self.spec.get("image"))
+
+    @property
+    def image_id(self) -> str:
+        """The image the container runs as the kubelet reports it: by digest where the runtime gives one."""
+        return _str(self.status.get("imageID"))
+
+    def limit(self, resource: str) -> str:
+        """``resources.limits[resource]`` as a quantity string; empty without that limit."""
+        value = _map(_map(self.spec.get("resources")).get("limits")).get(resource)
+        # The apiserver returns quantities as strings; a hand-made object may hold a whole number.
+        number = _int(value)
+        return str(number) if number is not None else _str(value)
 
 
 class ContainerRef:

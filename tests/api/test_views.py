@@ -92,6 +92,38 @@ def test_the_main_container_is_main_else_the_first() -> None:
     assert PodView({}).main_container is None
 
 
+def test_a_container_by_name_with_its_status() -> None:
+    raw = {
+        "spec": {
+            "containers": [
+                {"name": "side", "image": "busybox"},
+                {
+                    "name": "main",
+                    "image": "nvcr.io/nvidia/ai-dynamo/vllm-runtime:0.9",
+                    "resources": {"limits": {"memory": "64Gi", "cpu": 8, "nvidia.com/gpu": "1"}},
+                },
+            ]
+        },
+        "status": {"containerStatuses": [{"name": "main", "imageID": "nvcr.io/x@sha256:ab"}]},
+    }
+    main = PodView(raw).container("main")
+    assert main is not None
+    assert (main.name, main.image, main.image_id) == (
+        "main",
+        "nvcr.io/nvidia/ai-dynamo/vllm-runtime:0.9",
+        "nvcr.io/x@sha256:ab",
+    )
+    assert (main.limit("memory"), main.limit("cpu"), main.limit("ephemeral-storage")) == ("64Gi", "8", "")
+    side = PodView(raw).container("side")
+    assert side is not None
+    assert (side.image, side.image_id, side.limit("memory")) == ("busybox", "", "")  # no status yet
+    assert PodView(raw).container("other") is None
+    odd = {"spec": {"containers": [{"name": "main", "image": 3, "resources": {"limits": {"cpu": True}}}]}}
+    found = PodView(odd).container("main")
+    assert found is not None
+    assert (found.image, found.limit("cpu")) == ("", "")
+
+
 def test_conditions_and_generation() -> None:
     raw = {"metadata": {"generation": 3}, "status": {"conditions": [{"type": "Ready"}, "junk"]}}
     view = PodSnapshotView(raw)
