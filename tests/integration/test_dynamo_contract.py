@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import subprocess
 import sys
 import urllib.error
@@ -39,6 +40,8 @@ from tests.helpers.kubelet_stack import Stack, eventually, pods
 pytestmark = [pytest.mark.cluster, pytest.mark.kubelet]
 
 GRAPH, SERVICE, MODEL = "dyn", "MockerWorker", "tiny-mocker"
+SYSTEM_PORT = 9090
+_WORKER_ID = re.compile(r'dynamo_endpoint="generate"[^}]*worker_id="([0-9a-f]*)"')
 EXAMPLES = MOCKER_WORKER.parent
 
 
@@ -85,6 +88,8 @@ def _worker_spec(node: RealNode, site: Path, model: Path, kv: Path) -> Obj:
         "HF_HUB_OFFLINE": "1",
         "DYN_DISCOVERY_BACKEND": "file",
         "DYN_FILE_KV": str(kv),
+        # Dynamo's system server: the worker's own metrics, labelled with its worker_id.
+        "DYN_SYSTEM_PORT": str(SYSTEM_PORT),
     }
     return {
         "nodeSelector": {"kubernetes.io/hostname": node.name},
@@ -109,13 +114,29 @@ def _worker_spec(node: RealNode, site: Path, model: Path, kv: Path) -> Obj:
 
 def _registered(kv: Path) -> list[str]:
     """The addresses of the workers registered for the generate endpoint (Dynamo's file discovery)."""
+    return sorted(ip for ip, _ in _registrations(kv))
+
+
+def _registrations(kv: Path) -> list[tuple[str, str]]:
+    """(address, worker_id) of each registration of the generate endpoint; the worker_id as Dynamo's
+    metrics label it (the instance_id in hex, also the path of its transport address)."""
     found = []
     for entry in (kv / "v1" / "instances").glob("*"):
-        if "generate" not in urllib.parse.unquote(entry.name):
-            continue
         with contextlib.suppress(OSError, ValueError, KeyError):
-            found.append(str(json.loads(entry.read_text())["transport"]["tcp"]).split(":")[0])
-    return sorted(found)
+            doc = json.loads(entry.read_text())
+            if doc.get("endpoint") != "generate":
+                continue
+            address, _, path = str(doc["transport"]["tcp"]).partition("/")
+            worker_id = format(int(doc["instance_id"]), "x")
+            assert path.split("/")[0] == worker_id, doc
+            found.append((address.split(":")[0], worker_id))
+    return found
+
+
+def _metrics_worker_ids(ip: str) -> set[str]:
+    """The worker_id labels of the generate endpoint's series in the metrics of the worker at ``ip``."""
+    with urllib.request.urlopen(f"http://{ip}:{SYSTEM_PORT}/metrics", timeout=5) as resp:
+        return set(_WORKER_ID.findall(resp.read().decode()))
 
 
 def _complete(url: str) -> dict[str, Any]:
@@ -225,6 +246,15 @@ async def test_dynamo_workers_checkpoint_and_restore_through_dynamos_own_lifecyc
 
     registered = await eventually(all_registered, 120, "the restored workers to register")
     assert sorted(registered) == sorted([cold_ip, *ips])
+    # Each worker reports itself, not the checkpoint's source: one registration per pod, each with a
+    # worker_id of its own, the same one its metrics are labelled with (a restored worker that kept its
+    # source's identity, or lost it, would freeze Dynamo's planner).
+    ids = dict(_registrations(kv))
+    assert len(set(ids.values())) == 3, ids
+    assert all(ids.values()), ids
+    for ip, worker_id in ids.items():
+        labelled = await asyncio.to_thread(_metrics_worker_ids, ip)
+        assert labelled == {worker_id}, (ip, worker_id, labelled)
     for pod in restore_pods:
         # Dynamo's standby wrote the restore context; the restored worker read it (its own pod's name).
         assert s.runtime is not None
