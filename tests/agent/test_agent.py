@@ -479,8 +479,11 @@ async def test_incompatible_gpu_is_refused_naming_both(
     message = ann[protocol.per_container(protocol.ANNOTATION_RESTORE_MESSAGE, "main")]
     assert "NVIDIA-H200" in message
     assert "NVIDIA-A100-SXM4-80GB" in message
-    restored = await _restored_condition(kube, namespace, "restored")
-    assert (restored["status"], restored["reason"]) == ("False", "RestoreIncompatible")
+    # The condition follows the annotation.
+    restored = await eventually(
+        lambda: _restored_condition(kube, namespace, "restored", "RestoreIncompatible"), within=30
+    )
+    assert restored["status"] == "False"
     assert (
         "NVIDIA-A100-SXM4-80GB"
         in (await _event(kube, namespace, "RestoreIncompatible", "restored"))["message"]
@@ -490,22 +493,29 @@ async def test_incompatible_gpu_is_refused_naming_both(
     skip = protocol.ANNOTATION_SKIP_COMPAT_CHECK
     await kube.merge_patch(POD, "restored", {"metadata": {"annotations": {skip: "yes"}}}, namespace)
     await asyncio.sleep(2)
-    assert (await _restored_condition(kube, namespace, "restored"))["reason"] == "RestoreIncompatible"
+    assert await _restored_condition(kube, namespace, "restored", "RestoreIncompatible")
     # "true" reopens the refused restore in place: the same pod, restored on the A100 node anyway.
     await kube.merge_patch(POD, "restored", {"metadata": {"annotations": {skip: "true"}}}, namespace)
     await eventually(
         lambda: _status(kube, namespace, "restored", protocol.ANNOTATION_RESTORE_STATUS, "completed"),
         within=60,
     )
-    assert (await _restored_condition(kube, namespace, "restored"))["status"] == "True"
+    restored = await eventually(
+        lambda: _restored_condition(kube, namespace, "restored", "RestoreSucceeded"), within=30
+    )
+    assert restored["status"] == "True"
     await _event(kube, namespace, "RestoreCompatibilityCheckSkipped", "restored")
 
 
-async def _restored_condition(kube: Kube, ns: str, name: str) -> dict[str, Any]:
+async def _restored_condition(
+    kube: Kube, ns: str, name: str, reason: str | None = None
+) -> dict[str, Any] | None:
+    """The pod's nvidia.com/Restored condition; with ``reason``, None until it has that reason."""
     pod = await kube.get(POD, name, ns)
-    return next(
+    found: dict[str, Any] = next(
         c for c in pod["status"].get("conditions") or [] if c["type"] == protocol.POD_CONDITION_RESTORED
     )
+    return found if reason is None or found.get("reason") == reason else None
 
 
 async def test_agent_killed_mid_dump_publishes_nothing_and_the_next_one_captures_again(
