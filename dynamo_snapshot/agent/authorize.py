@@ -217,13 +217,6 @@ def content_grant(
             PodSnapshotReason.INVALID_TARGET_CONTAINER,
             f"source pod {namespace}/{pod_name} has no container {containers!r}",
         )
-    if containers[0] != protocol.DEFAULT_TARGET_CONTAINER:
-        # The agent captures and restores the container called main (what Dynamo's workers run in).
-        raise ContentRefused(
-            PodSnapshotReason.INVALID_TARGET_CONTAINER,
-            f"container {containers[0]!r}: this agent captures only the container called "
-            f"{protocol.DEFAULT_TARGET_CONTAINER!r}",
-        )
     binding = Binding(
         namespace=namespace,
         checkpoint_name=name,
@@ -373,17 +366,36 @@ def _snapshot_grant(
             f"the content of PodSnapshot {name!r} records no artifact digest (status.artifact, "
             f"else annotation {protocol.ANNOTATION_CONTENT_ARTIFACT})"
         )
+    check_destination(pod, (snapshot.source.containers or [protocol.DEFAULT_TARGET_CONTAINER])[0])
+    return artifact_key(pod.meta.namespace, snapshot.meta.uid), digest
+
+
+def check_destination(pod: PodView, captured: str) -> None:
+    """Refuse a restore of container ``captured`` into a pod that does not name where it goes: the
+    destination is restore-container-map's (whose source must be ``captured``), else the container of
+    the captured name; the pod must have it, and it must be the container the agent restores into (the
+    pod's main container: the webhook names it in snapshot-target-containers)."""
     mapping = pod.container_map
-    main = protocol.DEFAULT_TARGET_CONTAINER
+    dest = captured
     if mapping is not None:
         try:
-            mapped = container_map(mapping)
+            source, dest = container_map(mapping)
         except ValueError as e:
             raise Refused(str(e)) from None
-        captured = (snapshot.source.containers or [main])[0]
-        if mapped != (captured, main):
+        if source != captured:
             raise Refused(
-                f"{protocol.ANNOTATION_RESTORE_CONTAINER_MAP}={mapping!r}: this agent restores the captured "
-                f"container into the container called {main!r} only (write {captured}={main})"
+                f"{protocol.ANNOTATION_RESTORE_CONTAINER_MAP}={mapping!r}: the snapshot captured container "
+                f"{captured!r}, not {source!r} (write {captured}={dest})"
             )
-    return artifact_key(pod.meta.namespace, snapshot.meta.uid), digest
+    if dest not in pod.container_names:
+        raise Refused(
+            f"the pod has no container {dest!r} to restore container {captured!r} into (it has "
+            f"{', '.join(pod.container_names) or 'none'}): name one with "
+            f"{protocol.ANNOTATION_RESTORE_CONTAINER_MAP}: {captured}=<container>"
+        )
+    if pod.main_name != dest:
+        raise Refused(
+            f"the restore goes into container {dest!r}, but the pod names {pod.main_name!r} as its target: "
+            f"set {protocol.ANNOTATION_TARGET_CONTAINERS}: {dest}, or map it with "
+            f"{protocol.ANNOTATION_RESTORE_CONTAINER_MAP}: {captured}={pod.main_name}"
+        )

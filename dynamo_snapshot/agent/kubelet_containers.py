@@ -8,11 +8,11 @@ import asyncio
 from dynamo_snapshot.agent.authorize import Refused
 from dynamo_snapshot.agent.errors import AgentError
 from dynamo_snapshot.agent.pod_container import RunningContainer, ended, running_container
-from dynamo_snapshot.agent.pod_spec import MAIN, workload_key
+from dynamo_snapshot.agent.pod_spec import workload_key
 from dynamo_snapshot.agent.runtime.base import Workload
 from dynamo_snapshot.agent.runtime.containerd import ContainerdRuntime
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.api.views import still_live
+from dynamo_snapshot.api.views import PodView, still_live
 from dynamo_snapshot.kube import Informer, Obj, object_key
 
 __all__ = ["KubeletContainers"]
@@ -26,26 +26,30 @@ class KubeletContainers:
         self.runtime = runtime
         self.pods = pods
 
-    async def running(self, pod: Obj, within: float, spent: str | None = None) -> RunningContainer:
-        """The pod's main container once the kubelet runs it (read from the watch cache); not ``spent``."""
+    async def running(
+        self, pod: Obj, within: float, spent: str | None = None, container: str | None = None
+    ) -> RunningContainer:
+        """The pod's main container (or ``container``) once the kubelet runs it (read from the watch
+        cache); not ``spent``."""
+        name = container or PodView(pod).main_name
         deadline = asyncio.get_running_loop().time() + within
         while True:
             latest = self.pods.get(object_key(pod)) or pod
             if not still_live(latest, pod):
                 raise AgentError("the pod is being deleted")
-            running = running_container(latest)
+            running = running_container(latest, container)
             if running is not None and running.container_id != spent:
                 return running
-            why = ended(latest)
+            why = ended(latest, container)
             if why is not None and spent is None:
                 raise AgentError(why)
             if asyncio.get_running_loop().time() > deadline:
-                raise AgentError(f"container {MAIN} did not start within {within:.0f}s")
+                raise AgentError(f"container {name} did not start within {within:.0f}s")
             await asyncio.sleep(0.1)
 
-    async def attach(self, pod: Obj, within: float) -> Workload:
-        """The pod's main container, attached once the kubelet runs it."""
-        running = await self.running(pod, within)
+    async def attach(self, pod: Obj, within: float, container: str | None = None) -> Workload:
+        """The pod's main container (or ``container``), attached once the kubelet runs it."""
+        running = await self.running(pod, within, container=container)
         return await self.runtime.attach(workload_key(pod), running.container_id, image_id=running.image_id)
 
     async def attach_restore_target(
@@ -54,13 +58,14 @@ class KubeletContainers:
         """The restore pod's main container (not the ``spent`` one), once its placeholder says it waits in
         standby."""
         key = workload_key(pod)
+        name = PodView(pod).main_name
         containers = self.runtime
         running = await self.running(pod, start_within, spent)
         workload = await containers.attach(key, running.container_id, image_id=running.image_id)
         env = containers.container_env(key)
         if not any(env.get(name) == "1" for name in protocol.ENV_RESTORE_STANDBYS):
             raise Refused(
-                f"container {MAIN} is not in standby: it runs without {protocol.ENV_RESTORE_STANDBY}=1, so "
+                f"container {name} is not in standby: it runs without {protocol.ENV_RESTORE_STANDBY}=1, so "
                 "its image's entrypoint may have cold-started the worker (the controller sets it on the "
                 "restore pods it makes)"
             )
@@ -68,13 +73,13 @@ class KubeletContainers:
         while not containers.standby(key):
             if asyncio.get_running_loop().time() > deadline:
                 raise Refused(
-                    f"container {MAIN} is not in standby: no {protocol.FILE_RESTORE_STANDBY} or "
+                    f"container {name} is not in standby: no {protocol.FILE_RESTORE_STANDBY} or "
                     f"{protocol.FILE_RESTORE_CONTEXT} in its control dir after "
                     f"{standby_within:.0f}s (its entrypoint must wait for the restore when "
                     f"{protocol.ENV_RESTORE_STANDBY}=1: dynamo_snapshot.workload.run_standby, or Dynamo's "
                     "maybe_run_restore_standby_mode)"
                 )
             if ended(self.pods.get(object_key(pod)) or pod) is not None:
-                raise AgentError(f"container {MAIN} exited before the restore")
+                raise AgentError(f"container {name} exited before the restore")
             await asyncio.sleep(0.05)
         return workload

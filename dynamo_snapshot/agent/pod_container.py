@@ -6,11 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.views import PodView
 
 Obj = dict[str, Any]
-MAIN = protocol.DEFAULT_TARGET_CONTAINER
 
 
 @dataclass(frozen=True)
@@ -20,13 +18,14 @@ class RunningContainer:
     restart_count: int
 
 
-def main_status(pod: Obj) -> Obj | None:
-    """The status of the pod's main container: the one named "main", else the first."""
-    return PodView(pod).main_status
+def main_status(pod: Obj, container: str | None = None) -> Obj | None:
+    """The status of ``container``, else of the pod's main container (``PodView.main_status``)."""
+    view = PodView(pod)
+    return view.main_status if container is None else view.status_of(container)
 
 
-def running_container(pod: Obj) -> RunningContainer | None:
-    status = main_status(pod)
+def running_container(pod: Obj, container: str | None = None) -> RunningContainer | None:
+    status = main_status(pod, container)
     if status is None or "running" not in (status.get("state") or {}) or not status.get("containerID"):
         return None
     return RunningContainer(
@@ -34,13 +33,15 @@ def running_container(pod: Obj) -> RunningContainer | None:
     )
 
 
-def ended(pod: Obj) -> str | None:
-    """Why the main container is not running any more (None while it waits to start or runs)."""
-    status = main_status(pod)
+def ended(pod: Obj, container: str | None = None) -> str | None:
+    """Why the main container (or ``container``) is not running any more (None while it waits to start
+    or runs)."""
+    status = main_status(pod, container)
     terminated = ((status or {}).get("state") or {}).get("terminated")
     if not terminated:
         return None
     return (
-        f"container {status.get('name') if status else MAIN} exited with code {terminated.get('exitCode')}"
+        f"container {status.get('name') if status else container} exited with code "
+        f"{terminated.get('exitCode')}"
         f" ({terminated.get('reason') or 'no reason given'})"
     )

@@ -13,10 +13,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 from dynamo_snapshot.agent.errors import backoff
-from dynamo_snapshot.agent.pod_spec import MAIN, workload_key
+from dynamo_snapshot.agent.pod_spec import per_target, workload_key
 from dynamo_snapshot.agent.runtime.base import Workload
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.api.views import Meta, ObjectView
+from dynamo_snapshot.api.views import Meta, ObjectView, PodView
 from dynamo_snapshot.kube import (
     NORMAL,
     POD,
@@ -42,13 +42,14 @@ def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def restored_container_ids(workload: Workload) -> dict[str, str]:
+def restored_container_ids(pod: Obj, workload: Workload) -> dict[str, str]:
     """The restored-container-ids annotation of a restore into ``workload``: the container the agent
     restored into, by name, as the restore-pod contract has consumers find it; none for a restore as a
     process (no container)."""
     if not workload.container_id:
         return {}
-    return {protocol.ANNOTATION_RESTORED_CONTAINER_IDS: json.dumps({MAIN: workload.container_id})}
+    ids = {PodView(pod).main_name: workload.container_id}
+    return {protocol.ANNOTATION_RESTORED_CONTAINER_IDS: json.dumps(ids)}
 
 
 class PodReporter:
@@ -73,8 +74,8 @@ class PodReporter:
         until_written: bool = False,
     ) -> None:
         ann: dict[str, str] = {
-            protocol.per_container(status_key, MAIN): state.value,
-            protocol.per_container(message_key, MAIN): message[:_MESSAGE_MAX],
+            per_target(pod, status_key): state.value,
+            per_target(pod, message_key): message[:_MESSAGE_MAX],
             **(extra or {}),
         }
         if until_written:
@@ -169,7 +170,7 @@ class PodReporter:
         would dispatch the pod again, and with no exit on the pod yet a launched worker would be launched
         anew and a restored one reported with the wrong cause."""
         log.warning("worker gone", extra={"pod": workload_key(pod), "detail": message})
-        key = protocol.per_container(protocol.ANNOTATION_WORKLOAD_EXITED, MAIN)
+        key = per_target(pod, protocol.ANNOTATION_WORKLOAD_EXITED)
         await self.annotate_until_written(pod, {key: message}, "workload exit")
 
     async def refuse(self, pod: Obj, message: str) -> None:

@@ -13,6 +13,7 @@ __all__ = [
     "MAIN",
     "annotation",
     "declares_control_dir",
+    "per_target",
     "pod_env",
     "restore_attempts",
     "status",
@@ -29,9 +30,14 @@ def workload_key(pod: Obj) -> str:
     return f"{meta.namespace}_{meta.name}_{meta.uid[:8]}"
 
 
+def per_target(pod: Obj, key: str) -> str:
+    """The name of annotation ``key`` of the pod's main container (the one checkpointed or restored)."""
+    return protocol.per_container(key, PodView(pod).main_name)
+
+
 def annotation(pod: Obj, key: str) -> str | None:
     """The main container's annotation ``key``."""
-    return Meta(pod).annotations.get(protocol.per_container(key, MAIN))
+    return Meta(pod).annotations.get(per_target(pod, key))
 
 
 def restore_attempts(pod: Obj) -> int:
@@ -55,10 +61,15 @@ def status(pod: Obj, key: str) -> Status | None:
         return Status.FAILED
 
 
-def _main_container(pod: Obj) -> Obj:
-    main = PodView(pod).main_container
+def _main_container(pod: Obj, container: str | None = None) -> Obj:
+    view = PodView(pod)
+    if container is None:
+        main = view.main_container
+    else:
+        named = view.container(container)
+        main = None if named is None else named.spec
     if main is None:
-        raise AgentError("pod has no containers")
+        raise AgentError(f"pod has no container {container or view.main_name}")
     return dict(main)
 
 
@@ -72,27 +83,29 @@ def declares_control_dir(pod: Obj) -> bool:
     return any(e.get("name") in protocol.ENV_CONTROL_DIRS for e in main.get("env") or [])
 
 
-def pod_env(pod: Obj) -> dict[str, str]:
-    """The main container's environment as far as the pod spec says it (literal values), with the pod's
-    identity: what a worker the agent launches gets, and a restore's env where no kubelet resolved one."""
-    main = _main_container(pod)
+def pod_env(pod: Obj, container: str | None = None) -> dict[str, str]:
+    """The main container's (or ``container``'s) environment as far as the pod spec says it (literal
+    values), with the pod's identity: what a worker the agent launches gets, and a restore's env where no
+    kubelet resolved one."""
+    main = _main_container(pod, container)
     env = {e["name"]: str(e.get("value", "")) for e in main.get("env") or [] if "value" in e}
     meta = Meta(pod)
     env.update(POD_NAME=meta.name, POD_NAMESPACE=meta.namespace, POD_UID=meta.uid)
     return env
 
 
-def workload_spec(pod: Obj, key: str, *, snapshot: bool) -> WorkloadSpec:
-    """The pod's main container, to launch. The caller says whether it is a checkpoint source, the only
-    launched worker told where its control dir is (a restore target is restored, never launched)."""
-    main = _main_container(pod)
+def workload_spec(pod: Obj, key: str, *, snapshot: bool, container: str | None = None) -> WorkloadSpec:
+    """The pod's main container (or ``container``), to launch. The caller says whether it is a checkpoint
+    source, the only launched worker told where its control dir is (a restore target is restored, never
+    launched)."""
+    main = _main_container(pod, container)
     command = [*(main.get("command") or []), *(main.get("args") or [])]
     if not command:
         raise AgentError("local mode needs the main container's command: images are not run here")
     return WorkloadSpec(
         key=key,
         command=[str(c) for c in command],
-        env=pod_env(pod),
+        env=pod_env(pod, container),
         workdir=main.get("workingDir"),
         snapshot=snapshot,
     )

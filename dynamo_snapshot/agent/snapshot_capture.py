@@ -177,7 +177,7 @@ class SnapshotCapture:
         pods: Informer,
         recorder: EventRecorder,
         node_name: str,
-        ensure_running: Callable[[Obj], Awaitable[Workload]],
+        ensure_running: Callable[[Obj, str], Awaitable[Workload]],
         ready_timeout: float,
     ) -> None:
         self.kube = kube
@@ -224,7 +224,8 @@ class SnapshotCapture:
             return
         await self._taken_up(content, binding)
         try:
-            workload = await self.ensure_running(pod)
+            # The container the PodSnapshot names (content_grant checked the pod has it).
+            workload = await self.ensure_running(pod, PodSnapshotContentView(content).source.containers[0])
             await self.executor.wait_ready(workload, within=self.ready_timeout)
             outcome = await self.executor.checkpoint(
                 workload, _identity_hash(grant), grant.identity, binding=binding

@@ -121,7 +121,7 @@ class NodeAgent:
             self.pods,
             self.recorder,
             self.node_name,
-            lambda pod: self._ensure_running(pod, snapshot=True),
+            lambda pod, container: self._ensure_running(pod, snapshot=True, container=container),
             self.timeouts.ready_timeout_seconds,
         )
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -247,16 +247,17 @@ class NodeAgent:
         await wait_exit(workload.pid)
         await self.reports.report_exit(pod, f"worker process {workload.pid} exited")
 
-    async def _ensure_running(self, pod: Obj, *, snapshot: bool) -> Workload:
+    async def _ensure_running(self, pod: Obj, *, snapshot: bool, container: str | None = None) -> Workload:
+        """The pod's main container (or ``container``), as the kubelet runs it or as launched here."""
         key = workload_key(pod)
         if self.kubelet is not None:
-            return await self.kubelet.attach(pod, self.timeouts.container_start_timeout_seconds)
+            return await self.kubelet.attach(pod, self.timeouts.container_start_timeout_seconds, container)
         found = await self.runtime.find(key)
         if found is not None:
             return found
         if not self.launch_workloads:
             raise AgentError(f"no running container found for {key}")
-        return await self.runtime.launch(workload_spec(pod, key, snapshot=snapshot))
+        return await self.runtime.launch(workload_spec(pod, key, snapshot=snapshot, container=container))
 
     # ------------------------------------------------------------------ restore
     async def _restore(self, pod: Obj) -> None:
@@ -321,7 +322,7 @@ class NodeAgent:
                 ),
                 protocol.ANNOTATION_RESTORE_CONTAINER_ID: outcome.workload.container_id
                 or str(outcome.workload.pid),
-                **restored_container_ids(outcome.workload),
+                **restored_container_ids(pod, outcome.workload),
             },
         )
         await self._supervise(pod, outcome.workload)

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.api.restore_request import restore_from
+from dynamo_snapshot.api.restore_request import container_map, restore_from
 
 __all__ = [
     "CheckpointView",
@@ -116,7 +116,10 @@ class Meta:
         return None
 
 
-def _main(entries: list[Obj]) -> Obj | None:
+def _main(entries: list[Obj], name: str | None = None) -> Obj | None:
+    """The entry of container ``name``; without a name, the one called main, else the first."""
+    if name is not None:
+        return next((e for e in entries if e.get("name") == name), None)
     named = (e for e in entries if e.get("name") == protocol.DEFAULT_TARGET_CONTAINER)
     return next(named, entries[0] if entries else None)
 
@@ -208,14 +211,39 @@ class PodView(ObjectView):
         return [_str(_map(c).get("name")) for c in _list(self.spec.get("containers"))]
 
     @property
+    def target_container(self) -> str | None:
+        """The container the pod itself names as the one checkpointed or restored into:
+        restore-container-map's destination, else the first of snapshot-target-containers; None where it
+        names none (``main_container``'s rule then applies)."""
+        mapping = self.container_map
+        if mapping is not None:
+            try:
+                return container_map(mapping)[1]
+            except ValueError:
+                pass
+        listed = _str(self.meta.annotations.get(protocol.ANNOTATION_TARGET_CONTAINERS))
+        first = listed.split(",")[0].strip()
+        return first or None
+
+    @property
     def main_container(self) -> Obj | None:
-        """The container a worker runs in: the one called main, else the first; None without any."""
-        return _main(self.containers)
+        """The container a worker runs in: the one ``target_container`` names, else the one called main,
+        else the first; None without any (or without the one named)."""
+        return _main(self.containers, self.target_container)
 
     @property
     def main_status(self) -> Obj | None:
         """The main container's status (``main_container``'s rule)."""
-        return _main(self.container_statuses)
+        return _main(self.container_statuses, self.target_container)
+
+    @property
+    def main_name(self) -> str:
+        """The main container's name (main where the pod has none)."""
+        return _str(_map(self.main_container).get("name")) or protocol.DEFAULT_TARGET_CONTAINER
+
+    def status_of(self, name: str) -> Obj | None:
+        """The kubelet's status of container ``name``."""
+        return _main(self.container_statuses, name)
 
     def container(self, name: str) -> ContainerView | None:
         """The container called ``name``, with the kubelet's status of it; None where the spec has none."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import pytest
@@ -103,7 +104,8 @@ def _target(owner_uid: str | None = None, name: str = "ckpt", namespace: str = "
             "labels": {protocol.LABEL_RESTORE_TARGET: "true"},
             "annotations": {protocol.ANNOTATION_RESTORE_FROM: name},
             "ownerReferences": refs if owner_uid else [],
-        }
+        },
+        "spec": {"containers": [{"name": "main"}]},
     }
 
 
@@ -322,10 +324,45 @@ def test_a_checkpoints_podsnapshot_named_directly_is_held_to_the_checkpoints_rul
         restore_grant(_target(name=direct), None, _snapshot(), _content(), replaced)
 
 
-def test_a_container_map_other_than_main_is_refused() -> None:
+def _into(containers: list[str], **annotations: str) -> Obj:
     pod = _target(name="ckpt-checkpoint")
-    pod["metadata"]["annotations"][protocol.ANNOTATION_RESTORE_CONTAINER_MAP] = "main=engine"
-    with pytest.raises(Refused, match="into the container called 'main' only"):
+    pod["metadata"]["annotations"].update(annotations)
+    pod["spec"]["containers"] = [{"name": c} for c in containers]
+    return pod
+
+
+MAP, TARGETS = protocol.ANNOTATION_RESTORE_CONTAINER_MAP, protocol.ANNOTATION_TARGET_CONTAINERS
+
+
+def test_the_captured_container_goes_into_the_one_the_map_or_its_name_says() -> None:
+    snapshot, content = _snapshot(owner_uid=None), _content()
+    for pod in (
+        _into(["sidecar", "engine"], **{MAP: "main=engine"}),
+        _into(["engine"], **{MAP: " main = engine "}),
+        # Without a map: the container of the captured name, once the pod names it its target (the
+        # webhook writes snapshot-target-containers).
+        _into(["sidecar", "main"], **{TARGETS: "main"}),
+        _into(["main", "sidecar"]),
+    ):
+        assert restore_grant(pod, None, snapshot, content).artifact_key == f"team-a/{SNAP_UID}"
+
+
+@pytest.mark.parametrize(
+    ("pod", "says"),
+    [
+        (
+            _into(["main"], **{MAP: "main=engine"}),
+            "the pod has no container 'engine' to restore container 'main'",
+        ),
+        (_into(["engine"], **{MAP: "worker=engine"}), "the snapshot captured container 'main', not 'worker'"),
+        (_into(["engine"]), "the pod has no container 'main' to restore container 'main' into"),
+        (_into(["main", "engine"], **{TARGETS: "engine"}), "the pod names 'engine' as its target"),
+        (_into(["main", "engine"], **{MAP: "main=main,main=engine"}), "names 2 pairs"),
+    ],
+    ids=["map-to-missing", "map-wrong-source", "no-captured-name", "other-target", "fan-out"],
+)
+def test_a_destination_the_pod_does_not_name_or_have_is_refused(pod: Obj, says: str) -> None:
+    with pytest.raises(Refused, match=re.escape(says)):
         restore_grant(pod, None, _snapshot(owner_uid=None), _content())
 
 
@@ -382,6 +419,21 @@ def _replaced() -> Obj:
     ckpt = _ckpt(phase="Creating")
     ckpt["metadata"]["uid"] = OTHER_UID
     return ckpt
+
+
+def test_any_one_container_of_the_source_pod_is_captured_but_only_one_it_has() -> None:
+    content = _content(digest=None)
+    pod = _source_pod()
+    pod["spec"]["containers"] = [{"name": "sidecar"}, {"name": "engine"}]
+    snapshot = _pending_snapshot(owner_uid=None)
+    for obj in (content, snapshot):
+        obj["spec"]["source"]["podRef"]["containers"] = ["engine"]
+    grant = content_grant(content, snapshot, pod, NODE)
+    assert grant.binding.source_pod_uid == POD_UID
+    for obj in (content, snapshot):
+        obj["spec"]["source"]["podRef"]["containers"] = ["main"]
+    with pytest.raises(ContentRefused, match=r"has no container \['main'\]"):
+        content_grant(content, snapshot, pod, NODE)
 
 
 @pytest.mark.parametrize(

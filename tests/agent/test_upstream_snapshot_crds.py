@@ -30,8 +30,6 @@ from tests.controller.conftest import eventually
 from tests.helpers.upstream_snapshot_crds import upstream_snapshot_crds
 
 pytestmark = [pytest.mark.cluster, pytest.mark.criu]
-STATUS = protocol.per_container(protocol.ANNOTATION_RESTORE_STATUS, "main")
-MESSAGE = protocol.per_container(protocol.ANNOTATION_RESTORE_MESSAGE, "main")
 
 
 @pytest.fixture(scope="module")
@@ -147,8 +145,11 @@ def _restore_pod(name: str, node: str, snapshot: str, container_map: str = "main
     return manifest
 
 
-async def _restore_outcome(kube: Kube, ns: str, name: str) -> tuple[str, str, Obj]:
-    """The pod's final restore status, its message and its nvidia.com/Restored condition."""
+async def _restore_outcome(kube: Kube, ns: str, name: str, container: str = "main") -> tuple[str, str, Obj]:
+    """The pod's final restore status (of ``container``), its message and its nvidia.com/Restored
+    condition."""
+    status_key = protocol.per_container(protocol.ANNOTATION_RESTORE_STATUS, container)
+    message_key = protocol.per_container(protocol.ANNOTATION_RESTORE_MESSAGE, container)
 
     async def done() -> tuple[str, str, Obj] | None:
         obj = await kube.get(POD, name, ns)
@@ -161,9 +162,9 @@ async def _restore_outcome(kube: Kube, ns: str, name: str) -> tuple[str, str, Ob
             ),
             None,
         )
-        final = ann.get(STATUS) in ("completed", "failed")
+        final = ann.get(status_key) in ("completed", "failed")
         if final and restored and restored["reason"] != protocol.RestoredReason.IN_PROGRESS:
-            return ann[STATUS], ann.get(MESSAGE, ""), restored
+            return ann[status_key], ann.get(message_key, ""), restored
         return None
 
     found: tuple[str, str, Obj] = await eventually(done, within=90)
@@ -215,6 +216,19 @@ async def test_a_capture_under_upstream_crds_keeps_the_artifact_facts_and_a_rest
     assert state == "completed", message
     assert f"restored from {snapshot['metadata']['name']}" in message
     assert (restored["status"], restored["reason"]) == ("True", protocol.RestoredReason.SUCCEEDED)
+
+    # The captured container restored into a container of another name, beside one it leaves alone.
+    into = _restore_pod("engine", node_b, snapshot["metadata"]["name"], "main=engine-0")
+    [engine] = into["spec"]["containers"]
+    engine["name"] = "engine-0"
+    engine["volumeMounts"][0]["subPath"] = "engine-0"
+    into["spec"]["containers"].insert(
+        0, {"name": "sidecar", "image": engine["image"], "command": ["sleep", "3600"]}
+    )
+    await kube.create(POD, into, namespace)
+    state, message, restored = await _restore_outcome(kube, namespace, "engine", container="engine-0")
+    assert state == "completed", message
+    assert restored["status"] == "True"
 
 
 async def _forged_podsnapshot(kube: Kube, stand_in: StandIn, ns: str, node: str, facts: str) -> str:
@@ -275,8 +289,8 @@ async def test_tenants_are_refused_what_their_namespace_does_not_grant(
         assert (await _event(kube, other_namespace, "RestoreRefused", pod_name))["message"] == message
     assert stolen["metadata"]["uid"] != content["spec"]["snapshotRef"]["uid"]
 
-    # The namespace's own restore pod, asking for another container than the captured one.
+    # The namespace's own restore pod, asking for a container it does not have.
     await kube.create(POD, _restore_pod("mapped", node_b, name, "main=engine-0"), namespace)
     state, message, _ = await _restore_outcome(kube, namespace, "mapped")
     assert state == "failed"
-    assert "restores the captured container into the container called 'main'" in message
+    assert "the pod has no container 'engine-0' to restore container 'main' into" in message

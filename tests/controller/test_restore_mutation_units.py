@@ -152,9 +152,12 @@ def test_a_pod_restoring_a_ready_podsnapshot_is_shaped_for_the_agent_and_placed_
     assert_standby(out, "main")
     assert out["metadata"]["labels"][protocol.LABEL_CHECKPOINT_ID] == "snap-a"
     assert required_terms(out) == [{"matchExpressions": EXPECTED_AFFINITY}]
-    # Nothing but the target changes: the sidecar is as it was, the annotations too.
+    # Nothing but the target changes: the sidecar is as it was; the annotations gain the target's name.
     assert container(out, "sidecar") == {"name": "sidecar", "image": "worker:1"}
-    assert out["metadata"]["annotations"] == pod()["metadata"]["annotations"]
+    assert out["metadata"]["annotations"] == {
+        **pod()["metadata"]["annotations"],
+        protocol.ANNOTATION_TARGET_CONTAINERS: "main",
+    }
 
 
 def test_shaping_twice_changes_nothing_the_second_time() -> None:
@@ -350,11 +353,6 @@ def test_a_snapshot_that_cannot_be_restored_now_is_admitted_with_a_warning_still
             "the pod has no container 'main' to restore into (it has engine)",
         ),
         (
-            pod(containers=("main", "engine"), **{protocol.ANNOTATION_RESTORE_CONTAINER_MAP: "main=engine"}),
-            READY,
-            "the node agent restores only into the container called 'main', not 'engine'",
-        ),
-        (
             pod(containers=("main",)),
             Found(snapshot=snapshot(container="worker"), content=content()),
             "no container 'worker' to restore into",
@@ -377,7 +375,6 @@ def test_a_snapshot_that_cannot_be_restored_now_is_admitted_with_a_warning_still
         "map-wrong-source",
         "map-wrong-source-ckpt",
         "no-main",
-        "no-mapped-dest",
         "no-captured",
     ],
 )
@@ -398,10 +395,23 @@ def test_a_map_to_another_container_is_still_checked_when_the_snapshot_is_missin
     assert outcome.target == "main"
     assert len(outcome.warnings) == 1
     assert_standby(out, "main")
-    refused = mutate(
-        pod(containers=("engine",), **{protocol.ANNOTATION_RESTORE_CONTAINER_MAP: "x=engine"}), NS, Found()
+    out, outcome = shaped(
+        pod(containers=("engine",), **{protocol.ANNOTATION_RESTORE_CONTAINER_MAP: "x=engine"}), Found()
     )
-    assert "restores only into the container called 'main', not 'engine'" in (refused.denied or "")
+    assert outcome.target == "engine"
+    assert_standby(out, "engine")
+
+
+def test_a_map_into_another_container_shapes_that_one_and_names_it_the_target() -> None:
+    out, outcome = shaped(
+        pod(containers=("sidecar", "engine"), **{protocol.ANNOTATION_RESTORE_CONTAINER_MAP: "main=engine"}),
+        READY,
+    )
+    assert outcome.target == "engine"
+    assert_standby(out, "engine")
+    assert out["metadata"]["annotations"][protocol.ANNOTATION_TARGET_CONTAINERS] == "engine"
+    sidecar = next(c for c in out["spec"]["containers"] if c["name"] == "sidecar")
+    assert not any(e["name"] == protocol.ENV_RESTORE_STANDBY for e in sidecar.get("env") or [])
 
 
 def test_a_pod_without_the_annotation_is_left_alone() -> None:

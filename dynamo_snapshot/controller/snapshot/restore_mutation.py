@@ -99,12 +99,6 @@ def _target(pod: Obj, found: Found) -> str:
                 f"{protocol.ANNOTATION_RESTORE_CONTAINER_MAP}={mapping!r}: the snapshot captured container "
                 f"{captured!r}, not {source!r}: write {captured}={dest}"
             )
-        if dest != protocol.DEFAULT_TARGET_CONTAINER:
-            # Refused here rather than admitted for the node agent to refuse: it restores into main only.
-            raise ValueError(
-                f"{protocol.ANNOTATION_RESTORE_CONTAINER_MAP}={mapping!r}: the node agent restores only into "
-                f"the container called {protocol.DEFAULT_TARGET_CONTAINER!r}, not {dest!r}"
-            )
         return dest
     return captured or protocol.DEFAULT_TARGET_CONTAINER
 
@@ -163,17 +157,18 @@ def _escape(key: str) -> str:
 
 
 def _json_patch(before: Obj, after: Obj) -> list[Obj]:
-    """The operations that turn ``before`` into ``after`` over the fields shaping touches: labels one key
-    at a time, containers one at a time, the other lists and the affinity whole."""
+    """The operations that turn ``before`` into ``after`` over the fields shaping touches: labels and
+    annotations one key at a time, containers one at a time, the other lists and the affinity whole."""
     ops: list[Obj] = []
-    old_labels = (before.get("metadata") or {}).get("labels")
-    new_labels = after["metadata"]["labels"]
-    if old_labels is None:
-        ops.append({"op": "add", "path": "/metadata/labels", "value": new_labels})
-    else:
-        for key, value in new_labels.items():
-            if old_labels.get(key) != value:
-                ops.append({"op": "add", "path": f"/metadata/labels/{_escape(key)}", "value": value})
+    for part in ("labels", "annotations"):
+        old_map = (before.get("metadata") or {}).get(part)
+        new_map = after["metadata"][part]
+        if old_map is None:
+            ops.append({"op": "add", "path": f"/metadata/{part}", "value": new_map})
+            continue
+        for key, value in new_map.items():
+            if old_map.get(key) != value:
+                ops.append({"op": "add", "path": f"/metadata/{part}/{_escape(key)}", "value": value})
     old_spec, new_spec = before.get("spec") or {}, after["spec"]
     pairs = zip(old_spec.get("containers") or [], new_spec["containers"], strict=True)
     for i, (old, new) in enumerate(pairs):
@@ -224,6 +219,10 @@ def mutate(pod: Obj, namespace: str, found: Found) -> Outcome:
         protocol.LABEL_RESTORE_TARGET: protocol.TRUE,
         protocol.LABEL_CHECKPOINT_ID: name,
     }
+    # The container the node agent restores into, said on the pod itself (the captured container's
+    # name is the PodSnapshot's, which the agent reads only with the grant).
+    annotations = shaped["metadata"].get("annotations") or {}
+    shaped["metadata"]["annotations"] = {**annotations, protocol.ANNOTATION_TARGET_CONTAINERS: target}
     gates = list(spec.get("readinessGates") or [])
     if not any(g.get("conditionType") == protocol.POD_CONDITION_RESTORED for g in gates):
         spec["readinessGates"] = [*gates, {"conditionType": protocol.POD_CONDITION_RESTORED}]
