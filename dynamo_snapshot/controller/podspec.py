@@ -384,7 +384,13 @@ def snapshot_job_source(sj_obj: Obj, target: str, active_deadline_seconds: int) 
     labels = snapshot_job_labels(meta.name, meta.uid)
     template = copy.deepcopy(SnapshotJobView(sj_obj).pod_template)
     template_meta = template.get("metadata") or {}
-    template["metadata"] = {**template_meta, "labels": {**(template_meta.get("labels") or {}), **labels}}
+    # The pod names its captured container itself, for the node agent's reports on it.
+    annotations = {**(template_meta.get("annotations") or {}), protocol.ANNOTATION_TARGET_CONTAINERS: target}
+    template["metadata"] = {
+        **template_meta,
+        "labels": {**(template_meta.get("labels") or {}), **labels},
+        "annotations": annotations,
+    }
     spec = template.setdefault("spec", {})
     spec["restartPolicy"] = "Never"
     add_snapshot_control(spec, target)
