@@ -8,6 +8,7 @@ with the reason, and its container is not started as a cold worker."""
 from __future__ import annotations
 
 import asyncio
+import json
 import urllib.error
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.kube import POD, Obj, ResourceKind
 from dynamo_snapshot.kube.kinds import POD_SNAPSHOT, SNAPSHOT_JOB
 from dynamo_snapshot_dev.localcluster import LocalCluster
-from dynamo_snapshot_dev.localcluster.realnode import RealNode
+from dynamo_snapshot_dev.localcluster.realnode import TEST_IMAGE, RealNode
 from tests.helpers.kubelet_stack import PORT, PROMPT, Stack, eventually, health, post, ready, snapshot_pod
 from tests.helpers.webhook import make_certs, registered_webhook
 
@@ -132,24 +133,43 @@ async def test_three_plain_pods_are_shaped_by_the_webhook_restored_and_marked_re
             await asyncio.to_thread(health, ip)
 
 
+def _sidecar() -> Obj:
+    return {
+        "name": "sidecar",
+        "image": TEST_IMAGE.name,
+        "imagePullPolicy": "Never",
+        "command": ["sleep", "3600"],
+    }
+
+
 def _snapshot_job(node: RealNode, name: str) -> Obj:
-    main = {"name": "main", "image": node.worker_image.name, "imagePullPolicy": "Never", "env": ENV}
+    """The worker in a container called worker, beside a sidecar the capture leaves alone."""
+    worker = {"name": "worker", "image": node.worker_image.name, "imagePullPolicy": "Never", "env": ENV}
     return {
         "apiVersion": "nvidia.com/v1alpha1",
         "kind": "SnapshotJob",
         "metadata": {"name": name},
         "spec": {
             "activeDeadlineSeconds": 300,
-            "podSnapshotTemplate": {"targetContainers": ["main"]},
+            "podSnapshotTemplate": {"targetContainers": ["worker"]},
             "podTemplate": {
-                "spec": {**node.pod_overrides(), "terminationGracePeriodSeconds": 1, "containers": [main]}
+                "spec": {
+                    **node.pod_overrides(),
+                    "terminationGracePeriodSeconds": 1,
+                    "containers": [_sidecar(), worker],
+                }
             },
         },
     }
 
 
 def _deployment(node: RealNode, name: str, restore_from: str, replicas: int) -> Obj:
+    """Pods whose worker container is called engine, beside a sidecar, mapped from the captured one."""
     pod = _plain_pod(node, name, restore_from)
+    [engine] = pod["spec"]["containers"]
+    engine["name"] = "engine"
+    pod["spec"]["containers"] = [_sidecar(), engine]
+    pod["metadata"]["annotations"][protocol.ANNOTATION_RESTORE_CONTAINER_MAP] = "worker=engine"
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -170,7 +190,9 @@ async def test_a_snapshot_job_captures_its_pod_and_a_deployment_restores_from_it
 ) -> None:
     """The examples/plain-vllm flow in miniature: a SnapshotJob runs the worker on the kubelet node until it
     is ready, the node's agent captures it, the job Completes and its pod goes; a Deployment whose pods say
-    only restore-from gets every replica restored."""
+    only restore-from (and where the captured container goes) gets every replica restored. Neither
+    container is called main: the capture takes the one the SnapshotJob names, the restore goes into the
+    one the map names, and the sidecars beside them are left as they run."""
     s = stack
     s.start_agent()
     await s.kube.create(SNAPSHOT_JOB, _snapshot_job(real_node, "job-snap"), s.namespace)
@@ -211,3 +233,9 @@ async def test_a_snapshot_job_captures_its_pod_and_a_deployment_restores_from_it
     for pod in done:
         answer = await asyncio.to_thread(post, pod["status"]["podIP"], "/generate", PROMPT)
         assert answer["pod"] == pod["metadata"]["name"]
+        statuses = {c["name"]: c for c in pod["status"]["containerStatuses"]}
+        ids = json.loads(pod["metadata"]["annotations"][protocol.ANNOTATION_RESTORED_CONTAINER_IDS])
+        assert ids == {"engine": statuses["engine"]["containerID"].split("://", 1)[-1]}, (ids, statuses)
+        assert pod["metadata"]["annotations"][protocol.ANNOTATION_TARGET_CONTAINERS] == "engine"
+        assert statuses["sidecar"]["restartCount"] == 0
+        assert "running" in statuses["sidecar"]["state"]
