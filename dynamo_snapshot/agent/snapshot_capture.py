@@ -325,15 +325,27 @@ class SnapshotCapture:
                 POD_SNAPSHOT_CONTENT, name, {"metadata": {"annotations": annotations}}
             ),
         )
+        # A write of its own, not in the annotations: nothing reads it back (restores check the manifest,
+        # which holds these facts), so a CRD that prunes it loses a note for people, and one that refuses
+        # it (an older NVIDIA schema, another shape of status.source) must not cost the outcome.
+        source = (await self._source(content, pod, manifest)).model_dump(
+            mode="json", by_alias=True, exclude_none=True
+        )
+        written = await write_until_done(
+            lambda: self.kube.patch_status(POD_SNAPSHOT_CONTENT, name, {"source": source}),
+            what="the content's status.source",
+            extra={"content": name},
+            backoff=backoff,
+        )
+        if not written:
+            log.warning(
+                "status.source not written: the installed PodSnapshotContent CRD refuses it",
+                extra={"content": name},
+            )
         status: dict[str, Any] = {
             "conditions": _conditions(content, True, PodSnapshotReason.CAPTURED, CAPTURED_MESSAGE),
             "artifact": facts.model_dump(mode="json", by_alias=True),
             "compatibility": compatibility.model_dump(mode="json", by_alias=True),
-            # Not in the annotations: nothing reads it back (restores check the manifest, which holds
-            # these facts), so a CRD that prunes it loses a note for people, not a restore.
-            "source": (await self._source(content, pod, manifest)).model_dump(
-                mode="json", by_alias=True, exclude_none=True
-            ),
         }
         await self._write(content, status)
         log.info("pod snapshot captured", extra={"content": name, "key": binding.key})
