@@ -50,7 +50,7 @@ from dynamo_snapshot.agent.runtime.containerd import ContainerdRuntime
 from dynamo_snapshot.agent.snapshot_capture import SnapshotCapture
 from dynamo_snapshot.agent.timings import AWAIT_CONTAINER_PHASE
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.api.restore_outcome import skip_compat_check
+from dynamo_snapshot.api.restore_outcome import REOPENED_MESSAGE, skip_compat_check
 from dynamo_snapshot.api.views import Meta, PodSnapshotView, PodView, still_live
 from dynamo_snapshot.kube import (
     DELETED,
@@ -271,11 +271,7 @@ class NodeAgent:
         if state is Status.FAILED:
             if not reopens_refused_restore(pod):
                 return  # a failed restore was cleaned up when it failed
-            self.reports.event(
-                pod,
-                "RestoreCompatibilityCheckSkipped",
-                f"{protocol.ANNOTATION_SKIP_COMPAT_CHECK} is set: the refused restore is attempted anyway",
-            )
+            self.reports.event(pod, "RestoreCompatibilityCheckSkipped", REOPENED_MESSAGE)
         attempts = restore_attempts(pod)
         if state is Status.RUNNING and not await self._clear_cut_short(pod, attempts):
             return

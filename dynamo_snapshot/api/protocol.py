@@ -330,8 +330,9 @@ POD_CONDITION_RESTORED: Final = "nvidia.com/Restored"
 
 
 class RestoredReason(StrEnum):
-    """Reasons of the nvidia.com/Restored pod condition, as NVIDIA Snapshot's restore-pod contract
-    (api/podcontract) spells them; `api.restore_outcome` classifies them."""
+    """Reasons of the nvidia.com/Restored pod condition this project's agent writes, as NVIDIA Snapshot's
+    restore-pod contract (api/podcontract) spells them; `api.restore_outcome` classifies them and the
+    contract's others."""
 
     IN_PROGRESS = "RestoreInProgress"  # False
     SUCCEEDED = "RestoreSucceeded"  # True
@@ -340,9 +341,6 @@ class RestoredReason(StrEnum):
     # Refused before anything was read: the node or the restore container cannot run the checkpoint
     # (ANNOTATION_SKIP_COMPAT_CHECK lets it be attempted anyway).
     INCOMPATIBLE = "RestoreIncompatible"  # False
-    # Another agent's: a replaced container of a restored pod being restored again, and its refusal.
-    REPLENISHING = "RestoreReplenishing"  # False
-    REPLENISHMENT_INCOMPATIBLE = "RestoreReplenishmentIncompatible"  # False
 
 
 # On a restore pod, by its creator: "true" (any spelling Go's strconv.ParseBool reads as true) has the

@@ -12,10 +12,25 @@ from typing import Any
 
 from dynamo_snapshot.api import protocol
 
-__all__ = ["RestoreOutcome", "classify_restore_outcome", "skip_compat_check"]
+__all__ = [
+    "REOPENED_MESSAGE",
+    "REPLENISHING",
+    "REPLENISHMENT_INCOMPATIBLE",
+    "RestoreOutcome",
+    "classify_restore_outcome",
+    "skip_compat_check",
+]
 
 Reason = protocol.RestoredReason
+# The contract's reasons of another agent (NVIDIA's): a replaced container of a restored pod being
+# restored again in place, and that restore refused as incompatible. This project's agent writes neither.
+REPLENISHING = "RestoreReplenishing"
+REPLENISHMENT_INCOMPATIBLE = "RestoreReplenishmentIncompatible"
 
+# The Event on a pod whose refused restore its skip-compat-check annotation reopens.
+REOPENED_MESSAGE = (
+    f"{protocol.ANNOTATION_SKIP_COMPAT_CHECK} is set: the restore refused as incompatible is attempted anyway"
+)
 # Go's strconv.ParseBool, the upstream reader of the annotation: these and nothing else.
 _TRUE = frozenset({"1", "t", "T", "TRUE", "true", "True"})
 
@@ -35,10 +50,10 @@ class RestoreOutcome(StrEnum):
 _BY_FALSE_REASON: dict[str, RestoreOutcome] = {
     Reason.FAILED: RestoreOutcome.FAILED,
     Reason.INCOMPATIBLE: RestoreOutcome.FAILED,
-    Reason.REPLENISHMENT_INCOMPATIBLE: RestoreOutcome.FAILED,
+    REPLENISHMENT_INCOMPATIBLE: RestoreOutcome.FAILED,
     Reason.PARTIALLY_SUCCEEDED: RestoreOutcome.PARTIALLY_SUCCEEDED,
     Reason.IN_PROGRESS: RestoreOutcome.PENDING,
-    Reason.REPLENISHING: RestoreOutcome.PENDING,
+    REPLENISHING: RestoreOutcome.PENDING,
 }
 
 
