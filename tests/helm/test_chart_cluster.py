@@ -398,6 +398,8 @@ def test_agent_may_only_annotate_pods_of_its_own_node(cluster: LocalCluster, age
     ok = _patch(cluster, token, ns, mine, ann({status_key: "running"}))
     assert ok == (200, ""), ok
     assert _patch(cluster, token, ns, mine, ann({status_key: None})) == (200, ""), "removing its own is fine"
+    ids = ann({protocol.ANNOTATION_RESTORED_CONTAINER_IDS: '{"main": "abc"}'})
+    assert _patch(cluster, token, ns, mine, ids) == (200, ""), "the contract's restored-container-ids"
 
     merge, json_patch = "application/merge-patch+json", "application/json-patch+json"
     own_only = "the node agent may change only a pod's annotations"
@@ -411,7 +413,8 @@ def test_agent_may_only_annotate_pods_of_its_own_node(cluster: LocalCluster, age
             mine,
             ann({protocol.ANNOTATION_RESTORE_FROM: "another-checkpoint"}),
             merge,
-            "may change only annotations starting with nvidia.com/snapshot-, not nvidia.com/restore-from",
+            "may change only annotations starting with nvidia.com/snapshot- or "
+            "nvidia.com/restored-container-ids, not nvidia.com/restore-from",
         ),
         (
             "removing a controller annotation",
