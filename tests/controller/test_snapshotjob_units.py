@@ -63,7 +63,10 @@ def test_the_job_runs_the_template_once_owned_and_labelled_by_the_snapshot_job()
     assert (job["spec"]["backoffLimit"], job["spec"]["activeDeadlineSeconds"]) == (0, 600)
     template = job["spec"]["template"]
     assert template["metadata"]["labels"] == {"team": "a", **labels}
-    assert template["metadata"]["annotations"] == {"note": "x", protocol.ANNOTATION_TARGET_CONTAINERS: "worker"}
+    assert template["metadata"]["annotations"] == {
+        "note": "x",
+        protocol.ANNOTATION_TARGET_CONTAINERS: "worker",
+    }
     # The DynamoCheckpoint path's labels would make the node agent refuse the capture.
     assert protocol.LABEL_CHECKPOINT_SOURCE not in template["metadata"]["labels"]
     assert protocol.LABEL_CHECKPOINT_ID not in template["metadata"]["labels"]
