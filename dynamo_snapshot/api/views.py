@@ -250,7 +250,7 @@ class PodView(ObjectView):
         spec = next((c for c in self.containers if c.get("name") == name), None)
         if spec is None:
             return None
-        return ContainerView(spec, next((s for s in self.container_statuses if s.get("name") == name), None))
+        return ContainerView(spec, self.status_of(name))
 
     @property
     def restore_from(self) -> str | None:
