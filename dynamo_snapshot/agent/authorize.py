@@ -32,7 +32,7 @@ from dynamo_snapshot.api.checkpoint import CheckpointPhase
 from dynamo_snapshot.api.conditions import FAILED, READY
 from dynamo_snapshot.api.identity import CheckpointIdentity
 from dynamo_snapshot.api.podsnapshot import PodSnapshotReason, content_artifact
-from dynamo_snapshot.api.restore_request import container_map, name_problem
+from dynamo_snapshot.api.restore_request import name_problem, restore_destination
 from dynamo_snapshot.api.views import (
     CheckpointView,
     ObjectView,
@@ -375,18 +375,10 @@ def check_destination(pod: PodView, captured: str) -> None:
     destination is restore-container-map's (whose source must be ``captured``), else the container of
     the captured name; the pod must have it, and it must be the container the agent restores into (the
     pod's main container: the webhook names it in snapshot-target-containers)."""
-    mapping = pod.container_map
-    dest = captured
-    if mapping is not None:
-        try:
-            source, dest = container_map(mapping)
-        except ValueError as e:
-            raise Refused(str(e)) from None
-        if source != captured:
-            raise Refused(
-                f"{protocol.ANNOTATION_RESTORE_CONTAINER_MAP}={mapping!r}: the snapshot captured container "
-                f"{captured!r}, not {source!r} (write {captured}={dest})"
-            )
+    try:
+        dest = restore_destination(pod.container_map, captured)
+    except ValueError as e:
+        raise Refused(str(e)) from None
     if dest not in pod.container_names:
         raise Refused(
             f"the pod has no container {dest!r} to restore container {captured!r} into (it has "

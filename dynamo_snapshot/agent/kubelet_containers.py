@@ -58,14 +58,14 @@ class KubeletContainers:
         """The restore pod's main container (not the ``spent`` one), once its placeholder says it waits in
         standby."""
         key = workload_key(pod)
-        name = PodView(pod).main_name
+        target = PodView(pod).main_name
         containers = self.runtime
         running = await self.running(pod, start_within, spent)
         workload = await containers.attach(key, running.container_id, image_id=running.image_id)
         env = containers.container_env(key)
         if not any(env.get(name) == "1" for name in protocol.ENV_RESTORE_STANDBYS):
             raise Refused(
-                f"container {name} is not in standby: it runs without {protocol.ENV_RESTORE_STANDBY}=1, so "
+                f"container {target} is not in standby: it runs without {protocol.ENV_RESTORE_STANDBY}=1, so "
                 "its image's entrypoint may have cold-started the worker (the controller sets it on the "
                 "restore pods it makes)"
             )
@@ -73,13 +73,13 @@ class KubeletContainers:
         while not containers.standby(key):
             if asyncio.get_running_loop().time() > deadline:
                 raise Refused(
-                    f"container {name} is not in standby: no {protocol.FILE_RESTORE_STANDBY} or "
+                    f"container {target} is not in standby: no {protocol.FILE_RESTORE_STANDBY} or "
                     f"{protocol.FILE_RESTORE_CONTEXT} in its control dir after "
                     f"{standby_within:.0f}s (its entrypoint must wait for the restore when "
                     f"{protocol.ENV_RESTORE_STANDBY}=1: dynamo_snapshot.workload.run_standby, or Dynamo's "
                     "maybe_run_restore_standby_mode)"
                 )
             if ended(self.pods.get(object_key(pod)) or pod) is not None:
-                raise AgentError(f"container {name} exited before the restore")
+                raise AgentError(f"container {target} exited before the restore")
             await asyncio.sleep(0.05)
         return workload

@@ -36,12 +36,11 @@ def running_container(pod: Obj, container: str | None = None) -> RunningContaine
 def ended(pod: Obj, container: str | None = None) -> str | None:
     """Why the main container (or ``container``) is not running any more (None while it waits to start
     or runs)."""
-    status = main_status(pod, container)
-    terminated = ((status or {}).get("state") or {}).get("terminated")
+    status = main_status(pod, container) or {}
+    terminated = (status.get("state") or {}).get("terminated")
     if not terminated:
         return None
     return (
-        f"container {status.get('name') if status else container} exited with code "
-        f"{terminated.get('exitCode')}"
+        f"container {status.get('name')} exited with code {terminated.get('exitCode')}"
         f" ({terminated.get('reason') or 'no reason given'})"
     )

@@ -331,17 +331,12 @@ class SnapshotCapture:
         source = (await self._source(content, pod, manifest)).model_dump(
             mode="json", by_alias=True, exclude_none=True
         )
-        written = await write_until_done(
+        await write_until_done(
             lambda: self.kube.patch_status(POD_SNAPSHOT_CONTENT, name, {"source": source}),
-            what="the content's status.source",
+            what="the content's status.source (an installed CRD may refuse it)",
             extra={"content": name},
             backoff=backoff,
         )
-        if not written:
-            log.warning(
-                "status.source not written: the installed PodSnapshotContent CRD refuses it",
-                extra={"content": name},
-            )
         status: dict[str, Any] = {
             "conditions": _conditions(content, True, PodSnapshotReason.CAPTURED, CAPTURED_MESSAGE),
             "artifact": facts.model_dump(mode="json", by_alias=True),

@@ -19,7 +19,7 @@ from dynamo_snapshot.api.kube import (
 )
 from dynamo_snapshot.api.podsnapshot import CONTAINER_NAME_PATTERN
 
-__all__ = ["container_map", "name_problem", "restore_from"]
+__all__ = ["container_map", "name_problem", "restore_destination", "restore_from"]
 
 _SUBDOMAIN = re.compile(DNS1123_SUBDOMAIN_PATTERN)
 _CONTAINER = re.compile(CONTAINER_NAME_PATTERN)
@@ -74,3 +74,19 @@ def container_map(value: str) -> tuple[str, str]:
         if len(name) > LABEL_VALUE_MAX_LENGTH or not _CONTAINER.fullmatch(name):
             raise ValueError(f"{key}={value!r}: {role} {name!r} is not a container name (a DNS-1123 label)")
     return source, dest
+
+
+def restore_destination(mapping: str | None, captured: str | None) -> str:
+    """The container a restore of the captured container ``captured`` goes into: the destination of
+    ``nvidia.com/restore-container-map`` (``mapping``; its source must be ``captured`` where that is
+    known), else the captured container's name (main where unknown). ValueError with the reason when the
+    map is malformed or maps another container."""
+    if mapping is None:
+        return captured or protocol.DEFAULT_TARGET_CONTAINER
+    source, dest = container_map(mapping)
+    if captured is not None and source != captured:
+        raise ValueError(
+            f"{protocol.ANNOTATION_RESTORE_CONTAINER_MAP}={mapping!r}: the snapshot captured container "
+            f"{captured!r}, not {source!r}: write {captured}={dest}"
+        )
+    return dest

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.api.restore_request import container_map, name_problem, restore_from
+from dynamo_snapshot.api.restore_request import container_map, name_problem, restore_destination, restore_from
 
 
 def test_the_annotation_is_read_as_written() -> None:
@@ -49,3 +49,16 @@ def test_container_map() -> None:
     ]:
         with pytest.raises(ValueError, match=why):
             container_map(bad)
+
+
+def test_a_restore_goes_where_the_map_says_else_into_the_captured_name() -> None:
+    assert restore_destination(None, "worker") == "worker"
+    assert restore_destination(None, None) == protocol.DEFAULT_TARGET_CONTAINER
+    assert restore_destination("worker=engine", "worker") == "engine"
+    assert restore_destination("x=engine", None) == "engine", "the captured container unknown: taken as given"
+    with pytest.raises(
+        ValueError, match="the snapshot captured container 'main', not 'worker': write main=engine"
+    ):
+        restore_destination("worker=engine", "main")
+    with pytest.raises(ValueError, match="is not source=destination"):
+        restore_destination("engine", "main")

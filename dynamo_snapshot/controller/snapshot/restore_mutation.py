@@ -27,7 +27,7 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointCompatibility, CheckpointPhase
 from dynamo_snapshot.api.conditions import READY, validation_message
 from dynamo_snapshot.api.podsnapshot import PodSnapshotCompatibility, content_compatibility
-from dynamo_snapshot.api.restore_request import container_map, name_problem
+from dynamo_snapshot.api.restore_request import name_problem, restore_destination
 from dynamo_snapshot.api.views import CheckpointView, PodSnapshotContentView, PodSnapshotView, PodView
 from dynamo_snapshot.controller.podspec import (
     add_restore_standby,
@@ -90,17 +90,7 @@ def _captured(found: Found) -> str | None:
 
 def _target(pod: Obj, found: Found) -> str:
     """The container to restore into; ValueError with the reason when the request cannot be right."""
-    captured = _captured(found)
-    mapping = PodView(pod).container_map
-    if mapping is not None:
-        source, dest = container_map(mapping)
-        if captured is not None and source != captured:
-            raise ValueError(
-                f"{protocol.ANNOTATION_RESTORE_CONTAINER_MAP}={mapping!r}: the snapshot captured container "
-                f"{captured!r}, not {source!r}: write {captured}={dest}"
-            )
-        return dest
-    return captured or protocol.DEFAULT_TARGET_CONTAINER
+    return restore_destination(PodView(pod).container_map, _captured(found))
 
 
 def _checkpoint_state(name: str, ckpt: Obj) -> tuple[str | None, CheckpointCompatibility | None]:
