@@ -52,6 +52,9 @@ class ObjectRef:
             api_version=str(obj.get("apiVersion", "")),
         )
 
+    def describe(self) -> str:
+        return "/".join(part for part in (self.kind, self.namespace, self.name) if part)
+
     def as_involved_object(self) -> Obj:
         ref = {
             "kind": self.kind,
@@ -105,6 +108,12 @@ class EventRecorder:
             if len(message) > _MAX_MESSAGE:
                 message = message[: _MAX_MESSAGE - 3] + "..."
             self._pending.put_nowait((ref, type_, reason, message))
+            # The log carries every Event too: they outlive the apiserver's event TTL there.
+            log.log(
+                logging.WARNING if type_ == WARNING else logging.INFO,
+                "event",
+                extra={"object": ref.describe(), "reason": reason, "event_message": message},
+            )
             if self._writer is None or self._writer.done():
                 self._writer = asyncio.get_running_loop().create_task(self._write_loop(), name="event-writer")
         except asyncio.QueueFull:
@@ -141,7 +150,7 @@ class EventRecorder:
                 log.warning(
                     "event write failed",
                     extra={
-                        "object": f"{ref.kind}/{ref.namespace}/{ref.name}",
+                        "object": ref.describe(),
                         "reason": reason,
                         "error": repr(e),
                     },

@@ -34,8 +34,9 @@ pytestmark = pytest.mark.cluster
 NodeFactory = Callable[..., dict[str, Any]]
 
 # Short enough for a test, long enough that nodes the controller-manager marks NotReady a monitor period
-# (5 s) apart are all down before the first one's grace ends.
-GRACE = 12.0
+# (5 s) apart are all down before the first one's grace ends, and that kwok, started again on a busy
+# machine, brings the others back well inside the fresh grace the late one gets.
+GRACE = 20.0
 GRAPH = "outage"
 
 
@@ -101,6 +102,17 @@ async def _nodes(kube: Kube, names: list[str]) -> list[Obj]:
     return [n for n in items if n["metadata"]["name"] in names]
 
 
+async def _node_states(kube: Kube, names: list[str]) -> list[str]:
+    """Each node's Ready condition and taints, for a failure message."""
+    states = []
+    for node in await _nodes(kube, names):
+        ready = next((c for c in node["status"].get("conditions") or [] if c["type"] == "Ready"), {})
+        taints = [f"{t['key']}:{t['effect']}@{t.get('timeAdded')}" for t in node["spec"].get("taints") or []]
+        since = ready.get("lastTransitionTime")
+        states.append(f"{node['metadata']['name']} Ready={ready.get('status')}@{since} {taints}")
+    return states
+
+
 def _down_since(node: Obj) -> datetime:
     ready = next(c for c in node["status"]["conditions"] if c["type"] == "Ready")
     return parse_rfc3339(ready["lastTransitionTime"])
@@ -131,11 +143,13 @@ async def test_an_outage_longer_than_the_node_grace_pauses_failover_and_deletes_
         deadline = time.monotonic() + seconds
         while True:
             now = _names(await _workers(kube, namespace))
-            assert now == before, (
-                f"workers replaced: {sorted(now)}; the controller:\n{controller_process.tail()}"
-            )
             lost = await _events(kube, namespace, "WorkerLost")
-            assert lost == [], f"{lost}; the controller:\n{controller_process.tail()}"
+            if now != before or lost:
+                states = await _node_states(kube, nodes)
+                pytest.fail(
+                    f"workers replaced: {sorted(now)}, lost: {lost}; the nodes: {states}; "
+                    f"the controller:\n{controller_process.tail()}"
+                )
             if time.monotonic() > deadline:
                 return
             await asyncio.sleep(0.5)
