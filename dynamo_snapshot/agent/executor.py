@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from dynamo_snapshot.agent.checkpoint import CheckpointOutcome, CheckpointRun, wait_ready
@@ -24,7 +24,6 @@ from dynamo_snapshot.agent.metrics import CACHE_BYTES, CACHE_FILLS, CACHE_RESTOR
 from dynamo_snapshot.agent.node import DEFAULT_RESTORE_SCRATCH, Node
 from dynamo_snapshot.agent.restore import (
     Greeting,
-    ImageCheck,
     RestoreOutcome,
     RestoreRun,
     check_ahead,
@@ -124,7 +123,6 @@ class Executor(Node):
         identity_info: dict[str, Any] | None = None,
         manifest_digest: str | None = None,
         image_id: str | None = None,
-        confirm_container: Callable[[], Awaitable[str | None]] | None = None,
         visible_gpus: tuple[str, ...] | None = None,
         restore_env: Mapping[str, str] | None = None,
         skip_compat: bool = False,
@@ -133,9 +131,7 @@ class Executor(Node):
         holds the store's current one (a refused copy is dropped and the store's used instead), else
         from the store, after which a copy is put into the node cache in the background. With
         ``manifest_digest``, only an artifact whose sealed manifest has exactly that digest is used;
-        with ``image_id`` (the image the restore container runs), only one taken from that image, or
-        where the container was found before its image was known, with the image ``confirm_container``
-        returns (it waits for the kubelet's report), checked once the writable layer is applied; with
+        with ``image_id`` (the image the restore container runs), only one taken from that image; with
         ``visible_gpus`` (the restore container's GPUs), onto those. ``restore_env`` (the restore
         container's environment) fills restore-context.json where the worker's standby left none. An
         artifact that needs a format feature this agent does not know is refused before anything of it
@@ -145,9 +141,8 @@ class Executor(Node):
             raise ArtifactRefused(f"artifact {artifact_key} refused: it is being deleted")
         with self._reading(artifact_key):
             greeting = Greeting(identity_info or {}, restore_env)
-            late = ImageCheck(confirm_container, skip_compat) if confirm_container is not None else None
             return await self._restore_reading(
-                key, artifact_key, greeting, manifest_digest, image_id, visible_gpus, skip_compat, late
+                key, artifact_key, greeting, manifest_digest, image_id, visible_gpus, skip_compat
             )
 
     async def _restore_reading(
@@ -159,7 +154,6 @@ class Executor(Node):
         image_id: str | None,
         visible_gpus: tuple[str, ...] | None,
         skip_compat: bool,
-        image_check: ImageCheck | None,
     ) -> RestoreOutcome:
         timings = Timings()
         try:
@@ -178,12 +172,12 @@ class Executor(Node):
                         compat_refused(str(e), skip_compat, artifact.key)
             if self.cache is not None:
                 cached = await self._restore_from_cache(
-                    self.cache, key, artifact, timings, greeting, manifest_digest, gpus, image_check
+                    self.cache, key, artifact, timings, greeting, manifest_digest, gpus
                 )
                 if cached is not None:
                     return cached
             outcome = await self.restore_run(
-                self, key, artifact, timings, greeting, manifest_digest, gpus, image_check=image_check
+                self, key, artifact, timings, greeting, manifest_digest, gpus
             ).run()
         except BaseException:
             FAILURES.labels("restore").inc()
@@ -202,7 +196,6 @@ class Executor(Node):
         greeting: Greeting,
         manifest_digest: str | None,
         gpus: GpuInfo | None,
-        image_check: ImageCheck | None,
     ) -> RestoreOutcome | None:
         """From the node cache's copy of ``source``; None where it has none, or its copy was refused
         (the copy is then removed)."""
@@ -215,7 +208,7 @@ class Executor(Node):
                 return None
             try:
                 outcome = await self.restore_run(
-                    self, key, cached, timings, greeting, manifest_digest, gpus, image_check=image_check
+                    self, key, cached, timings, greeting, manifest_digest, gpus
                 ).run()
             except ArtifactRefused as e:
                 CACHE_RESTORES.labels("refused").inc()

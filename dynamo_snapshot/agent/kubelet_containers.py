@@ -12,17 +12,10 @@ from dynamo_snapshot.agent.pod_spec import workload_key
 from dynamo_snapshot.agent.runtime.base import Workload
 from dynamo_snapshot.agent.runtime.containerd import ContainerdRuntime
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.api.views import Meta, PodView, still_live
+from dynamo_snapshot.api.views import PodView, still_live
 from dynamo_snapshot.kube import Informer, Obj, object_key
 
 __all__ = ["KubeletContainers"]
-
-_POLL = 0.02
-
-
-def _bare(container_id: str) -> str:
-    """A container id without its runtime's "containerd://" prefix."""
-    return container_id.partition("://")[2] or container_id
 
 
 class KubeletContainers:
@@ -34,19 +27,11 @@ class KubeletContainers:
         self.pods = pods
 
     async def running(
-        self,
-        pod: Obj,
-        within: float,
-        spent: str | None = None,
-        container: str | None = None,
-        *,
-        early: bool = False,
+        self, pod: Obj, within: float, spent: str | None = None, container: str | None = None
     ) -> RunningContainer:
         """The pod's main container (or ``container``) once the kubelet runs it (read from the watch
-        cache); not ``spent``. ``early``: also once runc has started it, before the kubelet reports it
-        (``reported`` False: ``confirm`` it before acting on what only the report says)."""
+        cache); not ``spent``."""
         name = container or PodView(pod).main_name
-        uid = Meta(pod).uid
         deadline = asyncio.get_running_loop().time() + within
         while True:
             latest = self.pods.get(object_key(pod)) or pod
@@ -58,25 +43,9 @@ class KubeletContainers:
             why = ended(latest, container)
             if why is not None and spent is None:
                 raise AgentError(why)
-            started = self.runtime.started(uid, name, spent) if early and uid else None
-            if started is not None:
-                return RunningContainer(started, None, 0, reported=False)
             if asyncio.get_running_loop().time() > deadline:
                 raise AgentError(f"container {name} did not start within {within:.0f}s")
-            await asyncio.sleep(_POLL if early else 0.1)
-
-    async def confirm(self, pod: Obj, found: str, within: float, spent: str | None = None) -> str | None:
-        """Wait for the pod's status to report its main container running as ``found`` (by ``running``,
-        early); the image it runs. AgentError where the status names another container, or it ended, or
-        nothing came within ``within`` seconds."""
-        reported = await self.running(pod, within, spent)
-        said, seen = _bare(reported.container_id), _bare(found)
-        if said != seen:
-            raise AgentError(
-                f"the kubelet reports container {PodView(pod).main_name} as {said[:12]}, not {seen[:12]}, "
-                "which runc started for this pod"
-            )
-        return reported.image_id
+            await asyncio.sleep(0.1)
 
     async def attach(self, pod: Obj, within: float, container: str | None = None) -> Workload:
         """The pod's main container (or ``container``), attached once the kubelet runs it."""
@@ -85,13 +54,13 @@ class KubeletContainers:
 
     async def attach_restore_target(
         self, pod: Obj, start_within: float, standby_within: float, spent: str | None = None
-    ) -> tuple[Workload, RunningContainer]:
+    ) -> Workload:
         """The restore pod's main container (not the ``spent`` one), once its placeholder says it waits in
         standby."""
         key = workload_key(pod)
         target = PodView(pod).main_name
         containers = self.runtime
-        running = await self.running(pod, start_within, spent, early=True)
+        running = await self.running(pod, start_within, spent)
         workload = await containers.attach(key, running.container_id, image_id=running.image_id)
         env = containers.container_env(key)
         if not any(env.get(name) == "1" for name in protocol.ENV_RESTORE_STANDBYS):
@@ -112,5 +81,5 @@ class KubeletContainers:
                 )
             if ended(self.pods.get(object_key(pod)) or pod) is not None:
                 raise AgentError(f"container {target} exited before the restore")
-            await asyncio.sleep(_POLL)
-        return workload, running
+            await asyncio.sleep(0.05)
+        return workload

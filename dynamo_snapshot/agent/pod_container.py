@@ -16,8 +16,6 @@ class RunningContainer:
     container_id: str  # "containerd://<id>", as the kubelet reports it
     image_id: str | None  # the image the container runs, by digest where the runtime reports one
     restart_count: int
-    # False where found under the runtime's state before the kubelet reported it (no image known yet).
-    reported: bool = True
 
 
 def main_status(pod: Obj, container: str | None = None) -> Obj | None:

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,21 +76,6 @@ class Greeting:
 
     identity: dict[str, Any]
     env: Mapping[str, str] | None
-
-
-@dataclass(frozen=True)
-class ImageCheck:
-    """The image check of a restore container found before the kubelet reported it (and so its image):
-    ``confirm`` waits for that report and returns the image; the check runs after the writable layer is
-    applied, beside the kubelet's status write, and before CRIU restores anything."""
-
-    confirm: Callable[[], Awaitable[str | None]]
-    skip_compat: bool
-
-    async def run(self, artifact: Artifact) -> None:
-        problems = _image_problems(artifact, await self.confirm())
-        if problems:
-            compat_refused("; ".join(problems), self.skip_compat, artifact.key)
 
 
 def check_before_reading(
@@ -163,11 +148,8 @@ class RestoreRun:
         greeting: Greeting,
         manifest_digest: str | None,
         gpus: GpuInfo | None,
-        *,
-        image_check: ImageCheck | None = None,
     ) -> None:
         self.node = node
-        self.image_check = image_check
         self.key = key
         self.artifact = artifact
         self.gpus = gpus  # the GPUs the restore goes onto (check_before_reading)
@@ -353,9 +335,6 @@ class RestoreRun:
                 await self.node.runtime.prepare_restore(self.key, images)
             except WorkloadRuntimeError as e:
                 raise AgentError(f"CRIU restore failed: {e}") from None
-        if self.image_check is not None:
-            with self.timings.phase("restore", "confirm_container"):
-                await self.image_check.run(self.artifact)
         with self.timings.phase("restore", "criu_restore"):
             try:
                 workload = await self.criu_restore(images, source_ctl)

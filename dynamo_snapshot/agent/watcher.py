@@ -17,7 +17,6 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from dynamo_snapshot.agent.artifact_sweeper import ArtifactSweeper
@@ -79,8 +78,6 @@ class _RestoreTarget:
     image_id: str | None
     visible_gpus: tuple[str, ...] | None
     env: dict[str, str]
-    # Where the container was found before the kubelet reported it: waits for the report, returns the image.
-    confirm: Callable[[], Awaitable[str | None]] | None = None
 
 
 def reopens_refused_restore(pod: Obj) -> bool:
@@ -388,9 +385,8 @@ class NodeAgent:
         where it is refused or fails), else the pod spec's environment."""
         if self.kubelet is None:
             return _RestoreTarget(None, None, pod_env(pod))
-        kubelet = self.kubelet
         try:
-            target, running = await kubelet.attach_restore_target(
+            target = await self.kubelet.attach_restore_target(
                 pod,
                 self.timeouts.container_start_timeout_seconds,
                 self.timeouts.standby_timeout_seconds,
@@ -402,15 +398,8 @@ class NodeAgent:
         except (AgentError, WorkloadRuntimeError) as e:
             await self.reports.fail(pod, str(e))
             return None
-        env = kubelet.runtime.container_env(workload_key(pod))
-        if running.reported:
-            return _RestoreTarget(target.image_id, target.visible_gpus, env)
-
-        async def confirm() -> str | None:
-            within = self.timeouts.container_start_timeout_seconds
-            return await kubelet.confirm(pod, running.container_id, within, spent)
-
-        return _RestoreTarget(None, target.visible_gpus, env, confirm)
+        env = self.kubelet.runtime.container_env(workload_key(pod))
+        return _RestoreTarget(target.image_id, target.visible_gpus, env)
 
     async def _run_restore(
         self, pod: Obj, grant: RestoreGrant, target: _RestoreTarget
@@ -435,13 +424,12 @@ class NodeAgent:
                     },
                 },
                 image_id=target.image_id,
-                confirm_container=target.confirm,
                 visible_gpus=target.visible_gpus,
                 restore_env=target.env,
                 skip_compat=skip_compat_check(view.meta.annotations),
             )
         except Incompatible as e:
-            # Refused before the process came back: the container stays, to be reopened in place.
+            # Refused before anything started: the container stays as it was, to be reopened in place.
             await self.reports.incompatible(pod, str(e))
             return None
         except (AgentError, WorkloadRuntimeError, ValueError) as e:

@@ -54,7 +54,6 @@ from dynamo_snapshot.agent.runtime.rootfs_diff import (
     capture_diff,
     overlay_upperdir,
 )
-from dynamo_snapshot.agent.runtime.runc_index import RuncIndex
 from dynamo_snapshot.agent.runtime.uts_names import set_uts_names, uts_names
 from dynamo_snapshot.agent.sentinels import regular_present
 from dynamo_snapshot.api import protocol
@@ -146,7 +145,6 @@ class ContainerdRuntime:
         self.unshare = unshare
         self.cgroup_root = cgroup_root
         self._attached: dict[str, _Attached] = {}
-        self._index = RuncIndex(runc_root)
         # Seconds of each step of the last restore per workload key (benchmarks/kubelet_restore.py).
         self.restore_phases: dict[str, dict[str, float]] = {}
 
@@ -179,13 +177,6 @@ class ContainerdRuntime:
         if state.get("status") != "running" or int(state.get("pid") or 0) <= 0:
             raise WorkloadRuntimeError(f"container {ident[:12]} is {state.get('status')}, not running")
         return Container(ident, int(state["pid"]), bundle, config)
-
-    def started(self, pod_uid: str, name: str, spent: str | None = None) -> str | None:
-        """The id of the pod's container ``name`` once runc has started it (not ``spent``), ahead of the
-        kubelet's report (``runc_index``); None until then."""
-        spent_id = spent.partition("://")[2] or spent if spent else None
-        found = self._index.started(pod_uid, name, spent_id)
-        return found.id if found is not None else None
 
     async def attach(self, key: str, container_id: str, *, image_id: str | None = None) -> Workload:
         """Take the running container ``container_id`` as workload ``key`` (a checkpoint source, or a
