@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO))
 
 from kubernetes_asyncio import client, config  # noqa: E402
 
+from dynamo_snapshot.agent.timings import AWAIT_CONTAINER_PHASE  # noqa: E402
 from dynamo_snapshot.agent.watcher import workload_key  # noqa: E402
 from dynamo_snapshot.api import protocol  # noqa: E402
 from dynamo_snapshot.criu import Criu  # noqa: E402
@@ -82,8 +83,10 @@ async def _one(s: Stack, name: str, dgd: dict[str, Any], ckpt: dict[str, Any]) -
     pod = await s.kube.get(POD, name, s.namespace)
     ann = pod["metadata"]["annotations"]
     agent = json.loads(ann[protocol.ANNOTATION_RESTORE_TIMINGS])
-    # restoredAt is written in the agent's last phase ("signal"): its restore began the other phases earlier.
-    agent_started = restored_at - (sum(agent.values()) - agent.get("signal", 0.0))
+    # restoredAt is written in the executor's last phase ("signal"): it began its other phases earlier
+    # (`await_container`, the agent's wait for the container before them, is not one of them).
+    executor = {k: v for k, v in agent.items() if k not in (AWAIT_CONTAINER_PHASE, "signal")}
+    agent_started = restored_at - sum(executor.values())
     return {
         "pod": name,
         "total_s": serving - t0,
