@@ -39,6 +39,7 @@ from dynamo_snapshot.api import protocol  # noqa: E402
 from dynamo_snapshot.criu import Criu  # noqa: E402
 from dynamo_snapshot.kube import POD, Kube, is_not_found  # noqa: E402
 from dynamo_snapshot.kube.dgd_versions import DgdClient  # noqa: E402
+from dynamo_snapshot.workload import parse_restore_complete  # noqa: E402
 from dynamo_snapshot_dev.localcluster import LocalCluster  # noqa: E402
 from tests.helpers.kubelet_stack import (  # noqa: E402
     GRAPH,
@@ -79,7 +80,8 @@ async def _one(s: Stack, name: str, dgd: dict[str, Any], ckpt: dict[str, Any]) -
     key = workload_key(created)
     ctl = s.runtime.control_dir(key)
     standby_since = json.loads((ctl / protocol.FILE_RESTORE_STANDBY).read_text())["since"]
-    restored_at = json.loads((ctl / protocol.FILE_RESTORE_COMPLETE).read_text())["restoredAt"]
+    said = parse_restore_complete((ctl / protocol.FILE_RESTORE_COMPLETE).read_text()) or {}
+    restored_at = float(said["restoredAt"])
     pod = await s.kube.get(POD, name, s.namespace)
     ann = pod["metadata"]["annotations"]
     agent = json.loads(ann[protocol.ANNOTATION_RESTORE_TIMINGS])

@@ -20,6 +20,7 @@ from pathlib import Path
 from pydantic import JsonValue
 
 from dynamo_snapshot import __version__
+from dynamo_snapshot.agent import restore_complete
 from dynamo_snapshot.agent.cuda_processes import resume_cuda, suspend_cuda
 from dynamo_snapshot.agent.errors import AgentError
 from dynamo_snapshot.agent.gpu_assignment import container_gpus, gpu_memory_held_mib
@@ -109,6 +110,7 @@ class CheckpointRun:
         self.cuda_pids: list[int] = []
         self.offload: OffloadManifest | None = None
         self.held_mib = 0
+        self.restore_complete_format = restore_complete.JSON
         self.sparse: SparseStats | None = None
         self.released: ZeroPagesReleased | None = None
         self.packed = PagesPacked()
@@ -161,6 +163,9 @@ class CheckpointRun:
         except ValueError as e:
             raise AgentError(f"worker's {protocol.FILE_WEIGHTS_MANIFEST} is unreadable: {e}") from None
         self.held_mib = await asyncio.to_thread(gpu_memory_held_mib, self.cuda_pids)
+        self.restore_complete_format = await asyncio.to_thread(
+            restore_complete.format_for_worker, self.workload.control_dir
+        )
 
     async def dump(self, images: Path) -> None:
         with self.timings.phase("checkpoint", "criu_dump"):
@@ -236,6 +241,8 @@ class CheckpointRun:
             "cuda_pids": list(self.cuda_pids),
             "weights": [w.to_json() for w in self.carried],
             "gpuMemory": {"heldMiB": self.held_mib, "releasedMiB": released_mib},
+            # What restore-complete the checkpointed process reads.
+            restore_complete.MANIFEST_KEY: self.restore_complete_format,
             "zeroPagesDropped": self.sparse.pages_dropped if self.sparse is not None else 0,
             "zeroPageBytesReleased": self.released.released_bytes if self.released is not None else 0,
             # The worker's own account of its scan, beside the phase's round trip.

@@ -22,12 +22,16 @@ from typing import Any
 from dynamo_snapshot.fileio import write_atomic
 from dynamo_snapshot.fileio.beneath import lstat_beneath, open_regular_beneath, opened_dir, reopen
 
-__all__ = ["present", "read_worker_json", "regular_present", "write_sentinel"]
+__all__ = ["present", "read_worker_json", "regular_present", "write_sentinel", "write_sentinel_bytes"]
 
 
 def write_sentinel(path: Path, doc: dict[str, Any]) -> None:
+    write_sentinel_bytes(path, json.dumps(doc, sort_keys=True).encode())
+
+
+def write_sentinel_bytes(path: Path, data: bytes) -> None:
     # Not durable: the control directory does not outlive its pod, and the worker polls for the name.
-    write_atomic(path, json.dumps(doc, sort_keys=True).encode(), mode=0o644, durable=False)
+    write_atomic(path, data, mode=0o644, durable=False)
 
 
 def read_worker_json(path: Path, limit: int) -> Any:

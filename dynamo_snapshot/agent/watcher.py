@@ -47,6 +47,7 @@ from dynamo_snapshot.agent.pod_spec import (
 )
 from dynamo_snapshot.agent.runtime.base import Runtime, Workload, WorkloadRuntimeError, wait_exit
 from dynamo_snapshot.agent.runtime.containerd import ContainerdRuntime
+from dynamo_snapshot.agent.sentinels import write_sentinel
 from dynamo_snapshot.agent.snapshot_capture import SnapshotCapture
 from dynamo_snapshot.agent.timings import AWAIT_CONTAINER_PHASE
 from dynamo_snapshot.api import protocol
@@ -401,6 +402,15 @@ class NodeAgent:
         env = self.kubelet.runtime.container_env(workload_key(pod))
         return _RestoreTarget(target.image_id, target.visible_gpus, env)
 
+    async def _say_restore_failed(self, key: str, message: str) -> None:
+        """restore-failed in the container's control dir: a later container of the pod learns from it that
+        the pod's restore was used (the pod's failed status says the same to the controller)."""
+        try:
+            ctl = self.runtime.control_dir(key)
+            await asyncio.to_thread(write_sentinel, ctl / protocol.FILE_RESTORE_FAILED, {"message": message})
+        except (OSError, WorkloadRuntimeError) as e:
+            log.warning("restore-failed not written", extra={"key": key, "error": str(e)})
+
     async def _run_restore(
         self, pod: Obj, grant: RestoreGrant, target: _RestoreTarget
     ) -> RestoreOutcome | None:
@@ -433,6 +443,7 @@ class NodeAgent:
             await self.reports.incompatible(pod, str(e))
             return None
         except (AgentError, WorkloadRuntimeError, ValueError) as e:
+            await self._say_restore_failed(key, str(e))
             with contextlib.suppress(Exception):
                 await self.runtime.stop(key)
             await self.reports.fail(pod, str(e))

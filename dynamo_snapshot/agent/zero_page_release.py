@@ -21,6 +21,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
 from dynamo_snapshot.agent.metrics import ZERO_PAGES_RELEASED
+from dynamo_snapshot.agent.runtime.base import namespace_pid
 from dynamo_snapshot.agent.sentinels import present, read_worker_json, write_sentinel
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.workload.zero_pages import private_anonymous, read_maps
@@ -66,15 +67,6 @@ def offering_pid(control_dir: Path) -> int | None:
             pid = doc.get("pid")
             if isinstance(features, list) and protocol.FEATURE_RELEASE_ZERO_PAGES in features:
                 return pid if type(pid) is int else None
-    return None
-
-
-def namespace_pid(host_pid: int, proc: Path = Path("/proc")) -> int | None:
-    """``host_pid`` as its own PID namespace numbers it (the last NSpid field)."""
-    with contextlib.suppress(OSError, ValueError):
-        for line in (proc / str(host_pid) / "status").read_text().splitlines():
-            if line.startswith("NSpid:"):
-                return int(line.split()[-1])
     return None
 
 

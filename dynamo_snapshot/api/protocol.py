@@ -53,11 +53,13 @@ __all__ = [
     "ENV_RESTORE_STANDBYS",
     "ENV_RESTORE_STANDBY_DYNAMO",
     "FEATURE_RELEASE_ZERO_PAGES",
+    "FEATURE_RESTORE_COMPLETE_LINES",
     "FILES_READY",
     "FILE_READY_FOR_CHECKPOINT",
     "FILE_READY_FOR_SNAPSHOT",
     "FILE_RESTORE_COMPLETE",
     "FILE_RESTORE_CONTEXT",
+    "FILE_RESTORE_FAILED",
     "FILE_RESTORE_STANDBY",
     "FILE_SNAPSHOT_COMPLETE",
     "FILE_WEIGHTS_MANIFEST",
@@ -91,6 +93,8 @@ __all__ = [
     "READY_FEATURES",
     "RESOURCE_GPU",
     "RESTORE_ATTEMPTS_MAX",
+    "RESTORE_COMPLETE_DOC_KEY",
+    "RESTORE_COMPLETE_PID_KEY",
     "RESTORE_CONTEXT_ENV_NAMES",
     "RESTORE_WEIGHTS_CHECK",
     "TRUE",
@@ -245,8 +249,21 @@ ENV_RESTORE_STANDBYS: Final = (ENV_RESTORE_STANDBY, ENV_RESTORE_STANDBY_DYNAMO)
 FILE_READY_FOR_SNAPSHOT: Final = "ready-for-snapshot"
 FILE_READY_FOR_CHECKPOINT: Final = "ready-for-checkpoint"
 FILES_READY: Final = (FILE_READY_FOR_SNAPSHOT, FILE_READY_FOR_CHECKPOINT)
-# Written by the agent once a restore has finished and the workload may resume.
+# Written by the agent once a restore has finished and the workload may resume. The restore-pod
+# contract's content is "key=value" lines, among them the restored process's pid as its own PID namespace
+# numbers it (readers ignore keys they do not know); this project's agent adds its JSON document (who the
+# worker is now) under RESTORE_COMPLETE_DOC_KEY. It writes the lines for every worker but one whose ready
+# file is this SDK's without FEATURE_RESTORE_COMPLETE_LINES: an SDK that reads only the JSON document,
+# which it then gets alone.
 FILE_RESTORE_COMPLETE: Final = "restore-complete"
+RESTORE_COMPLETE_PID_KEY: Final = "pid"
+RESTORE_COMPLETE_DOC_KEY: Final = "restore"
+FEATURE_RESTORE_COMPLETE_LINES: Final = "restore-complete-lines"
+# Written by the agent ({"message": why}) when a restore into the container failed, before it stops what
+# the restore put there (the restore-pod contract's name): the failing container never acts on it; a
+# later container of the same pod reads it as proof that the pod's one restore was used, and a standby
+# placeholder (this SDK's) then exits saying so instead of waiting for a restore that will not come.
+FILE_RESTORE_FAILED: Final = "restore-failed"
 # Written by a standby placeholder (ENV_RESTORE_STANDBY) once it waits for the restore: the agent
 # restores only into a container that says so (this file, or a Dynamo standby's FILE_RESTORE_CONTEXT),
 # never over a worker that cold-started.

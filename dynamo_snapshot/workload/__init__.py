@@ -25,6 +25,7 @@ from dynamo_snapshot.workload.handshake import (
     maybe_checkpoint_and_wait_async,
     maybe_signal_ready,
     maybe_signal_ready_async,
+    parse_restore_complete,
 )
 from dynamo_snapshot.workload.kv_cache import KvCache
 from dynamo_snapshot.workload.offload import GpuOffload, OffloadReport
@@ -74,6 +75,7 @@ __all__ = [
     "maybe_signal_ready",
     "maybe_signal_ready_async",
     "pack_module",
+    "parse_restore_complete",
     "read_offload_manifest",
     "read_weights_manifest",
     "run_standby",

@@ -47,6 +47,7 @@ from dynamo_snapshot.api.protocol import (
     ENV_CONTROL_DIR,
     ENV_CONTROL_DIR_LEGACY,
     FEATURE_RELEASE_ZERO_PAGES,
+    FEATURE_RESTORE_COMPLETE_LINES,
     FILE_READY_FOR_SNAPSHOT,
     FILE_RESTORE_COMPLETE,
     FILE_SNAPSHOT_COMPLETE,
@@ -54,6 +55,8 @@ from dynamo_snapshot.api.protocol import (
     FILE_ZERO_PAGES_REQUEST,
     PROTOCOL_VERSION,
     READY_FEATURES,
+    RESTORE_COMPLETE_DOC_KEY,
+    RESTORE_COMPLETE_PID_KEY,
 )
 from dynamo_snapshot.fileio import write_atomic
 from dynamo_snapshot.workload.zero_pages import ZeroPageServer
@@ -72,6 +75,7 @@ __all__ = [
     "maybe_checkpoint_and_wait_async",
     "maybe_signal_ready",
     "maybe_signal_ready_async",
+    "parse_restore_complete",
 ]
 
 log = logging.getLogger(__name__)
@@ -145,14 +149,54 @@ def _read_text(path: Path) -> str | None:
 
 
 def _parse(text: str) -> tuple[Any, bool]:
-    """(content, complete): JSON when it parses, else the text; complete=False when it may be partial."""
+    """(content, complete): JSON when it parses, else the restore-pod contract's lines as a dict, else
+    the text; complete=False when it may be partial."""
     stripped = text.strip()
     if not stripped:
         return None, False
     try:
         return json.loads(stripped), True
     except ValueError:
+        pass
+    fields = _contract_lines(stripped)
+    if fields is None:
         return stripped, False
+    # The contract's writer ends every line: a file without the last newline may still be growing.
+    return fields, text.endswith("\n")
+
+
+def parse_restore_complete(text: str) -> dict[str, Any] | None:
+    """restore-complete's content as one document, whichever way the agent wrote it (the contract's lines,
+    or JSON); None when the text is neither (or not whole)."""
+    content, complete = _parse(text)
+    return content if complete and isinstance(content, dict) else None
+
+
+def _contract_lines(text: str) -> dict[str, Any] | None:
+    """restore-complete as the restore-pod contract writes it, "key=value" lines: the agent's JSON
+    document (RESTORE_COMPLETE_DOC_KEY) with the contract's pid beside it, or the pid alone (an agent that
+    writes nothing else); None when the text is not that."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, eq, value = line.strip().partition("=")
+        if not eq or not key:
+            return None
+        fields[key] = value
+    doc: dict[str, Any] = {}
+    if RESTORE_COMPLETE_DOC_KEY in fields:
+        try:
+            parsed = json.loads(fields[RESTORE_COMPLETE_DOC_KEY])
+        except ValueError:
+            return None
+        if not isinstance(parsed, dict):
+            return None
+        doc.update(parsed)
+    pid = fields.get(RESTORE_COMPLETE_PID_KEY)
+    if pid is not None:
+        if not pid.isdigit():
+            return None
+        doc[RESTORE_COMPLETE_PID_KEY] = int(pid)
+    return doc or None
 
 
 def _etc_hostname() -> str | None:
@@ -319,8 +363,10 @@ class SnapshotHandshake:
         payload: dict[str, Any] = {"pid": os.getpid(), "protocol": PROTOCOL_VERSION, "timestamp": time.time()}
         if info is not None:
             payload["info"] = dict(info)
-        if self.release_zero_pages:
-            payload[READY_FEATURES] = [FEATURE_RELEASE_ZERO_PAGES]
+        # This SDK reads restore-complete as the restore-pod contract writes it (and as JSON).
+        payload[READY_FEATURES] = [FEATURE_RESTORE_COMPLETE_LINES] + (
+            [FEATURE_RELEASE_ZERO_PAGES] if self.release_zero_pages else []
+        )
         data = json.dumps(payload, sort_keys=True).encode()  # fails here, before anything is written
         if not self.control_dir.is_dir():
             raise FileNotFoundError(f"snapshot control dir {self.control_dir} does not exist")

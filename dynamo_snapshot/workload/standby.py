@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,16 +25,41 @@ from types import FrameType
 from dynamo_snapshot.api.protocol import (
     ENV_RESTORE_STANDBYS,
     FILE_RESTORE_CONTEXT,
+    FILE_RESTORE_FAILED,
     FILE_RESTORE_STANDBY,
     RESTORE_CONTEXT_ENV_NAMES,
 )
 from dynamo_snapshot.fileio import write_atomic
 from dynamo_snapshot.workload.handshake import control_dir
 
-__all__ = ["run_standby", "standby_requested"]
+__all__ = ["RESTORE_FAILED_EXIT", "run_standby", "standby_requested"]
 
 # How often a standby with no child yet looks again (a restored child wakes os.wait at once).
 _IDLE_POLL_S = 0.2
+# A standby started after the pod's restore failed: nothing will be restored into it.
+RESTORE_FAILED_EXIT = 1
+_RESTORE_FAILED_MAX = 64 << 10
+
+
+def _restore_failed(ctl: Path) -> str | None:
+    """What the agent's restore-failed says (its message, else that it is there); None without it. Only a
+    regular file counts: the directory is the pod's own, and a fifo put there must not hang the start."""
+    try:
+        fd = os.open(ctl / FILE_RESTORE_FAILED, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        raw = os.read(fd, _RESTORE_FAILED_MAX)
+    finally:
+        os.close(fd)
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        doc = None
+    message = doc.get("message") if isinstance(doc, dict) else None
+    return str(message) if message else "no reason given"
 
 
 def standby_requested(environ: Mapping[str, str] | None = None) -> bool:
@@ -65,6 +91,10 @@ def run_standby(directory: Path | None = None) -> int:
     """Wait as the container's placeholder; returns the restored worker's exit code once its processes
     are gone (the caller exits with it)."""
     ctl = directory if directory is not None else control_dir()
+    failed = _restore_failed(ctl) if ctl is not None else None
+    if failed is not None:
+        print(f"standby: this pod's restore failed ({failed}); a new pod restores or cold-starts", flush=True)
+        return RESTORE_FAILED_EXIT
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _forward)
     if ctl is not None:

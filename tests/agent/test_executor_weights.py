@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
-import json
 import os
 import time
 from pathlib import Path, PurePosixPath
@@ -25,6 +24,7 @@ from dynamo_snapshot.agent.runtime import ProcessRuntime
 from dynamo_snapshot.agent.runtime.base import pid_running
 from dynamo_snapshot.agent.weights import WeightsPlacementError, WorkerFile, gpu_memory_problem, locate
 from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_hash
+from dynamo_snapshot.workload import parse_restore_complete
 from dynamo_snapshot.workload.weights import data_digest, read_header
 from tests.agent.local_node import checkpoint_worker, local_executor
 from tests.helpers.polling import await_json
@@ -112,7 +112,7 @@ async def test_a_worker_that_waits_for_the_verdict_resumes_before_the_check_ends
     try:
         # Resumed and told the check is pending: it may load now, but it waits for the verdict.
         await _appears(ctl / "loading-before-verdict")
-        info = json.loads((ctl / "restore-complete").read_text())
+        info = parse_restore_complete((ctl / "restore-complete").read_text()) or {}
         assert info["weightsCheck"] == "pending"
         await asyncio.sleep(0.3)
         assert not (ctl / "verify.json").exists()
@@ -160,7 +160,7 @@ async def test_a_worker_of_an_older_sdk_resumes_only_after_the_check(
         assert not (ctl / "restore-complete").exists()
         release.set()
         await restoring
-        info = json.loads((ctl / "restore-complete").read_text())
+        info = parse_restore_complete((ctl / "restore-complete").read_text()) or {}
         assert "weightsCheck" not in info
         assert (await await_json(ctl / "verify.json", settle=0.05))["weights_ok"]
         assert not (ctl / "loading-before-verdict").exists()

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from dynamo_snapshot.agent.zero_page_release import ZeroPageRelease, _subtract, namespace_pid, offering_pid
+from dynamo_snapshot.agent.runtime.base import namespace_pid
+from dynamo_snapshot.agent.zero_page_release import ZeroPageRelease, _subtract, offering_pid
 from dynamo_snapshot.api import protocol
 
 # A worker that signals ready, maps 64 MiB of private memory when told (every third page marked, the
@@ -104,7 +105,7 @@ def test_the_worker_drops_the_zero_pages_of_what_it_mapped_during_the_checkpoint
 def test_a_worker_that_does_not_offer_is_not_asked(worker: tuple[subprocess.Popen[bytes], Path]) -> None:
     proc, ctl = worker
     ready = json.loads((ctl / protocol.FILE_READY_FOR_SNAPSHOT).read_text())
-    assert protocol.READY_FEATURES not in ready
+    assert protocol.FEATURE_RELEASE_ZERO_PAGES not in ready[protocol.READY_FEATURES]
     assert ZeroPageRelease.prepare(ctl, [proc.pid]) is None
 
 

@@ -238,7 +238,9 @@ async def _verdict(s: Stack, name: str) -> tuple[str, str]:
     return message, reason
 
 
-async def test_bad_restores_are_refused_with_a_clear_message(stack: Stack, real_node: RealNode) -> None:
+async def test_bad_restores_are_refused_with_a_clear_message(
+    stack: Stack, cluster: LocalCluster, real_node: RealNode
+) -> None:
     s = stack
     s.start_agent(standby_timeout_seconds=4)
     ckpt, _ = await checkpointed_graph(s)
@@ -289,6 +291,11 @@ async def test_bad_restores_are_refused_with_a_clear_message(stack: Stack, real_
     assert reason == "RestoreFailed"
     assert "rootfs-diff.tar" in message
     assert "refused" in message
+    # The contract's restore-failed, in the container's control dir: a later container of the pod reads
+    # that the pod's restore was used (this SDK's standby then exits instead of waiting).
+    failed = f"{protocol.CONTROL_MOUNT_PATH}/{protocol.FILE_RESTORE_FAILED}"
+    said = cluster.kubectl("exec", "-n", s.namespace, "corrupt", "--", "cat", failed).stdout
+    assert json.loads(said)["message"] == message
 
     # An agent that cannot reach the container runtime's state names the path and the Helm value.
     await s.kill_agent()

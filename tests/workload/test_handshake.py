@@ -17,9 +17,11 @@ import pytest
 from dynamo_snapshot.api.protocol import (
     ENV_CONTROL_DIR,
     ENV_CONTROL_DIR_LEGACY,
+    FEATURE_RESTORE_COMPLETE_LINES,
     FILE_READY_FOR_SNAPSHOT,
     FILE_RESTORE_COMPLETE,
     FILE_SNAPSHOT_COMPLETE,
+    READY_FEATURES,
 )
 from dynamo_snapshot.workload import (
     DEFAULT_POLL_INTERVAL,
@@ -365,7 +367,7 @@ def test_the_zero_page_offer_ends_with_a_wait_that_gave_up(ctl: Path) -> None:
     h = SnapshotHandshake()
     h.signal_ready()
     ready = json.loads((ctl / FILE_READY_FOR_SNAPSHOT).read_text())
-    assert ready["features"] == ["release-zero-pages"]
+    assert ready["features"] == [FEATURE_RESTORE_COMPLETE_LINES, "release-zero-pages"]
     server = h._zero_pages
     assert server is not None
     assert server.thread.is_alive()
@@ -378,5 +380,64 @@ def test_the_zero_page_offer_ends_with_a_wait_that_gave_up(ctl: Path) -> None:
 def test_a_worker_may_decline_the_zero_page_offer(ctl: Path) -> None:
     h = SnapshotHandshake(release_zero_pages=False)
     h.signal_ready()
-    assert "features" not in json.loads((ctl / FILE_READY_FOR_SNAPSHOT).read_text())
+    assert json.loads((ctl / FILE_READY_FOR_SNAPSHOT).read_text())["features"] == [
+        FEATURE_RESTORE_COMPLETE_LINES
+    ]
     assert h._zero_pages is None
+
+
+def test_the_ready_file_says_this_sdk_reads_the_contracts_restore_complete(ctl: Path) -> None:
+    SnapshotHandshake().signal_ready()
+    ready = json.loads((ctl / FILE_READY_FOR_SNAPSHOT).read_text())
+    assert FEATURE_RESTORE_COMPLETE_LINES in ready[READY_FEATURES]
+
+
+def test_restore_complete_as_the_contract_writes_it_carries_the_agents_document(ctl: Path, etc: Path) -> None:
+    """The restore-pod contract's lines: the pid as the container numbers it, and this agent's JSON
+    document (who the worker is now) under its key, read as that document."""
+    doc = {"env": {"POD_NAME": "restored-2", "POD_IP": "10.1.1.2"}, "hostname": "h2", "note": "a=b"}
+    (ctl / FILE_RESTORE_COMPLETE).write_text(f"pid=7\nrestore={json.dumps(doc)}\n")
+    info = SnapshotHandshake().wait_for_restore(timeout=5)
+    assert (info.restored, info.hostname, info.pod_name, info.pod_ip) == (
+        True,
+        "h2",
+        "restored-2",
+        "10.1.1.2",
+    )
+    assert info.content == {**doc, "pid": 7}
+
+
+def test_restore_complete_with_the_pid_alone_is_a_restore_with_the_pods_own_identity(
+    ctl: Path, etc: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another agent of the contract writes only the pid: the worker is restored all the same and reads
+    who it is from the pod (its environment, /etc/hostname and /etc/hosts)."""
+    (etc / "hostname").write_text("pod-b\n")
+    (etc / "hosts").write_text("127.0.0.1 localhost\n10.2.2.2 pod-b\n")
+    (ctl / FILE_RESTORE_COMPLETE).write_text("pid=12\n")
+    info = SnapshotHandshake().wait_for_restore(timeout=5)
+    assert (info.restored, info.hostname, info.pod_ip, info.content) == (
+        True,
+        "pod-b",
+        "10.2.2.2",
+        {"pid": 12},
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "complete"),
+    [
+        ("pid=7\nrestore={}\n", True),
+        ("pid=7\nrestore={}", False),  # the last line may still be growing
+        ('pid=7\nrestore={"podName": "x', False),  # cut inside the document
+        ("pid=x\n", False),
+        ("pid=7\nnot a key value line\n", False),
+        ("restore=[1, 2]\n", False),
+        ("other=1\n", False),  # none of the keys this SDK reads
+    ],
+)
+def test_contract_lines_are_complete_only_whole(text: str, complete: bool) -> None:
+    content, whole = hs._parse(text)
+    assert whole is complete, (text, content)
+    if complete:
+        assert content == {"pid": 7}

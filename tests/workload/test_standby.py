@@ -16,6 +16,7 @@ import pytest
 
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.workload import standby_requested
+from dynamo_snapshot.workload.standby import RESTORE_FAILED_EXIT
 from tests.helpers.polling import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -86,3 +87,55 @@ def test_sigterm_goes_to_the_restored_worker(placeholder: subprocess.Popen[bytes
 )
 def test_standby_is_asked_for_by_either_name(env: dict[str, str], expected: bool) -> None:
     assert standby_requested(env) is expected
+
+
+def _standby(ctl: Path, within: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", STANDBY, str(ctl)],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=within,
+    )
+
+
+def test_a_standby_started_after_the_pods_restore_failed_exits_saying_why(tmp_path: Path) -> None:
+    """A later container of a pod whose restore failed (the agent left restore-failed in the control dir)
+    waits for no restore: it exits, naming the agent's reason, and writes no restore-standby."""
+    (tmp_path / protocol.FILE_RESTORE_FAILED).write_text(json.dumps({"message": "CRIU restore failed: boom"}))
+    done = _standby(tmp_path, within=20)
+    assert done.returncode == RESTORE_FAILED_EXIT != 0
+    assert "this pod's restore failed (CRIU restore failed: boom)" in done.stdout
+    assert not (tmp_path / protocol.FILE_RESTORE_STANDBY).exists()
+
+
+@pytest.mark.parametrize("plant", ["fifo", "symlink", "garbage"])
+def test_restore_failed_is_read_only_as_a_regular_file(tmp_path: Path, plant: str) -> None:
+    """The control dir is the pod's: a fifo there must not hang the start, a link is not followed, and
+    an unreadable body still counts as the agent's word (with no reason)."""
+    target = tmp_path / protocol.FILE_RESTORE_FAILED
+    if plant == "fifo":
+        os.mkfifo(target)
+    elif plant == "symlink":
+        elsewhere = tmp_path.parent / f"{tmp_path.name}-elsewhere"
+        elsewhere.write_text(json.dumps({"message": "not the agent's"}))
+        target.symlink_to(elsewhere)
+    else:
+        target.write_bytes(b"\xff not json")
+    if plant == "garbage":
+        done = _standby(tmp_path, within=20)
+        assert done.returncode == RESTORE_FAILED_EXIT
+        assert "(no reason given)" in done.stdout
+        return
+    # No restore-failed counts: the standby waits as usual, saying so.
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STANDBY, str(tmp_path)], env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
+    try:
+        wait_for(
+            lambda: (tmp_path / protocol.FILE_RESTORE_STANDBY).is_file(), within=20, what="restore-standby"
+        )
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()

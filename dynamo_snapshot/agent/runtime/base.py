@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,6 +124,22 @@ def pid_running(pid: int, start_time: int | None = None) -> bool:
     if stat is None or stat.state in ("Z", "X"):
         return False
     return start_time is None or stat.start_time == start_time
+
+
+def nspids(pid: int, proc: Path = Path("/proc")) -> list[int]:
+    """`pid`'s number in each PID namespace it is in, the host's first (/proc/PID/status NSpid); empty when
+    it is gone."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in (proc / str(pid) / "status").read_text().splitlines():
+            if line.startswith("NSpid:"):
+                return [int(p) for p in line.split()[1:]]
+    return []
+
+
+def namespace_pid(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """`pid` as its own PID namespace numbers it (NSpid's last); None when it is gone."""
+    ids = nspids(pid, proc)
+    return ids[-1] if ids else None
 
 
 async def wait_exit(pid: int) -> None:

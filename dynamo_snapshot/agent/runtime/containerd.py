@@ -35,6 +35,7 @@ from dynamo_snapshot.agent.runtime.base import (
     Workload,
     WorkloadRuntimeError,
     WorkloadSpec,
+    nspids,
     pid_running,
     proc_stat,
 )
@@ -541,16 +542,6 @@ def _kill_descendants(pid: int) -> None:
             os.kill(child, signal.SIGKILL)
 
 
-def _nspids(pid: int) -> list[int]:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("NSpid:"):
-                return [int(p) for p in line.split()[1:]]
-    except OSError:
-        pass
-    return []
-
-
 def _restored_child(placeholder: int) -> int | None:
     """The restored worker under a placeholder: its first child (the placeholder starts none)."""
     children = _children(placeholder)
@@ -563,8 +554,8 @@ async def _host_pid(placeholder: int, ns_pid: int, within: float = 2.0) -> int |
     deadline = time.monotonic() + within
     while True:
         for child in _children(placeholder):
-            nspids = _nspids(child)
-            if len(nspids) >= 2 and nspids[1] == ns_pid:
+            ids = nspids(child)
+            if len(ids) >= 2 and ids[1] == ns_pid:
                 return child
         if time.monotonic() > deadline:
             return None
