@@ -19,7 +19,9 @@ __all__ = ["JSON", "LINES", "MANIFEST_KEY", "content", "format_for_worker"]
 MANIFEST_KEY: Final = "restoreComplete"
 LINES: Final = "lines"
 JSON: Final = "json"
-_READY_MAX = 64 << 10
+# Far above any ready file this SDK writes: one too long to read counts as not this SDK's, and an SDK that
+# reads only JSON must not be taken for that.
+_READY_MAX = 1 << 20
 
 
 def format_for_worker(control_dir: Path) -> str:
