@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import requests
+import urllib3
 from prometheus_api_client.exceptions import PrometheusApiClientException
 from prometheus_api_client.prometheus_connect import PrometheusConnect
 from urllib3.util.retry import Retry
@@ -115,9 +116,14 @@ def _connection_reason(error: requests.RequestException) -> str:
     """Why a request got no answer, as the operating system said it (``connection refused``)."""
     if isinstance(error, requests.Timeout):
         return "timed out"
-    for cause in _causes(error):
+    causes = list(_causes(error))
+    for cause in causes:
         if isinstance(cause, OSError) and cause.strerror:
             return cause.strerror.strip().lower()
+    # With retries off, requests reports a read that timed out as a ConnectionError around it. (urllib3's
+    # failed connections are timeouts by class too: the operating system's word comes first, above.)
+    if any(isinstance(cause, urllib3.exceptions.TimeoutError | TimeoutError) for cause in causes):
+        return "timed out"
     return _one_line(f"{type(error).__name__}: {error}", 200)
 
 

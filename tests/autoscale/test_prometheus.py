@@ -13,8 +13,11 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+import requests
+import urllib3
 from prometheus_client.parser import text_string_to_metric_families
 
+from dynamo_snapshot.autoscale import prometheus
 from dynamo_snapshot.autoscale.prometheus import (
     InvalidQuery,
     MetricsUnavailable,
@@ -376,3 +379,15 @@ def test_missing_prometheus_binary_is_one_clear_line(tmp_path: Path) -> None:
         LocalPrometheus(binary=tmp_path / "prometheus").start()
     assert str(caught.value).startswith("prometheus is missing: run scripts/test-env.sh")
     assert "\n" not in str(caught.value)
+
+
+def test_a_read_that_timed_out_behind_the_retry_is_said_to_have_timed_out() -> None:
+    """With retries off, requests raises a ConnectionError around urllib3's MaxRetryError around the read
+    timeout: it is a timeout all the same, not an unreachable server."""
+    url = "/api/v1/query?query=1"
+    timed_out = urllib3.exceptions.ReadTimeoutError(None, url, "Read timed out. (read timeout=0.5)")  # type: ignore[arg-type]
+    error = requests.ConnectionError(urllib3.exceptions.MaxRetryError(None, url, reason=timed_out))  # type: ignore[arg-type]
+    assert prometheus._connection_reason(error) == "timed out"
+    refused = ConnectionRefusedError(111, "Connection refused")
+    error = requests.ConnectionError(urllib3.exceptions.MaxRetryError(None, url, reason=refused))  # type: ignore[arg-type]
+    assert prometheus._connection_reason(error) == "connection refused"
