@@ -34,8 +34,8 @@ from dynamo_snapshot.agent.metrics import BYTES, PREFETCH_BYTES, PREFETCH_SKIPPE
 from dynamo_snapshot.agent.node import Node
 from dynamo_snapshot.agent.page_images import PagesScratch, StagedPages
 from dynamo_snapshot.agent.prefetch import PREFETCH_FILE, PrefetchStats, prefetch, read_plan, read_whole
-from dynamo_snapshot.agent.runtime.base import Workload, WorkloadRuntimeError, namespace_pid
-from dynamo_snapshot.agent.sentinels import present, write_sentinel, write_sentinel_bytes
+from dynamo_snapshot.agent.runtime.base import Workload, WorkloadRuntimeError
+from dynamo_snapshot.agent.sentinels import present, write_sentinel
 from dynamo_snapshot.agent.timings import Timings
 from dynamo_snapshot.agent.weights import (
     CarriedWeights,
@@ -413,10 +413,12 @@ class RestoreRun:
         if weights_pending:
             info[protocol.RESTORE_WEIGHTS_CHECK] = protocol.WEIGHTS_CHECK_PENDING
         fmt = self.artifact.manifest.extra.get(restore_complete.MANIFEST_KEY)
-        pid = await asyncio.to_thread(namespace_pid, workload.pid)
-        data = restore_complete.content(info, pid, str(fmt or restore_complete.JSON))
         await asyncio.to_thread(
-            write_sentinel_bytes, workload.control_dir / protocol.FILE_RESTORE_COMPLETE, data
+            restore_complete.write,
+            workload.control_dir,
+            info,
+            workload.pid,
+            str(fmt or restore_complete.JSON),
         )
 
 

@@ -1,6 +1,7 @@
 """Files the agent exchanges with a worker through its control directory: sentinels it writes
-(restore-complete, snapshot-complete, weights-verified, restore-context.json, release-zero-pages.json),
-JSON seen whole or not at all, and small JSON files the worker writes for it.
+(restore-complete, restore-failed, snapshot-complete, weights-verified, restore-context.json,
+release-zero-pages.json), seen whole or not at all, and small JSON files the worker writes for it (its
+ready file among them).
 
 The directory is the tenant's to write: a link, a FIFO, a device node or a hard link planted under a
 name the agent is about to write or read must not turn the privileged agent's write into one elsewhere
@@ -13,16 +14,27 @@ a name is present only as what it is, never as what a link points to.
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import stat
 from pathlib import Path
 from typing import Any
 
+from dynamo_snapshot.api import protocol
 from dynamo_snapshot.fileio import write_atomic
-from dynamo_snapshot.fileio.beneath import lstat_beneath, open_regular_beneath, opened_dir, reopen
+from dynamo_snapshot.fileio.beneath import lstat_beneath, opened_dir, read_json_beneath
 
-__all__ = ["present", "read_worker_json", "regular_present", "write_sentinel", "write_sentinel_bytes"]
+__all__ = [
+    "present",
+    "ready_json",
+    "ready_lists",
+    "regular_present",
+    "write_sentinel",
+    "write_sentinel_bytes",
+]
+
+# Far above any ready file a worker writes (this SDK's is a few hundred bytes).
+_READY_MAX = 1 << 20
 
 
 def write_sentinel(path: Path, doc: dict[str, Any]) -> None:
@@ -34,21 +46,19 @@ def write_sentinel_bytes(path: Path, data: bytes) -> None:
     write_atomic(path, data, mode=0o644, durable=False)
 
 
-def read_worker_json(path: Path, limit: int) -> Any:
-    """The JSON of the file ``path`` (a name in a control directory) the worker wrote, read up to
-    ``limit`` bytes. OSError when it is missing, a link or not a regular file with one name; ValueError
-    when it is longer than ``limit`` or not JSON."""
-    with opened_dir(path.parent) as directory:
-        handle = open_regular_beneath(directory, path.name, what="worker file")
-        try:
-            fd = reopen(handle)
-        finally:
-            os.close(handle)
-    with os.fdopen(fd, "rb") as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise ValueError(f"{path.name} is longer than {limit} bytes")
-    return json.loads(data)
+def ready_json(control_dir: Path) -> Any:
+    """The JSON of the first ready file in ``control_dir`` that holds JSON (this SDK's; Dynamo's is the
+    text "ready"), read as any file the worker wrote; None where none does."""
+    for name in protocol.FILES_READY:
+        with contextlib.suppress(OSError, ValueError):
+            return read_json_beneath(control_dir / name, _READY_MAX, what="worker file")
+    return None
+
+
+def ready_lists(doc: Any, feature: str) -> bool:
+    """Whether a ready file's JSON (``ready_json``) lists ``feature`` among its features."""
+    features = doc.get(protocol.READY_FEATURES) if isinstance(doc, dict) else None
+    return isinstance(features, list) and feature in features
 
 
 def present(path: Path) -> bool:

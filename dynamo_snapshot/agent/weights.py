@@ -29,7 +29,6 @@ from pathlib import Path, PurePosixPath
 
 from pydantic import JsonValue
 
-from dynamo_snapshot.agent.sentinels import read_worker_json
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.fileio import copy_file
 from dynamo_snapshot.fileio.beneath import (
@@ -40,6 +39,7 @@ from dynamo_snapshot.fileio.beneath import (
     open_dirs_beneath,
     open_regular_beneath,
     opened_dir,
+    read_json_beneath,
     temporary_name,
 )
 from dynamo_snapshot.workload.weights import (
@@ -144,10 +144,12 @@ def locate(
 
 
 def read_offload(control_dir: Path) -> OffloadManifest | None:
-    """The worker's weights.json, read as any file the worker wrote (``sentinels.read_worker_json``);
+    """The worker's weights.json, read as any file the worker wrote (``fileio.beneath.read_json_beneath``);
     None when there is none."""
     try:
-        doc = read_worker_json(control_dir / protocol.FILE_WEIGHTS_MANIFEST, _MAX_MANIFEST_BYTES)
+        doc = read_json_beneath(
+            control_dir / protocol.FILE_WEIGHTS_MANIFEST, _MAX_MANIFEST_BYTES, what="worker file"
+        )
     except FileNotFoundError:
         return None
     except OSError as e:

@@ -22,8 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
 from dynamo_snapshot.agent.metrics import ZERO_PAGES_RELEASED
 from dynamo_snapshot.agent.runtime.base import namespace_pid
-from dynamo_snapshot.agent.sentinels import present, read_worker_json, write_sentinel
+from dynamo_snapshot.agent.sentinels import present, ready_json, ready_lists, write_sentinel
 from dynamo_snapshot.api import protocol
+from dynamo_snapshot.fileio.beneath import read_json_beneath
 from dynamo_snapshot.workload.zero_pages import private_anonymous, read_maps
 
 __all__ = ["ZeroPageRelease", "ZeroPagesReleased"]
@@ -58,16 +59,11 @@ class ZeroPagesReleased(BaseModel):
 
 def offering_pid(control_dir: Path) -> int | None:
     """The pid (as the worker sees it) of the process whose ready file offers to drop its zero pages."""
-    for name in protocol.FILES_READY:
-        with contextlib.suppress(OSError, ValueError):
-            doc = read_worker_json(control_dir / name, _MAX_JSON_BYTES)
-            if not isinstance(doc, dict):
-                continue
-            features = doc.get(protocol.READY_FEATURES)
-            pid = doc.get("pid")
-            if isinstance(features, list) and protocol.FEATURE_RELEASE_ZERO_PAGES in features:
-                return pid if type(pid) is int else None
-    return None
+    doc = ready_json(control_dir)
+    if not ready_lists(doc, protocol.FEATURE_RELEASE_ZERO_PAGES):
+        return None
+    pid = doc.get("pid")
+    return pid if type(pid) is int else None
 
 
 @dataclass
@@ -159,7 +155,7 @@ def _exchange(control_dir: Path, doc: dict[str, object], wait_s: float) -> objec
             if time.monotonic() > deadline:
                 return None
             time.sleep(_POLL_S)
-        return read_worker_json(answer, _MAX_JSON_BYTES)
+        return read_json_beneath(answer, _MAX_JSON_BYTES, what="worker file")
     finally:
         for path in (request, answer):
             path.unlink(missing_ok=True)

@@ -19,11 +19,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import json
 import os
 import secrets
 import stat
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 __all__ = [
     "UnsafePath",
@@ -35,6 +37,7 @@ __all__ = [
     "open_dirs_beneath",
     "open_regular_beneath",
     "opened_dir",
+    "read_json_beneath",
     "reopen",
     "temporary_name",
 ]
@@ -251,6 +254,23 @@ def open_regular_beneath(
 def reopen(fd: int, flags: int = os.O_RDONLY) -> int:
     """A new descriptor of the file behind the (``O_PATH``) descriptor ``fd``, opened with ``flags``."""
     return os.open(fd_path(fd), flags | os.O_CLOEXEC)
+
+
+def read_json_beneath(path: Path, limit: int, *, what: str = "file") -> Any:
+    """The JSON of the file ``path`` (a name in a directory another party writes), read up to ``limit``
+    bytes beneath the directory's descriptor. OSError when it is missing, a link or not a regular file with
+    one name (a fifo is refused, never opened); ValueError when it is longer than ``limit`` or not JSON."""
+    with opened_dir(path.parent) as directory:
+        handle = open_regular_beneath(directory, path.name, what=what)
+        try:
+            fd = reopen(handle)
+        finally:
+            os.close(handle)
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{path.name} is longer than {limit} bytes")
+    return json.loads(data)
 
 
 def open_dirs_beneath(dirfd: int, rel: str | PurePosixPath, *, create: bool, mode: int = 0o755) -> int:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import stat
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,6 +29,7 @@ from dynamo_snapshot.api.protocol import (
     RESTORE_CONTEXT_ENV_NAMES,
 )
 from dynamo_snapshot.fileio import write_atomic
+from dynamo_snapshot.fileio.beneath import read_json_beneath
 from dynamo_snapshot.workload.handshake import control_dir
 
 __all__ = ["RESTORE_FAILED_EXIT", "run_standby", "standby_requested"]
@@ -43,19 +43,12 @@ _RESTORE_FAILED_MAX = 64 << 10
 
 def _restore_failed(ctl: Path) -> str | None:
     """What the agent's restore-failed says (its message, else that it is there); None without it. Only a
-    regular file counts: the directory is the pod's own, and a fifo put there must not hang the start."""
+    regular file with one name counts, read beneath the directory: it is the pod's own, and a fifo put
+    there must not hang the start."""
     try:
-        fd = os.open(ctl / FILE_RESTORE_FAILED, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        doc = read_json_beneath(ctl / FILE_RESTORE_FAILED, _RESTORE_FAILED_MAX)
     except OSError:
         return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        raw = os.read(fd, _RESTORE_FAILED_MAX)
-    finally:
-        os.close(fd)
-    try:
-        doc = json.loads(raw)
     except ValueError:
         doc = None
     message = doc.get("message") if isinstance(doc, dict) else None

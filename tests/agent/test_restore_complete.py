@@ -107,9 +107,9 @@ def test_this_sdks_ready_file_asks_for_what_it_reads(tmp_path: Path, monkeypatch
     SnapshotHandshake().signal_ready()
     fmt = restore_complete.format_for_worker(ctl)
     assert fmt == restore_complete.LINES
-    data = restore_complete.content(DOC, namespace_pid(os.getpid()), fmt)
-    (ctl / protocol.FILE_RESTORE_COMPLETE).write_bytes(data)
+    restore_complete.write(ctl, DOC, os.getpid(), fmt)
     info = SnapshotHandshake().wait_for_restore(timeout=5)
     assert info.restored
     assert info.pod_name == "restored-1"
-    assert _contract_pid(data) == os.getpid()  # no PID namespace of its own here
+    data = (ctl / protocol.FILE_RESTORE_COMPLETE).read_bytes()
+    assert _contract_pid(data) == namespace_pid(os.getpid()) == os.getpid()  # no PID namespace of its own

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dynamo_snapshot.agent.sentinels import read_worker_json, write_sentinel
+from dynamo_snapshot.agent.sentinels import write_sentinel
+from dynamo_snapshot.fileio.beneath import read_json_beneath
 
 
 def test_a_link_planted_at_the_sentinel_is_replaced_not_written_through(tmp_path: Path) -> None:
@@ -32,19 +33,19 @@ def test_worker_json_is_read_from_a_regular_file_only_and_never_blocks(tmp_path:
     secret.write_text('{"token": "x"}')
     (tmp_path / "link").symlink_to(secret)
     with pytest.raises(OSError, match="symbolic link") as refused:
-        read_worker_json(tmp_path / "link", 1024)
+        read_json_beneath(tmp_path / "link", 1024)
     assert refused.value.errno == errno.ELOOP
     os.mkfifo(tmp_path / "fifo")
     done = threading.Event()
 
     def read_fifo() -> None:
         with pytest.raises(OSError, match="not a regular file"):
-            read_worker_json(tmp_path / "fifo", 1024)
+            read_json_beneath(tmp_path / "fifo", 1024)
         done.set()
 
     threading.Thread(target=read_fifo, daemon=True).start()
     assert done.wait(5), "reading a FIFO blocked"
     (tmp_path / "big").write_text(json.dumps({"x": "y" * 2000}))
     with pytest.raises(ValueError, match="longer than"):
-        read_worker_json(tmp_path / "big", 1024)
-    assert read_worker_json(secret, 1024) == {"token": "x"}
+        read_json_beneath(tmp_path / "big", 1024)
+    assert read_json_beneath(secret, 1024) == {"token": "x"}
