@@ -108,9 +108,11 @@ class EventRecorder:
             if len(message) > _MAX_MESSAGE:
                 message = message[: _MAX_MESSAGE - 3] + "..."
             self._pending.put_nowait((ref, type_, reason, message))
-            # The log carries every Event too: they outlive the apiserver's event TTL there.
+            # The log carries every Event too (they outlive the apiserver's event TTL there); one said again
+            # (a count on the same Event) only at debug, so a reconcile that repeats it does not flood it.
+            repeated = (ref, type_, reason, message) in self._seen
             log.log(
-                logging.WARNING if type_ == WARNING else logging.INFO,
+                logging.DEBUG if repeated else logging.WARNING if type_ == WARNING else logging.INFO,
                 "event",
                 extra={"object": ref.describe(), "reason": reason, "event_message": message},
             )

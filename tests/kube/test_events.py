@@ -82,3 +82,30 @@ async def test_failures_are_logged_not_raised(kube: Kube, caplog: pytest.LogCapt
     messages = [r.message for r in caplog.records]
     assert messages.count("event write failed") == 1, messages  # the apiserver refused it
     assert messages.count("event about an object without kind or name dropped") == 1, messages
+
+
+async def test_events_are_logged_once_at_their_level(
+    kube: Kube, namespace: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The log carries each Event (a Warning as a warning), and one said again only at debug."""
+    cm = await kube.create(CONFIG_MAP, {"metadata": {"name": "logged"}}, namespace)
+    rec = EventRecorder(kube, "dynamo-snapshot-controller")
+    caplog.set_level(logging.DEBUG, logger="dynamo_snapshot.kube.events")
+    rec.record(cm, WARNING, "WorkerLost", "pod p lost")
+    async with asyncio.timeout(10):
+        await rec.flush()
+    rec.record(cm, WARNING, "WorkerLost", "pod p lost")
+    rec.record(cm, NORMAL, "ScaledUp", "created 1 pod")
+    async with asyncio.timeout(10):
+        await rec.flush()
+    said = [
+        (r.levelno, getattr(r, "object", None), getattr(r, "reason", None), getattr(r, "event_message", None))
+        for r in caplog.records
+        if r.getMessage() == "event"
+    ]
+    assert said == [
+        (logging.WARNING, f"ConfigMap/{namespace}/logged", "WorkerLost", "pod p lost"),
+        (logging.DEBUG, f"ConfigMap/{namespace}/logged", "WorkerLost", "pod p lost"),
+        (logging.INFO, f"ConfigMap/{namespace}/logged", "ScaledUp", "created 1 pod"),
+    ]
+    await rec.close()
