@@ -382,6 +382,14 @@ class RestoreRun:
                     await self.placing
                 else:
                     await asyncio.to_thread(self._place_weights, workload)
+        # The writable layer's files CRIU did not need, written beside the restore until now.
+        with self.timings.phase("restore", "writable_layer_wait"):
+            try:
+                beside = await self.node.runtime.finish_restore(self.key)
+            except WorkloadRuntimeError as e:
+                raise AgentError(f"restore failed: {e}") from None
+        if beside is not None:
+            self.timings.overlapped["writable_layer_rest"] = round(beside, 4)
         # A worker restored here later must not find this restore's go-ahead.
         undo.push_async_callback(_withdraw_go_ahead, workload.control_dir)
         with self.timings.phase("restore", "signal"):

@@ -10,6 +10,7 @@ import asyncio
 import hashlib
 import json
 import os
+import tarfile
 import urllib.error
 import urllib.request
 import uuid
@@ -35,8 +36,10 @@ pytestmark = [pytest.mark.cluster, pytest.mark.kubelet]
 PORT = 8080
 # The source writes a token into its writable layer, deletes an image file and serves both over HTTP;
 # a counter on stdout shows the process (not a new one) carries on.
+# The shell holds the token open (CRIU opens it again at restore); /www/later it does not hold.
 SOURCE_SCRIPT = (
-    "echo token-$$-$(date +%s%N) > /www/token; rm /www/index.html; httpd -p 8080 -h /www; "
+    "echo token-$$-$(date +%s%N) > /www/token; exec 3< /www/token; echo later > /www/later; "
+    "rm /www/index.html; httpd -p 8080 -h /www; "
     "i=0; while true; do i=$((i+1)); echo tick $i; sleep 0.2; done"
 )
 
@@ -95,7 +98,12 @@ async def test_checkpoint_in_place_and_restore_into_another_pods_container(
     assert meta["imageID"] == image_id
     assert meta["stdio"][1].startswith("pipe:")
     assert {"/etc/hosts", protocol.CONTROL_MOUNT_PATH} <= set(meta["externalMounts"])
-    assert (images / DIFF_FILE).is_file()
+    # The layer's held file first, for CRIU; the file nothing holds after the count.
+    with tarfile.open(images / DIFF_FILE) as tar:
+        names = tar.getnames()[1:]
+    early = meta["rootfsDiff"]["early"]
+    assert "www/token" in names[:early]
+    assert "www/later" in names[early:]
     # The source is left running for its owner to end.
     assert pid_running(workload.pid)
     assert _get(f"http://{src_ip}:{PORT}/token") == token
@@ -108,11 +116,16 @@ async def test_checkpoint_in_place_and_restore_into_another_pods_container(
     restored = await runtime.restore("dst", images, None)
     assert restored.pid != workload.pid
     assert pid_running(restored.pid)
+    beside = await runtime.finish_restore("dst")
+    assert beside is not None
+    assert beside >= 0
+    assert await runtime.finish_restore("dst") is None
 
     # The restored tree answers on the target pod's IP, with the source's writable layer (the token it
     # wrote, the file it deleted).
     assert _get(f"http://{dst_ip}:{PORT}/token") == token
     assert _http_code(f"http://{dst_ip}:{PORT}/index.html") == 404
+    assert _get(f"http://{dst_ip}:{PORT}/later") == "later\n"
     # It lives in the target container's cgroup, PID namespace and log.
     target_uid = target["metadata"]["uid"]
     cgroups = await asyncio.to_thread(Path(f"/proc/{restored.pid}/cgroup").read_text)
@@ -200,3 +213,31 @@ async def test_a_socket_bound_to_the_old_pod_ip_is_refused_with_a_clear_message(
     assert [int(c) for c in children.split() if pid_running(int(c))] == []
     hostname = cluster.kubectl("exec", "-n", namespace, "elsewhere", "--", "hostname").stdout.strip()
     assert hostname == "elsewhere"
+
+
+async def test_a_layer_that_fails_beside_the_restore_fails_it_and_stop_ends_the_tree(
+    cluster: LocalCluster, real_node: RealNode, namespace: str, runtime: ContainerdRuntime, tmp_path: Path
+) -> None:
+    """A member of the writable layer's later part that cannot be written (a device node, added after
+    the count of what CRIU needs) fails the restore when it is waited for, naming the member; the
+    restored tree is then stopped and nothing of it runs in the pod."""
+    source = _run(cluster, namespace, _pod(real_node, "layered", ["/bin/sh", "-c", SOURCE_SCRIPT]))
+    cid, _ = _status(source)
+    images = tmp_path / "images"
+    images.mkdir()
+    await runtime.dump(await runtime.attach("layered", cid), images)
+    with tarfile.open(images / DIFF_FILE, "a") as tar:
+        device = tarfile.TarInfo("www/sda")
+        device.type, device.devmajor, device.devminor = tarfile.CHRTYPE, 8, 0
+        tar.addfile(device)
+
+    target = _run(cluster, namespace, _pod(real_node, "broken", ["/bin/sleep", "100000"], standby=True))
+    tcid, _ = _status(target)
+    placeholder = await runtime.attach("broken", tcid)
+    restored = await runtime.restore("broken", images, None)
+    assert pid_running(restored.pid)
+    with pytest.raises(WorkloadRuntimeError, match="writable layer not applied: /www/sda: the diff holds a"):
+        await runtime.finish_restore("broken")
+    await runtime.stop("broken")
+    wait_for(lambda: not pid_running(restored.pid), within=10, what="the restored tree to end")
+    assert await runtime.find("broken") is None or not pid_running(placeholder.pid)

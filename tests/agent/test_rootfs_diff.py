@@ -19,6 +19,7 @@ import pytest
 
 from dynamo_snapshot.agent.runtime.rootfs_diff import (
     HEADER_NAME,
+    DiffApply,
     RootfsDiffError,
     apply_diff,
     capture_diff,
@@ -410,6 +411,9 @@ def test_a_format_1_diff_still_applies_with_its_pax_mtimes(tmp_path: Path) -> No
         ),
         (lambda p: _diff_tar(p, header={"format": 2, "mtimes": {"../x": 1}}), "mtimes path"),
         (lambda p: _diff_tar(p, header={"format": 1, "deleted": "etc"}), "'deleted' is not a list of paths"),
+        (lambda p: _diff_tar(p, header={"format": 2, "early": -1}), "'early' is -1, not a count"),
+        (lambda p: _diff_tar(p, header={"format": 2, "early": True}), "'early' is True, not a count"),
+        (lambda p: _diff_tar(p, header={"format": 2, "early": "3"}), "'early' is '3', not a count"),
         (lambda p: p.write_bytes(b"not a tar at all" * 64) and p, "not a readable rootfs diff tar"),
     ],
     ids=[
@@ -419,6 +423,9 @@ def test_a_format_1_diff_still_applies_with_its_pax_mtimes(tmp_path: Path) -> No
         "bad-mtimes",
         "mtime-out-of-tree",
         "bad-list",
+        "negative-early",
+        "bool-early",
+        "string-early",
         "not-a-tar",
     ],
 )
@@ -445,3 +452,108 @@ def test_a_missing_diff_or_root_is_named(tmp_path: Path) -> None:
         apply_diff(tmp_path / "nothing.tar", tmp_path)
     with pytest.raises(RootfsDiffError, match=f"^{tmp_path}/no-upper: No such file"):
         capture_diff(tmp_path / "no-upper", tmp_path / "d.tar")
+
+
+def _layer(upper: Path) -> Path:
+    for d in ("app/cache/k1", "app/cache/k2", "usr/lib"):
+        (upper / d).mkdir(parents=True)
+    (upper / "app" / "cache" / "k1" / "launcher.so").write_bytes(b"\x7fELF mapped")
+    (upper / "app" / "cache" / "k1" / "kernel.ptx").write_text("ptx")
+    (upper / "app" / "cache" / "k2" / "kernel.ptx").write_text("ptx 2")
+    (upper / "app" / "log.txt").write_text("open for append")
+    (upper / "app" / "current").symlink_to("cache/k1")
+    (upper / "zz.txt").write_text("last")
+    return upper
+
+
+def test_what_the_tree_holds_is_written_first_and_counted(tmp_path: Path) -> None:
+    upper = _layer(tmp_path / "upper")
+    held = {"/app/cache/k1/launcher.so", "/app/log.txt", "/usr/lib/libc.so.6", "/app"}
+    stats = capture_diff(upper, tmp_path / "d.tar", held=held)
+    with tarfile.open(tmp_path / "d.tar") as tar:
+        names = tar.getnames()
+        header = tar.extractfile(HEADER_NAME)
+        assert header is not None
+        doc = json.loads(header.read())
+    first = [
+        "app", "app/cache", "app/cache/k1", "app/cache/k1/launcher.so", "app/cache/k2", "app/current",
+        "app/log.txt", "usr", "usr/lib",
+    ]  # fmt: skip
+    assert names == [HEADER_NAME, *first, "app/cache/k1/kernel.ptx", "app/cache/k2/kernel.ptx", "zz.txt"]
+    assert doc["early"] == stats.early == len(first)
+    # Without what the tree holds, nothing is told apart: a restore applies it all before CRIU.
+    plain = capture_diff(upper, tmp_path / "plain.tar")
+    assert plain.early is None
+    with tarfile.open(tmp_path / "plain.tar") as tar:
+        header = tar.extractfile(HEADER_NAME)
+        assert header is not None
+        assert "early" not in json.loads(header.read())
+
+
+def test_the_rest_is_written_apart_and_the_tree_ends_equal(tmp_path: Path) -> None:
+    upper = _layer(tmp_path / "upper")
+    capture_diff(upper, tmp_path / "d.tar", held={"/app/cache/k1/launcher.so"})
+    root = tmp_path / "root"
+    root.mkdir()
+    applying = DiffApply(tmp_path / "d.tar", root)
+    applying.early()
+    assert not applying.complete
+    assert (root / "app" / "cache" / "k1" / "launcher.so").read_bytes() == b"\x7fELF mapped"
+    assert (root / "app" / "current").is_symlink()
+    assert (root / "app" / "cache" / "k2").is_dir()
+    assert not (root / "app" / "cache" / "k1" / "kernel.ptx").exists()
+    assert not (root / "zz.txt").exists()
+    stats = applying.rest()
+    assert _tree(root) == _tree(upper)
+    assert (stats.files, stats.bytes) == (
+        12,
+        sum(len(f.read_bytes()) for f in upper.rglob("*") if f.is_file() and not f.is_symlink()),
+    )
+    # The directories' mtimes are set last, once nothing more is written into them.
+    assert (root / "app" / "cache" / "k2").stat().st_mtime_ns == (
+        upper / "app" / "cache" / "k2"
+    ).stat().st_mtime_ns
+
+
+def test_a_diff_without_the_count_is_written_whole_by_early(tmp_path: Path) -> None:
+    upper = _layer(tmp_path / "upper")
+    capture_diff(upper, tmp_path / "d.tar")
+    root = tmp_path / "root"
+    root.mkdir()
+    applying = DiffApply(tmp_path / "d.tar", root)
+    applying.early()
+    assert applying.complete
+    assert (root / "zz.txt").read_text() == "last"
+    applying.rest()
+    assert _tree(root) == _tree(upper)
+
+
+def test_a_stopped_rest_says_so_and_writes_no_more(tmp_path: Path) -> None:
+    upper = _layer(tmp_path / "upper")
+    capture_diff(upper, tmp_path / "d.tar", held=set())
+    root = tmp_path / "root"
+    root.mkdir()
+    applying = DiffApply(tmp_path / "d.tar", root)
+    applying.early()
+    applying.stop.set()
+    with pytest.raises(RootfsDiffError, match="applying stopped, the restore having ended"):
+        applying.rest()
+    assert not (root / "zz.txt").exists()
+    applying.close()  # once more: nothing left to close
+
+
+def test_a_planted_symlink_in_the_rest_is_refused_there(tmp_path: Path) -> None:
+    """The restored worker runs while the rest is written: a link it puts where a directory of the
+    diff belongs is refused, never followed."""
+    upper = _layer(tmp_path / "upper")
+    capture_diff(upper, tmp_path / "d.tar", held=set())
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir()
+    outside.mkdir()
+    applying = DiffApply(tmp_path / "d.tar", root)
+    applying.early()
+    shutil.rmtree(root / "app" / "cache" / "k2")
+    (root / "app" / "cache" / "k2").symlink_to(outside)
+    with pytest.raises(RootfsDiffError, match="/app/cache/k2 in the target root filesystem is a symlink"):
+        applying.rest()
+    assert list(outside.iterdir()) == []

@@ -84,7 +84,14 @@ class Runtime(Protocol):
     async def prepare_restore(self, key: str, images_dir: Path) -> None:
         """Put into the restore's target what the dumped tree needs there besides CRIU's images (a
         container's writable layer: files the worker wrote, some of them mapped); nothing where the target
-        needs none. Called once before ``restore``, on images already verified."""
+        needs none. Called once before ``restore``, on images already verified. What CRIU does not open
+        may go on being written beside the restore until ``finish_restore``."""
+        ...
+
+    async def finish_restore(self, key: str) -> float | None:
+        """Returns once what ``prepare_restore`` left writing is written (before the worker is told to
+        go on): the seconds that writing took, None where it left none. A failure there fails the
+        restore; a restore that fails or stops sooner ends that writing itself."""
         ...
 
     async def restore(self, key: str, images_dir: Path, source_control_dir: str | None) -> Workload:

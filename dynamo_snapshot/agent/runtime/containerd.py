@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,10 +49,11 @@ from dynamo_snapshot.agent.runtime.container_cgroups import (
     restore_cgroup_source,
 )
 from dynamo_snapshot.agent.runtime.container_gpus import container_gpus_given
+from dynamo_snapshot.agent.runtime.held_files import held_paths
 from dynamo_snapshot.agent.runtime.rootfs_diff import (
     DIFF_FILE,
+    DiffApply,
     RootfsDiffError,
-    apply_diff,
     capture_diff,
     overlay_upperdir,
 )
@@ -120,6 +122,9 @@ class _Attached:
     restored_pid: int | None = None
     restored_start: int | None = None
     layer_applied: bool = False
+    # The writable layer's files CRIU does not open, written beside it; seconds it took.
+    layer_rest: asyncio.Task[float] | None = None
+    layer_stop: threading.Event | None = None
 
 
 class ContainerdRuntime:
@@ -257,6 +262,8 @@ class ContainerdRuntime:
         """Kill what a restore put into the container (the placeholder then exits and the kubelet sees
         the container end); a checkpoint source is the kubelet's to stop."""
         attached = self._attached.get(key)
+        if attached is not None:
+            await self._abandon_layer(attached)
         if attached is None or attached.restored_pid is None:
             return
         # The placeholder exits with its restored tree; the one the kubelet starts next says anew that
@@ -294,13 +301,24 @@ class ContainerdRuntime:
                 f"container {c.id[:12]}'s root is not an overlay with a writable layer: its changes "
                 "cannot be carried (containerd's overlayfs snapshotter is needed)"
             )
+        # The tree is at its checkpoint: what it holds now is what CRIU will open at restore.
+        held = await asyncio.to_thread(lambda: held_paths([c.pid, *_descendants(c.pid)]))
         try:
             diff = await asyncio.to_thread(
-                capture_diff, upper, images_dir / DIFF_FILE, exclude=[m["destination"] for m in c.mounts]
+                capture_diff,
+                upper,
+                images_dir / DIFF_FILE,
+                exclude=[m["destination"] for m in c.mounts],
+                held=held,
             )
         except (RootfsDiffError, OSError) as e:
             raise WorkloadRuntimeError(f"writable layer of container {c.id[:12]}: {e}") from None
-        meta["rootfsDiff"] = {"files": diff.files, "bytes": diff.bytes, "deleted": diff.deleted}
+        meta["rootfsDiff"] = {
+            "files": diff.files,
+            "bytes": diff.bytes,
+            "deleted": diff.deleted,
+            "early": diff.early,
+        }
         await asyncio.to_thread((images_dir / CONTAINER_META).write_text, json.dumps(meta, indent=1))
         args = ["--root", str(c.rootfs), "--external", f"net[{_ns_inode(c.pid, 'net')}]:extNetNs"]
         for dest in sorted(external):
@@ -326,24 +344,69 @@ class ContainerdRuntime:
         return self._workload(key, attached)
 
     async def prepare_restore(self, key: str, images_dir: Path) -> None:
-        """The checkpointed container's writable layer onto the restore container's root filesystem."""
+        """The checkpointed container's writable layer onto the restore container's root filesystem:
+        what CRIU opens now, the rest beside CRIU until ``finish_restore``."""
         attached = self._get(key)
         target = attached.container
         if not pid_running(target.pid):
             raise WorkloadRuntimeError(f"restore container {target.id[:12]} stopped before the restore")
+        exclude = [m["destination"] for m in target.mounts]
+        applying: DiffApply | None = None
         try:
-            await asyncio.to_thread(
-                apply_diff,
-                images_dir / DIFF_FILE,
-                target.rootfs,
-                exclude=[m["destination"] for m in target.mounts],
+            applying = await asyncio.to_thread(
+                DiffApply, images_dir / DIFF_FILE, target.rootfs, exclude=exclude
             )
+            await asyncio.to_thread(applying.early)
         except (RootfsDiffError, OSError) as e:
+            if applying is not None:
+                applying.close()
             raise WorkloadRuntimeError(f"writable layer not applied: {e}") from None
         attached.layer_applied = True
+        if applying.complete:
+            await asyncio.to_thread(applying.rest)
+            return
+
+        def rest() -> float:
+            started = time.monotonic()
+            applying.rest()
+            return time.monotonic() - started
+
+        attached.layer_stop = applying.stop
+        attached.layer_rest = asyncio.create_task(asyncio.to_thread(rest))
+
+    async def finish_restore(self, key: str) -> float | None:
+        """The writable layer's files written beside CRIU, once all are: seconds they took, None where
+        the whole layer went before CRIU."""
+        attached = self._attached.get(key)
+        task = attached.layer_rest if attached is not None else None
+        if attached is None or task is None:
+            return None
+        attached.layer_rest = attached.layer_stop = None
+        try:
+            return await task
+        except (RootfsDiffError, OSError) as e:
+            raise WorkloadRuntimeError(f"writable layer not applied: {e}") from None
+
+    async def _abandon_layer(self, attached: _Attached) -> None:
+        """A restore that ended before its writable layer was: the writing stops and is waited for."""
+        task, stop = attached.layer_rest, attached.layer_stop
+        attached.layer_rest = attached.layer_stop = None
+        if task is not None and stop is not None:
+            stop.set()
+            with contextlib.suppress(RootfsDiffError, OSError):
+                await task
 
     async def restore(self, key: str, images_dir: Path, source_control_dir: str | None) -> Workload:
         attached = self._get(key)
+        try:
+            return await self._restore(key, attached, images_dir, source_control_dir)
+        except BaseException:
+            await self._abandon_layer(attached)
+            raise
+
+    async def _restore(
+        self, key: str, attached: _Attached, images_dir: Path, source_control_dir: str | None
+    ) -> Workload:
         if not attached.layer_applied:
             await self.prepare_restore(key, images_dir)
         target = attached.container

@@ -109,6 +109,9 @@ class ProcessRuntime:
     async def prepare_restore(self, key: str, images_dir: Path) -> None:
         return None  # the tree comes back onto the host's own files
 
+    async def finish_restore(self, key: str) -> float | None:
+        return None  # prepare_restore leaves nothing running
+
     async def restore(self, key: str, images_dir: Path, source_control_dir: str | None) -> Workload:
         if not source_control_dir:
             raise WorkloadRuntimeError("artifact does not record the source control dir")

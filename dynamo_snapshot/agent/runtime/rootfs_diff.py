@@ -1,6 +1,11 @@
 """A container's writable layer as a tar: captured from its overlayfs upperdir at checkpoint, applied into
 another live container's root filesystem at restore.
 
+The tar holds first what CRIU opens at restore (directories, symlinks and the files the checkpointed tree
+had mapped or open) and then every other file; its header counts the first part ("early"), so a restore
+can start CRIU once that part is written and write the rest beside it. A diff without the count is
+applied whole before CRIU.
+
 Applying runs as root on the host into a tree the tenant's image controls, so every path is walked one
 component at a time from a directory fd with O_NOFOLLOW: a symlink planted where a directory is expected is
 an error, never a way out of the tree. Capturing never follows a symlink either.
@@ -16,7 +21,8 @@ import re
 import shutil
 import stat
 import tarfile
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +58,7 @@ class DiffStats:
     bytes: int  # regular-file bytes
     deleted: int  # whiteouts (captured) / paths removed (applied)
     skipped: tuple[str, ...]  # container paths left out (devices, fifos, sockets, excluded...)
+    early: int | None = None  # captured: the members written first, for CRIU (None: not told apart)
 
 
 def _unescape(field: str) -> str:
@@ -140,9 +147,15 @@ def _parent(root_fd: int, rel: str, *, create: bool) -> Iterator[int | None]:
             os.close(fd)
 
 
-def capture_diff(upperdir: Path, out: Path, *, exclude: Sequence[str] = ()) -> DiffStats:
+def capture_diff(
+    upperdir: Path, out: Path, *, exclude: Sequence[str] = (), held: Collection[str] | None = None
+) -> DiffStats:
     """Write the writable layer at `upperdir` as an uncompressed tar at `out`: a JSON header of the
-    deleted (whiteout) and opaque paths first, then files, directories and symlinks in sorted order."""
+    deleted (whiteout) and opaque paths first, then files, directories and symlinks in sorted order.
+
+    Given `held` (the container paths the checkpointed tree has mapped or open), the directories,
+    symlinks and held files come first and the header counts them; without it the count is left out and
+    a restore applies the whole diff before CRIU."""
     excl = _excludes(exclude)
     entries: list[tuple[str, os.stat_result, str]] = []  # relative path, lstat, symlink target
     deleted: list[str] = []
@@ -182,10 +195,14 @@ def capture_diff(upperdir: Path, out: Path, *, exclude: Sequence[str] = ()) -> D
     try:
         walk(str(upperdir), "")
         mtimes = {rel: st.st_mtime_ns for rel, st, _ in entries if st.st_mtime_ns % _NS}
+        doc_fields: dict[str, object] = {"format": FORMAT, "deleted": deleted, "opaque": opaque}
+        if held is not None:
+            first = {"/" + rel for rel, st, _ in entries if not stat.S_ISREG(st.st_mode)} | set(held)
+            # A stable sort keeps the walk's order within each part.
+            entries.sort(key=lambda e: "/" + e[0] not in first)
+            doc_fields["early"] = sum(1 for rel, _, _ in entries if "/" + rel in first)
         with _naming(str(out)), tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
-            doc = json.dumps(
-                {"format": FORMAT, "deleted": deleted, "opaque": opaque, "mtimes": mtimes}
-            ).encode()
+            doc = json.dumps({**doc_fields, "mtimes": mtimes}).encode()
             header = tarfile.TarInfo(HEADER_NAME)
             header.size, header.mode = len(doc), 0o644
             tar.addfile(header, io.BytesIO(doc))
@@ -211,7 +228,10 @@ def capture_diff(upperdir: Path, out: Path, *, exclude: Sequence[str] = ()) -> D
                 nbytes += info.size
     finally:
         os.close(root_fd)
-    return DiffStats(len(entries), nbytes, len(deleted), tuple(skipped))
+    early = doc_fields.get("early")
+    return DiffStats(
+        len(entries), nbytes, len(deleted), tuple(skipped), early if isinstance(early, int) else None
+    )
 
 
 def _base(rel: str) -> str:
@@ -228,7 +248,15 @@ def _relpath(name: str, what: str) -> str:
     return "/".join(parts)
 
 
-def _read_header(tar: tarfile.TarFile, diff: Path) -> tuple[list[str], list[str], dict[str, int]]:
+@dataclass(frozen=True)
+class _Header:
+    deleted: list[str]
+    opaque: list[str]
+    mtimes: dict[str, int]
+    early: int | None  # members CRIU needs, written first; None: all of them
+
+
+def _read_header(tar: tarfile.TarFile, diff: Path) -> _Header:
     first = tar.next()
     if first is None or first.name != HEADER_NAME or not first.isreg() or first.size > _MAX_HEADER:
         found = repr(first.name) if first is not None else "nothing"
@@ -251,14 +279,20 @@ def _read_header(tar: tarfile.TarFile, diff: Path) -> tuple[list[str], list[str]
             raise RootfsDiffError(f"{diff}: the header's {key!r} is not a list of paths")
         lists.append([_relpath(p, f"{key} path") for p in paths])
     mtimes = doc.get("mtimes", {})
-    if not isinstance(mtimes, dict) or not all(
-        isinstance(v, int) and not isinstance(v, bool) for v in mtimes.values()
-    ):
+    if not isinstance(mtimes, dict) or not all(_is_int(v) for v in mtimes.values()):
         raise RootfsDiffError(f"{diff}: the header's 'mtimes' is not a map of paths to nanoseconds")
+    early = doc.get("early")
+    if early is not None and not (_is_int(early) and early >= 0):
+        raise RootfsDiffError(f"{diff}: the header's 'early' is {early!r}, not a count of members")
     try:
-        return lists[0], lists[1], {_relpath(k, "mtimes path"): v for k, v in mtimes.items()}
+        stamps = {_relpath(k, "mtimes path"): v for k, v in mtimes.items()}
     except RootfsDiffError as e:
         raise RootfsDiffError(f"{diff}: {e}") from None
+    return _Header(lists[0], lists[1], stamps, early)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class _Target:
@@ -367,28 +401,88 @@ class _Target:
         os.fchmod(fd, m.mode & 0o7777)  # after chown, which clears set-id bits
 
 
-def apply_diff(diff: Path, rootfs: Path, *, exclude: Sequence[str] = ()) -> DiffStats:
-    """Apply a `capture_diff` tar onto the live root filesystem directory `rootfs`: deleted paths removed,
-    opaque directories emptied, then the members written; paths under `exclude` are left alone."""
-    with _naming(str(rootfs)):
-        root = os.open(rootfs, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        with _naming(str(diff)), tarfile.open(diff, "r:") as tar:
-            deleted, opaque, mtimes = _read_header(tar, diff)
-            target = _Target(root, _excludes(exclude), mtimes)
-            for rel in deleted:
+class DiffApply:
+    """A `capture_diff` tar applied onto the live root filesystem directory `rootfs` in two steps:
+    `early` (deleted paths removed, opaque directories emptied, then the members CRIU needs) and `rest`
+    (every other member, then the directories' mtimes), which may run beside CRIU in another thread.
+    Paths under `exclude` are left alone. Closed by `rest`, or by `close` where it does not run."""
+
+    def __init__(self, diff: Path, rootfs: Path, *, exclude: Sequence[str] = ()) -> None:
+        self.diff = diff
+        self.stop = threading.Event()  # set: `rest` ends before its next member, unfinished
+        with _naming(str(rootfs)):
+            self._root = os.open(rootfs, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            with _naming(str(diff)), self._reading():
+                self._tar = tarfile.open(diff, "r:")  # noqa: SIM115 (closed by rest or close)
+        except BaseException:
+            os.close(self._root)
+            raise
+        self._exclude = _excludes(exclude)
+        self._target: _Target | None = None
+        self._early: int | None = None
+
+    @contextmanager
+    def _reading(self) -> Iterator[None]:
+        try:
+            yield
+        except tarfile.TarError as e:
+            raise RootfsDiffError(f"{self.diff}: not a readable rootfs diff tar: {e}") from e
+
+    def early(self) -> None:
+        with self._reading():
+            header = _read_header(self._tar, self.diff)
+            target = self._target = _Target(self._root, self._exclude, header.mtimes)
+            for rel in header.deleted:
                 target.delete(rel, opaque=False)
-            for rel in opaque:
+            for rel in header.opaque:
                 target.delete(rel, opaque=True)
-            while (member := tar.next()) is not None:
-                target.write(tar, member)
+            self._early = header.early
+            written = 0
+            while header.early is None or written < header.early:
+                if (member := self._tar.next()) is None:
+                    break
+                target.write(self._tar, member)
+                written += 1
+
+    @property
+    def complete(self) -> bool:
+        """Whether `early` wrote the whole diff (it had no count of the members CRIU needs)."""
+        return self._early is None
+
+    def rest(self) -> DiffStats:
+        target = self._target
+        assert target is not None, "early() first"
+        try:
+            with self._reading():
+                while not self.stop.is_set() and (member := self._tar.next()) is not None:
+                    target.write(self._tar, member)
+            if self.stop.is_set():
+                raise RootfsDiffError(f"{self.diff}: applying stopped, the restore having ended")
             # Last and deepest first, as writing into a directory moves its mtime.
             for rel, mtime in reversed(target.dir_times):
-                with _parent(root, rel, create=False) as parent:
+                with _parent(self._root, rel, create=False) as parent:
                     if parent is not None:
                         os.utime(_base(rel), ns=(mtime, mtime), dir_fd=parent, follow_symlinks=False)
-    except tarfile.TarError as e:
-        raise RootfsDiffError(f"{diff}: not a readable rootfs diff tar: {e}") from e
-    finally:
-        os.close(root)
-    return DiffStats(target.files, target.bytes, target.deleted, tuple(target.skipped))
+        finally:
+            self.close()
+        return DiffStats(target.files, target.bytes, target.deleted, tuple(target.skipped))
+
+    def close(self) -> None:
+        if self._root >= 0:
+            self._tar.close()
+            os.close(self._root)
+            self._root = -1
+
+
+def apply_diff(diff: Path, rootfs: Path, *, exclude: Sequence[str] = ()) -> DiffStats:
+    """Apply a `capture_diff` tar onto the live root filesystem directory `rootfs` whole: deleted paths
+    removed, opaque directories emptied, then the members written; paths under `exclude` are left
+    alone."""
+    applying = DiffApply(diff, rootfs, exclude=exclude)
+    try:
+        applying.early()
+    except BaseException:
+        applying.close()
+        raise
+    return applying.rest()

@@ -207,6 +207,9 @@ class RuncRuntime:
     async def prepare_restore(self, key: str, images_dir: Path) -> None:
         return None  # the tree comes back onto the host's own files
 
+    async def finish_restore(self, key: str) -> float | None:
+        return None  # prepare_restore leaves nothing running
+
     async def restore(self, key: str, images_dir: Path, source_control_dir: str | None) -> Workload:
         try:
             template = json.loads((images_dir / "runc-config.json").read_text())
