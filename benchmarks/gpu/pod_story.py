@@ -86,6 +86,8 @@ class PodTimes:
     selftest_identical: bool | None = None  # the restored worker's own check against its checkpoint
     restored_condition: str | None = None
     restore_timings: dict[str, float] = field(default_factory=dict)
+    # The agent's work beside its phases (its "restored" log record): e.g. writable_layer_rest.
+    restore_overlapped: dict[str, float] = field(default_factory=dict)
     resume: dict[str, Any] = field(default_factory=dict)  # the restored worker's own account
     gone: float | None = None
     # When the story's 50 ms poll first saw each step of the pod's start (monotonic): where the time
@@ -110,11 +112,29 @@ class PodTimes:
             "selftest_identical": self.selftest_identical,
             "restored_condition": self.restored_condition,
             "restore_phases": self.restore_timings,
+            "restore_overlapped": self.restore_overlapped,
             "resume": self.resume,
             "timeline_s": {
                 k: self.since_seen(v) for k, v in sorted(self.steps.items(), key=lambda kv: kv[1])
             },
         }
+
+
+class _RestoredRecords(logging.Handler):
+    """The agent's "restored" log records: what it did beside its phases, onto the story's pods."""
+
+    def __init__(self, story: Story) -> None:
+        super().__init__()
+        self.story = story
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage() != "restored":
+            return
+        # The agent's workload key: "<namespace>_<name>_<uid8>" (neither name holds an underscore).
+        name = str(getattr(record, "pod", "")).split("_")[1:2]
+        rec = self.story.pods.get(name[0]) if name else None
+        if rec is not None:
+            rec.restore_overlapped = dict(getattr(record, "overlapped", {}))
 
 
 def _http(address: str, path: str, body: Any = None, timeout: float = 2.0) -> tuple[int, Any]:
@@ -200,6 +220,7 @@ class Story:
         handler = logging.FileHandler(self.work / "controller-and-agent.log")
         handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
         logging.getLogger("dynamo_snapshot").addHandler(handler)
+        logging.getLogger("dynamo_snapshot").addHandler(_RestoredRecords(self))
         logging.getLogger("dynamo_snapshot").setLevel(logging.INFO)
         self.cluster = LocalCluster(self.work / "cluster", options=ClusterOptions())
         await asyncio.to_thread(self.cluster.start, progress=say)

@@ -322,6 +322,15 @@ class NodeAgent:
                 **restored_container_ids(pod, outcome.workload),
             },
         )
+        # The work done beside the phases (not in the annotation, whose values sum to the restore).
+        log.info(
+            "restored",
+            extra={
+                "pod": workload_key(pod),
+                "phases": outcome.timings.phases,
+                "overlapped": outcome.timings.overlapped,
+            },
+        )
         await self._supervise(pod, outcome.workload)
 
     async def _restore_grant(self, pod: Obj) -> RestoreGrant:
