@@ -645,9 +645,12 @@ class Story:
         if self.args.worker != "gpu":
             return None  # the CPU worker writes no resume.json
         pod = await self.kube.get(POD, pod_name, NAMESPACE)
+        # The main container's own subdirectory of the volume (its mount's subPath), where it has one.
+        mounts = pod["spec"]["containers"][0].get("volumeMounts") or []
+        sub = next((m.get("subPath") or "" for m in mounts if m["name"] == protocol.CONTROL_VOLUME_NAME), "")
         path = (
             self.node.kubelet_root / "pods" / pod["metadata"]["uid"] / "volumes" / "kubernetes.io~empty-dir"
-            / protocol.CONTROL_VOLUME_NAME / "resume.json"
+            / protocol.CONTROL_VOLUME_NAME / sub / "resume.json"
         )  # fmt: skip
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:

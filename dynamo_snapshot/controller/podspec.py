@@ -153,14 +153,17 @@ def _container(spec: Obj, name: str) -> Obj:
 
 def add_snapshot_control(spec: Obj, container: str) -> None:
     """Give ``container`` the snapshot control directory (an emptyDir the node agent reaches through the
-    container's mount) and the variables that name it. Idempotent; raises ValueError without the container."""
+    container's mount) and the variables that name it. Idempotent; raises ValueError without the container.
+
+    The container sees its own subdirectory of the volume (subPath: its name), as the snapshot project's
+    pod contract asks: containers of one pod that each take a restore keep their sentinels apart."""
     target = _container(spec, container)
     control_env = [{"name": n, "value": protocol.CONTROL_MOUNT_PATH} for n in protocol.ENV_CONTROL_DIRS]
     target["env"] = _env_list(target.get("env"), control_env)
     mounts = [m for m in target.get("volumeMounts") or [] if m.get("name") != protocol.CONTROL_VOLUME_NAME]
     target["volumeMounts"] = [
         *mounts,
-        {"name": protocol.CONTROL_VOLUME_NAME, "mountPath": protocol.CONTROL_MOUNT_PATH},
+        {"name": protocol.CONTROL_VOLUME_NAME, "mountPath": protocol.CONTROL_MOUNT_PATH, "subPath": container},
     ]
     volumes = [v for v in spec.get("volumes") or [] if v.get("name") != protocol.CONTROL_VOLUME_NAME]
     spec["volumes"] = [*volumes, {"name": protocol.CONTROL_VOLUME_NAME, "emptyDir": {}}]

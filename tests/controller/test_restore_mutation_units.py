@@ -134,9 +134,12 @@ def assert_standby(p: Obj, target: str) -> None:
         assert variables[name] == protocol.CONTROL_MOUNT_PATH
     for name in protocol.ENV_RESTORE_STANDBYS:
         assert variables[name] == "1"
-    assert {"name": protocol.CONTROL_VOLUME_NAME, "mountPath": protocol.CONTROL_MOUNT_PATH} in c[
-        "volumeMounts"
-    ]
+    # Its own subdirectory of the volume, as the snapshot project's pod contract asks.
+    assert {
+        "name": protocol.CONTROL_VOLUME_NAME,
+        "mountPath": protocol.CONTROL_MOUNT_PATH,
+        "subPath": target,
+    } in c["volumeMounts"]
     assert {"name": protocol.CONTROL_VOLUME_NAME, "emptyDir": {}} in p["spec"]["volumes"]
     assert p["metadata"]["labels"][protocol.LABEL_RESTORE_TARGET] == protocol.TRUE
     assert p["spec"]["readinessGates"].count(GATE) == 1

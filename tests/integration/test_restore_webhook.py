@@ -170,9 +170,11 @@ async def test_a_restore_from_pod_is_stored_shaped_for_the_agent(
         assert env[protocol.ENV_CONTROL_DIR] == protocol.CONTROL_MOUNT_PATH
         assert all(env[n] == "1" for n in protocol.ENV_RESTORE_STANDBYS)
         main = pod["spec"]["containers"][0]
-        assert {"name": protocol.CONTROL_VOLUME_NAME, "mountPath": protocol.CONTROL_MOUNT_PATH} in main[
-            "volumeMounts"
-        ]
+        assert {
+            "name": protocol.CONTROL_VOLUME_NAME,
+            "mountPath": protocol.CONTROL_MOUNT_PATH,
+            "subPath": "main",
+        } in main["volumeMounts"]
         assert env_of(pod, "sidecar") == {}
         terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
         assert terms["nodeSelectorTerms"] == [
