@@ -163,7 +163,11 @@ def add_snapshot_control(spec: Obj, container: str) -> None:
     mounts = [m for m in target.get("volumeMounts") or [] if m.get("name") != protocol.CONTROL_VOLUME_NAME]
     target["volumeMounts"] = [
         *mounts,
-        {"name": protocol.CONTROL_VOLUME_NAME, "mountPath": protocol.CONTROL_MOUNT_PATH, "subPath": container},
+        {
+            "name": protocol.CONTROL_VOLUME_NAME,
+            "mountPath": protocol.CONTROL_MOUNT_PATH,
+            "subPath": container,
+        },
     ]
     volumes = [v for v in spec.get("volumes") or [] if v.get("name") != protocol.CONTROL_VOLUME_NAME]
     spec["volumes"] = [*volumes, {"name": protocol.CONTROL_VOLUME_NAME, "emptyDir": {}}]

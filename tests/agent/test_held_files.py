@@ -88,3 +88,24 @@ def test_maps_lines() -> None:
         "7ffd-7ffe rw-p 00000000 00:00 0   [stack]\n"
     )
     assert list(mapped_paths(maps)) == ["/usr/bin/python3.11", "/app/cache/k1/launcher with space.so"]
+
+
+def test_a_mapped_path_with_a_newline_is_given_back_whole(tmp_path: Path) -> None:
+    odd = tmp_path / "kernel\nlauncher.so"
+    odd.write_bytes(b"\x7fELF")
+    mapper = (
+        "import mmap, sys; f = open(sys.argv[1], 'rb'); m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ); "
+        "f.close(); print('ready', flush=True); sys.stdin.read()"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", mapper, str(odd)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "ready\n"
+        held = held_paths([proc.pid])
+        assert held is not None
+        assert str(odd) in held
+    finally:
+        proc.kill()
+        proc.wait()

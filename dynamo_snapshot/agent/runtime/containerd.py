@@ -351,19 +351,23 @@ class ContainerdRuntime:
         if not pid_running(target.pid):
             raise WorkloadRuntimeError(f"restore container {target.id[:12]} stopped before the restore")
         exclude = [m["destination"] for m in target.mounts]
-        applying: DiffApply | None = None
+        began = asyncio.ensure_future(
+            asyncio.to_thread(DiffApply.begin, images_dir / DIFF_FILE, target.rootfs, exclude=exclude)
+        )
         try:
-            applying = await asyncio.to_thread(
-                DiffApply, images_dir / DIFF_FILE, target.rootfs, exclude=exclude
-            )
-            await asyncio.to_thread(applying.early)
+            applying = await asyncio.shield(began)
+        except asyncio.CancelledError:
+            # The thread goes on to its end; what it opened is closed once it gets there.
+            began.add_done_callback(_close_unclaimed)
+            raise
         except (RootfsDiffError, OSError) as e:
-            if applying is not None:
-                applying.close()
             raise WorkloadRuntimeError(f"writable layer not applied: {e}") from None
         attached.layer_applied = True
         if applying.complete:
-            await asyncio.to_thread(applying.rest)
+            try:
+                await asyncio.to_thread(applying.rest)  # closes what it applied, whatever comes of it
+            except (RootfsDiffError, OSError) as e:
+                raise WorkloadRuntimeError(f"writable layer not applied: {e}") from None
             return
 
         def rest() -> float:
@@ -569,6 +573,11 @@ def _restore_mounts(
             "the restore container lacks mounts the checkpoint had: " + ", ".join(sorted(missing))
         )
     return out
+
+
+def _close_unclaimed(began: asyncio.Future[DiffApply]) -> None:
+    if not began.cancelled() and began.exception() is None:
+        began.result().close()
 
 
 def _fd_target(pid: int, fd: int) -> str:

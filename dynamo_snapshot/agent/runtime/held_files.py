@@ -15,11 +15,12 @@ _DELETED = " (deleted)"
 
 
 def mapped_paths(maps: str) -> Iterator[str]:
-    """The file paths in /proc/PID/maps text (pseudo entries such as [heap] and deleted files left out)."""
-    for line in maps.splitlines():
+    """The file paths in /proc/PID/maps text (pseudo entries such as [heap] and deleted files left out;
+    a newline in a path, which the kernel writes as \\012, given back)."""
+    for line in maps.split("\n"):
         fields = line.split(maxsplit=5)
         if len(fields) == 6 and fields[5].startswith("/") and not fields[5].endswith(_DELETED):
-            yield fields[5]
+            yield fields[5].replace("\\012", "\n")
 
 
 def held_paths(pids: Iterable[int], proc: Path = Path("/proc")) -> set[str] | None:

@@ -422,6 +422,17 @@ class DiffApply:
         self._target: _Target | None = None
         self._early: int | None = None
 
+    @classmethod
+    def begin(cls, diff: Path, rootfs: Path, *, exclude: Sequence[str] = ()) -> DiffApply:
+        """Open the diff and apply its `early` part; closed again where that fails."""
+        applying = cls(diff, rootfs, exclude=exclude)
+        try:
+            applying.early()
+        except BaseException:
+            applying.close()
+            raise
+        return applying
+
     @contextmanager
     def _reading(self) -> Iterator[None]:
         try:
@@ -479,10 +490,4 @@ def apply_diff(diff: Path, rootfs: Path, *, exclude: Sequence[str] = ()) -> Diff
     """Apply a `capture_diff` tar onto the live root filesystem directory `rootfs` whole: deleted paths
     removed, opaque directories emptied, then the members written; paths under `exclude` are left
     alone."""
-    applying = DiffApply(diff, rootfs, exclude=exclude)
-    try:
-        applying.early()
-    except BaseException:
-        applying.close()
-        raise
-    return applying.rest()
+    return DiffApply.begin(diff, rootfs, exclude=exclude).rest()
