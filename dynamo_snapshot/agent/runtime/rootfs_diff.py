@@ -195,14 +195,17 @@ def capture_diff(
     try:
         walk(str(upperdir), "")
         mtimes = {rel: st.st_mtime_ns for rel, st, _ in entries if st.st_mtime_ns % _NS}
-        doc_fields: dict[str, object] = {"format": FORMAT, "deleted": deleted, "opaque": opaque}
+        early: int | None = None
         if held is not None:
             first = {"/" + rel for rel, st, _ in entries if not stat.S_ISREG(st.st_mode)} | set(held)
-            # A stable sort keeps the walk's order within each part.
+            # A stable sort keeps the walk's order (a directory before what it holds) within each part.
             entries.sort(key=lambda e: "/" + e[0] not in first)
-            doc_fields["early"] = sum(1 for rel, _, _ in entries if "/" + rel in first)
+            early = sum(1 for rel, _, _ in entries if "/" + rel in first)
+        counted = {} if early is None else {"early": early}
         with _naming(str(out)), tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
-            doc = json.dumps({**doc_fields, "mtimes": mtimes}).encode()
+            doc = json.dumps(
+                {"format": FORMAT, "deleted": deleted, "opaque": opaque, **counted, "mtimes": mtimes}
+            ).encode()
             header = tarfile.TarInfo(HEADER_NAME)
             header.size, header.mode = len(doc), 0o644
             tar.addfile(header, io.BytesIO(doc))
@@ -228,10 +231,7 @@ def capture_diff(
                 nbytes += info.size
     finally:
         os.close(root_fd)
-    early = doc_fields.get("early")
-    return DiffStats(
-        len(entries), nbytes, len(deleted), tuple(skipped), early if isinstance(early, int) else None
-    )
+    return DiffStats(len(entries), nbytes, len(deleted), tuple(skipped), early)
 
 
 def _base(rel: str) -> str:
