@@ -86,8 +86,8 @@ def _statements() -> dict[str, tuple[str, list[str]]]:
     scale = _results("controller-scale.json")
     failover = _results("failover.json")
     trace = _results("autoscale-trace.json")
-    pods = _results("gpu-pod-1g-h100-f.json")
-    process = _results("gpu-pod-1g-h100-f-process-baseline.json")["modes"]["decoupled"]
+    pods = _results("gpu-pod-1g-h100-g.json")
+    process = _results("gpu-pod-1g-h100-g-process-baseline.json")["modes"]["decoupled"]
     kubelet = _results("kubelet-restore.json")
     cold = pods["cold"]["serving_s"]
     by_cache = {r["cache"]: r["serving_s"] for r in pods["restores"]}
@@ -120,7 +120,7 @@ def _statements() -> dict[str, tuple[str, list[str]]]:
             ],
         ),
         "the Qwen3-0.6B shape restored **into kubelet pods**": (
-            "gpu-pod-1g-h100-f.json",
+            "gpu-pod-1g-h100-g.json",
             [
                 f"**{cached:.2f} s** pod seen → serving with the artifact in the page cache",
                 f"({cold / cached:.1f}× the empty-cache cold pod's {cold:.1f} s)",

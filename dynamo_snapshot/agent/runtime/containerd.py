@@ -25,10 +25,9 @@ import os
 import re
 import shutil
 import signal
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,15 +48,9 @@ from dynamo_snapshot.agent.runtime.container_cgroups import (
     restore_cgroup_source,
 )
 from dynamo_snapshot.agent.runtime.container_gpus import container_gpus_given
-from dynamo_snapshot.agent.runtime.held_files import held_paths
-from dynamo_snapshot.agent.runtime.rootfs_diff import (
-    DIFF_FILE,
-    DiffApply,
-    RootfsDiffError,
-    capture_diff,
-    overlay_upperdir,
-)
+from dynamo_snapshot.agent.runtime.rootfs_diff import DIFF_FILE, RootfsDiffError, overlay_upperdir
 from dynamo_snapshot.agent.runtime.uts_names import set_uts_names, uts_names
+from dynamo_snapshot.agent.runtime.writable_layer import LayerWriting, capture_layer
 from dynamo_snapshot.agent.sentinels import regular_present
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.criu import Criu, CriuError
@@ -122,9 +115,7 @@ class _Attached:
     restored_pid: int | None = None
     restored_start: int | None = None
     layer_applied: bool = False
-    # The writable layer's files CRIU does not open, written beside it; seconds it took.
-    layer_rest: asyncio.Task[float] | None = None
-    layer_stop: threading.Event | None = None
+    layer: LayerWriting = field(default_factory=LayerWriting)
 
 
 class ContainerdRuntime:
@@ -263,7 +254,7 @@ class ContainerdRuntime:
         the container end); a checkpoint source is the kubelet's to stop."""
         attached = self._attached.get(key)
         if attached is not None:
-            await self._abandon_layer(attached)
+            await attached.layer.abandon()
         if attached is None or attached.restored_pid is None:
             return
         # The placeholder exits with its restored tree; the one the kubelet starts next says anew that
@@ -301,24 +292,15 @@ class ContainerdRuntime:
                 f"container {c.id[:12]}'s root is not an overlay with a writable layer: its changes "
                 "cannot be carried (containerd's overlayfs snapshotter is needed)"
             )
-        # The tree is at its checkpoint: what it holds now is what CRIU will open at restore.
-        held = await asyncio.to_thread(lambda: held_paths([c.pid, *_descendants(c.pid)]))
         try:
-            diff = await asyncio.to_thread(
-                capture_diff,
+            meta["rootfsDiff"] = await capture_layer(
                 upper,
                 images_dir / DIFF_FILE,
-                exclude=[m["destination"] for m in c.mounts],
-                held=held,
+                [c.pid, *_descendants(c.pid)],
+                [m["destination"] for m in c.mounts],
             )
         except (RootfsDiffError, OSError) as e:
             raise WorkloadRuntimeError(f"writable layer of container {c.id[:12]}: {e}") from None
-        meta["rootfsDiff"] = {
-            "files": diff.files,
-            "bytes": diff.bytes,
-            "deleted": diff.deleted,
-            "early": diff.early,
-        }
         await asyncio.to_thread((images_dir / CONTAINER_META).write_text, json.dumps(meta, indent=1))
         args = ["--root", str(c.rootfs), "--external", f"net[{_ns_inode(c.pid, 'net')}]:extNetNs"]
         for dest in sorted(external):
@@ -350,62 +332,23 @@ class ContainerdRuntime:
         target = attached.container
         if not pid_running(target.pid):
             raise WorkloadRuntimeError(f"restore container {target.id[:12]} stopped before the restore")
-        exclude = [m["destination"] for m in target.mounts]
-        began = asyncio.ensure_future(
-            asyncio.to_thread(DiffApply.begin, images_dir / DIFF_FILE, target.rootfs, exclude=exclude)
+        await attached.layer.begin(
+            images_dir / DIFF_FILE, target.rootfs, [m["destination"] for m in target.mounts]
         )
-        try:
-            applying = await asyncio.shield(began)
-        except asyncio.CancelledError:
-            # The thread goes on to its end; what it opened is closed once it gets there.
-            began.add_done_callback(_close_unclaimed)
-            raise
-        except (RootfsDiffError, OSError) as e:
-            raise WorkloadRuntimeError(f"writable layer not applied: {e}") from None
         attached.layer_applied = True
-        if applying.complete:
-            try:
-                await asyncio.to_thread(applying.rest)  # closes what it applied, whatever comes of it
-            except (RootfsDiffError, OSError) as e:
-                raise WorkloadRuntimeError(f"writable layer not applied: {e}") from None
-            return
-
-        def rest() -> float:
-            started = time.monotonic()
-            applying.rest()
-            return time.monotonic() - started
-
-        attached.layer_stop = applying.stop
-        attached.layer_rest = asyncio.create_task(asyncio.to_thread(rest))
 
     async def finish_restore(self, key: str) -> float | None:
         """The writable layer's files written beside CRIU, once all are: seconds they took, None where
         the whole layer went before CRIU."""
         attached = self._attached.get(key)
-        task = attached.layer_rest if attached is not None else None
-        if attached is None or task is None:
-            return None
-        attached.layer_rest = attached.layer_stop = None
-        try:
-            return await task
-        except (RootfsDiffError, OSError) as e:
-            raise WorkloadRuntimeError(f"writable layer not applied: {e}") from None
-
-    async def _abandon_layer(self, attached: _Attached) -> None:
-        """A restore that ended before its writable layer was: the writing stops and is waited for."""
-        task, stop = attached.layer_rest, attached.layer_stop
-        attached.layer_rest = attached.layer_stop = None
-        if task is not None and stop is not None:
-            stop.set()
-            with contextlib.suppress(RootfsDiffError, OSError):
-                await task
+        return None if attached is None else await attached.layer.finish()
 
     async def restore(self, key: str, images_dir: Path, source_control_dir: str | None) -> Workload:
         attached = self._get(key)
         try:
             return await self._restore(key, attached, images_dir, source_control_dir)
         except BaseException:
-            await self._abandon_layer(attached)
+            await attached.layer.abandon()
             raise
 
     async def _restore(
@@ -573,11 +516,6 @@ def _restore_mounts(
             "the restore container lacks mounts the checkpoint had: " + ", ".join(sorted(missing))
         )
     return out
-
-
-def _close_unclaimed(began: asyncio.Future[DiffApply]) -> None:
-    if not began.cancelled() and began.exception() is None:
-        began.result().close()
 
 
 def _fd_target(pid: int, fd: int) -> str:

@@ -195,12 +195,7 @@ def capture_diff(
     try:
         walk(str(upperdir), "")
         mtimes = {rel: st.st_mtime_ns for rel, st, _ in entries if st.st_mtime_ns % _NS}
-        early: int | None = None
-        if held is not None:
-            first = {"/" + rel for rel, st, _ in entries if not stat.S_ISREG(st.st_mode)} | set(held)
-            # A stable sort keeps the walk's order (a directory before what it holds) within each part.
-            entries.sort(key=lambda e: "/" + e[0] not in first)
-            early = sum(1 for rel, _, _ in entries if "/" + rel in first)
+        early = None if held is None else _held_first(entries, held)
         counted = {} if early is None else {"early": early}
         with _naming(str(out)), tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
             doc = json.dumps(
@@ -232,6 +227,15 @@ def capture_diff(
     finally:
         os.close(root_fd)
     return DiffStats(len(entries), nbytes, len(deleted), tuple(skipped), early)
+
+
+def _held_first(entries: list[tuple[str, os.stat_result, str]], held: Collection[str]) -> int:
+    """Reorder ``entries`` (relative path, lstat, link target) with the directories, symlinks and held
+    files first; returns how many come first."""
+    first = {"/" + rel for rel, st, _ in entries if not stat.S_ISREG(st.st_mode)} | set(held)
+    # A stable sort keeps the walk's order (a directory before what it holds) within each part.
+    entries.sort(key=lambda e: "/" + e[0] not in first)
+    return sum(1 for rel, _, _ in entries if "/" + rel in first)
 
 
 def _base(rel: str) -> str:
