@@ -296,7 +296,7 @@ class ContainerdRuntime:
             meta["rootfsDiff"] = await capture_layer(
                 upper,
                 images_dir / DIFF_FILE,
-                [c.pid, *_descendants(c.pid)],
+                lambda: [c.pid, *_descendants(c.pid)],
                 [m["destination"] for m in c.mounts],
             )
         except (RootfsDiffError, OSError) as e:

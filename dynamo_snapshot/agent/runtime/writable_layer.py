@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +19,12 @@ __all__ = ["LayerWriting", "capture_layer"]
 
 
 async def capture_layer(
-    upper: Path, out: Path, tree: Sequence[int], exclude: Sequence[str]
+    upper: Path, out: Path, tree: Callable[[], Iterable[int]], exclude: Sequence[str]
 ) -> dict[str, Any]:
-    """The layer at ``upper`` written to ``out``, what the process ``tree`` holds first (the tree is at its
-    checkpoint: what it holds now is what CRIU opens at restore); what the container's description records
-    of it. RootfsDiffError or OSError where it cannot be captured."""
-    held = await asyncio.to_thread(held_paths, tree)
+    """The layer at ``upper`` written to ``out``, what the processes ``tree`` lists hold first (the tree is
+    at its checkpoint: what it holds now is what CRIU opens at restore); what the container's description
+    records of it. RootfsDiffError or OSError where it cannot be captured."""
+    held = await asyncio.to_thread(lambda: held_paths(tree()))
     diff = await asyncio.to_thread(capture_diff, upper, out, exclude=exclude, held=held)
     return {"files": diff.files, "bytes": diff.bytes, "deleted": diff.deleted, "early": diff.early}
 
