@@ -86,7 +86,11 @@ async def test_a_restore_cancelled_in_the_first_part_leaves_nothing_open(tmp_pat
     began.cancel()
     with pytest.raises(asyncio.CancelledError):
         await began
-    # The event loop runs the close once the thread is done: waited for off the loop.
-    what = "the cancelled restore's diff and root to be closed"
-    await asyncio.to_thread(wait_for, lambda: _open_fds() <= before, 10, what, 0.01)
+
+    # The thread writes the first part to its end (its last file, held.so), then the event loop closes what
+    # it opened: waited for off the loop.
+    def closed() -> bool:
+        return (root / "cache" / "held.so").exists() and _open_fds() <= before
+
+    await asyncio.to_thread(wait_for, closed, 10, "the cancelled restore's diff and root to be closed", 0.01)
     assert _open_fds() == before
