@@ -69,12 +69,16 @@ async def test_a_bad_member_in_the_rest_fails_finish_naming_it(tmp_path: Path) -
         await layer.finish()
 
 
-async def test_abandon_stops_the_rest(tmp_path: Path) -> None:
+async def test_abandon_stops_the_rest_and_waits_for_it(tmp_path: Path) -> None:
     diff, root = _layer(tmp_path, files=3000)
     layer = LayerWriting()
     await layer.begin(diff, root, [])
     await layer.abandon()
-    assert len(list((root / "cache").iterdir())) < 3001
+    written = len(list((root / "cache").iterdir()))
+    assert written < 3001, "the rest was written whole: abandon did not stop it"
+    # Waited for: nothing more is written once abandon returned.
+    await asyncio.sleep(0.3)
+    assert len(list((root / "cache").iterdir())) == written
     assert await layer.finish() is None
 
 
