@@ -32,7 +32,7 @@ from dynamo_snapshot.api.checkpoint import CheckpointPhase
 from dynamo_snapshot.api.conditions import FAILED, READY
 from dynamo_snapshot.api.identity import CheckpointIdentity
 from dynamo_snapshot.api.podsnapshot import PodSnapshotReason, content_artifact
-from dynamo_snapshot.api.restore_request import name_problem, restore_destination
+from dynamo_snapshot.api.restore_request import name_problem, restore_destinations
 from dynamo_snapshot.api.views import (
     CheckpointView,
     ObjectView,
@@ -88,6 +88,8 @@ class RestoreGrant:
     checkpoint_name: str
     artifact_key: str
     manifest_digest: str
+    # The pod's containers the artifact is restored into, each on its own (restore-container-map).
+    destinations: tuple[str, ...] = (protocol.DEFAULT_TARGET_CONTAINER,)
 
 
 def asks_to_be_restored(pod: Obj) -> bool:
@@ -285,8 +287,8 @@ def restore_grant(
             )
         controller = _controlled_by_checkpoint(snap)
         if controller is None:
-            key, digest = _snapshot_grant(target, snap, found)
-            return RestoreGrant(name, key, digest)
+            key, digest, destinations = _snapshot_grant(target, snap, found)
+            return RestoreGrant(name, key, digest, destinations)
         if owner is None or not _same(CheckpointView(owner).meta.uid, controller.get("uid", "")):
             raise Refused(
                 f"PodSnapshot {name!r} belongs to DynamoCheckpoint {controller.get('name')!r}, "
@@ -304,13 +306,13 @@ def restore_grant(
     controller = _controlled_by_checkpoint(snap)
     if controller is None or not _same(controller.get("uid", ""), checkpoint.meta.uid):
         raise Refused(f"PodSnapshot {snapshot_name!r} is not controlled by DynamoCheckpoint {ckpt_name!r}")
-    key, digest = _snapshot_grant(target, snap, found)
+    key, digest, destinations = _snapshot_grant(target, snap, found)
     if digest != recorded:
         raise Refused(
             f"artifact digest mismatch: the content of PodSnapshot {snapshot_name!r} records {digest}, "
             f"DynamoCheckpoint {ckpt_name!r} records {recorded} (status.artifactDigest)"
         )
-    return RestoreGrant(name, key, digest)
+    return RestoreGrant(name, key, digest, destinations)
 
 
 def _checkpoint_grant(pod: PodView, ckpt: CheckpointView) -> str:
@@ -338,10 +340,11 @@ def _checkpoint_grant(pod: PodView, ckpt: CheckpointView) -> str:
 
 def _snapshot_grant(
     pod: PodView, snapshot: PodSnapshotView, content: PodSnapshotContentView | None
-) -> tuple[str, str]:
+) -> tuple[str, str, tuple[str, ...]]:
     """The PodSnapshot part of a restore, whether the pod names it or a DynamoCheckpoint records it: it
     lives, is Ready, is bound to a content of the pod's namespace that records the artifact's digest, and
-    the pod asks for no container map this agent cannot follow. The artifact's key and digest."""
+    the pod asks for no container map this agent cannot follow. The artifact's key and digest, and the
+    containers it goes into."""
     name = snapshot.meta.name
     if snapshot.meta.deleting:
         raise Refused(f"PodSnapshot {name!r} is being deleted")
@@ -366,28 +369,32 @@ def _snapshot_grant(
             f"the content of PodSnapshot {name!r} records no artifact digest (status.artifact, "
             f"else annotation {protocol.ANNOTATION_CONTENT_ARTIFACT})"
         )
-    check_destination(pod, (snapshot.source.containers or [protocol.DEFAULT_TARGET_CONTAINER])[0])
-    return artifact_key(pod.meta.namespace, snapshot.meta.uid), digest
+    destinations = check_destinations(
+        pod, (snapshot.source.containers or [protocol.DEFAULT_TARGET_CONTAINER])[0]
+    )
+    return artifact_key(pod.meta.namespace, snapshot.meta.uid), digest, destinations
 
 
-def check_destination(pod: PodView, captured: str) -> None:
-    """Refuse a restore of container ``captured`` into a pod that does not name where it goes: the
-    destination is restore-container-map's (whose source must be ``captured``), else the container of
-    the captured name; the pod must have it, and it must be the container the agent restores into (the
-    pod's main container: the webhook names it in snapshot-target-containers)."""
+def check_destinations(pod: PodView, captured: str) -> tuple[str, ...]:
+    """The containers a restore of container ``captured`` goes into; ``Refused`` where the pod does not
+    name them rightly: they are restore-container-map's destinations (whose source must be ``captured``),
+    else the container of the captured name; the pod must have each, and the first must be the container
+    the pod names as its target (the webhook lists them all in snapshot-target-containers)."""
     try:
-        dest = restore_destination(pod.container_map, captured)
+        destinations = restore_destinations(pod.container_map, captured)
     except ValueError as e:
         raise Refused(str(e)) from None
-    if dest not in pod.container_names:
+    missing = [dest for dest in destinations if dest not in pod.container_names]
+    if missing:
         raise Refused(
-            f"the pod has no container {dest!r} to restore container {captured!r} into (it has "
+            f"the pod has no container {missing[0]!r} to restore container {captured!r} into (it has "
             f"{', '.join(pod.container_names) or 'none'}): name one with "
             f"{protocol.ANNOTATION_RESTORE_CONTAINER_MAP}: {captured}=<container>"
         )
-    if pod.main_name != dest:
+    if pod.main_name != destinations[0]:
         raise Refused(
-            f"the restore goes into container {dest!r}, but the pod names {pod.main_name!r} as its target: "
-            f"set {protocol.ANNOTATION_TARGET_CONTAINERS}: {dest}, or map it with "
-            f"{protocol.ANNOTATION_RESTORE_CONTAINER_MAP}: {captured}={pod.main_name}"
+            f"the restore goes into container {destinations[0]!r}, but the pod names {pod.main_name!r} as "
+            f"its target: set {protocol.ANNOTATION_TARGET_CONTAINERS}: {','.join(destinations)}, or map it "
+            f"with {protocol.ANNOTATION_RESTORE_CONTAINER_MAP}: {captured}={pod.main_name}"
         )
+    return destinations

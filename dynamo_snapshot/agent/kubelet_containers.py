@@ -53,14 +53,20 @@ class KubeletContainers:
         return await self.runtime.attach(workload_key(pod), running.container_id, image_id=running.image_id)
 
     async def attach_restore_target(
-        self, pod: Obj, start_within: float, standby_within: float, spent: str | None = None
+        self,
+        pod: Obj,
+        start_within: float,
+        standby_within: float,
+        spent: str | None = None,
+        container: str | None = None,
+        key: str | None = None,
     ) -> Workload:
-        """The restore pod's main container (not the ``spent`` one), once its placeholder says it waits in
-        standby."""
-        key = workload_key(pod)
-        target = PodView(pod).main_name
+        """The restore pod's main container (or ``container``, attached as ``key``; not the ``spent``
+        one), once its placeholder says it waits in standby."""
+        key = key or workload_key(pod)
+        target = container or PodView(pod).main_name
         containers = self.runtime
-        running = await self.running(pod, start_within, spent)
+        running = await self.running(pod, start_within, spent, target)
         workload = await containers.attach(key, running.container_id, image_id=running.image_id)
         env = containers.container_env(key)
         if not any(env.get(name) == "1" for name in protocol.ENV_RESTORE_STANDBYS):
@@ -79,7 +85,7 @@ class KubeletContainers:
                     f"{protocol.ENV_RESTORE_STANDBY}=1: dynamo_snapshot.workload.run_standby, or Dynamo's "
                     "maybe_run_restore_standby_mode)"
                 )
-            if ended(self.pods.get(object_key(pod)) or pod) is not None:
+            if ended(self.pods.get(object_key(pod)) or pod, target) is not None:
                 raise AgentError(f"container {target} exited before the restore")
             await asyncio.sleep(0.05)
         return workload

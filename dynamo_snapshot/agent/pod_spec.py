@@ -1,7 +1,10 @@
-"""What the agent reads from a pod: its workload key, its per-container annotations (as the controller
-writes and reads them), and its main container as a workload to launch."""
+"""What the agent reads from a pod: its workload key, the containers a restore goes into, its
+per-container annotations (as the controller writes and reads them), and its main container as a
+workload to launch."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from dynamo_snapshot.agent.errors import AgentError
 from dynamo_snapshot.agent.runtime.base import WorkloadSpec
@@ -11,8 +14,10 @@ from dynamo_snapshot.kube import Obj
 
 __all__ = [
     "MAIN",
+    "Destination",
     "annotation",
     "declares_control_dir",
+    "destinations",
     "per_target",
     "pod_env",
     "restore_attempts",
@@ -30,14 +35,44 @@ def workload_key(pod: Obj) -> str:
     return f"{meta.namespace}_{meta.name}_{meta.uid[:8]}"
 
 
-def per_target(pod: Obj, key: str) -> str:
-    """The name of annotation ``key`` of the pod's main container (the one checkpointed or restored)."""
-    return protocol.per_container(key, PodView(pod).main_name)
+@dataclass(frozen=True)
+class Destination:
+    """One container a restore goes into: its name, the runtime's key of the worker restored there, and
+    whether other containers of the pod take the same restore (the pod's nvidia.com/Restored condition
+    then speaks for all of them, said once every one has ended)."""
+
+    container: str
+    key: str
+    shared: bool = False
+
+    @property
+    def annotated(self) -> str | None:
+        """The container whose status annotations say this restore: its own where several take it; else
+        None, the pod's main container's (what the controller reads, also where the pod lacks the
+        container and the restore is refused)."""
+        return self.container if self.shared else None
 
 
-def annotation(pod: Obj, key: str) -> str | None:
-    """The main container's annotation ``key``."""
-    return Meta(pod).annotations.get(per_target(pod, key))
+def destinations(pod: Obj) -> tuple[Destination, ...]:
+    """The containers the pod asks a restore into (restore-container-map's destinations, else its main
+    container); the first keeps the pod's workload key, the others add their container's name to it."""
+    targets = PodView(pod).restore_targets
+    base = workload_key(pod)
+    shared = len(targets) > 1
+    return tuple(
+        Destination(name, base if i == 0 else f"{base}_{name}", shared) for i, name in enumerate(targets)
+    )
+
+
+def per_target(pod: Obj, key: str, container: str | None = None) -> str:
+    """The name of annotation ``key`` of ``container``, else of the pod's main container (the one
+    checkpointed or restored)."""
+    return protocol.per_container(key, container or PodView(pod).main_name)
+
+
+def annotation(pod: Obj, key: str, container: str | None = None) -> str | None:
+    """The main container's (or ``container``'s) annotation ``key``."""
+    return Meta(pod).annotations.get(per_target(pod, key, container))
 
 
 def restore_attempts(pod: Obj) -> int:
@@ -52,9 +87,10 @@ def restore_attempts(pod: Obj) -> int:
         return protocol.RESTORE_ATTEMPTS_MAX
 
 
-def status(pod: Obj, key: str) -> Status | None:
-    """The checkpoint or restore status annotation ``key``; an unreadable one counts as failed."""
-    raw = annotation(pod, key)
+def status(pod: Obj, key: str, container: str | None = None) -> Status | None:
+    """The checkpoint or restore status annotation ``key`` of the main container (or ``container``); an
+    unreadable one counts as failed."""
+    raw = annotation(pod, key, container)
     try:
         return Status.parse(raw) if raw else None
     except ValueError:

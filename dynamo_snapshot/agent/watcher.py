@@ -13,46 +13,28 @@ replaces it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
-import time
-from dataclasses import dataclass
 
 from dynamo_snapshot.agent.artifact_sweeper import ArtifactSweeper
-from dynamo_snapshot.agent.authorize import (
-    Refused,
-    RestoreGrant,
-    asks_to_be_restored,
-    capture_checkpoint_name,
-    name_to_restore,
-    restore_grant,
-    snapshot_to_restore,
-)
-from dynamo_snapshot.agent.errors import AgentError, Incompatible, backoff
-from dynamo_snapshot.agent.executor import Executor, RestoreOutcome
+from dynamo_snapshot.agent.authorize import asks_to_be_restored
+from dynamo_snapshot.agent.errors import AgentError, backoff
+from dynamo_snapshot.agent.executor import Executor
 from dynamo_snapshot.agent.kubelet_containers import KubeletContainers
-from dynamo_snapshot.agent.metrics import PHASE_SECONDS
-from dynamo_snapshot.agent.pod_container import running_container
-from dynamo_snapshot.agent.pod_reports import PodReporter, restored_container_ids
+from dynamo_snapshot.agent.pod_reports import PodReporter
+from dynamo_snapshot.agent.pod_restore import PodRestore, reopens_refused_restore
 from dynamo_snapshot.agent.pod_spec import (
     MAIN,
+    Destination,
     annotation,
     declares_control_dir,
-    pod_env,
-    restore_attempts,
-    status,
     workload_key,
     workload_spec,
 )
-from dynamo_snapshot.agent.runtime.base import Runtime, Workload, WorkloadRuntimeError, wait_exit
+from dynamo_snapshot.agent.runtime.base import Runtime, Workload, wait_exit
 from dynamo_snapshot.agent.runtime.containerd import ContainerdRuntime
-from dynamo_snapshot.agent.sentinels import write_sentinel
 from dynamo_snapshot.agent.snapshot_capture import SnapshotCapture
-from dynamo_snapshot.agent.timings import AWAIT_CONTAINER_PHASE
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.api.restore_outcome import REOPENED_MESSAGE, skip_compat_check
-from dynamo_snapshot.api.views import Meta, PodSnapshotView, PodView, still_live
+from dynamo_snapshot.api.views import Meta, PodView, still_live
 from dynamo_snapshot.kube import (
     DELETED,
     POD,
@@ -62,36 +44,13 @@ from dynamo_snapshot.kube import (
     Obj,
     object_key,
 )
-from dynamo_snapshot.kube.kinds import CHECKPOINT, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
-from dynamo_snapshot.kube.until_written import get_or_none
+from dynamo_snapshot.kube.kinds import POD_SNAPSHOT
 
-__all__ = ["AGENT_NAME", "MAIN", "NodeAgent", "workload_key"]
+__all__ = ["AGENT_NAME", "MAIN", "NodeAgent", "reopens_refused_restore", "workload_key"]
 
 log = logging.getLogger(__name__)
 AGENT_NAME = "dynamo-snapshot-agent"
 Status = protocol.SnapshotStatus
-
-
-@dataclass(frozen=True)
-class _RestoreTarget:
-    """What the restore container tells the restore: its image, its GPUs, its environment."""
-
-    image_id: str | None
-    visible_gpus: tuple[str, ...] | None
-    env: dict[str, str]
-
-
-def reopens_refused_restore(pod: Obj) -> bool:
-    """A restore refused as incompatible whose pod has since asked to skip the compatibility checks: it
-    is attempted again in place (the refusal came before anything was read or started). Any other
-    failed restore needs a new pod."""
-    view = PodView(pod)
-    refused = view.condition(protocol.POD_CONDITION_RESTORED).get("reason")
-    return (
-        status(pod, protocol.ANNOTATION_RESTORE_STATUS) is Status.FAILED
-        and refused == protocol.RestoredReason.INCOMPATIBLE
-        and skip_compat_check(view.meta.annotations)
-    )
 
 
 class NodeAgent:
@@ -125,11 +84,11 @@ class NodeAgent:
             lambda pod, container: self._ensure_running(pod, snapshot=True, container=container),
             self.timeouts.ready_timeout_seconds,
         )
+        self.restores = PodRestore(
+            kube, executor, runtime, self.kubelet, self.pods, self.reports, self._supervise
+        )
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[None]] = set()
-        # Pods whose restore this process marked running: a retry after an unexpected error resumes
-        # them, where a "running" left by an earlier agent process means that process died mid-restore.
-        self._restoring: set[str] = set()
         self.pods.add_handler(self._on_pod)
         self.snapshots.add_handler(self.sweeper.on_owner)
 
@@ -167,29 +126,33 @@ class NodeAgent:
         if view.node_name != self.node_name:
             return  # never touch another node's pod, whatever the watch delivers
         if etype == DELETED or view.meta.deleting:
-            self._restoring.discard(uid)
+            keys = self.restores.keys(pod) if asks_to_be_restored(pod) else [workload_key(pod)]
+            self.restores.forget(uid)
             self.reports.forget(uid)
             task = self._tasks.pop(uid, None)
             if task is not None:
                 task.cancel()
             restored = view.meta.labels.get(protocol.LABEL_RESTORE_TARGET) == protocol.TRUE
-            key = workload_key(pod)
             containers = self.containers if etype == DELETED else None
-            if self.launch_workloads or restored:
-                # Whatever this agent started or restored goes with its pod (a kubelet stops only the
-                # containers it started itself).
-                stopping = asyncio.create_task(self.runtime.stop(key))
-                self._background.add(stopping)
-                stopping.add_done_callback(self._background.discard)
-                if containers is not None:
-                    stopping.add_done_callback(lambda _: containers.forget(key))
-            elif containers is not None:
-                containers.forget(key)  # the pod is gone: nothing of its container is needed again
+            for key in keys:
+                self._let_go(key, containers, stop=self.launch_workloads or restored)
             return
         task = self._tasks.get(uid)
         # A pod is dispatched once; a refused restore its pod has since asked to attempt anyway, again.
         if task is None or (task.done() and reopens_refused_restore(pod)):
             self._tasks[uid] = asyncio.create_task(self._handle(pod), name=f"pod-{workload_key(pod)}")
+
+    def _let_go(self, key: str, containers: ContainerdRuntime | None, *, stop: bool) -> None:
+        """A pod is going: with ``stop`` what this agent started or restored as ``key`` goes with it (a
+        kubelet stops only the containers it started itself); its container is forgotten once deleted."""
+        if stop:
+            stopping = asyncio.create_task(self.runtime.stop(key))
+            self._background.add(stopping)
+            stopping.add_done_callback(self._background.discard)
+            if containers is not None:
+                stopping.add_done_callback(lambda _: containers.forget(key))
+        elif containers is not None:
+            containers.forget(key)  # the pod is gone: nothing of its container is needed again
 
     # ------------------------------------------------------------------ per pod
     async def _handle(self, pod: Obj) -> None:
@@ -223,7 +186,7 @@ class NodeAgent:
     async def _dispatch(self, pod: Obj) -> None:
         labels = Meta(pod).labels
         if asks_to_be_restored(pod):
-            await self._restore(pod)
+            await self.restores.restore(pod)
         elif (
             self.launch_workloads
             and labels.get(protocol.LABEL_MANAGED_BY) == protocol.MANAGED_BY_VALUE
@@ -242,11 +205,12 @@ class NodeAgent:
             # A worker that died is reported, not restarted: the controller replaces the whole pod.
             await self._supervise(pod, await self._ensure_running(pod, snapshot=False))
 
-    async def _supervise(self, pod: Obj, workload: Workload) -> None:
-        """Wait for the worker to die and say so on its pod. Cancelled (before the agent stops the
-        worker) when the pod is deleted, so a scale-down is never reported as a failure."""
+    async def _supervise(self, pod: Obj, workload: Workload, dest: Destination | None = None) -> None:
+        """Wait for the worker (the one restored into ``dest``) to die and say so on its pod. Cancelled
+        (before the agent stops the worker) when the pod is deleted, so a scale-down is never reported
+        as a failure."""
         await wait_exit(workload.pid)
-        await self.reports.report_exit(pod, f"worker process {workload.pid} exited")
+        await self.reports.report_exit(pod, f"worker process {workload.pid} exited", dest)
 
     async def _ensure_running(self, pod: Obj, *, snapshot: bool, container: str | None = None) -> Workload:
         """The pod's main container (or ``container``), as the kubelet runs it or as launched here."""
@@ -259,201 +223,3 @@ class NodeAgent:
         if not self.launch_workloads:
             raise AgentError(f"no running container found for {key}")
         return await self.runtime.launch(workload_spec(pod, key, snapshot=snapshot, container=container))
-
-    # ------------------------------------------------------------------ restore
-    async def _restore(self, pod: Obj) -> None:
-        """Restore into the pod, from its status on: a finished restore is watched again, a failed one
-        left alone, one cut short cleared and started again (unless that keeps happening)."""
-        state = status(pod, protocol.ANNOTATION_RESTORE_STATUS)
-        spent = await self._retake_container(pod, state)
-        if state is Status.COMPLETED:
-            await self._watch_restored(pod)
-            return
-        if state is Status.FAILED:
-            if not reopens_refused_restore(pod):
-                return  # a failed restore was cleaned up when it failed
-            self.reports.event(pod, "RestoreCompatibilityCheckSkipped", REOPENED_MESSAGE)
-        attempts = restore_attempts(pod)
-        if state is Status.RUNNING and not await self._clear_cut_short(pod, attempts):
-            return
-        try:
-            grant = await self._restore_grant(pod)
-        except Refused as e:
-            await self.reports.refuse(pod, str(e))
-            return
-        # Written before the running status: where it raises, the pod is dispatched anew without one, and
-        # no restore is taken for cut short.
-        await self.reports.set_restored(
-            pod, protocol.RestoredReason.IN_PROGRESS, f"restoring from {grant.checkpoint_name}"
-        )
-        await self.reports.report(
-            pod,
-            protocol.ANNOTATION_RESTORE_STATUS,
-            protocol.ANNOTATION_RESTORE_MESSAGE,
-            Status.RUNNING,
-            "restoring",
-            extra={protocol.ANNOTATION_RESTORE_ATTEMPTS: str(attempts + 1)},
-        )
-        self._restoring.add(Meta(pod).uid)
-        if self.kubelet is not None:
-            # The artifact is read and hashed while the kubelet starts the pod's container.
-            self.executor.check_ahead(grant.artifact_key, grant.manifest_digest)
-        # The time until the kubelet runs the restore pod's container in standby: a restore in a pod pays
-        # it and a restore as a process does not, so it is reported beside the executor's phases.
-        waiting = time.monotonic()
-        target = await self._restore_target(pod, spent)
-        if target is None:
-            return
-        awaited = time.monotonic() - waiting
-        PHASE_SECONDS.labels("restore", AWAIT_CONTAINER_PHASE).observe(awaited)
-        outcome = await self._run_restore(pod, grant, target)
-        if outcome is None:
-            return
-        await self.reports.report_restored(
-            pod,
-            f"restored from {grant.checkpoint_name} in {outcome.timings.total():.2f}s"
-            + (" (node cache)" if outcome.source == "cache" else ""),
-            {
-                protocol.ANNOTATION_RESTORE_TIMINGS: json.dumps(
-                    {AWAIT_CONTAINER_PHASE: round(awaited, 4), **outcome.timings.phases}
-                ),
-                protocol.ANNOTATION_RESTORE_CONTAINER_ID: outcome.workload.container_id
-                or str(outcome.workload.pid),
-                **restored_container_ids(pod, outcome.workload),
-            },
-        )
-        # The work done beside the phases (not in the annotation, whose values sum to the restore).
-        log.info(
-            "restored",
-            extra={
-                "pod": workload_key(pod),
-                "phases": outcome.timings.phases,
-                "overlapped": outcome.timings.overlapped,
-            },
-        )
-        await self._supervise(pod, outcome.workload)
-
-    async def _restore_grant(self, pod: Obj) -> RestoreGrant:
-        """The grant of what ``restore-from`` names in the pod's namespace: a DynamoCheckpoint (the Dynamo
-        layer), read with the PodSnapshot it records, else a PodSnapshot (NVIDIA Snapshot's generic API);
-        either way with the content that PodSnapshot is bound to."""
-        namespace = Meta(pod).namespace
-        name = name_to_restore(pod)
-        ckpt = await get_or_none(self.kube, CHECKPOINT, name, namespace) if name else None
-        snapshot_name = snapshot_to_restore(name, ckpt)
-        snapshot = (
-            await get_or_none(self.kube, POD_SNAPSHOT, snapshot_name, namespace) if snapshot_name else None
-        )
-        bound = PodSnapshotView(snapshot).bound_content if snapshot is not None else ""
-        content = await get_or_none(self.kube, POD_SNAPSHOT_CONTENT, bound, "") if bound else None
-        owner_name = capture_checkpoint_name(snapshot) if ckpt is None else None
-        owner = await get_or_none(self.kube, CHECKPOINT, owner_name, namespace) if owner_name else None
-        return restore_grant(pod, ckpt, snapshot, content, owner)
-
-    async def _retake_container(self, pod: Obj, state: Status | None) -> str | None:
-        """After an agent restart, on a kubelet node: take the pod's container again, to watch or clear
-        it. The id of a container a restore cut short left processes in: it ends once they are cleared,
-        and the next restore goes into the container the kubelet starts in its place."""
-        if self.containers is None or state not in (Status.COMPLETED, Status.RUNNING):
-            return None
-        running = running_container(self.pods.get(object_key(pod)) or pod)
-        if running is None:
-            return None
-        key = workload_key(pod)
-        with contextlib.suppress(WorkloadRuntimeError):
-            await self.containers.attach(key, running.container_id, image_id=running.image_id)
-            if self.containers.holds_restored(key):
-                return running.container_id
-        return None
-
-    async def _watch_restored(self, pod: Obj) -> None:
-        """A restored workload outlives an agent restart: watch it again, or report it gone."""
-        if annotation(pod, protocol.ANNOTATION_WORKLOAD_EXITED) is not None:
-            return
-        found = await self.runtime.find(workload_key(pod))
-        if found is not None:
-            await self._supervise(pod, found)
-        else:
-            await self.reports.report_exit(pod, "restored worker gone while the node agent was down")
-
-    async def _clear_cut_short(self, pod: Obj, attempts: int) -> bool:
-        """A restore was cut short: clear what it left; True to start it again. One of an earlier agent
-        process (which died mid-restore) is no fault of the checkpoint's, so it is not reported as a
-        failure unless it keeps happening."""
-        await self.runtime.stop(workload_key(pod))
-        if Meta(pod).uid not in self._restoring and attempts >= protocol.RESTORE_ATTEMPTS_MAX:
-            await self.reports.report_restore_failed(
-                pod,
-                f"the restore was cut short {attempts} times (node agent restarts); "
-                "the partial restore was removed",
-            )
-            return False
-        return True
-
-    async def _restore_target(self, pod: Obj, spent: str | None) -> _RestoreTarget | None:
-        """What the restore goes into: on a kubelet node the pod's container in standby (None, reported,
-        where it is refused or fails), else the pod spec's environment."""
-        if self.kubelet is None:
-            return _RestoreTarget(None, None, pod_env(pod))
-        try:
-            target = await self.kubelet.attach_restore_target(
-                pod,
-                self.timeouts.container_start_timeout_seconds,
-                self.timeouts.standby_timeout_seconds,
-                spent,
-            )
-        except Refused as e:
-            await self.reports.refuse(pod, str(e))
-            return None
-        except (AgentError, WorkloadRuntimeError) as e:
-            await self.reports.fail(pod, str(e))
-            return None
-        env = self.kubelet.runtime.container_env(workload_key(pod))
-        return _RestoreTarget(target.image_id, target.visible_gpus, env)
-
-    async def _say_restore_failed(self, key: str, message: str) -> None:
-        """restore-failed in the container's control dir: a later container of the pod learns from it that
-        the pod's restore was used (the pod's failed status says the same to the controller)."""
-        try:
-            ctl = self.runtime.control_dir(key)
-            await asyncio.to_thread(write_sentinel, ctl / protocol.FILE_RESTORE_FAILED, {"message": message})
-        except (OSError, WorkloadRuntimeError) as e:
-            log.warning("restore-failed not written", extra={"key": key, "error": str(e)})
-
-    async def _run_restore(
-        self, pod: Obj, grant: RestoreGrant, target: _RestoreTarget
-    ) -> RestoreOutcome | None:
-        """The executor's restore; None where it failed (what it left stopped, the failure reported, a
-        refused artifact among them)."""
-        view = PodView(pod)
-        key = workload_key(pod)
-        try:
-            return await self.executor.restore(
-                key,
-                grant.artifact_key,
-                manifest_digest=grant.manifest_digest,
-                identity_info={
-                    "podName": view.meta.name,
-                    "namespace": view.meta.namespace,
-                    "podIP": view.pod_ip or None,
-                    "hostname": view.meta.name[:63],
-                    "env": {
-                        "POD_NAME": view.meta.name,
-                        "POD_NAMESPACE": view.meta.namespace,
-                    },
-                },
-                image_id=target.image_id,
-                visible_gpus=target.visible_gpus,
-                restore_env=target.env,
-                skip_compat=skip_compat_check(view.meta.annotations),
-            )
-        except Incompatible as e:
-            # Refused before anything started: the container stays as it was, to be reopened in place.
-            await self.reports.incompatible(pod, str(e))
-            return None
-        except (AgentError, WorkloadRuntimeError, ValueError) as e:
-            await self._say_restore_failed(key, str(e))
-            with contextlib.suppress(Exception):
-                await self.runtime.stop(key)
-            await self.reports.fail(pod, str(e))
-            return None

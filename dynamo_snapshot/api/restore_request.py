@@ -1,6 +1,7 @@
 """How a pod asks to be restored, read and judged one way by the restore webhook, the controller and the
 node agent: ``nvidia.com/restore-from`` names a DynamoCheckpoint or a PodSnapshot of the pod's own
-namespace, and ``nvidia.com/restore-container-map`` maps the captured container onto the pod's.
+namespace, and ``nvidia.com/restore-container-map`` maps the captured container onto one or several of
+the pod's (each destination restored on its own).
 
 A value is taken as written: a name with spaces around it is no object's name, whoever reads it, so the
 webhook that denies it and an agent that meets it without a webhook (failurePolicy Ignore, a pod created
@@ -19,7 +20,7 @@ from dynamo_snapshot.api.kube import (
 )
 from dynamo_snapshot.api.podsnapshot import CONTAINER_NAME_PATTERN
 
-__all__ = ["container_map", "name_problem", "restore_destination", "restore_from"]
+__all__ = ["container_map", "name_problem", "restore_destinations", "restore_from"]
 
 _SUBDOMAIN = re.compile(DNS1123_SUBDOMAIN_PATTERN)
 _CONTAINER = re.compile(CONTAINER_NAME_PATTERN)
@@ -55,38 +56,53 @@ def name_problem(name: str, namespace: str) -> str | None:
     return None
 
 
-def container_map(value: str) -> tuple[str, str]:
-    """The (source, destination) of ``nvidia.com/restore-container-map`` ("source=destination");
-    ValueError with the reason when it is not one such pair of container names."""
+def container_map(value: str) -> tuple[str, tuple[str, ...]]:
+    """The source and the destinations of ``nvidia.com/restore-container-map``: comma-separated
+    ``source=destination`` pairs of one source (Dynamo's engine failover restores one snapshot into
+    ``engine-0`` and its shadows: ``main=engine-0,main=engine-1``), each destination once, in the order
+    written. ValueError with the reason when the value is not that."""
     key = protocol.ANNOTATION_RESTORE_CONTAINER_MAP
     pairs = [p.strip() for p in value.split(",") if p.strip()]
     if not pairs:
         raise ValueError(f"{key} is empty: give source=destination, or leave the annotation out")
-    if len(pairs) > 1:
+    sources: list[str] = []
+    destinations: list[str] = []
+    for pair in pairs:
+        source, eq, dest = (part.strip() for part in pair.partition("="))
+        if not eq or not source or not dest:
+            raise ValueError(f"{key}={value!r}: {pair!r} is not source=destination")
+        for role, name in (("source", source), ("destination", dest)):
+            if len(name) > LABEL_VALUE_MAX_LENGTH or not _CONTAINER.fullmatch(name):
+                raise ValueError(
+                    f"{key}={value!r}: {role} {name!r} is not a container name (a DNS-1123 label)"
+                )
+        if dest in destinations:
+            raise ValueError(
+                f"{key}={value!r} names destination {dest!r} twice: a container takes one restore"
+            )
+        if source not in sources:
+            sources.append(source)
+        destinations.append(dest)
+    if len(sources) > 1:
         raise ValueError(
-            f"{key}={value!r} names {len(pairs)} pairs: a restore goes into one container, give one "
-            "source=destination"
+            f"{key}={value!r} names {len(sources)} sources ({', '.join(sources)}): a snapshot is restored "
+            "from its one captured container, give that one as every pair's source"
         )
-    source, eq, dest = (part.strip() for part in pairs[0].partition("="))
-    if not eq or not source or not dest:
-        raise ValueError(f"{key}={value!r} is not source=destination")
-    for role, name in (("source", source), ("destination", dest)):
-        if len(name) > LABEL_VALUE_MAX_LENGTH or not _CONTAINER.fullmatch(name):
-            raise ValueError(f"{key}={value!r}: {role} {name!r} is not a container name (a DNS-1123 label)")
-    return source, dest
+    return sources[0], tuple(destinations)
 
 
-def restore_destination(mapping: str | None, captured: str | None) -> str:
-    """The container a restore of the captured container ``captured`` goes into: the destination of
+def restore_destinations(mapping: str | None, captured: str | None) -> tuple[str, ...]:
+    """The containers a restore of the captured container ``captured`` goes into: the destinations of
     ``nvidia.com/restore-container-map`` (``mapping``; its source must be ``captured`` where that is
     known), else the captured container's name (main where unknown). ValueError with the reason when the
     map is malformed or maps another container."""
     if mapping is None:
-        return captured or protocol.DEFAULT_TARGET_CONTAINER
-    source, dest = container_map(mapping)
+        return (captured or protocol.DEFAULT_TARGET_CONTAINER,)
+    source, destinations = container_map(mapping)
     if captured is not None and source != captured:
+        pairs = ",".join(f"{captured}={dest}" for dest in destinations)
         raise ValueError(
             f"{protocol.ANNOTATION_RESTORE_CONTAINER_MAP}={mapping!r}: the snapshot captured container "
-            f"{captured!r}, not {source!r}: write {captured}={dest}"
+            f"{captured!r}, not {source!r}: write {pairs}"
         )
-    return dest
+    return destinations

@@ -213,17 +213,29 @@ class PodView(ObjectView):
     @property
     def target_container(self) -> str | None:
         """The container the pod itself names as the one checkpointed or restored into:
-        restore-container-map's destination, else the first of snapshot-target-containers; None where it
-        names none (``main_container``'s rule then applies)."""
+        restore-container-map's first destination, else the first of snapshot-target-containers; None
+        where it names none (``main_container``'s rule then applies)."""
+        mapping = self.container_map
+        if mapping is not None:
+            try:
+                return container_map(mapping)[1][0]
+            except ValueError:
+                pass
+        listed = _str(self.meta.annotations.get(protocol.ANNOTATION_TARGET_CONTAINERS))
+        first = listed.split(",")[0].strip()
+        return first or None
+
+    @property
+    def restore_targets(self) -> tuple[str, ...]:
+        """Every container the pod asks a restore into, as written: restore-container-map's destinations,
+        else the main container alone (an unreadable map too: the restore is refused with its reason)."""
         mapping = self.container_map
         if mapping is not None:
             try:
                 return container_map(mapping)[1]
             except ValueError:
                 pass
-        listed = _str(self.meta.annotations.get(protocol.ANNOTATION_TARGET_CONTAINERS))
-        first = listed.split(",")[0].strip()
-        return first or None
+        return (self.main_name,)
 
     @property
     def main_container(self) -> Obj | None:

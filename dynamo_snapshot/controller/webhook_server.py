@@ -212,7 +212,7 @@ class WebhookServer:
             "restore pod shaped",
             extra={
                 **where,
-                "container": outcome.target,
+                "containers": list(outcome.targets),
                 "ops": len(outcome.patch),
                 "warnings": outcome.warnings,
             },

@@ -347,6 +347,15 @@ def test_the_captured_container_goes_into_the_one_the_map_or_its_name_says() -> 
         assert restore_grant(pod, None, snapshot, content).artifact_key == f"team-a/{SNAP_UID}"
 
 
+def test_a_fan_out_grants_every_destination_in_the_order_written() -> None:
+    pod = _into(["sidecar", "engine-1", "engine-0"], **{MAP: "main=engine-0,main=engine-1"})
+    grant = restore_grant(pod, None, _snapshot(owner_uid=None), _content())
+    assert grant.destinations == ("engine-0", "engine-1")
+    assert restore_grant(_into(["main"]), None, _snapshot(owner_uid=None), _content()).destinations == (
+        "main",
+    )
+
+
 @pytest.mark.parametrize(
     ("pod", "says"),
     [
@@ -357,9 +366,20 @@ def test_the_captured_container_goes_into_the_one_the_map_or_its_name_says() -> 
         (_into(["engine"], **{MAP: "worker=engine"}), "the snapshot captured container 'main', not 'worker'"),
         (_into(["engine"]), "the pod has no container 'main' to restore container 'main' into"),
         (_into(["main", "engine"], **{TARGETS: "engine"}), "the pod names 'engine' as its target"),
-        (_into(["main", "engine"], **{MAP: "main=main,main=engine"}), "names 2 pairs"),
+        (_into(["main", "engine"], **{MAP: "main=main,worker=engine"}), "names 2 sources"),
+        (
+            _into(["engine-0"], **{MAP: "main=engine-0,main=engine-1"}),
+            "the pod has no container 'engine-1' to restore container 'main'",
+        ),
     ],
-    ids=["map-to-missing", "map-wrong-source", "no-captured-name", "other-target", "fan-out"],
+    ids=[
+        "map-to-missing",
+        "map-wrong-source",
+        "no-captured-name",
+        "other-target",
+        "two-sources",
+        "fan-out-to-missing",
+    ],
 )
 def test_a_destination_the_pod_does_not_name_or_have_is_refused(pod: Obj, says: str) -> None:
     with pytest.raises(Refused, match=re.escape(says)):

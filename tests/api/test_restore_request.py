@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.api.restore_request import container_map, name_problem, restore_destination, restore_from
+from dynamo_snapshot.api.restore_request import (
+    container_map,
+    name_problem,
+    restore_destinations,
+    restore_from,
+)
 
 
 def test_the_annotation_is_read_as_written() -> None:
@@ -37,11 +42,14 @@ def test_an_object_name_has_none() -> None:
 
 
 def test_container_map() -> None:
-    assert container_map("main=engine-0") == ("main", "engine-0")
-    assert container_map(" main = engine ,") == ("main", "engine")
+    assert container_map("main=engine-0") == ("main", ("engine-0",))
+    assert container_map(" main = engine ,") == ("main", ("engine",))
+    assert container_map("main=engine-1,main=engine-0") == ("main", ("engine-1", "engine-0")), "as written"
     for bad, why in [
         ("", "is empty"),
-        ("a=b,c=d", "names 2 pairs"),
+        ("a=b,c=d", "names 2 sources"),
+        ("main=a,main=a", "names destination 'a' twice"),
+        ("main=a,main", "'main' is not source=destination"),
         ("main", "is not source=destination"),
         ("main=", "is not source=destination"),
         ("main=" + "e" * 64, "is not a container name"),
@@ -52,13 +60,18 @@ def test_container_map() -> None:
 
 
 def test_a_restore_goes_where_the_map_says_else_into_the_captured_name() -> None:
-    assert restore_destination(None, "worker") == "worker"
-    assert restore_destination(None, None) == protocol.DEFAULT_TARGET_CONTAINER
-    assert restore_destination("worker=engine", "worker") == "engine"
-    assert restore_destination("x=engine", None) == "engine", "the captured container unknown: taken as given"
+    assert restore_destinations(None, "worker") == ("worker",)
+    assert restore_destinations(None, None) == (protocol.DEFAULT_TARGET_CONTAINER,)
+    assert restore_destinations("worker=engine", "worker") == ("engine",)
+    assert restore_destinations("main=engine-0,main=engine-1", "main") == ("engine-0", "engine-1")
+    assert restore_destinations("x=engine", None) == ("engine",), (
+        "the captured container unknown: taken as given"
+    )
     with pytest.raises(
         ValueError, match="the snapshot captured container 'main', not 'worker': write main=engine"
     ):
-        restore_destination("worker=engine", "main")
+        restore_destinations("worker=engine", "main")
+    with pytest.raises(ValueError, match="write main=e0,main=e1"):
+        restore_destinations("worker=e0,worker=e1", "main")
     with pytest.raises(ValueError, match="is not source=destination"):
-        restore_destination("engine", "main")
+        restore_destinations("engine", "main")

@@ -151,7 +151,7 @@ def assert_standby(p: Obj, target: str) -> None:
 def test_a_pod_restoring_a_ready_podsnapshot_is_shaped_for_the_agent_and_placed_where_it_fits() -> None:
     out, outcome = shaped(pod(containers=("main", "sidecar")))
     assert outcome.warnings == []
-    assert outcome.target == "main"
+    assert outcome.targets == ("main",)
     assert_standby(out, "main")
     assert out["metadata"]["labels"][protocol.LABEL_CHECKPOINT_ID] == "snap-a"
     assert required_terms(out) == [{"matchExpressions": EXPECTED_AFFINITY}]
@@ -227,7 +227,7 @@ def test_existing_labels_are_patched_key_by_key_and_kept() -> None:
 def test_the_identity_container_map_restores_into_main() -> None:
     p = pod(containers=("sidecar", "main"), **{protocol.ANNOTATION_RESTORE_CONTAINER_MAP: " main = main "})
     out, outcome = shaped(p)
-    assert outcome.target == "main"
+    assert outcome.targets == ("main",)
     assert_standby(out, "main")
     assert container(out, "sidecar") == {"name": "sidecar", "image": "worker:1"}
 
@@ -235,14 +235,14 @@ def test_the_identity_container_map_restores_into_main() -> None:
 def test_without_a_map_the_captured_container_is_the_target() -> None:
     found = Found(snapshot=snapshot(container="worker"), content=content())
     out, outcome = shaped(pod(containers=("worker",)), found)
-    assert outcome.target == "worker"
+    assert outcome.targets == ("worker",)
     assert_standby(out, "worker")
 
 
 def test_a_ready_dynamocheckpoint_wins_and_its_compatibility_places_the_pod() -> None:
     out, outcome = shaped(pod("ckpt-1"), Found(checkpoint=checkpoint()))
     assert outcome.warnings == []
-    assert outcome.target == "main"
+    assert outcome.targets == ("main",)
     assert out["metadata"]["labels"][protocol.LABEL_CHECKPOINT_ID] == "ckpt-1"
     assert required_terms(out) == [
         {
@@ -331,9 +331,22 @@ def test_a_snapshot_that_cannot_be_restored_now_is_admitted_with_a_warning_still
         (pod(**{protocol.ANNOTATION_RESTORE_CONTAINER_MAP: "main="}), READY, "is not source=destination"),
         (pod(**{protocol.ANNOTATION_RESTORE_CONTAINER_MAP: " , "}), READY, "restore-container-map is empty"),
         (
-            pod(**{protocol.ANNOTATION_RESTORE_CONTAINER_MAP: "main=a,main=b"}),
+            pod(**{protocol.ANNOTATION_RESTORE_CONTAINER_MAP: "main=main,worker=engine"}),
             READY,
-            "names 2 pairs: a restore goes into one container",
+            "names 2 sources (main, worker)",
+        ),
+        (
+            pod(**{protocol.ANNOTATION_RESTORE_CONTAINER_MAP: "main=main,main=main"}),
+            READY,
+            "names destination 'main' twice",
+        ),
+        (
+            pod(
+                containers=("engine-0",),
+                **{protocol.ANNOTATION_RESTORE_CONTAINER_MAP: "main=engine-0,main=engine-1"},
+            ),
+            READY,
+            "the pod has no container 'engine-1' to restore into (it has engine-0)",
         ),
         (
             pod(**{protocol.ANNOTATION_RESTORE_CONTAINER_MAP: "main=Engine_0"}),
@@ -373,7 +386,9 @@ def test_a_snapshot_that_cannot_be_restored_now_is_admitted_with_a_warning_still
         "map-no-source",
         "map-no-dest",
         "map-empty",
-        "map-two-pairs",
+        "map-two-sources",
+        "map-destination-twice",
+        "map-missing-destination",
         "map-bad-dest",
         "map-wrong-source",
         "map-wrong-source-ckpt",
@@ -395,13 +410,13 @@ def test_a_map_to_another_container_is_still_checked_when_the_snapshot_is_missin
     # The captured container is unknown then: the source is taken as given, with the warning; the
     # destination is still one the node agent restores into.
     out, outcome = shaped(pod(**{protocol.ANNOTATION_RESTORE_CONTAINER_MAP: "x=main"}), Found())
-    assert outcome.target == "main"
+    assert outcome.targets == ("main",)
     assert len(outcome.warnings) == 1
     assert_standby(out, "main")
     out, outcome = shaped(
         pod(containers=("engine",), **{protocol.ANNOTATION_RESTORE_CONTAINER_MAP: "x=engine"}), Found()
     )
-    assert outcome.target == "engine"
+    assert outcome.targets == ("engine",)
     assert_standby(out, "engine")
 
 
@@ -410,11 +425,32 @@ def test_a_map_into_another_container_shapes_that_one_and_names_it_the_target() 
         pod(containers=("sidecar", "engine"), **{protocol.ANNOTATION_RESTORE_CONTAINER_MAP: "main=engine"}),
         READY,
     )
-    assert outcome.target == "engine"
+    assert outcome.targets == ("engine",)
     assert_standby(out, "engine")
     assert out["metadata"]["annotations"][protocol.ANNOTATION_TARGET_CONTAINERS] == "engine"
     sidecar = next(c for c in out["spec"]["containers"] if c["name"] == "sidecar")
     assert not any(e["name"] == protocol.ENV_RESTORE_STANDBY for e in sidecar.get("env") or [])
+
+
+def test_a_map_of_several_destinations_shapes_each_and_lists_them_all() -> None:
+    mapping = "main=engine-0,main=engine-1"
+    out, outcome = shaped(
+        pod(
+            containers=("engine-0", "engine-1", "sidecar"),
+            **{protocol.ANNOTATION_RESTORE_CONTAINER_MAP: mapping},
+        ),
+        READY,
+    )
+    assert outcome.targets == ("engine-0", "engine-1")
+    for engine in outcome.targets:
+        assert_standby(out, engine)
+        container = next(c for c in out["spec"]["containers"] if c["name"] == engine)
+        mounts = [m for m in container["volumeMounts"] if m["name"] == protocol.CONTROL_VOLUME_NAME]
+        assert [m.get("subPath") for m in mounts] == [engine], "each destination its own sentinels"
+    assert out["metadata"]["annotations"][protocol.ANNOTATION_TARGET_CONTAINERS] == "engine-0,engine-1"
+    sidecar = next(c for c in out["spec"]["containers"] if c["name"] == "sidecar")
+    assert not any(e["name"] == protocol.ENV_RESTORE_STANDBY for e in sidecar.get("env") or [])
+    assert [v["name"] for v in out["spec"]["volumes"]].count(protocol.CONTROL_VOLUME_NAME) == 1
 
 
 def test_a_pod_without_the_annotation_is_left_alone() -> None:

@@ -3,7 +3,8 @@ the objects the server looked up in the pod's namespace; the answer is JSON Patc
 warnings, or a denial.
 
 A pod is shaped so that the node agent can restore into it and nothing cold-starts by mistake: the
-control volume, mount and variables on the target container, the standby variables (the image's
+control volume, mount and variables on each target container (every destination of
+``nvidia.com/restore-container-map``), the standby variables (the image's
 entrypoint waits as the restore placeholder), the restore-target and checkpoint-id labels, a readiness
 gate on the ``nvidia.com/Restored`` condition the node agent writes, and required node affinity to the
 nodes the captured GPU state fits. Shaping is idempotent: a pod that is shaped already (the controller's
@@ -27,7 +28,7 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.checkpoint import CheckpointCompatibility, CheckpointPhase
 from dynamo_snapshot.api.conditions import READY, validation_message
 from dynamo_snapshot.api.podsnapshot import PodSnapshotCompatibility, content_compatibility
-from dynamo_snapshot.api.restore_request import name_problem, restore_destination
+from dynamo_snapshot.api.restore_request import name_problem, restore_destinations
 from dynamo_snapshot.api.views import CheckpointView, PodSnapshotContentView, PodSnapshotView, PodView
 from dynamo_snapshot.controller.podspec import (
     add_restore_standby,
@@ -69,7 +70,7 @@ class Outcome:
     patch: list[Obj] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     denied: str | None = None
-    target: str | None = None
+    targets: tuple[str, ...] = ()
 
 
 def requested_name(pod: Obj) -> str | None:
@@ -88,9 +89,9 @@ def _captured(found: Found) -> str | None:
     return None
 
 
-def _target(pod: Obj, found: Found) -> str:
-    """The container to restore into; ValueError with the reason when the request cannot be right."""
-    return restore_destination(PodView(pod).container_map, _captured(found))
+def _targets(pod: Obj, found: Found) -> tuple[str, ...]:
+    """The containers to restore into; ValueError with the reason when the request cannot be right."""
+    return restore_destinations(PodView(pod).container_map, _captured(found))
 
 
 def _checkpoint_state(name: str, ckpt: Obj) -> tuple[str | None, CheckpointCompatibility | None]:
@@ -188,35 +189,40 @@ def mutate(pod: Obj, namespace: str, found: Found) -> Outcome:
     if problem:
         return Outcome(denied=problem)
     try:
-        target = _target(pod, found)
+        targets = _targets(pod, found)
     except ValueError as e:
         return Outcome(denied=str(e))
     names = PodView(pod).container_names
-    if target not in names:
+    missing = [target for target in targets if target not in names]
+    if missing:
         return Outcome(
-            denied=f"the pod has no container {target!r} to restore into (it has "
+            denied=f"the pod has no container {missing[0]!r} to restore into (it has "
             f"{', '.join(names) or 'none'}): rename it, or map the captured container onto one with "
             f"{protocol.ANNOTATION_RESTORE_CONTAINER_MAP}"
         )
     warning, compat = _state(name, namespace, found)
     shaped = copy.deepcopy(pod)
     spec = shaped.setdefault("spec", {})
-    add_snapshot_control(spec, target)
-    add_restore_standby(spec, target)
+    for target in targets:
+        add_snapshot_control(spec, target)
+        add_restore_standby(spec, target)
     labels = shaped.setdefault("metadata", {}).get("labels") or {}
     shaped["metadata"]["labels"] = {
         **labels,
         protocol.LABEL_RESTORE_TARGET: protocol.TRUE,
         protocol.LABEL_CHECKPOINT_ID: name,
     }
-    # The container the node agent restores into, said on the pod itself (the captured container's
+    # The containers the node agent restores into, said on the pod itself (the captured container's
     # name is the PodSnapshot's, which the agent reads only with the grant).
     annotations = shaped["metadata"].get("annotations") or {}
-    shaped["metadata"]["annotations"] = {**annotations, protocol.ANNOTATION_TARGET_CONTAINERS: target}
+    shaped["metadata"]["annotations"] = {
+        **annotations,
+        protocol.ANNOTATION_TARGET_CONTAINERS: ",".join(targets),
+    }
     gates = list(spec.get("readinessGates") or [])
     if not any(g.get("conditionType") == protocol.POD_CONDITION_RESTORED for g in gates):
         spec["readinessGates"] = [*gates, {"conditionType": protocol.POD_CONDITION_RESTORED}]
     require_node_affinity(spec, compatibility_affinity(compat))
     _dedupe_affinity(spec)
     warnings = [f"{warning}: {_STANDBY}"] if warning else []
-    return Outcome(patch=_json_patch(pod, shaped), warnings=warnings, target=target)
+    return Outcome(patch=_json_patch(pod, shaped), warnings=warnings, targets=targets)
