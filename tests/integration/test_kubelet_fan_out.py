@@ -1,0 +1,214 @@
+"""One snapshot restored into several containers of one pod on the real kubelet node, as Dynamo's engine
+failover asks (``nvidia.com/restore-container-map: main=engine-0,main=engine-1``): the webhook shapes each
+destination, the node's agent restores into each on its own (its own container, its own control
+directory, its own worker), and the pod's nvidia.com/Restored condition speaks for all of them. Where one
+destination cannot take the restore, the others still do and the condition says RestorePartiallySucceeded,
+naming the one that failed. A map of two sources is refused at admission.
+
+The containers of a pod share its network namespace: the worker opens its listener after the restore
+(the reference worker does, on a free port, and says which in its control directory), so each copy listens
+on a port of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.kube import POD, ApiError, Obj
+from dynamo_snapshot.kube.kinds import POD_SNAPSHOT
+from dynamo_snapshot_dev.localcluster import LocalCluster
+from dynamo_snapshot_dev.localcluster.realnode import TEST_IMAGE, RealNode
+from tests.helpers.kubelet_stack import PROMPT, Stack, eventually, ready, snapshot_pod
+from tests.helpers.webhook import make_certs, registered_webhook
+
+pytestmark = [pytest.mark.cluster, pytest.mark.kubelet]
+
+ENGINES = ("engine-0", "engine-1")
+MAP = ",".join(f"main={engine}" for engine in ENGINES)
+# A free port for each restored copy: they share the pod's network namespace.
+ENV = [
+    {"name": "WORKER_HOST", "value": "0.0.0.0"},
+    {"name": "WORKER_PORT", "value": "0"},
+    {"name": "WORKER_WEIGHTS_MIB", "value": "32"},
+]
+STATUS = protocol.ANNOTATION_RESTORE_STATUS
+
+
+def _restored(pod: Obj) -> dict[str, Any]:
+    conds = (pod.get("status") or {}).get("conditions") or []
+    return next((c for c in conds if c.get("type") == protocol.POD_CONDITION_RESTORED), {})
+
+
+def _engine(node: RealNode, name: str) -> Obj:
+    return {"name": name, "image": node.worker_image.name, "imagePullPolicy": "Never", "env": list(ENV)}
+
+
+async def _ready_snapshot(s: Stack, node: RealNode, name: str) -> None:
+    source = snapshot_pod(node, f"{name}-source", {"image": node.worker_image.name}, standby=False)
+    source["spec"]["containers"][0]["env"] += ENV
+    await s.kube.create(POD, {**source, "metadata": {**source["metadata"], "namespace": s.namespace}})
+    await s.kube.create(
+        POD_SNAPSHOT,
+        {
+            "apiVersion": "nvidia.com/v1alpha1",
+            "kind": "PodSnapshot",
+            "metadata": {"name": name, "namespace": s.namespace},
+            "spec": {"source": {"podRef": {"name": f"{name}-source", "containers": ["main"]}}},
+        },
+    )
+
+    async def snapshot_ready() -> Obj | None:
+        obj = await s.kube.get(POD_SNAPSHOT, name, s.namespace)
+        conds = {c["type"]: c for c in (obj.get("status") or {}).get("conditions") or []}
+        assert conds.get("Failed", {}).get("status") != "True", conds
+        return obj if conds.get("Ready", {}).get("status") == "True" else None
+
+    await eventually(snapshot_ready, 180, f"PodSnapshot {name} to be Ready")
+
+
+def _endpoint(node: RealNode, pod: Obj, container: str) -> dict[str, Any] | None:
+    """What the worker restored into ``container`` wrote in its own control directory (the container's
+    subdirectory of the pod's control volume, as the kubelet keeps it on this node)."""
+    path = (
+        node.kubelet_root
+        / "pods"
+        / pod["metadata"]["uid"]
+        / "volumes"
+        / "kubernetes.io~empty-dir"
+        / protocol.CONTROL_VOLUME_NAME
+        / container
+        / "endpoint.json"
+    )
+    try:
+        found: dict[str, Any] = json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    return found
+
+
+def _generate(ip: str, port: int) -> dict[str, Any]:
+    req = urllib.request.Request(f"http://{ip}:{port}/generate", data=PROMPT, method="POST")
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        answer: dict[str, Any] = json.loads(resp.read())
+    return answer
+
+
+def _container_ids(pod: Obj) -> dict[str, str]:
+    """The kubelet's ids of the pod's containers, without the runtime's scheme."""
+    return {
+        s["name"]: s.get("containerID", "").partition("://")[2]
+        for s in (pod.get("status") or {}).get("containerStatuses") or []
+    }
+
+
+async def _outcome(s: Stack, name: str, reason: str) -> Obj:
+    async def said() -> Obj | None:
+        pod = await s.kube.get(POD, name, s.namespace)
+        cond = _restored(pod)
+        if cond.get("reason") not in (None, protocol.RestoredReason.IN_PROGRESS, reason):
+            raise AssertionError(f"pod {name}: {cond}")
+        return pod if cond.get("reason") == reason else None
+
+    pod: Obj = await eventually(said, 240, f"pod {name} to be marked {reason}")
+    return pod
+
+
+async def _serving(node: RealNode, pod: Obj, containers: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """Each container's restored worker answering on the port it says, on the pod's IP."""
+    ip = pod["status"]["podIP"]
+    answers: dict[str, dict[str, Any]] = {}
+    for container in containers:
+
+        async def endpoint(container: str = container) -> dict[str, Any] | None:
+            return _endpoint(node, pod, container)
+
+        found = await eventually(endpoint, 60, f"the worker restored into {container} to say its port")
+        answers[container] = {
+            "port": found["port"],
+            **await asyncio.to_thread(_generate, ip, int(found["port"])),
+        }
+    return answers
+
+
+# long: one capture serves the whole story (a capture is the slow part), each step asserted as it goes
+async def test_one_snapshot_is_restored_into_each_mapped_container_and_a_partial_one_says_so(
+    stack: Stack, real_node: RealNode, cluster: LocalCluster, tmp_path: Path
+) -> None:
+    s = stack
+    s.start_agent()
+    await _ready_snapshot(s, real_node, "fan-snap")
+    annotations = {
+        protocol.ANNOTATION_RESTORE_FROM: "fan-snap",
+        protocol.ANNOTATION_RESTORE_CONTAINER_MAP: MAP,
+    }
+    pod = real_node.pod("fan-out", [_engine(real_node, engine) for engine in ENGINES])
+    pod["metadata"]["annotations"] = dict(annotations)
+    two_sources = real_node.pod("fan-two-sources", [_engine(real_node, engine) for engine in ENGINES])
+    two_sources["metadata"]["annotations"] = {
+        **annotations,
+        protocol.ANNOTATION_RESTORE_CONTAINER_MAP: "main=engine-0,worker=engine-1",
+    }
+    async with registered_webhook(cluster, s.kube, s.namespace, make_certs(tmp_path)):
+        await s.kube.create(POD, pod, s.namespace)
+        with pytest.raises(ApiError) as denied:
+            await s.kube.create(POD, two_sources, s.namespace)
+    assert "names 2 sources (main, worker)" in str(denied.value)
+
+    stored = await _outcome(s, "fan-out", protocol.RestoredReason.SUCCEEDED)
+    cond = _restored(stored)
+    assert cond["status"] == "True"
+    assert all(f"{engine}: restored from fan-snap" in cond["message"] for engine in ENGINES), cond
+    ann = stored["metadata"]["annotations"]
+    assert ann[protocol.ANNOTATION_TARGET_CONTAINERS] == ",".join(ENGINES)
+    assert all(ann[protocol.per_container(STATUS, e)] == protocol.SnapshotStatus.COMPLETED for e in ENGINES)
+    # Each destination its own container: the ids the agent restored into are the kubelet's.
+    ids = json.loads(ann[protocol.ANNOTATION_RESTORED_CONTAINER_IDS])
+    assert set(ids) == set(ENGINES)
+    kubelet_ids = _container_ids(stored)
+    assert all(ids[engine] == kubelet_ids[engine] for engine in ENGINES), (ids, kubelet_ids)
+    assert len(set(ids.values())) == len(ENGINES)
+
+    async def pod_ready() -> Obj | None:
+        latest = await s.kube.get(POD, "fan-out", s.namespace)
+        return latest if ready(latest) and latest["status"].get("podIP") else None
+
+    serving = await _serving(real_node, await eventually(pod_ready, 60, "fan-out to be Ready"), ENGINES)
+    # One captured state in each, each copy a worker of its own on a port of its own.
+    assert len({answer["text"] for answer in serving.values()}) == 1, serving
+    assert len({answer["port"] for answer in serving.values()}) == len(ENGINES), serving
+    assert all(answer["pod"] == "fan-out" for answer in serving.values()), serving
+
+    # Without the webhook, engine-1 is given no control directory: it runs its image's command and the
+    # agent has nowhere to hand a restore to it; engine-0 is restored all the same.
+    standing_by = snapshot_pod(real_node, "fan-partial", {"image": real_node.worker_image.name}, standby=True)
+    [engine_0] = standing_by["spec"]["containers"]
+    engine_0["name"] = "engine-0"
+    engine_0["env"] += ENV
+    engine_0["volumeMounts"][0]["subPath"] = "engine-0"
+    engine_1 = {
+        "name": "engine-1",
+        "image": TEST_IMAGE.name,
+        "imagePullPolicy": "Never",
+        "command": ["sleep", "3600"],
+    }
+    standing_by["spec"]["containers"] = [engine_0, engine_1]
+    standing_by["metadata"]["annotations"] = dict(annotations)
+    await s.kube.create(POD, standing_by, s.namespace)
+    partial = await _outcome(s, "fan-partial", protocol.RestoredReason.PARTIALLY_SUCCEEDED)
+    cond = _restored(partial)
+    assert cond["status"] == "False"
+    assert cond["message"].startswith("1 of 2 containers restored: engine-1: container "), cond
+    assert "has no snapshot control volume" in cond["message"], cond
+    assert "engine-0: restored from fan-snap" in cond["message"], cond
+    ann = partial["metadata"]["annotations"]
+    assert ann[protocol.per_container(STATUS, "engine-0")] == protocol.SnapshotStatus.COMPLETED
+    assert ann[protocol.per_container(STATUS, "engine-1")] == protocol.SnapshotStatus.FAILED
+    assert set(json.loads(ann[protocol.ANNOTATION_RESTORED_CONTAINER_IDS])) == {"engine-0"}
+    answers = await _serving(real_node, partial, ("engine-0",))
+    assert answers["engine-0"]["text"] == next(iter(serving.values()))["text"]
