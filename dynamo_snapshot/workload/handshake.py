@@ -27,7 +27,9 @@ What CRIU restores and what it does not: the process's memory comes back as it w
 time, environment included, so os.environ (POD_NAME, POD_IP, ...) still describes the checkpoint pod
 after a restore. The new pod's identity comes, in this order, from the restore-complete content when
 it is a JSON object ({"env": {...}, "podName", "podIP", "hostname"}), then from what the kubelet
-mounts into the new container (/etc/hostname, /etc/hosts), then from uname.
+mounts into the new container (/etc/hostname, /etc/hosts), then from uname. What differs between the
+containers one snapshot is restored into (an engine's ENGINE_ID, its failover lock) is the restore
+container's restore-context.json, given as RestoreInfo.context_env.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from dynamo_snapshot.api.protocol import (
     FEATURE_RESTORE_COMPLETE_LINES,
     FILE_READY_FOR_SNAPSHOT,
     FILE_RESTORE_COMPLETE,
+    FILE_RESTORE_CONTEXT,
     FILE_SNAPSHOT_COMPLETE,
     FILE_ZERO_PAGES_RELEASED,
     FILE_ZERO_PAGES_REQUEST,
@@ -139,6 +142,10 @@ class RestoreInfo:
     content: Any  # the sentinel parsed as JSON, else its text; None when empty
     env: Mapping[str, str] = field(default_factory=dict)  # restore-time env the agent passed, if any
     waited_s: float = 0.0
+    # The restore container's own values of the names Dynamo carries across a restore
+    # (restore-context.json: ENGINE_ID, FAILOVER_LOCK_PATH, DYN_SYSTEM_PORT, ...): what differs between
+    # containers a snapshot is restored into; empty when not restored or not given.
+    context_env: Mapping[str, str] = field(default_factory=dict)
 
 
 def _read_text(path: Path) -> str | None:
@@ -197,6 +204,20 @@ def _contract_lines(text: str) -> dict[str, Any] | None:
             return None
         doc[RESTORE_COMPLETE_PID_KEY] = int(pid)
     return doc or None
+
+
+def _context_env(path: Path) -> dict[str, str]:
+    """restore-context.json's ``env`` (names with a value): written before restore-complete, by the
+    restore container's standby entrypoint or the agent."""
+    text = _read_text(path)
+    try:
+        doc = json.loads(text) if text else None
+    except ValueError:
+        return {}
+    env = doc.get("env") if isinstance(doc, dict) else None
+    if not isinstance(env, dict):
+        return {}
+    return {k: v for k, v in env.items() if isinstance(k, str) and isinstance(v, str)}
 
 
 def _etc_hostname() -> str | None:
@@ -422,7 +443,8 @@ class SnapshotHandshake:
 
     def _result(self, restored: bool, content: Any, waited: float) -> RestoreInfo:
         hostname, pod_name, pod_ip, env = _identity(content, restored)
-        return RestoreInfo(restored, hostname, pod_name, pod_ip, content, env, waited)
+        context = _context_env(self.control_dir / FILE_RESTORE_CONTEXT) if restored else {}
+        return RestoreInfo(restored, hostname, pod_name, pod_ip, content, env, waited, context)
 
     @staticmethod
     def _check_args(poll_interval: float, timeout: float | None) -> None:

@@ -11,6 +11,11 @@ after it (restored or not) opens its HTTP listener: a listening socket must not 
 In a restore pod on a kubelet node (SNAPSHOT_RESTORE_STANDBY=1) it does none of that: it waits as the
 container's placeholder until the node agent restores the checkpointed worker into the container.
 
+Restored into one of several containers of a pod (Dynamo's engine failover: restore-container-map
+`main=engine-0,main=engine-1`), it takes part in the engines' election when its restore container says
+FAILOVER_LOCK_PATH (restore-context.json, as Dynamo carries it with ENGINE_ID): it serves only once it holds
+an exclusive flock on that file, which the kernel releases when the holder dies, so a shadow takes over.
+
 HTTP on WORKER_HOST (default 127.0.0.1; a kubelet pod sets 0.0.0.0):<free port> (WORKER_PORT to fix it):
 POST /generate sleeps WORKER_SERVICE_MS (default 100) per request with at most WORKER_CONCURRENCY
 (default 2) running at once — the rest wait, which is what `vllm:num_requests_waiting` reports on
@@ -21,6 +26,7 @@ discovery), else to `endpoint.json` in the control dir.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -131,6 +137,16 @@ def serve(engine: Engine, pod: str, endpoint_file: Path | None) -> None:
     server.serve_forever()
 
 
+def win_election(lock_path: str, engine_id: str) -> int:
+    """Block until this engine holds the failover lock (an exclusive flock on ``lock_path``); the open
+    descriptor is returned and kept: the kernel lets go of the lock when this process dies."""
+    t0 = time.monotonic()
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    print(f"engine {engine_id} holds the failover lock after {time.monotonic() - t0:.2f}s", flush=True)
+    return fd
+
+
 def main() -> int:
     if standby_requested():
         return run_standby()  # a restore pod: the node agent brings the checkpointed worker back here
@@ -153,6 +169,9 @@ def main() -> int:
             return 0  # dumped and left running: the restored copies carry on
         pod = info.pod_name or pod  # the environment is still the checkpoint pod's
         endpoint = handshake.control_dir / ENDPOINT_FILE
+        lock_path = info.context_env.get("FAILOVER_LOCK_PATH")
+        if lock_path:
+            win_election(lock_path, info.context_env.get("ENGINE_ID", "0"))
     if os.environ.get("WORKER_ENDPOINT_DIR"):
         endpoint = Path(os.environ["WORKER_ENDPOINT_DIR"]) / f"{pod}.json"
     serve(engine, pod, endpoint)

@@ -3,7 +3,9 @@ failover asks (``nvidia.com/restore-container-map: main=engine-0,main=engine-1``
 destination, the node's agent restores into each on its own (its own container, its own control
 directory, its own worker), and the pod's nvidia.com/Restored condition speaks for all of them. Where one
 destination cannot take the restore, the others still do and the condition says RestorePartiallySucceeded,
-naming the one that failed. A map of two sources is refused at admission.
+naming the one that failed. A map of two sources is refused at admission. Restored as engines with a
+failover lock, one engine serves and its shadow waits; the leader killed, the shadow answers, and the time
+from the kill to its first answer is measured.
 
 The containers of a pod share its network namespace: the worker opens its listener after the restore
 (the reference worker does, on a free port, and says which in its control directory), so each copy listens
@@ -12,7 +14,11 @@ on a port of its own."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import signal
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -49,9 +55,8 @@ def _engine(node: RealNode, name: str) -> Obj:
     return {"name": name, "image": node.worker_image.name, "imagePullPolicy": "Never", "env": list(ENV)}
 
 
-async def _ready_snapshot(s: Stack, node: RealNode, name: str) -> None:
-    source = snapshot_pod(node, f"{name}-source", {"image": node.worker_image.name}, standby=False)
-    source["spec"]["containers"][0]["env"] += ENV
+async def _capture(s: Stack, source: Obj, name: str) -> None:
+    """Run ``source`` (its container main) and capture it as the PodSnapshot ``name``, Ready."""
     await s.kube.create(POD, {**source, "metadata": {**source["metadata"], "namespace": s.namespace}})
     await s.kube.create(
         POD_SNAPSHOT,
@@ -59,7 +64,7 @@ async def _ready_snapshot(s: Stack, node: RealNode, name: str) -> None:
             "apiVersion": "nvidia.com/v1alpha1",
             "kind": "PodSnapshot",
             "metadata": {"name": name, "namespace": s.namespace},
-            "spec": {"source": {"podRef": {"name": f"{name}-source", "containers": ["main"]}}},
+            "spec": {"source": {"podRef": {"name": source["metadata"]["name"], "containers": ["main"]}}},
         },
     )
 
@@ -142,7 +147,9 @@ async def test_one_snapshot_is_restored_into_each_mapped_container_and_a_partial
 ) -> None:
     s = stack
     s.start_agent()
-    await _ready_snapshot(s, real_node, "fan-snap")
+    source = snapshot_pod(real_node, "fan-snap-source", {"image": real_node.worker_image.name}, standby=False)
+    source["spec"]["containers"][0]["env"] += ENV
+    await _capture(s, source, "fan-snap")
     annotations = {
         protocol.ANNOTATION_RESTORE_FROM: "fan-snap",
         protocol.ANNOTATION_RESTORE_CONTAINER_MAP: MAP,
@@ -212,3 +219,97 @@ async def test_one_snapshot_is_restored_into_each_mapped_container_and_a_partial
     assert set(json.loads(ann[protocol.ANNOTATION_RESTORED_CONTAINER_IDS])) == {"engine-0"}
     answers = await _serving(real_node, partial, ("engine-0",))
     assert answers["engine-0"]["text"] == next(iter(serving.values()))["text"]
+
+
+def _with_shared_lock(pod: Obj, engine_ids: dict[str, str]) -> Obj:
+    """Each named container given the failover lock's volume and its engine's id: the restored workers
+    elect one of them to serve (the source pod mounts it too: a restore keeps the mounts it captured)."""
+    volumes = pod["spec"].setdefault("volumes", [])
+    volumes.append({"name": "failover", "emptyDir": {}})
+    for container in pod["spec"]["containers"]:
+        if container["name"] not in engine_ids:
+            continue
+        container.setdefault("volumeMounts", []).append({"name": "failover", "mountPath": "/shared"})
+        container["env"] = [
+            *container.get("env", []),
+            {"name": "FAILOVER_LOCK_PATH", "value": "/shared/failover.lock"},
+            {"name": "ENGINE_ID", "value": engine_ids[container["name"]]},
+        ]
+    return pod
+
+
+def _kill_container(container_id: str) -> int:
+    """SIGKILL every process in the container's cgroup (the restored worker and the placeholder it was
+    restored under): the engine dies as a crash ends it. How many were killed."""
+    killed = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cgroup = (entry / "cgroup").read_text()
+        except OSError:
+            continue
+        if container_id in cgroup:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed += 1
+    return killed
+
+
+# long: one capture serves the story: the election, the kill, the shadow's first answer, measured
+async def test_an_engine_killed_hands_over_to_its_shadow_restored_beside_it(
+    stack: Stack, real_node: RealNode, cluster: LocalCluster, tmp_path: Path
+) -> None:
+    s = stack
+    s.start_agent()
+    source = snapshot_pod(
+        real_node, "failover-snap-source", {"image": real_node.worker_image.name}, standby=False
+    )
+    source["spec"]["containers"][0]["env"] += ENV
+    _with_shared_lock(source, {"main": "0"})
+    await _capture(s, source, "failover-snap")
+    pod = real_node.pod("engines", [_engine(real_node, engine) for engine in ENGINES])
+    _with_shared_lock(pod, {engine: engine.rpartition("-")[2] for engine in ENGINES})
+    pod["metadata"]["annotations"] = {
+        protocol.ANNOTATION_RESTORE_FROM: "failover-snap",
+        protocol.ANNOTATION_RESTORE_CONTAINER_MAP: MAP,
+    }
+    async with registered_webhook(cluster, s.kube, s.namespace, make_certs(tmp_path)):
+        await s.kube.create(POD, pod, s.namespace)
+    stored = await _outcome(s, "engines", protocol.RestoredReason.SUCCEEDED)
+    ids = json.loads(stored["metadata"]["annotations"][protocol.ANNOTATION_RESTORED_CONTAINER_IDS])
+    ip = stored["status"]["podIP"]
+
+    async def one_serves() -> str | None:
+        serving = [e for e in ENGINES if _endpoint(real_node, stored, e) is not None]
+        assert len(serving) <= 1, f"two engines serve at once: {serving}"
+        return serving[0] if serving else None
+
+    leader = await eventually(one_serves, 60, "one engine to win the election and serve")
+    shadow = next(e for e in ENGINES if e != leader)
+    said = _endpoint(real_node, stored, leader)
+    assert said is not None
+    before = await asyncio.to_thread(_generate, ip, int(said["port"]))
+    await asyncio.sleep(1.0)
+    assert _endpoint(real_node, stored, shadow) is None, "the shadow serves only once it holds the lock"
+
+    killed_at = time.monotonic()
+    assert await asyncio.to_thread(_kill_container, ids[leader]) >= 1
+
+    async def shadow_answers() -> dict[str, Any] | None:
+        found = _endpoint(real_node, stored, shadow)
+        if found is None:
+            return None
+        try:
+            answer: dict[str, Any] = await asyncio.to_thread(_generate, ip, int(found["port"]))
+        except OSError:
+            return None
+        return answer
+
+    after = await eventually(shadow_answers, 60, f"the shadow {shadow} to answer once {leader} died")
+    handover_s = time.monotonic() - killed_at
+    assert after["text"] == before["text"], "the shadow answers from the same captured state"
+    record = os.environ.get("DSNAP_FAILOVER_RESULT")
+    if record:  # benchmarks/README: the measured hand-over, written where the run asks
+        result = {"leader": leader, "shadow": shadow, "kill_to_answer_s": round(handover_s, 3)}
+        await asyncio.to_thread(Path(record).write_text, json.dumps(result))

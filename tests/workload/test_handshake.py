@@ -257,6 +257,23 @@ def test_identity_after_restore_prefers_what_the_agent_says(ctl: Path, etc: Path
     assert info.env == {"POD_NAME": "restored-1", "POD_IP": "10.1.1.1"}
 
 
+def test_a_restore_gives_the_restore_containers_carried_settings(ctl: Path, etc: Path) -> None:
+    # Two containers restored from one snapshot differ in these: each engine's id, its failover lock.
+    (ctl / "restore-context.json").write_text(
+        json.dumps({"env": {"ENGINE_ID": "1", "FAILOVER_LOCK_PATH": "/shared/l", "DYN_SYSTEM_PORT": None}})
+    )
+    (ctl / FILE_RESTORE_COMPLETE).write_text("done")
+    info = SnapshotHandshake().wait_for_restore()
+    assert info.context_env == {"ENGINE_ID": "1", "FAILOVER_LOCK_PATH": "/shared/l"}
+
+
+@pytest.mark.parametrize("written", ["", "not json", "[1]", '{"env": 3}'])
+def test_an_unreadable_restore_context_gives_no_settings(ctl: Path, etc: Path, written: str) -> None:
+    (ctl / "restore-context.json").write_text(written)
+    (ctl / FILE_RESTORE_COMPLETE).write_text("done")
+    assert SnapshotHandshake().wait_for_restore().context_env == {}
+
+
 def test_identity_after_restore_ignores_the_checkpointed_env(
     ctl: Path, etc: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
