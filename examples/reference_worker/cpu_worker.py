@@ -36,6 +36,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from socketserver import TCPServer
 
 from dynamo_snapshot.workload import SnapshotHandshake, run_standby, standby_requested
 
@@ -99,6 +100,14 @@ class Engine:
         return ("\n".join(lines) + "\n").encode()
 
 
+class _Server(ThreadingHTTPServer):
+    def server_bind(self) -> None:
+        # HTTPServer's own asks DNS for the host's name (socket.getfqdn): with no resolver answering, a
+        # restored worker would wait for the lookup's timeout (10 s) before it serves.
+        TCPServer.server_bind(self)
+        self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
+
+
 def serve(engine: Engine, pod: str, endpoint_file: Path | None) -> None:
     class Handler(BaseHTTPRequestHandler):
         def _answer(self, code: int, body: bytes, ctype: str = "application/json") -> None:
@@ -127,7 +136,7 @@ def serve(engine: Engine, pod: str, endpoint_file: Path | None) -> None:
             pass
 
     host = os.environ.get("WORKER_HOST", "127.0.0.1")
-    server = ThreadingHTTPServer((host, int(os.environ.get("WORKER_PORT", "0"))), Handler)
+    server = _Server((host, int(os.environ.get("WORKER_PORT", "0"))), Handler)
     server.daemon_threads = True
     if endpoint_file is not None:
         tmp = endpoint_file.with_suffix(".tmp")

@@ -50,6 +50,7 @@ from collections.abc import Callable, Iterator, Sequence  # noqa: E402
 from http import HTTPStatus  # noqa: E402
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer  # noqa: E402
 from pathlib import Path  # noqa: E402
+from socketserver import TCPServer  # noqa: E402
 from types import ModuleType  # noqa: E402
 from typing import TYPE_CHECKING, Any, NoReturn  # noqa: E402
 
@@ -836,6 +837,12 @@ class WorkerHTTPServer(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], worker: Worker) -> None:
         self.worker = worker
         super().__init__(address, Handler)
+
+    def server_bind(self) -> None:
+        # HTTPServer's own asks DNS for the host's name (socket.getfqdn): with no resolver answering, a
+        # restored worker would wait for the lookup's timeout before it serves.
+        TCPServer.server_bind(self)
+        self.server_name, self.server_port = str(self.server_address[0]), int(self.server_address[1])
 
 
 class Handler(BaseHTTPRequestHandler):

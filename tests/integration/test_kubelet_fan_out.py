@@ -294,22 +294,30 @@ async def test_an_engine_killed_hands_over_to_its_shadow_restored_beside_it(
     assert _endpoint(real_node, stored, shadow) is None, "the shadow serves only once it holds the lock"
 
     killed_at = time.monotonic()
-    assert await asyncio.to_thread(_kill_container, ids[leader]) >= 1
+    killed = await asyncio.to_thread(_kill_container, ids[leader])
+    assert killed >= 1
 
-    async def shadow_answers() -> dict[str, Any] | None:
+    # Polled every 20 ms (not eventually's 0.5 s): the hand-over is what is measured.
+    after: dict[str, Any] | None = None
+    tries: list[str] = []
+    while after is None:
+        assert time.monotonic() - killed_at < 60, f"the shadow {shadow} did not answer once {leader} died"
         found = _endpoint(real_node, stored, shadow)
-        if found is None:
-            return None
-        try:
-            answer: dict[str, Any] = await asyncio.to_thread(_generate, ip, int(found["port"]))
-        except OSError:
-            return None
-        return answer
-
-    after = await eventually(shadow_answers, 60, f"the shadow {shadow} to answer once {leader} died")
+        if found is not None:
+            try:
+                after = await asyncio.to_thread(_generate, ip, int(found["port"]))
+            except OSError as e:
+                tries.append(f"{time.monotonic() - killed_at:.3f}s port {found['port']}: {e}")
+        if after is None:
+            await asyncio.sleep(0.02)
     handover_s = time.monotonic() - killed_at
     assert after["text"] == before["text"], "the shadow answers from the same captured state"
     record = os.environ.get("DSNAP_FAILOVER_RESULT")
-    if record:  # benchmarks/README: the measured hand-over, written where the run asks
-        result = {"leader": leader, "shadow": shadow, "kill_to_answer_s": round(handover_s, 3)}
+    if record:  # BENCHMARKS.md "Engine failover": the measured hand-over, where the run asks for it
+        result = {
+            "leader": leader,
+            "shadow": shadow,
+            "kill_to_answer_s": round(handover_s, 3),
+            "failed_tries": tries,
+        }
         await asyncio.to_thread(Path(record).write_text, json.dumps(result))
