@@ -30,7 +30,7 @@ class KubeletContainers:
         self, pod: Obj, within: float, spent: str | None = None, container: str | None = None
     ) -> RunningContainer:
         """The pod's main container (or ``container``) once the kubelet runs it (read from the watch
-        cache); not ``spent``."""
+        cache); not ``spent`` (an id with or without the runtime's scheme)."""
         name = container or PodView(pod).main_name
         deadline = asyncio.get_running_loop().time() + within
         while True:
@@ -38,7 +38,7 @@ class KubeletContainers:
             if not still_live(latest, pod):
                 raise AgentError("the pod is being deleted")
             running = running_container(latest, container)
-            if running is not None and running.container_id != spent:
+            if running is not None and (spent is None or _bare(running.container_id) != _bare(spent)):
                 return running
             why = ended(latest, container)
             if why is not None and spent is None:
@@ -89,3 +89,9 @@ class KubeletContainers:
                 raise AgentError(f"container {target} exited before the restore")
             await asyncio.sleep(0.05)
         return workload
+
+
+def _bare(container_id: str) -> str:
+    """A container id without the runtime's scheme: the kubelet says ``containerd://<id>``, a restored
+    workload and restored-container-ids the id alone."""
+    return container_id.partition("://")[2] or container_id

@@ -218,7 +218,7 @@ class PodReporter:
         else:
             written = await self._once(write)
         uid = meta.uid
-        if written and reason is Restored.IN_PROGRESS:
+        if written and reason in (Restored.IN_PROGRESS, Restored.REPLENISHING):
             self._restored[uid] = (status, since)
         else:
             self._restored.pop(uid, None)
@@ -250,6 +250,17 @@ class PodReporter:
         )
         key = per_target(pod, protocol.ANNOTATION_WORKLOAD_EXITED, container)
         await self.annotate_until_written(pod, {key: message}, "workload exit")
+
+    async def clear_exit(self, pod: Obj, dest: Destination) -> None:
+        """The worker restored into ``dest`` is gone and a restore into its replacement begins: its exit
+        is no longer what the container says."""
+        key = per_target(pod, protocol.ANNOTATION_WORKLOAD_EXITED, dest.annotated)
+        if key in Meta(pod).annotations:
+            await self.annotate_until_written(pod, {key: None}, "workload exit cleared")
+
+    def restored_id(self, pod: Obj, dest: Destination) -> str | None:
+        """The container id restored-container-ids records for ``dest`` (None: none)."""
+        return _restored_ids(pod).get(dest.container)
 
     async def refuse(self, pod: Obj, message: str, dest: Destination | None = None) -> None:
         """Say on the pod, as its restore status and as an Event, why the agent will not restore it."""
@@ -288,9 +299,10 @@ class PodReporter:
         ref = ObjectRef("Pod", meta.name, meta.namespace, meta.uid, "v1")
         self.recorder.record(ref, kind, reason, message)
 
-    async def annotate_until_written(self, pod: Obj, ann: dict[str, str], what: str) -> bool:
-        """Write `ann` on the pod, retrying transient errors with backoff; True once written. Never
-        raises, for reports that a dispatch of the pod anew must not stand in for. An answer no retry
+    async def annotate_until_written(self, pod: Obj, ann: Mapping[str, str | None], what: str) -> bool:
+        """Write `ann` on the pod (None removes a key), retrying transient errors with backoff; True once
+        written. Never raises, for reports that a dispatch of the pod anew must not stand in for. An
+        answer no retry
         changes (``kube.until_written.permanent``; a 404 for a pod deleted meanwhile among them) is
         logged and gives up: False. A deleted pod's task is cancelled besides."""
         return await self._until_written(pod, lambda: self._patch(pod, ann), "annotations", what)
@@ -305,7 +317,7 @@ class PodReporter:
             backoff=backoff,
         )
 
-    async def annotate(self, pod: Obj, ann: dict[str, str]) -> None:
+    async def annotate(self, pod: Obj, ann: Mapping[str, str | None]) -> None:
         """Write `ann` on the pod; a pod gone already is no error."""
         await self._once(lambda: self._patch(pod, ann))
 
@@ -320,7 +332,7 @@ class PodReporter:
             return False
         return True
 
-    async def _patch(self, pod: Obj, ann: dict[str, str]) -> None:
+    async def _patch(self, pod: Obj, ann: Mapping[str, str | None]) -> None:
         meta = Meta(pod)
         await self.kube.merge_patch(POD, meta.name, {"metadata": {"annotations": ann}}, meta.namespace)
 

@@ -45,7 +45,7 @@ from dynamo_snapshot.agent.sentinels import write_sentinel
 from dynamo_snapshot.agent.timings import AWAIT_CONTAINER_PHASE
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.restore_outcome import REOPENED_MESSAGE, skip_compat_check
-from dynamo_snapshot.api.views import Meta, PodSnapshotView, PodView
+from dynamo_snapshot.api.views import Meta, PodSnapshotView, PodView, still_live
 from dynamo_snapshot.kube import Informer, Kube, Obj, object_key
 from dynamo_snapshot.kube.kinds import CHECKPOINT, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
 from dynamo_snapshot.kube.until_written import get_or_none
@@ -123,11 +123,16 @@ class PodRestore:
         self._keys.setdefault(Meta(pod).uid, set()).update(dest.key for dest in dests)
         workloads: dict[Destination, Workload | None] = {}
         pending: list[tuple[Destination, str | None]] = []
+        gone: list[Destination] = []
         for dest in dests:
             state = status(pod, protocol.ANNOTATION_RESTORE_STATUS, dest.annotated)
             spent = await self._retake_container(pod, state, dest)
             if state is Status.COMPLETED:
-                workloads[dest] = await self._find_restored(pod, dest)
+                found = await self._find_restored(pod, dest)
+                if found is not None:
+                    workloads[dest] = found
+                else:
+                    gone.append(dest)
             elif state is Status.FAILED and not reopens_refused_restore(pod, dest.annotated):
                 continue  # a failed restore was cleaned up when it failed
             elif state is not Status.RUNNING or await self._clear_cut_short(pod, dest):
@@ -144,14 +149,63 @@ class PodRestore:
                     if workload is not None and workload.container_id
                 }
                 await self.reports.conclude(pod, dests, ids)
-        watched = [self.supervise(pod, w, dest) for dest, w in workloads.items() if w is not None]
-        await asyncio.gather(*watched)
+        kept = [self._keep(pod, dest, w) for dest, w in workloads.items() if w is not None]
+        kept += [self._keep(pod, dest, None) for dest in gone if dest.shared]
+        await asyncio.gather(*kept)
+
+    async def _keep(self, pod: Obj, dest: Destination, workload: Workload | None) -> None:
+        """Watch the worker restored into ``dest`` (None: already gone). Where other containers of the
+        pod took the same restore (Dynamo's engines), one whose worker died is restored again into the
+        container the kubelet starts in its place, as long as the pod was restored whole."""
+        while True:
+            if workload is not None:
+                await self.supervise(pod, workload, dest)
+                if not dest.shared:
+                    return
+                spent: str | None = workload.container_id
+            else:
+                spent = self.reports.restored_id(pod, dest)
+            if spent is None or self.kubelet is None:
+                return
+            workload = await self._replenish(pod, dest, spent)
+            if workload is None:
+                return
+
+    async def _replenish(self, pod: Obj, dest: Destination, spent: str) -> Workload | None:
+        """Restore again into ``dest``'s replacement container (not ``spent``), its siblings left as
+        they run, the pod's condition RestoreReplenishing meanwhile and said over all of them after; the
+        worker restored there, None where the pod is not restored whole, no replacement comes, or the
+        restore failed (said)."""
+        assert self.kubelet is not None
+        latest = self.pods.get(object_key(pod))
+        if latest is None or not still_live(latest, pod):
+            return None
+        reason = PodView(latest).condition(protocol.POD_CONDITION_RESTORED).get("reason")
+        if reason not in (protocol.RestoredReason.SUCCEEDED, protocol.RestoredReason.REPLENISHING):
+            return None  # a partial or failed restore is final: the pod is made anew
+        try:
+            await self.kubelet.running(
+                latest, self.timeouts.container_start_timeout_seconds, spent, dest.container
+            )
+        except AgentError as e:
+            log.info("no replacement to restore into", extra={"pod": dest.key, "detail": str(e)})
+            return None
+        latest = self.pods.get(object_key(pod)) or latest
+        await self.reports.clear_exit(latest, dest)
+        restored = await self._restore_pending(latest, [(dest, spent)], replenishing=True)
+        workload = restored.get(dest)
+        ids = (
+            {dest.container: workload.container_id} if workload is not None and workload.container_id else {}
+        )
+        await self.reports.conclude(latest, destinations(latest), ids)
+        return workload
 
     async def _restore_pending(
-        self, pod: Obj, pending: list[tuple[Destination, str | None]]
+        self, pod: Obj, pending: list[tuple[Destination, str | None]], *, replenishing: bool = False
     ) -> dict[Destination, Workload | None]:
         """The restores into ``pending`` destinations (with the container a cut-short restore left in
-        each), side by side under one grant; the worker each restore left (None where it failed, said)."""
+        each, or the one a replaced container ran), side by side under one grant; the worker each
+        restore left (None where it failed, said)."""
         try:
             grant = await self._restore_grant(pod)
             missing = [dest.container for dest, _ in pending if dest.container not in grant.destinations]
@@ -164,9 +218,17 @@ class PodRestore:
         attempts = restore_attempts(pod)
         # Written before the running status: where it raises, the pod is dispatched anew without one, and
         # no restore is taken for cut short.
-        await self.reports.set_restored(
-            pod, protocol.RestoredReason.IN_PROGRESS, f"restoring from {grant.checkpoint_name}"
-        )
+        if replenishing:
+            names = ", ".join(dest.container for dest, _ in pending)
+            await self.reports.set_restored(
+                pod,
+                protocol.RestoredReason.REPLENISHING,
+                f"restoring {names} again from {grant.checkpoint_name}: the kubelet replaced the container",
+            )
+        else:
+            await self.reports.set_restored(
+                pod, protocol.RestoredReason.IN_PROGRESS, f"restoring from {grant.checkpoint_name}"
+            )
         for dest, _ in pending:
             await self.reports.report(
                 pod,

@@ -355,6 +355,9 @@ class RestoredReason(StrEnum):
     SUCCEEDED = "RestoreSucceeded"  # True
     FAILED = "RestoreFailed"  # False
     PARTIALLY_SUCCEEDED = "RestorePartiallySucceeded"  # False
+    # A destination of a fully restored pod whose container the kubelet replaced (it died) is being
+    # restored again in place, its siblings left as they run.
+    REPLENISHING = "RestoreReplenishing"  # False
     # Refused before anything was read: the node or the restore container cannot run the checkpoint
     # (ANNOTATION_SKIP_COMPAT_CHECK lets it be attempted anyway).
     INCOMPATIBLE = "RestoreIncompatible"  # False

@@ -14,7 +14,6 @@ from dynamo_snapshot.api import protocol
 
 __all__ = [
     "REOPENED_MESSAGE",
-    "REPLENISHING",
     "REPLENISHMENT_INCOMPATIBLE",
     "RestoreOutcome",
     "classify_restore_outcome",
@@ -22,9 +21,8 @@ __all__ = [
 ]
 
 Reason = protocol.RestoredReason
-# The contract's reasons of another agent (NVIDIA's): a replaced container of a restored pod being
-# restored again in place, and that restore refused as incompatible. This project's agent writes neither.
-REPLENISHING = "RestoreReplenishing"
+# The contract's reason of another agent (NVIDIA's): the restore of a replaced container refused as
+# incompatible. This project's agent says RestoreFailed (naming the container) instead.
 REPLENISHMENT_INCOMPATIBLE = "RestoreReplenishmentIncompatible"
 
 # The Event on a pod whose refused restore its skip-compat-check annotation reopens.
@@ -53,7 +51,7 @@ _BY_FALSE_REASON: dict[str, RestoreOutcome] = {
     REPLENISHMENT_INCOMPATIBLE: RestoreOutcome.FAILED,
     Reason.PARTIALLY_SUCCEEDED: RestoreOutcome.PARTIALLY_SUCCEEDED,
     Reason.IN_PROGRESS: RestoreOutcome.PENDING,
-    REPLENISHING: RestoreOutcome.PENDING,
+    Reason.REPLENISHING: RestoreOutcome.PENDING,
 }
 
 

@@ -4,8 +4,9 @@ destination, the node's agent restores into each on its own (its own container, 
 directory, its own worker), and the pod's nvidia.com/Restored condition speaks for all of them. Where one
 destination cannot take the restore, the others still do and the condition says RestorePartiallySucceeded,
 naming the one that failed. A map of two sources is refused at admission. Restored as engines with a
-failover lock, one engine serves and its shadow waits; the leader killed, the shadow answers, and the time
-from the kill to its first answer is measured.
+failover lock, one engine serves and its shadow waits; the leader killed, the shadow answers (the time from
+the kill to its first answer measured), and the container the kubelet starts in the leader's place is
+restored again to wait as the new shadow, which takes over when the other dies in turn.
 
 The containers of a pod share its network namespace: the worker opens its listener after the restore
 (the reference worker does, on a free port, and says which in its control directory), so each copy listens
@@ -44,6 +45,7 @@ ENV = [
     {"name": "WORKER_WEIGHTS_MIB", "value": "32"},
 ]
 STATUS = protocol.ANNOTATION_RESTORE_STATUS
+Restored = protocol.RestoredReason
 
 
 def _restored(pod: Obj) -> dict[str, Any]:
@@ -77,21 +79,26 @@ async def _capture(s: Stack, source: Obj, name: str) -> None:
     await eventually(snapshot_ready, 180, f"PodSnapshot {name} to be Ready")
 
 
-def _endpoint(node: RealNode, pod: Obj, container: str) -> dict[str, Any] | None:
-    """What the worker restored into ``container`` wrote in its own control directory (the container's
-    subdirectory of the pod's control volume, as the kubelet keeps it on this node)."""
-    path = (
+def _endpoint_path(node: RealNode, pod: Obj, container: str) -> Path:
+    """The endpoint file in ``container``'s own control directory (its subdirectory of the pod's
+    control volume, as the kubelet keeps it on this node)."""
+    uid: str = pod["metadata"]["uid"]
+    return (
         node.kubelet_root
         / "pods"
-        / pod["metadata"]["uid"]
+        / uid
         / "volumes"
         / "kubernetes.io~empty-dir"
         / protocol.CONTROL_VOLUME_NAME
         / container
         / "endpoint.json"
     )
+
+
+def _endpoint(node: RealNode, pod: Obj, container: str) -> dict[str, Any] | None:
+    """What the worker restored into ``container`` wrote in its own control directory."""
     try:
-        found: dict[str, Any] = json.loads(path.read_text())
+        found: dict[str, Any] = json.loads(_endpoint_path(node, pod, container).read_text())
     except (FileNotFoundError, ValueError):
         return None
     return found
@@ -312,6 +319,38 @@ async def test_an_engine_killed_hands_over_to_its_shadow_restored_beside_it(
             await asyncio.sleep(0.02)
     handover_s = time.monotonic() - killed_at
     assert after["text"] == before["text"], "the shadow answers from the same captured state"
+    _endpoint_path(real_node, stored, leader).unlink()  # the dead leader's, left in its directory
+
+    # The kubelet starts the killed container anew; the agent restores into it again, its sibling left
+    # serving, and the replacement waits as the new shadow.
+    async def replenished() -> Obj | None:
+        latest = await s.kube.get(POD, "engines", s.namespace)
+        cond = _restored(latest)
+        assert cond.get("reason") in (Restored.SUCCEEDED, Restored.REPLENISHING), cond
+        now = json.loads(latest["metadata"]["annotations"][protocol.ANNOTATION_RESTORED_CONTAINER_IDS])
+        return latest if cond["reason"] == Restored.SUCCEEDED and now[leader] != ids[leader] else None
+
+    again = await eventually(replenished, 120, f"{leader}'s replacement container to be restored again")
+    renewed = json.loads(again["metadata"]["annotations"][protocol.ANNOTATION_RESTORED_CONTAINER_IDS])
+    assert renewed[shadow] == ids[shadow], "the serving sibling is left as it runs"
+    assert renewed[leader] == _container_ids(again)[leader]
+    exited = protocol.per_container(protocol.ANNOTATION_WORKLOAD_EXITED, leader)
+    assert exited not in again["metadata"]["annotations"], "the replacement's worker runs"
+    await asyncio.sleep(1.0)
+    assert _endpoint(real_node, again, leader) is None, "the replacement waits while the shadow serves"
+
+    # The serving one killed in turn: the replacement takes over.
+    assert await asyncio.to_thread(_kill_container, renewed[shadow]) >= 1
+
+    async def replacement_answers() -> dict[str, Any] | None:
+        found = _endpoint(real_node, again, leader)
+        if found is None:
+            return None
+        answer: dict[str, Any] = await asyncio.to_thread(_generate, ip, int(found["port"]))
+        return answer
+
+    back = await eventually(replacement_answers, 60, f"{leader}'s replacement to answer once {shadow} died")
+    assert back["text"] == before["text"]
     record = os.environ.get("DSNAP_FAILOVER_RESULT")
     if record:  # BENCHMARKS.md "Engine failover": the measured hand-over, where the run asks for it
         result = {
