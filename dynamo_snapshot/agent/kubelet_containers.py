@@ -4,6 +4,7 @@ restore, attached once its placeholder says it waits in standby."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 from dynamo_snapshot.agent.authorize import Refused
 from dynamo_snapshot.agent.errors import AgentError
@@ -15,7 +16,11 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.views import PodView, still_live
 from dynamo_snapshot.kube import Informer, Obj, object_key
 
-__all__ = ["KubeletContainers"]
+__all__ = ["KubeletContainers", "inert_placeholder"]
+
+# How long a container without the standby variable is given to exec into an inert placeholder.
+_INERT_WITHIN_S = 2.0
+_INERT_PROGRAMS = frozenset({"sleep", "pause"})
 
 
 class KubeletContainers:
@@ -62,33 +67,53 @@ class KubeletContainers:
         key: str | None = None,
     ) -> Workload:
         """The restore pod's main container (or ``container``, attached as ``key``; not the ``spent``
-        one), once its placeholder says it waits in standby."""
+        one), once its placeholder says it waits in standby, or runs as an inert placeholder."""
         key = key or workload_key(pod)
         target = container or PodView(pod).main_name
         containers = self.runtime
         running = await self.running(pod, start_within, spent, target)
         workload = await containers.attach(key, running.container_id, image_id=running.image_id)
         env = containers.container_env(key)
-        if not any(env.get(name) == "1" for name in protocol.ENV_RESTORE_STANDBYS):
-            raise Refused(
-                f"container {target} is not in standby: it runs without {protocol.ENV_RESTORE_STANDBY}=1, so "
-                "its image's entrypoint may have cold-started the worker (the controller sets it on the "
-                "restore pods it makes)"
-            )
-        deadline = asyncio.get_running_loop().time() + standby_within
-        while not containers.standby(key):
+        standby_env = any(env.get(name) == "1" for name in protocol.ENV_RESTORE_STANDBYS)
+        # Without the standby variable only an inert placeholder is restored into (upstream's contract:
+        # the producer runs one, e.g. `exec sleep infinity`); given a moment to exec into it.
+        deadline = asyncio.get_running_loop().time() + (standby_within if standby_env else _INERT_WITHIN_S)
+        while not (containers.standby(key) or inert_placeholder(workload.pid)):
             if asyncio.get_running_loop().time() > deadline:
-                raise Refused(
-                    f"container {target} is not in standby: no {protocol.FILE_RESTORE_STANDBY} or "
-                    f"{protocol.FILE_RESTORE_CONTEXT} in its control dir after "
-                    f"{standby_within:.0f}s (its entrypoint must wait for the restore when "
-                    f"{protocol.ENV_RESTORE_STANDBY}=1: dynamo_snapshot.workload.run_standby, or Dynamo's "
-                    "maybe_run_restore_standby_mode)"
-                )
+                raise Refused(_not_in_standby(target, standby_env, standby_within))
             if ended(self.pods.get(object_key(pod)) or pod, target) is not None:
                 raise AgentError(f"container {target} exited before the restore")
             await asyncio.sleep(0.05)
         return workload
+
+
+def _not_in_standby(target: str, standby_env: bool, standby_within: float) -> str:
+    if not standby_env:
+        return (
+            f"container {target} is not in standby: it runs without {protocol.ENV_RESTORE_STANDBY}=1 and "
+            f"not as an inert placeholder ({', '.join(sorted(_INERT_PROGRAMS))} with no child), so its "
+            "image's entrypoint may have cold-started the worker (the controller and the restore webhook set "
+            "the variable on the restore pods they shape)"
+        )
+    return (
+        f"container {target} is not in standby: no {protocol.FILE_RESTORE_STANDBY} or "
+        f"{protocol.FILE_RESTORE_CONTEXT} in its control dir after {standby_within:.0f}s (its entrypoint "
+        f"must wait for the restore when {protocol.ENV_RESTORE_STANDBY}=1: "
+        "dynamo_snapshot.workload.run_standby, or Dynamo's maybe_run_restore_standby_mode; or exec an "
+        "inert placeholder such as `sleep infinity`)"
+    )
+
+
+def inert_placeholder(pid: int) -> bool:
+    """Whether the container's first process is an inert placeholder: a program that does nothing
+    (sleep, pause), alone (no child). What upstream's restore-pod contract has a producer run in a
+    destination container instead of a standby entrypoint."""
+    try:
+        argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace")
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return False
+    return Path(argv0).name in _INERT_PROGRAMS and not children
 
 
 def _bare(container_id: str) -> str:

@@ -3,10 +3,12 @@ failover asks (``nvidia.com/restore-container-map: main=engine-0,main=engine-1``
 destination, the node's agent restores into each on its own (its own container, its own control
 directory, its own worker), and the pod's nvidia.com/Restored condition speaks for all of them. Where one
 destination cannot take the restore, the others still do and the condition says RestorePartiallySucceeded,
-naming the one that failed. A map of two sources is refused at admission. Restored as engines with a
-failover lock, one engine serves and its shadow waits; the leader killed, the shadow answers (the time from
-the kill to its first answer measured), and the container the kubelet starts in the leader's place is
-restored again to wait as the new shadow, which takes over when the other dies in turn.
+naming the one that failed. A map of two sources is refused at admission. A fan-out pod written as upstream's
+restore-pod contract has it (no webhook, an inert `sleep infinity` in each destination) is restored too.
+Restored as engines with a failover lock, one engine serves and its shadow waits; the leader killed, the
+shadow answers (the time from the kill to its first answer measured), and the container the kubelet starts
+in the leader's place is restored again to wait as the new shadow, which takes over when the other dies in
+turn.
 
 The containers of a pod share its network namespace: the worker opens its listener after the restore
 (the reference worker does, on a free port, and says which in its control directory), so each copy listens
@@ -51,6 +53,21 @@ Restored = protocol.RestoredReason
 def _restored(pod: Obj) -> dict[str, Any]:
     conds = (pod.get("status") or {}).get("conditions") or []
     return next((c for c in conds if c.get("type") == protocol.POD_CONDITION_RESTORED), {})
+
+
+def _inert(node: RealNode, name: str) -> Obj:
+    """A destination as upstream's contract example writes it: the worker's image running an inert
+    placeholder, the control directory its own subPath."""
+    return {
+        "name": name,
+        "image": node.worker_image.name,
+        "imagePullPolicy": "Never",
+        "command": ["/bin/sh", "-c", "exec sleep infinity"],
+        "env": [{"name": protocol.ENV_CONTROL_DIR, "value": protocol.CONTROL_MOUNT_PATH}],
+        "volumeMounts": [
+            {"name": protocol.CONTROL_VOLUME_NAME, "mountPath": protocol.CONTROL_MOUNT_PATH, "subPath": name}
+        ],
+    }
 
 
 def _engine(node: RealNode, name: str) -> Obj:
@@ -226,6 +243,16 @@ async def test_one_snapshot_is_restored_into_each_mapped_container_and_a_partial
     assert set(json.loads(ann[protocol.ANNOTATION_RESTORED_CONTAINER_IDS])) == {"engine-0"}
     answers = await _serving(real_node, partial, ("engine-0",))
     assert answers["engine-0"]["text"] == next(iter(serving.values()))["text"]
+
+    # Upstream's restore-pod contract, as its example writes a fan-out pod: no webhook, no standby
+    # variable, each destination an inert `exec sleep infinity` with its own subPath of the volume.
+    upstream = real_node.pod("fan-upstream", [_inert(real_node, engine) for engine in ENGINES])
+    upstream["spec"]["volumes"] = [{"name": protocol.CONTROL_VOLUME_NAME, "emptyDir": {}}]
+    upstream["metadata"]["annotations"] = dict(annotations)
+    await s.kube.create(POD, upstream, s.namespace)
+    restored = await _outcome(s, "fan-upstream", protocol.RestoredReason.SUCCEEDED)
+    answers = await _serving(real_node, restored, ENGINES)
+    assert {answer["text"] for answer in answers.values()} == {answer["text"] for answer in serving.values()}
 
 
 def _with_shared_lock(pod: Obj, engine_ids: dict[str, str]) -> Obj:
