@@ -106,10 +106,14 @@ class PodRestore:
         # Pod UID -> the runtime keys of the workloads restored into it (its destinations'), to stop with
         # the pod whatever its annotations say by then.
         self._keys: dict[str, set[str]] = {}
+        # Pod UID -> container -> the id a replenishment restored into ("" where it failed; None while
+        # it runs): the last of the pod's replenishments in flight concludes its condition.
+        self._renewing: dict[str, dict[str, str | None]] = {}
 
     def forget(self, uid: str) -> None:
         self._restoring.discard(uid)
         self._keys.pop(uid, None)
+        self._renewing.pop(uid, None)
 
     def keys(self, pod: Obj) -> list[str]:
         """The runtime keys of what was, or may have been, restored into the pod."""
@@ -140,7 +144,11 @@ class PodRestore:
                     self.reports.event(pod, "RestoreCompatibilityCheckSkipped", REOPENED_MESSAGE)
                 pending.append((dest, spent))
         if pending:
-            restored = await self._restore_pending(pod, pending)
+            # One cut short while it replenished (an agent restart) goes on as such.
+            was = PodView(pod).condition(protocol.POD_CONDITION_RESTORED).get("reason")
+            restored = await self._restore_pending(
+                pod, pending, replenishing=was == protocol.RestoredReason.REPLENISHING
+            )
             workloads.update(restored)
             if dests[0].shared:
                 ids = {
@@ -192,12 +200,19 @@ class PodRestore:
             return None
         latest = self.pods.get(object_key(pod)) or latest
         await self.reports.clear_exit(latest, dest)
-        restored = await self._restore_pending(latest, [(dest, spent)], replenishing=True)
-        workload = restored.get(dest)
-        ids = (
-            {dest.container: workload.container_id} if workload is not None and workload.container_id else {}
-        )
-        await self.reports.conclude(latest, destinations(latest), ids)
+        uid = Meta(pod).uid
+        renewing = self._renewing.setdefault(uid, {})
+        renewing[dest.container] = None
+        workload: Workload | None = None
+        try:
+            workload = (await self._restore_pending(latest, [(dest, spent)], replenishing=True)).get(dest)
+        finally:
+            renewing[dest.container] = (workload.container_id or "") if workload is not None else ""
+        # The last of the pod's replenishments in flight says the condition over all of them.
+        if all(renewed is not None for renewed in renewing.values()):
+            ids = {name: renewed for name, renewed in renewing.items() if renewed}
+            self._renewing.pop(uid, None)
+            await self.reports.conclude(self.pods.get(object_key(pod)) or latest, destinations(latest), ids)
         return workload
 
     async def _restore_pending(

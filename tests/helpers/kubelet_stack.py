@@ -22,7 +22,7 @@ from dynamo_snapshot.controller.manager import ControllerConfig
 from dynamo_snapshot.criu import Criu
 from dynamo_snapshot.kube import POD, Kube, Obj
 from dynamo_snapshot.kube.dgd_versions import DgdClient
-from dynamo_snapshot.kube.kinds import CHECKPOINT
+from dynamo_snapshot.kube.kinds import CHECKPOINT, POD_SNAPSHOT
 from dynamo_snapshot_dev.demo.scenario import kubelet_worker_spec, worker_graph
 from dynamo_snapshot_dev.localcluster.realnode import RUNC_ROOT, RealNode
 from dynamo_snapshot_dev.localcluster.realnode.host import host_processes
@@ -202,3 +202,27 @@ def workers_outside_pods() -> list[str]:
         for pid, (cmdline, cgroups) in worker_processes().items()
         if "/kubepods/" not in cgroups
     ]
+
+
+async def capture(s: Stack, source: Obj, name: str) -> Obj:
+    """Run the pod ``source`` (its container main) in the stack's namespace and capture it as the
+    PodSnapshot ``name``; the PodSnapshot once Ready (a Failed one fails the test)."""
+    await s.kube.create(POD, {**source, "metadata": {**source["metadata"], "namespace": s.namespace}})
+    await s.kube.create(
+        POD_SNAPSHOT,
+        {
+            "apiVersion": "nvidia.com/v1alpha1",
+            "kind": "PodSnapshot",
+            "metadata": {"name": name, "namespace": s.namespace},
+            "spec": {"source": {"podRef": {"name": source["metadata"]["name"], "containers": ["main"]}}},
+        },
+    )
+
+    async def snapshot_ready() -> Obj | None:
+        obj = await s.kube.get(POD_SNAPSHOT, name, s.namespace)
+        conds = {c["type"]: c for c in (obj.get("status") or {}).get("conditions") or []}
+        assert conds.get("Failed", {}).get("status") != "True", conds
+        return obj if conds.get("Ready", {}).get("status") == "True" else None
+
+    snapshot: Obj = await eventually(snapshot_ready, 180, f"PodSnapshot {name} to be Ready")
+    return snapshot

@@ -30,10 +30,9 @@ import pytest
 
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.kube import POD, ApiError, Obj
-from dynamo_snapshot.kube.kinds import POD_SNAPSHOT
 from dynamo_snapshot_dev.localcluster import LocalCluster
 from dynamo_snapshot_dev.localcluster.realnode import TEST_IMAGE, RealNode
-from tests.helpers.kubelet_stack import PROMPT, Stack, eventually, ready, snapshot_pod
+from tests.helpers.kubelet_stack import PROMPT, Stack, capture, eventually, ready, snapshot_pod
 from tests.helpers.webhook import make_certs, registered_webhook
 
 pytestmark = [pytest.mark.cluster, pytest.mark.kubelet]
@@ -74,26 +73,14 @@ def _engine(node: RealNode, name: str) -> Obj:
     return {"name": name, "image": node.worker_image.name, "imagePullPolicy": "Never", "env": list(ENV)}
 
 
-async def _capture(s: Stack, source: Obj, name: str) -> None:
-    """Run ``source`` (its container main) and capture it as the PodSnapshot ``name``, Ready."""
-    await s.kube.create(POD, {**source, "metadata": {**source["metadata"], "namespace": s.namespace}})
-    await s.kube.create(
-        POD_SNAPSHOT,
-        {
-            "apiVersion": "nvidia.com/v1alpha1",
-            "kind": "PodSnapshot",
-            "metadata": {"name": name, "namespace": s.namespace},
-            "spec": {"source": {"podRef": {"name": source["metadata"]["name"], "containers": ["main"]}}},
-        },
-    )
-
-    async def snapshot_ready() -> Obj | None:
-        obj = await s.kube.get(POD_SNAPSHOT, name, s.namespace)
-        conds = {c["type"]: c for c in (obj.get("status") or {}).get("conditions") or []}
-        assert conds.get("Failed", {}).get("status") != "True", conds
-        return obj if conds.get("Ready", {}).get("status") == "True" else None
-
-    await eventually(snapshot_ready, 180, f"PodSnapshot {name} to be Ready")
+async def _capture(s: Stack, node: RealNode, name: str, **lock: str) -> None:
+    """The CPU worker (with ``lock``, its engine id: given the failover lock's volume) captured as the
+    PodSnapshot ``name``."""
+    source = snapshot_pod(node, f"{name}-source", {"image": node.worker_image.name}, standby=False)
+    source["spec"]["containers"][0]["env"] += ENV
+    if lock:
+        _with_shared_lock(source, lock)
+    await capture(s, source, name)
 
 
 def _endpoint_path(node: RealNode, pod: Obj, container: str) -> Path:
@@ -171,9 +158,7 @@ async def test_one_snapshot_is_restored_into_each_mapped_container_and_a_partial
 ) -> None:
     s = stack
     s.start_agent()
-    source = snapshot_pod(real_node, "fan-snap-source", {"image": real_node.worker_image.name}, standby=False)
-    source["spec"]["containers"][0]["env"] += ENV
-    await _capture(s, source, "fan-snap")
+    await _capture(s, real_node, "fan-snap")
     annotations = {
         protocol.ANNOTATION_RESTORE_FROM: "fan-snap",
         protocol.ANNOTATION_RESTORE_CONTAINER_MAP: MAP,
@@ -296,12 +281,7 @@ async def test_an_engine_killed_hands_over_to_its_shadow_restored_beside_it(
 ) -> None:
     s = stack
     s.start_agent()
-    source = snapshot_pod(
-        real_node, "failover-snap-source", {"image": real_node.worker_image.name}, standby=False
-    )
-    source["spec"]["containers"][0]["env"] += ENV
-    _with_shared_lock(source, {"main": "0"})
-    await _capture(s, source, "failover-snap")
+    await _capture(s, real_node, "failover-snap", main="0")
     pod = real_node.pod("engines", [_engine(real_node, engine) for engine in ENGINES])
     _with_shared_lock(pod, {engine: engine.rpartition("-")[2] for engine in ENGINES})
     pod["metadata"]["annotations"] = {

@@ -20,7 +20,17 @@ from dynamo_snapshot.kube import POD, Obj, ResourceKind
 from dynamo_snapshot.kube.kinds import POD_SNAPSHOT, SNAPSHOT_JOB
 from dynamo_snapshot_dev.localcluster import LocalCluster
 from dynamo_snapshot_dev.localcluster.realnode import TEST_IMAGE, RealNode
-from tests.helpers.kubelet_stack import PORT, PROMPT, Stack, eventually, health, post, ready, snapshot_pod
+from tests.helpers.kubelet_stack import (
+    PORT,
+    PROMPT,
+    Stack,
+    capture,
+    eventually,
+    health,
+    post,
+    ready,
+    snapshot_pod,
+)
 from tests.helpers.webhook import make_certs, registered_webhook
 
 pytestmark = [pytest.mark.cluster, pytest.mark.kubelet]
@@ -47,25 +57,7 @@ def _restored(pod: Obj) -> dict[str, Any] | None:
 async def _ready_snapshot(s: Stack, node: RealNode) -> Obj:
     source = snapshot_pod(node, "api-source", {"image": node.worker_image.name}, standby=False)
     source["spec"]["containers"][0]["env"] += ENV
-    await s.kube.create(POD, {**source, "metadata": {**source["metadata"], "namespace": s.namespace}})
-    await s.kube.create(
-        POD_SNAPSHOT,
-        {
-            "apiVersion": "nvidia.com/v1alpha1",
-            "kind": "PodSnapshot",
-            "metadata": {"name": "api-snap", "namespace": s.namespace},
-            "spec": {"source": {"podRef": {"name": "api-source", "containers": ["main"]}}},
-        },
-    )
-
-    async def snapshot_ready() -> Obj | None:
-        obj = await s.kube.get(POD_SNAPSHOT, "api-snap", s.namespace)
-        conds = {c["type"]: c for c in (obj.get("status") or {}).get("conditions") or []}
-        assert conds.get("Failed", {}).get("status") != "True", conds
-        return obj if conds.get("Ready", {}).get("status") == "True" else None
-
-    snapshot: Obj = await eventually(snapshot_ready, 180, "the PodSnapshot to be Ready")
-    return snapshot
+    return await capture(s, source, "api-snap")
 
 
 async def test_three_plain_pods_are_shaped_by_the_webhook_restored_and_marked_restored(
