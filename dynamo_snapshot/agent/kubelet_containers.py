@@ -4,7 +4,6 @@ restore, attached once its placeholder says it waits in standby."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 from dynamo_snapshot.agent.authorize import Refused
 from dynamo_snapshot.agent.errors import AgentError
@@ -12,15 +11,15 @@ from dynamo_snapshot.agent.pod_container import RunningContainer, ended, running
 from dynamo_snapshot.agent.pod_spec import workload_key
 from dynamo_snapshot.agent.runtime.base import Workload
 from dynamo_snapshot.agent.runtime.containerd import ContainerdRuntime
+from dynamo_snapshot.agent.runtime.process_tree import INERT_PROGRAMS, inert_placeholder
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.views import PodView, still_live
 from dynamo_snapshot.kube import Informer, Obj, object_key
 
-__all__ = ["KubeletContainers", "inert_placeholder"]
+__all__ = ["KubeletContainers"]
 
 # How long a container without the standby variable is given to exec into an inert placeholder.
 _INERT_WITHIN_S = 2.0
-_INERT_PROGRAMS = frozenset({"sleep", "pause"})
 
 
 class KubeletContainers:
@@ -78,7 +77,7 @@ class KubeletContainers:
         # Without the standby variable only an inert placeholder is restored into (upstream's contract:
         # the producer runs one, e.g. `exec sleep infinity`); given a moment to exec into it.
         deadline = asyncio.get_running_loop().time() + (standby_within if standby_env else _INERT_WITHIN_S)
-        while not (containers.standby(key) or inert_placeholder(workload.pid)):
+        while not (containers.standby(key) or inert_placeholder(containers.container_pid(key))):
             if asyncio.get_running_loop().time() > deadline:
                 raise Refused(_not_in_standby(target, standby_env, standby_within))
             if ended(self.pods.get(object_key(pod)) or pod, target) is not None:
@@ -91,7 +90,7 @@ def _not_in_standby(target: str, standby_env: bool, standby_within: float) -> st
     if not standby_env:
         return (
             f"container {target} is not in standby: it runs without {protocol.ENV_RESTORE_STANDBY}=1 and "
-            f"not as an inert placeholder ({', '.join(sorted(_INERT_PROGRAMS))} with no child), so its "
+            f"not as an inert placeholder ({', '.join(sorted(INERT_PROGRAMS))} with no child), so its "
             "image's entrypoint may have cold-started the worker (the controller and the restore webhook set "
             "the variable on the restore pods they shape)"
         )
@@ -102,18 +101,6 @@ def _not_in_standby(target: str, standby_env: bool, standby_within: float) -> st
         "dynamo_snapshot.workload.run_standby, or Dynamo's maybe_run_restore_standby_mode; or exec an "
         "inert placeholder such as `sleep infinity`)"
     )
-
-
-def inert_placeholder(pid: int) -> bool:
-    """Whether the container's first process is an inert placeholder: a program that does nothing
-    (sleep, pause), alone (no child). What upstream's restore-pod contract has a producer run in a
-    destination container instead of a standby entrypoint."""
-    try:
-        argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace")
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
-        return False
-    return Path(argv0).name in _INERT_PROGRAMS and not children
 
 
 def _bare(container_id: str) -> str:

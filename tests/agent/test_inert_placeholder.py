@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from dynamo_snapshot.agent.kubelet_containers import inert_placeholder
+from dynamo_snapshot.agent.runtime.process_tree import inert_placeholder
 
 
 @contextmanager

@@ -250,10 +250,11 @@ async def test_bad_restores_are_refused_with_a_clear_message(
     cases = {
         # Started without standby: its entrypoint may have cold-started the worker.
         "no-standby": (worker, None, False, "RestoreRefused", "is not in standby: it runs without"),
-        # Told to stand by, but its entrypoint never says it does.
+        # Told to stand by, but its entrypoint never says it does, and it is no inert placeholder (a
+        # shell with a child; `sleep` alone would be one).
         "silent": (
             busybox,
-            ["sleep", "3600"],
+            ["sh", "-c", "sleep 3600; exit 0"],
             True,
             "RestoreRefused",
             "no restore-standby or restore-context.json in its control dir",

@@ -24,9 +24,7 @@ import json
 import os
 import re
 import shutil
-import signal
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +46,7 @@ from dynamo_snapshot.agent.runtime.container_cgroups import (
     restore_cgroup_source,
 )
 from dynamo_snapshot.agent.runtime.container_gpus import container_gpus_given
+from dynamo_snapshot.agent.runtime.process_tree import children, descendants, kill_descendants, restored_child
 from dynamo_snapshot.agent.runtime.rootfs_diff import DIFF_FILE, RootfsDiffError, overlay_upperdir
 from dynamo_snapshot.agent.runtime.uts_names import set_uts_names, uts_names
 from dynamo_snapshot.agent.runtime.writable_layer import LayerWriting, capture_layer
@@ -185,7 +184,7 @@ class ContainerdRuntime:
             attached.restored_pid, attached.restored_start = previous.restored_pid, previous.restored_start
         self._attached[key] = attached
         if attached.restored_pid is None:
-            attached.restored_pid = _restored_child(container.pid)
+            attached.restored_pid = restored_child(container.pid)
         return self._workload(key, attached)
 
     def _workload(self, key: str, attached: _Attached) -> Workload:
@@ -226,6 +225,10 @@ class ContainerdRuntime:
         attached = self._attached.get(key)
         return attached is not None and attached.restored_pid is not None
 
+    def container_pid(self, key: str) -> int:
+        """The host pid of the attached container's first process (its placeholder, before a restore)."""
+        return self._get(key).container.pid
+
     def container_env(self, key: str) -> dict[str, str]:
         """The environment the attached container's process started with."""
         return self._get(key).container.env
@@ -263,7 +266,7 @@ class ContainerdRuntime:
             for name in _STANDBY_FILES:
                 (self.control_dir(key) / name).unlink(missing_ok=True)
         del self._attached[key]
-        _kill_descendants(attached.container.pid)
+        kill_descendants(attached.container.pid)
 
     def tool_files(self) -> list[Path]:
         found = (shutil.which(t) for t in (self.runc, "sh", self.nsenter, self.unshare))
@@ -296,7 +299,7 @@ class ContainerdRuntime:
             meta["rootfsDiff"] = await capture_layer(
                 upper,
                 images_dir / DIFF_FILE,
-                lambda: [c.pid, *_descendants(c.pid)],
+                lambda: [c.pid, *descendants(c.pid)],
                 [m["destination"] for m in c.mounts],
             )
         except (RootfsDiffError, OSError) as e:
@@ -392,7 +395,7 @@ class ContainerdRuntime:
             except CriuError as e:
                 # CRIU kills what it restored when it fails; whatever it could not, goes too (the
                 # placeholder itself starts no process).
-                _kill_descendants(target.pid)
+                kill_descendants(target.pid)
                 raise WorkloadRuntimeError(_explain(str(e))) from None
         finally:
             for fd in fds:
@@ -532,38 +535,12 @@ def _ns_inode(pid: int, ns: str) -> int:
         raise WorkloadRuntimeError(f"process {pid} is gone: {e}") from None
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    except OSError:
-        return []
-    return [int(p) for p in text.split()]
-
-
-def _descendants(pid: int) -> Iterator[int]:
-    for child in _children(pid):
-        yield from _descendants(child)
-        yield child
-
-
-def _kill_descendants(pid: int) -> None:
-    for child in _descendants(pid):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(child, signal.SIGKILL)
-
-
-def _restored_child(placeholder: int) -> int | None:
-    """The restored worker under a placeholder: its first child (the placeholder starts none)."""
-    children = _children(placeholder)
-    return children[0] if children else None
-
-
 async def _host_pid(placeholder: int, ns_pid: int, within: float = 2.0) -> int | None:
     """The host pid of the restored root that CRIU reported as ``ns_pid`` in the container's PID
     namespace; CRIU's exit hands it to the placeholder, so it is looked for among its children."""
     deadline = time.monotonic() + within
     while True:
-        for child in _children(placeholder):
+        for child in children(placeholder):
             ids = nspids(child)
             if len(ids) >= 2 and ids[1] == ns_pid:
                 return child
