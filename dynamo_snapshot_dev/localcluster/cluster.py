@@ -13,7 +13,6 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from dynamo_snapshot.api import crdgen
@@ -21,7 +20,7 @@ from dynamo_snapshot_dev.localcluster.components import Components, find_compone
 from dynamo_snapshot_dev.localcluster.nodes import KWOK_NODE_ANNOTATION, KWOK_NODE_VALUE, gpu_node_manifest
 from dynamo_snapshot_dev.localcluster.pki import Pki, PkiError, make_pki
 from dynamo_snapshot_dev.localcluster.realnode import RealNode, RealNodeOptions
-from dynamo_snapshot_dev.localcluster.supervise import Proc, spawn_logged, terminate
+from dynamo_snapshot_dev.localcluster.supervise import Proc, Started, spawn_logged, terminate
 
 
 class LocalClusterError(RuntimeError):
@@ -61,7 +60,7 @@ class ClusterOptions:
     kwok: bool | None = None
 
 
-class LocalCluster:
+class LocalCluster(Started):
     """etcd + kube-apiserver + kube-scheduler + kube-controller-manager (+ kwok), rooted at `workdir`."""
 
     def __init__(
@@ -314,15 +313,6 @@ class LocalCluster:
         for proc in self._procs:
             proc.log_handle.close()
         self._procs.clear()
-
-    def __enter__(self) -> LocalCluster:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
     def env(self) -> dict[str, str]:
         """Environment for child tools (kubectl, helm, the controller) pointed at this cluster."""

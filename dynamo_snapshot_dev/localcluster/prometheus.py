@@ -17,12 +17,11 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import IO, Any
 
 from dynamo_snapshot_dev.localcluster.cluster import free_port
 from dynamo_snapshot_dev.localcluster.components import ComponentsMissingError
-from dynamo_snapshot_dev.localcluster.supervise import die_with_parent
+from dynamo_snapshot_dev.localcluster.supervise import Started, die_with_parent, log_tail
 
 __all__ = ["DEFAULT_PROMETHEUS", "LocalPrometheus", "LocalPrometheusError", "find_prometheus"]
 
@@ -45,7 +44,7 @@ def find_prometheus(binary: Path | None = None) -> Path:
     raise ComponentsMissingError(f"{MISSING_MESSAGE} (looked for {', '.join(map(str, candidates))})")
 
 
-class LocalPrometheus:
+class LocalPrometheus(Started):
     """Prometheus on ``host`` (127.0.0.1 unless pods query it) at a free port, scraping ``targets``
     (``host:port``) every second.
 
@@ -173,19 +172,7 @@ class LocalPrometheus:
         raise LocalPrometheusError(f"targets not all up after {timeout:g}s: {health or 'none active'}")
 
     def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    def __enter__(self) -> LocalPrometheus:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
+        return log_tail(self.log, lines)
 
     # ------------------------------------------------------------------ internals
     @property

@@ -8,7 +8,8 @@ import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from types import TracebackType
+from typing import IO, Self
 
 _PR_SET_PDEATHSIG = 1
 
@@ -55,3 +56,30 @@ def terminate(popen: subprocess.Popen[bytes], timeout: float, kill_timeout: floa
     except subprocess.TimeoutExpired:
         popen.kill()
         popen.wait(timeout=kill_timeout)
+
+
+def log_tail(path: Path, lines: int = 20, *, sep: str = "\n") -> str:
+    """The last ``lines`` lines of a component's log, for an error that says why it did not start."""
+    try:
+        return sep.join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+class Started:
+    """A component used as ``with Component() as c:``: started on entry, stopped on exit."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

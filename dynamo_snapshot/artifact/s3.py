@@ -1,0 +1,350 @@
+"""Sealed artifacts in an S3-compatible object store (any server that speaks S3: SeaweedFS, MinIO, AWS).
+
+An artifact of key ``<namespace>/<uid>`` is one object per file under ``<prefix><namespace>/<uid>/``, named
+by the file's path in the manifest, with ``manifest.json`` written last: a reader that finds the manifest
+finds every file. Large files go up as multipart uploads, one part per ``part_bytes``.
+
+Nothing read from the store is trusted: ``fetch`` takes the manifest digest the checkpoint recorded (the
+grant's), refuses a manifest that does not have it, and then checks every byte against that manifest as it
+arrives: a file sealed in chunks is read as parallel ranged GETs of one chunk each, each checked against its
+chunk's digest before it is written; a file sealed whole is streamed and checked as a whole. Files are
+written beneath the destination's directory descriptor (no link followed), into a directory that is the
+artifact only once complete. Wrong credentials, a missing or truncated object, a digest mismatch and a server
+that stops answering each raise ``ObjectStoreError`` naming the object, and leave no partial artifact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import secrets
+import shutil
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from aiobotocore.config import AioConfig
+from aiobotocore.session import get_session
+from botocore.exceptions import BotoCoreError, ClientError
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from dynamo_snapshot.artifact.errors import ArtifactError, ArtifactNotFoundError
+from dynamo_snapshot.artifact.manifest import MANIFEST_NAME, FileEntry, Manifest
+from dynamo_snapshot.artifact.reader import Artifact
+from dynamo_snapshot.artifact.store import validate_artifact_key
+from dynamo_snapshot.fileio.beneath import components, open_dirs_beneath, opened_dir
+
+__all__ = ["ObjectStoreError", "S3Artifacts", "S3Credentials", "S3Location"]
+
+_MIB = 1 << 20
+# S3's smallest part of a multipart upload (all but the last).
+MIN_PART_BYTES = 5 * _MIB
+_MANIFEST_LIMIT = 16 * _MIB
+
+
+class ObjectStoreError(ArtifactError):
+    """The object store refused or failed a request, or what it returned is not the sealed artifact."""
+
+
+class S3Location(BaseModel):
+    """Where artifacts live: the server, the bucket and the key prefix (per namespace, where tenants are
+    kept apart by bucket policy)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    endpoint: str = Field(description="http(s)://host[:port] of the S3 API.", pattern=r"^https?://[^/\s]+/?$")
+    bucket: str = Field(pattern=r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+    prefix: str = Field(default="", description="Key prefix: empty, or ending with '/'.")
+    region: str = "us-east-1"
+    ca_bundle: Path | None = Field(
+        default=None, description="PEM file of the CAs the server's TLS chains to."
+    )
+    part_bytes: int = Field(default=8 * _MIB, ge=MIN_PART_BYTES, description="Multipart upload part size.")
+    parallel: int = Field(default=8, ge=1, le=64, description="Requests in flight per transfer.")
+
+    @field_validator("prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        if v and (not v.endswith("/") or v.startswith("/") or "//" in v or ".." in v.split("/")):
+            raise ValueError(
+                f"prefix {v!r}: empty, or path segments ending with '/' (no leading '/', no '..')"
+            )
+        return v
+
+
+@dataclass(frozen=True)
+class S3Credentials:
+    access_key_id: str
+    secret_access_key: str = field(repr=False)
+
+
+class S3Artifacts:
+    """Upload, fetch, find and delete sealed artifacts in one bucket; an async context manager."""
+
+    def __init__(self, location: S3Location, credentials: S3Credentials) -> None:
+        self.location = location
+        self._credentials = credentials
+        self._exit: contextlib.AsyncExitStack | None = None
+        self._client: Any = None
+
+    async def __aenter__(self) -> S3Artifacts:
+        loc = self.location
+        config = AioConfig(
+            signature_version="s3v4",
+            s3={"addressing_style": "path"},
+            retries={"max_attempts": 3, "mode": "standard"},
+            connect_timeout=5,
+            read_timeout=30,
+            max_pool_connections=loc.parallel * 2,
+        )
+        stack = contextlib.AsyncExitStack()
+        self._client = await stack.enter_async_context(
+            get_session().create_client(
+                "s3",
+                endpoint_url=loc.endpoint.rstrip("/"),
+                region_name=loc.region,
+                aws_access_key_id=self._credentials.access_key_id,
+                aws_secret_access_key=self._credentials.secret_access_key,
+                verify=str(loc.ca_bundle) if loc.ca_bundle is not None else True,
+                config=config,
+            )
+        )
+        self._exit = stack
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._exit is not None:
+            await self._exit.aclose()
+        self._exit, self._client = None, None
+
+    def object_name(self, key: str, rel: str) -> str:
+        """The object of file ``rel`` of artifact ``key``."""
+        validate_artifact_key(key)
+        return f"{self.location.prefix}{key}/{'/'.join(components(rel))}"
+
+    # ------------------------------------------------------------------ write
+    async def upload(self, artifact: Artifact) -> int:
+        """Put every file of the sealed ``artifact``, then its manifest; the bytes sent."""
+        key = artifact.key
+        gate = asyncio.Semaphore(self.location.parallel)
+
+        async def one(entry: FileEntry) -> int:
+            async with gate:
+                return await self._put_file(
+                    self.object_name(key, entry.path), artifact.path / entry.path, entry.size
+                )
+
+        sent = sum(await asyncio.gather(*(one(e) for e in artifact.manifest.files)))
+        manifest = await asyncio.to_thread((artifact.path / MANIFEST_NAME).read_bytes)
+        await self._call("put", self.object_name(key, MANIFEST_NAME), Body=manifest)
+        return sent + len(manifest)
+
+    async def _put_file(self, name: str, path: Path, size: int) -> int:
+        part = self.location.part_bytes
+        if size <= part:
+            data = await asyncio.to_thread(path.read_bytes)
+            await self._call("put", name, Body=data)
+            return len(data)
+        upload = await self._call("create_multipart_upload", name)
+        upload_id = upload["UploadId"]
+        try:
+            parts = []
+            with path.open("rb") as f:
+                for number, offset in enumerate(range(0, size, part), start=1):
+                    data = await asyncio.to_thread(_read_at, f.fileno(), offset, min(part, size - offset))
+                    done = await self._call(
+                        "upload_part", name, UploadId=upload_id, PartNumber=number, Body=data
+                    )
+                    parts.append({"ETag": done["ETag"], "PartNumber": number})
+            await self._call(
+                "complete_multipart_upload", name, UploadId=upload_id, MultipartUpload={"Parts": parts}
+            )
+        except BaseException:
+            with contextlib.suppress(ObjectStoreError):
+                await self._call("abort_multipart_upload", name, UploadId=upload_id)
+            raise
+        return size
+
+    # ------------------------------------------------------------------ read
+    async def exists(self, key: str) -> bool:
+        """Whether the artifact is complete in the store (its manifest is there)."""
+        try:
+            await self._call("head", self.object_name(key, MANIFEST_NAME))
+        except ArtifactNotFoundError:
+            return False
+        return True
+
+    async def fetch(self, key: str, manifest_digest: str, dest: Path) -> Artifact:
+        """The artifact ``key`` whose sealed manifest has ``manifest_digest``, written to ``dest`` (which
+        must not exist; its parent must) and checked byte for byte on the way."""
+        raw = await self._get_bytes(self.object_name(key, MANIFEST_NAME), limit=_MANIFEST_LIMIT)
+        manifest = Manifest.from_json(
+            raw, source=f"s3://{self.location.bucket}/{self.object_name(key, MANIFEST_NAME)}"
+        )
+        if manifest.digest != manifest_digest:
+            raise ObjectStoreError(
+                f"artifact {key} refused: the store's manifest has digest {manifest.digest}, the checkpoint "
+                f"recorded {manifest_digest}"
+            )
+        staging = dest.parent / f".fetching-{dest.name}-{secrets.token_hex(6)}"
+        await asyncio.to_thread(staging.mkdir, 0o700)
+        try:
+            gate = asyncio.Semaphore(self.location.parallel)
+            with opened_dir(staging) as dirfd:
+                await asyncio.gather(*(self._fetch_file(key, e, dirfd, gate) for e in manifest.files))
+            await asyncio.to_thread((staging / MANIFEST_NAME).write_bytes, raw)
+            try:
+                await asyncio.to_thread(os.rename, staging, dest)
+            except OSError as e:
+                raise ObjectStoreError(f"artifact {key} fetched, not placed at {dest}: {e.strerror}") from e
+        except BaseException:
+            await asyncio.to_thread(shutil.rmtree, staging, True)
+            raise
+        return Artifact(dest, manifest, key)
+
+    async def _fetch_file(self, key: str, entry: FileEntry, dirfd: int, gate: asyncio.Semaphore) -> None:
+        name = self.object_name(key, entry.path)
+        parts = components(entry.path)
+        parent = (
+            open_dirs_beneath(dirfd, "/".join(parts[:-1]), create=True, mode=0o700)
+            if len(parts) > 1
+            else os.dup(dirfd)
+        )
+        try:
+            fd = os.open(
+                parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=parent
+            )
+        finally:
+            os.close(parent)
+        try:
+            os.ftruncate(fd, entry.size)
+            if entry.chunks is not None and entry.chunk_bytes is not None:
+                step = entry.chunk_bytes
+
+                async def chunk(i: int, want: str) -> None:
+                    offset = i * step
+                    length = min(step, entry.size - offset)
+                    async with gate:
+                        data = await self._get_bytes(name, start=offset, length=length)
+                    if hashlib.sha256(data).hexdigest() != want:
+                        span = f"bytes {offset}-{offset + length - 1}"
+                        raise ObjectStoreError(f"{name}: chunk {i} ({span}) does not match its digest")
+                    await asyncio.to_thread(os.pwrite, fd, data, offset)
+
+                await asyncio.gather(*(chunk(i, want) for i, want in enumerate(entry.chunks)))
+            else:
+                async with gate:
+                    digest = await self._stream_to(name, fd, entry.size)
+                if digest != entry.sha256:
+                    raise ObjectStoreError(f"{name}: the content does not match its digest")
+        finally:
+            os.close(fd)
+
+    async def _stream_to(self, name: str, fd: int, size: int) -> str:
+        hasher = hashlib.sha256()
+        offset = 0
+        async for piece in self._body(name):
+            if offset + len(piece) > size:
+                raise ObjectStoreError(f"{name}: longer than the manifest's {size} bytes")
+            hasher.update(piece)
+            await asyncio.to_thread(os.pwrite, fd, piece, offset)
+            offset += len(piece)
+        if offset != size:
+            raise ObjectStoreError(f"{name}: truncated, {offset} of {size} bytes")
+        return hasher.hexdigest()
+
+    async def _body(self, name: str) -> AsyncIterator[bytes]:
+        answer = await self._call("get", name)
+        try:
+            async with answer["Body"] as body:
+                while piece := await body.read(_MIB):
+                    yield piece
+        except (TimeoutError, BotoCoreError, OSError) as e:
+            raise ObjectStoreError(f"{name}: the read failed midway ({type(e).__name__}: {e})") from e
+
+    async def _get_bytes(
+        self, name: str, *, start: int = 0, length: int | None = None, limit: int | None = None
+    ) -> bytes:
+        extra = {"Range": f"bytes={start}-{start + length - 1}"} if length else {}
+        answer = await self._call("get", name, **extra)
+        try:
+            async with answer["Body"] as body:
+                data: bytes = await body.read()
+        except (TimeoutError, BotoCoreError, OSError) as e:
+            raise ObjectStoreError(f"{name}: the read failed midway ({type(e).__name__}: {e})") from e
+        if length is not None and len(data) != length:
+            raise ObjectStoreError(f"{name}: truncated, {len(data)} of {length} bytes at offset {start}")
+        if limit is not None and len(data) > limit:
+            raise ObjectStoreError(f"{name}: larger than {limit} bytes")
+        return data
+
+    # ------------------------------------------------------------------ delete
+    async def delete(self, key: str) -> int:
+        """Remove every object of the artifact, its manifest first (so it is no longer complete); how many."""
+        prefix = self.object_name(key, MANIFEST_NAME).rsplit("/", 1)[0] + "/"
+        with contextlib.suppress(ArtifactNotFoundError):
+            await self._call("delete", self.object_name(key, MANIFEST_NAME))
+        removed = 0
+        token: dict[str, str] = {}
+        while True:
+            listing = await self._call("list", prefix, **token)
+            names = [{"Key": o["Key"]} for o in listing.get("Contents") or []]
+            if names:
+                await self._call("delete_objects", "", Delete={"Objects": names, "Quiet": True})
+                removed += len(names)
+            if not listing.get("IsTruncated"):
+                return removed
+            token = {"ContinuationToken": listing["NextContinuationToken"]}
+
+    # ------------------------------------------------------------------ requests
+    async def _call(self, op: str, name: str, **kwargs: Any) -> Any:
+        """One S3 request on object ``name`` (a prefix for "list"), its errors as this module's."""
+        bucket = self.location.bucket
+        client = self._client
+        if client is None:
+            raise RuntimeError("S3Artifacts is used outside its async with")
+        calls: dict[str, Callable[[], Awaitable[Any]]] = {
+            "put": lambda: client.put_object(Bucket=bucket, Key=name, **kwargs),
+            "get": lambda: client.get_object(Bucket=bucket, Key=name, **kwargs),
+            "head": lambda: client.head_object(Bucket=bucket, Key=name, **kwargs),
+            "delete": lambda: client.delete_object(Bucket=bucket, Key=name, **kwargs),
+            "list": lambda: client.list_objects_v2(Bucket=bucket, Prefix=name, **kwargs),
+            "delete_objects": lambda: client.delete_objects(Bucket=bucket, **kwargs),
+        }
+        call = calls.get(op) or (lambda: getattr(client, op)(Bucket=bucket, Key=name, **kwargs))
+        try:
+            return await call()
+        except ClientError as e:
+            raise _client_error(e, bucket, name) from None
+        except (TimeoutError, BotoCoreError, OSError) as e:
+            raise ObjectStoreError(
+                f"s3://{bucket}/{name}: the store at {self.location.endpoint} did not answer "
+                f"({type(e).__name__}: {e})"
+            ) from e
+
+
+def _client_error(e: ClientError, bucket: str, name: str) -> ArtifactError:
+    error = e.response.get("Error") or {}
+    code = str(error.get("Code") or "")
+    status = int((e.response.get("ResponseMetadata") or {}).get("HTTPStatusCode") or 0)
+    where = f"s3://{bucket}/{name}"
+    if code in ("NoSuchKey", "NotFound", "404") or (status == 404 and code != "NoSuchBucket"):
+        return ArtifactNotFoundError(f"{where}: no such object")
+    if code == "InvalidRange" or status == 416:
+        return ObjectStoreError(f"{where}: truncated: the range asked for is beyond its end")
+    if code in ("SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied", "403") or status == 403:
+        return ObjectStoreError(f"{where}: the store refused the credentials ({code or status})")
+    return ObjectStoreError(f"{where}: {code or status}: {error.get('Message') or e}")
+
+
+def _read_at(fd: int, offset: int, length: int) -> bytes:
+    data = os.pread(fd, length, offset)
+    if len(data) != length:
+        raise ObjectStoreError(f"short read of {length} bytes at {offset}: the file changed while uploaded")
+    return data

@@ -1,0 +1,127 @@
+"""A real S3-compatible server for the tests and the demo: SeaweedFS's `weed mini` (master, volume, filer and
+S3 gateway in one process), built by ``scripts/test-env.sh`` into the cache's bin directory.
+
+It listens on loopback only, keeps its data in a work directory, and has its telemetry switched off (it is
+on by default; nothing may leave the machine). The credentials are given through the environment, as
+`weed` reads them.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import IO
+
+from dynamo_snapshot_dev.localcluster.cluster import free_port
+from dynamo_snapshot_dev.localcluster.components import ComponentsMissingError, cache_dir
+from dynamo_snapshot_dev.localcluster.supervise import Started, die_with_parent, log_tail
+
+__all__ = ["LocalS3", "LocalS3Error", "find_weed"]
+
+MISSING_MESSAGE = "weed (SeaweedFS) is missing: run scripts/test-env.sh"
+
+
+class LocalS3Error(RuntimeError):
+    """A one-line reason the S3 server could not start."""
+
+
+def find_weed(binary: Path | None = None) -> Path:
+    path = binary or cache_dir() / "bin" / "weed"
+    if not os.access(path, os.X_OK):
+        raise ComponentsMissingError(f"{MISSING_MESSAGE} (looked for {path})")
+    return path
+
+
+class LocalS3(Started):
+    """SeaweedFS on 127.0.0.1 with its S3 API on a free port (``endpoint``), credentials
+    ``access_key``/``secret_key``; ``start()`` returns once the S3 port accepts connections."""
+
+    def __init__(self, workdir: Path | None = None, *, binary: Path | None = None) -> None:
+        self.binary = find_weed(binary)
+        self._own_dir = workdir is None
+        self.workdir = workdir or Path(tempfile.mkdtemp(prefix="dsnap-s3-"))
+        self.port = free_port()
+        self.access_key = "dsnap-test"
+        self.secret_key = secrets.token_hex(16)
+        self._popen: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log(self) -> Path:
+        return self.workdir / "weed.log"
+
+    def start(self, timeout: float = 60.0) -> None:
+        data = self.workdir / "data"
+        data.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "AWS_ACCESS_KEY_ID": self.access_key, "AWS_SECRET_ACCESS_KEY": self.secret_key}
+        # Every port of its own (gRPC ones too: their default is the port + 10000): the defaults could be
+        # taken on a shared machine.
+        names = ("master", "volume", "filer")
+        ports = {
+            **{f"{name}.port": free_port() for name in names},
+            **{f"{name}.port.grpc": free_port() for name in (*names, "s3")},
+        }
+        argv = [
+            str(self.binary),
+            "mini",
+            f"-dir={data}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-master.telemetry=false",
+            "-webdav=false",
+            "-admin.ui=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            f"-s3.port={self.port}",
+            *(f"-{flag}={port}" for flag, port in ports.items()),
+        ]
+        self._log = self.log.open("ab")
+        self._popen = subprocess.Popen(
+            argv, env=env, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._popen.poll() is not None:
+                raise LocalS3Error(f"weed exited with {self._popen.returncode}: {self.log_tail()}")
+            with socket.socket() as s:
+                s.settimeout(0.5)
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            time.sleep(0.2)
+        self.stop()
+        raise LocalS3Error(f"the S3 port {self.port} did not open within {timeout:.0f}s: {self.log_tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL: the server gone at once, as a crashed store is."""
+        if self._popen is not None and self._popen.poll() is None:
+            self._popen.send_signal(signal.SIGKILL)
+            self._popen.wait()
+
+    def stop(self) -> None:
+        if self._popen is not None and self._popen.poll() is None:
+            self._popen.terminate()
+            try:
+                self._popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self._popen.kill()
+                self._popen.wait()
+        self._popen = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        if self._own_dir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def log_tail(self, lines: int = 20) -> str:
+        return log_tail(self.log, lines, sep=" | ") or "(no log)"

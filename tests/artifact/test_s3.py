@@ -1,0 +1,193 @@
+"""Sealed artifacts through a real S3 server (SeaweedFS, built by scripts/test-env.sh): up and back byte for
+byte, checked against the manifest the checkpoint recorded, and every bad answer of the store refused with
+its reason and no partial artifact left."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from aiobotocore.session import get_session
+
+from dynamo_snapshot.artifact import ArtifactNotFoundError, ArtifactStore
+from dynamo_snapshot.artifact.reader import Artifact
+from dynamo_snapshot.artifact.s3 import ObjectStoreError, S3Artifacts, S3Credentials, S3Location
+from dynamo_snapshot_dev.localcluster.s3server import LocalS3
+from tests.artifact.helpers import BINDING, KEY, publish, sample_files
+
+BUCKET = "artifacts"
+CHUNK = 1 << 20  # small enough that the pages file is read as several ranged GETs
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LocalS3]:
+    with LocalS3() as s3:
+        yield s3
+
+
+@pytest.fixture
+async def bucket(server: LocalS3) -> S3Location:
+    name = f"{BUCKET}-{os.urandom(4).hex()}"
+    async with _raw(server) as client:
+        await client.create_bucket(Bucket=name)
+    return S3Location(endpoint=server.endpoint, bucket=name, prefix="team-a/", part_bytes=5 << 20, parallel=4)
+
+
+def _raw(server: LocalS3):  # type: ignore[no-untyped-def]
+    return get_session().create_client(
+        "s3",
+        endpoint_url=server.endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=server.access_key,
+        aws_secret_access_key=server.secret_key,
+    )
+
+
+def _creds(server: LocalS3) -> S3Credentials:
+    return S3Credentials(server.access_key, server.secret_key)
+
+
+async def _sealed(tmp_path: Path, files: dict[str, bytes]) -> Artifact:
+    store = ArtifactStore(tmp_path / "store")
+    await publish(store, files, chunk_bytes=CHUNK, binding=BINDING)
+    return store.open(KEY)
+
+
+async def test_an_artifact_goes_up_and_comes_back_byte_for_byte(
+    server: LocalS3, bucket: S3Location, tmp_path: Path
+) -> None:
+    files = {**sample_files(), "big.img": os.urandom(12 << 20)}  # over one part: a multipart upload
+    artifact = await _sealed(tmp_path, files)
+    async with S3Artifacts(bucket, _creds(server)) as s3:
+        sent = await s3.upload(artifact)
+        assert await s3.exists(KEY)
+        digest = artifact.manifest.digest
+        assert digest is not None
+        fetched = await s3.fetch(KEY, digest, tmp_path / "fetched")
+    assert sent >= sum(len(d) for d in files.values())
+    for rel, data in files.items():
+        assert (fetched.path / rel).read_bytes() == data, rel
+    fetched.verify()  # the artifact's own checks pass on the copy
+    assert s3.object_name(KEY, "cuda/gpu-0.bin") == f"team-a/{KEY}/cuda/gpu-0.bin"
+
+
+async def test_wrong_credentials_are_refused_by_name(
+    server: LocalS3, bucket: S3Location, tmp_path: Path
+) -> None:
+    async with S3Artifacts(bucket, S3Credentials(server.access_key, "not-the-secret")) as s3:
+        with pytest.raises(ObjectStoreError, match="refused the credentials"):
+            await s3.fetch(KEY, "0" * 64, tmp_path / "fetched")
+    assert not (tmp_path / "fetched").exists()
+
+
+async def _uploaded(server: LocalS3, bucket: S3Location, tmp_path: Path) -> tuple[Artifact, str]:
+    artifact = await _sealed(tmp_path, sample_files())
+    async with S3Artifacts(bucket, _creds(server)) as s3:
+        await s3.upload(artifact)
+    assert artifact.manifest.digest is not None
+    return artifact, artifact.manifest.digest
+
+
+async def _replace(server: LocalS3, bucket: S3Location, name: str, data: bytes | None) -> None:
+    async with _raw(server) as client:
+        if data is None:
+            await client.delete_object(Bucket=bucket.bucket, Key=name)
+        else:
+            await client.put_object(Bucket=bucket.bucket, Key=name, Body=data)
+
+
+@pytest.mark.parametrize(
+    ("rel", "change", "says"),
+    [
+        ("pagemap-1.img", "missing", "no such object"),
+        ("pagemap-1.img", "truncated", "truncated"),
+        ("pagemap-1.img", "flipped", "does not match its digest"),
+        ("pages-1.img", "truncated", "truncated"),
+        ("pages-1.img", "flipped", "chunk 1 (bytes 1048576-2097151) does not match its digest"),
+    ],
+)
+async def test_a_bad_object_fails_the_fetch_naming_it_and_leaves_nothing(
+    server: LocalS3, bucket: S3Location, tmp_path: Path, rel: str, change: str, says: str
+) -> None:
+    artifact, digest = await _uploaded(server, bucket, tmp_path)
+    async with S3Artifacts(bucket, _creds(server)) as s3:
+        name = s3.object_name(KEY, rel)
+        good = (artifact.path / rel).read_bytes()
+        if change == "missing":
+            await _replace(server, bucket, name, None)
+        elif change == "truncated":
+            await _replace(server, bucket, name, good[: len(good) // 2])
+        else:
+            flipped = bytearray(good)
+            flipped[CHUNK + 7 if len(good) > CHUNK + 7 else 7] ^= 0xFF
+            await _replace(server, bucket, name, bytes(flipped))
+        with pytest.raises((ObjectStoreError, ArtifactNotFoundError), match=re.escape(says)) as failed:
+            await s3.fetch(KEY, digest, tmp_path / "fetched")
+    assert name in str(failed.value)
+    assert not (tmp_path / "fetched").exists()
+    assert _staging(tmp_path) == []
+
+
+async def test_a_manifest_the_checkpoint_did_not_record_is_refused(
+    server: LocalS3, bucket: S3Location, tmp_path: Path
+) -> None:
+    await _uploaded(server, bucket, tmp_path)
+    async with S3Artifacts(bucket, _creds(server)) as s3:
+        with pytest.raises(ObjectStoreError, match="the checkpoint recorded " + "a" * 64):
+            await s3.fetch(KEY, "a" * 64, tmp_path / "fetched")
+    assert not (tmp_path / "fetched").exists()
+
+
+async def test_an_artifact_without_its_manifest_is_not_there(
+    server: LocalS3, bucket: S3Location, tmp_path: Path
+) -> None:
+    _, digest = await _uploaded(server, bucket, tmp_path)
+    async with S3Artifacts(bucket, _creds(server)) as s3:
+        removed = await s3.delete(KEY)
+        assert removed == len(sample_files())
+        assert not await s3.exists(KEY)
+        with pytest.raises(ArtifactNotFoundError, match="no such object"):
+            await s3.fetch(KEY, digest, tmp_path / "fetched")
+
+
+async def test_the_server_stopped_midway_fails_the_fetch(tmp_path: Path) -> None:
+    with LocalS3(tmp_path / "own-server") as own:
+        async with _raw(own) as client:
+            await client.create_bucket(Bucket=BUCKET)
+        location = S3Location(endpoint=own.endpoint, bucket=BUCKET, part_bytes=5 << 20, parallel=1)
+        artifact = await _sealed(tmp_path, {**sample_files(), "big.img": os.urandom(64 << 20)})
+        assert artifact.manifest.digest is not None
+        async with S3Artifacts(location, S3Credentials(own.access_key, own.secret_key)) as s3:
+            await s3.upload(artifact)
+            fetching = asyncio.create_task(s3.fetch(KEY, artifact.manifest.digest, tmp_path / "fetched"))
+            while not _arrived(tmp_path, "big.img"):
+                assert not fetching.done(), "the fetch ended before any of the big file arrived"
+                await asyncio.sleep(0.005)
+            own.kill()  # in the middle of the big file's chunks
+            with pytest.raises(ObjectStoreError, match=r"did not answer|failed midway"):
+                await fetching
+    assert not (tmp_path / "fetched").exists()
+    assert _staging(tmp_path) == []
+
+
+def _staging(root: Path) -> list[str]:
+    """What a fetch left of its staging directory."""
+    return [p.name for p in root.iterdir() if p.name.startswith(".fetching")]
+
+
+def _arrived(root: Path, rel: str) -> bool:
+    """Whether some bytes of ``rel`` were written into a fetch's staging directory (it is created sparse)."""
+    return any(p.stat().st_blocks for p in root.glob(f".fetching-*/{rel}"))
+
+
+def test_a_location_is_checked() -> None:
+    for bad in ({"prefix": "/abs/"}, {"prefix": "no-slash"}, {"prefix": "a/../"}, {"bucket": "Bad_Bucket"}):
+        with pytest.raises(ValueError, match=r"prefix|bucket"):
+            S3Location.model_validate({"endpoint": "http://127.0.0.1:1", "bucket": "ok-bucket", **bad})
+    with pytest.raises(ValueError, match="part_bytes"):
+        S3Location(endpoint="http://127.0.0.1:1", bucket="ok-bucket", part_bytes=1 << 20)
+    assert "secret" not in repr(S3Credentials("id", "secret"))
