@@ -21,11 +21,11 @@ import hashlib
 import os
 import secrets
 import shutil
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
@@ -37,6 +37,7 @@ from dynamo_snapshot.artifact.manifest import MANIFEST_NAME, FileEntry, Manifest
 from dynamo_snapshot.artifact.reader import Artifact
 from dynamo_snapshot.artifact.store import validate_artifact_key
 from dynamo_snapshot.fileio.beneath import components, open_dirs_beneath, opened_dir
+from dynamo_snapshot.fileio.blocks import pwrite_all
 
 __all__ = ["ObjectStoreError", "S3Artifacts", "S3Credentials", "S3Location"]
 
@@ -44,6 +45,7 @@ _MIB = 1 << 20
 # S3's smallest part of a multipart upload (all but the last).
 MIN_PART_BYTES = 5 * _MIB
 _MANIFEST_LIMIT = 16 * _MIB
+_T = TypeVar("_T")
 
 
 class ObjectStoreError(ArtifactError):
@@ -134,13 +136,15 @@ class S3Artifacts:
         key = artifact.key
         gate = asyncio.Semaphore(self.location.parallel)
 
-        async def one(entry: FileEntry) -> int:
-            async with gate:
-                return await self._put_file(
-                    self.object_name(key, entry.path), artifact.path / entry.path, entry.size
-                )
+        sizes: list[int] = []
 
-        sent = sum(await asyncio.gather(*(one(e) for e in artifact.manifest.files)))
+        async def one(entry: FileEntry) -> None:
+            async with gate:
+                path = artifact.path / entry.path
+                sizes.append(await self._put_file(self.object_name(key, entry.path), path, entry.size))
+
+        await _all(one(e) for e in artifact.manifest.files)
+        sent = sum(sizes)
         manifest = await asyncio.to_thread((artifact.path / MANIFEST_NAME).read_bytes)
         await self._call("put", self.object_name(key, MANIFEST_NAME), Body=manifest)
         return sent + len(manifest)
@@ -197,7 +201,7 @@ class S3Artifacts:
         try:
             gate = asyncio.Semaphore(self.location.parallel)
             with opened_dir(staging) as dirfd:
-                await asyncio.gather(*(self._fetch_file(key, e, dirfd, gate) for e in manifest.files))
+                await _all(self._fetch_file(key, e, dirfd, gate) for e in manifest.files)
             await asyncio.to_thread((staging / MANIFEST_NAME).write_bytes, raw)
             try:
                 await asyncio.to_thread(os.rename, staging, dest)
@@ -232,12 +236,11 @@ class S3Artifacts:
                     length = min(step, entry.size - offset)
                     async with gate:
                         data = await self._get_bytes(name, start=offset, length=length)
-                    if hashlib.sha256(data).hexdigest() != want:
+                    if await _in_thread(_write_checked, os.dup(fd), data, offset, want) != want:
                         span = f"bytes {offset}-{offset + length - 1}"
                         raise ObjectStoreError(f"{name}: chunk {i} ({span}) does not match its digest")
-                    await asyncio.to_thread(os.pwrite, fd, data, offset)
 
-                await asyncio.gather(*(chunk(i, want) for i, want in enumerate(entry.chunks)))
+                await _all(chunk(i, want) for i, want in enumerate(entry.chunks))
             else:
                 async with gate:
                     digest = await self._stream_to(name, fd, entry.size)
@@ -252,8 +255,7 @@ class S3Artifacts:
         async for piece in self._body(name):
             if offset + len(piece) > size:
                 raise ObjectStoreError(f"{name}: longer than the manifest's {size} bytes")
-            hasher.update(piece)
-            await asyncio.to_thread(os.pwrite, fd, piece, offset)
+            await _in_thread(_write_hashed, os.dup(fd), piece, offset, hasher)
             offset += len(piece)
         if offset != size:
             raise ObjectStoreError(f"{name}: truncated, {offset} of {size} bytes")
@@ -341,6 +343,45 @@ def _client_error(e: ClientError, bucket: str, name: str) -> ArtifactError:
     if code in ("SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied", "403") or status == 403:
         return ObjectStoreError(f"{where}: the store refused the credentials ({code or status})")
     return ObjectStoreError(f"{where}: {code or status}: {error.get('Message') or e}")
+
+
+async def _all(aws: Iterable[Coroutine[Any, Any, None]]) -> None:
+    """Run ``aws`` side by side; on the first failure the others are cancelled and waited for (none
+    still writes into a staging directory being removed, or through a descriptor being closed), and that
+    failure is raised."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            for aw in aws:
+                group.create_task(aw)
+    except BaseExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+
+
+async def _in_thread(write: Callable[..., _T], own_fd: int, *args: Any) -> _T:
+    """``write(own_fd, *args)`` in a thread, which closes ``own_fd`` (a duplicate the caller made for it):
+    shielded, so a fetch abandoned meanwhile still has the thread run and close it, and a write still
+    running then never lands in a descriptor number reused after the fetch closed its own."""
+
+    def run() -> _T:
+        try:
+            return write(own_fd, *args)
+        finally:
+            os.close(own_fd)
+
+    return await asyncio.shield(asyncio.to_thread(run))
+
+
+def _write_checked(fd: int, data: bytes, offset: int, want: str) -> str:
+    """The digest of ``data`` (hashed off the event loop), written at ``offset`` only where it is ``want``."""
+    digest = hashlib.sha256(data).hexdigest()
+    if digest == want:
+        pwrite_all(fd, data, offset)
+    return digest
+
+
+def _write_hashed(fd: int, data: bytes, offset: int, hasher: Any) -> None:
+    hasher.update(data)
+    pwrite_all(fd, data, offset)
 
 
 def _read_at(fd: int, offset: int, length: int) -> bytes:
