@@ -456,11 +456,12 @@ async def _weights_verdict(check: asyncio.Task[TreeStats], verdict: Path | None,
 
 
 async def _cancel(task: asyncio.Task[Any]) -> None:
-    """Cancel a task that may still run, and wait until it has ended."""
-    if not task.done():
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
+    """Cancel a task that may still run, and wait until it has ended. What it failed with is
+    retrieved either way: the restore's own error already says it, and a task ended with an
+    unretrieved exception is logged as a traceback when collected."""
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
 
 
 async def _prefetch_result(task: asyncio.Task[PrefetchStats] | None) -> PrefetchStats | None:

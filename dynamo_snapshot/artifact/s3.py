@@ -27,6 +27,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
+import aiohttp
 from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
 from botocore.exceptions import BotoCoreError, ClientError
@@ -40,6 +41,10 @@ from dynamo_snapshot.fileio.beneath import components, open_dirs_beneath, opened
 from dynamo_snapshot.fileio.blocks import pwrite_all
 
 __all__ = ["ObjectStoreError", "S3Artifacts", "S3Credentials", "S3Location"]
+
+# A store that stops answering: botocore's own errors, the socket's, and aiohttp's (aiobotocore's
+# transport), of which a body cut short (ClientPayloadError) is not an OSError.
+_TRANSPORT_ERRORS = (TimeoutError, BotoCoreError, OSError, aiohttp.ClientError)
 
 _MIB = 1 << 20
 # S3's smallest part of a multipart upload (all but the last).
@@ -267,7 +272,7 @@ class S3Artifacts:
             async with answer["Body"] as body:
                 while piece := await body.read(_MIB):
                     yield piece
-        except (TimeoutError, BotoCoreError, OSError) as e:
+        except _TRANSPORT_ERRORS as e:
             raise ObjectStoreError(f"{name}: the read failed midway ({type(e).__name__}: {e})") from e
 
     async def _get_bytes(
@@ -278,7 +283,7 @@ class S3Artifacts:
         try:
             async with answer["Body"] as body:
                 data: bytes = await body.read()
-        except (TimeoutError, BotoCoreError, OSError) as e:
+        except _TRANSPORT_ERRORS as e:
             raise ObjectStoreError(f"{name}: the read failed midway ({type(e).__name__}: {e})") from e
         if length is not None and len(data) != length:
             raise ObjectStoreError(f"{name}: truncated, {len(data)} of {length} bytes at offset {start}")
@@ -324,7 +329,7 @@ class S3Artifacts:
             return await call()
         except ClientError as e:
             raise _client_error(e, bucket, name) from None
-        except (TimeoutError, BotoCoreError, OSError) as e:
+        except _TRANSPORT_ERRORS as e:
             raise ObjectStoreError(
                 f"s3://{bucket}/{name}: the store at {self.location.endpoint} did not answer "
                 f"({type(e).__name__}: {e})"

@@ -9,6 +9,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 from aiobotocore.session import get_session
@@ -18,6 +19,7 @@ from dynamo_snapshot.artifact.reader import Artifact
 from dynamo_snapshot.artifact.s3 import ObjectStoreError, S3Artifacts, S3Credentials, S3Location
 from dynamo_snapshot_dev.localcluster.s3server import LocalS3
 from tests.artifact.helpers import BINDING, KEY, publish, sample_files
+from tests.helpers.cutting_proxy import cutting_proxy
 
 BUCKET = "artifacts"
 CHUNK = 1 << 20  # small enough that the pages file is read as several ranged GETs
@@ -170,6 +172,25 @@ async def test_the_server_stopped_midway_fails_the_fetch(tmp_path: Path) -> None
             own.kill()  # in the middle of the big file's chunks
             with pytest.raises(ObjectStoreError, match=r"did not answer|failed midway"):
                 await fetching
+    assert not (tmp_path / "fetched").exists()
+    assert _staging(tmp_path) == []
+
+
+async def test_a_body_cut_short_fails_the_fetch(server: LocalS3, bucket: S3Location, tmp_path: Path) -> None:
+    artifact = await _sealed(tmp_path, {**sample_files(), "big.img": os.urandom(4 << 20)})
+    digest = artifact.manifest.digest
+    assert digest is not None
+    async with S3Artifacts(bucket, _creds(server)) as s3:
+        await s3.upload(artifact)
+    upstream = urlsplit(server.endpoint)
+    assert upstream.hostname is not None
+    assert upstream.port is not None
+    # Every answer stops 300 KiB in: the manifest arrives whole, the 1 MiB chunks' bodies do not.
+    async with cutting_proxy(upstream.hostname, upstream.port, 300 << 10) as hostport:
+        cut = bucket.model_copy(update={"endpoint": f"http://{hostport}"})
+        async with S3Artifacts(cut, _creds(server)) as s3:
+            with pytest.raises(ObjectStoreError, match=r"the read failed midway \(ClientPayloadError"):
+                await s3.fetch(KEY, digest, tmp_path / "fetched")
     assert not (tmp_path / "fetched").exists()
     assert _staging(tmp_path) == []
 
