@@ -8,9 +8,10 @@ Nothing read from the store is trusted: ``fetch`` takes the manifest digest the 
 grant's), refuses a manifest that does not have it, and then checks every byte against that manifest as it
 arrives: a file sealed in chunks is read as parallel ranged GETs of one chunk each, each checked against its
 chunk's digest before it is written; a file sealed whole is streamed and checked as a whole. Files are
-written beneath the destination's directory descriptor (no link followed), into a directory that is the
-artifact only once complete. Wrong credentials, a missing or truncated object, a digest mismatch and a server
-that stops answering each raise ``ObjectStoreError`` naming the object, and leave no partial artifact.
+written beneath the store's staging directory's descriptor (no link followed) and published with the
+store's own atomic rename once every byte passed. Wrong credentials, a missing or truncated object, a
+digest mismatch and a server that stops answering each raise ``ObjectStoreError`` naming the object, and
+leave no partial artifact.
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ import asyncio
 import contextlib
 import hashlib
 import os
-import secrets
-import shutil
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +36,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from dynamo_snapshot.artifact.errors import ArtifactError, ArtifactNotFoundError
 from dynamo_snapshot.artifact.manifest import MANIFEST_NAME, FileEntry, Manifest
 from dynamo_snapshot.artifact.reader import Artifact
-from dynamo_snapshot.artifact.store import validate_artifact_key
+from dynamo_snapshot.artifact.store import ArtifactStore, validate_artifact_key
+from dynamo_snapshot.artifact.writer import ArtifactWriter
+from dynamo_snapshot.fileio import TreeStats
 from dynamo_snapshot.fileio.beneath import components, open_dirs_beneath, opened_dir
 from dynamo_snapshot.fileio.blocks import pwrite_all
 
@@ -189,45 +191,44 @@ class S3Artifacts:
             return False
         return True
 
-    async def fetch(self, key: str, manifest_digest: str, dest: Path) -> Artifact:
-        """The artifact ``key`` whose sealed manifest has ``manifest_digest``, written to ``dest`` (which
-        must not exist; its parent must) and checked byte for byte on the way."""
-        raw = await self._get_bytes(self.object_name(key, MANIFEST_NAME), limit=_MANIFEST_LIMIT)
-        manifest = Manifest.from_json(
-            raw, source=f"s3://{self.location.bucket}/{self.object_name(key, MANIFEST_NAME)}"
-        )
+    async def fetch(self, key: str, manifest_digest: str, store: ArtifactStore) -> Artifact:
+        """The artifact ``key`` whose sealed manifest has ``manifest_digest``, put into ``store`` under
+        ``key`` (checked byte for byte on the way, published with the store's own atomic rename; a copy
+        already there with that manifest is used as it is)."""
+        present = await asyncio.to_thread(_present, store, key, manifest_digest)
+        if present is not None:
+            return present
+        name = self.object_name(key, MANIFEST_NAME)
+        raw = await self._get_bytes(name, limit=_MANIFEST_LIMIT)
+        manifest = Manifest.from_json(raw, source=f"s3://{self.location.bucket}/{name}")
         if manifest.digest != manifest_digest:
             raise ObjectStoreError(
                 f"artifact {key} refused: the store's manifest has digest {manifest.digest}, the checkpoint "
                 f"recorded {manifest_digest}"
             )
-        staging = dest.parent / f".fetching-{dest.name}-{secrets.token_hex(6)}"
-        await asyncio.to_thread(staging.mkdir, 0o700)
-        try:
+        started = time.monotonic()
+        with ArtifactWriter(store, manifest.identity_hash, key=key) as writer:
             gate = asyncio.Semaphore(self.location.parallel)
-            with opened_dir(staging) as dirfd:
+            with opened_dir(writer.directory) as dirfd:
                 await _all(self._fetch_file(key, e, dirfd, gate) for e in manifest.files)
-            await asyncio.to_thread((staging / MANIFEST_NAME).write_bytes, raw)
+            io = TreeStats(sum(e.size for e in manifest.files), time.monotonic() - started)
             try:
-                await asyncio.to_thread(os.rename, staging, dest)
-            except OSError as e:
-                raise ObjectStoreError(f"artifact {key} fetched, not placed at {dest}: {e.strerror}") from e
-        except BaseException:
-            await asyncio.to_thread(shutil.rmtree, staging, True)
-            raise
-        return Artifact(dest, manifest, key)
+                published = await asyncio.to_thread(writer.seal_fetched, manifest, io, raw)
+            except (ArtifactError, OSError) as e:
+                raise ObjectStoreError(f"artifact {key} fetched, not published in {store.root}: {e}") from e
+        return published.artifact
 
     async def _fetch_file(self, key: str, entry: FileEntry, dirfd: int, gate: asyncio.Semaphore) -> None:
         name = self.object_name(key, entry.path)
         parts = components(entry.path)
         parent = (
-            open_dirs_beneath(dirfd, "/".join(parts[:-1]), create=True, mode=0o700)
+            open_dirs_beneath(dirfd, "/".join(parts[:-1]), create=True, mode=0o755)
             if len(parts) > 1
             else os.dup(dirfd)
         )
         try:
             fd = os.open(
-                parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=parent
+                parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=parent
             )
         finally:
             os.close(parent)
@@ -374,6 +375,15 @@ async def _in_thread(write: Callable[..., _T], own_fd: int, *args: Any) -> _T:
             os.close(own_fd)
 
     return await asyncio.shield(asyncio.to_thread(run))
+
+
+def _present(store: ArtifactStore, key: str, manifest_digest: str) -> Artifact | None:
+    """The store's copy of ``key`` where it is the one with ``manifest_digest``."""
+    try:
+        artifact = store.open(key)
+    except (ArtifactError, ValueError):
+        return None
+    return artifact if artifact.manifest.digest == manifest_digest else None
 
 
 def _write_checked(fd: int, data: bytes, offset: int, want: str) -> str:

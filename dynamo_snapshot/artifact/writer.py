@@ -248,6 +248,18 @@ class ArtifactWriter:
                 f"binding mismatch: writer is for {self.key}, the binding is to {binding.key}"
             )
 
+    def seal_fetched(self, manifest: Manifest, io: TreeStats, data: bytes) -> PublishResult:
+        """Publish files copied into ``directory`` from elsewhere (an object store) as the artifact the
+        sealed ``manifest`` (``data``, its exact bytes) describes; the caller checked every byte against
+        it. Blocking. ``ArtifactError`` where another artifact than this one is published under the key."""
+        result = self._seal(manifest, io, data)
+        if not result.won and result.artifact.manifest.digest != manifest.digest:
+            raise ArtifactError(
+                f"{self.key} already holds another artifact (manifest digest "
+                f"{result.artifact.manifest.digest}, not {manifest.digest})"
+            )
+        return result
+
     def _seal(self, manifest: Manifest, io: TreeStats, data: bytes | None = None) -> PublishResult:
         """Write ``manifest`` last (as ``data``, its exact bytes, where given), make everything durable,
         and rename staging into place."""

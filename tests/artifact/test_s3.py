@@ -69,7 +69,10 @@ async def test_an_artifact_goes_up_and_comes_back_byte_for_byte(
         assert await s3.exists(KEY)
         digest = artifact.manifest.digest
         assert digest is not None
-        fetched = await s3.fetch(KEY, digest, tmp_path / "fetched")
+        fetched = await s3.fetch(KEY, digest, _node(tmp_path))
+        # Already on the node: the copy there is used, nothing fetched again.
+        await s3.delete(KEY)
+        assert (await s3.fetch(KEY, digest, _node(tmp_path))).path == fetched.path
     assert sent >= sum(len(d) for d in files.values())
     for rel, data in files.items():
         assert (fetched.path / rel).read_bytes() == data, rel
@@ -82,8 +85,8 @@ async def test_wrong_credentials_are_refused_by_name(
 ) -> None:
     async with S3Artifacts(bucket, S3Credentials(server.access_key, "not-the-secret")) as s3:
         with pytest.raises(ObjectStoreError, match="refused the credentials"):
-            await s3.fetch(KEY, "0" * 64, tmp_path / "fetched")
-    assert not (tmp_path / "fetched").exists()
+            await s3.fetch(KEY, "0" * 64, _node(tmp_path))
+    assert _left(tmp_path) == []
 
 
 async def _uploaded(server: LocalS3, bucket: S3Location, tmp_path: Path) -> tuple[Artifact, str]:
@@ -128,10 +131,9 @@ async def test_a_bad_object_fails_the_fetch_naming_it_and_leaves_nothing(
             flipped[CHUNK + 7 if len(good) > CHUNK + 7 else 7] ^= 0xFF
             await _replace(server, bucket, name, bytes(flipped))
         with pytest.raises((ObjectStoreError, ArtifactNotFoundError), match=re.escape(says)) as failed:
-            await s3.fetch(KEY, digest, tmp_path / "fetched")
+            await s3.fetch(KEY, digest, _node(tmp_path))
     assert name in str(failed.value)
-    assert not (tmp_path / "fetched").exists()
-    assert _staging(tmp_path) == []
+    assert _left(tmp_path) == []
 
 
 async def test_a_manifest_the_checkpoint_did_not_record_is_refused(
@@ -140,8 +142,8 @@ async def test_a_manifest_the_checkpoint_did_not_record_is_refused(
     await _uploaded(server, bucket, tmp_path)
     async with S3Artifacts(bucket, _creds(server)) as s3:
         with pytest.raises(ObjectStoreError, match="the checkpoint recorded " + "a" * 64):
-            await s3.fetch(KEY, "a" * 64, tmp_path / "fetched")
-    assert not (tmp_path / "fetched").exists()
+            await s3.fetch(KEY, "a" * 64, _node(tmp_path))
+    assert _left(tmp_path) == []
 
 
 async def test_an_artifact_without_its_manifest_is_not_there(
@@ -153,7 +155,7 @@ async def test_an_artifact_without_its_manifest_is_not_there(
         assert removed == len(sample_files())
         assert not await s3.exists(KEY)
         with pytest.raises(ArtifactNotFoundError, match="no such object"):
-            await s3.fetch(KEY, digest, tmp_path / "fetched")
+            await s3.fetch(KEY, digest, _node(tmp_path))
 
 
 async def test_the_server_stopped_midway_fails_the_fetch(tmp_path: Path) -> None:
@@ -165,15 +167,14 @@ async def test_the_server_stopped_midway_fails_the_fetch(tmp_path: Path) -> None
         assert artifact.manifest.digest is not None
         async with S3Artifacts(location, S3Credentials(own.access_key, own.secret_key)) as s3:
             await s3.upload(artifact)
-            fetching = asyncio.create_task(s3.fetch(KEY, artifact.manifest.digest, tmp_path / "fetched"))
+            fetching = asyncio.create_task(s3.fetch(KEY, artifact.manifest.digest, _node(tmp_path)))
             while not _arrived(tmp_path, "big.img"):
                 assert not fetching.done(), "the fetch ended before any of the big file arrived"
                 await asyncio.sleep(0.005)
             own.kill()  # in the middle of the big file's chunks
             with pytest.raises(ObjectStoreError, match=r"did not answer|failed midway"):
                 await fetching
-    assert not (tmp_path / "fetched").exists()
-    assert _staging(tmp_path) == []
+    assert _left(tmp_path) == []
 
 
 async def test_a_body_cut_short_fails_the_fetch(server: LocalS3, bucket: S3Location, tmp_path: Path) -> None:
@@ -190,19 +191,24 @@ async def test_a_body_cut_short_fails_the_fetch(server: LocalS3, bucket: S3Locat
         cut = bucket.model_copy(update={"endpoint": f"http://{hostport}"})
         async with S3Artifacts(cut, _creds(server)) as s3:
             with pytest.raises(ObjectStoreError, match=r"the read failed midway \(ClientPayloadError"):
-                await s3.fetch(KEY, digest, tmp_path / "fetched")
-    assert not (tmp_path / "fetched").exists()
-    assert _staging(tmp_path) == []
+                await s3.fetch(KEY, digest, _node(tmp_path))
+    assert _left(tmp_path) == []
 
 
-def _staging(root: Path) -> list[str]:
-    """What a fetch left of its staging directory."""
-    return [p.name for p in root.iterdir() if p.name.startswith(".fetching")]
+def _node(root: Path) -> ArtifactStore:
+    """The store of the node a fetch brings the artifact to."""
+    return ArtifactStore(root / "node")
+
+
+def _left(root: Path) -> list[str]:
+    """What a failed fetch left in the node's store: nothing, staging included."""
+    node = root / "node"
+    return sorted(p.name for p in node.iterdir()) if node.exists() else []
 
 
 def _arrived(root: Path, rel: str) -> bool:
     """Whether some bytes of ``rel`` were written into a fetch's staging directory (it is created sparse)."""
-    return any(p.stat().st_blocks for p in root.glob(f".fetching-*/{rel}"))
+    return any(p.stat().st_blocks for p in (root / "node").glob(f".*/{rel}"))
 
 
 def test_a_location_is_checked() -> None:
