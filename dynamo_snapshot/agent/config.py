@@ -14,11 +14,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 from dynamo_snapshot.agent.runtime.containerd import CONTAINERD_RUNC_ROOT, CRIO_RUNC_ROOT
 from dynamo_snapshot.agent.runtime.runc import DEFAULT_HOST_BINDS
+from dynamo_snapshot.artifact.s3 import S3Location
 
 __all__ = [
     "DEFAULT_RESTORE_SCRATCH",
@@ -27,6 +36,7 @@ __all__ = [
     "CheckpointSettings",
     "ContainerSettings",
     "NodeSettings",
+    "ObjectStoreSettings",
     "ObservabilitySettings",
     "RestoreSettings",
     "Size",
@@ -184,6 +194,43 @@ class CacheSettings(_Section):
     )
 
 
+class ObjectStoreSettings(_Section):
+    """An S3-compatible object store every checkpoint is written to, so a restore on any node fetches it
+    (into artifactRoot, node-local then) instead of needing a shared volume."""
+
+    s3_endpoint: str | None = Field(
+        default=None,
+        description="http(s)://host[:port] of an S3-compatible store (unset: artifacts stay in artifactRoot)",
+    )
+    s3_bucket: str = Field(default="", description="the bucket artifacts go to")
+    s3_prefix: str = Field(
+        default="", description="key prefix in the bucket: empty, or path segments ending with '/'"
+    )
+    s3_region: str = Field(default="us-east-1", description="the region requests are signed for")
+    s3_ca_bundle: Path | None = Field(
+        default=None, description="PEM file of the CAs an https endpoint chains to (unset: the system's)"
+    )
+    s3_credentials_dir: Path = Field(
+        default=Path("/var/run/secrets/dynamo-snapshot/s3"),
+        description="directory with files AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (a Secret's keys), "
+        "read at each transfer",
+    )
+    s3_parallel: int = Field(default=8, ge=1, le=64, description="requests in flight per transfer")
+
+    def location(self) -> S3Location | None:
+        """Where the artifacts go; None without an endpoint. ``ValueError`` for a bad bucket or prefix."""
+        if self.s3_endpoint is None:
+            return None
+        return S3Location(
+            endpoint=self.s3_endpoint,
+            bucket=self.s3_bucket,
+            prefix=self.s3_prefix,
+            region=self.s3_region,
+            ca_bundle=self.s3_ca_bundle,
+            parallel=self.s3_parallel,
+        )
+
+
 class ObservabilitySettings(_Section):
     """The agent's own endpoints."""
 
@@ -204,6 +251,7 @@ class AgentConfig(BaseModel):
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings)
     restore: RestoreSettings = Field(default_factory=RestoreSettings)
     cache: CacheSettings = Field(default_factory=CacheSettings)
+    s3: ObjectStoreSettings = Field(default_factory=ObjectStoreSettings)
     observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
 
     @model_validator(mode="before")
@@ -243,6 +291,16 @@ class AgentConfig(BaseModel):
             raise ValueError(
                 f"metricsPort and healthPort are both {ports.metrics_port}: give them different ports"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _object_store(self) -> AgentConfig:
+        try:
+            self.s3.location()
+        except ValidationError as e:
+            fields = [(to_camel(f"s3_{err['loc'][0]}"), err["msg"]) for err in e.errors()]
+            problems = "; ".join(f"{name}: {msg}" for name, msg in fields)
+            raise ValueError(f"s3: {problems}") from None
         return self
 
     @model_validator(mode="after")

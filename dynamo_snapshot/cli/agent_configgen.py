@@ -108,6 +108,31 @@ CHART: dict[str, ChartValue] = {
     ),
     "cache_max_size": ChartValue("agent.cache.maxSize"),
     "cache_min_free": ChartValue("agent.cache.minFree"),
+    # storage.type s3: the object store, its credentials the Secret the DaemonSet mounts at the default.
+    "s3_endpoint": ChartValue(
+        "storage.s3.endpoint",
+        {"type": "string", "pattern": "^(https?://[^/\\s]+/?)?$", "description": "http(s)://host[:port]"},
+        (
+            '{{- if eq .Values.storage.type "s3" }}',
+            's3Endpoint: {{ required "storage.type s3 needs storage.s3.endpoint" .Values.storage.s3.endpoint '
+            "| quote }}",
+            "{{- end }}",
+        ),
+    ),
+    "s3_bucket": ChartValue("storage.s3.bucket"),
+    "s3_prefix": ChartValue("storage.s3.prefix"),
+    "s3_region": ChartValue("storage.s3.region"),
+    "s3_ca_bundle": ChartValue(
+        None,
+        lines=(
+            "{{- if .Values.storage.s3.caBundle.configMap }}",
+            's3CaBundle: {{ printf "/var/run/secrets/dynamo-snapshot/s3-ca/%s" '
+            ".Values.storage.s3.caBundle.key | quote }}",
+            "{{- end }}",
+        ),
+    ),
+    "s3_credentials_dir": ChartValue(None),
+    "s3_parallel": ChartValue("storage.s3.parallel"),
     # The probes need it.
     "health_port": ChartValue("agent.healthPort", {"minimum": 1}),
 }
@@ -178,7 +203,7 @@ def _yaml_default(model: type[BaseModel], name: str) -> str | None:
     if info.default_factory is not None and name == "node_name":
         return None
     value = info.get_default(call_default_factory=True)
-    if value is None:
+    if value is None or value == "":
         return None
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -209,7 +234,8 @@ def render_config_yaml() -> str:
         model = info.annotation
         assert isinstance(model, type)
         assert issubclass(model, BaseModel)
-        lines += ["", f"# {(model.__doc__ or section).strip()}", f"{section}:"]
+        doc = " ".join((model.__doc__ or section).split())
+        lines += ["", *textwrap.wrap(doc, 108, initial_indent="# ", subsequent_indent="# "), f"{section}:"]
         for name, field_info in model.model_fields.items():
             text = f"{field_info.description} ({flag_name(name)})"
             lines += textwrap.wrap(
@@ -265,6 +291,8 @@ def _doc_default(name: str) -> str:
         "node_name": "`$NODE_NAME`",
         "criu": "`$DYNSNAP_CRIU`, then PATH",
         "cache_root": "unset (no cache)",
+        "s3_endpoint": "unset (no object store)",
+        "s3_ca_bundle": "unset (the system's CAs)",
     }
     if name in special:
         return special[name]

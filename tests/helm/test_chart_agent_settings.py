@@ -23,6 +23,11 @@ OTHER: dict[str, Any] = {
     "criu": "/opt/criu/bin/criu",
     "metrics_port": 9191,
     "health_port": 8383,
+    "s3_endpoint": "https://s3.example:9000",
+    "s3_bucket": "other-bucket",
+    "s3_prefix": "team-a/",
+    "s3_region": "eu-west-1",
+    "s3_parallel": 12,
 }
 
 
@@ -48,7 +53,10 @@ def _set(values: dict[str, Any], path: str, value: Any) -> None:
 
 
 def test_every_agent_setting_reaches_the_agent_from_its_chart_value(monkeypatch: pytest.MonkeyPatch) -> None:
-    values: dict[str, Any] = {"agent": {"cache": {"enabled": True}}}
+    values: dict[str, Any] = {
+        "agent": {"cache": {"enabled": True}},
+        "storage": {"type": "s3", "s3": {"credentialsSecret": "s3-credentials"}},
+    }
     given: dict[tuple[str, str], Any] = {}
     for section, name, model in settings_fields():
         path = chart_value(name).path
