@@ -43,6 +43,7 @@ from dynamo_snapshot.artifact import (
     GpuInfo,
     validate_artifact_key,
 )
+from dynamo_snapshot.artifact.s3 import ObjectStoreError
 
 __all__ = [
     "DEFAULT_RESTORE_SCRATCH",
@@ -80,7 +81,23 @@ class Executor(Node):
     ) -> CheckpointOutcome:
         """Checkpoint ``workload`` into the store: under ``<namespace>/<checkpoint uid>`` bound to that
         checkpoint and source pod with a ``binding``, else (CLI) under ``identity_hash``."""
-        return await CheckpointRun(self, workload, identity_hash, identity, binding).run()
+        outcome = await CheckpointRun(self, workload, identity_hash, identity, binding).run()
+        await self.share(outcome.key)
+        return outcome
+
+    async def share(self, artifact_key: str) -> None:
+        """Write the published artifact to the object store, where there is one and it lacks it:
+        ``AgentError`` if that fails (the node's copy stays; a later call tries again)."""
+        if self.objects is None:
+            return
+        try:
+            artifact = await asyncio.to_thread(self.store.open, artifact_key)
+            await self.objects.upload(artifact)
+        except (ArtifactError, ValueError) as e:
+            FAILURES.labels("checkpoint").inc()
+            raise AgentError(
+                f"checkpoint taken, but not written to the object store {self.objects}: {e}"
+            ) from None
 
     # ------------------------------------------------------------------ restore
     def check_ahead(self, artifact_key: str, manifest_digest: str | None) -> None:
@@ -157,11 +174,8 @@ class Executor(Node):
     ) -> RestoreOutcome:
         timings = Timings()
         try:
+            artifact = await self._on_this_node(artifact_key, manifest_digest, timings)
             with timings.phase("restore", "verify"):
-                try:
-                    artifact = await asyncio.to_thread(self.store.open, artifact_key)
-                except (ArtifactError, ValueError) as e:
-                    raise ArtifactRefused(f"artifact {artifact_key} refused: {e}") from None
                 gpus = check_before_reading(
                     artifact, manifest_digest, image_id, self.gpus, visible_gpus, skip_compat=skip_compat
                 )
@@ -186,6 +200,28 @@ class Executor(Node):
             CACHE_RESTORES.labels("store").inc()
             self._start_fill(artifact)
         return outcome
+
+    async def _on_this_node(
+        self, artifact_key: str, manifest_digest: str | None, timings: Timings
+    ) -> Artifact:
+        """The artifact in this node's store; fetched into it from the object store where it is not there."""
+        try:
+            with timings.phase("restore", "verify"):
+                return await asyncio.to_thread(self.store.open, artifact_key)
+        except ArtifactNotFoundError as e:
+            if self.objects is None or not manifest_digest:
+                raise ArtifactRefused(f"artifact {artifact_key} refused: {e}") from None
+        except (ArtifactError, ValueError) as e:
+            raise ArtifactRefused(f"artifact {artifact_key} refused: {e}") from None
+        try:
+            with timings.phase("restore", "fetch"):
+                return await self.objects.fetch(artifact_key, manifest_digest, self.store)
+        except ObjectStoreError as e:
+            raise AgentError(
+                f"artifact {artifact_key} not fetched from the object store {self.objects}: {e}"
+            ) from None
+        except (ArtifactError, ValueError) as e:
+            raise ArtifactRefused(f"artifact {artifact_key} refused: {e}") from None
 
     async def _restore_from_cache(
         self,
@@ -224,8 +260,9 @@ class Executor(Node):
 
     # ------------------------------------------------------------------ artifacts
     async def delete_artifact(self, artifact_key: str) -> bool:
-        """Remove the artifact ``artifact_key`` from the store and the node cache. False, removing
-        nothing, while a restore on this node reads it; True once removed, or when there was none.
+        """Remove the artifact ``artifact_key`` from the object store, the store and the node cache.
+        False, removing nothing, while a restore on this node reads it or the object store cannot be
+        reached; True once removed, or when there was none.
 
         No restore of it starts meanwhile, and a copy into the node cache under way is waited for (it
         cannot be stopped halfway), so no copy outlives the artifact. ``ValueError`` for a bad key.
@@ -234,11 +271,22 @@ class Executor(Node):
         if self.reading[artifact_key]:
             return False
         self.deleting[artifact_key] += 1
+        removed = False
         try:
             filling = self.fills.get(artifact_key)
             if filling is not None:
                 await asyncio.wait([filling])
-            removed = await asyncio.to_thread(self.store.delete, artifact_key)
+            if self.objects is not None:
+                # First: a copy on no node then names objects nobody would remove.
+                try:
+                    removed = bool(await self.objects.delete(artifact_key))
+                except ArtifactError as e:
+                    log.warning(
+                        "cannot remove the artifact from the object store; trying again later",
+                        extra={"artifact": artifact_key, "error": str(e)},
+                    )
+                    return False
+            removed = await asyncio.to_thread(self.store.delete, artifact_key) or removed
             cache = self.cache
             if cache is not None:
                 removed = await asyncio.to_thread(cache.discard, artifact_key) or removed

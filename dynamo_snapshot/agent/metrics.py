@@ -1,4 +1,5 @@
-"""The node agent's Prometheus metrics: checkpoint and restore phases, bytes, and the node cache."""
+"""The node agent's Prometheus metrics: checkpoint and restore phases, bytes, the node cache and the object
+store."""
 
 from __future__ import annotations
 
@@ -44,3 +45,14 @@ CACHE_FILLS = Counter(
     ["result"],
 )
 CACHE_BYTES = Gauge("dynsnap_agent_cache_bytes", "Bytes of artifacts in the node cache")
+OBJECT_STORE_TRANSFERS = Counter(
+    "dynsnap_agent_object_store_transfers_total",
+    "Artifacts written to or fetched from the object store: op upload|fetch, result done|present|failed "
+    "(present: the store, or this node, already held it)",
+    ["op", "result"],
+)
+OBJECT_STORE_BYTES = Counter(
+    "dynsnap_agent_object_store_bytes_total",
+    "Artifact bytes sent to or fetched from the object store",
+    ["op"],
+)

@@ -11,6 +11,7 @@ from typing import Any
 
 from dynamo_snapshot.agent.config import DEFAULT_RESTORE_SCRATCH, AgentConfig
 from dynamo_snapshot.agent.gpu_assignment import local_gpus
+from dynamo_snapshot.agent.object_store import ObjectStore
 from dynamo_snapshot.agent.page_images import remove_abandoned
 from dynamo_snapshot.agent.runtime.base import Runtime, Workload
 from dynamo_snapshot.api import protocol
@@ -38,6 +39,7 @@ class Node:
         cuda: CudaCheckpointer | None = None,
         gpus: GpuInfo | None = None,
         cache: ArtifactCache | None = None,
+        objects: ObjectStore | None = None,
     ) -> None:
         self.runtime = runtime
         self.store = store
@@ -57,6 +59,9 @@ class Node:
         # A node-local copy of the store's artifacts (None: every restore reads the store), and the
         # copies into it under way, per artifact key.
         self.cache = cache
+        # An object store every checkpoint is written to and restores fetch from where ``store`` lacks
+        # the artifact (None: ``store`` is the only one).
+        self.objects = objects
         self.fills: dict[str, asyncio.Task[None]] = {}
         # Restores under way per artifact key, and keys being deleted: an artifact is deleted only while
         # no restore reads it, and no restore starts on what is being removed.

@@ -219,7 +219,13 @@ class SnapshotCapture:
         binding = grant.binding
         published = await asyncio.to_thread(self.executor.published, binding.key)
         if published is not None:
-            # An earlier agent process published it and died before saying so.
+            # An earlier agent process published it and died before saying so (or before writing it to
+            # the object store).
+            try:
+                await self.executor.share(binding.key)
+            except AgentError as e:
+                await self._fail(content, PodSnapshotReason.CHECKPOINT_FAILED, str(e))
+                return
             await self._ready(content, published, binding, pod)
             return
         await self._taken_up(content, binding)

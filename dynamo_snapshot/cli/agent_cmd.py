@@ -12,6 +12,7 @@ from prometheus_client import start_http_server
 
 from dynamo_snapshot.agent.config import AgentConfig
 from dynamo_snapshot.agent.executor import Executor
+from dynamo_snapshot.agent.object_store import ObjectStore
 from dynamo_snapshot.agent.privileges import check_privileges
 from dynamo_snapshot.agent.runtime import ProcessRuntime, RuncRuntime, Runtime
 from dynamo_snapshot.agent.runtime.containerd import ContainerdRuntime
@@ -67,6 +68,7 @@ def build(config: AgentConfig, kube: Kube) -> NodeAgent:
     else:
         runtime = ProcessRuntime(node.control_root, criu)
     cache = config.cache
+    location = config.s3.location()
     executor = Executor(
         runtime,
         ArtifactStore(config.store.artifact_root),
@@ -77,6 +79,7 @@ def build(config: AgentConfig, kube: Kube) -> NodeAgent:
             if cache.cache_root is not None
             else None
         ),
+        objects=ObjectStore(location, config.s3.s3_credentials_dir) if location is not None else None,
     )
     return NodeAgent(kube, executor, runtime)
 

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 from dynamo_snapshot.agent.config import AgentConfig
 from dynamo_snapshot.agent.executor import CheckpointOutcome, Executor
+from dynamo_snapshot.agent.object_store import ObjectStore
 from dynamo_snapshot.agent.runtime import ProcessRuntime, WorkloadSpec
 from dynamo_snapshot.agent.runtime.base import Workload
 from dynamo_snapshot.api.identity import CheckpointIdentity
@@ -28,6 +29,7 @@ def local_executor(
     criu_bin: Path,
     *,
     cache: ArtifactCache | None = None,
+    objects: ObjectStore | None = None,
     kind: type[E] = Executor,  # type: ignore[assignment]
     runtime_kind: type[R] = ProcessRuntime,  # type: ignore[assignment]
     **settings: Any,
@@ -38,7 +40,16 @@ def local_executor(
     runtime = runtime_kind(tmp / NODE, criu)
     settings.setdefault("restore_scratch", tmp / "scratch")
     config = AgentConfig.model_validate({"node_name": NODE, "runtime": "local", **settings})
-    executor = kind(runtime, ArtifactStore(tmp / "store"), criu, config, cuda=None, gpus=None, cache=cache)
+    executor = kind(
+        runtime,
+        ArtifactStore(tmp / "store"),
+        criu,
+        config,
+        cuda=None,
+        gpus=None,
+        cache=cache,
+        objects=objects,
+    )
     return executor, runtime
 
 
