@@ -26,7 +26,9 @@ sys.path.insert(0, str(REPO))
 from aiobotocore.session import get_session  # noqa: E402
 
 from benchmarks.gpu.host import emit  # noqa: E402
+from dynamo_snapshot.agent.executor import Executor  # noqa: E402
 from dynamo_snapshot.agent.object_store import ACCESS_KEY_FILE, SECRET_KEY_FILE, ObjectStore  # noqa: E402
+from dynamo_snapshot.agent.runtime import ProcessRuntime  # noqa: E402
 from dynamo_snapshot.artifact.s3 import S3Location  # noqa: E402
 from dynamo_snapshot_dev.localcluster.s3server import LocalS3  # noqa: E402
 from tests.agent.local_node import checkpoint_worker_outcome, local_executor  # noqa: E402
@@ -44,7 +46,7 @@ def _objects(root: Path, location: S3Location, server: LocalS3) -> ObjectStore:
     return ObjectStore(location, creds)
 
 
-async def _timed_restore(executor, runtime, digest: str) -> dict[str, float]:  # type: ignore[no-untyped-def]
+async def _timed_restore(executor: Executor, runtime: ProcessRuntime, digest: str) -> dict[str, float]:
     started = time.monotonic()
     outcome = await executor.restore("restored", HASH, manifest_digest=digest)
     total = time.monotonic() - started
@@ -70,7 +72,9 @@ async def measure(state_mib: int, runs: int) -> dict[str, object]:
                 aws_secret_access_key=server.secret_key,
             ) as client:
                 await client.create_bucket(Bucket=location.bucket)
-            a, runtime_a = local_executor(root / "a", CRIU, compress_pages=False)
+            a, runtime_a = local_executor(
+                root / "a", CRIU, compress_pages=False, kind=Executor, runtime_kind=ProcessRuntime
+            )
             _, outcome = await checkpoint_worker_outcome(
                 a, runtime_a, WORKER, HASH, {"WORKER_STATE_MIB": str(state_mib)}
             )
@@ -82,7 +86,9 @@ async def measure(state_mib: int, runs: int) -> dict[str, object]:
             digest = outcome.manifest_digest
 
             local = [await _timed_restore(a, runtime_a, digest) for _ in range(runs)]
-            b, runtime_b = local_executor(root / "b", CRIU, compress_pages=False)
+            b, runtime_b = local_executor(
+                root / "b", CRIU, compress_pages=False, kind=Executor, runtime_kind=ProcessRuntime
+            )
             b.objects = _objects(root / "b", location, server)
             fetched = []
             for _ in range(runs):
