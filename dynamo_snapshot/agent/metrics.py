@@ -44,6 +44,10 @@ CACHE_FILLS = Counter(
     "Copies of artifacts into the node cache after a restore from the store: filled, no_room, failed",
     ["result"],
 )
+CACHE_EVICTIONS = Counter(
+    "dynsnap_agent_cache_evictions_total",
+    "Copies removed from the node cache to make room for another, the least recently restored first",
+)
 CACHE_BYTES = Gauge("dynsnap_agent_cache_bytes", "Bytes of artifacts in the node cache")
 OBJECT_STORE_TRANSFERS = Counter(
     "dynsnap_agent_object_store_transfers_total",

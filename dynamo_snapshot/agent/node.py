@@ -11,6 +11,7 @@ from typing import Any
 
 from dynamo_snapshot.agent.config import DEFAULT_RESTORE_SCRATCH, AgentConfig
 from dynamo_snapshot.agent.gpu_assignment import local_gpus
+from dynamo_snapshot.agent.metrics import CACHE_EVICTIONS
 from dynamo_snapshot.agent.object_store import ObjectStore
 from dynamo_snapshot.agent.page_images import remove_abandoned
 from dynamo_snapshot.agent.runtime.base import Runtime, Workload
@@ -59,6 +60,8 @@ class Node:
         # A node-local copy of the store's artifacts (None: every restore reads the store), and the
         # copies into it under way, per artifact key.
         self.cache = cache
+        if cache is not None:
+            cache.on_evicted = lambda keys: CACHE_EVICTIONS.inc(len(keys))
         # An object store every checkpoint is written to and restores fetch from where ``store`` lacks
         # the artifact (None: ``store`` is the only one).
         self.objects = objects

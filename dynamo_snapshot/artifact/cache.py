@@ -22,7 +22,7 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +66,8 @@ class ArtifactCache:
         self._lock = threading.Lock()
         # One fill at a time: two fills making room side by side could each count the other's space free.
         self._filling = asyncio.Lock()
+        # Told the keys of the copies each fill removed to make room (the agent counts them).
+        self.on_evicted: Callable[[list[str]], None] | None = None
 
     @property
     def root(self) -> Path:
@@ -199,5 +201,7 @@ class ArtifactCache:
                 return None
             if evicted:
                 log.info("evicted from the node cache", extra={"keys": evicted, "for": source.key})
+                if self.on_evicted is not None:
+                    self.on_evicted(evicted)
             published = await fetch(source, self.store, idle_io=idle_io)
             return published.artifact

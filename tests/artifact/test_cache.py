@@ -70,6 +70,8 @@ async def test_least_recently_used_copy_makes_room(tmp_path: Path, shared: Artif
     for h in (A, B, C):
         await publish(shared, files(2), h)
     cache = ArtifactCache(tmp_path / "cache", 5 * MiB)  # two 2 MiB artifacts fit, not three
+    evicted: list[str] = []
+    cache.on_evicted = evicted.extend
     assert await cache.fill(shared.open(A)) is not None
     assert await cache.fill(shared.open(B)) is not None
     now = time.time()
@@ -78,6 +80,7 @@ async def test_least_recently_used_copy_makes_room(tmp_path: Path, shared: Artif
     assert cache.lookup(shared.open(A)) is not None  # A restored again: now B is the older
     assert await cache.fill(shared.open(C)) is not None
     assert cache.store.list() == [A, C]
+    assert evicted == [B]
     assert cache.used_bytes() <= cache.max_bytes
 
 
