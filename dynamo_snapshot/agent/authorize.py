@@ -53,6 +53,7 @@ __all__ = [
     "capture_checkpoint_name",
     "content_grant",
     "name_to_restore",
+    "ready_artifact",
     "restore_grant",
     "snapshot_to_restore",
 ]
@@ -345,6 +346,18 @@ def _snapshot_grant(
     lives, is Ready, is bound to a content of the pod's namespace that records the artifact's digest, and
     the pod asks for no container map this agent cannot follow. The artifact's key and digest, and the
     containers it goes into."""
+    key, digest = ready_artifact(snapshot, content, pod.meta.namespace)
+    destinations = check_destinations(
+        pod, (snapshot.source.containers or [protocol.DEFAULT_TARGET_CONTAINER])[0]
+    )
+    return key, digest, destinations
+
+
+def ready_artifact(
+    snapshot: PodSnapshotView, content: PodSnapshotContentView | None, namespace: str
+) -> tuple[str, str]:
+    """The key and digest of the artifact of a PodSnapshot of ``namespace`` that lives, is Ready and is
+    bound to a content of that namespace recording the digest; ``Refused`` otherwise."""
     name = snapshot.meta.name
     if snapshot.meta.deleting:
         raise Refused(f"PodSnapshot {name!r} is being deleted")
@@ -356,7 +369,8 @@ def _snapshot_grant(
     if (
         content is None
         or not _same(str(ref.get("uid") or ""), snapshot.meta.uid)
-        or ref.get("namespace") != pod.meta.namespace
+        or ref.get("namespace") != namespace
+        or snapshot.meta.namespace != namespace
     ):
         raise Refused(f"PodSnapshot {name!r} has no content bound to it")
     try:
@@ -369,10 +383,7 @@ def _snapshot_grant(
             f"the content of PodSnapshot {name!r} records no artifact digest (status.artifact, "
             f"else annotation {protocol.ANNOTATION_CONTENT_ARTIFACT})"
         )
-    destinations = check_destinations(
-        pod, (snapshot.source.containers or [protocol.DEFAULT_TARGET_CONTAINER])[0]
-    )
-    return artifact_key(pod.meta.namespace, snapshot.meta.uid), digest, destinations
+    return artifact_key(namespace, snapshot.meta.uid), digest
 
 
 def check_destinations(pod: PodView, captured: str) -> tuple[str, ...]:

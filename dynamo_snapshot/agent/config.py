@@ -216,6 +216,12 @@ class ObjectStoreSettings(_Section):
         "read at each transfer",
     )
     s3_parallel: int = Field(default=8, ge=1, le=64, description="requests in flight per transfer")
+    s3_prefetch: Literal["none", "scheduled", "all"] = Field(
+        default="scheduled",
+        description="when a node fetches a checkpoint it lacks: none (as its restore starts), scheduled "
+        "(once a restore pod of it is bound to the node, while the kubelet starts it), all (every node, "
+        "as soon as the PodSnapshot is Ready)",
+    )
 
     def location(self) -> S3Location | None:
         """Where the artifacts go; None without an endpoint. ``ValueError`` for a bad bucket or prefix."""

@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Coroutine, Iterator, Mapping
 from typing import Any
 
 from dynamo_snapshot.agent.checkpoint import CheckpointOutcome, CheckpointRun, wait_ready
@@ -102,14 +102,51 @@ class Executor(Node):
     # ------------------------------------------------------------------ restore
     def check_ahead(self, artifact_key: str, manifest_digest: str | None) -> None:
         """Begin the check of the artifact's process images before a restore that must first wait (for
-        the kubelet to run the restore pod's container): the restore joins it, or finds the files verified.
-        Best effort, and only where verified files are remembered (else the restore would hash them
-        again): whatever fails here fails again, and is reported, in the restore."""
-        if self.verified is None or self.deleting[artifact_key]:
+        the kubelet to run the restore pod's container): the restore joins it, or finds the files verified;
+        where the artifact is not on the node yet and the prefetch policy allows, its fetch from the object
+        store begins first. Best effort, and the check only where verified files are remembered (else the
+        restore would hash them again): whatever fails here fails again, and is reported, in the restore."""
+        fetch = self.objects is not None and self.config.s3.s3_prefetch != "none"
+        if (self.verified is None and not fetch) or self.deleting[artifact_key]:
             return
-        task = asyncio.create_task(self._check_ahead(artifact_key, manifest_digest))
+        self._ahead(self._check_ahead(artifact_key, manifest_digest))
+
+    def fetch_ahead(self, artifact_key: str, manifest_digest: str) -> None:
+        """Begin bringing the artifact from the object store into this node's store, before any restore
+        of it is asked for here (prefetch policy ``all``); one such fetch at a time. Best effort."""
+        if self.objects is None or self.deleting[artifact_key]:
+            return
+        self._ahead(self._fetch_ahead(artifact_key, manifest_digest))
+
+    def _ahead(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
         self.checks_ahead.add(task)
         task.add_done_callback(self.checks_ahead.discard)
+
+    async def _fetch_ahead(self, artifact_key: str, manifest_digest: str) -> None:
+        async with self.fetch_ahead_gate:
+            with self._reading(artifact_key), contextlib.suppress(AgentError, ArtifactError, OSError):
+                if not await asyncio.to_thread(self.store.exists, artifact_key):
+                    await self._fetched(artifact_key, manifest_digest)
+
+    def _fetched(self, artifact_key: str, manifest_digest: str) -> Awaitable[Artifact]:
+        """The fetch of the artifact into this node's store under way, or a new one: restores and
+        fetches ahead of them wait for the one (shielded: one giving up does not stop it for the others)."""
+        objects = self.objects
+        assert objects is not None
+        task = self.fetching.get(artifact_key)
+        if task is None:
+            task = asyncio.create_task(objects.fetch(artifact_key, manifest_digest, self.store))
+            self.fetching[artifact_key] = task
+
+            def ended(done: asyncio.Task[Artifact]) -> None:
+                if self.fetching.get(artifact_key) is done:
+                    del self.fetching[artifact_key]
+                if not done.cancelled():
+                    done.exception()  # every waiter gets it; retrieved here in case every one gave up
+
+            task.add_done_callback(ended)
+        return asyncio.shield(task)
 
     @contextlib.contextmanager
     def _reading(self, artifact_key: str) -> Iterator[None]:
@@ -124,6 +161,11 @@ class Executor(Node):
 
     async def _check_ahead(self, artifact_key: str, manifest_digest: str | None) -> None:
         with self._reading(artifact_key), contextlib.suppress(AgentError, ArtifactError, OSError, ValueError):
+            fetch = self.objects is not None and self.config.s3.s3_prefetch != "none"
+            if fetch and manifest_digest and not await asyncio.to_thread(self.store.exists, artifact_key):
+                await self._fetched(artifact_key, manifest_digest)
+            if self.verified is None:
+                return
             source = await asyncio.to_thread(self.store.open, artifact_key)
             check_digest(source, manifest_digest)
             cached = None
@@ -215,7 +257,7 @@ class Executor(Node):
             raise ArtifactRefused(f"artifact {artifact_key} refused: {e}") from None
         try:
             with timings.phase("restore", "fetch"):
-                return await self.objects.fetch(artifact_key, manifest_digest, self.store)
+                return await self._fetched(artifact_key, manifest_digest)
         except ObjectStoreError as e:
             raise AgentError(
                 f"artifact {artifact_key} not fetched from the object store {self.objects}: {e}"

@@ -16,7 +16,14 @@ from dynamo_snapshot.agent.object_store import ObjectStore
 from dynamo_snapshot.agent.page_images import remove_abandoned
 from dynamo_snapshot.agent.runtime.base import Runtime, Workload
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.artifact import ArtifactCache, ArtifactStore, GpuInfo, VerifiedFiles, warm_up_hashing
+from dynamo_snapshot.artifact import (
+    Artifact,
+    ArtifactCache,
+    ArtifactStore,
+    GpuInfo,
+    VerifiedFiles,
+    warm_up_hashing,
+)
 from dynamo_snapshot.criu import Criu
 from dynamo_snapshot.criu.packed import DEFAULT_THREADS
 from dynamo_snapshot.cuda import CudaCheckpointer, cuda_available
@@ -65,6 +72,9 @@ class Node:
         # An object store every checkpoint is written to and restores fetch from where ``store`` lacks
         # the artifact (None: ``store`` is the only one).
         self.objects = objects
+        # Fetches from it under way, per artifact key; fetches ahead of any restore go one at a time.
+        self.fetching: dict[str, asyncio.Task[Artifact]] = {}
+        self.fetch_ahead_gate = asyncio.Semaphore(1)
         self.fills: dict[str, asyncio.Task[None]] = {}
         # Restores under way per artifact key, and keys being deleted: an artifact is deleted only while
         # no restore reads it, and no restore starts on what is being removed.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from dynamo_snapshot.agent.artifact_prefetch import ArtifactPrefetch
 from dynamo_snapshot.agent.artifact_sweeper import ArtifactSweeper
 from dynamo_snapshot.agent.authorize import asks_to_be_restored
 from dynamo_snapshot.agent.errors import AgentError, backoff
@@ -91,6 +92,8 @@ class NodeAgent:
         self._background: set[asyncio.Task[None]] = set()
         self.pods.add_handler(self._on_pod)
         self.snapshots.add_handler(self.sweeper.on_owner)
+        if executor.objects is not None and config.s3.s3_prefetch == "all":
+            self.snapshots.add_handler(ArtifactPrefetch(kube, executor).on_snapshot)
 
     async def run_until(self, stop: asyncio.Event) -> None:
         await self.executor.remove_abandoned_scratch()

@@ -28,6 +28,7 @@ OTHER: dict[str, Any] = {
     "s3_prefix": "team-a/",
     "s3_region": "eu-west-1",
     "s3_parallel": 12,
+    "s3_prefetch": "all",
 }
 
 

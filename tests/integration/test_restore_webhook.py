@@ -26,15 +26,15 @@ import pytest
 from kubernetes_asyncio import client
 
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.api.conditions import now_rfc3339
 from dynamo_snapshot.api.podsnapshot import content_name
 from dynamo_snapshot.controller.webhook_server import CERT_FILE, KEY_FILE, MUTATE_PATH
 from dynamo_snapshot.kube import Kube, Obj
-from dynamo_snapshot.kube.kinds import POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
+from dynamo_snapshot.kube.kinds import POD_SNAPSHOT_CONTENT
 from dynamo_snapshot_dev.localcluster import LocalCluster
 from dynamo_snapshot_dev.localcluster.cluster import free_port
 from tests.helpers.cli import CLI
 from tests.helpers.polling import wait_for
+from tests.helpers.ready_snapshot import ready_snapshot
 from tests.helpers.webhook import (
     Certs,
     Registered,
@@ -44,8 +44,6 @@ from tests.helpers.webhook import (
     serving,
     until,
 )
-
-COMPAT = {"gpuProduct": "NVIDIA-H200", "cudaDriverMajor": "570", "gpuCount": 1}
 
 
 def plain_pod(name: str, **annotations: str) -> Obj:
@@ -112,44 +110,6 @@ async def registered(
     """This process's webhook, registered with the apiserver as the chart registers it, for ``namespace``."""
     async with registered_webhook(cluster, kube, namespace, certs) as reg:
         yield reg
-
-
-async def ready_snapshot(kube: Kube, namespace: str, name: str) -> Obj:
-    """A PodSnapshot bound to a content whose status the node agent would have written."""
-    snap = await kube.create(
-        POD_SNAPSHOT,
-        {
-            "apiVersion": "nvidia.com/v1alpha1",
-            "kind": "PodSnapshot",
-            "metadata": {"name": name},
-            "spec": {"source": {"podRef": {"name": "worker-0", "containers": ["main"]}}},
-        },
-        namespace,
-    )
-    uid = snap["metadata"]["uid"]
-    await kube.create(
-        POD_SNAPSHOT_CONTENT,
-        {
-            "apiVersion": "nvidia.com/v1alpha1",
-            "kind": "PodSnapshotContent",
-            "metadata": {"name": content_name(uid)},
-            "spec": {
-                "snapshotRef": {"namespace": namespace, "name": name, "uid": uid},
-                "source": {"nodeName": "gpu-a", "podRef": {"name": "worker-0", "containers": ["main"]}},
-            },
-        },
-    )
-    ready = {"type": "Ready", "status": "True", "reason": "Captured", "message": "captured",
-             "lastTransitionTime": now_rfc3339()}  # fmt: skip
-    await kube.patch_status(
-        POD_SNAPSHOT_CONTENT,
-        content_name(uid),
-        {"conditions": [ready], "artifact": {"digest": "a" * 64}, "compatibility": COMPAT},
-    )
-    await kube.patch_status(
-        POD_SNAPSHOT, name, {"boundSnapshotContentName": content_name(uid), "conditions": [ready]}, namespace
-    )
-    return snap
 
 
 @pytest.mark.cluster
