@@ -13,6 +13,7 @@ from typing import Any
 
 from dynamo_snapshot.agent.config import AgentConfig
 from dynamo_snapshot.agent.executor import Executor
+from dynamo_snapshot.agent.object_store import ObjectStore
 from dynamo_snapshot.agent.runtime.containerd import ContainerdRuntime
 from dynamo_snapshot.agent.watcher import NodeAgent
 from dynamo_snapshot.api import protocol
@@ -59,12 +60,16 @@ class Stack:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._controller, 30)
 
-    def start_agent(self, runc_root: Path = RUNC_ROOT, **settings: Any) -> ContainerdRuntime:
+    def start_agent(
+        self, runc_root: Path = RUNC_ROOT, *, objects: ObjectStore | None = None, **settings: Any
+    ) -> ContainerdRuntime:
         runtime = ContainerdRuntime(self.criu, self.state, runc_root=runc_root)
         config = AgentConfig.model_validate(
             {"node_name": self.node.name, "runc_root": runc_root, "ready_timeout_seconds": 120, **settings}
         )
-        executor = Executor(runtime, ArtifactStore(self.store), self.criu, config, cuda=None, gpus=None)
+        executor = Executor(
+            runtime, ArtifactStore(self.store), self.criu, config, cuda=None, gpus=None, objects=objects
+        )
         agent = NodeAgent(self.kube, executor, runtime)
         self.agent_task = asyncio.create_task(agent.run_until(asyncio.Event()))
         self.runtime = runtime

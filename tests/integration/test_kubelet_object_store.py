@@ -1,0 +1,159 @@
+"""storage.type s3 on the real kubelet node: a PodSnapshot of a kubelet pod is captured and written to a real
+S3 server (SeaweedFS) before it is Ready; on a node whose store lacks it (the node's copy removed, the agent
+started again) a restore-from pod gets it fetched, every chunk checked, while the kubelet starts the pod,
+and serves on its own pod IP; with the store's object damaged the restore fails by name and the pod says
+so."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiobotocore.session import get_session
+from prometheus_client import REGISTRY
+
+from dynamo_snapshot.agent.object_store import ACCESS_KEY_FILE, SECRET_KEY_FILE, ObjectStore
+from dynamo_snapshot.api import protocol
+from dynamo_snapshot.artifact import ArtifactStore, artifact_key
+from dynamo_snapshot.artifact.s3 import S3Location
+from dynamo_snapshot.kube import POD, Obj
+from dynamo_snapshot.kube.kinds import POD_SNAPSHOT
+from dynamo_snapshot_dev.localcluster.realnode import RealNode
+from dynamo_snapshot_dev.localcluster.s3server import LocalS3
+from tests.helpers.kubelet_stack import PORT, Stack, eventually, post, snapshot_pod
+
+pytestmark = [pytest.mark.cluster, pytest.mark.kubelet]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LocalS3]:
+    with LocalS3() as s3:
+        yield s3
+
+
+def _client(server: LocalS3):  # type: ignore[no-untyped-def]
+    return get_session().create_client(
+        "s3",
+        endpoint_url=server.endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=server.access_key,
+        aws_secret_access_key=server.secret_key,
+    )
+
+
+def fetches() -> float:
+    sample = "dynsnap_agent_object_store_transfers_total"
+    return REGISTRY.get_sample_value(sample, {"op": "fetch", "result": "done"}) or 0.0
+
+
+async def _objects(tmp_path: Path, server: LocalS3) -> ObjectStore:
+    bucket = f"checkpoints-{os.urandom(4).hex()}"
+    async with _client(server) as client:
+        await client.create_bucket(Bucket=bucket)
+    creds = tmp_path / "s3-credentials"
+    creds.mkdir()
+    (creds / ACCESS_KEY_FILE).write_text(server.access_key)
+    (creds / SECRET_KEY_FILE).write_text(server.secret_key)
+    return ObjectStore(S3Location(endpoint=server.endpoint, bucket=bucket, prefix="cluster/"), creds)
+
+
+async def _captured(s: Stack, node: RealNode) -> Obj:
+    env = [{"name": "WORKER_HOST", "value": "0.0.0.0"}, {"name": "WORKER_PORT", "value": str(PORT)}]
+    source = snapshot_pod(node, "s3-source", {"image": node.worker_image.name}, standby=False)
+    source["spec"]["containers"][0]["env"] += env
+    await s.kube.create(POD, {**source, "metadata": {**source["metadata"], "namespace": s.namespace}})
+    await s.kube.create(
+        POD_SNAPSHOT,
+        {
+            "apiVersion": "nvidia.com/v1alpha1",
+            "kind": "PodSnapshot",
+            "metadata": {"name": "snap", "namespace": s.namespace},
+            "spec": {"source": {"podRef": {"name": "s3-source", "containers": ["main"]}}},
+        },
+    )
+
+    async def snapshot_ready() -> Obj | None:
+        obj = await s.kube.get(POD_SNAPSHOT, "snap", s.namespace)
+        conds = {c["type"]: c for c in (obj.get("status") or {}).get("conditions") or []}
+        assert conds.get("Failed", {}).get("status") != "True", conds
+        return obj if conds.get("Ready", {}).get("status") == "True" else None
+
+    ready: Obj = await eventually(snapshot_ready, 180, "the PodSnapshot to be Ready")
+    return ready
+
+
+async def _restore_pod(s: Stack, node: RealNode, name: str) -> None:
+    pod = snapshot_pod(node, name, {"image": node.worker_image.name}, standby=True, restartPolicy="Never")
+    pod["metadata"].update(namespace=s.namespace, annotations={protocol.ANNOTATION_RESTORE_FROM: "snap"})
+    await s.kube.create(POD, pod)
+
+
+def _annotation(pod: Obj, name: str) -> str | None:
+    return (pod["metadata"].get("annotations") or {}).get(protocol.per_container(name, "main"))
+
+
+async def _ended(s: Stack, name: str) -> Obj:
+    async def done() -> Obj | None:
+        pod = await s.kube.get(POD, name, s.namespace)
+        state = _annotation(pod, protocol.ANNOTATION_RESTORE_STATUS)
+        return pod if state == "failed" or (state == "completed" and pod["status"].get("podIP")) else None
+
+    ended: Obj = await eventually(done, 180, f"the restore of {name} to end")
+    return ended
+
+
+async def test_a_checkpoint_goes_through_the_object_store_to_a_node_without_it(
+    stack: Stack, real_node: RealNode, server: LocalS3, tmp_path: Path
+) -> None:
+    s = stack
+    objects = await _objects(tmp_path, server)
+    s.start_agent(objects=objects)
+    snapshot = await _captured(s, real_node)
+    key = artifact_key(s.namespace, snapshot["metadata"]["uid"])
+    prefix = f"cluster/{key}/"
+    async with _client(server) as client:
+        listed = await client.list_objects_v2(Bucket=objects.location.bucket, Prefix=prefix)
+    sizes = {o["Key"].removeprefix(prefix): o["Size"] for o in listed.get("Contents") or []}
+    names = set(sizes)
+    local = ArtifactStore(s.store)
+    assert names == {"manifest.json", *(f.path for f in local.open(key).manifest.files)}
+
+    # Another node: its store does not hold the artifact.
+    await s.kill_agent()
+    await asyncio.to_thread(local.delete, key)
+    fetched = fetches()
+    s.start_agent(objects=objects)
+    await _restore_pod(s, real_node, "s3-restored")
+    pod = await _ended(s, "s3-restored")
+    assert _annotation(pod, protocol.ANNOTATION_RESTORE_STATUS) == "completed", pod["metadata"]["annotations"]
+    timings: dict[str, Any] = json.loads(pod["metadata"]["annotations"][protocol.ANNOTATION_RESTORE_TIMINGS])
+    assert local.exists(key), "fetched into the node's store"
+    assert fetches() == fetched + 1
+
+    async def answers() -> dict[str, Any] | None:
+        try:
+            return await asyncio.to_thread(post, pod["status"]["podIP"])
+        except OSError:
+            return None
+
+    assert await eventually(answers, 30, "the restored worker to answer")
+    assert timings, "the restore's timings are on the pod"
+
+    # The node's copy gone again and the store's pages object damaged: refused by name, nothing kept.
+    await s.kill_agent()
+    await asyncio.to_thread(local.delete, key)
+    biggest = max(sizes, key=lambda n: sizes[n])
+    async with _client(server) as client:
+        await client.put_object(Bucket=objects.location.bucket, Key=prefix + biggest, Body=b"not the pages")
+    s.start_agent(objects=objects)
+    await _restore_pod(s, real_node, "s3-damaged")
+    pod = await _ended(s, "s3-damaged")
+    message = _annotation(pod, protocol.ANNOTATION_RESTORE_MESSAGE) or ""
+    assert _annotation(pod, protocol.ANNOTATION_RESTORE_STATUS) == "failed"
+    assert biggest in message, message
+    assert not local.exists(key)
