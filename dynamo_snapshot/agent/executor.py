@@ -262,6 +262,11 @@ class Executor(Node):
             raise AgentError(
                 f"artifact {artifact_key} not fetched from the object store {self.objects}: {e}"
             ) from None
+        except OSError as e:
+            # This node's store cannot take it (full, say): nothing of the copy is kept.
+            raise AgentError(
+                f"artifact {artifact_key} not fetched into {self.store.root}: {e.strerror or e}"
+            ) from None
         except (ArtifactError, ValueError) as e:
             raise ArtifactRefused(f"artifact {artifact_key} refused: {e}") from None
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -138,6 +139,37 @@ async def test_bad_fetches_fail_the_restore_with_the_reason_and_leave_nothing(
         await b.restore("r", HASH, manifest_digest=digest)
     assert b.store.list() == []
     assert [p.name for p in (tmp_path / "b" / "store").iterdir()] == []  # no staging left
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 4 MiB filesystem (tmpfs) for a node's store."""
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(small)], check=True)
+    try:
+        yield small
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+
+
+async def test_a_full_node_store_fails_the_restore_by_name_and_keeps_nothing(
+    criu_bin: Path, tmp_path: Path, server: LocalS3, location: S3Location, small_disk: Path
+) -> None:
+    a, digest = await _checkpointed(tmp_path, criu_bin, server, location)
+    assert a.objects is not None
+    # An artifact of over 24 MiB into 4: the disk fills up midway.
+    node, _ = local_executor(
+        small_disk,
+        criu_bin,
+        compress_pages=False,
+        objects=a.objects,
+        kind=Executor,
+        runtime_kind=ProcessRuntime,
+    )
+    with pytest.raises(AgentError, match=r"not fetched into .*: No space left on device"):
+        await node.restore("r", HASH, manifest_digest=digest)
+    assert os.listdir(small_disk / "store") == []
 
 
 async def test_a_store_that_does_not_answer_fails_the_checkpoint_until_it_is_back(
