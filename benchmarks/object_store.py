@@ -23,11 +23,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from aiobotocore.session import get_session  # noqa: E402
 
 from benchmarks.gpu.host import emit  # noqa: E402
 from dynamo_snapshot.agent.executor import Executor  # noqa: E402
-from dynamo_snapshot.agent.object_store import ACCESS_KEY_FILE, SECRET_KEY_FILE, ObjectStore  # noqa: E402
+from dynamo_snapshot.agent.object_store import ObjectStore  # noqa: E402
 from dynamo_snapshot.agent.runtime import ProcessRuntime  # noqa: E402
 from dynamo_snapshot.artifact.s3 import S3Location  # noqa: E402
 from dynamo_snapshot_dev.localcluster.s3server import LocalS3  # noqa: E402
@@ -39,11 +38,7 @@ CRIU = Path.home() / ".cache" / "dynamo-snapshot" / "bin" / "criu"
 
 
 def _objects(root: Path, location: S3Location, server: LocalS3) -> ObjectStore:
-    creds = root / "credentials"
-    creds.mkdir(parents=True)
-    (creds / ACCESS_KEY_FILE).write_text(server.access_key)
-    (creds / SECRET_KEY_FILE).write_text(server.secret_key)
-    return ObjectStore(location, creds)
+    return ObjectStore(location, server.write_credentials(root / "credentials"))
 
 
 async def _timed_restore(executor: Executor, runtime: ProcessRuntime, digest: str) -> dict[str, float]:
@@ -64,14 +59,7 @@ async def measure(state_mib: int, runs: int) -> dict[str, object]:
     try:
         with LocalS3(root / "server") as server:
             location = S3Location(endpoint=server.endpoint, bucket="checkpoints", prefix="bench/")
-            async with get_session().create_client(
-                "s3",
-                endpoint_url=server.endpoint,
-                region_name="us-east-1",
-                aws_access_key_id=server.access_key,
-                aws_secret_access_key=server.secret_key,
-            ) as client:
-                await client.create_bucket(Bucket=location.bucket)
+            await server.create_bucket(location.bucket)
             a, runtime_a = local_executor(
                 root / "a", CRIU, compress_pages=False, kind=Executor, runtime_kind=ProcessRuntime
             )

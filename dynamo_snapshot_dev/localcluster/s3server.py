@@ -17,8 +17,11 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
+from aiobotocore.session import get_session
+
+from dynamo_snapshot.agent.object_store import ACCESS_KEY_FILE, SECRET_KEY_FILE
 from dynamo_snapshot_dev.localcluster.cluster import free_port
 from dynamo_snapshot_dev.localcluster.components import ComponentsMissingError, cache_dir
 from dynamo_snapshot_dev.localcluster.supervise import Started, die_with_parent, log_tail
@@ -56,6 +59,29 @@ class LocalS3(Started):
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def client(self) -> Any:
+        """An S3 client of the server with its own credentials (``async with`` it)."""
+        return get_session().create_client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+        )
+
+    async def create_bucket(self, name: str) -> None:
+        async with self.client() as client:
+            await client.create_bucket(Bucket=name)
+
+    def write_credentials(self, directory: Path, *, secret: str | None = None) -> Path:
+        """The credentials as the agent reads them (a mounted Secret's files) in ``directory``; ``secret``
+        instead of the server's, to be refused."""
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / ACCESS_KEY_FILE).write_text(self.access_key)
+        # A Secret's value may end in a newline.
+        (directory / SECRET_KEY_FILE).write_text((secret or self.secret_key) + "\n")
+        return directory
 
     @property
     def log(self) -> Path:

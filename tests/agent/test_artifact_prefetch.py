@@ -12,13 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from aiobotocore.session import get_session
 from kubernetes_asyncio import client
 from prometheus_client import REGISTRY
 
 from dynamo_snapshot.agent.artifact_prefetch import ArtifactPrefetch
 from dynamo_snapshot.agent.executor import Executor
-from dynamo_snapshot.agent.object_store import ACCESS_KEY_FILE, SECRET_KEY_FILE, ObjectStore
+from dynamo_snapshot.agent.object_store import ObjectStore
 from dynamo_snapshot.agent.runtime import ProcessRuntime
 from dynamo_snapshot.api.views import PodSnapshotView
 from dynamo_snapshot.artifact import ArtifactStore, Binding, artifact_key
@@ -51,14 +50,7 @@ def server() -> Iterator[LocalS3]:
 @pytest.fixture
 async def location(server: LocalS3) -> S3Location:
     bucket = f"checkpoints-{os.urandom(4).hex()}"
-    async with get_session().create_client(
-        "s3",
-        endpoint_url=server.endpoint,
-        region_name="us-east-1",
-        aws_access_key_id=server.access_key,
-        aws_secret_access_key=server.secret_key,
-    ) as client:
-        await client.create_bucket(Bucket=bucket)
+    await server.create_bucket(bucket)
     return S3Location(endpoint=server.endpoint, bucket=bucket)
 
 
@@ -74,10 +66,7 @@ async def _in_store(tmp: Path, server: LocalS3, location: S3Location, binding: B
 
 
 def _node(tmp: Path, criu_bin: Path, server: LocalS3, location: S3Location, prefetch: str) -> Executor:
-    creds = tmp / "credentials"
-    creds.mkdir(parents=True)
-    (creds / ACCESS_KEY_FILE).write_text(server.access_key)
-    (creds / SECRET_KEY_FILE).write_text(server.secret_key)
+    creds = server.write_credentials(tmp / "credentials")
     executor, _ = local_executor(
         tmp,
         criu_bin,

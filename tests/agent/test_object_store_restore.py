@@ -14,13 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from aiobotocore.session import get_session
 from prometheus_client import REGISTRY
 
 from dynamo_snapshot.agent.config import AgentConfig
 from dynamo_snapshot.agent.errors import AgentError, ArtifactRefused
 from dynamo_snapshot.agent.executor import Executor
-from dynamo_snapshot.agent.object_store import ACCESS_KEY_FILE, SECRET_KEY_FILE, ObjectStore
+from dynamo_snapshot.agent.object_store import ObjectStore
 from dynamo_snapshot.agent.runtime import ProcessRuntime
 from dynamo_snapshot.artifact.s3 import S3Location
 from dynamo_snapshot_dev.localcluster.s3server import LocalS3
@@ -42,33 +41,18 @@ def server() -> Iterator[LocalS3]:
 @pytest.fixture
 async def location(server: LocalS3) -> S3Location:
     bucket = f"checkpoints-{os.urandom(4).hex()}"
-    async with _raw(server) as client:
-        await client.create_bucket(Bucket=bucket)
+    await server.create_bucket(bucket)
     return S3Location(endpoint=server.endpoint, bucket=bucket, prefix="prod/")
 
 
-def _raw(server: LocalS3):  # type: ignore[no-untyped-def]
-    return get_session().create_client(
-        "s3",
-        endpoint_url=server.endpoint,
-        region_name="us-east-1",
-        aws_access_key_id=server.access_key,
-        aws_secret_access_key=server.secret_key,
-    )
-
-
-def _objects(root: Path, location: S3Location, access: str, secret: str) -> ObjectStore:
-    creds = root / "credentials"
-    creds.mkdir(parents=True, exist_ok=True)
-    (creds / ACCESS_KEY_FILE).write_text(access)
-    (creds / SECRET_KEY_FILE).write_text(secret + "\n")  # a Secret's value may end in a newline
-    return ObjectStore(location, creds)
+def _objects(root: Path, location: S3Location, server: LocalS3, secret: str | None = None) -> ObjectStore:
+    return ObjectStore(location, server.write_credentials(root / "credentials", secret=secret))
 
 
 def _node(
     root: Path, criu_bin: Path, server: LocalS3, location: S3Location
 ) -> tuple[Executor, ProcessRuntime]:
-    objects = _objects(root, location, server.access_key, server.secret_key)
+    objects = _objects(root, location, server)
     return local_executor(root, criu_bin, compress_pages=False, objects=objects)
 
 
@@ -120,7 +104,7 @@ async def test_bad_fetches_fail_the_restore_with_the_reason_and_leave_nothing(
     def node(name: str, objects: ObjectStore) -> Executor:
         return local_executor(tmp_path / name, criu_bin, compress_pages=False, objects=objects)[0]
 
-    wrong = node("wrong-secret", _objects(tmp_path / "w", location, server.access_key, "not-the-secret"))
+    wrong = node("wrong-secret", _objects(tmp_path / "w", location, server, "not-the-secret"))
     with pytest.raises(AgentError, match=r"not fetched from the object store .*refused the credentials"):
         await wrong.restore("r", HASH, manifest_digest=digest)
     assert wrong.store.list() == []
@@ -133,7 +117,7 @@ async def test_bad_fetches_fail_the_restore_with_the_reason_and_leave_nothing(
     with pytest.raises(AgentError, match="the checkpoint recorded " + "e" * 64):
         await b.restore("r", HASH, manifest_digest="e" * 64)
     gone = max(a.store.open(HASH).manifest.files, key=lambda f: f.size).path
-    async with _raw(server) as client:
+    async with server.client() as client:
         await client.delete_object(Bucket=location.bucket, Key=f"prod/{HASH}/{gone}")
     with pytest.raises(ArtifactRefused, match=rf"prod/{HASH}/{gone}: no such object"):
         await b.restore("r", HASH, manifest_digest=digest)
@@ -176,7 +160,7 @@ async def test_a_store_that_does_not_answer_fails_the_checkpoint_until_it_is_bac
     criu_bin: Path, tmp_path: Path, server: LocalS3, location: S3Location
 ) -> None:
     away = location.model_copy(update={"endpoint": "http://127.0.0.1:9"})
-    node = _objects(tmp_path, away, server.access_key, server.secret_key)
+    node = _objects(tmp_path, away, server)
     a, runtime = local_executor(
         tmp_path, criu_bin, compress_pages=False, objects=node, kind=Executor, runtime_kind=ProcessRuntime
     )
@@ -185,9 +169,9 @@ async def test_a_store_that_does_not_answer_fails_the_checkpoint_until_it_is_bac
     ):
         await checkpoint_worker_outcome(a, runtime, WORKER, HASH, {"WORKER_STATE_MIB": "8"})
     assert a.store.list() == [HASH]  # the node's copy stays
-    a.objects = _objects(tmp_path, location, server.access_key, server.secret_key)
+    a.objects = _objects(tmp_path, location, server)
     await a.share(HASH)
-    async with _raw(server) as client:
+    async with server.client() as client:
         listed = await client.list_objects_v2(Bucket=location.bucket, Prefix=f"prod/{HASH}/")
     assert f"prod/{HASH}/manifest.json" in {o["Key"] for o in listed["Contents"]}
     present = transfers("upload", "present")
@@ -195,7 +179,7 @@ async def test_a_store_that_does_not_answer_fails_the_checkpoint_until_it_is_bac
     assert transfers("upload", "present") == present + 1
 
     assert await a.delete_artifact(HASH)
-    async with _raw(server) as client:
+    async with server.client() as client:
         listed = await client.list_objects_v2(Bucket=location.bucket, Prefix=f"prod/{HASH}/")
     assert not listed.get("Contents")
     assert a.store.list() == []

@@ -12,7 +12,6 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from aiobotocore.session import get_session
 
 from dynamo_snapshot.artifact import ArtifactNotFoundError, ArtifactStore
 from dynamo_snapshot.artifact.reader import Artifact
@@ -34,19 +33,8 @@ def server() -> Iterator[LocalS3]:
 @pytest.fixture
 async def bucket(server: LocalS3) -> S3Location:
     name = f"{BUCKET}-{os.urandom(4).hex()}"
-    async with _raw(server) as client:
-        await client.create_bucket(Bucket=name)
+    await server.create_bucket(name)
     return S3Location(endpoint=server.endpoint, bucket=name, prefix="team-a/", part_bytes=5 << 20, parallel=4)
-
-
-def _raw(server: LocalS3):  # type: ignore[no-untyped-def]
-    return get_session().create_client(
-        "s3",
-        endpoint_url=server.endpoint,
-        region_name="us-east-1",
-        aws_access_key_id=server.access_key,
-        aws_secret_access_key=server.secret_key,
-    )
 
 
 def _creds(server: LocalS3) -> S3Credentials:
@@ -98,7 +86,7 @@ async def _uploaded(server: LocalS3, bucket: S3Location, tmp_path: Path) -> tupl
 
 
 async def _replace(server: LocalS3, bucket: S3Location, name: str, data: bytes | None) -> None:
-    async with _raw(server) as client:
+    async with server.client() as client:
         if data is None:
             await client.delete_object(Bucket=bucket.bucket, Key=name)
         else:
@@ -160,8 +148,7 @@ async def test_an_artifact_without_its_manifest_is_not_there(
 
 async def test_the_server_stopped_midway_fails_the_fetch(tmp_path: Path) -> None:
     with LocalS3(tmp_path / "own-server") as own:
-        async with _raw(own) as client:
-            await client.create_bucket(Bucket=BUCKET)
+        await own.create_bucket(BUCKET)
         location = S3Location(endpoint=own.endpoint, bucket=BUCKET, part_bytes=5 << 20, parallel=1)
         artifact = await _sealed(tmp_path, {**sample_files(), "big.img": os.urandom(64 << 20)})
         assert artifact.manifest.digest is not None

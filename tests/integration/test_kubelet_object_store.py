@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiobotocore.session import get_session
 from prometheus_client import REGISTRY
 
-from dynamo_snapshot.agent.object_store import ACCESS_KEY_FILE, SECRET_KEY_FILE, ObjectStore
+from dynamo_snapshot.agent.object_store import ObjectStore
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.artifact import ArtifactStore, artifact_key
 from dynamo_snapshot.artifact.s3 import S3Location
@@ -36,16 +35,6 @@ def server() -> Iterator[LocalS3]:
         yield s3
 
 
-def _client(server: LocalS3):  # type: ignore[no-untyped-def]
-    return get_session().create_client(
-        "s3",
-        endpoint_url=server.endpoint,
-        region_name="us-east-1",
-        aws_access_key_id=server.access_key,
-        aws_secret_access_key=server.secret_key,
-    )
-
-
 def fetches() -> float:
     sample = "dynsnap_agent_object_store_transfers_total"
     return REGISTRY.get_sample_value(sample, {"op": "fetch", "result": "done"}) or 0.0
@@ -53,12 +42,8 @@ def fetches() -> float:
 
 async def _objects(tmp_path: Path, server: LocalS3) -> ObjectStore:
     bucket = f"checkpoints-{os.urandom(4).hex()}"
-    async with _client(server) as client:
-        await client.create_bucket(Bucket=bucket)
-    creds = tmp_path / "s3-credentials"
-    creds.mkdir()
-    (creds / ACCESS_KEY_FILE).write_text(server.access_key)
-    (creds / SECRET_KEY_FILE).write_text(server.secret_key)
+    await server.create_bucket(bucket)
+    creds = server.write_credentials(tmp_path / "s3-credentials")
     return ObjectStore(S3Location(endpoint=server.endpoint, bucket=bucket, prefix="cluster/"), creds)
 
 
@@ -116,7 +101,7 @@ async def test_a_checkpoint_goes_through_the_object_store_to_a_node_without_it(
     snapshot = await _captured(s, real_node)
     key = artifact_key(s.namespace, snapshot["metadata"]["uid"])
     prefix = f"cluster/{key}/"
-    async with _client(server) as client:
+    async with server.client() as client:
         listed = await client.list_objects_v2(Bucket=objects.location.bucket, Prefix=prefix)
     sizes = {o["Key"].removeprefix(prefix): o["Size"] for o in listed.get("Contents") or []}
     names = set(sizes)
@@ -148,7 +133,7 @@ async def test_a_checkpoint_goes_through_the_object_store_to_a_node_without_it(
     await s.kill_agent()
     await asyncio.to_thread(local.delete, key)
     biggest = max(sizes, key=lambda n: sizes[n])
-    async with _client(server) as client:
+    async with server.client() as client:
         await client.put_object(Bucket=objects.location.bucket, Key=prefix + biggest, Body=b"not the pages")
     s.start_agent(objects=objects)
     await _restore_pod(s, real_node, "s3-damaged")
