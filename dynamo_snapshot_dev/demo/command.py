@@ -61,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=3,
         help="with --kwok: fake GPU nodes, one node agent each (default 3)",
     )
+    p.add_argument(
+        "--storage",
+        choices=("volume", "s3"),
+        default="volume",
+        help="volume: one artifact store shared by the nodes (default); s3: each node keeps its own and "
+        "every checkpoint goes through a local S3-compatible server (SeaweedFS), fetched by the nodes "
+        "that restore it",
+    )
     p.add_argument("--quick", action="store_true", help="a smaller worker and a shorter story (tests, CI)")
     p.add_argument(
         "--setup-only",
@@ -130,6 +138,7 @@ async def _main(args: argparse.Namespace, console: Console, workdir: Path) -> in
         kubelet=not args.kwok,
         chart=args.chart,
         logs_dir=args.out if args.chart else None,
+        storage=args.storage,
         apiserver_port=args.apiserver_port,
         say=console.log,
     )

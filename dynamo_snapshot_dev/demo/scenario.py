@@ -16,10 +16,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 from dynamo_snapshot.api import protocol
+from dynamo_snapshot.api.views import PodSnapshotContentView, PodSnapshotView
 from dynamo_snapshot.artifact import artifact_key
 from dynamo_snapshot.kube import DELETED, POD, Informer, Kube, Obj
 from dynamo_snapshot.kube.dgd_versions import DgdClient
-from dynamo_snapshot.kube.kinds import CHECKPOINT, POD_SNAPSHOT, SCALING_POLICY
+from dynamo_snapshot.kube.kinds import CHECKPOINT, POD_SNAPSHOT, POD_SNAPSHOT_CONTENT, SCALING_POLICY
 from dynamo_snapshot_dev.demo.stack import (
     CPU_WORKER,
     NAMESPACE,
@@ -373,7 +374,9 @@ class Scenario:
         # The artifact is its PodSnapshot's: the one the checkpoint's SnapshotJob made.
         snapshot = await self.kube.get(POD_SNAPSHOT, ckpt["status"]["podSnapshotName"], NAMESPACE)
         key = artifact_key(NAMESPACE, snapshot["metadata"]["uid"])
-        artifact = await asyncio.to_thread(self.stack.artifacts.open, key)
+        content = await self.kube.get(POD_SNAPSHOT_CONTENT, PodSnapshotView(snapshot).bound_content)
+        store = self.stack.node_store(PodSnapshotContentView(content).source_node)
+        artifact = await asyncio.to_thread(store.open, key)
         self.results.artifact_mib = artifact.manifest.total_bytes / 2**20
         self.say(
             f"  checkpoint {ckpt['metadata']['name']} Ready {self.results.checkpoint_s:.1f}s after the DGD "
@@ -464,4 +467,5 @@ class Scenario:
             "pods": [asdict(r) for r in self.pods.values()],
             "timeline": [asdict(s) for s in self.timeline.samples],
             "marks": self.timeline.marks,
+            "storage": self.stack.storage_report(),
         }

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import REGISTRY
+
 from dynamo_snapshot.agent.pod_container import running_container
 from dynamo_snapshot.agent.privileges import CONTAINERD_DEFAULT_CAPABILITIES, REQUIRED_CAPABILITIES
 from dynamo_snapshot.agent.watcher import NodeAgent, workload_key
@@ -37,8 +39,14 @@ from dynamo_snapshot_dev.localcluster.cluster import ClusterOptions
 from dynamo_snapshot_dev.localcluster.prometheus import LocalPrometheus
 from dynamo_snapshot_dev.localcluster.realnode import RUNC_ROOT, RealNode
 from dynamo_snapshot_dev.localcluster.realnode.host import host_processes
+from dynamo_snapshot_dev.localcluster.s3server import LocalS3
 
 NAMESPACE = "demo"
+S3_BUCKET = "checkpoints"
+TRANSFERS, TRANSFER_BYTES = (
+    "dynsnap_agent_object_store_transfers_total",
+    "dynsnap_agent_object_store_bytes_total",
+)
 REPO = Path(__file__).resolve().parents[2]
 CPU_WORKER = REPO / "examples" / "reference_worker" / "cpu_worker.py"
 GPU_WORKER = REPO / "examples" / "reference_worker" / "worker.py"
@@ -79,6 +87,10 @@ class Stack:
     # controller or agent); their logs go to `logs_dir` at stop.
     chart: bool = False
     logs_dir: Path | None = None
+    # "s3": each node's agent keeps a store of its own and every checkpoint goes through a local
+    # S3-compatible server (SeaweedFS); "volume": one store shared by all nodes, like a RWX volume.
+    storage: str = "volume"
+    s3: LocalS3 | None = None
     apiserver_port: int | None = None
     say: Callable[[str], None] = print
     cluster: LocalCluster | None = None
@@ -119,6 +131,8 @@ class Stack:
             raise DemoError("runc is missing: run scripts/test-env.sh (it installs the Debian package)")
         if self.chart and not self.kubelet:
             raise DemoError("the chart's pods need the kubelet node: --chart goes without --kwok")
+        if self.chart and self.storage == "s3":
+            raise DemoError("--storage s3 runs with the in-process agents: leave out --chart")
         if self.kubelet and os.geteuid() != 0:
             raise DemoError("the kubelet node needs root (bridge, mounts, cgroups): run with sudo, or --kwok")
         if not CPU_WORKER.exists():
@@ -126,6 +140,8 @@ class Stack:
         criu = Criu(None)
         await criu.require()
         self.endpoint_dir.mkdir(parents=True, exist_ok=True)
+        if self.storage == "s3":
+            await self._start_object_store()
         await self.start_cluster()
         assert self.cluster is not None
         # The chart's controller is a pod: it asks Prometheus at the node's address.
@@ -161,6 +177,44 @@ class Stack:
         else:
             self.say(f"controller and {self.nodes} node agents (runc) running")
 
+    async def _start_object_store(self) -> None:
+        self.s3 = LocalS3(self.workdir / "s3")
+        await asyncio.to_thread(self.s3.start)
+        await self.s3.create_bucket(S3_BUCKET)
+        self.s3.write_credentials(self.workdir / "s3-credentials")
+        self.say(f"S3 server (SeaweedFS) at {self.s3.endpoint}, bucket {S3_BUCKET}")
+
+    def _storage_settings(self, base: Path) -> dict[str, Any]:
+        if self.s3 is None:
+            return {"artifact_root": self.artifacts.root}
+        return {
+            "artifact_root": base / "artifacts",
+            "s3_endpoint": self.s3.endpoint,
+            "s3_bucket": S3_BUCKET,
+            "s3_credentials_dir": self.workdir / "s3-credentials",
+        }
+
+    def node_store(self, node: str) -> ArtifactStore:
+        """The artifact store the agent of ``node`` writes its checkpoints into."""
+        return (
+            self.artifacts if self.s3 is None else ArtifactStore(self.workdir / "nodes" / node / "artifacts")
+        )
+
+    def storage_report(self) -> dict[str, Any]:
+        """Where the checkpoints went, and what the agents sent to and fetched from the object store."""
+        if self.s3 is None:
+            return {"storage": self.storage}
+        counts = {
+            f"{op}_{result}": REGISTRY.get_sample_value(TRANSFERS, {"op": op, "result": result}) or 0.0
+            for op in ("upload", "fetch")
+            for result in ("done", "present", "failed")
+        }
+        sent = {
+            f"{op}_bytes": REGISTRY.get_sample_value(TRANSFER_BYTES, {"op": op}) or 0.0
+            for op in ("upload", "fetch")
+        }
+        return {"storage": self.storage, "endpoint": self.s3.endpoint, "bucket": S3_BUCKET, **counts, **sent}
+
     @property
     def node_names(self) -> list[str]:
         if self.kubelet:
@@ -175,7 +229,7 @@ class Stack:
         if self.kubelet:
             return AgentConfig(
                 node_name=node,
-                artifact_root=self.artifacts.root,
+                **self._storage_settings(base),
                 control_root=base / "control",
                 state_root=base / "state",
                 runc_root=RUNC_ROOT,
@@ -186,7 +240,7 @@ class Stack:
             )
         return AgentConfig(
             node_name=node,
-            artifact_root=self.artifacts.root,
+            **self._storage_settings(base),
             control_root=base / "control",
             state_root=base / "state",
             runtime="runc",
@@ -263,6 +317,8 @@ class Stack:
             await self._api.close()
         if self.prometheus is not None:
             await asyncio.to_thread(self.prometheus.stop)
+        if self.s3 is not None:
+            await asyncio.to_thread(self.s3.stop)
         if self.cluster is not None:
             await asyncio.to_thread(self.cluster.stop)
 

@@ -93,3 +93,27 @@ def test_demo_tells_the_whole_story_with_measured_numbers(
     assert leftovers.stdout.strip() == "", leftovers.stdout
     kubelets = subprocess.run(["pgrep", "-f", f"{workdir}/.*kubelet"], capture_output=True, text=True)
     assert kubelets.stdout.strip() == "", kubelets.stdout
+
+
+@pytest.mark.usefixtures("no_real_node")
+def test_demo_through_an_object_store(tmp_path: Path, workdir: Path) -> None:
+    """`--storage s3 --kwok`: each fake GPU node's agent has a store of its own and a local S3 server
+    between them: the checkpoint is written there once, and the restores on the other nodes fetch it."""
+    out = tmp_path / "out"
+    proc = run_demo(
+        "--quick", "--kwok", "--storage", "s3", "--out", str(out), "--workdir", str(workdir),
+        timeout=600, env={**os.environ, "COLUMNS": "200"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    storage = summary["storage"]
+    assert storage["storage"] == "s3"
+    assert storage["upload_done"] == 1
+    assert storage["upload_failed"] == storage["fetch_failed"] == 0
+    restore_nodes = {p["node"] for p in summary["pods"] if p["mode"] == "restore"}
+    # The restores on nodes other than the checkpoint's fetched the artifact, once per node.
+    assert 1 <= storage["fetch_done"] <= len(restore_nodes)
+    fetched_mib = storage["fetch_bytes"] / storage["fetch_done"] / 2**20
+    assert fetched_mib == pytest.approx(summary["results"]["artifact_mib"], abs=0.01)
+    assert not (workdir / "artifacts").exists(), "no store shared by the nodes"
