@@ -60,11 +60,12 @@ class LocalS3(Started):
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def client(self) -> Any:
-        """An S3 client of the server with its own credentials (``async with`` it)."""
+    def client(self, endpoint: str | None = None) -> Any:
+        """An S3 client of the server with its own credentials (``async with`` it); ``endpoint``: where
+        else it is reached (a proxy in front of it)."""
         return get_session().create_client(
             "s3",
-            endpoint_url=self.endpoint,
+            endpoint_url=endpoint or self.endpoint,
             region_name="us-east-1",
             aws_access_key_id=self.access_key,
             aws_secret_access_key=self.secret_key,

@@ -16,9 +16,9 @@ import pytest
 from dynamo_snapshot.artifact import ArtifactNotFoundError, ArtifactStore
 from dynamo_snapshot.artifact.reader import Artifact
 from dynamo_snapshot.artifact.s3 import ObjectStoreError, S3Artifacts, S3Credentials, S3Location
+from dynamo_snapshot_dev.localcluster.link import shaped_link
 from dynamo_snapshot_dev.localcluster.s3server import LocalS3
 from tests.artifact.helpers import BINDING, KEY, publish, sample_files
-from tests.helpers.cutting_proxy import cutting_proxy
 
 BUCKET = "artifacts"
 CHUNK = 1 << 20  # small enough that the pages file is read as several ranged GETs
@@ -174,7 +174,7 @@ async def test_a_body_cut_short_fails_the_fetch(server: LocalS3, bucket: S3Locat
     assert upstream.hostname is not None
     assert upstream.port is not None
     # Every answer stops 300 KiB in: the manifest arrives whole, the 1 MiB chunks' bodies do not.
-    async with cutting_proxy(upstream.hostname, upstream.port, 300 << 10) as hostport:
+    async with shaped_link(upstream.hostname, upstream.port, cut_after=300 << 10) as hostport:
         cut = bucket.model_copy(update={"endpoint": f"http://{hostport}"})
         async with S3Artifacts(cut, _creds(server)) as s3:
             with pytest.raises(ObjectStoreError, match=r"the read failed midway \(ClientPayloadError"):
