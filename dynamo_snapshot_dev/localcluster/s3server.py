@@ -24,6 +24,7 @@ from aiobotocore.session import get_session
 from dynamo_snapshot.agent.object_store import ACCESS_KEY_FILE, SECRET_KEY_FILE
 from dynamo_snapshot_dev.localcluster.cluster import free_port
 from dynamo_snapshot_dev.localcluster.components import ComponentsMissingError, cache_dir
+from dynamo_snapshot_dev.localcluster.pki import Pki
 from dynamo_snapshot_dev.localcluster.supervise import Started, die_with_parent, log_tail
 
 __all__ = ["LocalS3", "LocalS3Error", "find_weed"]
@@ -46,11 +47,17 @@ class LocalS3(Started):
     """SeaweedFS on 127.0.0.1 with its S3 API on a free port (``endpoint``), credentials
     ``access_key``/``secret_key``; ``start()`` returns once the S3 port accepts connections."""
 
-    def __init__(self, workdir: Path | None = None, *, binary: Path | None = None) -> None:
+    def __init__(
+        self, workdir: Path | None = None, *, binary: Path | None = None, tls: Pki | None = None
+    ) -> None:
         self.binary = find_weed(binary)
         self._own_dir = workdir is None
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="dsnap-s3-"))
+        # With ``tls``: S3 over https on a port of its own, with the PKI's server certificate (for
+        # 127.0.0.1), which clients check against the PKI's CA.
+        self.tls = tls
         self.port = free_port()
+        self.https_port = free_port()
         self.access_key = "dsnap-test"
         self.secret_key = secrets.token_hex(16)
         self._popen: subprocess.Popen[bytes] | None = None
@@ -58,6 +65,8 @@ class LocalS3(Started):
 
     @property
     def endpoint(self) -> str:
+        if self.tls is not None:
+            return f"https://127.0.0.1:{self.https_port}"
         return f"http://127.0.0.1:{self.port}"
 
     def client(self, endpoint: str | None = None) -> Any:
@@ -69,6 +78,7 @@ class LocalS3(Started):
             region_name="us-east-1",
             aws_access_key_id=self.access_key,
             aws_secret_access_key=self.secret_key,
+            verify=str(self.tls.ca_cert) if self.tls is not None else None,
         )
 
     async def create_bucket(self, name: str) -> None:
@@ -113,6 +123,13 @@ class LocalS3(Started):
             f"-s3.port={self.port}",
             *(f"-{flag}={port}" for flag, port in ports.items()),
         ]
+        if self.tls is not None:
+            argv += [
+                f"-s3.port.https={self.https_port}",
+                f"-s3.cert.file={self.tls.server_cert}",
+                f"-s3.key.file={self.tls.server_key}",
+            ]
+        listening = self.https_port if self.tls is not None else self.port
         self._log = self.log.open("ab")
         self._popen = subprocess.Popen(
             argv, env=env, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
@@ -123,11 +140,11 @@ class LocalS3(Started):
                 raise LocalS3Error(f"weed exited with {self._popen.returncode}: {self.log_tail()}")
             with socket.socket() as s:
                 s.settimeout(0.5)
-                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                if s.connect_ex(("127.0.0.1", listening)) == 0:
                     return
             time.sleep(0.2)
         self.stop()
-        raise LocalS3Error(f"the S3 port {self.port} did not open within {timeout:.0f}s: {self.log_tail()}")
+        raise LocalS3Error(f"the S3 port {listening} did not open within {timeout:.0f}s: {self.log_tail()}")
 
     def kill(self) -> None:
         """SIGKILL: the server gone at once, as a crashed store is."""

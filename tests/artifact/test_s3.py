@@ -17,6 +17,7 @@ from dynamo_snapshot.artifact import ArtifactNotFoundError, ArtifactStore
 from dynamo_snapshot.artifact.reader import Artifact
 from dynamo_snapshot.artifact.s3 import ObjectStoreError, S3Artifacts, S3Credentials, S3Location
 from dynamo_snapshot_dev.localcluster.link import shaped_link
+from dynamo_snapshot_dev.localcluster.pki import make_pki
 from dynamo_snapshot_dev.localcluster.s3server import LocalS3
 from tests.artifact.helpers import BINDING, KEY, publish, sample_files
 
@@ -205,3 +206,23 @@ def test_a_location_is_checked() -> None:
     with pytest.raises(ValueError, match="part_bytes"):
         S3Location(endpoint="http://127.0.0.1:1", bucket="ok-bucket", part_bytes=1 << 20)
     assert "secret" not in repr(S3Credentials("id", "secret"))
+
+
+async def test_https_is_trusted_through_the_ca_bundle_alone(tmp_path: Path) -> None:
+    pki = make_pki(tmp_path / "pki", ["127.0.0.1"])
+    with LocalS3(tmp_path / "tls-server", tls=pki) as tls:
+        await tls.create_bucket(BUCKET)
+        artifact = await _sealed(tmp_path, sample_files())
+        digest = artifact.manifest.digest
+        assert digest is not None
+        creds = S3Credentials(tls.access_key, tls.secret_key)
+        trusted = S3Location(endpoint=tls.endpoint, bucket=BUCKET, ca_bundle=pki.ca_cert)
+        assert trusted.endpoint.startswith("https://")
+        async with S3Artifacts(trusted, creds) as s3:
+            await s3.upload(artifact)
+            fetched = await s3.fetch(KEY, digest, _node(tmp_path))
+        fetched.verify()
+        # The system's CAs do not know this one: refused, by name.
+        async with S3Artifacts(trusted.model_copy(update={"ca_bundle": None}), creds) as s3:
+            with pytest.raises(ObjectStoreError, match=r"did not answer .*certificate verify failed"):
+                await s3.exists(KEY)
