@@ -125,7 +125,10 @@ class Executor(Node):
 
     async def _fetch_ahead(self, artifact_key: str, manifest_digest: str) -> None:
         async with self.fetch_ahead_gate:
-            with self._reading(artifact_key), contextlib.suppress(AgentError, ArtifactError, OSError):
+            with (
+                self._reading(artifact_key),
+                contextlib.suppress(AgentError, ArtifactError, OSError, ValueError),
+            ):
                 if not await asyncio.to_thread(self.store.exists, artifact_key):
                     await self._fetched(artifact_key, manifest_digest)
 
