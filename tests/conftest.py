@@ -1,7 +1,7 @@
 """Shared fixtures: a real local control plane (session), namespaces and fake GPU nodes (per test).
 
 Nothing here fakes Kubernetes: every fixture talks to the etcd, kube-apiserver, kube-scheduler,
-kube-controller-manager and kwok built by scripts/test-env.sh.
+kube-controller-manager and kwok built by scripts/test-env.sh, and the object store is SeaweedFS.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from kubernetes_asyncio import client, config
 from dynamo_snapshot_dev.localcluster import LocalCluster, LocalClusterError
 from dynamo_snapshot_dev.localcluster.components import ComponentsMissingError, cache_dir
 from dynamo_snapshot_dev.localcluster.realnode import RealNode, RealNodeError
+from dynamo_snapshot_dev.localcluster.s3server import LocalS3
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -32,6 +33,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def _fail(msg: str) -> None:
     # One clear line instead of a traceback: the fix is almost always "run scripts/test-env.sh".
     pytest.fail(msg, pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[LocalS3]:
+    """A real S3-compatible server (SeaweedFS) for the session; each test takes buckets of its own."""
+    try:
+        server = LocalS3()
+    except ComponentsMissingError as e:
+        _fail(str(e))
+    with server:
+        yield server
 
 
 @pytest.fixture(scope="session")

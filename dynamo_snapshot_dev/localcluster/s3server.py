@@ -85,6 +85,12 @@ class LocalS3(Started):
         async with self.client() as client:
             await client.create_bucket(Bucket=name)
 
+    async def new_bucket(self, prefix: str = "checkpoints") -> str:
+        """A bucket of its own (``prefix`` and a random suffix), created; its name."""
+        name = f"{prefix}-{secrets.token_hex(4)}"
+        await self.create_bucket(name)
+        return name
+
     def write_credentials(self, directory: Path, *, secret: str | None = None) -> Path:
         """The credentials as the agent reads them (a mounted Secret's files) in ``directory``; ``secret``
         instead of the server's, to be refused."""

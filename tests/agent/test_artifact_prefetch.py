@@ -7,8 +7,6 @@ fetched."""
 from __future__ import annotations
 
 import asyncio
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,32 +39,25 @@ async def kube(api: client.ApiClient) -> Kube:
     return Kube(api, field_manager="prefetch-test")
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[LocalS3]:
-    with LocalS3() as s3:
-        yield s3
-
-
 @pytest.fixture
-async def location(server: LocalS3) -> S3Location:
-    bucket = f"checkpoints-{os.urandom(4).hex()}"
-    await server.create_bucket(bucket)
-    return S3Location(endpoint=server.endpoint, bucket=bucket)
+async def location(s3_server: LocalS3) -> S3Location:
+    bucket = await s3_server.new_bucket()
+    return S3Location(endpoint=s3_server.endpoint, bucket=bucket)
 
 
-async def _in_store(tmp: Path, server: LocalS3, location: S3Location, binding: Binding = BINDING) -> str:
+async def _in_store(tmp: Path, s3_server: LocalS3, location: S3Location, binding: Binding = BINDING) -> str:
     """A sealed artifact of ``binding`` written to the object store; its manifest digest."""
     store = ArtifactStore(tmp / "source")
     await publish(store, sample_files(), binding=binding)
     artifact = store.open(binding.key)
-    async with S3Artifacts(location, S3Credentials(server.access_key, server.secret_key)) as s3:
+    async with S3Artifacts(location, S3Credentials(s3_server.access_key, s3_server.secret_key)) as s3:
         await s3.upload(artifact)
     assert artifact.manifest.digest is not None
     return artifact.manifest.digest
 
 
-def _node(tmp: Path, criu_bin: Path, server: LocalS3, location: S3Location, prefetch: str) -> Executor:
-    creds = server.write_credentials(tmp / "credentials")
+def _node(tmp: Path, criu_bin: Path, s3_server: LocalS3, location: S3Location, prefetch: str) -> Executor:
+    creds = s3_server.write_credentials(tmp / "credentials")
     executor, _ = local_executor(
         tmp,
         criu_bin,
@@ -83,10 +74,10 @@ async def _settled(executor: Executor) -> None:
 
 
 async def test_scheduled_fetches_once_the_pod_is_bound_and_shares_one_fetch(
-    tmp_path: Path, criu_bin: Path, server: LocalS3, location: S3Location
+    tmp_path: Path, criu_bin: Path, s3_server: LocalS3, location: S3Location
 ) -> None:
-    digest = await _in_store(tmp_path, server, location)
-    node = _node(tmp_path / "node", criu_bin, server, location, "scheduled")
+    digest = await _in_store(tmp_path, s3_server, location)
+    node = _node(tmp_path / "node", criu_bin, s3_server, location, "scheduled")
     before = fetches()
     # Three restore pods of it bound at once, and a fetch ahead: one fetch.
     for _ in range(3):
@@ -99,20 +90,20 @@ async def test_scheduled_fetches_once_the_pod_is_bound_and_shares_one_fetch(
 
 
 async def test_none_leaves_the_fetch_to_the_restore(
-    tmp_path: Path, criu_bin: Path, server: LocalS3, location: S3Location
+    tmp_path: Path, criu_bin: Path, s3_server: LocalS3, location: S3Location
 ) -> None:
-    digest = await _in_store(tmp_path, server, location)
-    node = _node(tmp_path / "node", criu_bin, server, location, "none")
+    digest = await _in_store(tmp_path, s3_server, location)
+    node = _node(tmp_path / "node", criu_bin, s3_server, location, "none")
     node.check_ahead(KEY, digest)
     await _settled(node)
     assert node.store.list() == []
 
 
 async def test_a_failed_fetch_ahead_is_tried_again_by_the_next(
-    tmp_path: Path, criu_bin: Path, server: LocalS3, location: S3Location
+    tmp_path: Path, criu_bin: Path, s3_server: LocalS3, location: S3Location
 ) -> None:
-    digest = await _in_store(tmp_path, server, location)
-    node = _node(tmp_path / "node", criu_bin, server, location, "scheduled")
+    digest = await _in_store(tmp_path, s3_server, location)
+    node = _node(tmp_path / "node", criu_bin, s3_server, location, "scheduled")
     node.check_ahead(KEY, "f" * 64)  # not the checkpoint's digest: refused, nothing kept
     await _settled(node)
     assert node.store.list() == []
@@ -126,7 +117,7 @@ async def test_a_failed_fetch_ahead_is_tried_again_by_the_next(
 async def test_all_fetches_a_snapshot_once_it_is_ready_and_nothing_ungranted(
     tmp_path: Path,
     criu_bin: Path,
-    server: LocalS3,
+    s3_server: LocalS3,
     location: S3Location,
     crds: list[str],
     namespace: str,
@@ -141,8 +132,8 @@ async def test_all_fetches_a_snapshot_once_it_is_ready_and_nothing_ungranted(
         source_pod="worker-0",
         source_pod_uid="9a8b7c6d-5e4f-4a3b-8c2d-1e0f9a8b7c6d",
     )
-    digest = await _in_store(tmp_path, server, location, binding)
-    node = _node(tmp_path / "node", criu_bin, server, location, "all")
+    digest = await _in_store(tmp_path, s3_server, location, binding)
+    node = _node(tmp_path / "node", criu_bin, s3_server, location, "all")
     prefetch = ArtifactPrefetch(kube, node)
     ready = await kube.get(POD_SNAPSHOT, "snap-a", namespace)
     # ready_snapshot's content records another digest than the store's manifest: nothing is kept.

@@ -32,27 +32,20 @@ WORKER = REPO / "tests" / "agent" / "cpu_worker.py"
 HASH = "0123456789abcdef"
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[LocalS3]:
-    with LocalS3() as s3:
-        yield s3
-
-
 @pytest.fixture
-async def location(server: LocalS3) -> S3Location:
-    bucket = f"checkpoints-{os.urandom(4).hex()}"
-    await server.create_bucket(bucket)
-    return S3Location(endpoint=server.endpoint, bucket=bucket, prefix="prod/")
+async def location(s3_server: LocalS3) -> S3Location:
+    bucket = await s3_server.new_bucket()
+    return S3Location(endpoint=s3_server.endpoint, bucket=bucket, prefix="prod/")
 
 
-def _objects(root: Path, location: S3Location, server: LocalS3, secret: str | None = None) -> ObjectStore:
-    return ObjectStore(location, server.write_credentials(root / "credentials", secret=secret))
+def _objects(root: Path, location: S3Location, s3_server: LocalS3, secret: str | None = None) -> ObjectStore:
+    return ObjectStore(location, s3_server.write_credentials(root / "credentials", secret=secret))
 
 
 def _node(
-    root: Path, criu_bin: Path, server: LocalS3, location: S3Location
+    root: Path, criu_bin: Path, s3_server: LocalS3, location: S3Location
 ) -> tuple[Executor, ProcessRuntime]:
-    objects = _objects(root, location, server)
+    objects = _objects(root, location, s3_server)
     return local_executor(root, criu_bin, compress_pages=False, objects=objects)
 
 
@@ -62,20 +55,20 @@ def transfers(op: str, result: str) -> float:
 
 
 async def _checkpointed(
-    tmp_path: Path, criu_bin: Path, server: LocalS3, location: S3Location
+    tmp_path: Path, criu_bin: Path, s3_server: LocalS3, location: S3Location
 ) -> tuple[Executor, str]:
-    a, runtime_a = _node(tmp_path / "a", criu_bin, server, location)
+    a, runtime_a = _node(tmp_path / "a", criu_bin, s3_server, location)
     _, outcome = await checkpoint_worker_outcome(a, runtime_a, WORKER, HASH, {"WORKER_STATE_MIB": "24"})
     return a, outcome.manifest_digest
 
 
 async def test_a_checkpoint_on_one_node_is_restored_on_another(
-    criu_bin: Path, tmp_path: Path, server: LocalS3, location: S3Location
+    criu_bin: Path, tmp_path: Path, s3_server: LocalS3, location: S3Location
 ) -> None:
     uploaded, fetched = transfers("upload", "done"), transfers("fetch", "done")
-    _, digest = await _checkpointed(tmp_path, criu_bin, server, location)
+    _, digest = await _checkpointed(tmp_path, criu_bin, s3_server, location)
     assert transfers("upload", "done") == uploaded + 1
-    b, runtime_b = _node(tmp_path / "b", criu_bin, server, location)
+    b, runtime_b = _node(tmp_path / "b", criu_bin, s3_server, location)
     assert b.store.list() == []
     outcome = await b.restore("restored", HASH, manifest_digest=digest)
     try:
@@ -96,15 +89,15 @@ async def test_a_checkpoint_on_one_node_is_restored_on_another(
 
 
 async def test_bad_fetches_fail_the_restore_with_the_reason_and_leave_nothing(
-    criu_bin: Path, tmp_path: Path, server: LocalS3, location: S3Location
+    criu_bin: Path, tmp_path: Path, s3_server: LocalS3, location: S3Location
 ) -> None:
-    a, digest = await _checkpointed(tmp_path, criu_bin, server, location)
+    a, digest = await _checkpointed(tmp_path, criu_bin, s3_server, location)
     assert a.objects is not None
 
     def node(name: str, objects: ObjectStore) -> Executor:
         return local_executor(tmp_path / name, criu_bin, compress_pages=False, objects=objects)[0]
 
-    wrong = node("wrong-secret", _objects(tmp_path / "w", location, server, "not-the-secret"))
+    wrong = node("wrong-secret", _objects(tmp_path / "w", location, s3_server, "not-the-secret"))
     with pytest.raises(AgentError, match=r"not fetched from the object store .*refused the credentials"):
         await wrong.restore("r", HASH, manifest_digest=digest)
     assert wrong.store.list() == []
@@ -117,7 +110,7 @@ async def test_bad_fetches_fail_the_restore_with_the_reason_and_leave_nothing(
     with pytest.raises(AgentError, match="the checkpoint recorded " + "e" * 64):
         await b.restore("r", HASH, manifest_digest="e" * 64)
     gone = max(a.store.open(HASH).manifest.files, key=lambda f: f.size).path
-    async with server.client() as client:
+    async with s3_server.client() as client:
         await client.delete_object(Bucket=location.bucket, Key=f"prod/{HASH}/{gone}")
     with pytest.raises(ArtifactRefused, match=rf"prod/{HASH}/{gone}: no such object"):
         await b.restore("r", HASH, manifest_digest=digest)
@@ -138,9 +131,9 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 
 
 async def test_a_full_node_store_fails_the_restore_by_name_and_keeps_nothing(
-    criu_bin: Path, tmp_path: Path, server: LocalS3, location: S3Location, small_disk: Path
+    criu_bin: Path, tmp_path: Path, s3_server: LocalS3, location: S3Location, small_disk: Path
 ) -> None:
-    a, digest = await _checkpointed(tmp_path, criu_bin, server, location)
+    a, digest = await _checkpointed(tmp_path, criu_bin, s3_server, location)
     assert a.objects is not None
     # An artifact of over 24 MiB into 4: the disk fills up midway.
     node, _ = local_executor(
@@ -157,10 +150,10 @@ async def test_a_full_node_store_fails_the_restore_by_name_and_keeps_nothing(
 
 
 async def test_a_store_that_does_not_answer_fails_the_checkpoint_until_it_is_back(
-    criu_bin: Path, tmp_path: Path, server: LocalS3, location: S3Location
+    criu_bin: Path, tmp_path: Path, s3_server: LocalS3, location: S3Location
 ) -> None:
     away = location.model_copy(update={"endpoint": "http://127.0.0.1:9"})
-    node = _objects(tmp_path, away, server)
+    node = _objects(tmp_path, away, s3_server)
     a, runtime = local_executor(
         tmp_path, criu_bin, compress_pages=False, objects=node, kind=Executor, runtime_kind=ProcessRuntime
     )
@@ -169,9 +162,9 @@ async def test_a_store_that_does_not_answer_fails_the_checkpoint_until_it_is_bac
     ):
         await checkpoint_worker_outcome(a, runtime, WORKER, HASH, {"WORKER_STATE_MIB": "8"})
     assert a.store.list() == [HASH]  # the node's copy stays
-    a.objects = _objects(tmp_path, location, server)
+    a.objects = _objects(tmp_path, location, s3_server)
     await a.share(HASH)
-    async with server.client() as client:
+    async with s3_server.client() as client:
         listed = await client.list_objects_v2(Bucket=location.bucket, Prefix=f"prod/{HASH}/")
     assert f"prod/{HASH}/manifest.json" in {o["Key"] for o in listed["Contents"]}
     present = transfers("upload", "present")
@@ -179,7 +172,7 @@ async def test_a_store_that_does_not_answer_fails_the_checkpoint_until_it_is_bac
     assert transfers("upload", "present") == present + 1
 
     assert await a.delete_artifact(HASH)
-    async with server.client() as client:
+    async with s3_server.client() as client:
         listed = await client.list_objects_v2(Bucket=location.bucket, Prefix=f"prod/{HASH}/")
     assert not listed.get("Contents")
     assert a.store.list() == []

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -25,21 +24,16 @@ BUCKET = "artifacts"
 CHUNK = 1 << 20  # small enough that the pages file is read as several ranged GETs
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[LocalS3]:
-    with LocalS3() as s3:
-        yield s3
-
-
 @pytest.fixture
-async def bucket(server: LocalS3) -> S3Location:
-    name = f"{BUCKET}-{os.urandom(4).hex()}"
-    await server.create_bucket(name)
-    return S3Location(endpoint=server.endpoint, bucket=name, prefix="team-a/", part_bytes=5 << 20, parallel=4)
+async def bucket(s3_server: LocalS3) -> S3Location:
+    name = await s3_server.new_bucket(BUCKET)
+    return S3Location(
+        endpoint=s3_server.endpoint, bucket=name, prefix="team-a/", part_bytes=5 << 20, parallel=4
+    )
 
 
-def _creds(server: LocalS3) -> S3Credentials:
-    return S3Credentials(server.access_key, server.secret_key)
+def _creds(s3_server: LocalS3) -> S3Credentials:
+    return S3Credentials(s3_server.access_key, s3_server.secret_key)
 
 
 async def _sealed(tmp_path: Path, files: dict[str, bytes]) -> Artifact:
@@ -49,11 +43,11 @@ async def _sealed(tmp_path: Path, files: dict[str, bytes]) -> Artifact:
 
 
 async def test_an_artifact_goes_up_and_comes_back_byte_for_byte(
-    server: LocalS3, bucket: S3Location, tmp_path: Path
+    s3_server: LocalS3, bucket: S3Location, tmp_path: Path
 ) -> None:
     files = {**sample_files(), "big.img": os.urandom(12 << 20)}  # over one part: a multipart upload
     artifact = await _sealed(tmp_path, files)
-    async with S3Artifacts(bucket, _creds(server)) as s3:
+    async with S3Artifacts(bucket, _creds(s3_server)) as s3:
         sent = await s3.upload(artifact)
         assert await s3.exists(KEY)
         digest = artifact.manifest.digest
@@ -70,24 +64,24 @@ async def test_an_artifact_goes_up_and_comes_back_byte_for_byte(
 
 
 async def test_wrong_credentials_are_refused_by_name(
-    server: LocalS3, bucket: S3Location, tmp_path: Path
+    s3_server: LocalS3, bucket: S3Location, tmp_path: Path
 ) -> None:
-    async with S3Artifacts(bucket, S3Credentials(server.access_key, "not-the-secret")) as s3:
+    async with S3Artifacts(bucket, S3Credentials(s3_server.access_key, "not-the-secret")) as s3:
         with pytest.raises(ObjectStoreError, match="refused the credentials"):
             await s3.fetch(KEY, "0" * 64, _node(tmp_path))
     assert _left(tmp_path) == []
 
 
-async def _uploaded(server: LocalS3, bucket: S3Location, tmp_path: Path) -> tuple[Artifact, str]:
+async def _uploaded(s3_server: LocalS3, bucket: S3Location, tmp_path: Path) -> tuple[Artifact, str]:
     artifact = await _sealed(tmp_path, sample_files())
-    async with S3Artifacts(bucket, _creds(server)) as s3:
+    async with S3Artifacts(bucket, _creds(s3_server)) as s3:
         await s3.upload(artifact)
     assert artifact.manifest.digest is not None
     return artifact, artifact.manifest.digest
 
 
-async def _replace(server: LocalS3, bucket: S3Location, name: str, data: bytes | None) -> None:
-    async with server.client() as client:
+async def _replace(s3_server: LocalS3, bucket: S3Location, name: str, data: bytes | None) -> None:
+    async with s3_server.client() as client:
         if data is None:
             await client.delete_object(Bucket=bucket.bucket, Key=name)
         else:
@@ -105,20 +99,20 @@ async def _replace(server: LocalS3, bucket: S3Location, name: str, data: bytes |
     ],
 )
 async def test_a_bad_object_fails_the_fetch_naming_it_and_leaves_nothing(
-    server: LocalS3, bucket: S3Location, tmp_path: Path, rel: str, change: str, says: str
+    s3_server: LocalS3, bucket: S3Location, tmp_path: Path, rel: str, change: str, says: str
 ) -> None:
-    artifact, digest = await _uploaded(server, bucket, tmp_path)
-    async with S3Artifacts(bucket, _creds(server)) as s3:
+    artifact, digest = await _uploaded(s3_server, bucket, tmp_path)
+    async with S3Artifacts(bucket, _creds(s3_server)) as s3:
         name = s3.object_name(KEY, rel)
         good = (artifact.path / rel).read_bytes()
         if change == "missing":
-            await _replace(server, bucket, name, None)
+            await _replace(s3_server, bucket, name, None)
         elif change == "truncated":
-            await _replace(server, bucket, name, good[: len(good) // 2])
+            await _replace(s3_server, bucket, name, good[: len(good) // 2])
         else:
             flipped = bytearray(good)
             flipped[CHUNK + 7 if len(good) > CHUNK + 7 else 7] ^= 0xFF
-            await _replace(server, bucket, name, bytes(flipped))
+            await _replace(s3_server, bucket, name, bytes(flipped))
         with pytest.raises((ObjectStoreError, ArtifactNotFoundError), match=re.escape(says)) as failed:
             await s3.fetch(KEY, digest, _node(tmp_path))
     assert name in str(failed.value)
@@ -126,20 +120,20 @@ async def test_a_bad_object_fails_the_fetch_naming_it_and_leaves_nothing(
 
 
 async def test_a_manifest_the_checkpoint_did_not_record_is_refused(
-    server: LocalS3, bucket: S3Location, tmp_path: Path
+    s3_server: LocalS3, bucket: S3Location, tmp_path: Path
 ) -> None:
-    await _uploaded(server, bucket, tmp_path)
-    async with S3Artifacts(bucket, _creds(server)) as s3:
+    await _uploaded(s3_server, bucket, tmp_path)
+    async with S3Artifacts(bucket, _creds(s3_server)) as s3:
         with pytest.raises(ObjectStoreError, match="the checkpoint recorded " + "a" * 64):
             await s3.fetch(KEY, "a" * 64, _node(tmp_path))
     assert _left(tmp_path) == []
 
 
 async def test_an_artifact_without_its_manifest_is_not_there(
-    server: LocalS3, bucket: S3Location, tmp_path: Path
+    s3_server: LocalS3, bucket: S3Location, tmp_path: Path
 ) -> None:
-    _, digest = await _uploaded(server, bucket, tmp_path)
-    async with S3Artifacts(bucket, _creds(server)) as s3:
+    _, digest = await _uploaded(s3_server, bucket, tmp_path)
+    async with S3Artifacts(bucket, _creds(s3_server)) as s3:
         removed = await s3.delete(KEY)
         assert removed == len(sample_files())
         assert not await s3.exists(KEY)
@@ -165,19 +159,21 @@ async def test_the_server_stopped_midway_fails_the_fetch(tmp_path: Path) -> None
     assert _left(tmp_path) == []
 
 
-async def test_a_body_cut_short_fails_the_fetch(server: LocalS3, bucket: S3Location, tmp_path: Path) -> None:
+async def test_a_body_cut_short_fails_the_fetch(
+    s3_server: LocalS3, bucket: S3Location, tmp_path: Path
+) -> None:
     artifact = await _sealed(tmp_path, {**sample_files(), "big.img": os.urandom(4 << 20)})
     digest = artifact.manifest.digest
     assert digest is not None
-    async with S3Artifacts(bucket, _creds(server)) as s3:
+    async with S3Artifacts(bucket, _creds(s3_server)) as s3:
         await s3.upload(artifact)
-    upstream = urlsplit(server.endpoint)
+    upstream = urlsplit(s3_server.endpoint)
     assert upstream.hostname is not None
     assert upstream.port is not None
     # Every answer stops 300 KiB in: the manifest arrives whole, the 1 MiB chunks' bodies do not.
     async with shaped_link(upstream.hostname, upstream.port, cut_after=300 << 10) as hostport:
         cut = bucket.model_copy(update={"endpoint": f"http://{hostport}"})
-        async with S3Artifacts(cut, _creds(server)) as s3:
+        async with S3Artifacts(cut, _creds(s3_server)) as s3:
             with pytest.raises(ObjectStoreError, match=r"the read failed midway \(ClientPayloadError"):
                 await s3.fetch(KEY, digest, _node(tmp_path))
     assert _left(tmp_path) == []

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,22 +27,15 @@ from tests.helpers.kubelet_stack import PORT, Stack, eventually, post, snapshot_
 pytestmark = [pytest.mark.cluster, pytest.mark.kubelet]
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[LocalS3]:
-    with LocalS3() as s3:
-        yield s3
-
-
 def fetches() -> float:
     sample = "dynsnap_agent_object_store_transfers_total"
     return REGISTRY.get_sample_value(sample, {"op": "fetch", "result": "done"}) or 0.0
 
 
-async def _objects(tmp_path: Path, server: LocalS3) -> ObjectStore:
-    bucket = f"checkpoints-{os.urandom(4).hex()}"
-    await server.create_bucket(bucket)
-    creds = server.write_credentials(tmp_path / "s3-credentials")
-    return ObjectStore(S3Location(endpoint=server.endpoint, bucket=bucket, prefix="cluster/"), creds)
+async def _objects(tmp_path: Path, s3_server: LocalS3) -> ObjectStore:
+    bucket = await s3_server.new_bucket()
+    creds = s3_server.write_credentials(tmp_path / "s3-credentials")
+    return ObjectStore(S3Location(endpoint=s3_server.endpoint, bucket=bucket, prefix="cluster/"), creds)
 
 
 async def _captured(s: Stack, node: RealNode) -> Obj:
@@ -93,15 +84,15 @@ async def _ended(s: Stack, name: str) -> Obj:
 
 
 async def test_a_checkpoint_goes_through_the_object_store_to_a_node_without_it(
-    stack: Stack, real_node: RealNode, server: LocalS3, tmp_path: Path
+    stack: Stack, real_node: RealNode, s3_server: LocalS3, tmp_path: Path
 ) -> None:
     s = stack
-    objects = await _objects(tmp_path, server)
+    objects = await _objects(tmp_path, s3_server)
     s.start_agent(objects=objects)
     snapshot = await _captured(s, real_node)
     key = artifact_key(s.namespace, snapshot["metadata"]["uid"])
     prefix = f"cluster/{key}/"
-    async with server.client() as client:
+    async with s3_server.client() as client:
         listed = await client.list_objects_v2(Bucket=objects.location.bucket, Prefix=prefix)
     sizes = {o["Key"].removeprefix(prefix): o["Size"] for o in listed.get("Contents") or []}
     names = set(sizes)
@@ -133,7 +124,7 @@ async def test_a_checkpoint_goes_through_the_object_store_to_a_node_without_it(
     await s.kill_agent()
     await asyncio.to_thread(local.delete, key)
     biggest = max(sizes, key=lambda n: sizes[n])
-    async with server.client() as client:
+    async with s3_server.client() as client:
         await client.put_object(Bucket=objects.location.bucket, Key=prefix + biggest, Body=b"not the pages")
     s.start_agent(objects=objects)
     await _restore_pod(s, real_node, "s3-damaged")

@@ -6,10 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Iterator
 from urllib.parse import urlsplit
-
-import pytest
 
 from dynamo_snapshot_dev.localcluster.link import shaped_link
 from dynamo_snapshot_dev.localcluster.s3server import LocalS3
@@ -17,22 +14,16 @@ from dynamo_snapshot_dev.localcluster.s3server import LocalS3
 RATE = 8 << 20  # bytes per second
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[LocalS3]:
-    with LocalS3() as s3:
-        yield s3
-
-
-async def test_answers_share_the_links_bandwidth(server: LocalS3) -> None:
-    await server.create_bucket("link")
-    async with server.client() as client:
+async def test_answers_share_the_links_bandwidth(s3_server: LocalS3) -> None:
+    await s3_server.create_bucket("link")
+    async with s3_server.client() as client:
         await client.put_object(Bucket="link", Key="blob", Body=os.urandom(4 << 20))
-    upstream = urlsplit(server.endpoint)
+    upstream = urlsplit(s3_server.endpoint)
     assert upstream.hostname is not None
     assert upstream.port is not None
     async with (
         shaped_link(upstream.hostname, upstream.port, bytes_per_s=RATE) as hostport,
-        server.client(f"http://{hostport}") as client,
+        s3_server.client(f"http://{hostport}") as client,
     ):
 
         async def get() -> int:
