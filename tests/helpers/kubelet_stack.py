@@ -231,3 +231,32 @@ async def capture(s: Stack, source: Obj, name: str) -> Obj:
 
     snapshot: Obj = await eventually(snapshot_ready, 180, f"PodSnapshot {name} to be Ready")
     return snapshot
+
+
+async def captured_worker(s: Stack, source_name: str, snapshot_name: str = "snap") -> tuple[Obj, Obj]:
+    """The CPU reference worker in a kubelet pod of its own and a PodSnapshot of it, once Ready: (the
+    source pod as created, the Ready PodSnapshot)."""
+    env = [{"name": "WORKER_HOST", "value": "0.0.0.0"}, {"name": "WORKER_PORT", "value": str(PORT)}]
+    source = snapshot_pod(s.node, source_name, {"image": s.node.worker_image.name}, standby=False)
+    source["spec"]["containers"][0]["env"] += env
+    created = await s.kube.create(
+        POD, {**source, "metadata": {**source["metadata"], "namespace": s.namespace}}
+    )
+    await s.kube.create(
+        POD_SNAPSHOT,
+        {
+            "apiVersion": "nvidia.com/v1alpha1",
+            "kind": "PodSnapshot",
+            "metadata": {"name": snapshot_name, "namespace": s.namespace},
+            "spec": {"source": {"podRef": {"name": source_name, "containers": ["main"]}}},
+        },
+    )
+
+    async def snapshot_ready() -> Obj | None:
+        obj = await s.kube.get(POD_SNAPSHOT, snapshot_name, s.namespace)
+        conds = {c["type"]: c for c in (obj.get("status") or {}).get("conditions") or []}
+        assert conds.get("Failed", {}).get("status") != "True", conds
+        return obj if conds.get("Ready", {}).get("status") == "True" else None
+
+    snapshot: Obj = await eventually(snapshot_ready, 180, "the PodSnapshot to be Ready")
+    return created, snapshot

@@ -19,10 +19,9 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.artifact import ArtifactStore, artifact_key
 from dynamo_snapshot.artifact.s3 import S3Location
 from dynamo_snapshot.kube import POD, Obj
-from dynamo_snapshot.kube.kinds import POD_SNAPSHOT
 from dynamo_snapshot_dev.localcluster.realnode import RealNode
 from dynamo_snapshot_dev.localcluster.s3server import LocalS3
-from tests.helpers.kubelet_stack import PORT, Stack, eventually, post, snapshot_pod
+from tests.helpers.kubelet_stack import Stack, captured_worker, eventually, post, snapshot_pod
 
 pytestmark = [pytest.mark.cluster, pytest.mark.kubelet]
 
@@ -36,31 +35,6 @@ async def _objects(tmp_path: Path, s3_server: LocalS3) -> ObjectStore:
     bucket = await s3_server.new_bucket()
     creds = s3_server.write_credentials(tmp_path / "s3-credentials")
     return ObjectStore(S3Location(endpoint=s3_server.endpoint, bucket=bucket, prefix="cluster/"), creds)
-
-
-async def _captured(s: Stack, node: RealNode) -> Obj:
-    env = [{"name": "WORKER_HOST", "value": "0.0.0.0"}, {"name": "WORKER_PORT", "value": str(PORT)}]
-    source = snapshot_pod(node, "s3-source", {"image": node.worker_image.name}, standby=False)
-    source["spec"]["containers"][0]["env"] += env
-    await s.kube.create(POD, {**source, "metadata": {**source["metadata"], "namespace": s.namespace}})
-    await s.kube.create(
-        POD_SNAPSHOT,
-        {
-            "apiVersion": "nvidia.com/v1alpha1",
-            "kind": "PodSnapshot",
-            "metadata": {"name": "snap", "namespace": s.namespace},
-            "spec": {"source": {"podRef": {"name": "s3-source", "containers": ["main"]}}},
-        },
-    )
-
-    async def snapshot_ready() -> Obj | None:
-        obj = await s.kube.get(POD_SNAPSHOT, "snap", s.namespace)
-        conds = {c["type"]: c for c in (obj.get("status") or {}).get("conditions") or []}
-        assert conds.get("Failed", {}).get("status") != "True", conds
-        return obj if conds.get("Ready", {}).get("status") == "True" else None
-
-    ready: Obj = await eventually(snapshot_ready, 180, "the PodSnapshot to be Ready")
-    return ready
 
 
 async def _restore_pod(s: Stack, node: RealNode, name: str) -> None:
@@ -89,7 +63,7 @@ async def test_a_checkpoint_goes_through_the_object_store_to_a_node_without_it(
     s = stack
     objects = await _objects(tmp_path, s3_server)
     s.start_agent(objects=objects)
-    snapshot = await _captured(s, real_node)
+    _, snapshot = await captured_worker(s, "s3-source")
     key = artifact_key(s.namespace, snapshot["metadata"]["uid"])
     prefix = f"cluster/{key}/"
     async with s3_server.client() as client:

@@ -22,7 +22,7 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.artifact import ArtifactStore, artifact_key
 from dynamo_snapshot.kube import EVENT, POD, Obj
 from dynamo_snapshot.kube.dgd_versions import DgdClient
-from dynamo_snapshot.kube.kinds import POD_SNAPSHOT, POD_SNAPSHOT_CONTENT
+from dynamo_snapshot.kube.kinds import POD_SNAPSHOT_CONTENT
 from dynamo_snapshot_dev.localcluster import LocalCluster
 from dynamo_snapshot_dev.localcluster.realnode import RUNC_ROOT, TEST_IMAGE, RealNode
 from tests.helpers.kubelet_stack import (
@@ -32,6 +32,7 @@ from tests.helpers.kubelet_stack import (
     PROMPT,
     SERVICE,
     Stack,
+    captured_worker,
     checkpointed_graph,
     eventually,
     health,
@@ -317,29 +318,7 @@ async def test_a_podsnapshot_of_a_kubelet_pod_is_captured_and_restored_by_restor
     with its name is then restored into its own container and serves on its own pod IP."""
     s = stack
     s.start_agent()
-    env = [{"name": "WORKER_HOST", "value": "0.0.0.0"}, {"name": "WORKER_PORT", "value": str(PORT)}]
-    source = snapshot_pod(real_node, "snap-source", {"image": real_node.worker_image.name}, standby=False)
-    source["spec"]["containers"][0]["env"] += env
-    created = await s.kube.create(
-        POD, {**source, "metadata": {**source["metadata"], "namespace": s.namespace}}
-    )
-    await s.kube.create(
-        POD_SNAPSHOT,
-        {
-            "apiVersion": "nvidia.com/v1alpha1",
-            "kind": "PodSnapshot",
-            "metadata": {"name": "snap", "namespace": s.namespace},
-            "spec": {"source": {"podRef": {"name": "snap-source", "containers": ["main"]}}},
-        },
-    )
-
-    async def snapshot_ready() -> Obj | None:
-        obj = await s.kube.get(POD_SNAPSHOT, "snap", s.namespace)
-        conds = {c["type"]: c for c in (obj.get("status") or {}).get("conditions") or []}
-        assert conds.get("Failed", {}).get("status") != "True", conds
-        return obj if conds.get("Ready", {}).get("status") == "True" else None
-
-    snapshot = await eventually(snapshot_ready, 180, "the PodSnapshot to be Ready")
+    created, snapshot = await captured_worker(s, "snap-source")
     content = await s.kube.get(POD_SNAPSHOT_CONTENT, snapshot["status"]["boundSnapshotContentName"])
     stored = ArtifactStore(s.store).open(artifact_key(s.namespace, snapshot["metadata"]["uid"]))
     assert content["status"]["artifact"]["digest"] == stored.manifest.digest
