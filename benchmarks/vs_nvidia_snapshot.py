@@ -1,0 +1,365 @@
+"""This project's agent vs NVIDIA's snapshot agent (github.com/ai-dynamo/snapshot), on the same real kubelet
+node, restoring the same CPU reference worker: one image, one environment, no memory limit.
+
+In one invocation: NVIDIA's agent on a fresh local cluster with the real node (their CRDs only, not ours),
+which is then torn down; then this project's controller and agent in-process on another fresh cluster (as
+benchmarks/kubelet_restore.py). Each checkpoints the worker once and restores it ``--restores`` times, one
+pod at a time, each timed from the create call to the first ``GET /health`` 200 on the pod's IP (10 ms
+polls from the host). Written: per agent its own checkpoint time, the artifact's bytes, restore p50/p95/
+min/max and samples, agent CPU seconds, failures; and the ratios ours/theirs.
+
+    scripts/nvidia-snapshot-peer.sh DIR   # DIR: a checkout of ai-dynamo/snapshot ($NVIDIA_SNAPSHOT_COMMIT)
+    flock /tmp/dsnap-realnode.lock python benchmarks/vs_nvidia_snapshot.py --nv-source DIR \
+        --out benchmarks/results/vs-nvidia-snapshot.json      # root; about 4 min
+
+NVIDIA's side (facts from reading their source at b7e707c and running it here):
+- CPU-only works with plain CRIU: the agent probes each PID with cuda-checkpoint-helper and silently skips
+  CUDA when that fails; no driver, helper or CUDA plugin is needed. Their agent, nsrestore (Go, static) and
+  ns-bind-mount (C) are built by scripts/nvidia-snapshot-peer.sh; CRIU is this project's 4.1.1 build, in
+  their agent image at /usr/local/sbin/criu and in the restore bundle /snapshot-binaries (with its library
+  closure less the libc family, as their Dockerfile; criu-plugins/ empty).
+- Chart values stock CRIU 4.1.1 needs: allowUprobes false (unknown option: the dump fails with err:56),
+  imageIoMode writeback (the RPC field is ignored anyway), tcpEstablished false (its inet-remap plugin needs
+  a CRIU hook newer than any CRIU source here), libDir "".
+- The agent has no kubeconfig flag (in-cluster only) and fixed paths (/checkpoints, /etc/snapshot,
+  /host/proc, /snapshot-binaries), so it runs as their DaemonSet's pod: privileged, hostPID/IPC/Network,
+  the real node's containerd socket dir and root, a hostPath for /checkpoints (their RWX PVC), the apiserver
+  at 127.0.0.1; no runtimeClassName nvidia, GPU nodeSelector or seccomp init container.
+- This host is a cgroup v1 + v2 hybrid: the agent takes the `0::` path and asks CRIU to freeze
+  /sys/fs/cgroup/<it>, so /sys/fs/cgroup in the agent pod is the host's v1 freezer hierarchy (with the
+  chart's mount the dump fails: "Neither a cgroupv1 (freezer.state) or cgroupv2 (cgroup.freeze) control
+  file found"). Their image has iptables-restore, which CRIU's network lock needs ("Locking network
+  failed"); ours adds the host's xtables-nft-multi.
+- The workload image needs /run (CRIU's restore mounts a tmpfs there for the xtables lock) and gzip (it
+  unpacks the container's /dev tmpfs with `tar --gzip`); their placeholders are distribution images, the
+  project's worker image is minimal, so both agents here restore node.worker_image plus /run and
+  /bin/gzip. On these failures their agent reports go-criu's first `Error` line (a harmless RLIMIT_NOFILE
+  one); the cause is in the dump/restore log tail it logs.
+- Checkpoint: a PodSnapshot, plus the cluster-scoped PodSnapshotContent their operator would create for it
+  (labelled with the node; the operator is not run). Source pod: their labels (checkpoint-id,
+  is-checkpoint-source), the snapshot-control emptyDir (subPath main) and a readiness probe on
+  ready-for-snapshot. Restore pods: NewRestorePod's labels, target-containers and artifact-version
+  annotations, standby env and a startup probe on restore-complete. No operator is needed to restore.
+- Not covered: their operator, inet-remap, established TCP across an IP change, O_DIRECT images, CUDA, a
+  cgroup v2-only host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from kubernetes_asyncio import client, config  # noqa: E402
+
+from benchmarks.nvidia_peer import (  # noqa: E402
+    PORT,
+    Peer,
+    Workload,
+    get_json,
+    log,
+    run_nvidia,
+    serving,
+    workload_image,
+)
+from dynamo_snapshot.agent.timings import AWAIT_CONTAINER_PHASE  # noqa: E402
+from dynamo_snapshot.api import protocol  # noqa: E402
+from dynamo_snapshot.artifact import MANIFEST_NAME  # noqa: E402
+from dynamo_snapshot.criu import Criu  # noqa: E402
+from dynamo_snapshot.kube import POD, Kube, is_not_found  # noqa: E402
+from dynamo_snapshot.kube.dgd_versions import DgdClient  # noqa: E402
+from dynamo_snapshot.kube.kinds import CHECKPOINT  # noqa: E402
+from dynamo_snapshot_dev.demo.scenario import kubelet_worker_spec, worker_graph  # noqa: E402
+from dynamo_snapshot_dev.localcluster import LocalCluster  # noqa: E402
+from tests.helpers.kubelet_stack import GRAPH, SERVICE, Stack, eventually, restore_pod  # noqa: E402
+
+NAMESPACE = "vs-nvidia"
+PROMPT = b"hello"
+# As benchmarks/kubelet_restore.py's worker (tests/helpers/kubelet_stack.py graph_manifest), less its limit.
+WORKER_ENV = {
+    "WORKER_WEIGHTS_MIB": "24",
+    "WORKER_COMPILE_ROUNDS": "20000",
+    "WORKER_SERVICE_MS": "1",
+    "WORKER_HOST": "0.0.0.0",
+    "WORKER_PORT": str(PORT),
+}
+
+
+def rusage() -> float:
+    """CPU seconds of this process and its reaped children (CRIU runs as one)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+async def checkpoint_ours(s: Stack, work: Workload) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The graph (one replica of the workload, Auto mode) applied; its Ready checkpoint and the record."""
+    spec = kubelet_worker_spec(
+        s.node, {k: v for k, v in work.env.items() if not k.startswith("WORKER_H")}, port=PORT
+    )
+    spec["mainContainer"]["image"] = work.image.name
+    graph = worker_graph(GRAPH, SERVICE, spec, replicas=1)
+    t0 = time.monotonic()
+    await DgdClient(s.kube).create({**graph, "metadata": {"name": GRAPH, "namespace": s.namespace}})
+
+    async def ready() -> dict[str, Any] | None:
+        items, _ = await s.kube.list_all(CHECKPOINT, s.namespace)
+        for ckpt in items:
+            phase = (ckpt.get("status") or {}).get("phase")
+            if phase == "Failed":
+                raise RuntimeError(f"checkpoint failed: {ckpt['status']}")
+            if phase == "Ready":
+                return ckpt
+        return None
+
+    ckpt: dict[str, Any] = await eventually(ready, 240, "the Auto-mode checkpoint to be Ready")
+    wall = time.monotonic() - t0
+    manifests = sorted(s.store.rglob(MANIFEST_NAME))
+    timings = json.loads(manifests[0].read_text()).get("timings") or {} if manifests else {}
+    files = sorted(str(p.relative_to(s.store)) for p in s.store.rglob("*") if p.is_file())
+    return ckpt, {
+        "agent_s": round(sum(timings.values()), 4) if timings else None,
+        "agent_phases_s": timings,
+        "graph_created_to_ready_seen_s": round(wall, 3),
+        "status": ckpt.get("status"),
+        "artifact_bytes": sum(
+            p.stat().st_size for p in s.store.rglob("*") if p.is_file() and not p.is_symlink()
+        ),
+        "artifact_files": files,
+        "source_container": spec["mainContainer"],
+    }
+
+
+async def restore_ours(s: Stack, name: str, dgd: dict[str, Any], ckpt: dict[str, Any], work: Workload) -> Any:
+    """One restore pod of the checkpoint, timed create -> GET /health 200 on its IP (10 ms polls)."""
+    pod = restore_pod(s, name, dgd, ckpt, work.image.name, None, standby=True)
+    pod["spec"]["containers"][0]["env"] += [{"name": k, "value": v} for k, v in work.env.items()]
+    t0 = time.monotonic()
+    await s.kube.create(POD, pod)
+    while True:
+        got = await s.kube.get(POD, name, s.namespace)
+        ann = got["metadata"].get("annotations") or {}
+        if ann.get(protocol.per_container(protocol.ANNOTATION_RESTORE_STATUS, "main")) == "failed":
+            raise RuntimeError(f"{name}: {ann}")
+        ip = (got.get("status") or {}).get("podIP") or ""
+        if ip and await asyncio.to_thread(serving, ip):
+            break
+        await asyncio.sleep(0.01)
+    total = time.monotonic() - t0
+    got = await s.kube.get(POD, name, s.namespace)
+    phases = json.loads(got["metadata"]["annotations"].get(protocol.ANNOTATION_RESTORE_TIMINGS) or "{}")
+    own = {k: v for k, v in phases.items() if k != AWAIT_CONTAINER_PHASE}
+    return {
+        "pod": name,
+        "total_s": total,
+        "agent_restore_s": round(sum(own.values()), 4),
+        "agent_phases_s": phases,
+        "health": await asyncio.to_thread(get_json, ip, "/health"),
+        "generate": await asyncio.to_thread(get_json, ip, "/generate", PROMPT),
+        "container": pod["spec"]["containers"][0],
+    }
+
+
+async def delete_pod(s: Stack, name: str) -> None:
+    await s.kube.delete(POD, name, s.namespace)
+    while True:
+        try:
+            await s.kube.get(POD, name, s.namespace)
+        except Exception as e:
+            if is_not_found(e):
+                return
+            raise
+        await asyncio.sleep(0.1)
+
+
+async def measure_ours(s: Stack, work: Workload, n: int) -> dict[str, Any]:
+    cpu0 = rusage()
+    ckpt, record = await checkpoint_ours(s, work)
+    cpu1 = rusage()
+    log(f"ours checkpoint: {record['agent_s']}s, {record['artifact_bytes']} B")
+    dgd = await DgdClient(s.kube).get(GRAPH, s.namespace)
+    samples: list[dict[str, Any]] = []
+    for i in range(n):
+        name = f"bench-{i}"
+        try:
+            sample = await restore_ours(s, name, dgd, ckpt, work)
+            log(f"ours restore {i}: serving after {sample['total_s']:.3f}s")
+        except Exception as e:
+            sample = {"pod": name, "error": str(e)[:4000]}
+            log(f"ours restore {i} FAILED: {e}")
+        await delete_pod(s, name)
+        samples.append(sample)
+    cpu2 = rusage()
+    record["restore_container"] = next((x.pop("container") for x in samples if "container" in x), None)
+    for x in samples:
+        x.pop("container", None)
+    what = "this process (controller, agent, the 10 ms poller, in-process) and its reaped children (criu)"
+    cpu = {"what": what, "checkpoint": round(cpu1 - cpu0, 2), "restores": round(cpu2 - cpu1, 2)}
+    return {"checkpoint": record, "samples": samples, "agent_cpu_s": cpu}
+
+
+async def run_ours(work: Workload, workdir: Path, n: int) -> dict[str, Any]:
+    """This project's controller and agent (runtime containerd) on a fresh cluster with the real node."""
+    shutil.rmtree(workdir, ignore_errors=True)
+    lc = LocalCluster(workdir / "cluster")
+    lc.start()
+    try:
+        lc.install_crds()
+        node = lc.start_real_node()
+        node.ctr("images", "import", str(work.archive), timeout=300)
+        lc.kubectl("create", "namespace", NAMESPACE)
+        cfg = client.Configuration()
+        await config.load_kube_config(config_file=str(lc.kubeconfig), client_configuration=cfg)
+        async with client.ApiClient(cfg) as api:
+            criu = Criu()
+            kube = Kube(api, field_manager="vs-nvidia")
+            s = Stack(kube, NAMESPACE, node, criu, workdir / "state", workdir / "store")
+            s.start_controller()
+            s.start_agent()
+            try:
+                result = await measure_ours(s, work, n)
+            finally:
+                await s.close()
+            result |= {"agent": "dynamo-snapshot (this repository)", "criu": str(await criu.version())}
+            return result
+    finally:
+        lc.stop_real_node()
+        lc.stop()
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def summarize(side: dict[str, Any]) -> dict[str, Any]:
+    """The restore samples' statistics (create -> /health 200) and the failures."""
+    samples = side.get("samples") or []
+    ok = [x["total_s"] for x in samples if "total_s" in x]
+    out: dict[str, Any] = {"n": len(samples), "ok": len(ok), "failures": [x for x in samples if "error" in x]}
+    if ok:
+        out |= {"p50_s": statistics.median(ok), "p95_s": pct(ok, 0.95), "min_s": min(ok), "max_s": max(ok)}
+        out["samples_s"] = [round(v, 4) for v in ok]
+    own = [x["agent_restore_s"] for x in samples if "agent_restore_s" in x]
+    if own:
+        out["agent_restore_p50_s"] = statistics.median(own)
+    return out
+
+
+def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float | None]:
+    def get(side: dict[str, Any], path: str) -> Any:
+        for key in path.split("."):
+            side = side.get(key) if isinstance(side, dict) else None  # type: ignore[assignment]
+        return side
+
+    paths = [f"restore.{k}" for k in ("p50_s", "p95_s", "min_s", "max_s", "agent_restore_p50_s")]
+    paths += [
+        "checkpoint.agent_s",
+        "checkpoint.artifact_bytes",
+        "agent_cpu_s.checkpoint",
+        "agent_cpu_s.restores",
+    ]
+    out: dict[str, float | None] = {}
+    for path in paths:
+        a, b = get(ours, path), get(theirs, path)
+        out[path] = (
+            round(a / b, 3) if isinstance(a, int | float) and isinstance(b, int | float) and b else None
+        )
+    return out
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--nv-source", type=Path, required=True, help="a checkout of ai-dynamo/snapshot")
+    ap.add_argument("--nv-bin", type=Path, default=Path.home() / ".cache/nvidia-snapshot-peer/bin")
+    ap.add_argument("--restores", type=int, default=10)
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/vs-nvidia-snapshot.json")
+    ap.add_argument("--workdir", type=Path, help="kept afterwards (default: a temporary directory)")
+    ap.add_argument("--checkpoint-timeout", type=float, default=180)
+    ap.add_argument("--restore-timeout", type=float, default=120)
+    ap.add_argument("--skip-ours", action="store_true", help="NVIDIA's agent only (not a comparison)")
+    return ap.parse_args()
+
+
+def tool(name: str) -> Path:
+    return Path(shutil.which(name) or f"<{name} not on PATH>")
+
+
+def main() -> int:
+    args = parse_args()
+    peer = Peer(args.nv_source.resolve(), args.nv_bin.expanduser().resolve(), tool("criu"), tool("helm"))
+    problem = peer.missing() or (None if os.geteuid() == 0 else "needs root (the real kubelet node)")
+    if problem:
+        print(f"vs_nvidia_snapshot: {problem}", file=sys.stderr)
+        return 2
+    result: dict[str, Any] = {
+        "benchmark": "restore pod created -> GET /health 200; one node, one worker; NVIDIA's, then ours",
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": {"nproc": os.cpu_count(), "kernel": platform.release(), "machine": platform.machine()},
+        "restores_each": args.restores,
+    }
+    rc = 0
+    with tempfile.TemporaryDirectory(prefix="vs-nvidia-") as tmp:
+        work_root = args.workdir or Path(tmp)
+        image, archive = workload_image(work_root / "images")
+        work = Workload(image, archive, dict(WORKER_ENV))
+        result["workload"] = {
+            "image": image.name,
+            "archive_bytes": archive.stat().st_size,
+            "env": work.env,
+            "memory_limit": None,
+            "prompt": PROMPT.decode(),
+        }
+        sides: dict[str, dict[str, Any]] = {}
+        try:
+            timeouts = (args.checkpoint_timeout, args.restore_timeout)
+            sides["nvidia"] = run_nvidia(peer, work, work_root / "nvidia", args.restores, timeouts)
+        except Exception as e:
+            sides["nvidia"] = {"error": str(e)[:8000], "traceback": traceback.format_exc()[-4000:]}
+            log(f"nvidia FAILED: {e}")
+            rc = 1
+        if args.skip_ours:
+            sides["ours"] = {"error": "not run (--skip-ours)"}
+        else:
+            try:
+                sides["ours"] = asyncio.run(run_ours(work, work_root / "ours", args.restores))
+            except Exception as e:
+                sides["ours"] = {"error": str(e)[:8000], "traceback": traceback.format_exc()[-4000:]}
+                log(f"ours FAILED: {e}")
+                rc = 1
+    for name, side in sides.items():
+        side["restore"] = summarize(side)
+        result[name] = side
+        rc = rc or (0 if side["restore"]["n"] and not side["restore"]["failures"] else 1)
+    texts = {
+        n: {x["generate"]["text"] for x in s.get("samples") or [] if "generate" in x}
+        for n, s in sides.items()
+    }
+    result["same_worker_state"] = {"generate_texts": {n: sorted(t) for n, t in texts.items()},
+                                   "identical": len(set().union(*texts.values())) == 1}  # fmt: skip
+    result["ratios_ours_over_theirs"] = ratios(sides["ours"], sides["nvidia"])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    table = {
+        n: {k: s["restore"].get(k) for k in ("ok", "p50_s", "p95_s", "min_s", "max_s")}
+        for n, s in sides.items()
+    }
+    log(f"{json.dumps(table)}\nratios ours/theirs: {json.dumps(result['ratios_ours_over_theirs'])}")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
