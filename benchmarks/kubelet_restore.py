@@ -24,7 +24,6 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -43,21 +42,13 @@ from dynamo_snapshot.workload import parse_restore_complete  # noqa: E402
 from dynamo_snapshot_dev.localcluster import LocalCluster  # noqa: E402
 from tests.helpers.kubelet_stack import (  # noqa: E402
     GRAPH,
-    PORT,
     Stack,
     checkpointed_graph,
     restore_pod,
+    serving,
 )
 
 NAMESPACE = "kubelet-bench"
-
-
-def _serving(ip: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://{ip}:{PORT}/health", timeout=1) as resp:
-            return int(resp.status) == 200
-    except OSError:
-        return False
 
 
 async def _one(s: Stack, name: str, dgd: dict[str, Any], ckpt: dict[str, Any]) -> dict[str, Any]:
@@ -72,10 +63,10 @@ async def _one(s: Stack, name: str, dgd: dict[str, Any], ckpt: dict[str, Any]) -
         if status == "failed":
             raise RuntimeError(f"{name}: {ann}")
         ip = (pod.get("status") or {}).get("podIP") or ""
-        if ip and await asyncio.to_thread(_serving, ip):
+        if ip and await asyncio.to_thread(serving, ip):
             break
         await asyncio.sleep(0.01)
-    serving = time.time()
+    served_at = time.time()
     assert s.runtime is not None
     key = workload_key(created)
     ctl = s.runtime.control_dir(key)
@@ -91,13 +82,13 @@ async def _one(s: Stack, name: str, dgd: dict[str, Any], ckpt: dict[str, Any]) -
     agent_started = restored_at - sum(executor.values())
     return {
         "pod": name,
-        "total_s": serving - t0,
+        "total_s": served_at - t0,
         "phases_s": {
             "placeholder": standby_since - t0,
             "agent_wait": max(0.0, agent_started - standby_since),
             **{f"agent.{k}": v for k, v in agent.items()},
             **{f"runtime.{k}": v for k, v in s.runtime.restore_phases.get(key, {}).items()},
-            "serving": serving - restored_at,
+            "serving": served_at - restored_at,
         },
     }
 

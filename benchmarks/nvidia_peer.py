@@ -38,8 +38,9 @@ from dynamo_snapshot_dev.localcluster.images import (
 )
 from dynamo_snapshot_dev.localcluster.images import WORKER_ENV as WORKER_IMAGE_ENV
 from dynamo_snapshot_dev.localcluster.realnode import RealNode
+from tests.helpers.kubelet_stack import PORT, serving
+from tests.helpers.polling import wait_for
 
-PORT = 8000
 NS = "nv-snapshot"  # agent, source and restore pods
 RELEASE = "snap"
 CKPT_ID = "cpu-worker-ckpt"
@@ -339,21 +340,11 @@ def cond(obj: Any, kind: str) -> bool:
 
 
 def wait(what: str, fn: Callable[[], Any], timeout: float, interval: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = fn()
-        if got:
-            return got
-        time.sleep(interval)
-    raise TimeoutError(f"{what}: not within {timeout:.0f}s")
-
-
-def serving(ip: str) -> bool:
+    """``fn()``'s first truthy answer, polled; ``TimeoutError`` naming ``what`` after ``timeout`` s."""
     try:
-        with urllib.request.urlopen(f"http://{ip}:{PORT}/health", timeout=1) as resp:
-            return int(resp.status) == 200
-    except OSError:
-        return False
+        return wait_for(fn, timeout, what, interval)
+    except AssertionError as e:
+        raise TimeoutError(str(e)) from None
 
 
 def get_json(ip: str, path: str, body: bytes | None = None) -> Any:

@@ -67,13 +67,11 @@ sys.path.insert(0, str(REPO))
 from kubernetes_asyncio import client, config  # noqa: E402
 
 from benchmarks.nvidia_peer import (  # noqa: E402
-    PORT,
     Peer,
     Workload,
     get_json,
     log,
     run_nvidia,
-    serving,
     workload_image,
 )
 from dynamo_snapshot.agent.timings import AWAIT_CONTAINER_PHASE  # noqa: E402
@@ -85,7 +83,7 @@ from dynamo_snapshot.kube.dgd_versions import DgdClient  # noqa: E402
 from dynamo_snapshot.kube.kinds import CHECKPOINT  # noqa: E402
 from dynamo_snapshot_dev.demo.scenario import kubelet_worker_spec, worker_graph  # noqa: E402
 from dynamo_snapshot_dev.localcluster import LocalCluster  # noqa: E402
-from tests.helpers.kubelet_stack import GRAPH, SERVICE, Stack, eventually, restore_pod  # noqa: E402
+from tests.helpers.kubelet_stack import GRAPH, PORT, SERVICE, Stack, eventually, restore_pod, serving  # noqa: E402
 
 NAMESPACE = "vs-nvidia"
 PROMPT = b"hello"

@@ -97,6 +97,30 @@ def post(ip: str, path: str = "/generate", body: bytes = PROMPT) -> dict[str, An
     return answer
 
 
+def serving(ip: str) -> bool:
+    """Whether the worker at ``ip`` answers ``GET /health`` with 200 (within a second)."""
+    try:
+        with urllib.request.urlopen(f"http://{ip}:{PORT}/health", timeout=1) as resp:
+            return int(resp.status) == 200
+    except OSError:
+        return False
+
+
+async def first_answer(ip: str, within: float = 30) -> dict[str, Any]:
+    """The restored worker's first answer to a prompt. "completed" is written once the process is restored
+    and told so; the worker opens its port on resuming from that signal, a moment later (as a readiness
+    probe would wait for)."""
+
+    async def answer() -> dict[str, Any] | None:
+        try:
+            return await asyncio.to_thread(post, ip)
+        except OSError:
+            return None
+
+    got: dict[str, Any] = await eventually(answer, within, f"the restored worker at {ip} to answer")
+    return got
+
+
 def health(ip: str) -> dict[str, Any]:
     with urllib.request.urlopen(f"http://{ip}:{PORT}/health", timeout=5) as resp:
         answer: dict[str, Any] = json.loads(resp.read())

@@ -21,7 +21,7 @@ from dynamo_snapshot.artifact.s3 import S3Location
 from dynamo_snapshot.kube import POD, Obj
 from dynamo_snapshot_dev.localcluster.realnode import RealNode
 from dynamo_snapshot_dev.localcluster.s3server import LocalS3
-from tests.helpers.kubelet_stack import Stack, captured_worker, eventually, post, snapshot_pod
+from tests.helpers.kubelet_stack import Stack, captured_worker, eventually, first_answer, snapshot_pod
 
 pytestmark = [pytest.mark.cluster, pytest.mark.kubelet]
 
@@ -85,13 +85,7 @@ async def test_a_checkpoint_goes_through_the_object_store_to_a_node_without_it(
     assert local.exists(key), "fetched into the node's store"
     assert fetches() == fetched + 1
 
-    async def answers() -> dict[str, Any] | None:
-        try:
-            return await asyncio.to_thread(post, pod["status"]["podIP"])
-        except OSError:
-            return None
-
-    assert await eventually(answers, 30, "the restored worker to answer")
+    assert await first_answer(pod["status"]["podIP"])
     assert timings, "the restore's timings are on the pod"
 
     # The node's copy gone again and the store's pages object damaged: refused by name, nothing kept.

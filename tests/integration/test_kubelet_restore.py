@@ -35,6 +35,7 @@ from tests.helpers.kubelet_stack import (
     captured_worker,
     checkpointed_graph,
     eventually,
+    first_answer,
     health,
     pods,
     post,
@@ -339,12 +340,4 @@ async def test_a_podsnapshot_of_a_kubelet_pod_is_captured_and_restored_by_restor
 
     pod = await eventually(restore_done, 180, "the restore-from pod to be restored")
 
-    async def answers() -> dict[str, Any] | None:
-        # "completed" is written once the process is restored and told so; the worker opens its port on
-        # resuming from that signal, a moment later (as a readiness probe would wait for).
-        try:
-            return await asyncio.to_thread(post, pod["status"]["podIP"])
-        except OSError:
-            return None
-
-    assert await eventually(answers, 30, "the restored worker to answer")
+    assert await first_answer(pod["status"]["podIP"])
