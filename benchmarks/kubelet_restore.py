@@ -36,7 +36,7 @@ from dynamo_snapshot.agent.timings import AWAIT_CONTAINER_PHASE  # noqa: E402
 from dynamo_snapshot.agent.watcher import workload_key  # noqa: E402
 from dynamo_snapshot.api import protocol  # noqa: E402
 from dynamo_snapshot.criu import Criu  # noqa: E402
-from dynamo_snapshot.kube import POD, Kube, is_not_found  # noqa: E402
+from dynamo_snapshot.kube import POD, Kube  # noqa: E402
 from dynamo_snapshot.kube.dgd_versions import DgdClient  # noqa: E402
 from dynamo_snapshot.workload import parse_restore_complete  # noqa: E402
 from dynamo_snapshot_dev.localcluster import LocalCluster  # noqa: E402
@@ -93,18 +93,6 @@ async def _one(s: Stack, name: str, dgd: dict[str, Any], ckpt: dict[str, Any]) -
     }
 
 
-async def _delete(s: Stack, name: str) -> None:
-    await s.kube.delete(POD, name, s.namespace)
-    while True:
-        try:
-            await s.kube.get(POD, name, s.namespace)
-        except Exception as e:
-            if is_not_found(e):
-                return
-            raise
-        await asyncio.sleep(0.1)
-
-
 def _pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -136,7 +124,7 @@ async def main(restores: int) -> dict[str, Any]:
                         sample = await _one(s, f"bench-{i}", dgd, ckpt)
                         print(json.dumps(sample), flush=True)
                         samples.append(sample)
-                        await _delete(s, f"bench-{i}")
+                        await s.delete_pod(f"bench-{i}")
                 finally:
                     await s.close()
         finally:

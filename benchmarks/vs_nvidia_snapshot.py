@@ -78,7 +78,7 @@ from dynamo_snapshot.agent.timings import AWAIT_CONTAINER_PHASE  # noqa: E402
 from dynamo_snapshot.api import protocol  # noqa: E402
 from dynamo_snapshot.artifact import MANIFEST_NAME  # noqa: E402
 from dynamo_snapshot.criu import Criu  # noqa: E402
-from dynamo_snapshot.kube import POD, Kube, is_not_found  # noqa: E402
+from dynamo_snapshot.kube import POD, Kube  # noqa: E402
 from dynamo_snapshot.kube.dgd_versions import DgdClient  # noqa: E402
 from dynamo_snapshot.kube.kinds import CHECKPOINT  # noqa: E402
 from dynamo_snapshot_dev.demo.scenario import kubelet_worker_spec, worker_graph  # noqa: E402
@@ -171,18 +171,6 @@ async def restore_ours(s: Stack, name: str, dgd: dict[str, Any], ckpt: dict[str,
     }
 
 
-async def delete_pod(s: Stack, name: str) -> None:
-    await s.kube.delete(POD, name, s.namespace)
-    while True:
-        try:
-            await s.kube.get(POD, name, s.namespace)
-        except Exception as e:
-            if is_not_found(e):
-                return
-            raise
-        await asyncio.sleep(0.1)
-
-
 async def measure_ours(s: Stack, work: Workload, n: int) -> dict[str, Any]:
     cpu0 = rusage()
     ckpt, record = await checkpoint_ours(s, work)
@@ -198,7 +186,7 @@ async def measure_ours(s: Stack, work: Workload, n: int) -> dict[str, Any]:
         except Exception as e:
             sample = {"pod": name, "error": str(e)[:4000]}
             log(f"ours restore {i} FAILED: {e}")
-        await delete_pod(s, name)
+        await s.delete_pod(name)
         samples.append(sample)
     cpu2 = rusage()
     record["restore_container"] = next((x.pop("container") for x in samples if "container" in x), None)

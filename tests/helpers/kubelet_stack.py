@@ -24,6 +24,7 @@ from dynamo_snapshot.criu import Criu
 from dynamo_snapshot.kube import POD, Kube, Obj
 from dynamo_snapshot.kube.dgd_versions import DgdClient
 from dynamo_snapshot.kube.kinds import CHECKPOINT, POD_SNAPSHOT
+from dynamo_snapshot.kube.until_written import get_or_none
 from dynamo_snapshot_dev.demo.scenario import kubelet_worker_spec, worker_graph
 from dynamo_snapshot_dev.localcluster.realnode import RUNC_ROOT, RealNode
 from dynamo_snapshot_dev.localcluster.realnode.host import host_processes
@@ -74,6 +75,13 @@ class Stack:
         self.agent_task = asyncio.create_task(agent.run_until(asyncio.Event()))
         self.runtime = runtime
         return runtime
+
+    async def delete_pod(self, name: str) -> None:
+        """Delete the pod and wait until the apiserver no longer has it."""
+        await self.kube.delete(POD, name, self.namespace)
+        # Nothing here signals the deletion: the apiserver is asked again.
+        while await get_or_none(self.kube, POD, name, self.namespace) is not None:  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
 
     async def kill_agent(self) -> None:
         """End the agent at once, as a killed agent process ends (no clean-up of its own)."""
