@@ -106,10 +106,14 @@ class Executor(Node):
         where the artifact is not on the node yet and the prefetch policy allows, its fetch from the object
         store begins first. Best effort, and the check only where verified files are remembered (else the
         restore would hash them again): whatever fails here fails again, and is reported, in the restore."""
-        fetch = self.objects is not None and self.config.s3.s3_prefetch != "none"
-        if (self.verified is None and not fetch) or self.deleting[artifact_key]:
+        if (self.verified is None and not self._fetches_ahead) or self.deleting[artifact_key]:
             return
         self._ahead(self._check_ahead(artifact_key, manifest_digest))
+
+    @property
+    def _fetches_ahead(self) -> bool:
+        """Whether a restore pod bound to this node starts the fetch of an artifact it lacks."""
+        return self.objects is not None and self.config.s3.s3_prefetch != "none"
 
     def fetch_ahead(self, artifact_key: str, manifest_digest: str) -> None:
         """Begin bringing the artifact from the object store into this node's store, before any restore
@@ -164,8 +168,11 @@ class Executor(Node):
 
     async def _check_ahead(self, artifact_key: str, manifest_digest: str | None) -> None:
         with self._reading(artifact_key), contextlib.suppress(AgentError, ArtifactError, OSError, ValueError):
-            fetch = self.objects is not None and self.config.s3.s3_prefetch != "none"
-            if fetch and manifest_digest and not await asyncio.to_thread(self.store.exists, artifact_key):
+            if (
+                self._fetches_ahead
+                and manifest_digest
+                and not await asyncio.to_thread(self.store.exists, artifact_key)
+            ):
                 await self._fetched(artifact_key, manifest_digest)
             if self.verified is None:
                 return
