@@ -166,13 +166,16 @@ class S3Artifacts:
         upload_id = upload["UploadId"]
         try:
             parts = []
-            with path.open("rb") as f:
+            f = await asyncio.to_thread(path.open, "rb")
+            try:
                 for number, offset in enumerate(range(0, size, part), start=1):
                     data = await asyncio.to_thread(_read_at, f.fileno(), offset, min(part, size - offset))
                     done = await self._call(
                         "upload_part", name, UploadId=upload_id, PartNumber=number, Body=data
                     )
                     parts.append({"ETag": done["ETag"], "PartNumber": number})
+            finally:
+                await asyncio.to_thread(f.close)
             await self._call(
                 "complete_multipart_upload", name, UploadId=upload_id, MultipartUpload={"Parts": parts}
             )
