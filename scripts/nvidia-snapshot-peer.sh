@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds NVIDIA's snapshot node agent (github.com/ai-dynamo/snapshot at $NVIDIA_SNAPSHOT_COMMIT) for
-# benchmarks/vs_nvidia_snapshot.py: `agent` and `nsrestore` (Go, CGO_ENABLED=0 -ldflags "-w -s",
+# Builds NVIDIA's snapshot node agent and operator (github.com/ai-dynamo/snapshot at $NVIDIA_SNAPSHOT_COMMIT)
+# for benchmarks/vs_nvidia_snapshot.py: `agent` and `nsrestore` (agent/), `manager` and `crdinstaller`
+# (operator/, as their operator Dockerfile builds them) (Go, CGO_ENABLED=0 -ldflags "-w -s",
 # GOTOOLCHAIN=local, dependencies from the Go module proxy) and `ns-bind-mount` (gcc) into
 # ${NV_BIN:-~/.cache/nvidia-snapshot-peer/bin}. Skips the build when that directory's stamp says it was built
 # for the same commit. cuda-checkpoint-helper is not built (needs cuda.h and libcuda; the agent skips CUDA
@@ -25,16 +26,19 @@ fi
 bin=${NV_BIN:-$HOME/.cache/nvidia-snapshot-peer/bin}
 stamp=$bin/.built-commit
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$commit" ] \
-  && [ -x "$bin/agent" ] && [ -x "$bin/nsrestore" ] && [ -x "$bin/ns-bind-mount" ]; then
+  && [ -x "$bin/agent" ] && [ -x "$bin/nsrestore" ] && [ -x "$bin/ns-bind-mount" ] \
+  && [ -x "$bin/manager" ] && [ -x "$bin/crdinstaller" ]; then
   echo "[nvidia-snapshot-peer] $bin already built for $commit"
   exit 0
 fi
 mkdir -p "$bin"
 rm -f "$stamp"
 t0=$SECONDS
-echo "[nvidia-snapshot-peer] building agent, nsrestore ($commit) into $bin"
+echo "[nvidia-snapshot-peer] building agent, nsrestore, manager, crdinstaller ($commit) into $bin"
 (cd "$src/agent" && GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-buildvcs=false \
   go build -ldflags "-w -s" -o "$bin/" ./cmd/agent ./cmd/nsrestore)
+(cd "$src/operator" && GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-buildvcs=false \
+  go build -ldflags "-w -s" -o "$bin/" ./cmd/manager ./cmd/crdinstaller)
 gcc -O2 -Wall -Wextra -o "$bin/ns-bind-mount" "$src/agent/cmd/ns-bind-mount/main.c"
 echo "$commit" >"$stamp"
-echo "[nvidia-snapshot-peer] built in $((SECONDS - t0)) s: $(cd "$bin" && ls -s agent nsrestore ns-bind-mount | tr '\n' ' ')"
+echo "[nvidia-snapshot-peer] built in $((SECONDS - t0)) s: $(cd "$bin" && ls -s agent nsrestore ns-bind-mount manager crdinstaller | tr '\n' ' ')"
