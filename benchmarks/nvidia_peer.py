@@ -1,8 +1,8 @@
 """NVIDIA's snapshot agent (ai-dynamo/snapshot) on the real kubelet node, for vs_nvidia_snapshot.py: its
-image, their chart's RBAC and config, the source, agent and restore pods of their contract, and the run
-(checkpoint once, then restores one at a time, each timed create -> ``GET /health`` 200 on the pod IP).
-The facts behind each adaptation are in vs_nvidia_snapshot.py's docstring.
-"""
+image, their chart's rendering (render_chart) with the agent's RBAC and config, the source, agent and restore
+pods of their contract, the agent's start, and the restores (one at a time, each timed create ->
+``GET /health`` 200 on the pod IP). The facts behind each adaptation are in vs_nvidia_snapshot.py's
+docstring; the operator's part is nvidia_operator.py."""
 
 from __future__ import annotations
 
@@ -183,22 +183,19 @@ def agent_image(peer: Peer, out_dir: Path) -> tuple[ImageRef, Path]:
     return image, archive
 
 
-def chart_objects(peer: Peer, workdir: Path) -> list[dict[str, Any]]:
-    """Their chart rendered by helm with CRIU_VALUES; only the agent's ServiceAccount, ClusterRoles/Bindings
-    and ConfigMap are kept (the DaemonSet is replaced by agent_pod, the PVC by a hostPath)."""
-    values = workdir / "values.yaml"
-    values.write_text(yaml.safe_dump({"config": {"criu": CRIU_VALUES}}))
-    argv = [
-        str(peer.helm),
-        "template",
-        RELEASE,
-        str(peer.source / "charts/snapshot"),
-        "-n",
-        NS,
-        "-f",
-        str(values),
-    ]
+def render_chart(peer: Peer, workdir: Path, values: dict[str, Any]) -> list[dict[str, Any]]:
+    """Their chart rendered by `helm template` with CRIU_VALUES and ``values`` (merged over them)."""
+    path = workdir / "values.yaml"
+    path.write_text(yaml.safe_dump({"config": {"criu": CRIU_VALUES}, **values}))
+    chart = str(peer.source / "charts/snapshot")
+    argv = [str(peer.helm), "template", RELEASE, chart, "-n", NS, "-f", str(path)]
     out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+    return [o for o in yaml.safe_load_all(out) if o]
+
+
+def chart_objects(peer: Peer, workdir: Path) -> list[dict[str, Any]]:
+    """The agent's ServiceAccount, ClusterRoles/Bindings and ConfigMap of their chart (the DaemonSet is
+    replaced by agent_pod, the PVC by a hostPath)."""
     keep = {
         ("ServiceAccount", f"{RELEASE}-snapshot"),
         ("ConfigMap", f"{RELEASE}-snapshot-config"),
@@ -207,7 +204,7 @@ def chart_objects(peer: Peer, workdir: Path) -> list[dict[str, Any]]:
         ("ClusterRoleBinding", f"{RELEASE}-snapshot-agent"),
         ("ClusterRoleBinding", f"{RELEASE}-snapshot-agent-podsnapshotcontents"),
     }
-    objs = [o for o in yaml.safe_load_all(out) if o]
+    objs = render_chart(peer, workdir, {})
     return [o for o in objs if (o["kind"], o["metadata"]["name"]) in keep]
 
 
@@ -353,11 +350,12 @@ def get_json(ip: str, path: str, body: bytes | None = None) -> Any:
         return json.loads(resp.read())
 
 
-def agent_host_pid() -> int | None:
+def host_pid(argv0: bytes) -> int | None:
+    """The host PID of the process whose argv[0] is ``argv0``."""
     for p in Path("/proc").iterdir():
         if p.name.isdigit():
             try:
-                if (p / "cmdline").read_bytes().split(b"\0")[0] == b"/usr/local/bin/snapshot-agent":
+                if (p / "cmdline").read_bytes().split(b"\0")[0] == argv0:
                     return int(p.name)
             except OSError:
                 continue
@@ -428,8 +426,9 @@ def install(cluster: LocalCluster, peer: Peer, work: Path, archives: list[Path])
 
 
 def checkpoint(cluster: LocalCluster, api: Api, checkpoints: Path, timeout: float) -> dict[str, Any]:
-    """The PodSnapshot, and the PodSnapshotContent their operator would make of it (podsnapshot_reconciler.go
-    buildPodSnapshotContent; the operator is not run); waits until the agent sets the content Ready."""
+    """Without their operator (vs_nvidia_snapshot.py --nv-without-operator): the PodSnapshot, and the
+    PodSnapshotContent their operator makes of it (podsnapshot_reconciler.go buildPodSnapshotContent), written
+    here; waits until the agent sets the content Ready."""
     node = cluster.real_node
     assert node is not None
     src = api.pod("cpu-worker-source")
@@ -464,9 +463,10 @@ def checkpoint(cluster: LocalCluster, api: Api, checkpoints: Path, timeout: floa
     (_, summary), *_ = timing_summaries(agent_logs(cluster), "Checkpoint") or [(0.0, {})]
     own = summary.get("checkpoint") or {}
     return {
+        "path": "PodSnapshot, and a PodSnapshotContent written here -> their agent",
         "agent_s": go_seconds(own["duration"]) if "duration" in own else None,
         "agent_phases_s": {k: go_seconds(v) for k, v in (own.get("phases") or {}).items()},
-        "created_to_ready_seen_s": round(wall, 3),
+        "content_created_to_ready_s": round(wall, 3),
         "status": ready["status"],
         "artifact_bytes": du_bytes(checkpoints),
         "artifact_files": sorted(
@@ -532,52 +532,6 @@ def start_agent(cluster: LocalCluster, api: Api, image: str, checkpoints: Path) 
     api.create(agent_pod(node, image, cluster.apiserver_port, checkpoints))
     wait("agent pod running", lambda: ((api.pod("nv-snapshot-agent") or {}).get("status") or {}).get("phase")
          == "Running", 120)  # fmt: skip
-    pid: int = wait("agent process", agent_host_pid, 30)
+    pid: int = wait("agent process", lambda: host_pid(b"/usr/local/bin/snapshot-agent"), 30)
     time.sleep(3)  # informers sync
     return pid
-
-
-def run_nvidia(
-    peer: Peer, work: Workload, workdir: Path, n: int, timeouts: tuple[float, float]
-) -> dict[str, Any]:
-    """Their agent on a fresh cluster with the real node: checkpoint once, then `n` restores; the cluster is
-    torn down before this returns. The result's keys follow vs_nvidia_snapshot.py's per-agent record."""
-    result: dict[str, Any] = {"agent": f"ai-dynamo/snapshot {peer.commit()}", "criu": str(peer.criu)}
-    image, archive = agent_image(peer, workdir / "images")
-    result["agent_image"] = {"name": image.name, "archive_bytes": archive.stat().st_size}
-    checkpoints = workdir / "checkpoints"
-    shutil.rmtree(checkpoints, ignore_errors=True)
-    checkpoints.mkdir(parents=True)
-    cluster = start_cluster(workdir / "cluster")
-    try:
-        node = cluster.real_node
-        assert node is not None
-        result["agent_config"] = install(cluster, peer, workdir, [archive, work.archive])
-        api = Api(cluster)
-        source = worker_pod(node, "cpu-worker-source", work, restore=False)
-        result["source_container"] = source["spec"]["containers"][0]
-        api.create(source)
-        t0 = time.monotonic()
-        wait("source Ready", lambda: cond(api.pod("cpu-worker-source"), "Ready"), 180)
-        result["source_ready_s"] = round(time.monotonic() - t0, 2)
-        pid = start_agent(cluster, api, image.name, checkpoints)
-        cpu0 = cpu_seconds(pid)
-        result["checkpoint"] = checkpoint(cluster, api, checkpoints, timeouts[0])
-        cpu1 = cpu_seconds(pid)
-        ck = result["checkpoint"]
-        log(f"nvidia checkpoint: {ck['agent_s']}s, {ck['artifact_bytes']} B")
-        restore_pod = worker_pod(node, "cpu-worker-restore-0", work, restore=True)
-        result["restore_container"] = restore_pod["spec"]["containers"][0]
-        result["samples"] = restores(cluster, api, work, n, timeouts[1])
-        cpu2 = cpu_seconds(pid)
-        result["agent_cpu_s"] = {
-            "what": "the agent process (utime+stime) and its reaped children (criu swrk, nsenter, nsrestore)",
-            "checkpoint": round(sum(cpu1.values()) - sum(cpu0.values()), 2),
-            "restores": round(sum(cpu2.values()) - sum(cpu1.values()), 2),
-            "at_start": cpu0,
-            "at_end": cpu2,
-        }
-        (workdir / "nvidia-agent.log").write_text(agent_logs(cluster))
-    finally:
-        cluster.stop()
-    return result

@@ -1,16 +1,23 @@
-"""This project's agent vs NVIDIA's snapshot agent (github.com/ai-dynamo/snapshot), on the same real kubelet
-node, restoring the same CPU reference worker: one image, one environment, no memory limit.
+"""This project's agent vs NVIDIA's snapshot (github.com/ai-dynamo/snapshot: its operator and agent), on the
+same real kubelet node, capturing and restoring the same CPU reference worker: one image, one environment, no
+memory limit.
 
-In one invocation: NVIDIA's agent on a fresh local cluster with the real node (their CRDs only, not ours),
-which is then torn down; then this project's controller and agent in-process on another fresh cluster (as
-benchmarks/kubelet_restore.py). Each checkpoints the worker once and restores it ``--restores`` times, one
-pod at a time, each timed from the create call to the first ``GET /health`` 200 on the pod's IP (10 ms
-polls from the host). Written: per agent its own checkpoint time, the artifact's bytes, restore p50/p95/
-min/max and samples, agent CPU seconds, failures; and the ratios ours/theirs.
+In one invocation: NVIDIA's operator and agent on a fresh local cluster with the real node (their CRDs only,
+not ours), which is then torn down; then this project's controller and agent in-process on another fresh
+cluster (as benchmarks/kubelet_restore.py). Each side runs the source pod until it is Ready (its worker wrote
+ready-for-snapshot), creates a PodSnapshot of it, timed from the create call to the PodSnapshot's Ready
+condition (50 ms polls), then restores it ``--restores`` times, one pod at a time, each timed from the create
+call to the first ``GET /health`` 200 on the pod's IP (10 ms polls from the host). Written: per side its
+checkpoint times (PodSnapshot created -> Ready, the agent's own), the artifact's bytes, restore p50/p95/
+min/max and samples, CPU seconds, failures; and the ratios ours/theirs.
 
     scripts/nvidia-snapshot-peer.sh DIR   # DIR: a checkout of ai-dynamo/snapshot ($NVIDIA_SNAPSHOT_COMMIT)
     flock /tmp/dsnap-realnode.lock python benchmarks/vs_nvidia_snapshot.py --nv-source DIR \
         --out benchmarks/results/vs-nvidia-snapshot.json      # root; about 4 min
+
+Our side's restore pods name the PodSnapshot in `nvidia.com/restore-from` and are shaped as this project's
+restore webhook shapes them (control volume, standby env); the webhook itself is not run, as NVIDIA's side
+has none.
 
 NVIDIA's side (facts from reading their source at b7e707c and running it here):
 - CPU-only works with plain CRIU: the agent probes each PID with cuda-checkpoint-helper and silently skips
@@ -35,13 +42,17 @@ NVIDIA's side (facts from reading their source at b7e707c and running it here):
   project's worker image is minimal, so both agents here restore node.worker_image plus /run and
   /bin/gzip. On these failures their agent reports go-criu's first `Error` line (a harmless RLIMIT_NOFILE
   one); the cause is in the dump/restore log tail it logs.
-- Checkpoint: a PodSnapshot, plus the cluster-scoped PodSnapshotContent their operator would create for it
-  (labelled with the node; the operator is not run). Source pod: their labels (checkpoint-id,
-  is-checkpoint-source), the snapshot-control emptyDir (subPath main) and a readiness probe on
-  ready-for-snapshot. Restore pods: NewRestorePod's labels, target-containers and artifact-version
-  annotations, standby env and a startup probe on restore-complete. No operator is needed to restore.
-- Not covered: their operator, inet-remap, established TCP across an IP change, O_DIRECT images, CUDA, a
-  cgroup v2-only host.
+- Checkpoint: a PodSnapshot; their operator (its manager, installed from their chart: nvidia_operator.py
+  says what that needed here) creates the cluster-scoped PodSnapshotContent labelled with the node, the
+  agent captures and sets it Ready, the operator mirrors Ready onto the PodSnapshot. Their manager at
+  b7e707c does not run the SnapshotJob controller, so no SnapshotJob is used. `--nv-without-operator`
+  writes that PodSnapshotContent instead (nvidia_peer.checkpoint). Source pod: their labels
+  (checkpoint-id, is-checkpoint-source), the snapshot-control emptyDir (subPath main) and a readiness probe
+  on ready-for-snapshot. Restore pods: NewRestorePod's labels, target-containers and artifact-version
+  annotations, standby env and a startup probe on restore-complete; their agent restores them with no
+  operator action.
+- Not covered: inet-remap, established TCP across an IP change, O_DIRECT images, CUDA, a cgroup v2-only
+  host.
 """
 
 from __future__ import annotations
@@ -66,12 +77,31 @@ sys.path.insert(0, str(REPO))
 
 from kubernetes_asyncio import client, config  # noqa: E402
 
+from benchmarks.nvidia_operator import (  # noqa: E402
+    checkpoint_by_operator,
+    install_operator,
+    operator_image,
+    operator_logs,
+)
 from benchmarks.nvidia_peer import (  # noqa: E402
+    CKPT_ID,
+    Api,
     Peer,
     Workload,
+    agent_image,
+    agent_logs,
+    checkpoint,
+    cond,
+    cpu_seconds,
     get_json,
+    host_pid,
+    install,
     log,
-    run_nvidia,
+    restores,
+    start_agent,
+    start_cluster,
+    wait,
+    worker_pod,
     workload_image,
 )
 from dynamo_snapshot.agent.timings import AWAIT_CONTAINER_PHASE  # noqa: E402
@@ -79,11 +109,9 @@ from dynamo_snapshot.api import protocol  # noqa: E402
 from dynamo_snapshot.artifact import MANIFEST_NAME  # noqa: E402
 from dynamo_snapshot.criu import Criu  # noqa: E402
 from dynamo_snapshot.kube import POD, Kube  # noqa: E402
-from dynamo_snapshot.kube.dgd_versions import DgdClient  # noqa: E402
-from dynamo_snapshot.kube.kinds import CHECKPOINT  # noqa: E402
-from dynamo_snapshot_dev.demo.scenario import kubelet_worker_spec, worker_graph  # noqa: E402
+from dynamo_snapshot.kube.kinds import POD_SNAPSHOT  # noqa: E402
 from dynamo_snapshot_dev.localcluster import LocalCluster  # noqa: E402
-from tests.helpers.kubelet_stack import GRAPH, PORT, SERVICE, Stack, eventually, restore_pod, serving  # noqa: E402
+from tests.helpers.kubelet_stack import PORT, Stack, eventually, ready, serving, snapshot_pod  # noqa: E402
 
 NAMESPACE = "vs-nvidia"
 PROMPT = b"hello"
@@ -103,48 +131,68 @@ def rusage() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-async def checkpoint_ours(s: Stack, work: Workload) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The graph (one replica of the workload, Auto mode) applied; its Ready checkpoint and the record."""
-    spec = kubelet_worker_spec(
-        s.node, {k: v for k, v in work.env.items() if not k.startswith("WORKER_H")}, port=PORT
-    )
-    spec["mainContainer"]["image"] = work.image.name
-    graph = worker_graph(GRAPH, SERVICE, spec, replicas=1)
+def ours_pod(s: Stack, name: str, work: Workload, *, restore: bool) -> dict[str, Any]:
+    """The source pod (readiness on ready-for-snapshot, as theirs) or a restore pod: `restore-from` the
+    PodSnapshot, shaped as this project's restore webhook shapes it (control volume, standby env); the
+    webhook itself is not in the path (nor its readiness gate), as their side has no webhook."""
+    main: dict[str, Any] = {"image": work.image.name}
+    if not restore:
+        probe = ["cat", f"{protocol.CONTROL_MOUNT_PATH}/ready-for-snapshot"]
+        main["readinessProbe"] = {"exec": {"command": probe}, "periodSeconds": 1, "timeoutSeconds": 1}
+    pod = snapshot_pod(s.node, name, main, standby=restore, restartPolicy="Never")
+    pod["spec"]["containers"][0]["env"] += [{"name": k, "value": v} for k, v in work.env.items()]
+    pod["metadata"]["namespace"] = s.namespace
+    if restore:
+        pod["metadata"]["annotations"] = {protocol.ANNOTATION_RESTORE_FROM: CKPT_ID}
+    return pod
+
+
+async def checkpoint_ours(s: Stack, work: Workload) -> dict[str, Any]:
+    """The source pod once Ready, then a PodSnapshot of it timed from its create call to its Ready
+    condition (50 ms polls): this project's controller binds the PodSnapshotContent, its agent captures."""
+    source = ours_pod(s, "cpu-worker-source", work, restore=False)
+    await s.kube.create(POD, source)
+
+    async def source_ready() -> bool:
+        return ready(await s.kube.get(POD, "cpu-worker-source", s.namespace))
+
+    await eventually(source_ready, 180, "the source pod to be Ready")
+    body = {
+        "apiVersion": "nvidia.com/v1alpha1",
+        "kind": "PodSnapshot",
+        "metadata": {"name": CKPT_ID, "namespace": s.namespace},
+        "spec": {"source": {"podRef": {"name": "cpu-worker-source", "containers": ["main"]}}},
+    }
     t0 = time.monotonic()
-    await DgdClient(s.kube).create({**graph, "metadata": {"name": GRAPH, "namespace": s.namespace}})
-
-    async def ready() -> dict[str, Any] | None:
-        items, _ = await s.kube.list_all(CHECKPOINT, s.namespace)
-        for ckpt in items:
-            phase = (ckpt.get("status") or {}).get("phase")
-            if phase == "Failed":
-                raise RuntimeError(f"checkpoint failed: {ckpt['status']}")
-            if phase == "Ready":
-                return ckpt
-        return None
-
-    ckpt: dict[str, Any] = await eventually(ready, 240, "the Auto-mode checkpoint to be Ready")
+    await s.kube.create(POD_SNAPSHOT, body)
+    while True:
+        snap = await s.kube.get(POD_SNAPSHOT, CKPT_ID, s.namespace)
+        if cond(snap, "Failed"):
+            raise RuntimeError(f"checkpoint failed: {snap['status']}")
+        if cond(snap, "Ready"):
+            break
+        await asyncio.sleep(0.05)
     wall = time.monotonic() - t0
     manifests = sorted(s.store.rglob(MANIFEST_NAME))
     timings = json.loads(manifests[0].read_text()).get("timings") or {} if manifests else {}
     files = sorted(str(p.relative_to(s.store)) for p in s.store.rglob("*") if p.is_file())
-    return ckpt, {
+    return {
+        "path": "PodSnapshot -> this project's controller -> PodSnapshotContent -> its agent",
         "agent_s": round(sum(timings.values()), 4) if timings else None,
         "agent_phases_s": timings,
-        "graph_created_to_ready_seen_s": round(wall, 3),
-        "status": ckpt.get("status"),
+        "podsnapshot_created_to_ready_s": round(wall, 3),
+        "status": snap.get("status"),
         "artifact_bytes": sum(
             p.stat().st_size for p in s.store.rglob("*") if p.is_file() and not p.is_symlink()
         ),
         "artifact_files": files,
-        "source_container": spec["mainContainer"],
+        "source_container": source["spec"]["containers"][0],
     }
 
 
-async def restore_ours(s: Stack, name: str, dgd: dict[str, Any], ckpt: dict[str, Any], work: Workload) -> Any:
-    """One restore pod of the checkpoint, timed create -> GET /health 200 on its IP (10 ms polls)."""
-    pod = restore_pod(s, name, dgd, ckpt, work.image.name, None, standby=True)
-    pod["spec"]["containers"][0]["env"] += [{"name": k, "value": v} for k, v in work.env.items()]
+async def restore_ours(s: Stack, name: str, work: Workload) -> Any:
+    """One restore pod of the PodSnapshot, timed create -> GET /health 200 on its IP (10 ms polls)."""
+    pod = ours_pod(s, name, work, restore=True)
     t0 = time.monotonic()
     await s.kube.create(POD, pod)
     while True:
@@ -173,15 +221,14 @@ async def restore_ours(s: Stack, name: str, dgd: dict[str, Any], ckpt: dict[str,
 
 async def measure_ours(s: Stack, work: Workload, n: int) -> dict[str, Any]:
     cpu0 = rusage()
-    ckpt, record = await checkpoint_ours(s, work)
+    record = await checkpoint_ours(s, work)
     cpu1 = rusage()
     log(f"ours checkpoint: {record['agent_s']}s, {record['artifact_bytes']} B")
-    dgd = await DgdClient(s.kube).get(GRAPH, s.namespace)
     samples: list[dict[str, Any]] = []
     for i in range(n):
         name = f"bench-{i}"
         try:
-            sample = await restore_ours(s, name, dgd, ckpt, work)
+            sample = await restore_ours(s, name, work)
             log(f"ours restore {i}: serving after {sample['total_s']:.3f}s")
         except Exception as e:
             sample = {"pod": name, "error": str(e)[:4000]}
@@ -226,6 +273,68 @@ async def run_ours(work: Workload, workdir: Path, n: int) -> dict[str, Any]:
         lc.stop()
 
 
+def run_nvidia(peer: Peer, work: Workload, workdir: Path, n: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Their operator (from their chart) and agent on a fresh cluster with the real node: a PodSnapshot,
+    then `n` restores; the cluster is torn down before this returns. With ``--nv-without-operator`` the
+    PodSnapshotContent their operator would create is written instead (nvidia_peer.checkpoint)."""
+    result: dict[str, Any] = {"agent": f"ai-dynamo/snapshot {peer.commit()}", "criu": str(peer.criu)}
+    image, archive = agent_image(peer, workdir / "images")
+    result["agent_image"] = {"name": image.name, "archive_bytes": archive.stat().st_size}
+    archives = [archive, work.archive]
+    with_operator = not args.nv_without_operator
+    if with_operator:
+        op_image, op_archive = operator_image(peer, workdir / "images")
+        archives.append(op_archive)
+    checkpoints = workdir / "checkpoints"
+    shutil.rmtree(checkpoints, ignore_errors=True)
+    checkpoints.mkdir(parents=True)
+    cluster = start_cluster(workdir / "cluster")
+    try:
+        node = cluster.real_node
+        assert node is not None
+        result["agent_config"] = install(cluster, peer, workdir, archives)
+        api = Api(cluster)
+        if with_operator:
+            result["operator"] = install_operator(cluster, api, peer, workdir, op_image)
+        source = worker_pod(node, "cpu-worker-source", work, restore=False)
+        result["source_container"] = source["spec"]["containers"][0]
+        api.create(source)
+        wait("source Ready", lambda: cond(api.pod("cpu-worker-source"), "Ready"), 180)
+        pids = {"agent": start_agent(cluster, api, image.name, checkpoints)}
+        if with_operator:
+            pids["operator"] = wait("operator process", lambda: host_pid(b"/manager"), 30)
+        cpu0 = {k: sum(cpu_seconds(pid).values()) for k, pid in pids.items()}
+        if with_operator:
+            ck = checkpoint_by_operator(
+                cluster, api, "cpu-worker-source", checkpoints, args.checkpoint_timeout
+            )
+        else:
+            ck = checkpoint(cluster, api, checkpoints, args.checkpoint_timeout)
+        result["checkpoint"] = ck
+        cpu1 = {k: sum(cpu_seconds(pid).values()) for k, pid in pids.items()}
+        log(f"nvidia checkpoint: {ck['agent_s']}s, {ck['artifact_bytes']} B")
+        result["restore_container"] = worker_pod(node, "r", work, restore=True)["spec"]["containers"][0]
+        result["samples"] = restores(cluster, api, work, n, args.restore_timeout)
+        cpu2 = {k: sum(cpu_seconds(pid).values()) for k, pid in pids.items()}
+        parts = " and the operator's manager process" if with_operator else ""
+        result["agent_cpu_s"] = {
+            "what": f"the agent process{parts} (utime+stime) and their reaped children (criu swrk, nsenter, "
+            "nsrestore)",
+            "checkpoint": round(sum(cpu1.values()) - sum(cpu0.values()), 2),
+            "restores": round(sum(cpu2.values()) - sum(cpu1.values()), 2),
+            "by_process": {
+                k: {"checkpoint": round(cpu1[k] - cpu0[k], 2), "restores": round(cpu2[k] - cpu1[k], 2)}
+                for k in pids
+            },
+        }
+        (workdir / "nvidia-agent.log").write_text(agent_logs(cluster))
+        if with_operator:
+            (workdir / "nvidia-operator.log").write_text(operator_logs(cluster, tail=100000))
+    finally:
+        cluster.stop()
+    return result
+
+
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -254,6 +363,7 @@ def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float | No
     paths = [f"restore.{k}" for k in ("p50_s", "p95_s", "min_s", "max_s", "agent_restore_p50_s")]
     paths += [
         "checkpoint.agent_s",
+        "checkpoint.podsnapshot_created_to_ready_s",
         "checkpoint.artifact_bytes",
         "agent_cpu_s.checkpoint",
         "agent_cpu_s.restores",
@@ -276,6 +386,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--workdir", type=Path, help="kept afterwards (default: a temporary directory)")
     ap.add_argument("--checkpoint-timeout", type=float, default=180)
     ap.add_argument("--restore-timeout", type=float, default=120)
+    ap.add_argument(
+        "--nv-without-operator",
+        action="store_true",
+        help="write the PodSnapshotContent their operator would create instead of running it",
+    )
     ap.add_argument("--skip-ours", action="store_true", help="NVIDIA's agent only (not a comparison)")
     return ap.parse_args()
 
@@ -311,8 +426,7 @@ def main() -> int:
         }
         sides: dict[str, dict[str, Any]] = {}
         try:
-            timeouts = (args.checkpoint_timeout, args.restore_timeout)
-            sides["nvidia"] = run_nvidia(peer, work, work_root / "nvidia", args.restores, timeouts)
+            sides["nvidia"] = run_nvidia(peer, work, work_root / "nvidia", args.restores, args)
         except Exception as e:
             sides["nvidia"] = {"error": str(e)[:8000], "traceback": traceback.format_exc()[-4000:]}
             log(f"nvidia FAILED: {e}")
