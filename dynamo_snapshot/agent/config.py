@@ -178,12 +178,13 @@ class RestoreSettings(_Section):
 
 
 class CacheSettings(_Section):
-    """The node-local copies of artifacts restored from the store."""
+    """The node-local copies of artifacts restored from a shared store or fetched from the object store."""
 
     cache_root: Path | None = Field(
         default=None,
-        description="node-local directory that keeps copies of artifacts restored from the artifact "
-        "root, so later restores on this node read them locally (unset: no cache)",
+        description="node-local directory that keeps copies of artifacts restored from a shared artifact "
+        "root, or fetched from the object store, so later restores on this node read them locally "
+        "(unset: no cache; fetched artifacts then go into artifactRoot, uncapped)",
     )
     cache_max_size: Size = Field(
         default=ByteSize(200 << 30),
@@ -196,7 +197,8 @@ class CacheSettings(_Section):
 
 class ObjectStoreSettings(_Section):
     """An S3-compatible object store every checkpoint is written to, so a restore on any node fetches it
-    (into artifactRoot, node-local then) instead of needing a shared volume."""
+    (into the node cache where cacheRoot is set, else into artifactRoot, node-local then) instead of needing
+    a shared volume."""
 
     s3_endpoint: str | None = Field(
         default=None,

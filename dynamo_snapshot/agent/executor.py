@@ -40,6 +40,7 @@ from dynamo_snapshot.artifact import (
     ArtifactError,
     ArtifactNotFoundError,
     Binding,
+    CacheFull,
     GpuInfo,
     validate_artifact_key,
 )
@@ -133,8 +134,13 @@ class Executor(Node):
                 self._reading(artifact_key),
                 contextlib.suppress(AgentError, ArtifactError, OSError, ValueError),
             ):
-                if not await asyncio.to_thread(self.store.exists, artifact_key):
-                    await self._fetched(artifact_key, manifest_digest)
+                await self._on_this_node(artifact_key, manifest_digest, Timings())
+
+    @property
+    def _fetches_into_cache(self) -> bool:
+        """Whether artifacts fetched from the object store go into the node cache (capped, least recently
+        used out first) rather than this node's store."""
+        return self.objects is not None and self.cache is not None
 
     def _fetched(self, artifact_key: str, manifest_digest: str) -> Awaitable[Artifact]:
         """The fetch of the artifact into this node's store under way, or a new one: restores and
@@ -143,7 +149,10 @@ class Executor(Node):
         assert objects is not None
         task = self.fetching.get(artifact_key)
         if task is None:
-            task = asyncio.create_task(objects.fetch(artifact_key, manifest_digest, self.store))
+            if self.cache is not None:
+                task = asyncio.create_task(self._fetch_into_cache(self.cache, artifact_key, manifest_digest))
+            else:
+                task = asyncio.create_task(objects.fetch(artifact_key, manifest_digest, self.store))
             self.fetching[artifact_key] = task
 
             def ended(done: asyncio.Task[Artifact]) -> None:
@@ -155,12 +164,30 @@ class Executor(Node):
             task.add_done_callback(ended)
         return asyncio.shield(task)
 
+    async def _fetch_into_cache(
+        self, cache: ArtifactCache, artifact_key: str, manifest_digest: str
+    ) -> Artifact:
+        objects = self.objects
+        assert objects is not None
+        try:
+            async with cache.admitting(artifact_key, older_unread=True) as room:
+                return await objects.fetch(artifact_key, manifest_digest, cache.store, room=room)
+        finally:
+            CACHE_BYTES.set(await asyncio.to_thread(cache.used_bytes))
+
     @contextlib.contextmanager
     def _reading(self, artifact_key: str) -> Iterator[None]:
-        """While inside, a deletion of the artifact waits."""
+        """While inside, a deletion of the artifact waits, and the node cache keeps its copy of it where
+        copies fetched from the object store go there."""
         self.reading[artifact_key] += 1
+        pin = (
+            self.cache.pinned(artifact_key)
+            if self._fetches_into_cache and self.cache is not None
+            else contextlib.nullcontext()
+        )
         try:
-            yield
+            with pin:
+                yield
         finally:
             self.reading[artifact_key] -= 1
             if not self.reading[artifact_key]:
@@ -168,18 +195,14 @@ class Executor(Node):
 
     async def _check_ahead(self, artifact_key: str, manifest_digest: str | None) -> None:
         with self._reading(artifact_key), contextlib.suppress(AgentError, ArtifactError, OSError, ValueError):
-            if (
-                self._fetches_ahead
-                and manifest_digest
-                and not await asyncio.to_thread(self.store.exists, artifact_key)
-            ):
-                await self._fetched(artifact_key, manifest_digest)
+            source, where = await self._on_this_node(
+                artifact_key, manifest_digest, Timings(), fetch=self._fetches_ahead
+            )
             if self.verified is None:
                 return
-            source = await asyncio.to_thread(self.store.open, artifact_key)
             check_digest(source, manifest_digest)
             cached = None
-            if self.cache is not None:
+            if where == "store" and self.cache is not None and not self._fetches_into_cache:
                 with self.cache.pinned(artifact_key):
                     cached = await asyncio.to_thread(self.cache.lookup, source)
             await check_ahead(self, cached or source)
@@ -208,11 +231,17 @@ class Executor(Node):
         if self.deleting[artifact_key]:
             FAILURES.labels("restore").inc()
             raise ArtifactRefused(f"artifact {artifact_key} refused: it is being deleted")
-        with self._reading(artifact_key):
-            greeting = Greeting(identity_info or {}, restore_env)
-            return await self._restore_reading(
-                key, artifact_key, greeting, manifest_digest, image_id, visible_gpus, skip_compat
-            )
+        try:
+            with self._reading(artifact_key):
+                greeting = Greeting(identity_info or {}, restore_env)
+                return await self._restore_reading(
+                    key, artifact_key, greeting, manifest_digest, image_id, visible_gpus, skip_compat
+                )
+        except ArtifactRefused:
+            if self._fetches_into_cache and self.cache is not None:
+                # Unpinned now: a copy this restore refused goes, unless another restore still reads it.
+                await asyncio.to_thread(self.cache.discard_refused, artifact_key)
+            raise
 
     async def _restore_reading(
         self,
@@ -225,8 +254,10 @@ class Executor(Node):
         skip_compat: bool,
     ) -> RestoreOutcome:
         timings = Timings()
+        # The node cache in front of a shared store: a copy it holds is tried first, and filled after.
+        shared_cache = self.cache if self.objects is None else None
         try:
-            artifact = await self._on_this_node(artifact_key, manifest_digest, timings)
+            artifact, where = await self._on_this_node(artifact_key, manifest_digest, timings)
             with timings.phase("restore", "verify"):
                 gpus = check_before_reading(
                     artifact, manifest_digest, image_id, self.gpus, visible_gpus, skip_compat=skip_compat
@@ -236,46 +267,74 @@ class Executor(Node):
                         await check_gpu_memory(artifact.manifest.extra, gpus, artifact.manifest.gpus)
                     except AgentError as e:
                         compat_refused(str(e), skip_compat, artifact.key)
-            if self.cache is not None:
+            if shared_cache is not None:
                 cached = await self._restore_from_cache(
-                    self.cache, key, artifact, timings, greeting, manifest_digest, gpus
+                    shared_cache, key, artifact, timings, greeting, manifest_digest, gpus
                 )
                 if cached is not None:
                     return cached
-            outcome = await self.restore_run(
-                self, key, artifact, timings, greeting, manifest_digest, gpus
-            ).run()
+            outcome = await self._restore_fetched_or_not(
+                self.restore_run(self, key, artifact, timings, greeting, manifest_digest, gpus), where
+            )
         except BaseException:
             FAILURES.labels("restore").inc()
             raise
-        if self.cache is not None:
+        if shared_cache is not None:
             CACHE_RESTORES.labels("store").inc()
             self._start_fill(artifact)
         return outcome
 
+    async def _restore_fetched_or_not(self, run: RestoreRun, where: str) -> RestoreOutcome:
+        """``run`` of an artifact ``where`` ``_on_this_node`` found it; a copy of the object store's in the
+        node cache that the restore refuses is removed (the next restore fetches it again)."""
+        cache = self.cache if self._fetches_into_cache and where != "store" else None
+        try:
+            outcome = await run.run()
+        except ArtifactRefused:
+            if cache is not None:
+                CACHE_RESTORES.labels("refused").inc()
+                await asyncio.to_thread(cache.refuse, run.artifact.key)
+            raise
+        if cache is None:
+            return outcome
+        CACHE_RESTORES.labels("cache" if where == "cache" else "store").inc()
+        return dataclasses.replace(outcome, source="cache" if where == "cache" else "object-store")
+
     async def _on_this_node(
-        self, artifact_key: str, manifest_digest: str | None, timings: Timings
-    ) -> Artifact:
-        """The artifact in this node's store; fetched into it from the object store where it is not there."""
+        self, artifact_key: str, manifest_digest: str | None, timings: Timings, *, fetch: bool = True
+    ) -> tuple[Artifact, str]:
+        """The artifact on this node and where it was: ``store`` (this node's store), ``cache`` (the node
+        cache's copy of the object store's), ``fetched`` (from the object store just now, unless not
+        ``fetch``: then refused)."""
         try:
             with timings.phase("restore", "verify"):
-                return await asyncio.to_thread(self.store.open, artifact_key)
+                return await asyncio.to_thread(self.store.open, artifact_key), "store"
         except ArtifactNotFoundError as e:
             if self.objects is None or not manifest_digest:
                 raise ArtifactRefused(f"artifact {artifact_key} refused: {e}") from None
         except (ArtifactError, ValueError) as e:
             raise ArtifactRefused(f"artifact {artifact_key} refused: {e}") from None
+        if self.cache is not None:
+            with timings.phase("restore", "verify"):
+                cached = await asyncio.to_thread(self.cache.lookup_sealed, artifact_key, manifest_digest)
+            if cached is not None:
+                return cached, "cache"
+        if not fetch:
+            raise ArtifactRefused(f"artifact {artifact_key} refused: not on this node")
+        target = self.cache.root if self.cache is not None else self.store.root
         try:
             with timings.phase("restore", "fetch"):
-                return await self._fetched(artifact_key, manifest_digest)
+                return await self._fetched(artifact_key, manifest_digest), "fetched"
         except ObjectStoreError as e:
             raise AgentError(
                 f"artifact {artifact_key} not fetched from the object store {self.objects}: {e}"
             ) from None
+        except CacheFull as e:
+            raise AgentError(f"artifact {artifact_key} not fetched: {e}") from None
         except OSError as e:
-            # This node's store cannot take it (full, say): nothing of the copy is kept.
+            # The node cannot take it (its disk full, say): nothing of the copy is kept.
             raise AgentError(
-                f"artifact {artifact_key} not fetched into {self.store.root}: {e.strerror or e}"
+                f"artifact {artifact_key} not fetched into {target}: {e.strerror or e}"
             ) from None
         except (ArtifactError, ValueError) as e:
             raise ArtifactRefused(f"artifact {artifact_key} refused: {e}") from None

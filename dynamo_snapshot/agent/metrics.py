@@ -35,8 +35,8 @@ PAGES_COMPRESSED_SAVED = Counter(
 )
 CACHE_RESTORES = Counter(
     "dynsnap_agent_cache_restores_total",
-    "Restores on a node with an artifact cache, by where the artifact was read: cache, store, or "
-    "refused (the cached copy failed its check; restored from the store)",
+    "Restores on a node with an artifact cache, by where the artifact was read: cache, store (the shared "
+    "store, or fetched from the object store), or refused (the cached copy failed its check)",
     ["source"],
 )
 CACHE_FILLS = Counter(

@@ -1,13 +1,15 @@
 """The agent's side of an S3-compatible object store: every checkpoint is written there once sealed, and a
-restore on a node without the artifact fetches it into the node's own store first (every chunk checked
-against the manifest the checkpoint recorded). The credentials are read from their directory (a mounted
-Secret) at each transfer, so a rotated Secret takes effect without a restart."""
+restore on a node without the artifact fetches it first, every chunk checked against the manifest the
+checkpoint recorded, into the node cache (or, with none, the node's own store). The credentials are read
+from their directory (a mounted Secret) at each transfer, so a rotated Secret takes effect without a
+restart."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from dynamo_snapshot.agent.metrics import OBJECT_STORE_BYTES, OBJECT_STORE_TRANSFERS
@@ -67,12 +69,20 @@ class ObjectStore:
         )
         return sent
 
-    async def fetch(self, key: str, manifest_digest: str, store: ArtifactStore) -> Artifact:
-        """The artifact ``key`` sealed with ``manifest_digest``, brought into this node's ``store``."""
+    async def fetch(
+        self,
+        key: str,
+        manifest_digest: str,
+        store: ArtifactStore,
+        *,
+        room: Callable[[int], Awaitable[None]] | None = None,
+    ) -> Artifact:
+        """The artifact ``key`` sealed with ``manifest_digest``, brought into this node's ``store`` (``room``:
+        as ``S3Artifacts.fetch``)."""
         started = time.monotonic()
         try:
             async with await self._client() as s3:
-                artifact = await s3.fetch(key, manifest_digest, store)
+                artifact = await s3.fetch(key, manifest_digest, store, room=room)
         except ObjectStoreError:
             OBJECT_STORE_TRANSFERS.labels("fetch", "failed").inc()
             raise

@@ -53,6 +53,9 @@ from dynamo_snapshot.kube.until_written import get_or_none
 __all__ = ["PodRestore", "reopens_refused_restore"]
 
 log = logging.getLogger(__name__)
+
+# What the restore's Event adds about where the artifact was read (RestoreOutcome.source).
+_SOURCE_NOTE = {"cache": " (node cache)", "object-store": " (fetched from the object store)"}
 Status = protocol.SnapshotStatus
 Supervise = Callable[[Obj, Workload, Destination], Awaitable[None]]
 
@@ -295,7 +298,7 @@ class PodRestore:
         await self.reports.report_restored(
             pod,
             f"restored from {grant.checkpoint_name} in {outcome.timings.total():.2f}s"
-            + (" (node cache)" if outcome.source == "cache" else ""),
+            + _SOURCE_NOTE.get(outcome.source, ""),
             extra,
             dest,
         )

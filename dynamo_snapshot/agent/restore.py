@@ -67,7 +67,8 @@ class RestoreOutcome:
     workload: Workload
     timings: Timings
     prefetch: PrefetchStats | None = None
-    # Where the artifact was read: "store", or "cache" (the node cache's copy).
+    # Where the artifact was read: "store", "cache" (the node cache's copy), or "object-store" (fetched
+    # from it for this restore).
     source: str = "store"
 
 

@@ -31,7 +31,7 @@ reporting ``TreeStats``). Verifying and sealing hash big files in a helper proce
 (``dynamo_snapshot.artifact.isolated``; ``warm_up_hashing`` starts one ahead of time).
 """
 
-from dynamo_snapshot.artifact.cache import ArtifactCache
+from dynamo_snapshot.artifact.cache import ArtifactCache, CacheFull
 from dynamo_snapshot.artifact.errors import ArtifactError, ArtifactNotFoundError
 from dynamo_snapshot.artifact.isolated import warm_up as warm_up_hashing
 from dynamo_snapshot.artifact.manifest import (
@@ -58,6 +58,7 @@ __all__ = [
     "ArtifactStore",
     "ArtifactWriter",
     "Binding",
+    "CacheFull",
     "FileEntry",
     "GpuInfo",
     "Manifest",

@@ -194,10 +194,18 @@ class S3Artifacts:
             return False
         return True
 
-    async def fetch(self, key: str, manifest_digest: str, store: ArtifactStore) -> Artifact:
+    async def fetch(
+        self,
+        key: str,
+        manifest_digest: str,
+        store: ArtifactStore,
+        *,
+        room: Callable[[int], Awaitable[None]] | None = None,
+    ) -> Artifact:
         """The artifact ``key`` whose sealed manifest has ``manifest_digest``, put into ``store`` under
         ``key`` (checked byte for byte on the way, published with the store's own atomic rename; a copy
-        already there with that manifest is used as it is)."""
+        already there with that manifest is used as it is). ``room``, where given, is awaited with the
+        artifact's size before anything is written (a capped store makes way, or refuses)."""
         present = await asyncio.to_thread(_present, store, key, manifest_digest)
         if present is not None:
             return present
@@ -209,6 +217,8 @@ class S3Artifacts:
                 f"artifact {key} refused: the store's manifest has digest {manifest.digest}, the checkpoint "
                 f"recorded {manifest_digest}"
             )
+        if room is not None:
+            await room(sum(e.size for e in manifest.files))
         started = time.monotonic()
         with ArtifactWriter(store, manifest.identity_hash, key=key) as writer:
             gate = asyncio.Semaphore(self.location.parallel)

@@ -101,10 +101,14 @@ CHART: dict[str, ChartValue] = {
     "cache_root": ChartValue(
         "agent.cache.hostPath",
         {
-            "description": "the node directory of the copies, with cache.enabled (mounted into the agent at "
-            "the same path); not the artifacts directory"
+            "description": "the node directory of the copies, with cache.enabled or storage.type s3 (mounted "
+            "into the agent at the same path); not the artifacts directory"
         },
-        lines=("{{- if $a.cache.enabled }}", "cacheRoot: {{ $a.cache.hostPath | quote }}", "{{- end }}"),
+        lines=(
+            '{{- if include "dynamo-snapshot.agentCache" . }}',
+            "cacheRoot: {{ $a.cache.hostPath | quote }}",
+            "{{- end }}",
+        ),
     ),
     "cache_max_size": ChartValue("agent.cache.maxSize"),
     "cache_min_free": ChartValue("agent.cache.minFree"),

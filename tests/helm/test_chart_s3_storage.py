@@ -1,6 +1,6 @@
 """storage.type s3 in the chart: the agent is told the store, reads its credentials from the Secret and its
-CA from the ConfigMap the DaemonSet mounts, keeps artifacts on each node, and bad values are refused at
-install with the reason."""
+CA from the ConfigMap the DaemonSet mounts, keeps artifacts on each node (fetched ones in its node cache),
+and bad values are refused at install with the reason."""
 
 from __future__ import annotations
 
@@ -46,13 +46,18 @@ def test_the_agent_gets_the_store_its_credentials_and_its_ca() -> None:
     assert mounts["s3-credentials"] == str(config.s3.s3_credentials_dir)
     assert config.s3.s3_ca_bundle is not None
     assert str(config.s3.s3_ca_bundle) == f"{mounts['s3-ca']}/bundle.pem"
+    # Fetched copies go into the node cache, on even where agent.cache is not asked for.
+    assert config.cache.cache_root is not None
+    assert mounts["artifact-cache"] == str(config.cache.cache_root)
+    assert volumes["artifact-cache"]["hostPath"]["path"] == str(config.cache.cache_root)
 
 
 def test_the_volume_store_has_no_object_store() -> None:
     pod, cm = _agent(render())
     config = AgentConfig.model_validate({**yaml.safe_load(cm["data"]["config.yaml"]), "nodeName": "n"})
     assert config.s3.location() is None
-    assert not {"s3-credentials", "s3-ca"} & {v["name"] for v in pod["volumes"]}
+    assert config.cache.cache_root is None
+    assert not {"s3-credentials", "s3-ca", "artifact-cache"} & {v["name"] for v in pod["volumes"]}
 
 
 def test_bad_storage_values_are_refused_with_the_reason() -> None:

@@ -230,3 +230,8 @@ per render and kept in .Values: the restore webhook (webhook.yaml) and the DGD C
 {{- end -}}
 {{- toYaml (get $w "_pki") -}}
 {{- end -}}
+
+{{/* "true" where the agent keeps a node cache: asked for, or storage.type s3 (its fetched copies go there). */}}
+{{- define "dynamo-snapshot.agentCache" -}}
+{{- if or .Values.agent.cache.enabled (eq .Values.storage.type "s3") }}true{{ end }}
+{{- end }}

@@ -1,0 +1,170 @@
+"""The node cache in front of an S3-compatible object store (a real SeaweedFS server), with the agent's
+Executor and real CRIU: a node fetches a checkpoint it lacks into its cache, not its store, and restores it
+from there again without the network; the cache keeps under its cap by removing the least recently
+restored copy, never one a restore reads (then the restore fails by name and nothing is kept), and a
+copy that fails its check is removed so the next restore fetches it anew."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from prometheus_client import REGISTRY
+
+from dynamo_snapshot.agent.errors import AgentError, ArtifactRefused
+from dynamo_snapshot.agent.executor import Executor
+from dynamo_snapshot.agent.object_store import ObjectStore
+from dynamo_snapshot.agent.runtime import ProcessRuntime
+from dynamo_snapshot.artifact import ArtifactCache, ArtifactStore
+from dynamo_snapshot.artifact.cache import artifact_bytes
+from dynamo_snapshot.artifact.s3 import S3Location
+from dynamo_snapshot_dev.localcluster.s3server import LocalS3
+from tests.agent.local_node import checkpoint_worker_outcome, local_executor
+from tests.helpers.polling import await_json
+
+pytestmark = pytest.mark.criu
+REPO = Path(__file__).resolve().parents[2]
+WORKER = REPO / "tests" / "agent" / "cpu_worker.py"
+FIRST, SECOND = "0123456789abcdef", "fedcba9876543210"
+
+
+def sample(name: str, labels: dict[str, str] | None = None) -> float:
+    return REGISTRY.get_sample_value(name, labels or {}) or 0.0
+
+
+def fetches() -> float:
+    return sample("dynsnap_agent_object_store_transfers_total", {"op": "fetch", "result": "done"})
+
+
+def restores_from(source: str) -> float:
+    return sample("dynsnap_agent_cache_restores_total", {"source": source})
+
+
+@pytest.fixture
+async def objects(s3_server: LocalS3, tmp_path: Path) -> ObjectStore:
+    location = S3Location(endpoint=s3_server.endpoint, bucket=await s3_server.new_bucket(), prefix="c/")
+    return ObjectStore(location, s3_server.write_credentials(tmp_path / "credentials"))
+
+
+async def _checkpointed(tmp_path: Path, criu_bin: Path, objects: ObjectStore, *keys: str) -> dict[str, str]:
+    """``keys`` checkpointed on node a and written to the store: their manifest digests."""
+    a, runtime = local_executor(
+        tmp_path / "a",
+        criu_bin,
+        compress_pages=False,
+        objects=objects,
+        kind=Executor,
+        runtime_kind=ProcessRuntime,
+    )
+    digests = {}
+    for i, key in enumerate(keys):
+        _, outcome = await checkpoint_worker_outcome(
+            a, runtime, WORKER, key, {"WORKER_STATE_MIB": "8"}, key=f"source-{i}"
+        )
+        digests[key] = outcome.manifest_digest
+    return digests
+
+
+def _node(
+    tmp_path: Path, criu_bin: Path, objects: ObjectStore, max_bytes: int
+) -> tuple[Executor, ProcessRuntime, ArtifactCache]:
+    cache = ArtifactCache(tmp_path / "b-cache", max_bytes)
+    node, runtime = local_executor(
+        tmp_path / "b",
+        criu_bin,
+        compress_pages=False,
+        objects=objects,
+        cache=cache,
+        kind=Executor,
+        runtime_kind=ProcessRuntime,
+    )
+    return node, runtime, cache
+
+
+async def _restore(node: Executor, runtime: ProcessRuntime, key: str, digest: str) -> str:
+    """Restore ``key`` on ``node``, check the worker's memory came back intact, stop it: where it was read."""
+    outcome = await node.restore("restored", key, manifest_digest=digest)
+    try:
+        verdict = await await_json(outcome.workload.control_dir / "verify.json")
+        assert verdict["digest_after"] == verdict["digest_before"], "memory changed across the restore"
+    finally:
+        await runtime.stop("restored")
+        await asyncio.to_thread(shutil.rmtree, outcome.workload.control_dir, True)
+    return outcome.source
+
+
+async def test_a_fetched_checkpoint_goes_into_the_node_cache_and_is_read_there_again(
+    criu_bin: Path, tmp_path: Path, objects: ObjectStore
+) -> None:
+    digests = await _checkpointed(tmp_path, criu_bin, objects, FIRST)
+    node, runtime, cache = _node(tmp_path, criu_bin, objects, 1 << 30)
+    fetched, from_store, from_cache = fetches(), restores_from("store"), restores_from("cache")
+
+    assert await _restore(node, runtime, FIRST, digests[FIRST]) == "object-store"
+    assert node.store.list() == [], "a fetched artifact goes into the cache, not the node's store"
+    assert cache.store.list() == [FIRST]
+    assert fetches() == fetched + 1
+    assert restores_from("store") == from_store + 1
+    assert sample("dynsnap_agent_cache_bytes") == cache.used_bytes() > 0
+
+    assert await _restore(node, runtime, FIRST, digests[FIRST]) == "cache"
+    assert fetches() == fetched + 1, "the second restore fetched again"
+    assert restores_from("cache") == from_cache + 1
+
+
+async def test_the_least_recently_restored_copy_makes_way_never_one_in_use(
+    criu_bin: Path, tmp_path: Path, objects: ObjectStore
+) -> None:
+    digests = await _checkpointed(tmp_path, criu_bin, objects, FIRST, SECOND)
+    source = ArtifactStore(tmp_path / "a" / "store")
+    sizes = {key: artifact_bytes(source.open(key).manifest) for key in digests}
+    # Room for either, not both.
+    node, runtime, cache = _node(tmp_path, criu_bin, objects, sum(sizes.values()) - 1)
+    evicted = sample("dynsnap_agent_cache_evictions_total")
+
+    await _restore(node, runtime, FIRST, digests[FIRST])
+    await _restore(node, runtime, SECOND, digests[SECOND])
+    assert cache.store.list() == [SECOND]
+    assert sample("dynsnap_agent_cache_evictions_total") == evicted + 1
+
+    # While a restore reads the only copy, the other cannot come in: refused by name, nothing kept.
+    no_room = rf"artifact {FIRST} not fetched: no room for .* node cache"
+    with cache.pinned(SECOND), pytest.raises(AgentError, match=no_room):
+        await node.restore("r", FIRST, manifest_digest=digests[FIRST])
+    assert cache.store.list() == [SECOND]
+    assert sorted(os.listdir(cache.root)) == [SECOND], "a partial copy was left"
+
+    small, _, _ = _node(tmp_path / "small", criu_bin, objects, min(sizes.values()) // 2)
+    with pytest.raises(AgentError, match=rf"artifact {FIRST} .* is larger than the node cache"):
+        await small.restore("r", FIRST, manifest_digest=digests[FIRST])
+
+
+def _flip_a_byte(path: Path, offset: int) -> None:
+    with path.open("r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+async def test_a_damaged_copy_in_the_node_cache_is_removed_and_fetched_again(
+    criu_bin: Path, tmp_path: Path, objects: ObjectStore
+) -> None:
+    digests = await _checkpointed(tmp_path, criu_bin, objects, FIRST)
+    node, runtime, cache = _node(tmp_path, criu_bin, objects, 1 << 30)
+    await _restore(node, runtime, FIRST, digests[FIRST])
+    copy = cache.store.open(FIRST)
+    pages = max((f for f in copy.manifest.files if f.path.endswith(".img")), key=lambda f: f.size)
+    _flip_a_byte(copy.path / pages.path, pages.size // 2)
+    refused, fetched = restores_from("refused"), fetches()
+
+    with pytest.raises(ArtifactRefused, match=pages.path):
+        await node.restore("r", FIRST, manifest_digest=digests[FIRST])
+    assert cache.store.list() == [], "the damaged copy stayed"
+    assert restores_from("refused") == refused + 1
+
+    assert await _restore(node, runtime, FIRST, digests[FIRST]) == "object-store"
+    assert fetches() == fetched + 1
