@@ -33,17 +33,15 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.nvidia_peer import (
-    CKPT_ID,
     NS,
     RELEASE,
     Api,
     Peer,
+    Workload,
     agent_logs,
+    captured,
     cond,
-    du_bytes,
-    go_seconds,
     render_chart,
-    timing_summaries,
     wait,
 )
 from dynamo_snapshot_dev.localcluster import LocalCluster
@@ -137,22 +135,22 @@ def install_operator(
 
 
 def checkpoint_by_operator(
-    cluster: LocalCluster, api: Api, source: str, checkpoints: Path, timeout: float
+    cluster: LocalCluster, api: Api, work: Workload, checkpoints: Path, timeout: float
 ) -> dict[str, Any]:
     """A PodSnapshot of the source pod's container main, timed from its create call to its Ready condition
     (polled every 50 ms); the operator creates the PodSnapshotContent and the agent captures."""
     body = {
         "apiVersion": "nvidia.com/v1alpha1",
         "kind": "PodSnapshot",
-        "metadata": {"name": CKPT_ID, "namespace": NS},
-        "spec": {"source": {"podRef": {"name": source, "containers": ["main"]}}},
+        "metadata": {"name": work.ckpt_id, "namespace": NS},
+        "spec": {"source": {"podRef": {"name": work.source, "containers": ["main"]}}},
     }
     path = f"{GROUP}/namespaces/{NS}/podsnapshots"
     t0 = time.monotonic()
     api.call("POST", path, body)
 
     def done() -> Any:
-        snap = api.call("GET", f"{path}/{CKPT_ID}")
+        snap = api.call("GET", f"{path}/{work.ckpt_id}")
         if cond(snap, "Failed"):
             raise RuntimeError(f"checkpoint failed: {json.dumps(snap['status'])}\n{agent_logs(cluster, 40)}")
         return snap if cond(snap, "Ready") else None
@@ -165,12 +163,8 @@ def checkpoint_by_operator(
     wall = time.monotonic() - t0
     content_name = ready["status"].get("boundSnapshotContentName")
     content = api.call("GET", f"{GROUP}/podsnapshotcontents/{content_name}") if content_name else None
-    (_, summary), *_ = timing_summaries(agent_logs(cluster), "Checkpoint") or [(0.0, {})]
-    own = summary.get("checkpoint") or {}
     return {
         "path": "PodSnapshot -> their operator -> PodSnapshotContent -> their agent",
-        "agent_s": go_seconds(own["duration"]) if "duration" in own else None,
-        "agent_phases_s": {k: go_seconds(v) for k, v in (own.get("phases") or {}).items()},
         "podsnapshot_created_to_ready_s": round(wall, 3),
         "status": ready["status"],
         "content": {
@@ -179,8 +173,5 @@ def checkpoint_by_operator(
             "spec": (content or {}).get("spec"),
             "status": (content or {}).get("status"),
         },
-        "artifact_bytes": du_bytes(checkpoints),
-        "artifact_files": sorted(
-            str(p.relative_to(checkpoints)) for p in checkpoints.rglob("*") if p.is_file()
-        ),
+        **captured(cluster, work, checkpoints, content_name or ""),
     }

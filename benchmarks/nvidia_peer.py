@@ -16,7 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -38,12 +38,11 @@ from dynamo_snapshot_dev.localcluster.images import (
 )
 from dynamo_snapshot_dev.localcluster.images import WORKER_ENV as WORKER_IMAGE_ENV
 from dynamo_snapshot_dev.localcluster.realnode import RealNode
-from tests.helpers.kubelet_stack import PORT, serving
+from tests.helpers.kubelet_stack import PORT
 from tests.helpers.polling import wait_for
 
 NS = "nv-snapshot"  # agent, source and restore pods
 RELEASE = "snap"
-CKPT_ID = "cpu-worker-ckpt"
 AGENT_BINS = ("agent", "nsrestore", "ns-bind-mount")
 HOST_TOOLS = {"nsenter": Path("/usr/bin/nsenter"), "tar": Path("/usr/bin/tar"), "ip": Path("/usr/sbin/ip")}
 # CRIU's dump locks the pod's network with iptables-restore (their image installs iptables): the host's
@@ -108,11 +107,27 @@ class Peer:
 
 @dataclass(frozen=True)
 class Workload:
-    """The worker both agents checkpoint and restore: one image, one environment, no memory limit."""
+    """A worker both agents checkpoint and restore: one image, one environment, no memory limit; ``main``
+    (command, args, volumeMounts of the container), ``volumes`` and ``spec`` (pod fields) where it needs
+    more than its image. It serves once ``GET /health`` on ``port`` answers 200."""
 
+    name: str
     image: ImageRef
     archive: Path
     env: dict[str, str]
+    port: int = PORT
+    main: dict[str, Any] = field(default_factory=dict)
+    volumes: list[dict[str, Any]] = field(default_factory=list)
+    spec: dict[str, Any] = field(default_factory=dict)
+    prompt: bytes | None = b"hello"  # POST /generate answers it (the CPU reference worker)
+
+    @property
+    def ckpt_id(self) -> str:
+        return f"{self.name}-ckpt"
+
+    @property
+    def source(self) -> str:
+        return f"{self.name}-source"
 
 
 def workload_image(out_dir: Path) -> tuple[ImageRef, Path]:
@@ -226,10 +241,14 @@ def worker_pod(node: RealNode, name: str, work: Workload, *, restore: bool) -> d
         "name": "main",
         "image": work.image.name,
         "imagePullPolicy": "Never",
+        **work.main,
         "env": env,
-        "volumeMounts": [{"name": "snapshot-control", "mountPath": "/snapshot-control", "subPath": "main"}],
+        "volumeMounts": [
+            {"name": "snapshot-control", "mountPath": "/snapshot-control", "subPath": "main"},
+            *work.main.get("volumeMounts", []),
+        ],
     }
-    labels = {"nvidia.com/snapshot-checkpoint-id": CKPT_ID}
+    labels = {"nvidia.com/snapshot-checkpoint-id": work.ckpt_id}
     if restore:
         command = ["cat", "/snapshot-control/restore-complete"]
         container["startupProbe"] = {"exec": {"command": command}, "failureThreshold": 1800, **probe}
@@ -240,8 +259,8 @@ def worker_pod(node: RealNode, name: str, work: Workload, *, restore: bool) -> d
             **probe,
         }
         labels["nvidia.com/snapshot-is-checkpoint-source"] = "true"
-    volumes = [{"name": "snapshot-control", "emptyDir": {}}]
-    pod = node.pod(name, [container], volumes=volumes, restartPolicy="Never")
+    volumes = [{"name": "snapshot-control", "emptyDir": {}}, *work.volumes]
+    pod = node.pod(name, [container], volumes=volumes, restartPolicy="Never", **work.spec)
     annotations = {
         "nvidia.com/snapshot-target-containers": "main",
         "nvidia.com/snapshot-artifact-version": "1",
@@ -344,10 +363,19 @@ def wait(what: str, fn: Callable[[], Any], timeout: float, interval: float = 0.2
         raise TimeoutError(str(e)) from None
 
 
-def get_json(ip: str, path: str, body: bytes | None = None) -> Any:
-    req = urllib.request.Request(f"http://{ip}:{PORT}{path}", data=body, method="POST" if body else "GET")
+def get_json(ip: str, path: str, body: bytes | None = None, port: int = PORT) -> Any:
+    req = urllib.request.Request(f"http://{ip}:{port}{path}", data=body, method="POST" if body else "GET")
     with urllib.request.urlopen(req, timeout=5) as resp:
         return json.loads(resp.read())
+
+
+def serving(ip: str, port: int) -> bool:
+    """Whether the worker at ``ip`` answers ``GET /health`` on ``port`` with 200 (within a second)."""
+    try:
+        with urllib.request.urlopen(f"http://{ip}:{port}/health", timeout=1) as resp:
+            return int(resp.status) == 200
+    except OSError:
+        return False
 
 
 def host_pid(argv0: bytes) -> int | None:
@@ -425,24 +453,27 @@ def install(cluster: LocalCluster, peer: Peer, work: Path, archives: list[Path])
     return config
 
 
-def checkpoint(cluster: LocalCluster, api: Api, checkpoints: Path, timeout: float) -> dict[str, Any]:
+def checkpoint(
+    cluster: LocalCluster, api: Api, work: Workload, checkpoints: Path, timeout: float
+) -> dict[str, Any]:
     """Without their operator (vs_nvidia_snapshot.py --nv-without-operator): the PodSnapshot, and the
     PodSnapshotContent their operator makes of it (podsnapshot_reconciler.go buildPodSnapshotContent), written
     here; waits until the agent sets the content Ready."""
     node = cluster.real_node
     assert node is not None
-    src = api.pod("cpu-worker-source")
-    podref = {"name": "cpu-worker-source", "containers": ["main"]}
-    meta = {"name": CKPT_ID, "namespace": NS}
+    ckpt_id = work.ckpt_id
+    src = api.pod(work.source)
+    podref = {"name": work.source, "containers": ["main"]}
+    meta = {"name": ckpt_id, "namespace": NS}
     api.create({"apiVersion": "nvidia.com/v1alpha1", "kind": "PodSnapshot", "metadata": meta,
                 "spec": {"source": {"podRef": podref}}})  # fmt: skip
-    snap = api.get("podsnapshot", "-n", NS, CKPT_ID)
+    snap = api.get("podsnapshot", "-n", NS, ckpt_id)
     content = {
         "apiVersion": "nvidia.com/v1alpha1",
         "kind": "PodSnapshotContent",
-        "metadata": {"name": f"{CKPT_ID}-content", "labels": {"nvidia.com/snapshot-node": node.name}},
+        "metadata": {"name": f"{ckpt_id}-content", "labels": {"nvidia.com/snapshot-node": node.name}},
         "spec": {
-            "snapshotRef": {"namespace": NS, "name": CKPT_ID, "uid": snap["metadata"]["uid"]},
+            "snapshotRef": {"namespace": NS, "name": ckpt_id, "uid": snap["metadata"]["uid"]},
             "source": {"podRef": {**podref, "uid": src["metadata"]["uid"]}, "nodeName": node.name},
         },
     }
@@ -450,7 +481,7 @@ def checkpoint(cluster: LocalCluster, api: Api, checkpoints: Path, timeout: floa
     api.create(content)
 
     def done() -> Any:
-        c = api.get("podsnapshotcontent", f"{CKPT_ID}-content")
+        c = api.get("podsnapshotcontent", f"{ckpt_id}-content")
         if cond(c, "Failed"):
             raise RuntimeError(f"checkpoint failed: {json.dumps(c['status'])}\n{agent_logs(cluster, 40)}")
         return c if cond(c, "Ready") else None
@@ -460,18 +491,27 @@ def checkpoint(cluster: LocalCluster, api: Api, checkpoints: Path, timeout: floa
     except TimeoutError:
         raise RuntimeError(f"checkpoint timed out\n{agent_logs(cluster, 60)}") from None
     wall = time.monotonic() - t0
-    (_, summary), *_ = timing_summaries(agent_logs(cluster), "Checkpoint") or [(0.0, {})]
-    own = summary.get("checkpoint") or {}
     return {
         "path": "PodSnapshot, and a PodSnapshotContent written here -> their agent",
-        "agent_s": go_seconds(own["duration"]) if "duration" in own else None,
-        "agent_phases_s": {k: go_seconds(v) for k, v in (own.get("phases") or {}).items()},
         "content_created_to_ready_s": round(wall, 3),
         "status": ready["status"],
-        "artifact_bytes": du_bytes(checkpoints),
-        "artifact_files": sorted(
-            str(p.relative_to(checkpoints)) for p in checkpoints.rglob("*") if p.is_file()
-        ),
+        **captured(cluster, work, checkpoints, f"{ckpt_id}-content"),
+    }
+
+
+def captured(cluster: LocalCluster, work: Workload, checkpoints: Path, content: str) -> dict[str, Any]:
+    """The agent's own duration and phases of the checkpoint of PodSnapshotContent ``content`` (its log's
+    timing summary) and the artifact's files and bytes (checkpoints/<checkpoint id>/)."""
+    summaries = [
+        s for _, s in timing_summaries(agent_logs(cluster), "Checkpoint") if s.get("content") == content
+    ]
+    own = (summaries[-1] if summaries else {}).get("checkpoint") or {}
+    root = checkpoints / work.ckpt_id
+    return {
+        "agent_s": go_seconds(own["duration"]) if "duration" in own else None,
+        "agent_phases_s": {k: go_seconds(v) for k, v in (own.get("phases") or {}).items()},
+        "artifact_bytes": du_bytes(root),
+        "artifact_files": sorted(str(p.relative_to(checkpoints)) for p in root.rglob("*") if p.is_file()),
     }
 
 
@@ -486,7 +526,7 @@ def restore_one(cluster: LocalCluster, api: Api, work: Workload, name: str, time
     next_check = [time.monotonic() + 2]
 
     def up() -> bool:
-        if serving(ip):
+        if serving(ip, work.port):
             return True
         if time.monotonic() >= next_check[0]:
             next_check[0] = time.monotonic() + 2
@@ -497,21 +537,23 @@ def restore_one(cluster: LocalCluster, api: Api, work: Workload, name: str, time
 
     wait("GET /health", up, timeout, 0.01)
     total = time.monotonic() - t0
-    generate = get_json(ip, "/generate", b"hello")
-    return {"pod": name, "total_s": total, "t0_wall": t0_wall, "health": get_json(ip, "/health"),
-            "generate": generate}  # fmt: skip
+    sample = {"pod": name, "total_s": total, "t0_wall": t0_wall,
+              "health": get_json(ip, "/health", port=work.port)}  # fmt: skip
+    if work.prompt is not None:
+        sample["generate"] = get_json(ip, "/generate", work.prompt, port=work.port)
+    return sample
 
 
 def restores(cluster: LocalCluster, api: Api, work: Workload, n: int, timeout: float) -> list[dict[str, Any]]:
     samples: list[dict[str, Any]] = []
     for i in range(n):
-        name = f"cpu-worker-restore-{i}"
+        name = f"{work.name}-restore-{i}"
         try:
             sample = restore_one(cluster, api, work, name, timeout)
-            log(f"nvidia restore {i}: serving after {sample['total_s']:.3f}s")
+            log(f"nvidia {work.name} restore {i}: serving after {sample['total_s']:.3f}s")
         except Exception as e:
             sample = {"pod": name, "error": str(e)[:4000]}
-            log(f"nvidia restore {i} FAILED: {e}\n{agent_logs(cluster, 60)}")
+            log(f"nvidia {work.name} restore {i} FAILED: {e}\n{agent_logs(cluster, 60)}")
         finally:
             api.delete_pod(name)
         samples.append(sample)

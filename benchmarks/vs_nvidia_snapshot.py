@@ -84,7 +84,6 @@ from benchmarks.nvidia_operator import (  # noqa: E402
     operator_logs,
 )
 from benchmarks.nvidia_peer import (  # noqa: E402
-    CKPT_ID,
     Api,
     Peer,
     Workload,
@@ -98,12 +97,14 @@ from benchmarks.nvidia_peer import (  # noqa: E402
     install,
     log,
     restores,
+    serving,
     start_agent,
     start_cluster,
     wait,
     worker_pod,
     workload_image,
 )
+from benchmarks.peer_workloads import cpu_worker, dynamo_mocker, dynamo_site  # noqa: E402
 from dynamo_snapshot.agent.timings import AWAIT_CONTAINER_PHASE  # noqa: E402
 from dynamo_snapshot.api import protocol  # noqa: E402
 from dynamo_snapshot.artifact import MANIFEST_NAME  # noqa: E402
@@ -111,18 +112,9 @@ from dynamo_snapshot.criu import Criu  # noqa: E402
 from dynamo_snapshot.kube import POD, Kube  # noqa: E402
 from dynamo_snapshot.kube.kinds import POD_SNAPSHOT  # noqa: E402
 from dynamo_snapshot_dev.localcluster import LocalCluster  # noqa: E402
-from tests.helpers.kubelet_stack import PORT, Stack, eventually, ready, serving, snapshot_pod  # noqa: E402
+from tests.helpers.kubelet_stack import Stack, eventually, ready, snapshot_pod  # noqa: E402
 
 NAMESPACE = "vs-nvidia"
-PROMPT = b"hello"
-# As benchmarks/kubelet_restore.py's worker (tests/helpers/kubelet_stack.py graph_manifest), less its limit.
-WORKER_ENV = {
-    "WORKER_WEIGHTS_MIB": "24",
-    "WORKER_COMPILE_ROUNDS": "20000",
-    "WORKER_SERVICE_MS": "1",
-    "WORKER_HOST": "0.0.0.0",
-    "WORKER_PORT": str(PORT),
-}
 
 
 def rusage() -> float:
@@ -135,47 +127,50 @@ def ours_pod(s: Stack, name: str, work: Workload, *, restore: bool) -> dict[str,
     """The source pod (readiness on ready-for-snapshot, as theirs) or a restore pod: `restore-from` the
     PodSnapshot, shaped as this project's restore webhook shapes it (control volume, standby env); the
     webhook itself is not in the path (nor its readiness gate), as their side has no webhook."""
-    main: dict[str, Any] = {"image": work.image.name}
+    main: dict[str, Any] = {"image": work.image.name, **work.main}
     if not restore:
         probe = ["cat", f"{protocol.CONTROL_MOUNT_PATH}/ready-for-snapshot"]
         main["readinessProbe"] = {"exec": {"command": probe}, "periodSeconds": 1, "timeoutSeconds": 1}
-    pod = snapshot_pod(s.node, name, main, standby=restore, restartPolicy="Never")
-    pod["spec"]["containers"][0]["env"] += [{"name": k, "value": v} for k, v in work.env.items()]
+    pod = snapshot_pod(s.node, name, main, standby=restore, restartPolicy="Never", **work.spec)
+    container = pod["spec"]["containers"][0]
+    container["env"] += [{"name": k, "value": v} for k, v in work.env.items()]
+    container["volumeMounts"] += work.main.get("volumeMounts", [])
+    pod["spec"]["volumes"] += work.volumes
     pod["metadata"]["namespace"] = s.namespace
     if restore:
-        pod["metadata"]["annotations"] = {protocol.ANNOTATION_RESTORE_FROM: CKPT_ID}
+        pod["metadata"]["annotations"] = {protocol.ANNOTATION_RESTORE_FROM: work.ckpt_id}
     return pod
 
 
 async def checkpoint_ours(s: Stack, work: Workload) -> dict[str, Any]:
     """The source pod once Ready, then a PodSnapshot of it timed from its create call to its Ready
     condition (50 ms polls): this project's controller binds the PodSnapshotContent, its agent captures."""
-    source = ours_pod(s, "cpu-worker-source", work, restore=False)
+    source = ours_pod(s, work.source, work, restore=False)
     await s.kube.create(POD, source)
 
     async def source_ready() -> bool:
-        return ready(await s.kube.get(POD, "cpu-worker-source", s.namespace))
+        return ready(await s.kube.get(POD, work.source, s.namespace))
 
-    await eventually(source_ready, 180, "the source pod to be Ready")
+    await eventually(source_ready, 180, f"the source pod {work.source} to be Ready")
     body = {
         "apiVersion": "nvidia.com/v1alpha1",
         "kind": "PodSnapshot",
-        "metadata": {"name": CKPT_ID, "namespace": s.namespace},
-        "spec": {"source": {"podRef": {"name": "cpu-worker-source", "containers": ["main"]}}},
+        "metadata": {"name": work.ckpt_id, "namespace": s.namespace},
+        "spec": {"source": {"podRef": {"name": work.source, "containers": ["main"]}}},
     }
     t0 = time.monotonic()
     await s.kube.create(POD_SNAPSHOT, body)
     while True:
-        snap = await s.kube.get(POD_SNAPSHOT, CKPT_ID, s.namespace)
+        snap = await s.kube.get(POD_SNAPSHOT, work.ckpt_id, s.namespace)
         if cond(snap, "Failed"):
             raise RuntimeError(f"checkpoint failed: {snap['status']}")
         if cond(snap, "Ready"):
             break
         await asyncio.sleep(0.05)
     wall = time.monotonic() - t0
-    manifests = sorted(s.store.rglob(MANIFEST_NAME))
+    root = s.store / s.namespace / snap["metadata"]["uid"]  # the agent's artifact key of this PodSnapshot
+    manifests = sorted(root.rglob(MANIFEST_NAME))
     timings = json.loads(manifests[0].read_text()).get("timings") or {} if manifests else {}
-    files = sorted(str(p.relative_to(s.store)) for p in s.store.rglob("*") if p.is_file())
     return {
         "path": "PodSnapshot -> this project's controller -> PodSnapshotContent -> its agent",
         "agent_s": round(sum(timings.values()), 4) if timings else None,
@@ -183,9 +178,9 @@ async def checkpoint_ours(s: Stack, work: Workload) -> dict[str, Any]:
         "podsnapshot_created_to_ready_s": round(wall, 3),
         "status": snap.get("status"),
         "artifact_bytes": sum(
-            p.stat().st_size for p in s.store.rglob("*") if p.is_file() and not p.is_symlink()
+            p.stat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink()
         ),
-        "artifact_files": files,
+        "artifact_files": sorted(str(p.relative_to(s.store)) for p in root.rglob("*") if p.is_file()),
         "source_container": source["spec"]["containers"][0],
     }
 
@@ -201,58 +196,66 @@ async def restore_ours(s: Stack, name: str, work: Workload) -> Any:
         if ann.get(protocol.per_container(protocol.ANNOTATION_RESTORE_STATUS, "main")) == "failed":
             raise RuntimeError(f"{name}: {ann}")
         ip = (got.get("status") or {}).get("podIP") or ""
-        if ip and await asyncio.to_thread(serving, ip):
+        if ip and await asyncio.to_thread(serving, ip, work.port):
             break
         await asyncio.sleep(0.01)
     total = time.monotonic() - t0
     got = await s.kube.get(POD, name, s.namespace)
     phases = json.loads(got["metadata"]["annotations"].get(protocol.ANNOTATION_RESTORE_TIMINGS) or "{}")
     own = {k: v for k, v in phases.items() if k != AWAIT_CONTAINER_PHASE}
-    return {
+    sample = {
         "pod": name,
         "total_s": total,
         "agent_restore_s": round(sum(own.values()), 4),
         "agent_phases_s": phases,
-        "health": await asyncio.to_thread(get_json, ip, "/health"),
-        "generate": await asyncio.to_thread(get_json, ip, "/generate", PROMPT),
+        "health": await asyncio.to_thread(get_json, ip, "/health", None, work.port),
         "container": pod["spec"]["containers"][0],
     }
+    if work.prompt is not None:
+        sample["generate"] = await asyncio.to_thread(get_json, ip, "/generate", work.prompt, work.port)
+    return sample
 
 
 async def measure_ours(s: Stack, work: Workload, n: int) -> dict[str, Any]:
     cpu0 = rusage()
     record = await checkpoint_ours(s, work)
     cpu1 = rusage()
-    log(f"ours checkpoint: {record['agent_s']}s, {record['artifact_bytes']} B")
+    log(f"ours {work.name} checkpoint: {record['agent_s']}s, {record['artifact_bytes']} B")
     samples: list[dict[str, Any]] = []
     for i in range(n):
-        name = f"bench-{i}"
+        name = f"{work.name}-restore-{i}"
         try:
             sample = await restore_ours(s, name, work)
-            log(f"ours restore {i}: serving after {sample['total_s']:.3f}s")
+            log(f"ours {work.name} restore {i}: serving after {sample['total_s']:.3f}s")
         except Exception as e:
             sample = {"pod": name, "error": str(e)[:4000]}
-            log(f"ours restore {i} FAILED: {e}")
+            log(f"ours {work.name} restore {i} FAILED: {e}")
         await s.delete_pod(name)
         samples.append(sample)
     cpu2 = rusage()
-    record["restore_container"] = next((x.pop("container") for x in samples if "container" in x), None)
+    restore_container = next((x.pop("container") for x in samples if "container" in x), None)
     for x in samples:
         x.pop("container", None)
     what = "this process (controller, agent, the 10 ms poller, in-process) and its reaped children (criu)"
     cpu = {"what": what, "checkpoint": round(cpu1 - cpu0, 2), "restores": round(cpu2 - cpu1, 2)}
-    return {"checkpoint": record, "samples": samples, "agent_cpu_s": cpu}
+    return {
+        "checkpoint": record,
+        "restore_container": restore_container,
+        "samples": samples,
+        "agent_cpu_s": cpu,
+    }
 
 
-async def run_ours(work: Workload, workdir: Path, n: int) -> dict[str, Any]:
-    """This project's controller and agent (runtime containerd) on a fresh cluster with the real node."""
+async def run_ours(works: list[Workload], workdir: Path, n: int) -> dict[str, Any]:
+    """This project's controller and agent (runtime containerd) on a fresh cluster with the real node: each
+    workload in turn."""
     shutil.rmtree(workdir, ignore_errors=True)
     lc = LocalCluster(workdir / "cluster")
     lc.start()
     try:
         lc.install_crds()
         node = lc.start_real_node()
-        node.ctr("images", "import", str(work.archive), timeout=300)
+        node.ctr("images", "import", str(works[0].archive), timeout=300)
         lc.kubectl("create", "namespace", NAMESPACE)
         cfg = client.Configuration()
         await config.load_kube_config(config_file=str(lc.kubeconfig), client_configuration=cfg)
@@ -262,71 +265,93 @@ async def run_ours(work: Workload, workdir: Path, n: int) -> dict[str, Any]:
             s = Stack(kube, NAMESPACE, node, criu, workdir / "state", workdir / "store")
             s.start_controller()
             s.start_agent()
+            result: dict[str, Any] = {"agent": "dynamo-snapshot (this repository)", "workloads": {}}
             try:
-                result = await measure_ours(s, work, n)
+                for work in works:
+                    try:
+                        result["workloads"][work.name] = await measure_ours(s, work, n)
+                    except Exception as e:
+                        result["workloads"][work.name] = failed(e)
+                        log(f"ours {work.name} FAILED: {e}")
             finally:
                 await s.close()
-            result |= {"agent": "dynamo-snapshot (this repository)", "criu": str(await criu.version())}
+            result["criu"] = str(await criu.version())
             return result
     finally:
         lc.stop_real_node()
         lc.stop()
 
 
-def run_nvidia(peer: Peer, work: Workload, workdir: Path, n: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Their operator (from their chart) and agent on a fresh cluster with the real node: a PodSnapshot,
-    then `n` restores; the cluster is torn down before this returns. With ``--nv-without-operator`` the
-    PodSnapshotContent their operator would create is written instead (nvidia_peer.checkpoint)."""
+def failed(e: BaseException) -> dict[str, Any]:
+    return {"error": str(e)[:8000], "traceback": traceback.format_exc()[-4000:]}
+
+
+def measure_nvidia(
+    cluster: LocalCluster, api: Api, work: Workload, pids: dict[str, int], args: argparse.Namespace
+) -> dict[str, Any]:
+    """One workload with their agent (and operator): the source pod once Ready, its PodSnapshot, restores."""
+    node = cluster.real_node
+    assert node is not None
+    checkpoints = args.nv_checkpoints
+    source = worker_pod(node, work.source, work, restore=False)
+    api.create(source)
+    wait(f"source {work.source} Ready", lambda: cond(api.pod(work.source), "Ready"), 180)
+    cpu0 = {k: sum(cpu_seconds(pid).values()) for k, pid in pids.items()}
+    if "operator" in pids:
+        ck = checkpoint_by_operator(cluster, api, work, checkpoints, args.checkpoint_timeout)
+    else:
+        ck = checkpoint(cluster, api, work, checkpoints, args.checkpoint_timeout)
+    ck["source_container"] = source["spec"]["containers"][0]
+    cpu1 = {k: sum(cpu_seconds(pid).values()) for k, pid in pids.items()}
+    log(f"nvidia {work.name} checkpoint: {ck['agent_s']}s, {ck['artifact_bytes']} B")
+    samples = restores(cluster, api, work, args.restores, args.restore_timeout)
+    cpu2 = {k: sum(cpu_seconds(pid).values()) for k, pid in pids.items()}
+    parts = " and the operator's manager process" if "operator" in pids else ""
+    cpu = {
+        "what": f"the agent process{parts} (utime+stime) and their reaped children (criu swrk, nsenter, "
+        "nsrestore)",
+        "checkpoint": round(sum(cpu1.values()) - sum(cpu0.values()), 2),
+        "restores": round(sum(cpu2.values()) - sum(cpu1.values()), 2),
+        "by_process": {
+            k: {"checkpoint": round(cpu1[k] - cpu0[k], 2), "restores": round(cpu2[k] - cpu1[k], 2)}
+            for k in pids
+        },
+    }
+    restore_container = worker_pod(node, "r", work, restore=True)["spec"]["containers"][0]
+    return {"checkpoint": ck, "restore_container": restore_container, "samples": samples, "agent_cpu_s": cpu}
+
+
+def run_nvidia(peer: Peer, works: list[Workload], workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Their operator (from their chart) and agent on a fresh cluster with the real node: for each workload a
+    PodSnapshot, then restores; the cluster is torn down before this returns. With ``--nv-without-operator``
+    the PodSnapshotContent their operator would create is written instead (nvidia_peer.checkpoint)."""
     result: dict[str, Any] = {"agent": f"ai-dynamo/snapshot {peer.commit()}", "criu": str(peer.criu)}
     image, archive = agent_image(peer, workdir / "images")
     result["agent_image"] = {"name": image.name, "archive_bytes": archive.stat().st_size}
-    archives = [archive, work.archive]
+    archives = [archive, works[0].archive]
     with_operator = not args.nv_without_operator
     if with_operator:
         op_image, op_archive = operator_image(peer, workdir / "images")
         archives.append(op_archive)
-    checkpoints = workdir / "checkpoints"
-    shutil.rmtree(checkpoints, ignore_errors=True)
-    checkpoints.mkdir(parents=True)
+    args.nv_checkpoints = workdir / "checkpoints"
+    shutil.rmtree(args.nv_checkpoints, ignore_errors=True)
+    args.nv_checkpoints.mkdir(parents=True)
     cluster = start_cluster(workdir / "cluster")
     try:
-        node = cluster.real_node
-        assert node is not None
         result["agent_config"] = install(cluster, peer, workdir, archives)
         api = Api(cluster)
         if with_operator:
             result["operator"] = install_operator(cluster, api, peer, workdir, op_image)
-        source = worker_pod(node, "cpu-worker-source", work, restore=False)
-        result["source_container"] = source["spec"]["containers"][0]
-        api.create(source)
-        wait("source Ready", lambda: cond(api.pod("cpu-worker-source"), "Ready"), 180)
-        pids = {"agent": start_agent(cluster, api, image.name, checkpoints)}
+        pids = {"agent": start_agent(cluster, api, image.name, args.nv_checkpoints)}
         if with_operator:
             pids["operator"] = wait("operator process", lambda: host_pid(b"/manager"), 30)
-        cpu0 = {k: sum(cpu_seconds(pid).values()) for k, pid in pids.items()}
-        if with_operator:
-            ck = checkpoint_by_operator(
-                cluster, api, "cpu-worker-source", checkpoints, args.checkpoint_timeout
-            )
-        else:
-            ck = checkpoint(cluster, api, checkpoints, args.checkpoint_timeout)
-        result["checkpoint"] = ck
-        cpu1 = {k: sum(cpu_seconds(pid).values()) for k, pid in pids.items()}
-        log(f"nvidia checkpoint: {ck['agent_s']}s, {ck['artifact_bytes']} B")
-        result["restore_container"] = worker_pod(node, "r", work, restore=True)["spec"]["containers"][0]
-        result["samples"] = restores(cluster, api, work, n, args.restore_timeout)
-        cpu2 = {k: sum(cpu_seconds(pid).values()) for k, pid in pids.items()}
-        parts = " and the operator's manager process" if with_operator else ""
-        result["agent_cpu_s"] = {
-            "what": f"the agent process{parts} (utime+stime) and their reaped children (criu swrk, nsenter, "
-            "nsrestore)",
-            "checkpoint": round(sum(cpu1.values()) - sum(cpu0.values()), 2),
-            "restores": round(sum(cpu2.values()) - sum(cpu1.values()), 2),
-            "by_process": {
-                k: {"checkpoint": round(cpu1[k] - cpu0[k], 2), "restores": round(cpu2[k] - cpu1[k], 2)}
-                for k in pids
-            },
-        }
+        result["workloads"] = {}
+        for work in works:
+            try:
+                result["workloads"][work.name] = measure_nvidia(cluster, api, work, pids, args)
+            except Exception as e:
+                result["workloads"][work.name] = failed(e)
+                log(f"nvidia {work.name} FAILED: {e}")
         (workdir / "nvidia-agent.log").write_text(agent_logs(cluster))
         if with_operator:
             (workdir / "nvidia-operator.log").write_text(operator_logs(cluster, tail=100000))
@@ -384,6 +409,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--restores", type=int, default=10)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/vs-nvidia-snapshot.json")
     ap.add_argument("--workdir", type=Path, help="kept afterwards (default: a temporary directory)")
+    ap.add_argument("--workloads", default="cpu-worker,dynamo-mocker", help="comma-separated, in this order")
     ap.add_argument("--checkpoint-timeout", type=float, default=180)
     ap.add_argument("--restore-timeout", type=float, default=120)
     ap.add_argument(
@@ -399,6 +425,50 @@ def tool(name: str) -> Path:
     return Path(shutil.which(name) or f"<{name} not on PATH>")
 
 
+def workloads(names: list[str], root: Path) -> tuple[list[Workload], dict[str, Any]]:
+    """The workloads named (one image), and what each is, for the result."""
+    image, archive = workload_image(root / "images")
+    works: list[Workload] = []
+    for name in names:
+        if name == "cpu-worker":
+            works.append(cpu_worker(image, archive))
+        elif name == "dynamo-mocker":
+            site = dynamo_site()
+            if site is None:
+                raise SystemExit(
+                    "vs_nvidia_snapshot: Dynamo's wheels are not installed (scripts/dynamo-wheels.sh)"
+                )
+            works.append(dynamo_mocker(image, archive, root / "dynamo", site))
+        else:
+            raise SystemExit(f"vs_nvidia_snapshot: unknown workload {name}")
+    described = {
+        w.name: {
+            "image": image.name,
+            "archive_bytes": archive.stat().st_size,
+            "env": w.env,
+            "main": w.main,
+            "serving": f"GET /health 200 on port {w.port}",
+            "memory_limit": None,
+            **({"prompt": w.prompt.decode()} if w.prompt is not None else {}),
+        }
+        for w in works
+    }
+    return works, described
+
+
+def state(sample: dict[str, Any]) -> str | None:
+    """What a restored copy answers: the CPU worker's /generate text, or the Dynamo worker's health status
+    and its generate endpoint's (its other endpoints carry per-worker names)."""
+    if "generate" in sample:
+        return str(sample["generate"].get("text"))
+    if "health" in sample:
+        health = sample["health"] or {}
+        return json.dumps(
+            {"status": health.get("status"), "generate": (health.get("endpoints") or {}).get("generate")}
+        )
+    return None
+
+
 def main() -> int:
     args = parse_args()
     peer = Peer(args.nv_source.resolve(), args.nv_bin.expanduser().resolve(), tool("criu"), tool("helm"))
@@ -407,55 +477,50 @@ def main() -> int:
         print(f"vs_nvidia_snapshot: {problem}", file=sys.stderr)
         return 2
     result: dict[str, Any] = {
-        "benchmark": "restore pod created -> GET /health 200; one node, one worker; NVIDIA's, then ours",
+        "benchmark": "PodSnapshot created -> Ready; restore pod created -> GET /health 200; one node, "
+        "the same workers; NVIDIA's operator and agent, then ours",
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "host": {"nproc": os.cpu_count(), "kernel": platform.release(), "machine": platform.machine()},
         "restores_each": args.restores,
     }
-    rc = 0
     with tempfile.TemporaryDirectory(prefix="vs-nvidia-") as tmp:
         work_root = args.workdir or Path(tmp)
-        image, archive = workload_image(work_root / "images")
-        work = Workload(image, archive, dict(WORKER_ENV))
-        result["workload"] = {
-            "image": image.name,
-            "archive_bytes": archive.stat().st_size,
-            "env": work.env,
-            "memory_limit": None,
-            "prompt": PROMPT.decode(),
-        }
+        works, result["workloads"] = workloads(args.workloads.split(","), work_root)
         sides: dict[str, dict[str, Any]] = {}
         try:
-            sides["nvidia"] = run_nvidia(peer, work, work_root / "nvidia", args.restores, args)
+            sides["nvidia"] = run_nvidia(peer, works, work_root / "nvidia", args)
         except Exception as e:
-            sides["nvidia"] = {"error": str(e)[:8000], "traceback": traceback.format_exc()[-4000:]}
+            sides["nvidia"] = failed(e)
             log(f"nvidia FAILED: {e}")
-            rc = 1
         if args.skip_ours:
             sides["ours"] = {"error": "not run (--skip-ours)"}
         else:
             try:
-                sides["ours"] = asyncio.run(run_ours(work, work_root / "ours", args.restores))
+                sides["ours"] = asyncio.run(run_ours(works, work_root / "ours", args.restores))
             except Exception as e:
-                sides["ours"] = {"error": str(e)[:8000], "traceback": traceback.format_exc()[-4000:]}
+                sides["ours"] = failed(e)
                 log(f"ours FAILED: {e}")
-                rc = 1
+    rc = 0
     for name, side in sides.items():
-        side["restore"] = summarize(side)
+        for wl in side.setdefault("workloads", {}).values():
+            wl["restore"] = summarize(wl)
+            rc = rc or (0 if wl["restore"]["n"] and not wl["restore"]["failures"] else 1)
         result[name] = side
-        rc = rc or (0 if side["restore"]["n"] and not side["restore"]["failures"] else 1)
-    texts = {
-        n: {x["generate"]["text"] for x in s.get("samples") or [] if "generate" in x}
-        for n, s in sides.items()
-    }
-    result["same_worker_state"] = {"generate_texts": {n: sorted(t) for n, t in texts.items()},
-                                   "identical": len(set().union(*texts.values())) == 1}  # fmt: skip
-    result["ratios_ours_over_theirs"] = ratios(sides["ours"], sides["nvidia"])
+        rc = rc or (1 if "error" in side or len(side["workloads"]) < len(works) else 0)
+    result["same_worker_state"] = {}
+    result["ratios_ours_over_theirs"] = {}
+    for w in works:
+        per = {n: (s["workloads"].get(w.name) or {}) for n, s in sides.items()}
+        seen = {n: sorted({x for x in map(state, p.get("samples") or []) if x}) for n, p in per.items()}
+        answers = {x for xs in seen.values() for x in xs}
+        result["same_worker_state"][w.name] = {"answers": seen, "identical": len(answers) == 1}
+        result["ratios_ours_over_theirs"][w.name] = ratios(per["ours"], per["nvidia"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     table = {
-        n: {k: s["restore"].get(k) for k in ("ok", "p50_s", "p95_s", "min_s", "max_s")}
+        f"{n}/{w}": {k: wl["restore"].get(k) for k in ("ok", "p50_s", "p95_s")}
         for n, s in sides.items()
+        for w, wl in s["workloads"].items()
     }
     log(f"{json.dumps(table)}\nratios ours/theirs: {json.dumps(result['ratios_ours_over_theirs'])}")
     return rc
