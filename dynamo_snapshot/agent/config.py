@@ -204,7 +204,11 @@ class ObjectStoreSettings(_Section):
         default=None,
         description="http(s)://host[:port] of an S3-compatible store (unset: artifacts stay in artifactRoot)",
     )
-    s3_bucket: str = Field(default="", description="the bucket artifacts go to")
+    s3_bucket: str = Field(
+        default="",
+        description="the bucket artifacts go to; {namespace} in it stands for the checkpoint's namespace "
+        "(a bucket per namespace, made beforehand)",
+    )
     s3_prefix: str = Field(
         default="", description="key prefix in the bucket: empty, or path segments ending with '/'"
     )

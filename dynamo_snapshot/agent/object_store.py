@@ -46,13 +46,14 @@ class ObjectStore:
             raise ObjectStoreError(f"the object store's credentials in {self.credentials_dir} are empty")
         return S3Credentials(access, secret)
 
-    async def _client(self) -> S3Artifacts:
-        return S3Artifacts(self.location, await asyncio.to_thread(self._credentials))
+    async def _client(self, key: str) -> S3Artifacts:
+        location = self.location.for_key(key)
+        return S3Artifacts(location, await asyncio.to_thread(self._credentials))
 
     async def upload(self, artifact: Artifact) -> int:
         """Write ``artifact`` to the store unless it holds it already; the bytes sent."""
         try:
-            async with await self._client() as s3:
+            async with await self._client(artifact.key) as s3:
                 if await s3.exists(artifact.key):
                     OBJECT_STORE_TRANSFERS.labels("upload", "present").inc()
                     return 0
@@ -81,7 +82,7 @@ class ObjectStore:
         as ``S3Artifacts.fetch``)."""
         started = time.monotonic()
         try:
-            async with await self._client() as s3:
+            async with await self._client(key) as s3:
                 artifact = await s3.fetch(key, manifest_digest, store, room=room)
         except ObjectStoreError:
             OBJECT_STORE_TRANSFERS.labels("fetch", "failed").inc()
@@ -97,5 +98,5 @@ class ObjectStore:
 
     async def delete(self, key: str) -> int:
         """Remove the artifact's objects; how many."""
-        async with await self._client() as s3:
+        async with await self._client(key) as s3:
             return await s3.delete(key)

@@ -1,8 +1,9 @@
 """Sealed artifacts in an S3-compatible object store (any server that speaks S3: SeaweedFS, MinIO, AWS).
 
-An artifact of key ``<namespace>/<uid>`` is one object per file under ``<prefix><namespace>/<uid>/``, named
-by the file's path in the manifest, with ``manifest.json`` written last: a reader that finds the manifest
-finds every file. Large files go up as multipart uploads, one part per ``part_bytes``.
+An artifact of key ``<namespace>/<uid>`` is one object per file under ``<prefix><namespace>/<uid>/`` (in a
+bucket of its namespace's where the bucket's name holds ``{namespace}``), named by the file's path in the
+manifest, with ``manifest.json`` written last: a reader that finds the manifest finds every file. Large
+files go up as multipart uploads, one part per ``part_bytes``.
 
 Nothing read from the store is trusted: ``fetch`` takes the manifest digest the checkpoint recorded (the
 grant's), refuses a manifest that does not have it, and then checks every byte against that manifest as it
@@ -20,6 +21,7 @@ import asyncio
 import contextlib
 import hashlib
 import os
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
@@ -42,7 +44,7 @@ from dynamo_snapshot.fileio import TreeStats
 from dynamo_snapshot.fileio.beneath import components, open_dirs_beneath, opened_dir
 from dynamo_snapshot.fileio.blocks import pwrite_all
 
-__all__ = ["ObjectStoreError", "S3Artifacts", "S3Credentials", "S3Location"]
+__all__ = ["NAMESPACE_FIELD", "ObjectStoreError", "S3Artifacts", "S3Credentials", "S3Location"]
 
 # A store that stops answering: botocore's own errors, the socket's, and aiohttp's (aiobotocore's
 # transport), of which a body cut short (ClientPayloadError) is not an OSError.
@@ -59,14 +61,22 @@ class ObjectStoreError(ArtifactError):
     """The object store refused or failed a request, or what it returned is not the sealed artifact."""
 
 
+# Stands for an artifact's namespace in a bucket name: a bucket per namespace.
+NAMESPACE_FIELD = "{namespace}"
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+
 class S3Location(BaseModel):
-    """Where artifacts live: the server, the bucket and the key prefix (per namespace, where tenants are
-    kept apart by bucket policy)."""
+    """Where artifacts live: the server, the bucket (one, or one per namespace) and the key prefix. Keys
+    are ``<prefix><namespace>/<uid>/``, so tenants can be kept apart by a policy per prefix or per
+    bucket."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     endpoint: str = Field(description="http(s)://host[:port] of the S3 API.", pattern=r"^https?://[^/\s]+/?$")
-    bucket: str = Field(pattern=r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+    bucket: str = Field(
+        description="The bucket; `{namespace}` in it stands for the artifact's namespace (a bucket each)."
+    )
     prefix: str = Field(default="", description="Key prefix: empty, or ending with '/'.")
     region: str = "us-east-1"
     ca_bundle: Path | None = Field(
@@ -74,6 +84,35 @@ class S3Location(BaseModel):
     )
     part_bytes: int = Field(default=8 * _MIB, ge=MIN_PART_BYTES, description="Multipart upload part size.")
     parallel: int = Field(default=8, ge=1, le=64, description="Requests in flight per transfer.")
+
+    @field_validator("bucket")
+    @classmethod
+    def _bucket(cls, v: str) -> str:
+        # A namespace is at least one character: the name with the shortest one must be a bucket's.
+        if v.count(NAMESPACE_FIELD) > 1 or not _BUCKET.fullmatch(v.replace(NAMESPACE_FIELD, "n")):
+            raise ValueError(
+                f"bucket {v!r}: 3-63 lowercase letters, digits, '.' and '-', a letter or digit first and "
+                f"last; {NAMESPACE_FIELD} (once) stands for the artifact's namespace"
+            )
+        return v
+
+    def for_key(self, key: str) -> S3Location:
+        """Where artifact ``key`` (``<namespace>/<uid>``) goes: the bucket with its namespace for
+        ``{namespace}``. ``ObjectStoreError`` where that is no bucket name, or the key has no namespace."""
+        if NAMESPACE_FIELD not in self.bucket:
+            return self
+        namespace, sep, _ = key.partition("/")
+        if not sep:
+            raise ObjectStoreError(
+                f"artifact {key} has no namespace, and the bucket {self.bucket!r} is one per namespace"
+            )
+        bucket = self.bucket.replace(NAMESPACE_FIELD, namespace)
+        if not _BUCKET.fullmatch(bucket):
+            raise ObjectStoreError(
+                f"artifact {key}: {bucket!r}, the bucket {self.bucket!r} of namespace {namespace}, is no "
+                "bucket name (3-63 characters)"
+            )
+        return self.model_copy(update={"bucket": bucket})
 
     @field_validator("prefix")
     @classmethod

@@ -189,6 +189,8 @@ class Stack:
             return {"artifact_root": self.artifacts.root}
         return {
             "artifact_root": base / "artifacts",
+            # As the chart with storage.type s3: what a node fetches goes into its node cache.
+            "cache_root": base / "cache",
             "s3_endpoint": self.s3.endpoint,
             "s3_bucket": S3_BUCKET,
             "s3_credentials_dir": self.workdir / "s3-credentials",

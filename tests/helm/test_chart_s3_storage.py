@@ -72,3 +72,12 @@ def test_bad_storage_values_are_refused_with_the_reason() -> None:
         proc = template({"storage": storage, "artifacts": artifacts})
         assert proc.returncode != 0, storage
         assert says in proc.stderr, proc.stderr
+
+
+def test_a_bucket_per_namespace_reaches_the_agent() -> None:
+    storage = {**S3, "s3": {**S3["s3"], "bucket": "ckpt-{namespace}"}}
+    _, cm = _agent(render({"storage": storage}))
+    config = AgentConfig.model_validate({**yaml.safe_load(cm["data"]["config.yaml"]), "nodeName": "n"})
+    location = config.s3.location()
+    assert location is not None
+    assert location.for_key("team-a/0d3c").bucket == "ckpt-team-a"
