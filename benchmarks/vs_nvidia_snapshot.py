@@ -1,19 +1,21 @@
 """This project's agent vs NVIDIA's snapshot (github.com/ai-dynamo/snapshot: its operator and agent), on the
-same real kubelet node, capturing and restoring the same CPU reference worker: one image, one environment, no
+same real kubelet node, capturing and restoring the same workers (benchmarks/peer_workloads.py): the CPU
+reference worker and a Dynamo 1.6 worker with Dynamo's mocker engine; one image, one environment each, no
 memory limit.
 
 In one invocation: NVIDIA's operator and agent on a fresh local cluster with the real node (their CRDs only,
 not ours), which is then torn down; then this project's controller and agent in-process on another fresh
-cluster (as benchmarks/kubelet_restore.py). Each side runs the source pod until it is Ready (its worker wrote
-ready-for-snapshot), creates a PodSnapshot of it, timed from the create call to the PodSnapshot's Ready
-condition (50 ms polls), then restores it ``--restores`` times, one pod at a time, each timed from the create
-call to the first ``GET /health`` 200 on the pod's IP (10 ms polls from the host). Written: per side its
-checkpoint times (PodSnapshot created -> Ready, the agent's own), the artifact's bytes, restore p50/p95/
-min/max and samples, CPU seconds, failures; and the ratios ours/theirs.
+cluster (as benchmarks/kubelet_restore.py). For each workload in turn, each side runs the source pod until it
+is Ready (its worker wrote ready-for-snapshot), creates a PodSnapshot of it, timed from the create call to the
+PodSnapshot's Ready condition (50 ms polls), then restores it ``--restores`` times, one pod at a time, each
+timed from the create call to the first ``GET /health`` 200 on the pod's IP (10 ms polls from the host; the
+Dynamo worker's is its system server's, 200 once its generate endpoint is registered). Written: per side and
+workload its checkpoint times (PodSnapshot created -> Ready, the agent's own), the artifact's bytes, restore
+p50/p95/ min/max and samples, CPU seconds, failures; and the ratios ours/theirs.
 
     scripts/nvidia-snapshot-peer.sh DIR   # DIR: a checkout of ai-dynamo/snapshot ($NVIDIA_SNAPSHOT_COMMIT)
     flock /tmp/dsnap-realnode.lock python benchmarks/vs_nvidia_snapshot.py --nv-source DIR \
-        --out benchmarks/results/vs-nvidia-snapshot.json      # root; about 4 min
+        --out benchmarks/results/vs-nvidia-snapshot.json      # root; about 6 min
 
 Our side's restore pods name the PodSnapshot in `nvidia.com/restore-from` and are shaped as this project's
 restore webhook shapes them (control volume, standby env); the webhook itself is not run, as NVIDIA's side
@@ -480,7 +482,12 @@ def main() -> int:
         "benchmark": "PodSnapshot created -> Ready; restore pod created -> GET /health 200; one node, "
         "the same workers; NVIDIA's operator and agent, then ours",
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "host": {"nproc": os.cpu_count(), "kernel": platform.release(), "machine": platform.machine()},
+        "host": {
+            "nproc": os.cpu_count(),
+            "kernel": platform.release(),
+            "machine": platform.machine(),
+            "loadavg_at_start": os.getloadavg(),
+        },
         "restores_each": args.restores,
     }
     with tempfile.TemporaryDirectory(prefix="vs-nvidia-") as tmp:
@@ -515,6 +522,8 @@ def main() -> int:
         answers = {x for xs in seen.values() for x in xs}
         result["same_worker_state"][w.name] = {"answers": seen, "identical": len(answers) == 1}
         result["ratios_ours_over_theirs"][w.name] = ratios(per["ours"], per["nvidia"])
+    # Other work on the machine during the run shows here (the 1, 5, 15 minute load averages).
+    result["host"]["loadavg_at_end"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     table = {
