@@ -1,9 +1,10 @@
 """Restore of the CPU reference worker from an S3-compatible store against the node's own store: one node
 checkpoints (real CRIU, host-process runtime) and writes the artifact to a local SeaweedFS server; another
-node with an empty store restores it, fetching every chunk (checked) first; then restores on that node read
-its own copy. The fetch is measured on the loopback link and through a shaped link at each ``--link-mbps``
-(a remote store's bandwidth, shared by the fetch's parallel requests). The page cache is not dropped: on
-this 2-core machine the server and the agent share the CPU. Each fetch run starts from an empty node store.
+node with an empty store and node cache restores it, fetching every chunk (checked) into its node cache
+first; then restores on that node read that copy. The fetch is measured on the loopback link and through a
+shaped link at each ``--link-mbps`` (a remote store's bandwidth, shared by the fetch's parallel requests).
+The page cache is not dropped: on this 2-core machine the server and the agent share the CPU. Each fetch
+run starts from an empty node cache.
 
 From the measured times, a model of N nodes restoring one checkpoint at once over a store link of each
 bandwidth: with a volume every restore reads the whole artifact from the store; with the object store each
@@ -35,6 +36,7 @@ from benchmarks.gpu.host import emit  # noqa: E402
 from dynamo_snapshot.agent.executor import Executor  # noqa: E402
 from dynamo_snapshot.agent.object_store import ObjectStore  # noqa: E402
 from dynamo_snapshot.agent.runtime import ProcessRuntime  # noqa: E402
+from dynamo_snapshot.artifact import ArtifactCache  # noqa: E402
 from dynamo_snapshot.artifact.s3 import S3Location  # noqa: E402
 from dynamo_snapshot_dev.localcluster.link import shaped_link  # noqa: E402
 from dynamo_snapshot_dev.localcluster.s3server import LocalS3  # noqa: E402
@@ -69,13 +71,15 @@ def _summary(runs: list[dict[str, float]]) -> dict[str, Any]:
 async def _fetching_runs(
     root: Path, location: S3Location, server: LocalS3, digest: str, runs: int
 ) -> dict[str, Any]:
+    # As the chart's agents with storage.type s3: fetched artifacts go into the node cache.
+    cache = ArtifactCache(root / "cache", 1 << 40)
     b, runtime_b = local_executor(
-        root, CRIU, compress_pages=False, kind=Executor, runtime_kind=ProcessRuntime
+        root, CRIU, compress_pages=False, cache=cache, kind=Executor, runtime_kind=ProcessRuntime
     )
     b.objects = _objects(root, location, server)
     fetched = []
     for _ in range(runs):
-        await asyncio.to_thread(b.store.delete, HASH)
+        await asyncio.to_thread(cache.discard, HASH)
         fetched.append(await _timed_restore(b, runtime_b, digest))
     after = [await _timed_restore(b, runtime_b, digest) for _ in range(runs)]
     return {"fetching": _summary(fetched), "after_fetch": _summary(after)}

@@ -17,7 +17,7 @@ from dynamo_snapshot.agent.object_store import ObjectStore
 from dynamo_snapshot.agent.runtime.containerd import ContainerdRuntime
 from dynamo_snapshot.agent.watcher import NodeAgent
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.artifact import ArtifactStore
+from dynamo_snapshot.artifact import ArtifactCache, ArtifactStore
 from dynamo_snapshot.cli.controller_cmd import build_controller
 from dynamo_snapshot.controller.manager import ControllerConfig
 from dynamo_snapshot.criu import Criu
@@ -62,14 +62,26 @@ class Stack:
                 await asyncio.wait_for(self._controller, 30)
 
     def start_agent(
-        self, runc_root: Path = RUNC_ROOT, *, objects: ObjectStore | None = None, **settings: Any
+        self,
+        runc_root: Path = RUNC_ROOT,
+        *,
+        objects: ObjectStore | None = None,
+        cache: ArtifactCache | None = None,
+        **settings: Any,
     ) -> ContainerdRuntime:
         runtime = ContainerdRuntime(self.criu, self.state, runc_root=runc_root)
         config = AgentConfig.model_validate(
             {"node_name": self.node.name, "runc_root": runc_root, "ready_timeout_seconds": 120, **settings}
         )
         executor = Executor(
-            runtime, ArtifactStore(self.store), self.criu, config, cuda=None, gpus=None, objects=objects
+            runtime,
+            ArtifactStore(self.store),
+            self.criu,
+            config,
+            cuda=None,
+            gpus=None,
+            cache=cache,
+            objects=objects,
         )
         agent = NodeAgent(self.kube, executor, runtime)
         self.agent_task = asyncio.create_task(agent.run_until(asyncio.Event()))

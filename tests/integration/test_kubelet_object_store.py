@@ -1,8 +1,8 @@
 """storage.type s3 on the real kubelet node: a PodSnapshot of a kubelet pod is captured and written to a real
 S3 server (SeaweedFS) before it is Ready; on a node whose store lacks it (the node's copy removed, the agent
-started again) a restore-from pod gets it fetched, every chunk checked, while the kubelet starts the pod,
-and serves on its own pod IP; with the store's object damaged the restore fails by name and the pod says
-so."""
+started again with a node cache, as the chart's) a restore-from pod gets it fetched into the node cache,
+every chunk checked, while the kubelet starts the pod, and serves on its own pod IP; with the store's
+object damaged the restore fails by name, the pod says so and nothing is kept."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY
 
 from dynamo_snapshot.agent.object_store import ObjectStore
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.artifact import ArtifactStore, artifact_key
+from dynamo_snapshot.artifact import ArtifactCache, ArtifactStore, artifact_key
 from dynamo_snapshot.artifact.s3 import S3Location
 from dynamo_snapshot.kube import POD, Obj
 from dynamo_snapshot_dev.localcluster.realnode import RealNode
@@ -77,27 +77,31 @@ async def test_a_checkpoint_goes_through_the_object_store_to_a_node_without_it(
     await s.kill_agent()
     await asyncio.to_thread(local.delete, key)
     fetched = fetches()
-    s.start_agent(objects=objects)
+    cache = ArtifactCache(tmp_path / "cache", 1 << 30)
+    s.start_agent(objects=objects, cache=cache)
     await _restore_pod(s, real_node, "s3-restored")
     pod = await _ended(s, "s3-restored")
     assert _annotation(pod, protocol.ANNOTATION_RESTORE_STATUS) == "completed", pod["metadata"]["annotations"]
     timings: dict[str, Any] = json.loads(pod["metadata"]["annotations"][protocol.ANNOTATION_RESTORE_TIMINGS])
-    assert local.exists(key), "fetched into the node's store"
+    assert cache.store.exists(key), "not fetched into the node cache"
+    assert not local.exists(key)
     assert fetches() == fetched + 1
+    assert "(fetched from the object store)" in (_annotation(pod, protocol.ANNOTATION_RESTORE_MESSAGE) or "")
 
     assert await first_answer(pod["status"]["podIP"])
     assert timings, "the restore's timings are on the pod"
 
     # The node's copy gone again and the store's pages object damaged: refused by name, nothing kept.
     await s.kill_agent()
-    await asyncio.to_thread(local.delete, key)
+    await asyncio.to_thread(cache.discard, key)
     biggest = max(sizes, key=lambda n: sizes[n])
     async with s3_server.client() as client:
         await client.put_object(Bucket=objects.location.bucket, Key=prefix + biggest, Body=b"not the pages")
-    s.start_agent(objects=objects)
+    s.start_agent(objects=objects, cache=cache)
     await _restore_pod(s, real_node, "s3-damaged")
     pod = await _ended(s, "s3-damaged")
     message = _annotation(pod, protocol.ANNOTATION_RESTORE_MESSAGE) or ""
     assert _annotation(pod, protocol.ANNOTATION_RESTORE_STATUS) == "failed"
     assert biggest in message, message
+    assert cache.store.list() == []
     assert not local.exists(key)
