@@ -17,6 +17,7 @@ from dynamo_snapshot.agent.runtime.base import Workload
 from dynamo_snapshot.api.identity import CheckpointIdentity
 from dynamo_snapshot.artifact import ArtifactCache, ArtifactStore, Binding
 from dynamo_snapshot.criu import Criu
+from tests.helpers.polling import await_json
 
 REPO = Path(__file__).resolve().parents[2]
 NODE = "node-a"
@@ -90,6 +91,19 @@ async def checkpoint_worker_outcome(
     outcome = await executor.checkpoint(source, identity_hash, identity, binding=binding)
     shutil.rmtree(source.control_dir, ignore_errors=True)
     return source, outcome
+
+
+async def restore_intact(executor: Executor, runtime: ProcessRuntime, key: str, digest: str) -> str:
+    """Restore artifact ``key`` with ``digest`` as workload "restored", check the worker's memory came back
+    unchanged, stop it: where the artifact was read (``RestoreOutcome.source``)."""
+    outcome = await executor.restore("restored", key, manifest_digest=digest)
+    try:
+        verdict = await await_json(outcome.workload.control_dir / "verify.json")
+        assert verdict["digest_after"] == verdict["digest_before"], "memory changed across the restore"
+    finally:
+        await runtime.stop("restored")
+        await asyncio.to_thread(shutil.rmtree, outcome.workload.control_dir, True)
+    return outcome.source
 
 
 def _listing(directory: Path) -> dict[str, tuple[bool, int]]:

@@ -17,8 +17,7 @@ import pytest
 from dynamo_snapshot.agent.executor import ArtifactRefused, Executor
 from dynamo_snapshot.agent.runtime import ProcessRuntime
 from dynamo_snapshot.artifact import MANIFEST_NAME, ArtifactCache, Binding
-from tests.agent.local_node import RestoreCalls, checkpoint_worker_outcome, local_executor
-from tests.helpers.polling import await_json
+from tests.agent.local_node import RestoreCalls, checkpoint_worker_outcome, local_executor, restore_intact
 
 pytestmark = pytest.mark.criu
 REPO = Path(__file__).resolve().parents[2]
@@ -45,15 +44,7 @@ async def _checkpoint(executor: Executor, runtime: ProcessRuntime, key: str = "s
 
 
 async def _restore_intact(executor: Executor, runtime: ProcessRuntime, digest: str) -> str:
-    """Restore ``KEY`` with ``digest``, check the worker's memory came back, stop it; where it was read."""
-    outcome = await executor.restore("restored", KEY, manifest_digest=digest)
-    try:
-        verdict = await await_json(outcome.workload.control_dir / "verify.json")
-        assert verdict["digest_after"] == verdict["digest_before"], "memory changed across the restore"
-    finally:
-        await runtime.stop("restored")
-        await asyncio.to_thread(shutil.rmtree, outcome.workload.control_dir, True)
-    return outcome.source
+    return await restore_intact(executor, runtime, KEY, digest)
 
 
 async def _refused(

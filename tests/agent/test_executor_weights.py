@@ -29,6 +29,7 @@ from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_ha
 from dynamo_snapshot.workload import parse_restore_complete
 from dynamo_snapshot.workload.weights import data_digest, read_header
 from tests.agent.local_node import checkpoint_worker, local_executor
+from tests.artifact.helpers import flip_a_byte
 from tests.helpers.polling import await_json
 
 REPO = Path(__file__).resolve().parents[2]
@@ -186,11 +187,7 @@ def _garbage(p: Path) -> None:
 
 def _flip_a_byte(p: Path) -> None:
     # Corrupted in place (the artifact's own inode): header and size still right, one chunk wrong.
-    with p.open("r+b") as f:
-        f.seek(p.stat().st_size - 100)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([b[0] ^ 0xFF]))
+    flip_a_byte(p, p.stat().st_size - 100)
 
 
 def _other_model(p: Path) -> None:

@@ -6,9 +6,7 @@ copy that fails its check is removed so the next restore fetches it anew."""
 
 from __future__ import annotations
 
-import asyncio
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -22,8 +20,8 @@ from dynamo_snapshot.artifact import ArtifactCache, ArtifactStore
 from dynamo_snapshot.artifact.cache import artifact_bytes
 from dynamo_snapshot.artifact.s3 import S3Location
 from dynamo_snapshot_dev.localcluster.s3server import LocalS3
-from tests.agent.local_node import checkpoint_worker_outcome, local_executor
-from tests.helpers.polling import await_json
+from tests.agent.local_node import checkpoint_worker_outcome, local_executor, restore_intact
+from tests.artifact.helpers import flip_a_byte
 
 pytestmark = pytest.mark.criu
 REPO = Path(__file__).resolve().parents[2]
@@ -84,18 +82,6 @@ def _node(
     return node, runtime, cache
 
 
-async def _restore(node: Executor, runtime: ProcessRuntime, key: str, digest: str) -> str:
-    """Restore ``key`` on ``node``, check the worker's memory came back intact, stop it: where it was read."""
-    outcome = await node.restore("restored", key, manifest_digest=digest)
-    try:
-        verdict = await await_json(outcome.workload.control_dir / "verify.json")
-        assert verdict["digest_after"] == verdict["digest_before"], "memory changed across the restore"
-    finally:
-        await runtime.stop("restored")
-        await asyncio.to_thread(shutil.rmtree, outcome.workload.control_dir, True)
-    return outcome.source
-
-
 async def test_a_fetched_checkpoint_goes_into_the_node_cache_and_is_read_there_again(
     criu_bin: Path, tmp_path: Path, objects: ObjectStore
 ) -> None:
@@ -103,14 +89,14 @@ async def test_a_fetched_checkpoint_goes_into_the_node_cache_and_is_read_there_a
     node, runtime, cache = _node(tmp_path, criu_bin, objects, 1 << 30)
     fetched, from_store, from_cache = fetches(), restores_from("store"), restores_from("cache")
 
-    assert await _restore(node, runtime, FIRST, digests[FIRST]) == "object-store"
+    assert await restore_intact(node, runtime, FIRST, digests[FIRST]) == "object-store"
     assert node.store.list() == [], "a fetched artifact goes into the cache, not the node's store"
     assert cache.store.list() == [FIRST]
     assert fetches() == fetched + 1
     assert restores_from("store") == from_store + 1
     assert sample("dynsnap_agent_cache_bytes") == cache.used_bytes() > 0
 
-    assert await _restore(node, runtime, FIRST, digests[FIRST]) == "cache"
+    assert await restore_intact(node, runtime, FIRST, digests[FIRST]) == "cache"
     assert fetches() == fetched + 1, "the second restore fetched again"
     assert restores_from("cache") == from_cache + 1
 
@@ -125,8 +111,8 @@ async def test_the_least_recently_restored_copy_makes_way_never_one_in_use(
     node, runtime, cache = _node(tmp_path, criu_bin, objects, sum(sizes.values()) - 1)
     evicted = sample("dynsnap_agent_cache_evictions_total")
 
-    await _restore(node, runtime, FIRST, digests[FIRST])
-    await _restore(node, runtime, SECOND, digests[SECOND])
+    await restore_intact(node, runtime, FIRST, digests[FIRST])
+    await restore_intact(node, runtime, SECOND, digests[SECOND])
     assert cache.store.list() == [SECOND]
     assert sample("dynsnap_agent_cache_evictions_total") == evicted + 1
 
@@ -142,23 +128,15 @@ async def test_the_least_recently_restored_copy_makes_way_never_one_in_use(
         await small.restore("r", FIRST, manifest_digest=digests[FIRST])
 
 
-def _flip_a_byte(path: Path, offset: int) -> None:
-    with path.open("r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
-
-
 async def test_a_damaged_copy_in_the_node_cache_is_removed_and_fetched_again(
     criu_bin: Path, tmp_path: Path, objects: ObjectStore
 ) -> None:
     digests = await _checkpointed(tmp_path, criu_bin, objects, FIRST)
     node, runtime, cache = _node(tmp_path, criu_bin, objects, 1 << 30)
-    await _restore(node, runtime, FIRST, digests[FIRST])
+    await restore_intact(node, runtime, FIRST, digests[FIRST])
     copy = cache.store.open(FIRST)
     pages = max((f for f in copy.manifest.files if f.path.endswith(".img")), key=lambda f: f.size)
-    _flip_a_byte(copy.path / pages.path, pages.size // 2)
+    flip_a_byte(copy.path / pages.path, pages.size // 2)
     refused, fetched = restores_from("refused"), fetches()
 
     with pytest.raises(ArtifactRefused, match=pages.path):
@@ -166,5 +144,5 @@ async def test_a_damaged_copy_in_the_node_cache_is_removed_and_fetched_again(
     assert cache.store.list() == [], "the damaged copy stayed"
     assert restores_from("refused") == refused + 1
 
-    assert await _restore(node, runtime, FIRST, digests[FIRST]) == "object-store"
+    assert await restore_intact(node, runtime, FIRST, digests[FIRST]) == "object-store"
     assert fetches() == fetched + 1

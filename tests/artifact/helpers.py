@@ -118,3 +118,12 @@ def refuse_direct_reads(monkeypatch: pytest.MonkeyPatch) -> None:
         return real_preadv(fd, buffers, offset)
 
     monkeypatch.setattr(os, "preadv", refuse_direct)
+
+
+def flip_a_byte(path: Path, offset: int) -> None:
+    """Change the byte at ``offset`` of ``path`` in place (the file's own inode: its size stays right)."""
+    with path.open("r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))

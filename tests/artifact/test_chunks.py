@@ -21,7 +21,16 @@ from dynamo_snapshot.artifact import (
 from dynamo_snapshot.fileio import HashJob, hash_files
 from dynamo_snapshot.fileio import hashing as io_module
 
-from .helpers import HASH, as_format, publish, read_manifest, refuse_direct_reads, stage, write_manifest
+from .helpers import (
+    HASH,
+    as_format,
+    flip_a_byte,
+    publish,
+    read_manifest,
+    refuse_direct_reads,
+    stage,
+    write_manifest,
+)
 
 CHUNK = 4096 * 4
 PAGES = "criu/pages-1.img"
@@ -45,14 +54,6 @@ def checkpoint_files() -> dict[str, bytes]:
 
 def pieces(data: bytes) -> list[str]:
     return [hashlib.sha256(data[i : i + CHUNK]).hexdigest() for i in range(0, len(data), CHUNK)]
-
-
-def flip(path: Path, offset: int) -> None:
-    with path.open("r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x01]))
 
 
 async def test_round_trip_seals_large_files_in_chunks(store: ArtifactStore) -> None:
@@ -83,12 +84,12 @@ async def test_round_trip_seals_large_files_in_chunks(store: ArtifactStore) -> N
 async def test_flipped_byte_names_file_and_chunk(store: ArtifactStore) -> None:
     await publish(store, checkpoint_files(), chunk_bytes=CHUNK)
     artifact = store.open(HASH)
-    flip(artifact.path / PAGES, 7 * CHUNK + 100)
+    flip_a_byte(artifact.path / PAGES, 7 * CHUNK + 100)
     with pytest.raises(ArtifactError) as err:
         artifact.verify()
     assert err.value.problems == [f"checksum mismatch: {PAGES} (chunk 7 of 11 at offset {7 * CHUNK})"]
-    flip(artifact.path / PAGES, PAGES_SIZE - 1)  # the short last chunk
-    flip(artifact.path / PAGES, 0)
+    flip_a_byte(artifact.path / PAGES, PAGES_SIZE - 1)  # the short last chunk
+    flip_a_byte(artifact.path / PAGES, 0)
     with pytest.raises(ArtifactError) as err:
         artifact.verify()
     assert err.value.problems == [f"checksum mismatch: {PAGES} (chunk 0 of 11 at offset 0, and 2 more)"]
@@ -132,7 +133,7 @@ async def test_file_shrinking_while_hashed_is_a_size_problem(store: ArtifactStor
 async def test_filter_checks_only_the_chosen_files(store: ArtifactStore) -> None:
     await publish(store, checkpoint_files(), chunk_bytes=CHUNK)
     artifact = store.open(HASH)
-    flip(artifact.path / PAGES, 3 * CHUNK)
+    flip_a_byte(artifact.path / PAGES, 3 * CHUNK)
     os.truncate(artifact.path / "criu/inventory.img", 1)
 
     stats = artifact.verify(files=["weights/model.dsw", "criu/empty.img"])
@@ -153,10 +154,10 @@ async def test_verify_files_helper(store: ArtifactStore) -> None:
     await publish(store, checkpoint_files(), chunk_bytes=CHUNK)
     artifact = store.open(HASH)
     weights = [f for f in artifact.manifest.files if f.path.startswith("weights/")]
-    flip(artifact.path / PAGES, 0)
+    flip_a_byte(artifact.path / PAGES, 0)
     stats = verify_files(artifact.path, weights, parallel=3)
     assert list(stats.files) == ["weights/model.dsw"]
-    flip(artifact.path / "weights/model.dsw", 2 * CHUNK)
+    flip_a_byte(artifact.path / "weights/model.dsw", 2 * CHUNK)
     with pytest.raises(
         ArtifactError, match=r"^checksum mismatch: weights/model\.dsw \(chunk 2 of 3 at offset"
     ):
@@ -216,7 +217,7 @@ async def test_fetch_chunked_artifact(tmp_path: Path, store: ArtifactStore) -> N
 async def test_fetch_refuses_corrupt_chunk(tmp_path: Path, store: ArtifactStore) -> None:
     await publish(store, checkpoint_files(), chunk_bytes=CHUNK)
     source = store.open(HASH)
-    flip(source.path / PAGES, 9 * CHUNK + 1)
+    flip_a_byte(source.path / PAGES, 9 * CHUNK + 1)
     cache = ArtifactStore(tmp_path / "cache")
     with pytest.raises(ArtifactError) as err:
         await fetch(source, cache)

@@ -4,7 +4,6 @@ the process images."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ from benchmarks.agent_variants import StoppableProcessRuntime, VariantExecutor, 
 from dynamo_snapshot.agent.executor import AgentError
 from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_hash
 from tests.agent.local_node import checkpoint_worker, local_executor
+from tests.artifact.helpers import flip_a_byte
 from tests.helpers.polling import await_json
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,11 +33,7 @@ async def _checkpoint(tmp: Path, criu_bin: Path) -> tuple[VariantExecutor, Stopp
 
 
 def _flip_a_byte(p: Path) -> None:
-    with p.open("r+b") as f:
-        f.seek(p.stat().st_size - 100)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([b[0] ^ 0xFF]))
+    flip_a_byte(p, p.stat().st_size - 100)
 
 
 @pytest.mark.criu
