@@ -11,7 +11,7 @@ PodSnapshot's Ready condition (50 ms polls), then restores it ``--restores`` tim
 timed from the create call to the first ``GET /health`` 200 on the pod's IP (10 ms polls from the host; the
 Dynamo worker's is its system server's, 200 once its generate endpoint is registered). Written: per side and
 workload its checkpoint times (PodSnapshot created -> Ready, the agent's own), the artifact's bytes, restore
-p50/p95/ min/max and samples, CPU seconds, failures; and the ratios ours/theirs.
+p50/p95/min/max and samples, CPU seconds, failures; and the ratios ours/theirs.
 
     scripts/nvidia-snapshot-peer.sh DIR   # DIR: a checkout of ai-dynamo/snapshot ($NVIDIA_SNAPSHOT_COMMIT)
     flock /tmp/dsnap-realnode.lock python benchmarks/vs_nvidia_snapshot.py --nv-source DIR \

@@ -89,6 +89,10 @@ def _statements() -> dict[str, tuple[str, list[str]]]:
     pods = _results("gpu-pod-1g-h100-g.json")
     process = _results("gpu-pod-1g-h100-g-process-baseline.json")["modes"]["decoupled"]
     kubelet = _results("kubelet-restore.json")
+    peer = _results("vs-nvidia-snapshot.json")
+    p50 = {(side, w): peer[side]["workloads"][w]["restore"]["p50_s"] for side in ("ours", "nvidia")
+           for w in ("cpu-worker", "dynamo-mocker")}  # fmt: skip
+    captured = {side: peer[side]["workloads"]["cpu-worker"]["checkpoint"] for side in ("ours", "nvidia")}
     cold = pods["cold"]["serving_s"]
     by_cache = {r["cache"]: r["serving_s"] for r in pods["restores"]}
     cached, dropped = by_cache["page"], by_cache["dropped"]
@@ -126,6 +130,15 @@ def _statements() -> dict[str, tuple[str, list[str]]]:
                 f"({cold / cached:.1f}× the empty-cache cold pod's {cold:.1f} s)",
                 f"**{dropped:.2f} s** from a dropped cache ({cold / dropped:.1f}×)",
                 f"restores in {process['warm_restore']['restore_s']:.2f} s / {process['restore_s']:.2f} s",
+            ],
+        ),
+        "beside NVIDIA's snapshot (its operator and agent": (
+            "vs-nvidia-snapshot.json",
+            [
+                f"p50 **{p50['ours', 'cpu-worker']:.2f} s vs {p50['nvidia', 'cpu-worker']:.2f} s**",
+                f"{p50['ours', 'dynamo-mocker']:.2f} s vs {p50['nvidia', 'dynamo-mocker']:.2f} s",
+                f"Ready {captured['ours']['podsnapshot_created_to_ready_s']:.2f} s vs "
+                f"{captured['nvidia']['podsnapshot_created_to_ready_s']:.2f} s",
             ],
         ),
         "restore into the restore pod's own container on a kubelet node": (
