@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
-from collections.abc import Awaitable, Coroutine, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Mapping
 from typing import Any
 
+from dynamo_snapshot.agent.artifact_fetch import NodeFetch
 from dynamo_snapshot.agent.checkpoint import CheckpointOutcome, CheckpointRun, wait_ready
 from dynamo_snapshot.agent.errors import AgentError, ArtifactRefused
 from dynamo_snapshot.agent.gpu_assignment import assigned_gpus, check_gpu_memory
@@ -30,6 +32,7 @@ from dynamo_snapshot.agent.restore import (
     check_before_reading,
     check_digest,
     compat_refused,
+    fetched_first,
 )
 from dynamo_snapshot.agent.runtime.base import Workload
 from dynamo_snapshot.agent.timings import Timings
@@ -42,6 +45,7 @@ from dynamo_snapshot.artifact import (
     Binding,
     CacheFull,
     GpuInfo,
+    Manifest,
     validate_artifact_key,
 )
 from dynamo_snapshot.artifact.s3 import ObjectStoreError
@@ -65,6 +69,8 @@ class Executor(Node):
 
     # What carries one restore through its stages (benchmarks substitute variants of it).
     restore_run: type[RestoreRun] = RestoreRun
+    # What a fetch from the object store brings before the rest, which a restore starts on.
+    fetch_first: Callable[[Manifest], list[str]] = staticmethod(fetched_first)
 
     # ------------------------------------------------------------------ checkpoint
     async def wait_ready(self, workload: Workload, within: float) -> None:
@@ -142,38 +148,37 @@ class Executor(Node):
         used out first) rather than this node's store."""
         return self.objects is not None and self.cache is not None
 
-    def _fetched(self, artifact_key: str, manifest_digest: str) -> Awaitable[Artifact]:
-        """The fetch of the artifact into this node's store under way, or a new one: restores and
-        fetches ahead of them wait for the one (shielded: one giving up does not stop it for the others)."""
+    def _fetch(self, artifact_key: str, manifest_digest: str) -> NodeFetch:
+        """The fetch of the artifact onto this node under way, or a new one: restores and fetches ahead of
+        them share it."""
         objects = self.objects
         assert objects is not None
-        task = self.fetching.get(artifact_key)
-        if task is None:
-            if self.cache is not None:
-                task = asyncio.create_task(self._fetch_into_cache(self.cache, artifact_key, manifest_digest))
-            else:
-                task = asyncio.create_task(objects.fetch(artifact_key, manifest_digest, self.store))
-            self.fetching[artifact_key] = task
+        fetch = self.fetching.get(artifact_key)
+        if fetch is None:
+            fetch = NodeFetch(
+                objects,
+                artifact_key,
+                manifest_digest,
+                self.store,
+                self.cache,
+                self.verified,
+                first=self.fetch_first,
+            )
+            self.fetching[artifact_key] = fetch
 
             def ended(done: asyncio.Task[Artifact]) -> None:
-                if self.fetching.get(artifact_key) is done:
+                if self.fetching.get(artifact_key) is fetch:
                     del self.fetching[artifact_key]
                 if not done.cancelled():
                     done.exception()  # every waiter gets it; retrieved here in case every one gave up
 
-            task.add_done_callback(ended)
-        return asyncio.shield(task)
+            fetch.task.add_done_callback(ended)
+        return fetch
 
-    async def _fetch_into_cache(
-        self, cache: ArtifactCache, artifact_key: str, manifest_digest: str
-    ) -> Artifact:
-        objects = self.objects
-        assert objects is not None
-        try:
-            async with cache.admitting(artifact_key, older_unread=True) as room:
-                return await objects.fetch(artifact_key, manifest_digest, cache.store, room=room)
-        finally:
-            CACHE_BYTES.set(await asyncio.to_thread(cache.used_bytes))
+    async def _fetched(self, artifact_key: str, manifest_digest: str) -> Artifact:
+        """The whole artifact fetched (shielded: one waiter giving up does not stop it for the others)."""
+        with self._fetch_errors(artifact_key):
+            return await asyncio.shield(self._fetch(artifact_key, manifest_digest).task)
 
     @contextlib.contextmanager
     def _reading(self, artifact_key: str) -> Iterator[None]:
@@ -257,25 +262,25 @@ class Executor(Node):
         # The node cache in front of a shared store: a copy it holds is tried first, and filled after.
         shared_cache = self.cache if self.objects is None else None
         try:
-            artifact, where = await self._on_this_node(artifact_key, manifest_digest, timings)
-            with timings.phase("restore", "verify"):
-                gpus = check_before_reading(
-                    artifact, manifest_digest, image_id, self.gpus, visible_gpus, skip_compat=skip_compat
-                )
-                if self.cuda is not None:
-                    try:
-                        await check_gpu_memory(artifact.manifest.extra, gpus, artifact.manifest.gpus)
-                    except AgentError as e:
-                        compat_refused(str(e), skip_compat, artifact.key)
-            if shared_cache is not None:
-                cached = await self._restore_from_cache(
-                    shared_cache, key, artifact, timings, greeting, manifest_digest, gpus
-                )
-                if cached is not None:
-                    return cached
-            outcome = await self._restore_fetched_or_not(
-                self.restore_run(self, key, artifact, timings, greeting, manifest_digest, gpus), where
-            )
+            async with self._arriving(artifact_key, manifest_digest, timings) as (artifact, where, whole):
+                with timings.phase("restore", "verify"):
+                    gpus = check_before_reading(
+                        artifact, manifest_digest, image_id, self.gpus, visible_gpus, skip_compat=skip_compat
+                    )
+                    if self.cuda is not None:
+                        try:
+                            await check_gpu_memory(artifact.manifest.extra, gpus, artifact.manifest.gpus)
+                        except AgentError as e:
+                            compat_refused(str(e), skip_compat, artifact.key)
+                if shared_cache is not None:
+                    cached = await self._restore_from_cache(
+                        shared_cache, key, artifact, timings, greeting, manifest_digest, gpus
+                    )
+                    if cached is not None:
+                        return cached
+                run = self.restore_run(self, key, artifact, timings, greeting, manifest_digest, gpus)
+                run.published = whole
+                outcome = await self._restore_fetched_or_not(run, where)
         except BaseException:
             FAILURES.labels("restore").inc()
             raise
@@ -306,6 +311,42 @@ class Executor(Node):
         """The artifact on this node and where it was: ``store`` (this node's store), ``cache`` (the node
         cache's copy of the object store's), ``fetched`` (from the object store just now, unless not
         ``fetch``: then refused)."""
+        here = await self._local(artifact_key, manifest_digest, timings)
+        if here is not None:
+            return here
+        if not fetch or manifest_digest is None:
+            raise ArtifactRefused(f"artifact {artifact_key} refused: not on this node")
+        with timings.phase("restore", "fetch"):
+            return await self._fetched(artifact_key, manifest_digest), "fetched"
+
+    @contextlib.asynccontextmanager
+    async def _arriving(
+        self, artifact_key: str, manifest_digest: str | None, timings: Timings
+    ) -> AsyncIterator[tuple[Artifact, str, Callable[[], Awaitable[Artifact]] | None]]:
+        """For a restore, as ``_on_this_node``, but from a fetch its process images as soon as they are in
+        and checked (links that keep their paths while inside), with how to await the whole artifact,
+        published, for the rest."""
+        here = await self._local(artifact_key, manifest_digest, timings)
+        if here is not None:
+            yield (*here, None)
+            return
+        assert manifest_digest is not None
+        fetch = self._fetch(artifact_key, manifest_digest)
+        async with contextlib.AsyncExitStack() as stack:
+            with timings.phase("restore", "fetch"):
+                early = await stack.enter_async_context(fetch.early())
+                whole = await self._fetched(artifact_key, manifest_digest) if early is None else None
+            if early is None:
+                assert whole is not None
+                yield whole, "fetched", None
+            else:
+                yield early, "fetched", functools.partial(self._fetched, artifact_key, manifest_digest)
+
+    async def _local(
+        self, artifact_key: str, manifest_digest: str | None, timings: Timings
+    ) -> tuple[Artifact, str] | None:
+        """The artifact in this node's store, or the node cache's copy of the object store's; None where
+        neither holds it and the object store can bring it (else refused)."""
         try:
             with timings.phase("restore", "verify"):
                 return await asyncio.to_thread(self.store.open, artifact_key), "store"
@@ -319,12 +360,14 @@ class Executor(Node):
                 cached = await asyncio.to_thread(self.cache.lookup_sealed, artifact_key, manifest_digest)
             if cached is not None:
                 return cached, "cache"
-        if not fetch:
-            raise ArtifactRefused(f"artifact {artifact_key} refused: not on this node")
+        return None
+
+    @contextlib.contextmanager
+    def _fetch_errors(self, artifact_key: str) -> Iterator[None]:
+        """A fetch's failure as the restore's: the store's or the node's (AgentError), or the artifact's."""
         target = self.cache.root if self.cache is not None else self.store.root
         try:
-            with timings.phase("restore", "fetch"):
-                return await self._fetched(artifact_key, manifest_digest), "fetched"
+            yield
         except ObjectStoreError as e:
             raise AgentError(
                 f"artifact {artifact_key} not fetched from the object store {self.objects}: {e}"

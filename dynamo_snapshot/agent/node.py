@@ -9,6 +9,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from dynamo_snapshot.agent.artifact_fetch import NodeFetch
 from dynamo_snapshot.agent.config import DEFAULT_RESTORE_SCRATCH, AgentConfig
 from dynamo_snapshot.agent.gpu_assignment import local_gpus
 from dynamo_snapshot.agent.metrics import CACHE_EVICTIONS
@@ -17,7 +18,6 @@ from dynamo_snapshot.agent.page_images import remove_abandoned
 from dynamo_snapshot.agent.runtime.base import Runtime, Workload
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.artifact import (
-    Artifact,
     ArtifactCache,
     ArtifactStore,
     GpuInfo,
@@ -73,7 +73,7 @@ class Node:
         # the artifact (None: ``store`` is the only one).
         self.objects = objects
         # Fetches from it under way, per artifact key; fetches ahead of any restore go one at a time.
-        self.fetching: dict[str, asyncio.Task[Artifact]] = {}
+        self.fetching: dict[str, NodeFetch] = {}
         self.fetch_ahead_gate = asyncio.Semaphore(1)
         self.fills: dict[str, asyncio.Task[None]] = {}
         # Restores under way per artifact key, and keys being deleted: an artifact is deleted only while

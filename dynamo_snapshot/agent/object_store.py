@@ -9,12 +9,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from dynamo_snapshot.agent.metrics import OBJECT_STORE_BYTES, OBJECT_STORE_TRANSFERS
 from dynamo_snapshot.artifact import Artifact, ArtifactStore
-from dynamo_snapshot.artifact.s3 import ObjectStoreError, S3Artifacts, S3Credentials, S3Location
+from dynamo_snapshot.artifact.s3 import FetchHooks, ObjectStoreError, S3Artifacts, S3Credentials, S3Location
 
 __all__ = ["ACCESS_KEY_FILE", "SECRET_KEY_FILE", "ObjectStore"]
 
@@ -71,19 +70,14 @@ class ObjectStore:
         return sent
 
     async def fetch(
-        self,
-        key: str,
-        manifest_digest: str,
-        store: ArtifactStore,
-        *,
-        room: Callable[[int], Awaitable[None]] | None = None,
+        self, key: str, manifest_digest: str, store: ArtifactStore, hooks: FetchHooks | None = None
     ) -> Artifact:
-        """The artifact ``key`` sealed with ``manifest_digest``, brought into this node's ``store`` (``room``:
-        as ``S3Artifacts.fetch``)."""
+        """The artifact ``key`` sealed with ``manifest_digest``, brought into this node's ``store``
+        (``hooks``: as ``S3Artifacts.fetch``)."""
         started = time.monotonic()
         try:
             async with await self._client(key) as s3:
-                artifact = await s3.fetch(key, manifest_digest, store, room=room)
+                artifact = await s3.fetch(key, manifest_digest, store, hooks)
         except ObjectStoreError:
             OBJECT_STORE_TRANSFERS.labels("fetch", "failed").inc()
             raise

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,7 @@ from dynamo_snapshot.agent.weights import (
     place_weights,
 )
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.artifact import Artifact, ArtifactError, GpuInfo
+from dynamo_snapshot.artifact import Artifact, ArtifactError, GpuInfo, Manifest
 from dynamo_snapshot.criu import CriuError
 from dynamo_snapshot.fileio import HASH_PARALLEL, TreeStats
 
@@ -166,6 +166,15 @@ class RestoreRun:
         self.placing: asyncio.Task[None] | None = None
         self.process_stats = TreeStats(0, 0.0)
         self.verified_bytes = 0
+        # Where ``artifact`` holds the process images of a fetch still under way: the whole artifact,
+        # published, which the weights are read from once it is in.
+        self.published: Callable[[], Awaitable[Artifact]] | None = None
+        self._whole: Artifact | None = None
+
+    @property
+    def with_weights(self) -> Artifact:
+        """The artifact the weights are read from."""
+        return self._whole or self.artifact
 
     @property
     def weight_files(self) -> list[str]:
@@ -176,10 +185,11 @@ class RestoreRun:
             with self.timings.phase("restore", "verify"):
                 await self.verify(undo)
             # The weights are checked while CRIU restores the process: the same read fills the page
-            # cache the worker loads them from.
-            if self.weights and self.weights_check is None:
+            # cache the worker loads them from. Still being fetched: once they are in (hand_over).
+            if self.weights and self.weights_check is None and not self._weights_arriving:
                 self.start_weights_check(undo)
-            await self.start_placing_weights(undo)
+            if not self._weights_arriving:
+                await self.start_placing_weights(undo)
             workload = await self.restore_process(undo)
             await self.resume_process(workload)
             await self.hand_over(workload, undo)
@@ -209,12 +219,27 @@ class RestoreRun:
         )
         if self.staging is not None:
             undo.push_async_callback(self.staging.discard)
-        if self.weights and settings.weights_check_idle_io:
+        if self.weights and settings.weights_check_idle_io and not self._weights_arriving:
             # Where the disk's scheduler honours idle I/O priority the weights check takes only the disk
             # time nobody else wants, so it can start now, beside the check of what CRIU needs.
             self.start_weights_check(undo)
         await self.verify_process_images()
+        if not self._weights_arriving:
+            await self.verify_weights_files()
+
+    @property
+    def _weights_arriving(self) -> bool:
+        return bool(self.weights) and self.published is not None and self._whole is None
+
+    async def weights_fetched(self, undo: contextlib.AsyncExitStack) -> None:
+        """The rest of a fetch under way in, published: its weights files checked as before CRIU (the
+        bytes were checked as they arrived) and their check begun."""
+        assert self.published is not None
+        with self.timings.phase("restore", "fetch_wait"):
+            self._whole = await self.published()
         await self.verify_weights_files()
+        if self.weights_check is None:
+            self.start_weights_check(undo)
 
     def check_manifest(self) -> None:
         # The store's artifact passed this already; the node cache's copy is held to it too.
@@ -274,10 +299,11 @@ class RestoreRun:
 
     async def verify_weights_files(self) -> None:
         """The weights files' sizes and headers; their bytes are checked beside CRIU."""
+        artifact = self.with_weights
         try:
-            await self.artifact.averify(files=self.weight_files, check_checksums=False)
+            await artifact.averify(files=self.weight_files, check_checksums=False)
             for w in self.weights:
-                await asyncio.to_thread(check_carried, self.artifact.path / w.file, w)
+                await asyncio.to_thread(check_carried, artifact.path / w.file, w)
         except (ArtifactError, ValueError, WeightsPlacementError) as e:
             raise ArtifactRefused(f"weights of artifact {self.artifact.key} refused: {e}") from None
 
@@ -286,10 +312,11 @@ class RestoreRun:
         started = time.monotonic()
         # Linking the weights into a worker's control dir changes their status-change time, so the
         # verified-files cache rarely spares this check: restores under way at once share it instead.
+        artifact = self.with_weights
         check, own = self.node.shared_check(
-            self.artifact.path,
+            artifact.path,
             files,
-            lambda: self.artifact.averify(
+            lambda: artifact.averify(
                 files=files,
                 verified=self.node.verified,
                 idle_io=self.node.config.restore.weights_check_idle_io,
@@ -366,6 +393,8 @@ class RestoreRun:
         """The weights back in place and the worker told to go on. A worker that waits for
         weights-verified is told to resume (and load) before the check ends; any other only once it
         passed."""
+        if self._weights_arriving:
+            await self.weights_fetched(undo)
         verdict = workload.control_dir / protocol.FILE_WEIGHTS_VERIFIED
         # Left by an earlier restore into this control dir; the worker is still waiting for
         # restore-complete, so it cannot have read it.
@@ -405,7 +434,7 @@ class RestoreRun:
                 target = locate(
                     w.worker_path, seen_ctl, workload.control_dir, host_process=self.node.host_processes
                 )
-                place_weights(self.artifact.path / w.file, target, w)
+                place_weights(self.with_weights.path / w.file, target, w)
         except (WeightsPlacementError, OSError) as e:
             raise AgentError(f"cannot put the weights back: {e}") from None
 
@@ -489,6 +518,16 @@ def carried_weights(artifact: Artifact) -> list[CarriedWeights]:
         return [CarriedWeights.from_json(w) for w in _list(artifact.manifest.extra, "weights")]
     except (ValueError, WeightsPlacementError) as e:
         raise ArtifactRefused(f"artifact {artifact.key} refused: {e}") from None
+
+
+def fetched_first(manifest: Manifest) -> list[str]:
+    """What a restore needs before CRIU, so a fetch brings it first: every file but the carried weights
+    (all of them where the weights list is unreadable: the restore refuses the artifact then)."""
+    try:
+        weights = {CarriedWeights.from_json(w).file for w in _list(manifest.extra, "weights")}
+    except (ValueError, WeightsPlacementError):
+        return [f.path for f in manifest.files]
+    return [f.path for f in manifest.files if f.path not in weights]
 
 
 def process_files(artifact: Artifact, weights: list[CarriedWeights]) -> list[str]:

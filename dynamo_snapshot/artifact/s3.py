@@ -23,7 +23,7 @@ import hashlib
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Coroutine, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -44,7 +44,7 @@ from dynamo_snapshot.fileio import TreeStats
 from dynamo_snapshot.fileio.beneath import components, open_dirs_beneath, opened_dir
 from dynamo_snapshot.fileio.blocks import pwrite_all
 
-__all__ = ["NAMESPACE_FIELD", "ObjectStoreError", "S3Artifacts", "S3Credentials", "S3Location"]
+__all__ = ["NAMESPACE_FIELD", "FetchHooks", "ObjectStoreError", "S3Artifacts", "S3Credentials", "S3Location"]
 
 # A store that stops answering: botocore's own errors, the socket's, and aiohttp's (aiobotocore's
 # transport), of which a body cut short (ClientPayloadError) is not an OSError.
@@ -128,6 +128,21 @@ class S3Location(BaseModel):
 class S3Credentials:
     access_key_id: str
     secret_access_key: str = field(repr=False)
+
+
+class FetchHooks:
+    """What a caller of ``S3Artifacts.fetch`` is asked and told on the way; these defaults do nothing."""
+
+    async def room(self, size: int) -> None:
+        """Before anything is written: the artifact's size (a capped store makes way, or refuses)."""
+
+    def first(self, manifest: Manifest) -> Collection[str]:
+        """The files to bring before the others."""
+        return ()
+
+    def first_done(self, staged: Artifact) -> None:
+        """Those files are all in and checked: ``staged`` is the unpublished copy, whose directory is
+        renamed once the rest is in (the files' inodes stay)."""
 
 
 class S3Artifacts:
@@ -234,17 +249,13 @@ class S3Artifacts:
         return True
 
     async def fetch(
-        self,
-        key: str,
-        manifest_digest: str,
-        store: ArtifactStore,
-        *,
-        room: Callable[[int], Awaitable[None]] | None = None,
+        self, key: str, manifest_digest: str, store: ArtifactStore, hooks: FetchHooks | None = None
     ) -> Artifact:
         """The artifact ``key`` whose sealed manifest has ``manifest_digest``, put into ``store`` under
         ``key`` (checked byte for byte on the way, published with the store's own atomic rename; a copy
-        already there with that manifest is used as it is). ``room``, where given, is awaited with the
-        artifact's size before anything is written (a capped store makes way, or refuses)."""
+        already there with that manifest is used as it is). ``hooks`` are told its size before anything is
+        written, and when the files they name first are all in and checked."""
+        hooks = hooks or FetchHooks()
         present = await asyncio.to_thread(_present, store, key, manifest_digest)
         if present is not None:
             return present
@@ -256,13 +267,18 @@ class S3Artifacts:
                 f"artifact {key} refused: the store's manifest has digest {manifest.digest}, the checkpoint "
                 f"recorded {manifest_digest}"
             )
-        if room is not None:
-            await room(sum(e.size for e in manifest.files))
+        await hooks.room(sum(e.size for e in manifest.files))
+        first = set(hooks.first(manifest))
         started = time.monotonic()
         with ArtifactWriter(store, manifest.identity_hash, key=key) as writer:
             gate = asyncio.Semaphore(self.location.parallel)
             with opened_dir(writer.directory) as dirfd:
-                await _all(self._fetch_file(key, e, dirfd, gate) for e in manifest.files)
+                ahead = [e for e in manifest.files if e.path in first]
+                if ahead:
+                    await _all(self._fetch_file(key, e, dirfd, gate) for e in ahead)
+                    hooks.first_done(Artifact(writer.directory, manifest, key))
+                rest = [e for e in manifest.files if e.path not in first]
+                await _all(self._fetch_file(key, e, dirfd, gate) for e in rest)
             io = TreeStats(sum(e.size for e in manifest.files), time.monotonic() - started)
             try:
                 published = await asyncio.to_thread(writer.seal_fetched, manifest, io, raw)

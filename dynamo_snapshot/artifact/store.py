@@ -6,7 +6,8 @@ the Kubernetes-free CLI. Layout under ``root``::
 
     <namespace>/<uid>/           published for a checkpoint: manifest.json + data files, never modified
     <hash>/                      published by the CLI
-    .partial-<flat key>-<id>/    a writer's staging directory (same filesystem, so rename is atomic)
+    .partial-<flat key>-<id>/    a writer's staging directory (same filesystem, so rename is atomic), or
+                                 hard links to a staging copy's files a reader uses before it is published
     .partial-<flat key>-<id>.lock    flock()ed by that writer for as long as it lives
     .deleting-<flat key>-<id>/   an artifact being deleted, already invisible to readers
 
@@ -25,6 +26,7 @@ import os
 import re
 import secrets
 import shutil
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +38,7 @@ from dynamo_snapshot.artifact.manifest import (
     validate_namespace,
 )
 from dynamo_snapshot.artifact.reader import Artifact
+from dynamo_snapshot.fileio.beneath import components, open_dirs_beneath, opened_dir
 
 __all__ = ["ArtifactStore", "artifact_key", "is_bound_key", "validate_artifact_key"]
 
@@ -248,6 +251,38 @@ class ArtifactStore:
             return existed
         finally:
             os.close(fd)
+
+    @contextlib.contextmanager
+    def linked_copy(self, staged: Artifact, files: Collection[str]) -> Iterator[Artifact]:
+        """Hard links of ``files`` of ``staged`` (a writer's staging copy in this store, whose directory is
+        about to be renamed) in a staging directory of their own: an unpublished artifact of those files
+        whose paths stay while inside, whatever becomes of ``staged``'s directory. Removed on exit (and
+        by ``gc_partial`` after a crash). Blocking. ``OSError`` where ``staged`` moved meanwhile."""
+        staging = self._stage(staged.key)
+        try:
+            with opened_dir(staged.path) as src, opened_dir(staging.directory) as dst:
+                for rel in files:
+                    parts = components(rel)
+                    parent = "/".join(parts[:-1])
+                    src_parent = open_dirs_beneath(src, parent, create=False) if parent else os.dup(src)
+                    try:
+                        dst_parent = open_dirs_beneath(dst, parent, create=True) if parent else os.dup(dst)
+                        try:
+                            os.link(
+                                parts[-1],
+                                parts[-1],
+                                src_dir_fd=src_parent,
+                                dst_dir_fd=dst_parent,
+                                follow_symlinks=False,
+                            )
+                        finally:
+                            os.close(dst_parent)
+                    finally:
+                        os.close(src_parent)
+            yield Artifact(staging.directory, staged.manifest, staged.key)
+        finally:
+            shutil.rmtree(staging.directory, ignore_errors=True)
+            staging.release()
 
     def _stage(self, key: str) -> _Staging:
         """A new locked staging directory for ``key`` (used by ``ArtifactWriter``)."""

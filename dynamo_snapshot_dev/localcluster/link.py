@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 __all__ = ["shaped_link"]
 
@@ -58,8 +59,15 @@ async def shaped_link(
     """Yield ``host:port`` of the proxy: answers at most ``bytes_per_s`` over all connections, each
     connection closed after ``cut_after`` bytes of answer."""
     link = _Bandwidth(bytes_per_s) if bytes_per_s else None
+    # The connections being served: the server's close leaves them running (Python 3.11), so they are
+    # ended with the link rather than left pending when the event loop closes.
+    serving: set[asyncio.Task[Any]] = set()
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        me = asyncio.current_task()
+        if me is not None:
+            serving.add(me)
+            me.add_done_callback(serving.discard)
         up_reader, up_writer = await asyncio.open_connection(upstream_host, upstream_port)
         ahead = asyncio.create_task(_pipe(reader, up_writer, None, None))
         try:
@@ -79,4 +87,7 @@ async def shaped_link(
         yield f"127.0.0.1:{port}"
     finally:
         server.close()
+        for task in list(serving):
+            task.cancel()
+        await asyncio.gather(*serving, return_exceptions=True)
         await server.wait_closed()

@@ -1,0 +1,119 @@
+"""One fetch of an artifact from the object store onto this node, shared by every restore and fetch ahead
+that wants it: into the node cache (which makes room first) or, with none, the node's store. The process
+images come first: a restore starts on them (verify, the writable layer, CRIU) as soon as they are in and
+checked, reading hard links of them that keep their paths while the fetch goes on, and waits for the
+published artifact only where it needs the rest (the weights). Every byte was checked against the
+manifest as it arrived, so the node's verified-files record is told, and the restore does not hash the
+files again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+
+from dynamo_snapshot.agent.metrics import CACHE_BYTES
+from dynamo_snapshot.agent.object_store import ObjectStore
+from dynamo_snapshot.artifact import Artifact, ArtifactCache, ArtifactStore, Manifest, VerifiedFiles
+from dynamo_snapshot.artifact.s3 import FetchHooks
+
+__all__ = ["NodeFetch"]
+
+log = logging.getLogger(__name__)
+
+
+class NodeFetch(FetchHooks):
+    def __init__(
+        self,
+        objects: ObjectStore,
+        key: str,
+        manifest_digest: str,
+        store: ArtifactStore,
+        cache: ArtifactCache | None,
+        verified: VerifiedFiles | None,
+        *,
+        first: Callable[[Manifest], Collection[str]],
+    ) -> None:
+        self.key = key
+        self._objects, self._digest, self._store, self._cache = objects, manifest_digest, store, cache
+        self._verified = verified
+        self._first = first
+        self._room: Callable[[int], Awaitable[None]] | None = None
+        # The unpublished copy once the process images are in; set (or the fetch ended) wakes readers.
+        self.staged: Artifact | None = None
+        self._first_files: list[str] = []
+        self._first_in = asyncio.Event()
+        self.task: asyncio.Task[Artifact] = asyncio.create_task(self._run(), name=f"fetch-{key}")
+
+    @property
+    def target(self) -> ArtifactStore:
+        return self._cache.store if self._cache is not None else self._store
+
+    async def _run(self) -> Artifact:
+        cache = self._cache
+        try:
+            if cache is None:
+                published = await self._objects.fetch(self.key, self._digest, self._store, self)
+            else:
+                async with cache.admitting(self.key, older_unread=True) as room:
+                    self._room = room
+                    published = await self._objects.fetch(self.key, self._digest, cache.store, self)
+        finally:
+            self._first_in.set()
+            if cache is not None:
+                CACHE_BYTES.set(await asyncio.to_thread(cache.used_bytes))
+        if self._verified is not None:
+            # Renaming the staging directory into place leaves its files' status unchanged.
+            await asyncio.to_thread(self._verified.remember, published.path, list(published.manifest.files))
+        return published
+
+    # ------------------------------------------------------------------ FetchHooks
+    async def room(self, size: int) -> None:
+        if self._room is not None:
+            await self._room(size)
+
+    def first(self, manifest: Manifest) -> Collection[str]:
+        self._first_files = list(self._first(manifest))
+        return self._first_files
+
+    def first_done(self, staged: Artifact) -> None:
+        self.staged = staged
+        self._first_in.set()
+
+    # ------------------------------------------------------------------ readers
+    @contextlib.asynccontextmanager
+    async def early(self) -> AsyncIterator[Artifact | None]:
+        """Inside: the process images as an unpublished artifact of links that keep their paths (its
+        weights files absent), once they are in and checked; None where the fetch is over by then (or
+        ended before them): the caller awaits ``task``."""
+        await self._first_in.wait()
+        staged = self.staged
+        if self.task.done() or staged is None:
+            yield None
+            return
+        target, files = self.target, self._first_files
+        try:
+            links = await asyncio.to_thread(_enter, target.linked_copy(staged, files))
+        except OSError as e:
+            # The fetch published (or gave up) while the links were made: the caller awaits it.
+            log.debug("staged copy moved before it was linked", extra={"artifact": self.key, "error": str(e)})
+            yield None
+            return
+        copy, exit_links = links
+        try:
+            if self._verified is not None:
+                linked = set(files)
+                entries = [f for f in copy.manifest.files if f.path in linked]
+                await asyncio.to_thread(self._verified.remember, copy.path, entries)
+            yield copy
+        finally:
+            await asyncio.to_thread(exit_links)
+
+
+def _enter(cm: contextlib.AbstractContextManager[Artifact]) -> tuple[Artifact, Callable[[], None]]:
+    """Enter ``cm`` (in a thread) and return what it gives and how to leave it."""
+    stack = contextlib.ExitStack()
+    value = stack.enter_context(cm)
+    return value, stack.close
