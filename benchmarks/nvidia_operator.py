@@ -15,14 +15,19 @@ node's containerd), and these changes for this host:
   the command their values.yaml gives for that case). With it on, their crd-installer init container exits
   1 and the manager never starts: it applies all three embedded CRDs, and the chart's ClusterRole grants
   get/patch on podsnapshots and podsnapshotcontents only, so the Get of snapshotjobs.nvidia.com is
-  forbidden (`OPERATOR_CRD_INSTALLER_FAILURE`, as logged here).
+  forbidden. Its log here: `CRD installation failed {"error": "get CRD \"snapshotjobs.nvidia.com\":
+  customresourcedefinitions.apiextensions.k8s.io \"snapshotjobs.nvidia.com\" is forbidden: User
+  \"system:serviceaccount:nv-snapshot:snap-snapshot-operator\" cannot get resource
+  \"customresourcedefinitions\" in API group \"apiextensions.k8s.io\" at the cluster scope"}`
+  (`install_operator(..., crd_upgrade=True)` shows it again).
 The operator reaches the apiserver through the `kubernetes` Service (kube-proxy on the node), as in any
 cluster: its pod is not on the host network.
 
 Their manager at b7e707c runs the PodSnapshot controller only: the SnapshotJob reconciler is in
 operator/internal/controller but cmd/manager/main.go does not register it, so a SnapshotJob is not acted on
-and is not used here. No Lease is taken per checkpoint; the one Lease is the manager's leader election
-(`snapshot-operator.nvidia.com`), which is waited for before the PodSnapshot is created.
+and is not used here. The operator takes no Lease per checkpoint (their agent takes
+`checkpoint-lease-<checkpoint id>` while it dumps); its one Lease is the manager's leader election
+(`snapshot-operator.nvidia.com`), which is waited for before the first PodSnapshot is created.
 """
 
 from __future__ import annotations
@@ -51,10 +56,6 @@ from dynamo_snapshot_dev.localcluster.realnode import REAL_NODE_TAINT
 OPERATOR_BINS = ("manager", "crdinstaller")
 OPERATOR = f"{RELEASE}-snapshot-operator"
 LEADER_LEASE = "snapshot-operator.nvidia.com"  # cmd/manager/main.go LeaderElectionID
-OPERATOR_CRD_INSTALLER_FAILURE = (
-    'get CRD "snapshotjobs.nvidia.com": customresourcedefinitions.apiextensions.k8s.io '
-    '"snapshotjobs.nvidia.com" is forbidden'
-)
 GROUP = "/apis/nvidia.com/v1alpha1"
 
 

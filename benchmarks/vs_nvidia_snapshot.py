@@ -15,7 +15,7 @@ p50/p95/min/max and samples, CPU seconds, failures; and the ratios ours/theirs.
 
     scripts/nvidia-snapshot-peer.sh DIR   # DIR: a checkout of ai-dynamo/snapshot ($NVIDIA_SNAPSHOT_COMMIT)
     flock /tmp/dsnap-realnode.lock python benchmarks/vs_nvidia_snapshot.py --nv-source DIR \
-        --out benchmarks/results/vs-nvidia-snapshot.json      # root; about 6 min
+        --out benchmarks/results/vs-nvidia-snapshot.json      # root; about 5 min
 
 Our side's restore pods name the PodSnapshot in `nvidia.com/restore-from` and are shaped as this project's
 restore webhook shapes them (control volume, standby env); the webhook itself is not run, as NVIDIA's side
