@@ -27,7 +27,10 @@ Their manager at b7e707c runs the PodSnapshot controller only: the SnapshotJob r
 operator/internal/controller but cmd/manager/main.go does not register it, so a SnapshotJob is not acted on
 and is not used here. The operator takes no Lease per checkpoint (their agent takes
 `checkpoint-lease-<checkpoint id>` while it dumps); its one Lease is the manager's leader election
-(`snapshot-operator.nvidia.com`), which is waited for before the first PodSnapshot is created.
+(`snapshot-operator.nvidia.com`), which is waited for before the first PodSnapshot is created. Its log in
+each kept run has one `Reconciler error` on the first PodSnapshot, a conflict on the status write that
+records the bound content (`the object has been modified`), which controller-runtime retries; the
+PodSnapshot then became Ready.
 """
 
 from __future__ import annotations
