@@ -176,9 +176,13 @@ class Executor(Node):
         return fetch
 
     async def _fetched(self, artifact_key: str, manifest_digest: str) -> Artifact:
-        """The whole artifact fetched (shielded: one waiter giving up does not stop it for the others)."""
-        with self._fetch_errors(artifact_key):
-            return await asyncio.shield(self._fetch(artifact_key, manifest_digest).task)
+        """The whole artifact fetched."""
+        return await self._whole(self._fetch(artifact_key, manifest_digest))
+
+    async def _whole(self, fetch: NodeFetch) -> Artifact:
+        """What ``fetch`` published (shielded: one waiter giving up does not stop it for the others)."""
+        with self._fetch_errors(fetch.key):
+            return await asyncio.shield(fetch.task)
 
     @contextlib.contextmanager
     def _reading(self, artifact_key: str) -> Iterator[None]:
@@ -335,12 +339,12 @@ class Executor(Node):
         async with contextlib.AsyncExitStack() as stack:
             with timings.phase("restore", "fetch"):
                 early = await stack.enter_async_context(fetch.early())
-                whole = await self._fetched(artifact_key, manifest_digest) if early is None else None
+                whole = await self._whole(fetch) if early is None else None
             if early is None:
                 assert whole is not None
                 yield whole, "fetched", None
             else:
-                yield early, "fetched", functools.partial(self._fetched, artifact_key, manifest_digest)
+                yield early, "fetched", functools.partial(self._whole, fetch)
 
     async def _local(
         self, artifact_key: str, manifest_digest: str | None, timings: Timings
