@@ -272,13 +272,23 @@ class S3Artifacts:
         started = time.monotonic()
         with ArtifactWriter(store, manifest.identity_hash, key=key) as writer:
             gate = asyncio.Semaphore(self.location.parallel)
+            ahead = [e for e in manifest.files if e.path in first]
+            rest = [e for e in manifest.files if e.path not in first]
+            # The rest's requests queue once every one of the first files' has its turn: the first files
+            # come before the rest, and the link stays full while their last requests finish.
+            first_gate = _CountingGate(gate, sum(_requests(e) for e in ahead))
             with opened_dir(writer.directory) as dirfd:
-                ahead = [e for e in manifest.files if e.path in first]
-                if ahead:
-                    await _all(self._fetch_file(key, e, dirfd, gate) for e in ahead)
-                    hooks.first_done(Artifact(writer.directory, manifest, key))
-                rest = [e for e in manifest.files if e.path not in first]
-                await _all(self._fetch_file(key, e, dirfd, gate) for e in rest)
+
+                async def first_files() -> None:
+                    await _all(self._fetch_file(key, e, dirfd, first_gate) for e in ahead)
+                    if ahead:
+                        hooks.first_done(Artifact(writer.directory, manifest, key))
+
+                async def the_rest() -> None:
+                    await first_gate.all_in.wait()
+                    await _all(self._fetch_file(key, e, dirfd, gate) for e in rest)
+
+                await _all([first_files(), the_rest()])
             io = TreeStats(sum(e.size for e in manifest.files), time.monotonic() - started)
             try:
                 published = await asyncio.to_thread(writer.seal_fetched, manifest, io, raw)
@@ -286,7 +296,9 @@ class S3Artifacts:
                 raise ObjectStoreError(f"artifact {key} fetched, not published in {store.root}: {e}") from e
         return published.artifact
 
-    async def _fetch_file(self, key: str, entry: FileEntry, dirfd: int, gate: asyncio.Semaphore) -> None:
+    async def _fetch_file(
+        self, key: str, entry: FileEntry, dirfd: int, gate: contextlib.AbstractAsyncContextManager[Any]
+    ) -> None:
         name = self.object_name(key, entry.path)
         parts = components(entry.path)
         parent = (
@@ -443,6 +455,30 @@ async def _in_thread(write: Callable[..., _T], own_fd: int, *args: Any) -> _T:
             os.close(own_fd)
 
     return await asyncio.shield(asyncio.to_thread(run))
+
+
+def _requests(entry: FileEntry) -> int:
+    """The GETs ``_fetch_file`` makes for ``entry``: one per chunk of a file sealed in chunks, else one."""
+    return len(entry.chunks) if entry.chunks is not None and entry.chunk_bytes is not None else 1
+
+
+class _CountingGate:
+    """``gate`` for ``expected`` requests: ``all_in`` is set once every one of them has entered."""
+
+    def __init__(self, gate: asyncio.Semaphore, expected: int) -> None:
+        self._gate, self._left = gate, expected
+        self.all_in = asyncio.Event()
+        if expected <= 0:
+            self.all_in.set()
+
+    async def __aenter__(self) -> None:
+        await self._gate.acquire()
+        self._left -= 1
+        if self._left <= 0:
+            self.all_in.set()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._gate.release()
 
 
 def _present(store: ArtifactStore, key: str, manifest_digest: str) -> Artifact | None:
