@@ -18,7 +18,7 @@ from benchmarks.nvidia_peer import Workload
 from dynamo_snapshot_dev.localcluster.components import cache_dir
 from dynamo_snapshot_dev.localcluster.images import ImageRef
 from dynamo_snapshot_dev.localcluster.realnode import NO_IO_URING_PROFILE
-from tests.helpers.dynamo import MOCKER_WORKER, dynamo_version, write_tiny_model
+from tests.helpers.dynamo import MOCKER_WORKER, dynamo_version, pod_worker_env, write_tiny_model
 from tests.helpers.kubelet_stack import PORT
 
 # As benchmarks/kubelet_restore.py's worker (tests/helpers/kubelet_stack.py graph_manifest), less its limit.
@@ -50,12 +50,7 @@ def dynamo_mocker(image: ImageRef, archive: Path, workdir: Path, site: Path) -> 
     kv.mkdir(parents=True, exist_ok=True)
     mounts = {"dynamo-site": site, "model": model, "kv": kv, "examples": MOCKER_WORKER.parent}
     env = {
-        "PYTHONPATH": str(site),
-        "HOME": "/tmp",
-        "HF_HUB_OFFLINE": "1",
-        "DYN_DISCOVERY_BACKEND": "file",
-        "DYN_FILE_KV": str(kv),
-        "DYN_SYSTEM_PORT": str(SYSTEM_PORT),
+        **pod_worker_env(site, kv, SYSTEM_PORT),
         "DYN_SYSTEM_USE_ENDPOINT_HEALTH_STATUS": '["generate"]',
         "DYN_SYSTEM_STARTING_HEALTH_STATUS": "notready",
     }

@@ -54,6 +54,24 @@ def local_executor(
     return executor, runtime
 
 
+def node_with_cache(
+    tmp: Path, criu_bin: Path, objects: ObjectStore, max_bytes: int = 1 << 30
+) -> tuple[Executor, ProcessRuntime, ArtifactCache]:
+    """A node on ``tmp/b`` that fetches from ``objects`` into a node cache ``tmp/b-cache`` of ``max_bytes``,
+    as the chart's agents with storage.type s3."""
+    cache = ArtifactCache(tmp / "b-cache", max_bytes)
+    node, runtime = local_executor(
+        tmp / "b",
+        criu_bin,
+        compress_pages=False,
+        objects=objects,
+        cache=cache,
+        kind=Executor,
+        runtime_kind=ProcessRuntime,
+    )
+    return node, runtime, cache
+
+
 async def checkpoint_worker(
     executor: Executor,
     runtime: ProcessRuntime,

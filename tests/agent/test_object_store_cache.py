@@ -16,11 +16,11 @@ from dynamo_snapshot.agent.errors import AgentError, ArtifactRefused
 from dynamo_snapshot.agent.executor import Executor
 from dynamo_snapshot.agent.object_store import ObjectStore
 from dynamo_snapshot.agent.runtime import ProcessRuntime
-from dynamo_snapshot.artifact import ArtifactCache, ArtifactStore
+from dynamo_snapshot.artifact import ArtifactStore
 from dynamo_snapshot.artifact.cache import artifact_bytes
 from dynamo_snapshot.artifact.s3 import S3Location
 from dynamo_snapshot_dev.localcluster.s3server import LocalS3
-from tests.agent.local_node import checkpoint_worker_outcome, local_executor, restore_intact
+from tests.agent.local_node import checkpoint_worker_outcome, local_executor, node_with_cache, restore_intact
 from tests.artifact.helpers import flip_a_byte
 
 pytestmark = pytest.mark.criu
@@ -66,27 +66,11 @@ async def _checkpointed(tmp_path: Path, criu_bin: Path, objects: ObjectStore, *k
     return digests
 
 
-def _node(
-    tmp_path: Path, criu_bin: Path, objects: ObjectStore, max_bytes: int
-) -> tuple[Executor, ProcessRuntime, ArtifactCache]:
-    cache = ArtifactCache(tmp_path / "b-cache", max_bytes)
-    node, runtime = local_executor(
-        tmp_path / "b",
-        criu_bin,
-        compress_pages=False,
-        objects=objects,
-        cache=cache,
-        kind=Executor,
-        runtime_kind=ProcessRuntime,
-    )
-    return node, runtime, cache
-
-
 async def test_a_fetched_checkpoint_goes_into_the_node_cache_and_is_read_there_again(
     criu_bin: Path, tmp_path: Path, objects: ObjectStore
 ) -> None:
     digests = await _checkpointed(tmp_path, criu_bin, objects, FIRST)
-    node, runtime, cache = _node(tmp_path, criu_bin, objects, 1 << 30)
+    node, runtime, cache = node_with_cache(tmp_path, criu_bin, objects, 1 << 30)
     fetched, from_store, from_cache = fetches(), restores_from("store"), restores_from("cache")
 
     assert await restore_intact(node, runtime, FIRST, digests[FIRST]) == "object-store"
@@ -108,7 +92,7 @@ async def test_the_least_recently_restored_copy_makes_way_never_one_in_use(
     source = ArtifactStore(tmp_path / "a" / "store")
     sizes = {key: artifact_bytes(source.open(key).manifest) for key in digests}
     # Room for either, not both.
-    node, runtime, cache = _node(tmp_path, criu_bin, objects, sum(sizes.values()) - 1)
+    node, runtime, cache = node_with_cache(tmp_path, criu_bin, objects, sum(sizes.values()) - 1)
     evicted = sample("dynsnap_agent_cache_evictions_total")
 
     await restore_intact(node, runtime, FIRST, digests[FIRST])
@@ -123,7 +107,7 @@ async def test_the_least_recently_restored_copy_makes_way_never_one_in_use(
     assert cache.store.list() == [SECOND]
     assert sorted(os.listdir(cache.root)) == [SECOND], "a partial copy was left"
 
-    small, _, _ = _node(tmp_path / "small", criu_bin, objects, min(sizes.values()) // 2)
+    small, _, _ = node_with_cache(tmp_path / "small", criu_bin, objects, min(sizes.values()) // 2)
     with pytest.raises(AgentError, match=rf"artifact {FIRST} .* is larger than the node cache"):
         await small.restore("r", FIRST, manifest_digest=digests[FIRST])
 
@@ -132,7 +116,7 @@ async def test_a_damaged_copy_in_the_node_cache_is_removed_and_fetched_again(
     criu_bin: Path, tmp_path: Path, objects: ObjectStore
 ) -> None:
     digests = await _checkpointed(tmp_path, criu_bin, objects, FIRST)
-    node, runtime, cache = _node(tmp_path, criu_bin, objects, 1 << 30)
+    node, runtime, cache = node_with_cache(tmp_path, criu_bin, objects, 1 << 30)
     await restore_intact(node, runtime, FIRST, digests[FIRST])
     copy = cache.store.open(FIRST)
     pages = max((f for f in copy.manifest.files if f.path.endswith(".img")), key=lambda f: f.size)

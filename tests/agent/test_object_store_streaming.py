@@ -20,11 +20,10 @@ from dynamo_snapshot.agent.object_store import ObjectStore
 from dynamo_snapshot.agent.runtime import ProcessRuntime
 from dynamo_snapshot.agent.runtime.base import pid_running
 from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_hash
-from dynamo_snapshot.artifact import ArtifactCache
 from dynamo_snapshot.artifact.s3 import S3Location
 from dynamo_snapshot_dev.localcluster.link import shaped_link
 from dynamo_snapshot_dev.localcluster.s3server import LocalS3
-from tests.agent.local_node import checkpoint_worker, local_executor
+from tests.agent.local_node import checkpoint_worker, local_executor, node_with_cache
 from tests.helpers.polling import await_json
 
 pytestmark = pytest.mark.criu
@@ -65,28 +64,12 @@ async def _checkpointed(tmp: Path, criu_bin: Path, objects: ObjectStore) -> tupl
     return digest, source.control_dir
 
 
-def _node_b(
-    tmp: Path, criu_bin: Path, objects: ObjectStore
-) -> tuple[Executor, ProcessRuntime, ArtifactCache]:
-    cache = ArtifactCache(tmp / "b-cache", 1 << 30)
-    node, runtime = local_executor(
-        tmp / "b",
-        criu_bin,
-        compress_pages=False,
-        objects=objects,
-        cache=cache,
-        kind=Executor,
-        runtime_kind=ProcessRuntime,
-    )
-    return node, runtime, cache
-
-
 async def test_criu_restores_the_process_while_the_weights_still_arrive(
     criu_bin: Path, tmp_path: Path, s3_server: LocalS3, location: S3Location, slow: S3Location
 ) -> None:
     creds = s3_server.write_credentials(tmp_path / "credentials")
     digest, ctl = await _checkpointed(tmp_path, criu_bin, ObjectStore(location, creds))
-    node, runtime, cache = _node_b(tmp_path, criu_bin, ObjectStore(slow, creds))
+    node, runtime, cache = node_with_cache(tmp_path, criu_bin, ObjectStore(slow, creds))
 
     outcome = await node.restore("restored", HASH, manifest_digest=digest)
     try:
@@ -118,7 +101,7 @@ async def test_weights_that_arrive_damaged_fail_the_restore_after_criu_and_keep_
             data = bytearray(await body.read())
         data[len(data) // 2] ^= 0xFF
         await client.put_object(Bucket=location.bucket, Key=name, Body=bytes(data))
-    node, runtime, cache = _node_b(tmp_path, criu_bin, ObjectStore(slow, creds))
+    node, runtime, cache = node_with_cache(tmp_path, criu_bin, ObjectStore(slow, creds))
 
     with pytest.raises(AgentError, match=rf"{WEIGHTS}: the content does not match its digest"):
         await node.restore("restored", HASH, manifest_digest=digest)

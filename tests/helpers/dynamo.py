@@ -44,6 +44,20 @@ def dynamo_env(site: Path, **extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{REPO}", **extra}
 
 
+def pod_worker_env(site: Path, kv: Path, system_port: int) -> dict[str, str]:
+    """The environment of Dynamo's worker in a pod of the worker image: Dynamo's packages from ``site``
+    (the host's, mounted at the same path), file discovery in ``kv``, its system server (the worker's own
+    metrics and health, labelled with its worker_id) on ``system_port``."""
+    return {
+        "PYTHONPATH": str(site),
+        "HOME": "/tmp",
+        "HF_HUB_OFFLINE": "1",
+        "DYN_DISCOVERY_BACKEND": "file",
+        "DYN_FILE_KV": str(kv),
+        "DYN_SYSTEM_PORT": str(system_port),
+    }
+
+
 def run_dynamo_python(site: Path, code: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", code], env=dynamo_env(site), capture_output=True, text=True, check=False

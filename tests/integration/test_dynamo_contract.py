@@ -34,7 +34,7 @@ from dynamo_snapshot.kube.kinds import CHECKPOINT
 from dynamo_snapshot_dev.demo.scenario import worker_graph
 from dynamo_snapshot_dev.localcluster import LocalCluster
 from dynamo_snapshot_dev.localcluster.realnode import NO_IO_URING_PROFILE, REAL_NODE_TAINT, RealNode
-from tests.helpers.dynamo import MOCKER_WORKER, dynamo_env, dynamo_site, write_tiny_model
+from tests.helpers.dynamo import MOCKER_WORKER, dynamo_env, dynamo_site, pod_worker_env, write_tiny_model
 from tests.helpers.kubelet_stack import Stack, eventually, pods
 
 pytestmark = [pytest.mark.cluster, pytest.mark.kubelet]
@@ -82,15 +82,7 @@ def _worker_spec(node: RealNode, site: Path, model: Path, kv: Path) -> Obj:
     """Dynamo's worker in a pod of the worker image: Dynamo's packages, the model and the discovery
     directory from the host at the same paths; the chart's io_uring-blocking seccomp profile."""
     mounts = {"dynamo-site": site, "model": model, "kv": kv, "examples": EXAMPLES}
-    env = {
-        "PYTHONPATH": str(site),
-        "HOME": "/tmp",
-        "HF_HUB_OFFLINE": "1",
-        "DYN_DISCOVERY_BACKEND": "file",
-        "DYN_FILE_KV": str(kv),
-        # Dynamo's system server: the worker's own metrics, labelled with its worker_id.
-        "DYN_SYSTEM_PORT": str(SYSTEM_PORT),
-    }
+    env = pod_worker_env(site, kv, SYSTEM_PORT)
     return {
         "nodeSelector": {"kubernetes.io/hostname": node.name},
         "tolerations": [{"key": REAL_NODE_TAINT, "operator": "Exists", "effect": "NoSchedule"}],
