@@ -20,6 +20,8 @@ __all__ = ["KubeletContainers"]
 
 # How long a container without the standby variable is given to exec into an inert placeholder.
 _INERT_WITHIN_S = 2.0
+# How often the restore target's control dir is looked at for its standby file.
+_STANDBY_POLL_S = 0.02
 
 
 class KubeletContainers:
@@ -49,7 +51,8 @@ class KubeletContainers:
                 raise AgentError(why)
             if asyncio.get_running_loop().time() > deadline:
                 raise AgentError(f"container {name} did not start within {within:.0f}s")
-            await asyncio.sleep(0.1)
+            # Woken by the kubelet's next status of the pod (the watch), else in a second at the latest.
+            await self.pods.next_change(object_key(pod), 1.0)
 
     async def attach(self, pod: Obj, within: float, container: str | None = None) -> Workload:
         """The pod's main container (or ``container``), attached once the kubelet runs it."""
@@ -82,7 +85,8 @@ class KubeletContainers:
                 raise Refused(_not_in_standby(target, standby_env, standby_within))
             if ended(self.pods.get(object_key(pod)) or pod, target) is not None:
                 raise AgentError(f"container {target} exited before the restore")
-            await asyncio.sleep(0.05)
+            # The standby file comes from the worker, not the watch: looked for often, it is cheap.
+            await asyncio.sleep(_STANDBY_POLL_S)
         return workload
 
 

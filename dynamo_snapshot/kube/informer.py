@@ -128,6 +128,8 @@ class Informer:
             k: defaultdict(set) for k in indexed_labels
         }
         self._resource_version: str | None = None
+        # Per cache key: set (and dropped) at the next event of that object (``next_change``).
+        self._changes: dict[str, asyncio.Event] = {}
         self._failures = 0
         self._task: asyncio.Task[None] | None = None
         self._log_extra = {"kind": kind.kind, "namespace": namespace or "*"}
@@ -136,6 +138,13 @@ class Informer:
     def add_handler(self, handler: EventHandler) -> None:
         """Register ``handler``; added before start, it also sees every object of the initial list."""
         self._handlers.append(handler)
+
+    async def next_change(self, key: str, within: float) -> None:
+        """Until the next event of the object under ``key`` is in the cache, or ``within`` seconds: a
+        caller that read the cache and found it not yet as it needs waits here, not in a polling sleep."""
+        changed = self._changes.setdefault(key, asyncio.Event())
+        with suppress(TimeoutError):
+            await asyncio.wait_for(changed.wait(), within)
 
     def get(self, key: str) -> Obj | None:
         return self._store.get(key)
@@ -299,6 +308,9 @@ class Informer:
             if old is None:
                 CACHE_SIZE.labels(self.kind.kind).inc()
         EVENTS.labels(self.kind.kind, etype).inc()
+        changed = self._changes.pop(key, None)
+        if changed is not None:
+            changed.set()
         for handler in self._handlers:
             try:
                 await handler(etype, obj, old)

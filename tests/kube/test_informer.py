@@ -172,3 +172,29 @@ async def test_recovers_from_410_by_relisting_and_diffing(
         assert seen[3][:2] == ("ADDED", f"{namespace}/g5")
     finally:
         await inf.stop()
+
+
+async def test_a_caller_waiting_for_an_objects_next_change_wakes_with_it(kube: Kube, namespace: str) -> None:
+    await kube.create(CONFIG_MAP, {"metadata": {"name": "watched"}, "data": {"v": "0"}}, namespace)
+    inf = Informer(kube, CONFIG_MAP, namespace=namespace)
+    inf.start()
+    try:
+        async with asyncio.timeout(10):
+            await inf.wait_synced()
+        key = f"{namespace}/watched"
+        # Nothing changes: the wait ends at its limit.
+        started = asyncio.get_running_loop().time()
+        await inf.next_change(key, 0.3)
+        assert asyncio.get_running_loop().time() - started >= 0.3
+
+        waiting = asyncio.create_task(inf.next_change(key, 30))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        await kube.merge_patch(CONFIG_MAP, "watched", {"data": {"v": "1"}}, namespace)
+        async with asyncio.timeout(10):
+            await waiting
+        cached = inf.get(key)
+        assert cached is not None
+        assert cached["data"] == {"v": "1"}, "woken before the change was in the cache"
+    finally:
+        await inf.stop()
