@@ -44,6 +44,7 @@ class NodeFetch(FetchHooks):
         # The unpublished copy once the process images are in; set (or the fetch ended) wakes readers.
         self.staged: Artifact | None = None
         self._first_files: list[str] = []
+        self._brought = False
         self._first_in = asyncio.Event()
         self.task: asyncio.Task[Artifact] = asyncio.create_task(self._run(), name=f"fetch-{key}")
 
@@ -64,8 +65,10 @@ class NodeFetch(FetchHooks):
             self._first_in.set()
             if cache is not None:
                 CACHE_BYTES.set(await asyncio.to_thread(cache.used_bytes))
-        if self._verified is not None:
-            # Renaming the staging directory into place leaves its files' status unchanged.
+        if self._verified is not None and self._brought:
+            # Every byte was checked as it came (a copy found on the node instead was not: its files are
+            # checked by the restore as any other). Renaming the staging directory into place leaves the
+            # files' status unchanged.
             await asyncio.to_thread(self._verified.remember, published.path, list(published.manifest.files))
         return published
 
@@ -75,6 +78,8 @@ class NodeFetch(FetchHooks):
             await self._room(size)
 
     def first(self, manifest: Manifest) -> Collection[str]:
+        # Asked only of a fetch that brings the files itself.
+        self._brought = True
         self._first_files = list(self._first(manifest))
         return self._first_files
 

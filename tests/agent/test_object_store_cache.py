@@ -130,3 +130,20 @@ async def test_a_damaged_copy_in_the_node_cache_is_removed_and_fetched_again(
 
     assert await restore_intact(node, runtime, FIRST, digests[FIRST]) == "object-store"
     assert fetches() == fetched + 1
+
+
+async def test_a_refused_copy_another_restore_still_reads_is_checked_again_not_trusted(
+    criu_bin: Path, tmp_path: Path, objects: ObjectStore
+) -> None:
+    digests = await _checkpointed(tmp_path, criu_bin, objects, FIRST)
+    node, runtime, cache = node_with_cache(tmp_path, criu_bin, objects)
+    assert await restore_intact(node, runtime, FIRST, digests[FIRST]) == "object-store"
+    copy = cache.store.open(FIRST)
+    pages = max((f for f in copy.manifest.files if f.path.endswith(".img")), key=lambda f: f.size)
+    flip_a_byte(copy.path / pages.path, pages.size // 2)
+    # Another restore reads the copy: refused, it stays until that one ends, and the fetch of the next
+    # restore finds it on the node; its files were not brought by that fetch, so they are hashed again.
+    with cache.pinned(FIRST):
+        assert not cache.refuse(FIRST)
+        with pytest.raises(ArtifactRefused, match=pages.path):
+            await node.restore("r", FIRST, manifest_digest=digests[FIRST])
