@@ -312,7 +312,7 @@ class Executor(Node):
     async def _on_this_node(
         self, artifact_key: str, manifest_digest: str | None, timings: Timings, *, fetch: bool = True
     ) -> tuple[Artifact, str]:
-        """The artifact on this node and where it was: ``store`` (this node's store), ``cache`` (the node
+        """The artifact on this node and where it is found: ``store`` (this node's store), ``cache`` (the node
         cache's copy of the object store's), ``fetched`` (from the object store just now, unless not
         ``fetch``: then refused)."""
         here = await self._local(artifact_key, manifest_digest, timings)
