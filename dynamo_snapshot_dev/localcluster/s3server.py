@@ -29,6 +29,7 @@ from dynamo_snapshot_dev.localcluster.supervise import Started, die_with_parent,
 
 __all__ = ["LocalS3", "LocalS3Error", "find_weed"]
 
+MAX_VOLUMES = 10000
 MISSING_MESSAGE = "weed (SeaweedFS) is missing: run scripts/test-env.sh"
 
 
@@ -58,6 +59,7 @@ class LocalS3(Started):
         self.tls = tls
         self.port = free_port()
         self.https_port = free_port()
+        self.master_port: int | None = None  # SeaweedFS's master (its HTTP API), once started
         self.access_key = "dsnap-test"
         self.secret_key = secrets.token_hex(16)
         self._popen: subprocess.Popen[bytes] | None = None
@@ -115,6 +117,7 @@ class LocalS3(Started):
             **{f"{name}.port": free_port() for name in names},
             **{f"{name}.port.grpc": free_port() for name in (*names, "s3")},
         }
+        self.master_port = ports["master.port"]
         argv = [
             str(self.binary),
             "mini",
@@ -126,6 +129,10 @@ class LocalS3(Started):
             "-admin.ui=false",
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
+            # Each bucket is a collection with a volume of its own; by default mini allows as many volumes
+            # as 1 GiB volumes fit the free disk (64 on a 67 GiB one), and a session's tests make more
+            # buckets than that. Volumes are not preallocated: the cap only counts them.
+            f"-volume.max={MAX_VOLUMES}",
             f"-s3.port={self.port}",
             *(f"-{flag}={port}" for flag, port in ports.items()),
         ]
