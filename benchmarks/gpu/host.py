@@ -33,6 +33,26 @@ def drop_caches() -> None:
     subprocess.run("sync; echo 3 > /proc/sys/vm/drop_caches", shell=True, check=False)
 
 
+THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@contextlib.contextmanager
+def thp_mode(mode: str | None) -> Any:
+    """The host's transparent huge page mode set to ``mode`` (always, madvise, never) inside the ``with``,
+    then set back; ``None`` leaves it alone. A restore faults its memory in as the mode says: CRIU reads
+    the pages into anonymous memory that is only advised for huge pages after the read."""
+    if mode is None:
+        yield
+        return
+    before = re.search(r"\[(\w+)\]", THP_ENABLED.read_text())
+    THP_ENABLED.write_text(mode)
+    try:
+        yield
+    finally:
+        if before is not None:
+            THP_ENABLED.write_text(before.group(1))
+
+
 async def wait_json(path: Path, within: float) -> dict[str, Any]:
     """The JSON object a worker writes (atomically) at `path`, once it is there."""
     deadline = time.monotonic() + within

@@ -51,6 +51,7 @@ from benchmarks.gpu.host import (  # noqa: E402
     http,
     log_gaps,
     page_stats,
+    thp_mode,
     wait_json,
 )
 from benchmarks.gpu.isolated import IsolatedRuntime, NetnsHttp  # noqa: E402
@@ -69,7 +70,7 @@ MODES = {
     "decoupled": ["--release-kv", "--decouple-weights"],
 }
 GIB = 2**30
-# Diagnostic restores of the decoupled artifact: the agent settings each one changes, and whether it
+# Diagnostic restores of an artifact (--variants-for): the agent settings each one changes, and whether it
 # starts with the page cache dropped.
 VARIANTS: dict[str, tuple[dict[str, Any], bool]] = {
     "default": ({}, True),
@@ -79,7 +80,11 @@ VARIANTS: dict[str, tuple[dict[str, Any], bool]] = {
     "weights_after": ({"weights_check_early": False}, True),
     "overlap": ({"overlap_page_check": True}, True),
     "overlap_weights_after": ({"overlap_page_check": True, "weights_check_early": False}, True),
+    # The host's transparent huge pages on for every anonymous mapping during the restore (THP_KNOB).
+    "thp": ({"thp": "always"}, True),
+    "warm_thp": ({"thp": "always"}, False),
 }
+THP_KNOB = "thp"
 
 
 def storage_gbps(path: Path, gib: int = 4, threads: int = 16, block: int = 64 << 20) -> float:
@@ -272,7 +277,7 @@ class Bench:
             rec["warm_restore"] = await self.timed_restore(warm_key, ident_hash, port, cold, drop=False)
             await self.stop_and_wait(warm_key)
             self.save()
-        if mode == "decoupled" and self.args.variants:
+        if self.args.variants and mode in self.args.variants_for:
             rec["diagnostics"] = await self.diagnostics(f"restored-{mode}", ident_hash, port, cold)
             self.save()
         if mode == "decoupled" and self.args.burst:
@@ -357,6 +362,8 @@ class Bench:
         base = key
         for n, name in enumerate(self.args.variants):
             knobs, drop = VARIANTS[name]
+            knobs = dict(knobs)
+            thp = knobs.pop(THP_KNOB, None)
             label = name if name not in out else f"{name}#{self.args.variants[: n + 1].count(name)}"
             await self.stop_and_wait(key)
             key = f"{base}-{n}-{name}"
@@ -366,7 +373,8 @@ class Bench:
             for attr, value in knobs.items():
                 setattr(ex, attr, value)
             try:
-                out[label] = await self.timed_restore(key, ident_hash, port, cold, drop=drop)
+                with thp_mode(thp):
+                    out[label] = await self.timed_restore(key, ident_hash, port, cold, drop=drop)
             except Exception:
                 out[label] = {"error": traceback.format_exc()[-2000:]}
             finally:
@@ -384,7 +392,8 @@ class Bench:
         runtime = IsolatedRuntime(self.work / "isolated", self.criu)
         ex = VariantExecutor(runtime, self.store, self.criu, self.agent_config())
         for attr, value in VARIANTS[self.args.burst_variant][0].items():
-            setattr(ex, attr, value)
+            if attr != THP_KNOB:
+                setattr(ex, attr, value)
         out: dict[str, Any] = {"variant": self.args.burst_variant}
 
         async def one(key: str, t0: float) -> dict[str, Any]:
@@ -434,9 +443,10 @@ class Bench:
             return rec
 
         try:
-            out["alone"] = await together(1, "alone")
-            self.save()
-            out["burst"] = await together(self.args.burst, "burst")
+            with thp_mode(VARIANTS[self.args.burst_variant][0].get(THP_KNOB)):
+                out["alone"] = await together(1, "alone")
+                self.save()
+                out["burst"] = await together(self.args.burst, "burst")
             alone, burst = out["alone"]["all_serving_s"], out["burst"]["all_serving_s"]
             if alone and burst:
                 out["burst_over_alone"] = round(burst / alone, 3)
@@ -513,8 +523,10 @@ async def main() -> int:
     ap.add_argument(
         "--variants",
         default="warm_node,no_prefetch,weights_normal_io",
-        help=f"the decoupled mode's extra restores, comma-separated, of: {', '.join(VARIANTS)} ('' for none)",
+        help=f"extra restores of the --variants-for artifacts, comma-separated, of: {', '.join(VARIANTS)} "
+        "('' for none)",
     )
+    ap.add_argument("--variants-for", default="decoupled", help="modes whose artifacts --variants restore")
     ap.add_argument("--no-diagnostics", dest="variants", action="store_const", const="", help="--variants ''")
     ap.add_argument(
         "--burst", type=int, default=0, help="then restore the decoupled artifact this many times at once"
@@ -543,6 +555,7 @@ async def main() -> int:
     )
     args = ap.parse_args()
     args.variants = [v for v in args.variants.split(",") if v]
+    args.variants_for = args.variants_for.split(",")
     unknown = sorted(set(args.variants) - set(VARIANTS))
     if unknown:
         ap.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
