@@ -8,6 +8,12 @@ way (BENCHMARKS.md).
   images rather than with it; on the H200 (mq-deadline) no faster: 8g 6.31 vs 5.84/6.34 s, 1g 4.65 vs
   4.07/4.12 s.
 - ``weights_check_parallel``: threads of the weights check beside CRIU.
+- ``lazy_pages``: CRIU restores the tree with ``--lazy-pages``: the process's private memory is left
+  unpopulated and filled by a ``criu lazy-pages`` daemon from the images, on the process's faults first and
+  in the background for the rest, while the CUDA restore runs. ``"before_signal"`` waits for the daemon
+  to have moved every page before the worker is told to go on; ``"after_signal"`` tells it at once and
+  waits after (a daemon that dies while pages are missing leaves them zero-filled, so the agent must
+  stop the worker then: the measure of what waiting costs).
 
 ``VariantExecutor`` is the agent's Executor with these as attributes; its runtime must be a
 ``StoppedRestores`` (``StoppableProcessRuntime``, or ``benchmarks.gpu.isolated.IsolatedRuntime``) for the
@@ -74,6 +80,54 @@ class _LeaveStopped(Criu):
         return await super().restore(images_dir, **{**kwargs, "leave_stopped": True})
 
 
+class LazyPagesCriu(Criu):
+    """CRIU whose restores are lazy: each starts a ``criu lazy-pages`` daemon on the images (its socket
+    and log in the restore's work dir) and restores with ``--lazy-pages``; ``daemons`` by work dir."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.daemons: dict[Path, asyncio.subprocess.Process] = {}
+
+    async def restore(self, images_dir: Path, **kwargs: Any) -> Any:
+        work = Path(kwargs.get("log_dir") or images_dir)
+        socket = work / "lazy-pages.socket"
+        await asyncio.to_thread(_fresh_socket_dir, work, socket)
+        quiet = asyncio.subprocess.DEVNULL
+        daemon = await asyncio.create_subprocess_exec(
+            str(self.binary), "lazy-pages", "-D", str(images_dir), "-W", str(work),
+            "-o", "lazy-pages.log", "-v4", stdin=quiet, stdout=quiet, stderr=quiet,
+        )  # fmt: skip
+        self.daemons[work] = daemon
+        while not os.path.exists(socket):  # noqa: ASYNC240 - a tmpfs/control dir stat; the daemon has no other sign
+            if daemon.returncode is not None:
+                raise RuntimeError(f"criu lazy-pages exited with {daemon.returncode} before listening")
+            await asyncio.sleep(0.002)
+        extra = (*kwargs.pop("extra_args", ()), "--lazy-pages")
+        try:
+            return await super().restore(images_dir, **kwargs, extra_args=extra)
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                daemon.kill()
+            await daemon.wait()
+            raise
+
+
+def _fresh_socket_dir(work: Path, socket: Path) -> None:
+    work.mkdir(parents=True, exist_ok=True)
+    socket.unlink(missing_ok=True)
+
+
+def _tail(log: Path) -> str:
+    return log.read_text(errors="replace")[-1500:] if log.exists() else "(no log)"
+
+
+async def wait_lazy_pages(daemon: asyncio.subprocess.Process, log: Path) -> None:
+    """The daemon's end: every page moved, or the restore refused."""
+    if await daemon.wait() != 0:
+        tail = await asyncio.to_thread(_tail, log)
+        raise ArtifactRefused(f"criu lazy-pages exited with {daemon.returncode}: {tail}")
+
+
 class StoppableProcessRuntime(ProcessRuntime):
     """The agent's host-process runtime, able to restore a tree stopped."""
 
@@ -103,6 +157,8 @@ class VariantRestoreRun(RestoreRun):
         self.pages: list[str] = []  # pages images checked while CRIU restores them
         self.pages_check: asyncio.Task[TreeStats] | None = None
         self._verifying = False
+        self.lazy_daemon: asyncio.subprocess.Process | None = None
+        self.lazy_work = Path()
 
     async def verify(self, undo: contextlib.AsyncExitStack) -> None:
         self._verifying = True
@@ -132,9 +188,28 @@ class VariantRestoreRun(RestoreRun):
 
     async def criu_restore(self, images: Path, source_control_dir: str | None) -> Workload:
         runtime = self.node.runtime
+        if self.node.lazy_pages and isinstance(runtime, ProcessRuntime):
+            lazy = LazyPagesCriu(self.node.criu.binary, kept_logs=self.node.criu.kept_logs)
+            workload = await ProcessRuntime(runtime.control_root, lazy).restore(
+                self.key, images, source_control_dir
+            )
+            (self.lazy_work, self.lazy_daemon), *_ = lazy.daemons.items()
+            return workload
         if self.pages_check is None or not isinstance(runtime, StoppedRestores):
             return await super().criu_restore(images, source_control_dir)
         return await runtime.restore_stopped(self.key, images, source_control_dir)
+
+    async def lazy_pages_moved(self) -> None:
+        if self.lazy_daemon is not None:
+            with self.timings.phase("restore", "lazy_pages_wait"):
+                await wait_lazy_pages(self.lazy_daemon, self.lazy_work / "lazy-pages.log")
+            self.lazy_daemon = None
+
+    async def hand_over(self, workload: Workload, undo: contextlib.AsyncExitStack) -> None:
+        if self.node.lazy_pages == "before_signal":
+            await self.lazy_pages_moved()
+        await super().hand_over(workload, undo)
+        await self.lazy_pages_moved()
 
     async def resume_process(self, workload: Workload) -> None:
         """The tree runs once its pages passed."""
@@ -159,6 +234,7 @@ class VariantExecutor(Executor):
         self.overlap_page_check = False
         self.weights_check_early = True
         self.weights_check_parallel: int | None = None
+        self.lazy_pages: str | None = None  # "before_signal" or "after_signal"
 
     # The agent's own settings, as the variants name them.
     @property

@@ -81,6 +81,9 @@ VARIANTS: dict[str, tuple[dict[str, Any], bool]] = {
     "overlap": ({"overlap_page_check": True}, True),
     "overlap_weights_after": ({"overlap_page_check": True, "weights_check_early": False}, True),
     # The host's transparent huge pages on for every anonymous mapping during the restore (THP_KNOB).
+    "lazy": ({"lazy_pages": "before_signal"}, True),
+    "warm_lazy": ({"lazy_pages": "before_signal"}, False),
+    "warm_lazy_after_signal": ({"lazy_pages": "after_signal"}, False),
     "thp": ({"thp": "always"}, True),
     "warm_thp": ({"thp": "always"}, False),
 }

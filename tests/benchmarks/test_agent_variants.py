@@ -4,6 +4,7 @@ the process images."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -80,5 +81,24 @@ async def test_where_the_weights_check_starts(
         assert seen == [early]
         assert "pages_wait" not in restored.timings.phases, "no overlap unless asked"
         assert (await await_json(ctl / "verify.json", settle=0.05))["weights_ok"]
+    finally:
+        await runtime.stop("restored")
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("when", ["before_signal", "after_signal"])
+async def test_lazy_pages_fill_the_restored_tree(criu_bin: Path, tmp_path: Path, when: str) -> None:
+    executor, runtime, ctl = await _checkpoint(tmp_path, criu_bin)
+    executor.lazy_pages = when
+    restored = await executor.restore("restored", HASH)
+    try:
+        # The worker reads its weights and compares them with what it wrote before the checkpoint: every
+        # page the daemon moved is the image's.
+        assert (await await_json(ctl / "verify.json", settle=0.05))["weights_ok"]
+        assert "lazy_pages_wait" in restored.timings.phases
+        log = (runtime.control_dir("restored") / "lazy-pages.log").read_text()
+        moved = re.findall(r"UFFD transferred pages: \((\d+)/(\d+)\)", log)
+        assert moved
+        assert all(done == total for done, total in moved)
     finally:
         await runtime.stop("restored")
