@@ -112,6 +112,9 @@ class LazyPagesCriu(Criu):
             raise
 
 
+LAZY_PAGES_WITHIN = 60.0
+
+
 def _fresh_socket_dir(work: Path, socket: Path) -> None:
     work.mkdir(parents=True, exist_ok=True)
     socket.unlink(missing_ok=True)
@@ -122,8 +125,15 @@ def _tail(log: Path) -> str:
 
 
 async def wait_lazy_pages(daemon: asyncio.subprocess.Process, log: Path) -> None:
-    """The daemon's end: every page moved, or the restore refused."""
-    if await daemon.wait() != 0:
+    """The daemon's end: every page moved, or the restore refused (also when it takes longer than
+    LAZY_PAGES_WITHIN)."""
+    try:
+        await asyncio.wait_for(daemon.wait(), LAZY_PAGES_WITHIN)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            daemon.kill()
+        await daemon.wait()
+    if daemon.returncode != 0:
         tail = await asyncio.to_thread(_tail, log)
         raise ArtifactRefused(f"criu lazy-pages exited with {daemon.returncode}: {tail}")
 
