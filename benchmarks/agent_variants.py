@@ -2,8 +2,10 @@
 way (BENCHMARKS.md).
 
 - ``overlap_page_check``: the memory pages are checked while CRIU restores them, into a tree held stopped
-  (CRIU's --leave-stopped) until they passed. Measured on the H200 it was slower than checking them first
-  (at full parallel read speed) and letting CRIU read them from the page cache, so the agent checks first.
+  (CRIU's --leave-stopped) until they passed. For decoupled artifacts on the H200 it was slower than
+  checking them first (at full parallel read speed) and letting CRIU read them from the page cache; for a
+  plain 8g artifact on an H100 it gained 1.0-1.2 s of 16 s (BENCHMARKS.md, "Past the disk"). The agent
+  checks first.
 - ``weights_check_early`` off: at idle I/O priority the weights check starts after the check of the process
   images rather than with it; on the H200 (mq-deadline) no faster: 8g 6.31 vs 5.84/6.34 s, 1g 4.65 vs
   4.07/4.12 s.
@@ -254,6 +256,14 @@ class VariantExecutor(Executor):
     @prefetch_node_files.setter
     def prefetch_node_files(self, on: bool) -> None:
         self.config.checkpoint.prefetch_node_files = on
+
+    @property
+    def restore_huge_pages(self) -> bool:
+        return self.criu.restore_huge_pages
+
+    @restore_huge_pages.setter
+    def restore_huge_pages(self, on: bool) -> None:
+        self.criu.restore_huge_pages = on
 
     @property
     def weights_check_idle_io(self) -> bool:

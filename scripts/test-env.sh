@@ -83,9 +83,12 @@ build_criu() {
 }
 # criu-so-passcred.patch: kernels >= 6.16 refuse SO_PASSCRED/SO_PASSSEC on inet sockets, so stock 4.1.1 cannot
 # dump any process with a TCP/UDP socket (upstream issues #2705/#2718, fixed after 4.1.1 by PR #2719).
-# The stamp names the patch so a cache built without it is rebuilt once.
-criu_patch=$here/criu-so-passcred.patch
-criu_rev="$CRIU_DEB_VERSION+so-passcred-$(sha256sum "$criu_patch" | cut -c1-12)"
+# criu-restore-thp.patch: with CRIU_RESTORE_THP_DENSE in its environment a restore advises transparent huge
+# pages for the private anonymous memory it fills densely, before reading it (the agent's
+# --restore-huge-pages; BENCHMARKS.md, "Past the disk").
+# The stamp names the patches so a cache built without them is rebuilt once.
+criu_patches=("$here/criu-so-passcred.patch" "$here/criu-restore-thp.patch")
+criu_rev="$CRIU_DEB_VERSION+patches-$(cat "${criu_patches[@]}" | sha256sum | cut -c1-12)"
 if stamp_ok criu "$criu_rev" && [ -x "$BIN/criu" ]; then
   say "criu $criu_rev cached"
 else
@@ -99,7 +102,9 @@ else
   find "$d" -mindepth 1 -maxdepth 1 -type d -name 'criu-*' -exec rm -rf {} +
   tar -C "$d" -xf "$d"/criu_*.orig.tar.*
   top=$(find "$d" -mindepth 1 -maxdepth 1 -type d -name 'criu-*' | sed -n 1p)
-  patch -d "$top" -p1 --forward --quiet < "$criu_patch" || die "criu-so-passcred.patch does not apply to $top"
+  for criu_patch in "${criu_patches[@]}"; do
+    patch -d "$top" -p1 --forward --quiet < "$criu_patch" || die "$(basename "$criu_patch") does not apply to $top"
+  done
   say "building criu in $top (about 2 min on 2 cores)"
   make -C "$top" -j"$(nproc)" criu > "$d/build.log" 2>&1 || { tail -n 20 "$d/build.log" >&2; die "criu build failed: see $d/build.log"; }
   cp "$top/criu/criu" "$BIN/criu"

@@ -84,6 +84,8 @@ VARIANTS: dict[str, tuple[dict[str, Any], bool]] = {
     "lazy": ({"lazy_pages": "before_signal"}, True),
     "warm_lazy": ({"lazy_pages": "before_signal"}, False),
     "warm_lazy_after_signal": ({"lazy_pages": "after_signal"}, False),
+    "huge_pages": ({"restore_huge_pages": True}, True),
+    "warm_huge_pages": ({"restore_huge_pages": True}, False),
     "thp": ({"thp": "always"}, True),
     "warm_thp": ({"thp": "always"}, False),
 }

@@ -170,6 +170,13 @@ class RestoreSettings(_Section):
         default=True,
         description="check the weights during the CRIU restore at idle I/O priority, so CRIU reads first",
     )
+    restore_huge_pages: bool = Field(
+        default=False,
+        description="CRIU advises transparent huge pages for the private anonymous memory of 2 MiB and "
+        "more that a restore fills to half or more, before filling it: fewer page faults for CRIU and a "
+        "faster CUDA restore copy; the memory stays huge-page eligible (needs a CRIU built with "
+        "scripts/criu-restore-thp.patch, which a stock CRIU and runtime runc ignore)",
+    )
     restore_scratch: Path = Field(
         default=DEFAULT_RESTORE_SCRATCH,
         description="a tmpfs directory restores unpack compressed pages into (unusable or too small: "

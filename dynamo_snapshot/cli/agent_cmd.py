@@ -53,7 +53,11 @@ def register(sub: Any) -> None:
 def build(config: AgentConfig, kube: Kube) -> NodeAgent:
     node, containers = config.node, config.containers
     # A failed dump's or restore's work directory goes with the failure; the log its message names stays.
-    criu = Criu(node.criu, kept_logs=node.state_root / CRIU_LOGS_DIR)
+    criu = Criu(
+        node.criu,
+        kept_logs=node.state_root / CRIU_LOGS_DIR,
+        restore_huge_pages=config.restore.restore_huge_pages,
+    )
     runtime: Runtime
     if containers.runtime == "containerd":
         runtime = ContainerdRuntime(criu, node.state_root, runc_root=containers.runc_root)

@@ -9,7 +9,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,13 +18,24 @@ from dynamo_snapshot.criu.errors import CriuError, known_cause, log_excerpt, sum
 from dynamo_snapshot.criu.kept_logs import keep_log
 from dynamo_snapshot.criu.version import CriuVersion
 
-__all__ = ["ENV_CRIU", "MIN_VERSION", "Criu", "DumpResult", "RestoreResult", "find_criu"]
+__all__ = [
+    "ENV_CRIU",
+    "MIN_VERSION",
+    "RESTORE_HUGE_PAGES_ENV",
+    "Criu",
+    "DumpResult",
+    "RestoreResult",
+    "find_criu",
+]
 
 log = logging.getLogger(__name__)
 
 ENV_CRIU = "DYNSNAP_CRIU"
 # Debian 12's CRIU 3.17 cannot restore on current kernels (vDSO layout), so 4.0 is the floor.
 MIN_VERSION = (4, 0)
+# Read by CRIU built with scripts/criu-restore-thp.patch: its restorer advises huge pages for the private
+# anonymous mappings of 2 MiB or more that the images fill to half or more, before reading them in.
+RESTORE_HUGE_PAGES_ENV = "CRIU_RESTORE_THP_DENSE"
 
 
 @dataclass(frozen=True)
@@ -73,7 +84,13 @@ def find_criu(binary: Path | None = None) -> Path:
 
 
 async def _run(
-    binary: Path, op: str, argv: Sequence[str], *, wrapper: Sequence[str] = (), pass_fds: Sequence[int] = ()
+    binary: Path,
+    op: str,
+    argv: Sequence[str],
+    *,
+    wrapper: Sequence[str] = (),
+    pass_fds: Sequence[int] = (),
+    env: Mapping[str, str] | None = None,
 ) -> tuple[int, str]:
     """Run CRIU to completion and return its exit status and combined stdout/stderr.
 
@@ -92,6 +109,7 @@ async def _run(
                 stdout=out,
                 stderr=out,
                 pass_fds=tuple(pass_fds),
+                env={**os.environ, **env} if env else None,
             )
         except OSError as e:
             raise CriuError(op, None, f"cannot run {binary}: {e}") from e
@@ -197,11 +215,17 @@ async def _with_libraries(program: Path) -> list[Path]:
 class Criu:
     """One CRIU binary; every operation runs it as a subprocess without blocking the event loop."""
 
-    def __init__(self, binary: Path | None = None, *, kept_logs: Path | None = None) -> None:
+    def __init__(
+        self, binary: Path | None = None, *, kept_logs: Path | None = None, restore_huge_pages: bool = False
+    ) -> None:
         """`kept_logs`: where the log of a failed dump or restore is kept (see kept_logs), for callers
-        that remove the operation's work directory after a failure; None leaves it where CRIU wrote it."""
+        that remove the operation's work directory after a failure; None leaves it where CRIU wrote it.
+        `restore_huge_pages`: restores advise transparent huge pages for the private anonymous memory
+        they fill densely, before filling it (RESTORE_HUGE_PAGES_ENV; a CRIU built without the
+        project's scripts/criu-restore-thp.patch ignores it)."""
         self._requested = binary
         self.kept_logs = kept_logs
+        self.restore_huge_pages = restore_huge_pages
         self._binary: Path | None = None
         self._version: CriuVersion | None = None
         self._files: list[Path] | None = None
@@ -335,7 +359,10 @@ class Criu:
             extra_args=extra_args,
         )
         started = time.monotonic()
-        returncode, output = await _run(self.binary, "restore", argv, wrapper=wrapper, pass_fds=pass_fds)
+        env = {RESTORE_HUGE_PAGES_ENV: "1"} if self.restore_huge_pages else None
+        returncode, output = await _run(
+            self.binary, "restore", argv, wrapper=wrapper, pass_fds=pass_fds, env=env
+        )
         seconds = time.monotonic() - started
         if returncode != 0:
             raise await asyncio.to_thread(_failure, "restore", returncode, output, log_path, self.kept_logs)
