@@ -5,17 +5,14 @@ on a host whose huge pages are only for memory that asks, that memory comes back
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import re
-import signal
-import sys
 from pathlib import Path
 
 import pytest
 
 from dynamo_snapshot.criu import Criu
 from tests.helpers.polling import wait_file
+from tests.helpers.script_process import kill_groups, start_script
 
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -77,10 +74,7 @@ async def test_dense_memory_comes_back_in_huge_pages_with_the_same_bytes(
     if mode == "never" or (not huge and mode != "madvise"):
         pytest.skip(f"the host's transparent huge pages are {mode!r}")
     work, images = tmp_path / "work", tmp_path / "images"
-    work.mkdir()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", WORKER, str(work), stdin=asyncio.subprocess.DEVNULL, start_new_session=True
-    )
+    proc = await start_script(WORKER, work)
     restored_pid = None
     try:
         before = await asyncio.to_thread(wait_file, work / "before")
@@ -98,7 +92,4 @@ async def test_dense_memory_comes_back_in_huge_pages_with_the_same_bytes(
         (work / "go").touch()
         assert await asyncio.to_thread(wait_file, work / "after") == before
     finally:
-        for pid in {proc.pid, restored_pid} - {None}:
-            assert pid is not None
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
+        kill_groups(proc.pid, restored_pid)

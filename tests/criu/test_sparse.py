@@ -5,11 +5,8 @@ parent's; a private file mapping's zeroed page no (a missing page there shows th
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import signal
 import struct
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,6 +16,7 @@ import pytest
 from dynamo_snapshot.criu import Criu, sparse
 from dynamo_snapshot.criu.sparse import PAGE, ImageFormatError, drop_zero_pages
 from tests.helpers.polling import cancel_and_settle, wait_file
+from tests.helpers.script_process import kill_groups, start_script
 
 # Root: 512 anonymous pages, even ones random, odd ones written with zeros, and 256 more never touched;
 # 600 pages written with zeros;
@@ -78,10 +76,7 @@ async def test_dropped_zero_pages_restore_as_zeros_and_only_where_safe(
     criu_bin: Path, tmp_path: Path
 ) -> None:
     work, images = tmp_path / "work", tmp_path / "images"
-    work.mkdir()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", WORKER, str(work), stdin=asyncio.subprocess.DEVNULL, start_new_session=True
-    )
+    proc = await start_script(WORKER, work)
     restored_pid = None
     try:
         before = {
@@ -115,10 +110,7 @@ async def test_dropped_zero_pages_restore_as_zeros_and_only_where_safe(
         for role in ("parent", "child"):
             assert await asyncio.to_thread(wait_file, work / f"after-{role}") == before[role], role
     finally:
-        for pid in {proc.pid, restored_pid} - {None}:
-            assert pid is not None
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
+        kill_groups(proc.pid, restored_pid)
 
 
 def test_unreadable_images_are_refused_or_left_alone(tmp_path: Path) -> None:
