@@ -83,6 +83,22 @@ async def test_weights_check_idle_io_reaches_the_executor(
     assert on.restore.weights_check_idle_io is True
 
 
+async def test_restore_huge_pages_reaches_criu(
+    kube: Kube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENV_CRIU, "/bin/true")  # build() resolves CRIU; none runs here
+    assert agent_cmd.build(_config(tmp_path), kube).executor.criu.restore_huge_pages is False
+    for config in (
+        _config(tmp_path, "--restore-huge-pages"),
+        _config(tmp_path, file="restore: {restoreHugePages: true}\n"),
+    ):
+        assert config.restore.restore_huge_pages is True
+        agent = agent_cmd.build(config, kube)
+        # The executor's CRIU is the runtime's: the restores it runs read the setting.
+        assert agent.executor.criu.restore_huge_pages is True
+        assert getattr(agent.executor.runtime, "criu", None) is agent.executor.criu
+
+
 async def test_cache_settings_reach_the_executor(
     kube: Kube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
