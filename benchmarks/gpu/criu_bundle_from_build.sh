@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The project's own CRIU build (4.1.1 and scripts/criu-so-passcred.patch, which scripts/test-env.sh builds
+# The project's own CRIU build (4.1.1 and scripts/criu-*.patch, which scripts/test-env.sh builds
 # into ~/.cache/dynamo-snapshot/bin) as a bundle for the H200: the binary and the shared libraries it
 # links, glibc left to the machine (built against an older one than the H200's Ubuntu 24.04 has).
 # Usage: benchmarks/gpu/criu_bundle_from_build.sh DIR; then carry DIR (an ignored path) and, on the device,
