@@ -218,12 +218,22 @@ def test_file_backed_pages_and_a_stop_leave_the_images_as_they_were(tmp_path: Pa
     ]
 
 
-async def test_a_cancelled_checkpoint_waits_for_the_rewrite_to_stop(tmp_path: Path) -> None:
+async def test_a_cancelled_checkpoint_waits_for_the_rewrite_to_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from dynamo_snapshot.agent.page_images import drop_zero_pages_of as _drop_zero_pages
 
-    # 64 MiB of alternating pages: the slow, page-by-page path, still running when the cancel comes.
+    # 64 MiB of alternating pages: the page-by-page path, each kept page written a little later than it
+    # would be, so that the rewrite is still moving pages when the cancel comes however fast the machine.
     pages = [(b"z" * PAGE if i % 2 else bytes(PAGE)) for i in range((64 << 20) // PAGE)]
     _dump(tmp_path, pages)
+    keep = sparse._Compactor.keep
+
+    def slow_keep(self: sparse._Compactor, view: memoryview, at: int, in_place: int | None = None) -> None:
+        time.sleep(0.0002)
+        keep(self, view, at, in_place)
+
+    monkeypatch.setattr(sparse._Compactor, "keep", slow_keep)
     task = asyncio.create_task(_drop_zero_pages(tmp_path))
     await asyncio.sleep(0.02)
     # Nothing writes in the directory any more (the caller throws the dump away now): no file comes or
