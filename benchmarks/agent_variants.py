@@ -83,15 +83,14 @@ class _LeaveStopped(Criu):
 
 
 class LazyPagesCriu(Criu):
-    """CRIU whose restores are lazy: each starts a ``criu lazy-pages`` daemon on the images (its socket
-    and log in the restore's work dir) and restores with ``--lazy-pages``; ``daemons`` by work dir."""
+    """CRIU for one lazy restore: it starts a ``criu lazy-pages`` daemon on the images (its socket and log
+    in the restore's work dir, ``work``) and restores with ``--lazy-pages``."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.daemons: dict[Path, asyncio.subprocess.Process] = {}
+    daemon: asyncio.subprocess.Process | None = None
+    work = Path()
 
     async def restore(self, images_dir: Path, **kwargs: Any) -> Any:
-        work = Path(kwargs.get("log_dir") or images_dir)
+        work = self.work = Path(kwargs.get("log_dir") or images_dir)
         socket = work / "lazy-pages.socket"
         await asyncio.to_thread(_fresh_socket_dir, work, socket)
         quiet = asyncio.subprocess.DEVNULL
@@ -99,7 +98,7 @@ class LazyPagesCriu(Criu):
             str(self.binary), "lazy-pages", "-D", str(images_dir), "-W", str(work),
             "-o", "lazy-pages.log", "-v4", stdin=quiet, stdout=quiet, stderr=quiet,
         )  # fmt: skip
-        self.daemons[work] = daemon
+        self.daemon = daemon
         while not os.path.exists(socket):  # noqa: ASYNC240 - a tmpfs/control dir stat; the daemon has no other sign
             if daemon.returncode is not None:
                 raise RuntimeError(f"criu lazy-pages exited with {daemon.returncode} before listening")
@@ -169,8 +168,7 @@ class VariantRestoreRun(RestoreRun):
         self.pages: list[str] = []  # pages images checked while CRIU restores them
         self.pages_check: asyncio.Task[TreeStats] | None = None
         self._verifying = False
-        self.lazy_daemon: asyncio.subprocess.Process | None = None
-        self.lazy_work = Path()
+        self.lazy: LazyPagesCriu | None = None  # the CRIU of a lazy restore, until its daemon is done
 
     async def verify(self, undo: contextlib.AsyncExitStack) -> None:
         self._verifying = True
@@ -205,17 +203,17 @@ class VariantRestoreRun(RestoreRun):
             workload = await ProcessRuntime(runtime.control_root, lazy).restore(
                 self.key, images, source_control_dir
             )
-            (self.lazy_work, self.lazy_daemon), *_ = lazy.daemons.items()
+            self.lazy = lazy
             return workload
         if self.pages_check is None or not isinstance(runtime, StoppedRestores):
             return await super().criu_restore(images, source_control_dir)
         return await runtime.restore_stopped(self.key, images, source_control_dir)
 
     async def lazy_pages_moved(self) -> None:
-        if self.lazy_daemon is not None:
+        if self.lazy is not None and self.lazy.daemon is not None:
             with self.timings.phase("restore", "lazy_pages_wait"):
-                await wait_lazy_pages(self.lazy_daemon, self.lazy_work / "lazy-pages.log")
-            self.lazy_daemon = None
+                await wait_lazy_pages(self.lazy.daemon, self.lazy.work / "lazy-pages.log")
+            self.lazy = None
 
     async def hand_over(self, workload: Workload, undo: contextlib.AsyncExitStack) -> None:
         if self.node.lazy_pages == "before_signal":

@@ -96,7 +96,6 @@ def main() -> int:
         "bytes": size,
         "thp_enabled": (thp / "enabled").read_text().strip(),
         "thp_defrag": (thp / "defrag").read_text().strip(),
-        "gbps": {},
     }
     gbps: dict[str, float] = {}
     for rnd in range(2):

@@ -80,12 +80,12 @@ VARIANTS: dict[str, tuple[dict[str, Any], bool]] = {
     "weights_after": ({"weights_check_early": False}, True),
     "overlap": ({"overlap_page_check": True}, True),
     "overlap_weights_after": ({"overlap_page_check": True, "weights_check_early": False}, True),
-    # The host's transparent huge pages on for every anonymous mapping during the restore (THP_KNOB).
     "lazy": ({"lazy_pages": "before_signal"}, True),
     "warm_lazy": ({"lazy_pages": "before_signal"}, False),
     "warm_lazy_after_signal": ({"lazy_pages": "after_signal"}, False),
     "huge_pages": ({"restore_huge_pages": True}, True),
     "warm_huge_pages": ({"restore_huge_pages": True}, False),
+    # The host's transparent huge pages on for every anonymous mapping during the restore (THP_KNOB).
     "thp": ({"thp": "always"}, True),
     "warm_thp": ({"thp": "always"}, False),
 }
