@@ -83,8 +83,9 @@ VARIANTS: dict[str, tuple[dict[str, Any], bool]] = {
     "lazy": ({"lazy_pages": "before_signal"}, True),
     "warm_lazy": ({"lazy_pages": "before_signal"}, False),
     "warm_lazy_after_signal": ({"lazy_pages": "after_signal"}, False),
-    "huge_pages": ({"restore_huge_pages": True}, True),
-    "warm_huge_pages": ({"restore_huge_pages": True}, False),
+    # The agent's CRIU filling memory 4 KiB at a time (no --restore-huge-pages).
+    "small_pages": ({"restore_huge_pages": False}, True),
+    "warm_small_pages": ({"restore_huge_pages": False}, False),
     # The host's transparent huge pages on for every anonymous mapping during the restore (THP_KNOB).
     "thp": ({"thp": "always"}, True),
     "warm_thp": ({"thp": "always"}, False),

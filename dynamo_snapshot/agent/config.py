@@ -171,7 +171,7 @@ class RestoreSettings(_Section):
         description="check the weights during the CRIU restore at idle I/O priority, so CRIU reads first",
     )
     restore_huge_pages: bool = Field(
-        default=False,
+        default=True,
         description="CRIU advises transparent huge pages for the private anonymous memory of 2 MiB and "
         "more that a restore fills to half or more, before filling it: fewer page faults for CRIU and a "
         "faster CUDA restore copy; the memory stays huge-page eligible (needs a CRIU built with "

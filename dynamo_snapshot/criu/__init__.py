@@ -2,7 +2,7 @@
 
     criu = Criu()                                   # explicit path, $DYNSNAP_CRIU, PATH
     criu = Criu(kept_logs=dir)                      # a failed run's log kept there (kept_logs)
-    criu = Criu(restore_huge_pages=True)            # restores advise huge pages for dense memory
+    criu = Criu(restore_huge_pages=False)           # restores fill dense memory 4 KiB at a time
     await criu.require(min=(4, 0)) -> CriuVersion   # CriuError("CRIU 3.17 is too old: ...")
     await criu.check() -> str                       # "Looks good." or CriuError
     await criu.dump(pid, images_dir, *, log_dir=None, leave_running=False, options=TreeOptions(),

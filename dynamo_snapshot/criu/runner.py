@@ -216,13 +216,13 @@ class Criu:
     """One CRIU binary; every operation runs it as a subprocess without blocking the event loop."""
 
     def __init__(
-        self, binary: Path | None = None, *, kept_logs: Path | None = None, restore_huge_pages: bool = False
+        self, binary: Path | None = None, *, kept_logs: Path | None = None, restore_huge_pages: bool = True
     ) -> None:
         """`kept_logs`: where the log of a failed dump or restore is kept (see kept_logs), for callers
         that remove the operation's work directory after a failure; None leaves it where CRIU wrote it.
         `restore_huge_pages`: restores advise transparent huge pages for the private anonymous memory
         they fill densely, before filling it (RESTORE_HUGE_PAGES_ENV; a CRIU built without the
-        project's scripts/criu-restore-thp.patch ignores it)."""
+        project's scripts/criu-restore-thp.patch ignores it); False fills it 4 KiB at a time."""
         self._requested = binary
         self.kept_logs = kept_logs
         self.restore_huge_pages = restore_huge_pages

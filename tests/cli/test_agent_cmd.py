@@ -87,15 +87,15 @@ async def test_restore_huge_pages_reaches_criu(
     kube: Kube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(ENV_CRIU, "/bin/true")  # build() resolves CRIU; none runs here
-    assert agent_cmd.build(_config(tmp_path), kube).executor.criu.restore_huge_pages is False
+    assert agent_cmd.build(_config(tmp_path), kube).executor.criu.restore_huge_pages is True
     for config in (
-        _config(tmp_path, "--restore-huge-pages"),
-        _config(tmp_path, file="restore: {restoreHugePages: true}\n"),
+        _config(tmp_path, "--no-restore-huge-pages"),
+        _config(tmp_path, file="restore: {restoreHugePages: false}\n"),
     ):
-        assert config.restore.restore_huge_pages is True
+        assert config.restore.restore_huge_pages is False
         agent = agent_cmd.build(config, kube)
         # The executor's CRIU is the runtime's: the restores it runs read the setting.
-        assert agent.executor.criu.restore_huge_pages is True
+        assert agent.executor.criu.restore_huge_pages is False
         assert getattr(agent.executor.runtime, "criu", None) is agent.executor.criu
 
 
