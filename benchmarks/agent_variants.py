@@ -264,6 +264,14 @@ class VariantExecutor(Executor):
         self.criu.restore_huge_pages = on
 
     @property
+    def restore_readers(self) -> int:
+        return self.criu.restore_readers
+
+    @restore_readers.setter
+    def restore_readers(self, n: int) -> None:
+        self.criu.restore_readers = n
+
+    @property
     def weights_check_idle_io(self) -> bool:
         return self.config.restore.weights_check_idle_io
 

@@ -1,7 +1,8 @@
-"""CRIU's restore of a process holding --mib of dense private memory, from the page cache, three ways: as the
-agent restores by default, with `--restore-huge-pages` (the project's CRIU advising huge pages for that
-memory before reading it in: scripts/criu-restore-thp.patch), and with the host's transparent huge pages
-set to `always` for the restore. The seconds of `criu restore` and the huge pages the process came back
+"""CRIU's restore of a process holding --mib of dense private memory, from the page cache, in 4 KiB pages,
+with `--restore-huge-pages` (the project's CRIU advising huge pages for that memory before reading it in:
+scripts/criu-restore-thp.patch), with the host's transparent huge pages set to `always` for the restore,
+and with `--restore-readers` (its restorer reading the pages with several threads:
+scripts/criu-restore-readers.patch). The seconds of `criu restore` and the huge pages the process came back
 with. Root, real CRIU (the one scripts/test-env.sh builds).
 
     .venv/bin/python benchmarks/criu_restore_huge_pages.py --repeat 5 \
@@ -40,10 +41,13 @@ os.rename(sys.argv[1] + ".tmp", sys.argv[1])
 while True:
     time.sleep(1)
 """
-ARMS: dict[str, tuple[bool, str | None]] = {
-    "default": (False, None),
-    "restore_huge_pages": (True, None),
-    "host_thp_always": (False, "always"),
+# Each arm: huge pages advised, the host's THP mode for the restore (None: as it is), page readers.
+ARMS: dict[str, tuple[bool, str | None, int]] = {
+    "small_pages": (False, None, 1),
+    "restore_huge_pages": (True, None, 1),
+    "host_thp_always": (False, "always", 1),
+    "small_pages_readers_2": (False, None, 2),
+    "restore_huge_pages_readers_2": (True, None, 2),
 }
 
 
@@ -91,10 +95,10 @@ async def run(mib: int, repeat: int, work: Path) -> dict[str, Any]:
     pages_bytes = await asyncio.to_thread(_read_pages, images)
     result: dict[str, Any] = {"mib": mib, "pages_bytes": pages_bytes, "arms": {}}
     for n in range(repeat):
-        for arm, (huge, host) in ARMS.items():
+        for arm, (huge, host, readers) in ARMS.items():
             await _gone(pid)
             with thp_mode(host):
-                restored = await Criu(restore_huge_pages=huge).restore(
+                restored = await Criu(restore_huge_pages=huge, restore_readers=readers).restore(
                     images, log_dir=work / f"logs-{arm}-{n}"
                 )
             result["arms"].setdefault(arm, []).append(

@@ -86,8 +86,10 @@ build_criu() {
 # criu-restore-thp.patch: with CRIU_RESTORE_THP_DENSE in its environment a restore advises transparent huge
 # pages for the private anonymous memory it fills densely, before reading it (the agent's
 # --restore-huge-pages; BENCHMARKS.md, "Past the disk").
+# criu-restore-readers.patch: with CRIU_RESTORE_READERS=N each task's restorer reads its pages with N threads
+# (the agent's --restore-readers).
 # The stamp names the patches so a cache built without them is rebuilt once.
-criu_patches=("$here/criu-so-passcred.patch" "$here/criu-restore-thp.patch")
+criu_patches=("$here/criu-so-passcred.patch" "$here/criu-restore-thp.patch" "$here/criu-restore-readers.patch")
 criu_rev="$CRIU_DEB_VERSION+patches-$(cat "${criu_patches[@]}" | sha256sum | cut -c1-12)"
 if stamp_ok criu "$criu_rev" && [ -x "$BIN/criu" ]; then
   say "criu $criu_rev cached"

@@ -28,6 +28,7 @@ from pydantic.alias_generators import to_camel
 from dynamo_snapshot.agent.runtime.containerd import CONTAINERD_RUNC_ROOT, CRIO_RUNC_ROOT
 from dynamo_snapshot.agent.runtime.runc import DEFAULT_HOST_BINDS
 from dynamo_snapshot.artifact.s3 import S3Location
+from dynamo_snapshot.criu import RESTORE_READERS_MAX
 
 __all__ = [
     "DEFAULT_RESTORE_SCRATCH",
@@ -176,6 +177,14 @@ class RestoreSettings(_Section):
         "more that a restore fills to half or more, before filling it: fewer page faults for CRIU and a "
         "faster CUDA restore copy; the memory stays huge-page eligible (needs a CRIU built with "
         "scripts/criu-restore-thp.patch, which a stock CRIU and runtime runc ignore)",
+    )
+    restore_readers: int = Field(
+        default=1,
+        ge=1,
+        le=RESTORE_READERS_MAX,
+        description="threads each restored process's pages are read with at once: fresh memory is filled "
+        "one page fault at a time per thread (needs a CRIU built with scripts/criu-restore-readers.patch, "
+        "which a stock CRIU and runtime runc ignore)",
     )
     restore_scratch: Path = Field(
         default=DEFAULT_RESTORE_SCRATCH,

@@ -57,6 +57,7 @@ def build(config: AgentConfig, kube: Kube) -> NodeAgent:
         node.criu,
         kept_logs=node.state_root / CRIU_LOGS_DIR,
         restore_huge_pages=config.restore.restore_huge_pages,
+        restore_readers=config.restore.restore_readers,
     )
     runtime: Runtime
     if containers.runtime == "containerd":

@@ -22,6 +22,8 @@ __all__ = [
     "ENV_CRIU",
     "MIN_VERSION",
     "RESTORE_HUGE_PAGES_ENV",
+    "RESTORE_READERS_ENV",
+    "RESTORE_READERS_MAX",
     "Criu",
     "DumpResult",
     "RestoreResult",
@@ -36,6 +38,10 @@ MIN_VERSION = (4, 0)
 # Read by CRIU built with scripts/criu-restore-thp.patch: its restorer advises huge pages for the private
 # anonymous mappings of 2 MiB or more that the images fill to half or more, before reading them in.
 RESTORE_HUGE_PAGES_ENV = "CRIU_RESTORE_THP_DENSE"
+# Read by CRIU built with scripts/criu-restore-readers.patch: each task's restorer reads its pages with this
+# many threads at once (page faults in fresh memory are taken one core per thread).
+RESTORE_READERS_ENV = "CRIU_RESTORE_READERS"
+RESTORE_READERS_MAX = 64
 
 
 @dataclass(frozen=True)
@@ -90,9 +96,10 @@ async def _run(
     *,
     wrapper: Sequence[str] = (),
     pass_fds: Sequence[int] = (),
-    env: Mapping[str, str] | None = None,
+    env: Mapping[str, str | None] | None = None,
 ) -> tuple[int, str]:
-    """Run CRIU to completion and return its exit status and combined stdout/stderr.
+    """Run CRIU to completion and return its exit status and combined stdout/stderr. `env`: variables
+    set over the agent's own (None: removed).
 
     Output goes to an anonymous file, not a pipe: a restored process tree could inherit a pipe end
     and keep it open long after CRIU exits, and waiting for EOF would then hang. A memfd, not a file
@@ -109,7 +116,7 @@ async def _run(
                 stdout=out,
                 stderr=out,
                 pass_fds=tuple(pass_fds),
-                env={**os.environ, **env} if env else None,
+                env=_environment(env) if env else None,
             )
         except OSError as e:
             raise CriuError(op, None, f"cannot run {binary}: {e}") from e
@@ -216,16 +223,26 @@ class Criu:
     """One CRIU binary; every operation runs it as a subprocess without blocking the event loop."""
 
     def __init__(
-        self, binary: Path | None = None, *, kept_logs: Path | None = None, restore_huge_pages: bool = True
+        self,
+        binary: Path | None = None,
+        *,
+        kept_logs: Path | None = None,
+        restore_huge_pages: bool = True,
+        restore_readers: int = 1,
     ) -> None:
         """`kept_logs`: where the log of a failed dump or restore is kept (see kept_logs), for callers
         that remove the operation's work directory after a failure; None leaves it where CRIU wrote it.
         `restore_huge_pages`: restores advise transparent huge pages for the private anonymous memory
         they fill densely, before filling it (RESTORE_HUGE_PAGES_ENV; a CRIU built without the
-        project's scripts/criu-restore-thp.patch ignores it); False fills it 4 KiB at a time."""
+        project's scripts/criu-restore-thp.patch ignores it); False fills it 4 KiB at a time.
+        `restore_readers`: threads each restored task reads its pages with (RESTORE_READERS_ENV; ignored
+        as the other)."""
+        if not 1 <= restore_readers <= RESTORE_READERS_MAX:
+            raise ValueError(f"restore_readers must be 1 to {RESTORE_READERS_MAX}, not {restore_readers}")
         self._requested = binary
         self.kept_logs = kept_logs
         self.restore_huge_pages = restore_huge_pages
+        self.restore_readers = restore_readers
         self._binary: Path | None = None
         self._version: CriuVersion | None = None
         self._files: list[Path] | None = None
@@ -359,9 +376,8 @@ class Criu:
             extra_args=extra_args,
         )
         started = time.monotonic()
-        env = {RESTORE_HUGE_PAGES_ENV: "1"} if self.restore_huge_pages else None
         returncode, output = await _run(
-            self.binary, "restore", argv, wrapper=wrapper, pass_fds=pass_fds, env=env
+            self.binary, "restore", argv, wrapper=wrapper, pass_fds=pass_fds, env=self._restore_env()
         )
         seconds = time.monotonic() - started
         if returncode != 0:
@@ -373,6 +389,21 @@ class Criu:
                 "restore", returncode, f"CRIU succeeded but left no usable pidfile {pidfile}: {e}"
             ) from e
         return RestoreResult(pid=pid, seconds=seconds, log_path=log_path)
+
+    def _restore_env(self) -> dict[str, str | None]:
+        """The variables the project's CRIU patches read, each set or removed: the settings decide, not
+        what the agent's own environment holds."""
+        return {
+            RESTORE_HUGE_PAGES_ENV: "1" if self.restore_huge_pages else None,
+            RESTORE_READERS_ENV: str(self.restore_readers),
+        }
+
+
+def _environment(changes: Mapping[str, str | None]) -> dict[str, str]:
+    merged = {**os.environ, **{k: v for k, v in changes.items() if v is not None}}
+    for name in (k for k, v in changes.items() if v is None):
+        merged.pop(name, None)
+    return merged
 
 
 def _make_dirs(*dirs: Path) -> None:

@@ -193,3 +193,20 @@ def test_an_unknown_setting_is_refused(tmp_path: Path) -> None:
         _config(tmp_path, file="dropZeroPage: true\n")
     with pytest.raises(ConfigError, match=r"\('checkpoint', 'zeroPages'\): Extra inputs are not permitted"):
         _config(tmp_path, file="checkpoint: {zeroPages: true}\n")
+
+
+async def test_restore_readers_reach_criu(
+    kube: Kube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENV_CRIU, "/bin/true")  # build() resolves CRIU; none runs here
+    assert agent_cmd.build(_config(tmp_path), kube).executor.criu.restore_readers == 1
+    for config in (
+        _config(tmp_path, "--restore-readers", "8"),
+        _config(tmp_path, file="restore: {restoreReaders: 8}\n"),
+    ):
+        assert agent_cmd.build(config, kube).executor.criu.restore_readers == 8
+    for bad in ("0", "65"):
+        with pytest.raises(ConfigError, match="restore_readers"):
+            _config(tmp_path, "--restore-readers", bad)
+    with pytest.raises(SystemExit):
+        _config(tmp_path, "--restore-readers", "two")
