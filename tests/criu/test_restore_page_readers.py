@@ -56,6 +56,7 @@ async def test_pages_read_by_several_threads_come_back_the_same(
     work, images = tmp_path / "work", tmp_path / "images"
     proc = await start_script(WORKER, work)
     restored_pid = None
+    squatter: asyncio.subprocess.Process | None = None
     try:
         before = {w: await asyncio.to_thread(wait_file, work / f"{w}-before") for w in ("parent", "child")}
         await Criu(criu_bin).dump(proc.pid, images)
@@ -63,6 +64,9 @@ async def test_pages_read_by_several_threads_come_back_the_same(
         # The child's pid must be free again before the restore takes it back.
         child = Path("/proc") / before["child"].split()[1].split(",")[0]
         await asyncio.to_thread(wait_for, lambda: not child.exists(), 10.0, f"{child} to go", 0.02)
+        # The first id above the tree's is taken: the readers go on to the next ones.
+        tree_max = max(int(t) for text in before.values() for t in text.split()[1].split(","))
+        squatter = await _process_with_pid(tree_max + 1)
         restored = await Criu(criu_bin, restore_readers=readers).restore(images, log_dir=tmp_path / "logs")
         restored_pid = restored.pid
         log = restored.log_path.read_text()
@@ -82,6 +86,24 @@ async def test_pages_read_by_several_threads_come_back_the_same(
         assert len(os.listdir(f"/proc/{restored.pid}/task")) == 5
     finally:
         kill_groups(proc.pid, restored_pid)
+        if squatter is not None:
+            squatter.kill()
+            await squatter.wait()
+
+
+async def _process_with_pid(pid: int) -> asyncio.subprocess.Process | None:
+    """A sleeping process with ``pid`` (the next pid the kernel gives, set through ns_last_pid); None where
+    another process has it already."""
+    for _ in range(20):
+        if await asyncio.to_thread(os.path.exists, f"/proc/{pid}"):
+            return None
+        await asyncio.to_thread(Path("/proc/sys/kernel/ns_last_pid").write_text, str(pid - 1))
+        proc = await asyncio.create_subprocess_exec("sleep", "60")
+        if proc.pid == pid:
+            return proc
+        proc.kill()
+        await proc.wait()
+    raise AssertionError(f"could not start a process with pid {pid}: another one took it each time")
 
 
 def test_a_reader_count_out_of_range_is_refused() -> None:
