@@ -86,9 +86,9 @@ VARIANTS: dict[str, tuple[dict[str, Any], bool]] = {
     # The agent's CRIU filling memory 4 KiB at a time (no --restore-huge-pages).
     "small_pages": ({"restore_huge_pages": False}, True),
     "warm_small_pages": ({"restore_huge_pages": False}, False),
-    # The agent's CRIU reading each process's pages with 8 threads (--restore-readers 8).
-    "readers_8": ({"restore_readers": 8}, True),
-    "warm_readers_8": ({"restore_readers": 8}, False),
+    # The agent's CRIU reading each process's pages with one thread (--restore-readers 1).
+    "one_reader": ({"restore_readers": 1}, True),
+    "warm_one_reader": ({"restore_readers": 1}, False),
     # The host's transparent huge pages on for every anonymous mapping during the restore (THP_KNOB).
     "thp": ({"thp": "always"}, True),
     "warm_thp": ({"thp": "always"}, False),

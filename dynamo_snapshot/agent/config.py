@@ -179,7 +179,7 @@ class RestoreSettings(_Section):
         "scripts/criu-restore-thp.patch, which a stock CRIU and runtime runc ignore)",
     )
     restore_readers: int = Field(
-        default=1,
+        default=8,
         ge=1,
         le=RESTORE_READERS_MAX,
         description="threads each restored process's pages are read with at once: fresh memory is filled "

@@ -228,7 +228,7 @@ class Criu:
         *,
         kept_logs: Path | None = None,
         restore_huge_pages: bool = True,
-        restore_readers: int = 1,
+        restore_readers: int = 8,
     ) -> None:
         """`kept_logs`: where the log of a failed dump or restore is kept (see kept_logs), for callers
         that remove the operation's work directory after a failure; None leaves it where CRIU wrote it.

@@ -199,12 +199,12 @@ async def test_restore_readers_reach_criu(
     kube: Kube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(ENV_CRIU, "/bin/true")  # build() resolves CRIU; none runs here
-    assert agent_cmd.build(_config(tmp_path), kube).executor.criu.restore_readers == 1
+    assert agent_cmd.build(_config(tmp_path), kube).executor.criu.restore_readers == 8
     for config in (
-        _config(tmp_path, "--restore-readers", "8"),
-        _config(tmp_path, file="restore: {restoreReaders: 8}\n"),
+        _config(tmp_path, "--restore-readers", "1"),
+        _config(tmp_path, file="restore: {restoreReaders: 1}\n"),
     ):
-        assert agent_cmd.build(config, kube).executor.criu.restore_readers == 8
+        assert agent_cmd.build(config, kube).executor.criu.restore_readers == 1
     for bad in ("0", "65"):
         with pytest.raises(ConfigError, match="restore_readers"):
             _config(tmp_path, "--restore-readers", bad)

@@ -29,7 +29,7 @@ OTHER: dict[str, Any] = {
     "s3_region": "eu-west-1",
     "s3_parallel": 12,
     "s3_prefetch": "all",
-    "restore_readers": 8,
+    "restore_readers": 4,
 }
 
 
