@@ -186,13 +186,16 @@ class NetnsHttp:
     async def call(self, port: int, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
         return await asyncio.get_running_loop().run_in_executor(self.pool, http, port, path, body, 60)
 
-    async def wait_serving(self, port: int, within: float) -> float:
+    async def wait_serving(self, port: int, within: float, worker_pid: int | None = None) -> float:
+        """When `/health` first answered 200; fails at once if `worker_pid` (host pid) has exited."""
         deadline = time.monotonic() + within
         while time.monotonic() < deadline:
             with contextlib.suppress(OSError, urllib.error.URLError):
                 status, _ = await self.call(port, "/health")
                 if status == 200:
                     return time.time()
+            if worker_pid is not None and not await asyncio.to_thread(os.path.exists, f"/proc/{worker_pid}"):
+                raise RuntimeError(f"worker {worker_pid} on port {port} exited before it served")
             await asyncio.sleep(0.01)
         raise TimeoutError(f"worker on port {port} in netns of {self.pid} did not serve within {within}s")
 

@@ -415,7 +415,8 @@ class Bench:
                 rec["restore_overlapped"] = restored.timings.overlapped
                 client = NetnsHttp(runtime.netns(key))
                 try:
-                    rec["restore_s"] = round(await client.wait_serving(port, self.args.serve_timeout) - t0, 3)
+                    served = await client.wait_serving(port, self.args.serve_timeout, restored.workload.pid)
+                    rec["restore_s"] = round(served - t0, 3)
                     status, answer = await client.call(
                         port, "/generate", {"prompts": cold["selftest_prompts"], "max_new_tokens": 16}
                     )
@@ -425,6 +426,10 @@ class Bench:
                 rec["first_answer_s"] = round(time.time() - t0, 3)
             except Exception:
                 rec["error"] = traceback.format_exc()[-2000:]
+                # Why the worker did not serve: the end of what it wrote.
+                log = runtime.control_dir(key) / "worker.log"
+                with contextlib.suppress(OSError):
+                    rec["worker_log"] = log.read_text(errors="replace")[-3000:]
             return rec
 
         async def together(n: int, name: str) -> dict[str, Any]:

@@ -46,6 +46,7 @@ for mode, m in r["modes"].items():
         for c in g.get("copies", []):
             if c.get("error"):
                 print(c["error"][-800:])
+                print("worker log:", (c.get("worker_log") or "")[-600:])
     if b:
         print("burst/alone", b.get("burst_over_alone"))
 PY
