@@ -235,8 +235,8 @@ class Criu:
         `restore_huge_pages`: restores advise transparent huge pages for the private anonymous memory
         they fill densely, before filling it (RESTORE_HUGE_PAGES_ENV; a CRIU built without the
         project's scripts/criu-restore-thp.patch ignores it); False fills it 4 KiB at a time.
-        `restore_readers`: threads each restored task reads its pages with (RESTORE_READERS_ENV; ignored
-        as the other)."""
+        `restore_readers`: threads each restored task reads its pages with (RESTORE_READERS_ENV; a CRIU
+        without scripts/criu-restore-readers.patch reads them with one)."""
         if not 1 <= restore_readers <= RESTORE_READERS_MAX:
             raise ValueError(f"restore_readers must be 1 to {RESTORE_READERS_MAX}, not {restore_readers}")
         self._requested = binary
