@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 import re
+import resource
 import subprocess
 import threading
 import time
@@ -31,6 +32,26 @@ def emit(result: Any, out: Path | None) -> None:
 def drop_caches() -> None:
     """Empty the page cache (root), so the next read of a file comes from the disk."""
     subprocess.run("sync; echo 3 > /proc/sys/vm/drop_caches", shell=True, check=False)
+
+
+def cpu_seconds(*, own: bool = True) -> float:
+    """User + system CPU seconds so far of the reaped children (CRIU, cuda-checkpoint) and, with `own`,
+    of this process too (an agent running in it, with the benchmark's own samplers)."""
+    total = 0.0
+    for who in (resource.RUSAGE_CHILDREN, resource.RUSAGE_SELF) if own else (resource.RUSAGE_CHILDREN,):
+        r = resource.getrusage(who)
+        total += r.ru_utime + r.ru_stime
+    return total
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` and its reaped children so far (0 when it is gone): what
+    a child of this process adds to cpu_seconds() once it is reaped."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")

@@ -1,0 +1,124 @@
+"""One table of ours / theirs from one device call: restore_bench.py's plain and decoupled modes (this
+project's agent) and vs_nvidia_gpu.py (the path NVIDIA's agent takes) on the same machine, worker and disk.
+
+    python3 benchmarks/gpu/compare_vs_nvidia.py OUT/gpu-restore-1g-vs-nvidia.json \
+        OUT/gpu-nvidia-path-1g.json benchmarks/results/vs-nvidia-snapshot-gpu.json
+
+Restores with the page cache dropped are the mode's first restore and its `default` diagnostics (each
+with nothing verified); warm ones its `warm_restore` and `warm_node` diagnostics. A restore counts only
+where the worker answered and its answer matched the cold worker's; any other is a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+OURS = ("plain", "decoupled")
+
+
+def _spread(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    p95 = ordered[min(len(ordered) - 1, max(0, round(0.95 * len(ordered)) - 1))]
+    return {"n": len(ordered), "p50": round(statistics.median(ordered), 3), "p95": round(p95, 3)}
+
+
+def _good(rec: dict[str, Any]) -> bool:
+    return "restore_s" in rec and bool(rec.get("output_identical"))
+
+
+def our_restores(mode: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A mode's (cache dropped, cache warm) restore records, in the order they ran."""
+    dropped = [mode]  # its first restore (a mode that failed before it counts one failure)
+    warm = [mode["warm_restore"]] if mode.get("warm_restore") else []
+    for label, rec in (mode.get("diagnostics") or {}).items():
+        name = label.split("#")[0]
+        if name == "default":
+            dropped.append(rec)
+        elif name == "warm_node":
+            warm.append(rec)
+    return dropped, warm
+
+
+def summarize(restores: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    good = [r for r in restores if _good(r)]
+    return {
+        "restore_s": _spread([r["restore_s"] for r in good]),
+        "first_token_s": _spread([r["first_token_s"] for r in good if "first_token_s" in r]),
+        "cpu_s": _spread([r[key] for r in good if key in r]),
+        "failures": len(restores) - len(good),
+    }
+
+
+def side(
+    checkpoint: dict[str, Any], dropped: list[dict[str, Any]], warm: list[dict[str, Any]]
+) -> dict[str, Any]:
+    return {
+        "cold_start_s": checkpoint.get("cold_start_s"),
+        "checkpoint_s": checkpoint.get("checkpoint_s"),
+        "checkpoint_cpu_s": checkpoint.get("checkpoint_cpu_s"),
+        "artifact_bytes": checkpoint.get("artifact_bytes"),
+        "cache_dropped": summarize(dropped, "cpu_s"),
+        "cache_warm": summarize(warm, "cpu_s"),
+    }
+
+
+def _ratio(a: Any, b: Any) -> float | None:
+    if isinstance(a, int | float) and isinstance(b, int | float) and b:
+        return round(a / b, 3)
+    return None
+
+
+def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {
+        k: _ratio(ours[k], theirs[k]) for k in ("checkpoint_s", "checkpoint_cpu_s", "artifact_bytes")
+    }
+    for cache in ("cache_dropped", "cache_warm"):
+        for metric in ("restore_s", "first_token_s", "cpu_s"):
+            for stat in ("p50", "p95"):
+                a, b = ours[cache][metric], theirs[cache][metric]
+                out[f"{cache}.{metric}.{stat}"] = _ratio(a and a[stat], b and b[stat])
+    return out
+
+
+def compare(bench: dict[str, Any], nvidia: dict[str, Any]) -> dict[str, Any]:
+    theirs_dropped = [r for r in nvidia.get("restores", []) if r.get("cache") != "warm"]
+    theirs_warm = [r for r in nvidia.get("restores", []) if r.get("cache") == "warm"]
+    theirs = side(nvidia, theirs_dropped, theirs_warm)
+    out: dict[str, Any] = {
+        "size": bench.get("size"),
+        "kv_gib": bench.get("kv_gib"),
+        "storage_gbps": {"ours": bench.get("storage_gbps"), "theirs": nvidia.get("storage_gbps")},
+        "host": bench.get("host"),
+        "theirs": {"path": "NVIDIA's agent's mechanism", "criu": nvidia.get("criu"), **theirs},
+        "ours": {},
+        "ours_over_theirs": {},
+    }
+    for mode in OURS:
+        rec = bench.get("modes", {}).get(mode)
+        if rec is None:
+            continue
+        ours = side(rec, *our_restores(rec))
+        out["ours"][mode] = ours
+        out["ours_over_theirs"][mode] = ratios(ours, theirs)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3:
+        print(__doc__, file=sys.stderr)
+        return 2
+    bench, nvidia = (json.loads(Path(p).read_text()) for p in argv[:2])
+    result = compare(bench, nvidia)
+    Path(argv[2]).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({"ours_over_theirs": result["ours_over_theirs"]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
