@@ -4,7 +4,11 @@
 # NVIDIA_PATH_CRIU_COMMIT) built here, with the shared libraries it links (glibc left to the machine),
 # and NVIDIA's cuda-checkpoint utility (NVIDIA/cuda-checkpoint at CUDA_CHECKPOINT_COMMIT).
 #
-#   benchmarks/gpu/nvidia_path_bundle.sh CRIU_SRC CUDA_CHECKPOINT_SRC DIR
+#   benchmarks/gpu/nvidia_path_bundle.sh CRIU_SRC CUDA_CHECKPOINT_SRC DIR [SHARED_LIBS]
+#
+# SHARED_LIBS (default .criu-bundle/lib, the project CRIU's bundle carried beside it): libraries found
+# there byte for byte are left out of DIR/lib (the device call carries at most 64 MiB); the device script
+# puts both directories on CRIU's library path.
 #
 # CRIU_SRC and CUDA_CHECKPOINT_SRC: checkouts (or `git archive`s) of checkpoint-restore/criu and
 # NVIDIA/cuda-checkpoint at those commits, through the `fetch` tool's mirror, e.g.
@@ -17,6 +21,7 @@ source "$here/scripts/versions.env"
 criu_src=${1:?usage: $0 CRIU_SRC CUDA_CHECKPOINT_SRC DIR}
 cc_src=${2:?usage: $0 CRIU_SRC CUDA_CHECKPOINT_SRC DIR}
 out=${3:?usage: $0 CRIU_SRC CUDA_CHECKPOINT_SRC DIR}
+shared=${4:-$here/.criu-bundle/lib}
 [ -f "$criu_src/criu/Makefile" ] || { echo "$criu_src: not a CRIU source tree" >&2; exit 1; }
 cc=$cc_src/bin/x86_64_Linux/cuda-checkpoint
 [ -f "$cc" ] || { echo "$cc missing: not an NVIDIA/cuda-checkpoint checkout" >&2; exit 1; }
@@ -28,7 +33,8 @@ rm -rf "$out"
 mkdir -p "$out/lib"
 cp "$criu_src/criu/criu" "$out/criu"
 ldd "$out/criu" | awk '/=>/ {print $3}' | grep -vE '/(libc\.so|ld-linux)' | while read -r lib; do
-    cp -L "$lib" "$out/lib/"
+    name=$(basename "$lib")
+    cmp -s "$lib" "$shared/$name" 2>/dev/null || cp -L "$lib" "$out/lib/"
 done
 install -m 0755 "$cc" "$out/cuda-checkpoint"
 echo "$NVIDIA_PATH_CRIU_COMMIT $CUDA_CHECKPOINT_COMMIT" > "$out/commits"

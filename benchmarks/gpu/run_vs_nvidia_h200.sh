@@ -14,7 +14,8 @@ restores=${2:-5}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 . benchmarks/gpu/device_env.sh
 nv=$PWD/.nv-bundle
-printf '#!/bin/sh\nLD_LIBRARY_PATH=%s/lib exec %s/criu "$@"\n' "$nv" "$nv" > "$nv/criu-direct.sh"
+printf '#!/bin/sh\nLD_LIBRARY_PATH=%s/lib:%s/.criu-bundle/lib exec %s/criu "$@"\n' "$nv" "$PWD" "$nv" \
+    > "$nv/criu-direct.sh"
 chmod +x "$nv/criu-direct.sh" "$nv/cuda-checkpoint"
 echo "nvidia path: CRIU $("$nv/criu-direct.sh" --version | head -1), commits $(cat "$nv/commits")"
 variants=$(python3 -c "import sys; n = int(sys.argv[1]); print(','.join(['default'] * (n - 1) + ['warm_node']))" "$restores")
