@@ -1,5 +1,6 @@
-"""One table of ours / theirs from one device call: restore_bench.py's plain and decoupled modes (this
-project's agent) and vs_nvidia_gpu.py (the path NVIDIA's agent takes) on the same machine, worker and disk.
+"""One table of ours / theirs from one device call: restore_bench.py's stock, plain and decoupled modes,
+those it ran (this project's agent), and vs_nvidia_gpu.py (the path NVIDIA's agent takes) on the same
+machine, worker and disk.
 
     python3 benchmarks/gpu/compare_vs_nvidia.py OUT/gpu-restore-1g-vs-nvidia.json \
         OUT/gpu-nvidia-path-1g.json benchmarks/results/vs-nvidia-snapshot-gpu.json
@@ -17,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-OURS = ("plain", "decoupled")
+OURS = ("stock", "plain", "decoupled")
 
 
 def _spread(values: list[float]) -> dict[str, float] | None:

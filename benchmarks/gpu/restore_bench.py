@@ -68,6 +68,9 @@ from dynamo_snapshot.criu import Criu  # noqa: E402
 WORKER = REPO / "examples" / "reference_worker" / "worker.py"
 MODES = {
     "plain": [],
+    # plain without the SDK's one offer to a plain worker (dropping the zero pages of the CUDA checkpoint's
+    # host copy): what the agent does for a stock engine that speaks only the handshake.
+    "stock": ["--no-release-zero-pages"],
     "kv": ["--release-kv"],
     "decoupled": ["--release-kv", "--decouple-weights"],
 }
@@ -272,7 +275,7 @@ class Bench:
         if plan.exists():
             p = read_plan(plan)
             rec["prefetch_plan"] = {"files": len(p.files), "bytes": p.bytes, "unresolved": p.unresolved}
-        if mode != "plain":  # the plain image is mostly the GPU's copy of weights and KV cache
+        if mode not in ("plain", "stock"):  # their images are mostly the GPU's copy of weights and KV cache
             pages = sorted((self.store.open(ident_hash).path / "criu").glob("pages-*.img"))
             rec["pages_stats"] = {p.name: await asyncio.to_thread(page_stats, p) for p in pages}
         memory_report = source.control_dir / "checkpoint-memory.json"

@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu/nvidia_path_bundle.sh CRIU_SRC CUDA_CHECKPOINT_SRC .nv-bundle    # here, once
 #   run(command="bash benchmarks/gpu/run_vs_nvidia_h200.sh 1g", carry=[".whl", ".criu-bundle", ".nv-bundle"])
 # Arguments: the size (default 1g), the restores with the page cache dropped per side (default 5; two
-# more with it warm). First restore_bench.py (plain and decoupled modes, this project's CRIU build and
+# more with it warm). First restore_bench.py (stock and decoupled modes, this project's CRIU build and
 # defaults), then vs_nvidia_gpu.py (criu-dev and cuda-checkpoint from .nv-bundle) with the model and
 # compile cache the first left; compare_vs_nvidia.py folds both into OUT/vs-nvidia-snapshot-gpu-<size>.json.
 # About 6 minutes at 1g. BENCH_ARGS: more restore_bench.py flags (--keep-compile-cache on a warm machine).
@@ -19,11 +19,11 @@ printf '#!/bin/sh\nLD_LIBRARY_PATH=%s/lib:%s/.criu-bundle/lib exec %s/criu "$@"\
 chmod +x "$nv/criu-direct.sh" "$nv/cuda-checkpoint"
 echo "nvidia path: CRIU $("$nv/criu-direct.sh" --version | head -1), commits $(cat "$nv/commits")"
 variants=$(python3 -c "import sys; n = int(sys.argv[1]); print(','.join(['default'] * (n - 1) + ['warm_node']))" "$restores")
-timeout 330 python3 benchmarks/gpu/restore_bench.py --size "$size" --modes plain,decoupled --tag vs-nvidia \
-    --warm-restore --no-bad-inputs --variants "$variants" --variants-for plain,decoupled --calib-gib 2 \
+timeout 360 python3 benchmarks/gpu/restore_bench.py --size "$size" --modes stock,decoupled --tag vs-nvidia \
+    --warm-restore --no-bad-inputs --variants "$variants" --variants-for stock,decoupled --calib-gib 2 \
     --out "$OUT" ${BENCH_ARGS:-} > "$OUT/ours-$size.log" 2>&1
 echo "ours: rc=$?"
-timeout 230 python3 benchmarks/gpu/vs_nvidia_gpu.py --size "$size" --criu "$nv/criu-direct.sh" \
+timeout 200 python3 benchmarks/gpu/vs_nvidia_gpu.py --size "$size" --criu "$nv/criu-direct.sh" \
     --cuda-checkpoint "$nv/cuda-checkpoint" --restores "$restores" --warm 2 --calib-gib 2 \
     --out "$OUT" > "$OUT/nvidia-path-$size.log" 2>&1
 echo "nvidia path: rc=$?"

@@ -1,6 +1,7 @@
 """The GPU reference worker checkpointed and restored the way NVIDIA's snapshot agent does it, on the machine
 and disk where benchmarks/gpu/restore_bench.py restores it through this project's agent: one device call,
-the same worker (plain mode: a stock engine, no weight decoupling), the same model files and compile cache.
+the same worker (restore_bench's stock mode: the handshake only, no weight decoupling, no offer to
+drop zero pages), the same model files and compile cache.
 
 What NVIDIA's agent (ai-dynamo/snapshot, NVIDIA_SNAPSHOT_COMMIT in scripts/versions.env) does with a CUDA
 process, as its source and chart say, and what this script runs in its place:
@@ -133,7 +134,7 @@ class NvidiaPath:
         model = self.work / "models" / a.size
         return [
             sys.executable, str(WORKER), "--size", a.size, "--model-dir", str(model),
-            "--kv-gib", str(a.kv_gib), "--port", str(self.port), *MODES["plain"], *a.worker_args.split(),
+            "--kv-gib", str(a.kv_gib), "--port", str(self.port), *MODES["stock"], *a.worker_args.split(),
         ]  # fmt: skip
 
     async def prepare(self) -> None:
