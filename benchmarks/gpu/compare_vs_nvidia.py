@@ -21,7 +21,8 @@ from typing import Any
 OURS = ("stock", "plain", "decoupled")
 
 
-def _spread(values: list[float]) -> dict[str, float] | None:
+def spread(values: list[float]) -> dict[str, float] | None:
+    """How many, the median and the 95th percentile (nearest rank); None for none."""
     if not values:
         return None
     ordered = sorted(values)
@@ -49,9 +50,9 @@ def our_restores(mode: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[
 def summarize(restores: list[dict[str, Any]], key: str) -> dict[str, Any]:
     good = [r for r in restores if _good(r)]
     return {
-        "restore_s": _spread([r["restore_s"] for r in good]),
-        "first_token_s": _spread([r["first_token_s"] for r in good if "first_token_s" in r]),
-        "cpu_s": _spread([r[key] for r in good if key in r]),
+        "restore_s": spread([r["restore_s"] for r in good]),
+        "first_token_s": spread([r["first_token_s"] for r in good if "first_token_s" in r]),
+        "cpu_s": spread([r[key] for r in good if key in r]),
         "failures": len(restores) - len(good),
     }
 

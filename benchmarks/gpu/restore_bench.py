@@ -139,6 +139,18 @@ def storage_gbps(path: Path, gib: int = 4, threads: int = 16, block: int = 64 <<
     return total / (time.monotonic() - started) / 1e9
 
 
+def worker_env(cache: Path, port: int) -> dict[str, str]:
+    """The worker's environment beside the bench's own: this repository importable, the compile caches
+    under `cache`, its port."""
+    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {
+        "PYTHONPATH": pythonpath,
+        "TORCHINDUCTOR_CACHE_DIR": str(cache),
+        "TRITON_CACHE_DIR": str(cache / "triton"),
+        "WORKER_PORT": str(port),
+    }
+
+
 async def wait_serving(port: int, within: float) -> float:
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
@@ -189,15 +201,6 @@ class Bench:
                 out[f"{key}/{log.name}"] = log.read_text(errors="replace")[-3000:]
         return out
 
-    def env(self, cache: Path, port: int) -> dict[str, str]:
-        pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-        return {
-            "PYTHONPATH": pythonpath,
-            "TORCHINDUCTOR_CACHE_DIR": str(cache),
-            "TRITON_CACHE_DIR": str(cache / "triton"),
-            "WORKER_PORT": str(port),
-        }
-
     def worker_cmd(self, mode: str, port: int) -> list[str]:
         a = self.args
         return [
@@ -224,7 +227,7 @@ class Bench:
         proc = await asyncio.create_subprocess_exec(
             *self.worker_cmd("plain", 0),
             "--prepare-only",
-            env={**os.environ, **self.env(self.work / "inductor-prepare", 0)},
+            env={**os.environ, **worker_env(self.work / "inductor-prepare", 0)},
         )
         if await proc.wait() != 0:
             raise RuntimeError("preparing the model failed")
@@ -246,7 +249,7 @@ class Bench:
         await asyncio.to_thread(drop_caches)
         launched = time.time()
         source = await self.runtime.launch(
-            WorkloadSpec(f"src-{mode}", self.worker_cmd(mode, port), self.env(cache, port))
+            WorkloadSpec(f"src-{mode}", self.worker_cmd(mode, port), worker_env(cache, port))
         )
         await self.executor.wait_ready(source, within=self.args.ready_timeout)
         cold = await wait_json(source.control_dir / "cold-timings.json", within=10)

@@ -39,7 +39,6 @@ import json
 import os
 import shutil
 import signal
-import statistics
 import sys
 import time
 import traceback
@@ -49,6 +48,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.gpu.compare_vs_nvidia import spread  # noqa: E402
 from benchmarks.gpu.host import (  # noqa: E402
     cpu_seconds,
     drop_caches,
@@ -57,7 +57,7 @@ from benchmarks.gpu.host import (  # noqa: E402
     process_cpu_seconds,
     wait_json,
 )
-from benchmarks.gpu.restore_bench import MODES, WORKER, storage_gbps, wait_serving  # noqa: E402
+from benchmarks.gpu.restore_bench import MODES, WORKER, storage_gbps, wait_serving, worker_env  # noqa: E402
 from dynamo_snapshot.agent import restore_complete  # noqa: E402
 from dynamo_snapshot.agent.checkpoint import wait_ready  # noqa: E402
 from dynamo_snapshot.agent.runtime import ProcessRuntime, WorkloadSpec  # noqa: E402
@@ -75,18 +75,6 @@ KEY = "nvidia-path"
 
 def tree_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    """p50 and p95 (the nearest rank) and the extremes."""
-    ordered = sorted(values)
-    p95 = ordered[min(len(ordered) - 1, max(0, round(0.95 * len(ordered)) - 1))]
-    return {
-        "p50": round(statistics.median(ordered), 3),
-        "p95": round(p95, 3),
-        "min": round(ordered[0], 3),
-        "max": round(ordered[-1], 3),
-    }
 
 
 class NvidiaPath:
@@ -148,14 +136,7 @@ class NvidiaPath:
             raise RuntimeError("preparing the model failed")
 
     def env(self) -> dict[str, str]:
-        cache = self.work / f"inductor-{self.args.size}"  # the compile cache restore_bench's run left
-        pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-        return {
-            "PYTHONPATH": pythonpath,
-            "TORCHINDUCTOR_CACHE_DIR": str(cache),
-            "TRITON_CACHE_DIR": str(cache / "triton"),
-            "WORKER_PORT": str(self.port),
-        }
+        return worker_env(self.work / f"inductor-{self.args.size}", self.port)  # restore_bench's cache
 
     async def checkpoint(self) -> dict[str, Any]:
         await asyncio.to_thread(drop_caches)
