@@ -51,7 +51,7 @@ def _nvidia() -> dict[str, Any]:
 
 
 def test_each_side_takes_its_dropped_and_warm_restores_and_counts_failures() -> None:
-    out = compare(_bench(), _nvidia())
+    out = compare([_bench()], _nvidia())
     plain = out["ours"]["plain"]
     assert plain["cache_dropped"]["restore_s"] == {"n": 3, "p50": 4.0, "p95": 5.0}
     assert plain["cache_dropped"]["failures"] == 1  # the diagnostics restore that raised
@@ -61,15 +61,25 @@ def test_each_side_takes_its_dropped_and_warm_restores_and_counts_failures() -> 
 
 
 def test_a_wrong_answer_is_a_failure_not_a_time() -> None:
-    decoupled = compare(_bench(), _nvidia())["ours"]["decoupled"]
+    decoupled = compare([_bench()], _nvidia())["ours"]["decoupled"]
     assert decoupled["cache_dropped"]["restore_s"] is None
     assert decoupled["cache_dropped"]["failures"] == 1
 
 
 def test_ratios_are_ours_over_theirs() -> None:
-    ratios = compare(_bench(), _nvidia())["ours_over_theirs"]
+    ratios = compare([_bench()], _nvidia())["ours_over_theirs"]
     assert ratios["plain"]["checkpoint_s"] == 0.5
     assert ratios["plain"]["artifact_bytes"] == 0.2
     assert ratios["plain"]["cache_dropped.restore_s.p50"] == round(4.0 / 7.0, 3)
     assert ratios["plain"]["cache_warm.restore_s.p95"] == 0.5
     assert ratios["decoupled"]["cache_dropped.restore_s.p50"] is None  # nothing served right: no ratio
+
+
+def test_modes_of_several_calls_go_together_each_with_its_disk() -> None:
+    first, second = _bench(), _bench()
+    del first["modes"]["decoupled"]
+    second["storage_gbps"] = 1.5
+    second["modes"] = {"decoupled": {**second["modes"]["decoupled"], **_restore(3.0)}}
+    ours = compare([first, second], _nvidia())["ours"]
+    assert (ours["plain"]["storage_gbps"], ours["decoupled"]["storage_gbps"]) == (2.0, 1.5)
+    assert ours["decoupled"]["cache_dropped"]["restore_s"] == {"n": 1, "p50": 3.0, "p95": 3.0}
