@@ -27,7 +27,8 @@ Run after restore_bench.py in the same work dir (the prepared model, its compile
 OUT/gpu-nvidia-path-<size>.json: the cold start, the checkpoint's phases and bytes, then `--restores`
 restores with the page cache dropped and `--warm` with it warm, each timed from the restore's start to
 the worker's first /health 200, its first token and full answer compared with the cold worker's, and the
-CPU seconds of CRIU and cuda-checkpoint.
+CPU seconds of CRIU and cuda-checkpoint as their processes count them (CRIU's restorer reads the pages in
+the restored task, which is not among them).
 """
 
 from __future__ import annotations
