@@ -20,6 +20,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
+from dynamo_snapshot.cuda.processes import children, process_tree
+
 
 def emit(result: Any, out: Path | None) -> None:
     """A benchmark's result as JSON: printed, and written to `out` when given."""
@@ -52,6 +54,23 @@ def process_cpu_seconds(pid: int) -> float:
     except OSError:
         return 0.0
     return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def helpers_cpu_seconds() -> float:
+    """CPU seconds of this process's live children: helper processes that are never reaped (this agent
+    hashes in a pool of them) and a source worker not dumped yet (reaped once dumped, it moves into
+    cpu_seconds(), so a sum of both taken before and after a checkpoint counts it once)."""
+    return sum(process_cpu_seconds(p) for p in children(os.getpid()))
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """CPU seconds of the process tree under `root`. A tree CRIU has just restored starts counting from
+    zero, so this is the restore's own work inside it: the restorer reading the pages, the CUDA restore's
+    driver thread."""
+    try:
+        return sum(process_cpu_seconds(p) for p in process_tree(root))
+    except ProcessLookupError:
+        return 0.0
 
 
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")

@@ -27,8 +27,7 @@ Run after restore_bench.py in the same work dir (the prepared model, its compile
 OUT/gpu-nvidia-path-<size>.json: the cold start, the checkpoint's phases and bytes, then `--restores`
 restores with the page cache dropped and `--warm` with it warm, each timed from the restore's start to
 the worker's first /health 200, its first token and full answer compared with the cold worker's, and the
-CPU seconds of CRIU and cuda-checkpoint as their processes count them (CRIU's restorer reads the pages in
-the restored task, which is not among them).
+CPU seconds of CRIU, cuda-checkpoint and the restored tree's own restore work (host.tree_cpu_seconds).
 """
 
 from __future__ import annotations
@@ -53,9 +52,10 @@ from benchmarks.gpu.compare_vs_nvidia import spread  # noqa: E402
 from benchmarks.gpu.host import (  # noqa: E402
     cpu_seconds,
     drop_caches,
+    helpers_cpu_seconds,
     host_facts,
     http,
-    process_cpu_seconds,
+    tree_cpu_seconds,
     wait_json,
 )
 from benchmarks.gpu.restore_bench import MODES, WORKER, storage_gbps, wait_serving, worker_env  # noqa: E402
@@ -150,8 +150,7 @@ class NvidiaPath:
         rec: dict[str, Any] = {"cold_start_s": round(float(cold["ready_at"]) - launched, 3)}
         self.go_ahead_format = restore_complete.format_for_worker(source.control_dir)
         shutil.rmtree(self.images, ignore_errors=True)
-        # The source is this process's child, reaped once dumped: its CPU until now is not the checkpoint's.
-        cpu0, t0 = cpu_seconds(own=False) + process_cpu_seconds(source.pid), time.monotonic()
+        cpu0, t0 = cpu_seconds(own=False) + helpers_cpu_seconds(), time.monotonic()
         self.cuda_pids = find_cuda_pids(source.pid)
         phases: dict[str, float] = {"cuda_lock": 0.0, "cuda_checkpoint": 0.0}
         for pid in self.cuda_pids:
@@ -174,7 +173,7 @@ class NvidiaPath:
         rec["cuda_pids"] = len(self.cuda_pids)
         rec["artifact_bytes"] = await asyncio.to_thread(tree_size, self.images)
         await self.wait_gone(source.pid)
-        rec["checkpoint_cpu_s"] = round(cpu_seconds(own=False) - cpu0, 3)
+        rec["checkpoint_cpu_all_s"] = round(cpu_seconds(own=False) + helpers_cpu_seconds() - cpu0, 3)
         return rec
 
     async def wait_gone(self, pid: int, within: float = 15) -> None:
@@ -191,7 +190,7 @@ class NvidiaPath:
         if drop:
             await asyncio.to_thread(drop_caches)
         rec: dict[str, Any] = {"cache": "dropped" if drop else "warm"}
-        cpu0, t0 = cpu_seconds(own=False), time.time()
+        cpu0, t0 = cpu_seconds(own=False) + helpers_cpu_seconds(), time.time()
         logs = self.work / "nvidia-logs" / key
         restored = await self.criu.restore(
             self.images,
@@ -211,7 +210,8 @@ class NvidiaPath:
         doc = {"node": os.uname().nodename, "restoredAt": time.time()}
         await asyncio.to_thread(restore_complete.write, self.ctl, doc, pid, self.go_ahead_format)
         rec["restore_agent_s"] = round(time.time() - t0, 3)
-        rec["cpu_s"] = round(cpu_seconds(own=False) - cpu0, 3)
+        done = cpu_seconds(own=False) + helpers_cpu_seconds() + tree_cpu_seconds(pid)
+        rec["cpu_all_s"] = round(done - cpu0, 3)
         serving = await wait_serving(self.port, within=self.args.serve_timeout)
         rec["restore_s"] = round(serving - t0, 3)
         rec["restore_phases"] = {k: round(v, 3) for k, v in phases.items()}
