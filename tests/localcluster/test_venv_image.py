@@ -164,7 +164,7 @@ def test_gpu_selection_on_this_host_is_the_venv_and_usr_less_documentation(
 
 
 def test_gpu_pod_runs_the_worker_as_restore_bench_does() -> None:
-    from benchmarks.gpu.restore_bench import MODES, Bench
+    from benchmarks.gpu.restore_bench import MODES, Bench, worker_env
 
     args = Namespace(size="1g", kv_gib=8, worker_args="--batch-sizes 1,4")
     bench: Any = SimpleNamespace(args=args, model_dir=Path("/models/1g"))
@@ -180,7 +180,7 @@ def test_gpu_pod_runs_the_worker_as_restore_bench_does() -> None:
     assert pod[0] == str(GPU_PYTHON)
     assert pod[1] == f"{APP_DIR}/{GPU_WORKER_SCRIPT}"
     assert pod[2:] == process[2:]
-    env = Bench.env(bench, Path("/cache"), 18002)
+    env = worker_env(Path("/cache"), 18002)
     assert {k: v for k, v in gpu_worker_env("/cache", 18002).items() if k in env} == {
         k: v for k, v in env.items() if k != "PYTHONPATH"
     }
