@@ -73,6 +73,16 @@ def tree_cpu_seconds(root: int) -> float:
         return 0.0
 
 
+async def wait_gone(pid: int, within: float = 15) -> None:
+    """Until `pid` is free again, reaping it where it is this process's child (a zombie keeps its pid):
+    CRIU restores a tree with its original pids, so the next restore of a checkpoint needs that very pid."""
+    deadline = time.monotonic() + within
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:  # noqa: ASYNC240 - procfs
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)  # noqa: ASYNC222 - WNOHANG never blocks
+        await asyncio.sleep(0.05)
+
+
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 

@@ -29,14 +29,10 @@ if [ ! -x "$criu_src/criu/criu" ]; then
     make -C "$criu_src" -j"$(nproc)" criu > "$criu_src/build.log" 2>&1 \
         || { tail -20 "$criu_src/build.log" >&2; exit 1; }
 fi
-rm -rf "$out"
-mkdir -p "$out/lib"
-cp "$criu_src/criu/criu" "$out/criu"
-ldd "$out/criu" | awk '/=>/ {print $3}' | grep -vE '/(libc\.so|ld-linux)' | while read -r lib; do
-    name=$(basename "$lib")
-    cmp -s "$lib" "$shared/$name" 2>/dev/null || cp -L "$lib" "$out/lib/"
+DYNSNAP_CRIU_BUILD=$criu_src/criu/criu bash "$here/benchmarks/gpu/criu_bundle_from_build.sh" "$out"
+for lib in "$out"/lib/*; do
+    if cmp -s "$lib" "$shared/$(basename "$lib")"; then rm "$lib"; fi
 done
 install -m 0755 "$cc" "$out/cuda-checkpoint"
 echo "$NVIDIA_PATH_CRIU_COMMIT $CUDA_CHECKPOINT_COMMIT" > "$out/commits"
-"$out/criu" --version | head -1
 du -sh "$out"

@@ -55,6 +55,7 @@ from benchmarks.gpu.host import (  # noqa: E402
     page_stats,
     thp_mode,
     tree_cpu_seconds,
+    wait_gone,
     wait_json,
 )
 from benchmarks.gpu.isolated import IsolatedRuntime, NetnsHttp  # noqa: E402
@@ -326,11 +327,14 @@ class Bench:
         t0 = time.time()
         criu_log = FileWatch(self.runtime.control_dir(key) / "restore.log")
         with IoSampler() as io, criu_log:
-            cpu0 = cpu_seconds() + helpers_cpu_seconds()
+            cpu0 = await asyncio.to_thread(lambda: cpu_seconds() + helpers_cpu_seconds())
             async with LoopLag() as lag:
                 restored = await self.executor.restore(key, ident_hash)
             t_agent = time.time()
-            done = cpu_seconds() + helpers_cpu_seconds() + tree_cpu_seconds(restored.workload.pid)
+            pid = restored.workload.pid
+            done = await asyncio.to_thread(
+                lambda: cpu_seconds() + helpers_cpu_seconds() + tree_cpu_seconds(pid)
+            )
             rec["cpu_all_s"] = round(done - cpu0, 3)
             serving = await wait_serving(port, within=self.args.serve_timeout)
         rec["criu_log_times"] = criu_log_times(criu_log, t0, restored.timings.phases)
@@ -488,13 +492,8 @@ class Bench:
         restore of the same checkpoint needs that very pid."""
         found = await self.runtime.find(key)
         await self.runtime.stop(key)
-        deadline = time.monotonic() + within
-        while found is not None and time.monotonic() < deadline:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(found.pid, os.WNOHANG)  # noqa: ASYNC222 - WNOHANG never blocks
-            if not os.path.exists(f"/proc/{found.pid}"):  # noqa: ASYNC240 - procfs, no disk
-                return
-            await asyncio.sleep(0.05)
+        if found is not None:
+            await wait_gone(found.pid, within)
 
     async def bad_inputs(self, running_key: str, ident_hash: str) -> dict[str, str]:
         """A restore onto a GPU without room, and from a truncated weights file: both refused."""

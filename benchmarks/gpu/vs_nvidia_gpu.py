@@ -56,6 +56,7 @@ from benchmarks.gpu.host import (  # noqa: E402
     host_facts,
     http,
     tree_cpu_seconds,
+    wait_gone,
     wait_json,
 )
 from benchmarks.gpu.restore_bench import MODES, WORKER, storage_gbps, wait_serving, worker_env  # noqa: E402
@@ -72,10 +73,6 @@ NV_TREE = TreeOptions(ext_unix_sk=True, file_locks=True, tcp_established=True, s
 NV_GHOST_LIMIT = 512 << 20
 NV_RESTORE_ARGS = ("--evasive-devices",)
 KEY = "nvidia-path"
-
-
-def tree_size(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 class NvidiaPath:
@@ -148,10 +145,10 @@ class NvidiaPath:
         cold = await wait_json(source.control_dir / "cold-timings.json", within=10)
         self.cold = cold
         rec: dict[str, Any] = {"cold_start_s": round(float(cold["ready_at"]) - launched, 3)}
-        self.go_ahead_format = restore_complete.format_for_worker(source.control_dir)
+        self.go_ahead_format = await asyncio.to_thread(restore_complete.format_for_worker, source.control_dir)
         shutil.rmtree(self.images, ignore_errors=True)
         cpu0, t0 = cpu_seconds(own=False) + helpers_cpu_seconds(), time.monotonic()
-        self.cuda_pids = find_cuda_pids(source.pid)
+        self.cuda_pids = await asyncio.to_thread(find_cuda_pids, source.pid)
         phases: dict[str, float] = {"cuda_lock": 0.0, "cuda_checkpoint": 0.0}
         for pid in self.cuda_pids:
             phases["cuda_lock"] += await self.cuda_checkpoint("lock", pid)
@@ -171,17 +168,10 @@ class NvidiaPath:
         rec["checkpoint_s"] = round(time.monotonic() - t0, 3)
         rec["checkpoint_phases"] = {k: round(v, 3) for k, v in phases.items()}
         rec["cuda_pids"] = len(self.cuda_pids)
-        rec["artifact_bytes"] = await asyncio.to_thread(tree_size, self.images)
-        await self.wait_gone(source.pid)
+        rec["artifact_bytes"] = dumped.image_bytes
+        await wait_gone(source.pid)
         rec["checkpoint_cpu_all_s"] = round(cpu_seconds(own=False) + helpers_cpu_seconds() - cpu0, 3)
         return rec
-
-    async def wait_gone(self, pid: int, within: float = 15) -> None:
-        deadline = time.monotonic() + within
-        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:  # noqa: ASYNC240 - procfs
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, os.WNOHANG)  # noqa: ASYNC222 - WNOHANG never blocks
-            await asyncio.sleep(0.05)
 
     async def restore(self, n: int, *, drop: bool) -> dict[str, Any]:
         key = f"{KEY}-{n}"
@@ -233,7 +223,7 @@ class NvidiaPath:
         free again for the next restore."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
-        await self.wait_gone(pid)
+        await wait_gone(pid)
 
     async def run(self) -> bool:
         a = self.args
