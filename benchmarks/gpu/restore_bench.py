@@ -153,6 +153,15 @@ def worker_env(cache: Path, port: int) -> dict[str, str]:
     }
 
 
+def worker_command(args: argparse.Namespace, model_dir: Path, mode: str, port: int) -> list[str]:
+    """The reference worker in `mode` (MODES), as both GPU benches start it (`args`: size, kv_gib,
+    worker_args)."""
+    return [
+        sys.executable, str(WORKER), "--size", args.size, "--model-dir", str(model_dir),
+        "--kv-gib", str(args.kv_gib), "--port", str(port), *MODES[mode], *args.worker_args.split(),
+    ]  # fmt: skip
+
+
 async def wait_serving(port: int, within: float) -> float:
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
@@ -204,21 +213,7 @@ class Bench:
         return out
 
     def worker_cmd(self, mode: str, port: int) -> list[str]:
-        a = self.args
-        return [
-            sys.executable,
-            str(WORKER),
-            "--size",
-            a.size,
-            "--model-dir",
-            str(self.model_dir),
-            "--kv-gib",
-            str(a.kv_gib),
-            "--port",
-            str(port),
-            *MODES[mode],
-            *a.worker_args.split(),
-        ]
+        return worker_command(self.args, self.model_dir, mode, port)
 
     @property
     def model_dir(self) -> Path:

@@ -59,7 +59,7 @@ from benchmarks.gpu.host import (  # noqa: E402
     wait_gone,
     wait_json,
 )
-from benchmarks.gpu.restore_bench import MODES, WORKER, storage_gbps, wait_serving, worker_env  # noqa: E402
+from benchmarks.gpu.restore_bench import storage_gbps, wait_serving, worker_command, worker_env  # noqa: E402
 from dynamo_snapshot.agent import restore_complete  # noqa: E402
 from dynamo_snapshot.agent.checkpoint import wait_ready  # noqa: E402
 from dynamo_snapshot.agent.runtime import ProcessRuntime, WorkloadSpec  # noqa: E402
@@ -116,12 +116,7 @@ class NvidiaPath:
         return ("--libdir", str(empty))
 
     def worker_cmd(self) -> list[str]:
-        a = self.args
-        model = self.work / "models" / a.size
-        return [
-            sys.executable, str(WORKER), "--size", a.size, "--model-dir", str(model),
-            "--kv-gib", str(a.kv_gib), "--port", str(self.port), *MODES["stock"], *a.worker_args.split(),
-        ]  # fmt: skip
+        return worker_command(self.args, self.work / "models" / self.args.size, "stock", self.port)
 
     async def prepare(self) -> None:
         """The model files, where restore_bench.py left none in this work dir."""
