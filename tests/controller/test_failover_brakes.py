@@ -62,6 +62,10 @@ def _required_not_in(pod: Obj) -> set[str]:
     }
 
 
+async def _healthy(h: Harness, node: str, want: bool) -> bool:
+    return node_healthy(await h.kube.get(NODE, node)) == want
+
+
 async def _cluster_nodes(h: Harness) -> list[str]:
     items, _ = await h.kube.list_all(NODE)
     return [n["metadata"]["name"] for n in items if not n["metadata"].get("deletionTimestamp")]
@@ -99,7 +103,10 @@ async def test_workers_of_a_node_not_ready_past_the_grace_are_replaced_off_not_r
     idle = gpu_node(product="NVIDIA-H200", gpus=8, driver_major=580, pods=18)["metadata"]["name"]
     node = next(p for p in pods if _mode(p) == protocol.StartMode.RESTORE.value)["spec"]["nodeName"]
     gone = {p["metadata"]["name"] for p in pods if p["spec"]["nodeName"] == node}
+    # kwok's first status for a new node must not land after the test's NotReady and undo it.
+    await eventually(lambda: _healthy(h, idle, True), within=30)
     await _fail_node(h, idle)
+    await eventually(lambda: _healthy(h, idle, False), within=10)
     failed_at = time.monotonic()
     await _fail_node(h, node)
     await _replaced(h, gone, 4, avoid=node)
