@@ -218,7 +218,14 @@ async def test_losses_while_a_checkpoint_ref_waits_are_replaced_paced_once_it_is
 
 async def _fail_node(h: Harness, node: str) -> None:
     """Take a kwok node away from kwok (no more heartbeats) and report it NotReady, as a dead kubelet's
-    node looks once the node controller notices."""
+    node looks once the node controller notices. A node kwok has not given its first status yet is waited
+    for: that status would land after this one and undo it."""
+
+    async def has_ready() -> bool:
+        conds = ((await h.kube.get(NODE, node)).get("status") or {}).get("conditions") or []
+        return any(c.get("type") == "Ready" for c in conds)
+
+    await eventually(has_ready, within=30)
     await h.kube.merge_patch(NODE, node, {"metadata": {"annotations": {KWOK_NODE_ANNOTATION: None}}})
     await _set_ready(h, node, "False", "KubeletStopped")
 

@@ -103,8 +103,6 @@ async def test_workers_of_a_node_not_ready_past_the_grace_are_replaced_off_not_r
     idle = gpu_node(product="NVIDIA-H200", gpus=8, driver_major=580, pods=18)["metadata"]["name"]
     node = next(p for p in pods if _mode(p) == protocol.StartMode.RESTORE.value)["spec"]["nodeName"]
     gone = {p["metadata"]["name"] for p in pods if p["spec"]["nodeName"] == node}
-    # kwok's first status for a new node must not land after the test's NotReady and undo it.
-    await eventually(lambda: _healthy(h, idle, True), within=30)
     await _fail_node(h, idle)
     await eventually(lambda: _healthy(h, idle, False), within=10)
     failed_at = time.monotonic()
