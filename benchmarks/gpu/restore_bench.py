@@ -75,7 +75,11 @@ MODES = {
     "stock": ["--no-release-zero-pages"],
     "kv": ["--release-kv"],
     "decoupled": ["--release-kv", "--decouple-weights"],
+    # stock with the agent's zero-page rewrite off (MODE_SETTINGS): the A/B of its `auto` in one call.
+    "stock_keep_zeros": ["--no-release-zero-pages"],
 }
+# Agent settings a mode's checkpoint takes over --drop-zero-pages and --compress-pages.
+MODE_SETTINGS: dict[str, dict[str, Any]] = {"stock_keep_zeros": {"drop_zero_pages": "off"}}
 GIB = 2**30
 # Diagnostic restores of an artifact (--variants-for): the agent settings each one changes, and whether it
 # starts with the page cache dropped.
@@ -196,7 +200,7 @@ class Bench:
 
     def agent_config(self) -> AgentConfig:
         return agent_config(
-            compress_pages=self.args.compress_pages == "on", drop_zero_pages=self.args.drop_zero_pages == "on"
+            compress_pages=self.args.compress_pages == "on", drop_zero_pages=self.args.drop_zero_pages
         )
 
     def save(self) -> None:
@@ -255,6 +259,10 @@ class Bench:
         self.save()
 
         cpu0 = cpu_seconds() + helpers_cpu_seconds()
+        settings = self.executor.config.checkpoint
+        chosen = self.agent_config().checkpoint.model_copy(update=MODE_SETTINGS.get(mode, {}))
+        rec["drop_zero_pages"] = settings.drop_zero_pages = chosen.drop_zero_pages
+        settings.compress_pages = chosen.compress_pages
         ckpt = await self.executor.checkpoint(source, ident_hash, ident)
         rec["checkpoint_cpu_all_s"] = round(cpu_seconds() + helpers_cpu_seconds() - cpu0, 3)
         rec["checkpoint_phases"] = ckpt.timings.phases
@@ -274,7 +282,8 @@ class Bench:
         if plan.exists():
             p = read_plan(plan)
             rec["prefetch_plan"] = {"files": len(p.files), "bytes": p.bytes, "unresolved": p.unresolved}
-        if mode not in ("plain", "stock"):  # their images are mostly the GPU's copy of weights and KV cache
+        # plain and stock images are mostly the GPU's copy of weights and KV cache
+        if mode not in ("plain", "stock", "stock_keep_zeros"):
             pages = sorted((self.store.open(ident_hash).path / "criu").glob("pages-*.img"))
             rec["pages_stats"] = {p.name: await asyncio.to_thread(page_stats, p) for p in pages}
         memory_report = source.control_dir / "checkpoint-memory.json"
@@ -564,7 +573,10 @@ async def main() -> int:
         "--compress-pages", choices=("on", "off"), default="off", help="the agent's --compress-pages"
     )
     ap.add_argument(
-        "--drop-zero-pages", choices=("on", "off"), default="off", help="the agent's --drop-zero-pages"
+        "--drop-zero-pages",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the agent's --drop-zero-pages (a mode in MODE_SETTINGS may set its own)",
     )
     ap.add_argument("--tag", default="", help="added to the result file's name (A/B runs)")
     ap.add_argument(

@@ -11,7 +11,7 @@
 # cuda-checkpoint from .nv-bundle) with the model and compile cache the first left. At 1g the first call
 # takes about 9 minutes (the stock worker's cold start compiles from an empty cache), the second 2; the
 # two modes do not fit one call. compare_vs_nvidia.py then folds the calls' files (BENCHMARKS.md).
-# BENCH_ARGS: more restore_bench.py flags.
+# BENCH_ARGS: more restore_bench.py flags; BENCH_TIMEOUT: its limit in seconds (default 360).
 set -uo pipefail
 size=${1:-1g}
 restores=${2:-5}
@@ -20,7 +20,7 @@ modes=${MODES:-stock}
 . benchmarks/gpu/device_env.sh
 variants=$(python3 -c "import sys; n = int(sys.argv[1]); print(','.join(['default'] * (n - 1) + ['warm_node']))" "$restores")
 tag=vs-nvidia-${modes//,/-}
-timeout 360 python3 benchmarks/gpu/restore_bench.py --size "$size" --modes "$modes" --tag "$tag" \
+timeout "${BENCH_TIMEOUT:-360}" python3 benchmarks/gpu/restore_bench.py --size "$size" --modes "$modes" --tag "$tag" \
     --warm-restore --no-bad-inputs --variants "$variants" --variants-for "$modes" --calib-gib 2 \
     --out "$OUT" ${BENCH_ARGS:-} > "$OUT/ours-$tag-$size.log" 2>&1
 echo "ours ($modes): rc=$?"

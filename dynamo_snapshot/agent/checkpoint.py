@@ -42,7 +42,11 @@ from dynamo_snapshot.agent.weights import (
     read_offload,
     weights_features,
 )
-from dynamo_snapshot.agent.zero_page_release import ZeroPageRelease, ZeroPagesReleased
+from dynamo_snapshot.agent.zero_page_release import (
+    ZeroPageRelease,
+    ZeroPagesReleased,
+    agent_drops_zero_pages,
+)
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.api.identity import CheckpointIdentity
 from dynamo_snapshot.artifact import ArtifactWriter, Binding, GpuInfo, PublishResult
@@ -178,7 +182,7 @@ class CheckpointRun:
                 raise AgentError(f"CRIU dump failed: {e}") from None
 
     async def shrink_pages(self, images: Path) -> None:
-        if self.node.config.checkpoint.drop_zero_pages:
+        if agent_drops_zero_pages(self.node.config.checkpoint.drop_zero_pages, self.released):
             with self.timings.phase("checkpoint", "drop_zero_pages"):
                 self.sparse = await drop_zero_pages_of(images)
         if self.node.config.checkpoint.compress_pages:

@@ -43,6 +43,7 @@ __all__ = [
     "Size",
     "StoreSettings",
     "TimeoutSettings",
+    "ZeroPagesRewrite",
     "settings_fields",
 ]
 
@@ -61,6 +62,16 @@ def _kube_size(value: object) -> object:
 
 # Bytes, written as a number or a size: 200Gi, 200GiB, 1.5TiB, 500GB.
 Size = Annotated[ByteSize, BeforeValidator(_kube_size)]
+
+
+def _on_off(value: object) -> object:
+    """A yes/no setting that grew an `auto`: true and false still mean on and off."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return value
+
+
+ZeroPagesRewrite = Annotated[Literal["auto", "on", "off"], BeforeValidator(_on_off)]
 
 
 class _Section(BaseModel):
@@ -138,10 +149,11 @@ class CheckpointSettings(_Section):
         default=True,
         description="record the node files a worker maps at checkpoint and read them ahead at restore",
     )
-    drop_zero_pages: bool = Field(
-        default=False,
-        description="leave the all-zero pages of anonymous memory out of checkpoints' CRIU images (a "
-        "rewrite after the dump; the SDK's workers drop the CUDA host copy's zeros themselves, cheaper)",
+    drop_zero_pages: ZeroPagesRewrite = Field(
+        default="auto",
+        description="leave the all-zero pages of anonymous memory out of checkpoints' CRIU images, a "
+        "rewrite after the dump: auto does it unless the worker dropped the CUDA host copy's zeros itself "
+        "(the SDK's workers do, cheaper), as for stock engines and CPU workers",
     )
     compress_pages: bool = Field(
         default=False,

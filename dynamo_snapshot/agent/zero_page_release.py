@@ -27,7 +27,7 @@ from dynamo_snapshot.api import protocol
 from dynamo_snapshot.fileio.beneath import read_json_beneath
 from dynamo_snapshot.workload.zero_pages import private_anonymous, read_maps
 
-__all__ = ["ZeroPageRelease", "ZeroPagesReleased"]
+__all__ = ["ZeroPageRelease", "ZeroPagesReleased", "agent_drops_zero_pages"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,15 @@ class ZeroPagesReleased(BaseModel):
         """What the manifest keeps of the worker's answer: how long its scan took, and the part of that
         spent giving pages back (a syscall per run of zero pages)."""
         return self.model_dump(by_alias=True, include={"scanned_bytes", "seconds", "runs", "madvise_seconds"})
+
+
+def agent_drops_zero_pages(setting: str, released: ZeroPagesReleased | None) -> bool:
+    """Whether the agent takes the dump's zero pages out itself (`--drop-zero-pages`): `auto` leaves that to
+    a worker that dropped some before the dump (cheaper, and most of a GPU worker's zeros are the host
+    copy's), and does it for every other worker: a stock engine, a CPU worker, a failed or empty answer."""
+    if setting != "auto":
+        return setting == "on"
+    return released is None or released.error is not None or released.released_bytes == 0
 
 
 def offering_pid(control_dir: Path) -> int | None:

@@ -14,6 +14,9 @@ from dynamo_snapshot.workload import SnapshotHandshake
 # well as a real worker's memory does (the agent stores the pages images compressed).
 size = int(os.environ.get("WORKER_STATE_MIB", "32")) << 20
 state = bytearray(os.urandom(size // 4) + os.urandom(size - size // 4).translate(b"acgt" * 64))
+# Memory the worker wrote zeros into (WORKER_ZERO_MIB): pages CRIU dumps, all zero.
+zeros = bytearray(int(os.environ.get("WORKER_ZERO_MIB", "0")) << 20)
+zeros[:] = bytes(len(zeros))
 digest = hashlib.sha256(state).hexdigest()
 # A worker that loads for a while, as an engine loading its model does.
 time.sleep(float(os.environ.get("WORKER_READY_DELAY_S", "0")))
@@ -23,6 +26,7 @@ info = handshake.wait_for_restore()
 verdict = {
     "digest_before": digest,
     "digest_after": hashlib.sha256(state).hexdigest(),
+    "zeros_intact": not any(zeros),
     "pid": os.getpid(),
     "restored": info.restored,
     "pod_name": info.pod_name,

@@ -142,18 +142,18 @@ def test_shipped_config_carries_the_agent_switches() -> None:
     shipped = yaml.safe_load((REPO / "agent" / "config.yaml").read_text())
     expected = {
         ("restore", "weightsCheckIdleIo"): True,
-        ("checkpoint", "dropZeroPages"): False,
+        ("checkpoint", "dropZeroPages"): "auto",
         ("checkpoint", "compressPages"): False,
     }
     for (section, key), value in expected.items():
-        assert shipped[section][key] is value, key
+        assert shipped[section][key] == value, key
     config = agent_cmd.AgentConfig.model_validate({**shipped, "nodeName": "n"})
     switches = (
         config.restore.weights_check_idle_io,
         config.checkpoint.drop_zero_pages,
         config.checkpoint.compress_pages,
     )
-    assert switches == (True, False, False)
+    assert switches == (True, "auto", False)
 
 
 def test_every_bool_setting_has_a_switch_whose_help_gives_its_default() -> None:
