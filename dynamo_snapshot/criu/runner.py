@@ -390,6 +390,35 @@ class Criu:
             ) from e
         return RestoreResult(pid=pid, seconds=seconds, log_path=log_path)
 
+    async def lazy_pages_daemon(
+        self, images_dir: Path, work_dir: Path, ps_socket: int, *, within: float = 10.0
+    ) -> asyncio.subprocess.Process:
+        """A ``criu lazy-pages`` daemon for one restore with ``--lazy-pages`` and ``log_dir=work_dir``: it
+        fills the restored memory with pages it asks for on ``ps_socket`` (``criu.page_server``), reading
+        only the pagemaps of ``images_dir``. Returned once it listens for the restore; its log is
+        ``work_dir/lazy-pages.log``, and it exits once every page moved."""
+        socket_path = work_dir / "lazy-pages.socket"
+        await asyncio.to_thread(_fresh_lazy_socket, work_dir, socket_path)
+        quiet = asyncio.subprocess.DEVNULL
+        daemon = await asyncio.create_subprocess_exec(
+            str(self.binary), "lazy-pages", "--page-server", "--ps-socket", str(ps_socket),
+            "-D", str(images_dir), "-W", str(work_dir), "-o", "lazy-pages.log", "-v4",
+            stdin=quiet, stdout=quiet, stderr=quiet, pass_fds=(ps_socket,),
+        )  # fmt: skip
+        deadline = time.monotonic() + within
+        # The socket is the daemon's only sign that it listens.
+        while not await asyncio.to_thread(socket_path.exists):
+            if daemon.returncode is not None or time.monotonic() > deadline:
+                with contextlib.suppress(ProcessLookupError):
+                    daemon.kill()
+                code = await daemon.wait()
+                log = work_dir / "lazy-pages.log"
+                text = await asyncio.to_thread(log.read_text, errors="replace") if log.exists() else ""
+                excerpt = " | ".join(log_excerpt(text)) or "no log"
+                raise CriuError("lazy-pages", code, f"the daemon did not listen: {excerpt}")
+            await asyncio.sleep(0.002)
+        return daemon
+
     def _restore_env(self) -> dict[str, str | None]:
         """The variables the project's CRIU patches read, each set or removed: the settings decide, not
         what the agent's own environment holds."""
@@ -404,6 +433,11 @@ def _environment(changes: Mapping[str, str | None]) -> dict[str, str]:
     for name in (k for k, v in changes.items() if v is None):
         merged.pop(name, None)
     return merged
+
+
+def _fresh_lazy_socket(work_dir: Path, socket_path: Path) -> None:
+    work_dir.mkdir(parents=True, exist_ok=True)
+    socket_path.unlink(missing_ok=True)
 
 
 def _make_dirs(*dirs: Path) -> None:

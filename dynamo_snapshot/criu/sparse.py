@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["PAGE", "Damaged", "ImageFormatError", "SparseStats", "Stopped", "drop_zero_pages"]
+__all__ = ["PAGE", "Damaged", "ImageFormatError", "SparseStats", "Stopped", "drop_zero_pages", "read_pagemap"]
 
 # CRIU's images are in the kernel's pages (64 KiB on some arm64 kernels).
 PAGE = mmap.PAGESIZE
@@ -222,7 +222,7 @@ def _head(pages_id: int) -> bytes:
     return bytes(out)
 
 
-def _read_pagemap(pagemap: Path) -> tuple[int, list[tuple[int, int, int]]]:
+def read_pagemap(pagemap: Path) -> tuple[int, list[tuple[int, int, int]]]:
     """(pages id, [(vaddr, pages, flags)]) of a pagemap image whose entries are all present pages."""
     head, *raw_entries = _read_entries(pagemap, _PAGEMAP_MAGIC)
     pages_id = _ints(head).get(1)
@@ -363,7 +363,7 @@ def _sparsify_process(
     moves. Once pages move, the pages image matches the old pagemap no more: a failure from then on
     raises ``Damaged`` (or ``Stopped``), and the dump must be thrown away."""
     pagemap = images / f"pagemap-{pid}.img"
-    pages_id, entries = _read_pagemap(pagemap)
+    pages_id, entries = read_pagemap(pagemap)
     pages = images / f"pages-{pages_id}.img"
     if pages.stat().st_size != PAGE * sum(n for _, n, _ in entries):
         raise ImageFormatError(f"{pages.name}: size does not match {pagemap.name}")
