@@ -18,6 +18,8 @@ from dynamo_snapshot.agent.metrics import CACHE_BYTES
 from dynamo_snapshot.agent.object_store import ObjectStore
 from dynamo_snapshot.artifact import Artifact, ArtifactCache, ArtifactStore, Manifest, VerifiedFiles
 from dynamo_snapshot.artifact.s3 import FetchHooks
+from dynamo_snapshot.criu.page_server import PageIndex, PageServerError
+from dynamo_snapshot.criu.sparse import ImageFormatError
 
 __all__ = ["NodeFetch"]
 
@@ -35,15 +37,22 @@ class NodeFetch(FetchHooks):
         verified: VerifiedFiles | None,
         *,
         first: Callable[[Manifest], Collection[str]],
+        streamed: Callable[[Manifest], Collection[str]] = lambda _: (),
     ) -> None:
         self.key = key
         self._objects, self._digest, self._store, self._cache = objects, manifest_digest, store, cache
         self._verified = verified
-        self._first = first
+        self._first, self._streamed = first, streamed
         self._room: Callable[[int], Awaitable[None]] | None = None
         # The unpublished copy once the process images are in; set (or the fetch ended) wakes readers.
         self.staged: Artifact | None = None
         self._first_files: list[str] = []
+        # Files a restore may read while they arrive (``streamed``), linked beside the first ones; what
+        # of every file is in and checked, by chunk offset, and the chunk size of each file.
+        self._streamed_files: list[str] = []
+        self._in: dict[str, set[int]] = {}
+        self._step: dict[str, int] = {}
+        self._arrived = asyncio.Event()
         self._brought = False
         self._first_in = asyncio.Event()
         self.task: asyncio.Task[Artifact] = asyncio.create_task(self._run(), name=f"fetch-{key}")
@@ -81,11 +90,71 @@ class NodeFetch(FetchHooks):
         # Asked only of a fetch that brings the files itself.
         self._brought = True
         self._first_files = list(self._first(manifest))
+        first = set(self._first_files)
+        self._streamed_files = [f for f in self._streamed(manifest) if f not in first]
+        self._step = {f.path: f.chunk_bytes or max(f.size, 1) for f in manifest.files}
         return self._first_files
 
     def first_done(self, staged: Artifact) -> None:
         self.staged = staged
         self._first_in.set()
+
+    async def chunk_waves(self, path: str, count: int) -> list[list[int]]:
+        """A streamed pages image's chunks that hold what a restore reads before CRIU starts (the pages it
+        cannot take lazily) come first, on their own: so CRIU starts after those, not after the whole
+        image."""
+        every = list(range(count))
+        if path not in self._streamed_files:
+            return [every]
+        await self._first_in.wait()
+        staged = self.staged
+        if staged is None:
+            return [every]
+        try:
+            index = await asyncio.to_thread(PageIndex, staged.path / "criu")
+        except (ImageFormatError, PageServerError, OSError, ValueError) as e:
+            log.debug("pages' order unknown", extra={"artifact": self.key, "error": str(e)})
+            return [every]
+        step, name = self._step[path], path.removeprefix("criu/")
+        first = {i for n, offset, length in index.eager() if n == name for i in _chunks(offset, length, step)}
+        return [sorted(first), [i for i in every if i not in first]]
+
+    def chunk_in(self, path: str, offset: int, length: int) -> None:
+        self._in.setdefault(path, set()).add(offset)
+        arrived, self._arrived = self._arrived, asyncio.Event()
+        arrived.set()
+
+    # ------------------------------------------------------------------ ranges
+    @property
+    def streamed_files(self) -> list[str]:
+        return list(self._streamed_files)
+
+    @property
+    def streams(self) -> bool:
+        """Whether the early copy holds files still arriving, which ``range_in`` tells the parts of."""
+        return bool(self._streamed_files) and self.staged is not None and not self.task.done()
+
+    async def range_in(self, path: str, offset: int, length: int) -> None:
+        """Returns once bytes ``offset`` to ``offset + length`` of ``path`` are in and checked; raises what
+        ended the fetch where it ended without them."""
+        while not self._covered(path, offset, length):
+            if self.task.done():
+                self.task.result()  # the fetch's own error
+                if self._covered(path, offset, length):
+                    return
+                raise ValueError(f"{path}: bytes {offset}-{offset + length} are not in the fetched artifact")
+            arrived = asyncio.ensure_future(self._arrived.wait())
+            try:
+                await asyncio.wait({arrived, self.task}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                arrived.cancel()
+
+    def _covered(self, path: str, offset: int, length: int) -> bool:
+        step = self._step.get(path)
+        if step is None:
+            return False
+        got = self._in.get(path, set())
+        return all(i * step in got for i in _chunks(offset, length, step))
 
     # ------------------------------------------------------------------ readers
     @contextlib.asynccontextmanager
@@ -98,7 +167,7 @@ class NodeFetch(FetchHooks):
         if self.task.done() or staged is None:
             yield None
             return
-        target, files = self.target, self._first_files
+        target, files = self.target, self._first_files + self._streamed_files
         try:
             links = await asyncio.to_thread(_enter, target.linked_copy(staged, files))
         except OSError as e:
@@ -109,12 +178,17 @@ class NodeFetch(FetchHooks):
         copy, exit_links = links
         try:
             if self._verified is not None:
-                linked = set(files)
+                linked = set(self._first_files)
                 entries = [f for f in copy.manifest.files if f.path in linked]
                 await asyncio.to_thread(self._verified.remember, copy.path, entries)
             yield copy
         finally:
             await asyncio.to_thread(exit_links)
+
+
+def _chunks(offset: int, length: int, step: int) -> range:
+    """The indices of the ``step``-sized chunks bytes ``offset`` to ``offset + length`` lie in."""
+    return range(offset // step, (offset + max(length, 1) - 1) // step + 1)
 
 
 def _enter(cm: contextlib.AbstractContextManager[Artifact]) -> tuple[Artifact, Callable[[], None]]:

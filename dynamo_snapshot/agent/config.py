@@ -256,6 +256,12 @@ class ObjectStoreSettings(_Section):
         "(once a restore pod of it is bound to the node, while the kubelet starts it), all (every node, "
         "as soon as the PodSnapshot is Ready)",
     )
+    s3_stream_pages: bool = Field(
+        default=False,
+        description="a restore fetching its artifact starts CRIU before the memory pages are in: with "
+        "--lazy-pages, each page served from the fetch once its chunk is in and checked (runtimes local "
+        "and containerd; uncompressed pages)",
+    )
 
     def location(self) -> S3Location | None:
         """Where the artifacts go; None without an endpoint. ``ValueError`` for a bad bucket or prefix."""

@@ -24,6 +24,7 @@ from dynamo_snapshot.agent.errors import AgentError, ArtifactRefused
 from dynamo_snapshot.agent.gpu_assignment import assigned_gpus, check_gpu_memory
 from dynamo_snapshot.agent.metrics import CACHE_BYTES, CACHE_FILLS, CACHE_RESTORES, FAILURES
 from dynamo_snapshot.agent.node import DEFAULT_RESTORE_SCRATCH, Node
+from dynamo_snapshot.agent.pages_stream import PagesStream
 from dynamo_snapshot.agent.restore import (
     Greeting,
     RestoreOutcome,
@@ -33,6 +34,7 @@ from dynamo_snapshot.agent.restore import (
     check_digest,
     compat_refused,
     fetched_first,
+    streamed_pages,
 )
 from dynamo_snapshot.agent.runtime.base import Workload
 from dynamo_snapshot.agent.timings import Timings
@@ -162,7 +164,8 @@ class Executor(Node):
                 self.store,
                 self.cache,
                 self.verified,
-                first=self.fetch_first,
+                first=self._fetch_first,
+                streamed=self._fetch_streamed,
             )
             self.fetching[artifact_key] = fetch
 
@@ -174,6 +177,18 @@ class Executor(Node):
 
             fetch.task.add_done_callback(ended)
         return fetch
+
+    @property
+    def streams_pages(self) -> bool:
+        """Whether restores of artifacts being fetched start before their memory pages are in."""
+        return self.config.s3.s3_stream_pages and self.runtime.streams_pages
+
+    def _fetch_first(self, manifest: Manifest) -> list[str]:
+        streamed = set(self._fetch_streamed(manifest))
+        return [f for f in self.fetch_first(manifest) if f not in streamed]
+
+    def _fetch_streamed(self, manifest: Manifest) -> list[str]:
+        return streamed_pages(manifest) if self.streams_pages else []
 
     async def _fetched(self, artifact_key: str, manifest_digest: str) -> Artifact:
         """The whole artifact fetched."""
@@ -284,7 +299,12 @@ class Executor(Node):
                         return cached
                 run = self.restore_run(self, key, artifact, timings, greeting, manifest_digest, gpus)
                 run.published = whole
-                outcome = await self._restore_fetched_or_not(run, where)
+                fetch = self.fetching.get(artifact_key)
+                if whole is not None and fetch is not None and fetch.streams:
+                    run.stream = PagesStream(fetch, fetch.streamed_files)
+                # The fetch's failure while the restore waits on the pages in it is the restore's.
+                with self._fetch_errors(artifact_key) if run.stream else contextlib.nullcontext():
+                    outcome = await self._restore_fetched_or_not(run, where)
         except BaseException:
             FAILURES.labels("restore").inc()
             raise

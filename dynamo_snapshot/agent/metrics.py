@@ -29,6 +29,10 @@ ZERO_PAGES_RELEASED = Counter(
     "dynsnap_agent_zero_page_bytes_released_total",
     "Bytes of all-zero pages of the CUDA checkpoint's host copy workers gave back before the CRIU dump",
 )
+PAGES_STREAMED = Counter(
+    "dynsnap_agent_streamed_page_bytes_total",
+    "Bytes of memory pages restored trees got through the page server as the fetch brought them",
+)
 PAGES_COMPRESSED_SAVED = Counter(
     "dynsnap_agent_page_bytes_compressed_saved_total",
     "Bytes checkpoints' CRIU pages images shrank by being stored compressed",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from dynamo_snapshot.agent.gpu_assignment import assigned_gpus, gpu_remap
 from dynamo_snapshot.agent.metrics import BYTES, PREFETCH_BYTES, PREFETCH_SKIPPED, THROUGHPUT
 from dynamo_snapshot.agent.node import Node
 from dynamo_snapshot.agent.page_images import PagesScratch, StagedPages
+from dynamo_snapshot.agent.pages_stream import PagesStream
 from dynamo_snapshot.agent.prefetch import PREFETCH_FILE, PrefetchStats, prefetch, read_plan, read_whole
 from dynamo_snapshot.agent.runtime.base import Workload, WorkloadRuntimeError
 from dynamo_snapshot.agent.sentinels import present, write_sentinel
@@ -47,6 +49,7 @@ from dynamo_snapshot.agent.weights import (
 from dynamo_snapshot.api import protocol
 from dynamo_snapshot.artifact import Artifact, ArtifactError, GpuInfo, Manifest
 from dynamo_snapshot.criu import CriuError
+from dynamo_snapshot.criu.packed import PACKED_SUFFIX
 from dynamo_snapshot.fileio import HASH_PARALLEL, TreeStats
 
 log = logging.getLogger(__name__)
@@ -170,6 +173,8 @@ class RestoreRun:
         # published, which the weights are read from once it is in.
         self.published: Callable[[], Awaitable[Artifact]] | None = None
         self._whole: Artifact | None = None
+        # Its memory pages still arriving: CRIU restores on them as they come (agent/pages_stream.py).
+        self.stream: PagesStream | None = None
 
     @property
     def with_weights(self) -> Artifact:
@@ -194,6 +199,8 @@ class RestoreRun:
             await self.resume_process(workload)
             await self.hand_over(workload, undo)
             undo.pop_all()  # the restored worker runs on
+        if self.stream is not None:
+            self.stream.watch(self.node.runtime, self.key, self.node.checks_ahead)
         BYTES.labels("restore").inc(self.verified_bytes)
         if self.process_stats.seconds > 0:
             THROUGHPUT.labels("restore").set(self.process_stats.bytes / self.process_stats.seconds / 1e9)
@@ -279,8 +286,10 @@ class RestoreRun:
         undo.push_async_callback(_cancel, self.weights_check)
 
     def process_files(self) -> list[str]:
-        """The artifact's files CRIU acts on: all but the weights."""
-        return process_files(self.artifact, self.weights)
+        """The artifact's files CRIU acts on: all but the weights (and pages still arriving, each chunk
+        of which the fetch checks before CRIU can read it)."""
+        streamed = set(self.stream.files) if self.stream is not None else set()
+        return [f for f in process_files(self.artifact, self.weights) if f not in streamed]
 
     async def verify_process_images(self) -> None:
         """The process images CRIU acts on, before it starts (the memory pages, most of the bytes,
@@ -379,6 +388,10 @@ class RestoreRun:
 
     async def criu_restore(self, images: Path, source_control_dir: str | None) -> Workload:
         """The runtime's restore of the tree from ``images`` (benchmarks/agent_variants.py varies it)."""
+        if self.stream is not None:
+            return await self.stream.restore(
+                self.node.runtime, self.key, images, source_control_dir, self.node.criu
+            )
         return await self.node.runtime.restore(self.key, images, source_control_dir)
 
     async def resume_process(self, workload: Workload) -> None:
@@ -528,6 +541,17 @@ def fetched_first(manifest: Manifest) -> list[str]:
     except (ValueError, WeightsPlacementError):
         return [f.path for f in manifest.files]
     return [f.path for f in manifest.files if f.path not in weights]
+
+
+_PAGES_IMAGE = re.compile(r"criu/pages-[0-9]+\.img")
+
+
+def streamed_pages(manifest: Manifest) -> list[str]:
+    """The memory pages images a restore can take while they arrive (criu.streamed_pages): all of them,
+    none where any is stored compressed (those are unpacked whole first)."""
+    pages = [f.path for f in manifest.files if _PAGES_IMAGE.fullmatch(f.path)]
+    packed = any(f.path.startswith("criu/pages-") and f.path.endswith(PACKED_SUFFIX) for f in manifest.files)
+    return [] if packed else pages
 
 
 def process_files(artifact: Artifact, weights: list[CarriedWeights]) -> list[str]:

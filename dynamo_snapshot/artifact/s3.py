@@ -144,6 +144,15 @@ class FetchHooks:
         """Those files are all in and checked: ``staged`` is the unpublished copy, whose directory is
         renamed once the rest is in (the files' inodes stay)."""
 
+    async def chunk_waves(self, path: str, count: int) -> list[list[int]]:
+        """File ``path``'s ``count`` chunks in waves (each chunk in one): a wave is asked for once the one
+        before it is in."""
+        return [list(range(count))]
+
+    def chunk_in(self, path: str, offset: int, length: int) -> None:
+        """``length`` bytes of file ``path`` from ``offset`` are written and checked (a whole file sealed
+        whole: once it is)."""
+
 
 class S3Artifacts:
     """Upload, fetch, find and delete sealed artifacts in one bucket; an async context manager."""
@@ -273,20 +282,26 @@ class S3Artifacts:
         with ArtifactWriter(store, manifest.identity_hash, key=key) as writer:
             gate = asyncio.Semaphore(self.location.parallel)
             ahead = [e for e in manifest.files if e.path in first]
-            rest = [e for e in manifest.files if e.path not in first]
+            # The process images' other files before the weights: a restore may start on them sooner.
+            rest = sorted(
+                (e for e in manifest.files if e.path not in first),
+                key=lambda e: not e.path.startswith("criu/"),
+            )
             # The rest's requests queue once every one of the first files' has its turn: the first files
             # come before the rest, and the link stays full while their last requests finish.
             first_gate = _CountingGate(gate, sum(_requests(e) for e in ahead))
             with opened_dir(writer.directory) as dirfd:
+                # Every file at its size before any comes: a reader may link one still arriving.
+                await asyncio.to_thread(_create_all, dirfd, manifest.files)
 
                 async def first_files() -> None:
-                    await _all(self._fetch_file(key, e, dirfd, first_gate) for e in ahead)
+                    await _all(self._fetch_file(key, e, dirfd, first_gate, hooks) for e in ahead)
                     if ahead:
                         hooks.first_done(Artifact(writer.directory, manifest, key))
 
                 async def the_rest() -> None:
                     await first_gate.all_in.wait()
-                    await _all(self._fetch_file(key, e, dirfd, gate) for e in rest)
+                    await _all(self._fetch_file(key, e, dirfd, gate, hooks) for e in rest)
 
                 await _all([first_files(), the_rest()])
             io = TreeStats(sum(e.size for e in manifest.files), time.monotonic() - started)
@@ -297,23 +312,16 @@ class S3Artifacts:
         return published.artifact
 
     async def _fetch_file(
-        self, key: str, entry: FileEntry, dirfd: int, gate: contextlib.AbstractAsyncContextManager[Any]
+        self,
+        key: str,
+        entry: FileEntry,
+        dirfd: int,
+        gate: contextlib.AbstractAsyncContextManager[Any],
+        hooks: FetchHooks,
     ) -> None:
         name = self.object_name(key, entry.path)
-        parts = components(entry.path)
-        parent = (
-            open_dirs_beneath(dirfd, "/".join(parts[:-1]), create=True, mode=0o755)
-            if len(parts) > 1
-            else os.dup(dirfd)
-        )
+        fd = _open_created(dirfd, entry.path)
         try:
-            fd = os.open(
-                parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=parent
-            )
-        finally:
-            os.close(parent)
-        try:
-            os.ftruncate(fd, entry.size)
             if entry.chunks is not None and entry.chunk_bytes is not None:
                 step = entry.chunk_bytes
 
@@ -325,13 +333,20 @@ class S3Artifacts:
                     if await _in_thread(_write_checked, os.dup(fd), data, offset, want) != want:
                         span = f"bytes {offset}-{offset + length - 1}"
                         raise ObjectStoreError(f"{name}: chunk {i} ({span}) does not match its digest")
+                    hooks.chunk_in(entry.path, offset, length)
 
-                await _all(chunk(i, want) for i, want in enumerate(entry.chunks))
+                chunks = entry.chunks
+                waves = await hooks.chunk_waves(entry.path, len(chunks))
+                if sorted(i for wave in waves for i in wave) != list(range(len(chunks))):
+                    raise ValueError(f"{entry.path}: chunk waves that do not hold each chunk once: {waves}")
+                for wave in waves:
+                    await _all(chunk(i, chunks[i]) for i in wave)
             else:
                 async with gate:
                     digest = await self._stream_to(name, fd, entry.size)
                 if digest != entry.sha256:
                     raise ObjectStoreError(f"{name}: the content does not match its digest")
+                hooks.chunk_in(entry.path, 0, entry.size)
         finally:
             os.close(fd)
 
@@ -455,6 +470,36 @@ async def _in_thread(write: Callable[..., _T], own_fd: int, *args: Any) -> _T:
             os.close(own_fd)
 
     return await asyncio.shield(asyncio.to_thread(run))
+
+
+def _create_all(dirfd: int, entries: list[FileEntry]) -> None:
+    for entry in entries:
+        parts = components(entry.path)
+        parent = (
+            open_dirs_beneath(dirfd, "/".join(parts[:-1]), create=True, mode=0o755)
+            if len(parts) > 1
+            else os.dup(dirfd)
+        )
+        try:
+            fd = os.open(
+                parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=parent
+            )
+        finally:
+            os.close(parent)
+        try:
+            os.ftruncate(fd, entry.size)
+        finally:
+            os.close(fd)
+
+
+def _open_created(dirfd: int, path: str) -> int:
+    """The file ``_create_all`` made at ``path``, for writing."""
+    parts = components(path)
+    parent = open_dirs_beneath(dirfd, "/".join(parts[:-1]), create=False) if len(parts) > 1 else os.dup(dirfd)
+    try:
+        return os.open(parts[-1], os.O_WRONLY | os.O_NOFOLLOW, dir_fd=parent)
+    finally:
+        os.close(parent)
 
 
 def _requests(entry: FileEntry) -> int:

@@ -138,6 +138,7 @@ CHART: dict[str, ChartValue] = {
     "s3_credentials_dir": ChartValue(None),
     "s3_parallel": ChartValue("storage.s3.parallel"),
     "s3_prefetch": ChartValue("storage.s3.prefetch"),
+    "s3_stream_pages": ChartValue("storage.s3.streamPages"),
     # The probes need it.
     "health_port": ChartValue("agent.healthPort", {"minimum": 1}),
 }

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import logging
 import os
 import socket
 import struct
@@ -36,6 +37,8 @@ from dynamo_snapshot.fileio.beneath import open_regular_beneath, opened_dir, reo
 __all__ = ["PageIndex", "PageServerError", "PageServerStats", "Ready", "serve_pages"]
 
 # struct page_server_iov as CRIU 4.2 and later send it, and as earlier ones do.
+log = logging.getLogger(__name__)
+
 _IOV = struct.Struct("<I4xQQQ")
 _IOV_BEFORE_4_2 = struct.Struct("<IIQQ")
 _PS_IOV_GET = 7
@@ -84,6 +87,10 @@ class PageIndex:
                 offset += pages * PAGE
             self._processes[pid] = _Process(f"pages-{pages_id}.img", runs, [r.vaddr for r in runs])
 
+    @property
+    def pages_files(self) -> list[str]:
+        return sorted({p.pages_file for p in self._processes.values()})
+
     def eager(self) -> list[tuple[str, int, int]]:
         """(pages file, offset, length) of the pages a lazy restore reads from the images itself (not
         PE_LAZY: stacks, shared and file mappings): they must be in before CRIU starts."""
@@ -125,21 +132,13 @@ async def serve_pages(
     iov = _IOV if criu_version.at_least((4, 2)) else _IOV_BEFORE_4_2
     index = await asyncio.to_thread(PageIndex, images)
     stats = PageServerStats()
+    # Opened now: the directory's names may go before the last ask (its files stay).
+    opened = await asyncio.to_thread(_open_all, images, index.pages_files)
     reader, writer = await asyncio.open_unix_connection(sock=sock)
     loop = asyncio.get_running_loop()
-    with opened_dir(images) as dirfd, contextlib.ExitStack() as fds:
-        opened: dict[str, int] = {}
-
-        def fd_of(name: str) -> int:
-            if name not in opened:
-                path_fd = open_regular_beneath(dirfd, name, what="pages image", single_link=False)
-                try:
-                    opened[name] = reopen(path_fd)
-                finally:
-                    os.close(path_fd)
-                fds.callback(os.close, opened[name])
-            return opened[name]
-
+    with contextlib.ExitStack() as fds:
+        for fd in opened.values():
+            fds.callback(os.close, fd)
         try:
             while True:
                 try:
@@ -159,8 +158,13 @@ async def serve_pages(
                 length = pages * PAGE
                 started = loop.time()
                 await ready(name, offset, length)
-                stats.waited_s += loop.time() - started
-                data = await asyncio.to_thread(_pread_fully, fd_of(name), length, offset)
+                waited = loop.time() - started
+                stats.waited_s += waited
+                log.debug(
+                    "pages asked for",
+                    extra={"pid": pid, "file": name, "offset": offset, "bytes": length, "waited_s": waited},
+                )
+                data = await asyncio.to_thread(_pread_fully, opened[name], length, offset)
                 flags = _PE_PRESENT << _PS_CMD_BITS | _PS_IOV_ADD_F
                 writer.write(iov.pack(flags, pages, vaddr, pid))
                 writer.write(data)
@@ -172,6 +176,23 @@ async def serve_pages(
             writer.close()
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
+
+
+def _open_all(images: Path, names: list[str]) -> dict[str, int]:
+    opened: dict[str, int] = {}
+    try:
+        with opened_dir(images) as dirfd:
+            for name in names:
+                path_fd = open_regular_beneath(dirfd, name, what="pages image", single_link=False)
+                try:
+                    opened[name] = reopen(path_fd)
+                finally:
+                    os.close(path_fd)
+    except BaseException:
+        for fd in opened.values():
+            os.close(fd)
+        raise
+    return opened
 
 
 def _pread_fully(fd: int, length: int, offset: int) -> bytes:

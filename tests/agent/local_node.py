@@ -55,10 +55,10 @@ def local_executor(
 
 
 def node_with_cache(
-    tmp: Path, criu_bin: Path, objects: ObjectStore, max_bytes: int = 1 << 30
+    tmp: Path, criu_bin: Path, objects: ObjectStore, max_bytes: int = 1 << 30, **settings: Any
 ) -> tuple[Executor, ProcessRuntime, ArtifactCache]:
     """A node on ``tmp/b`` that fetches from ``objects`` into a node cache ``tmp/b-cache`` of ``max_bytes``,
-    as the chart's agents with storage.type s3."""
+    as the chart's agents with storage.type s3; ``settings`` are the agent's, by name."""
     cache = ArtifactCache(tmp / "b-cache", max_bytes)
     node, runtime = local_executor(
         tmp / "b",
@@ -68,6 +68,7 @@ def node_with_cache(
         cache=cache,
         kind=Executor,
         runtime_kind=ProcessRuntime,
+        **settings,
     )
     return node, runtime, cache
 

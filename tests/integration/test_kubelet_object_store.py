@@ -2,7 +2,9 @@
 S3 server (SeaweedFS) before it is Ready; on a node whose store lacks it (the node's copy removed, the agent
 started again with a node cache, as the chart's) a restore-from pod gets it fetched into the node cache,
 every chunk checked, while the kubelet starts the pod, and serves on its own pod IP; with the store's
-object damaged the restore fails by name, the pod says so and nothing is kept."""
+object damaged the restore fails by name, the pod says so and nothing is kept; with the memory pages
+streamed (--s3-stream-pages) CRIU restores into the pod's namespaces with lazy pages, which come through
+the page server."""
 
 from __future__ import annotations
 
@@ -105,3 +107,34 @@ async def test_a_checkpoint_goes_through_the_object_store_to_a_node_without_it(
     assert biggest in message, message
     assert cache.store.list() == []
     assert not local.exists(key)
+
+
+async def test_a_restore_pod_streams_its_memory_pages_from_the_object_store(
+    stack: Stack, real_node: RealNode, s3_server: LocalS3, tmp_path: Path
+) -> None:
+    """--s3-stream-pages on the kubelet node: CRIU restores into the pod's namespaces with --lazy-pages,
+    its pages served from the fetch as they are checked; the worker serves on its pod IP."""
+    s = stack
+    objects = await _objects(tmp_path, s3_server)
+    s.start_agent(objects=objects)
+    _, snapshot = await captured_worker(s, "s3-stream-source")
+    key = artifact_key(s.namespace, snapshot["metadata"]["uid"])
+    await s.kill_agent()
+    local = ArtifactStore(s.store)
+    await asyncio.to_thread(local.delete, key)
+    cache = ArtifactCache(tmp_path / "cache", 1 << 30)
+    runtime = s.start_agent(objects=objects, cache=cache, s3_stream_pages=True)
+    assert runtime.streams_pages
+    streamed = REGISTRY.get_sample_value("dynsnap_agent_streamed_page_bytes_total") or 0.0
+    await _restore_pod(s, real_node, "s3-streamed")
+    pod = await _ended(s, "s3-streamed")
+    assert _annotation(pod, protocol.ANNOTATION_RESTORE_STATUS) == "completed", pod["metadata"]["annotations"]
+    assert await first_answer(pod["status"]["podIP"])
+    assert cache.store.exists(key), "not fetched into the node cache"
+
+    async def moved() -> float | None:
+        now = REGISTRY.get_sample_value("dynsnap_agent_streamed_page_bytes_total") or 0.0
+        return now - streamed if now > streamed else None
+
+    # The worker's memory came through the page server: megabytes of it (its 24 MiB of weights at least).
+    assert await eventually(moved, 60, "the streamed pages to be counted") > 16 << 20

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import NamedTuple, Protocol
 
 from dynamo_snapshot.api import protocol
+from dynamo_snapshot.criu import Criu
 
 
 @dataclass(frozen=True)
@@ -94,9 +95,15 @@ class Runtime(Protocol):
         restore; a restore that fails or stops sooner ends that writing itself."""
         ...
 
-    async def restore(self, key: str, images_dir: Path, source_control_dir: str | None) -> Workload:
+    # Whether `restore` takes a `criu` of the caller's (criu.streamed_pages: pages that arrive during it).
+    streams_pages: bool
+
+    async def restore(
+        self, key: str, images_dir: Path, source_control_dir: str | None, *, criu: Criu | None = None
+    ) -> Workload:
         """Restore a dumped tree as workload `key`; returns once the processes exist (not yet resumed
-        past the CUDA lock)."""
+        past the CUDA lock). `criu`: the CRIU to restore with instead of the runtime's own, where
+        `streams_pages`."""
         ...
 
     def tool_files(self) -> list[Path]:

@@ -121,6 +121,7 @@ class ContainerdRuntime:
     """Pods' main containers on a kubelet node; ``attach`` names the container of a workload key."""
 
     name = "containerd"
+    streams_pages = True
 
     def __init__(
         self,
@@ -346,16 +347,18 @@ class ContainerdRuntime:
         attached = self._attached.get(key)
         return None if attached is None else await attached.layer.finish()
 
-    async def restore(self, key: str, images_dir: Path, source_control_dir: str | None) -> Workload:
+    async def restore(
+        self, key: str, images_dir: Path, source_control_dir: str | None, *, criu: Criu | None = None
+    ) -> Workload:
         attached = self._get(key)
         try:
-            return await self._restore(key, attached, images_dir, source_control_dir)
+            return await self._restore(key, attached, images_dir, source_control_dir, criu or self.criu)
         except BaseException:
             await attached.layer.abandon()
             raise
 
     async def _restore(
-        self, key: str, attached: _Attached, images_dir: Path, source_control_dir: str | None
+        self, key: str, attached: _Attached, images_dir: Path, source_control_dir: str | None, criu: Criu
     ) -> Workload:
         if not attached.layer_applied:
             await self.prepare_restore(key, images_dir)
@@ -388,7 +391,7 @@ class ContainerdRuntime:
                 self.unshare, "--mount", "--propagation", "private", "--mount-proc",
             ]  # fmt: skip
             try:
-                result = await self.criu.restore(
+                result = await criu.restore(
                     images_dir, log_dir=work, extra_args=args, wrapper=wrapper, pass_fds=fds
                 )
                 restored = True

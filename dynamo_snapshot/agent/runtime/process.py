@@ -43,6 +43,7 @@ class _State:
 
 class ProcessRuntime:
     name = "local"
+    streams_pages = True
 
     def __init__(self, control_root: Path, criu: Criu) -> None:
         self.control_root = control_root
@@ -112,14 +113,16 @@ class ProcessRuntime:
     async def finish_restore(self, key: str) -> float | None:
         return None  # prepare_restore leaves nothing running
 
-    async def restore(self, key: str, images_dir: Path, source_control_dir: str | None) -> Workload:
+    async def restore(
+        self, key: str, images_dir: Path, source_control_dir: str | None, *, criu: Criu | None = None
+    ) -> Workload:
         if not source_control_dir:
             raise WorkloadRuntimeError("artifact does not record the source control dir")
         ctl = Path(source_control_dir)
         await asyncio.to_thread(_prepare_restored_control_dir, ctl)
         try:
             # Logs go beside the workload, not into the (shared, verified) artifact.
-            result = await self.criu.restore(
+            result = await (criu or self.criu).restore(
                 images_dir,
                 detach=True,
                 pidfile=ctl / ".criu-restore.pid",

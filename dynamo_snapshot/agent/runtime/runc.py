@@ -20,6 +20,7 @@ from typing import Any
 
 from dynamo_snapshot.agent.runtime.base import Workload, WorkloadRuntimeError, WorkloadSpec, worker_env
 from dynamo_snapshot.api import protocol
+from dynamo_snapshot.criu import Criu
 
 # Host directories a container the agent launches itself (local mode) sees read-only: the system's
 # programs and libraries. Where the worker's interpreter or code lives elsewhere, add it (`hostBinds`).
@@ -29,6 +30,8 @@ _MERGED_USR = ("bin", "lib", "lib64", "sbin")
 
 class RuncRuntime:
     name = "runc"
+    # runc runs CRIU itself.
+    streams_pages = False
 
     def __init__(
         self,
@@ -210,7 +213,11 @@ class RuncRuntime:
     async def finish_restore(self, key: str) -> float | None:
         return None  # prepare_restore leaves nothing running
 
-    async def restore(self, key: str, images_dir: Path, source_control_dir: str | None) -> Workload:
+    async def restore(
+        self, key: str, images_dir: Path, source_control_dir: str | None, *, criu: Criu | None = None
+    ) -> Workload:
+        if criu is not None:
+            raise WorkloadRuntimeError("runtime runc runs CRIU itself: it cannot restore with another")
         try:
             template = json.loads((images_dir / "runc-config.json").read_text())
         except (OSError, ValueError) as e:
