@@ -12,35 +12,26 @@ to go on), its memory whole (the worker has read all of its state and found it i
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.gpu.host import emit  # noqa: E402
+from benchmarks.object_store_nodes import Node, bench_main, far_nodes  # noqa: E402
 from dynamo_snapshot.agent.executor import Executor  # noqa: E402
-from dynamo_snapshot.agent.object_store import ObjectStore  # noqa: E402
 from dynamo_snapshot.agent.runtime import ProcessRuntime  # noqa: E402
 from dynamo_snapshot.artifact import ArtifactCache  # noqa: E402
-from dynamo_snapshot.artifact.s3 import S3Location  # noqa: E402
-from dynamo_snapshot_dev.localcluster.link import shaped_link  # noqa: E402
-from dynamo_snapshot_dev.localcluster.s3server import LocalS3  # noqa: E402
-from tests.agent.local_node import checkpoint_worker, local_executor  # noqa: E402
 from tests.helpers.polling import await_json  # noqa: E402
 
 WORKER = REPO / "tests" / "agent" / "cpu_worker.py"
 HASH = "5eed5eed5eed5eed"
 CRIU = Path.home() / ".cache" / "dynamo-snapshot" / "bin" / "criu"
-ARMS = {"streamed_pages": True, "default": False}
+ARMS: dict[str, dict[str, Any]] = {"streamed_pages": {"s3_stream_pages": True}, "default": {}}
 
 
 async def _run(
@@ -76,76 +67,32 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def measure(state_mib: int, runs: int, link_mbps: float) -> dict[str, Any]:
-    root = Path(tempfile.mkdtemp(prefix="object-store-stream-pages-", dir="/var/tmp"))
-    try:
-        with LocalS3(root / "server") as server:
-            location = S3Location(endpoint=server.endpoint, bucket="checkpoints", prefix="bench/")
-            await server.create_bucket(location.bucket)
-            creds = server.write_credentials(root / "credentials")
-            a, runtime_a = local_executor(
-                root / "a", CRIU, compress_pages=False, kind=Executor, runtime_kind=ProcessRuntime
-            )
-            source = await checkpoint_worker(a, runtime_a, WORKER, HASH, {"WORKER_STATE_MIB": str(state_mib)})
-            a.objects = ObjectStore(location, creds)
-            await a.share(HASH)
-            manifest = a.store.open(HASH).manifest
-            digest = manifest.digest
-            assert digest is not None
-            upstream = urlsplit(server.endpoint)
-            assert upstream.hostname is not None
-            assert upstream.port is not None
-            async with shaped_link(upstream.hostname, upstream.port, bytes_per_s=link_mbps * 1e6) as hostport:
-                far = ObjectStore(location.model_copy(update={"endpoint": f"http://{hostport}"}), creds)
-                nodes = {}
-                for name, stream in ARMS.items():
-                    cache = ArtifactCache(root / name / "cache", 1 << 40)
-                    node, runtime = local_executor(
-                        root / name,
-                        CRIU,
-                        compress_pages=False,
-                        objects=far,
-                        cache=cache,
-                        kind=Executor,
-                        runtime_kind=ProcessRuntime,
-                        s3_stream_pages=stream,
-                    )
-                    nodes[name] = (node, runtime, cache)
-                results: dict[str, list[dict[str, Any]]] = {name: [] for name in nodes}
-                for _ in range(runs):
-                    for name, (node, runtime, cache) in nodes.items():
-                        results[name].append(await _run(node, runtime, cache, digest, source.control_dir))
-        summaries = {name: _summary(r) for name, r in results.items()}
-        streamed, default = summaries["streamed_pages"], summaries["default"]
-        pages = sum(f.size for f in manifest.files if f.path.startswith("criu/pages-"))
-        return {
-            "artifact_bytes": sum(f.size for f in manifest.files),
-            "pages_bytes": pages,
-            "link_mbps": link_mbps,
-            **summaries,
-            "process_back_streamed_over_default": round(
-                streamed["median_process_back_s"] / default["median_process_back_s"], 3
-            ),
-            "memory_whole_streamed_over_default": round(
-                streamed["median_memory_whole_s"] / default["median_memory_whole_s"], 3
-            ),
-        }
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    env = {"WORKER_STATE_MIB": str(state_mib)}
+    async with far_nodes("object-store-stream-pages-", WORKER, HASH, env, link_mbps, ARMS) as far:
+
+        async def one(node: Node) -> dict[str, Any]:
+            return await _run(*node, far.digest, far.control_dir)
+
+        results = await far.alternate(runs, one)
+    summaries = {name: _summary(r) for name, r in results.items()}
+    streamed, default = summaries["streamed_pages"], summaries["default"]
+    files = far.manifest.files
+    return {
+        "artifact_bytes": sum(f.size for f in files),
+        "pages_bytes": sum(f.size for f in files if f.path.startswith("criu/pages-")),
+        "link_mbps": link_mbps,
+        **summaries,
+        "process_back_streamed_over_default": round(
+            streamed["median_process_back_s"] / default["median_process_back_s"], 3
+        ),
+        "memory_whole_streamed_over_default": round(
+            streamed["median_memory_whole_s"] / default["median_memory_whole_s"], 3
+        ),
+    }
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--state-mib", type=int, default=512)
-    p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--link-mbps", type=float, default=100.0)
-    p.add_argument("--out", type=Path)
-    args = p.parse_args()
-    result = asyncio.run(measure(args.state_mib, args.runs, args.link_mbps))
-    command = (
-        f"benchmarks/object_store_stream_pages.py --state-mib {args.state_mib} --runs {args.runs} "
-        f"--link-mbps {args.link_mbps:g}"
-    )
-    emit({**result, "command": command}, args.out)
+    bench_main(__doc__ or "", "object_store_stream_pages.py", ("--state-mib", 512), measure)
 
 
 if __name__ == "__main__":

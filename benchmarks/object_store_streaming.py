@@ -13,30 +13,22 @@ whether the worker found its weights intact.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.gpu.host import emit  # noqa: E402
+from benchmarks.object_store_nodes import Node, bench_main, far_nodes  # noqa: E402
 from dynamo_snapshot.agent.executor import Executor  # noqa: E402
-from dynamo_snapshot.agent.object_store import ObjectStore  # noqa: E402
 from dynamo_snapshot.agent.runtime import ProcessRuntime  # noqa: E402
 from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_hash  # noqa: E402
 from dynamo_snapshot.artifact import ArtifactCache, Manifest  # noqa: E402
-from dynamo_snapshot.artifact.s3 import S3Location  # noqa: E402
-from dynamo_snapshot_dev.localcluster.link import shaped_link  # noqa: E402
-from dynamo_snapshot_dev.localcluster.s3server import LocalS3  # noqa: E402
-from tests.agent.local_node import checkpoint_worker, local_executor  # noqa: E402
 from tests.helpers.polling import await_json  # noqa: E402
 
 WORKER = REPO / "tests" / "agent" / "weights_worker.py"
@@ -82,72 +74,32 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def measure(weights_mib: int, runs: int, link_mbps: float) -> dict[str, Any]:
-    root = Path(tempfile.mkdtemp(prefix="object-store-streaming-", dir="/var/tmp"))
-    try:
-        with LocalS3(root / "server") as server:
-            location = S3Location(endpoint=server.endpoint, bucket="checkpoints", prefix="bench/")
-            await server.create_bucket(location.bucket)
-            creds = server.write_credentials(root / "credentials")
-            a, runtime_a = local_executor(
-                root / "a", CRIU, compress_pages=False, kind=Executor, runtime_kind=ProcessRuntime
-            )
-            env = {"WORKER_WAITS_FOR_CHECK": "0", "WORKER_WEIGHTS_MIB": str(weights_mib)}
-            source = await checkpoint_worker(a, runtime_a, WORKER, HASH, env, identity=IDENTITY)
-            a.objects = ObjectStore(location, creds)
-            await a.share(HASH)
-            artifact = a.store.open(HASH)
-            digest = artifact.manifest.digest
-            assert digest is not None
-            upstream = urlsplit(server.endpoint)
-            assert upstream.hostname is not None
-            assert upstream.port is not None
-            async with shaped_link(upstream.hostname, upstream.port, bytes_per_s=link_mbps * 1e6) as hostport:
-                far = ObjectStore(location.model_copy(update={"endpoint": f"http://{hostport}"}), creds)
-                nodes = {}
-                for name, kind in (("streamed", Executor), ("whole_first", WholeFirst)):
-                    cache = ArtifactCache(root / name / "cache", 1 << 40)
-                    node, runtime = local_executor(
-                        root / name,
-                        CRIU,
-                        compress_pages=False,
-                        objects=far,
-                        cache=cache,
-                        kind=kind,
-                        runtime_kind=ProcessRuntime,
-                    )
-                    nodes[name] = (node, runtime, cache)
-                results: dict[str, list[dict[str, Any]]] = {name: [] for name in nodes}
-                for _ in range(runs):
-                    for name, (node, runtime, cache) in nodes.items():
-                        results[name].append(await _run(node, runtime, cache, digest, source.control_dir))
-        weights = sum(f.size for f in artifact.manifest.files if f.path.startswith("weights/"))
-        summaries = {name: _summary(r) for name, r in results.items()}
-        return {
-            "artifact_bytes": sum(f.size for f in artifact.manifest.files),
-            "weights_bytes": weights,
-            "link_mbps": link_mbps,
-            **summaries,
-            "streamed_over_whole_first": round(
-                summaries["streamed"]["median_total_s"] / summaries["whole_first"]["median_total_s"], 3
-            ),
-        }
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    env = {"WORKER_WAITS_FOR_CHECK": "0", "WORKER_WEIGHTS_MIB": str(weights_mib)}
+    arms: dict[str, dict[str, Any]] = {"streamed": {}, "whole_first": {"kind": WholeFirst}}
+    async with far_nodes(
+        "object-store-streaming-", WORKER, HASH, env, link_mbps, arms, identity=IDENTITY
+    ) as far:
+
+        async def one(node: Node) -> dict[str, Any]:
+            return await _run(*node, far.digest, far.control_dir)
+
+        results = await far.alternate(runs, one)
+    files = far.manifest.files
+    weights = sum(f.size for f in files if f.path.startswith("weights/"))
+    summaries = {name: _summary(r) for name, r in results.items()}
+    return {
+        "artifact_bytes": sum(f.size for f in files),
+        "weights_bytes": weights,
+        "link_mbps": link_mbps,
+        **summaries,
+        "streamed_over_whole_first": round(
+            summaries["streamed"]["median_total_s"] / summaries["whole_first"]["median_total_s"], 3
+        ),
+    }
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--weights-mib", type=int, default=256)
-    p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--link-mbps", type=float, default=100.0)
-    p.add_argument("--out", type=Path)
-    args = p.parse_args()
-    result = asyncio.run(measure(args.weights_mib, args.runs, args.link_mbps))
-    command = (
-        f"benchmarks/object_store_streaming.py --weights-mib {args.weights_mib} --runs {args.runs} "
-        f"--link-mbps {args.link_mbps:g}"
-    )
-    emit({**result, "command": command}, args.out)
+    bench_main(__doc__ or "", "object_store_streaming.py", ("--weights-mib", 256), measure)
 
 
 if __name__ == "__main__":

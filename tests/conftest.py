@@ -6,18 +6,22 @@ kube-controller-manager and kwok built by scripts/test-env.sh, and the object st
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 from kubernetes_asyncio import client, config
 
+from dynamo_snapshot.artifact.s3 import S3Location
 from dynamo_snapshot_dev.localcluster import LocalCluster, LocalClusterError
 from dynamo_snapshot_dev.localcluster.components import ComponentsMissingError, cache_dir
+from dynamo_snapshot_dev.localcluster.link import shaped_link
 from dynamo_snapshot_dev.localcluster.realnode import RealNode, RealNodeError
 from dynamo_snapshot_dev.localcluster.s3server import LocalS3
 
@@ -44,6 +48,30 @@ def s3_server() -> Iterator[LocalS3]:
         _fail(str(e))
     with server:
         yield server
+
+
+@pytest.fixture
+async def s3_location(s3_server: LocalS3) -> S3Location:
+    """A bucket of this test's own on ``s3_server``, prefix ``s/``."""
+    return S3Location(endpoint=s3_server.endpoint, bucket=await s3_server.new_bucket(), prefix="s/")
+
+
+SlowS3 = Callable[[S3Location, float], contextlib.AbstractAsyncContextManager[S3Location]]
+
+
+@pytest.fixture
+def slow_s3(s3_server: LocalS3) -> SlowS3:
+    """``slow_s3(location, bytes_per_s)``: ``location`` reached through a link of that bandwidth."""
+
+    @contextlib.asynccontextmanager
+    async def link(location: S3Location, bytes_per_s: float) -> AsyncIterator[S3Location]:
+        upstream = urlsplit(s3_server.endpoint)
+        assert upstream.hostname is not None
+        assert upstream.port is not None
+        async with shaped_link(upstream.hostname, upstream.port, bytes_per_s=bytes_per_s) as hostport:
+            yield location.model_copy(update={"endpoint": f"http://{hostport}"})
+
+    return link
 
 
 @pytest.fixture(scope="session")

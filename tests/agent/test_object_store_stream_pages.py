@@ -9,7 +9,6 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import pytest
 from prometheus_client import REGISTRY
@@ -20,9 +19,9 @@ from dynamo_snapshot.agent.object_store import ObjectStore
 from dynamo_snapshot.agent.runtime import ProcessRuntime
 from dynamo_snapshot.agent.runtime.base import pid_running
 from dynamo_snapshot.artifact.s3 import S3Location
-from dynamo_snapshot_dev.localcluster.link import shaped_link
 from dynamo_snapshot_dev.localcluster.s3server import LocalS3
 from tests.agent.local_node import checkpoint_worker, local_executor, node_with_cache
+from tests.conftest import SlowS3
 from tests.helpers.polling import await_json
 
 pytestmark = pytest.mark.criu
@@ -38,17 +37,9 @@ FAILED = ("dynsnap_agent_failures_total", {"op": "restore"})
 
 
 @pytest.fixture
-async def location(s3_server: LocalS3) -> S3Location:
-    return S3Location(endpoint=s3_server.endpoint, bucket=await s3_server.new_bucket(), prefix="p/")
-
-
-@pytest.fixture
-async def slow(s3_server: LocalS3, location: S3Location) -> AsyncIterator[S3Location]:
-    upstream = urlsplit(s3_server.endpoint)
-    assert upstream.hostname is not None
-    assert upstream.port is not None
-    async with shaped_link(upstream.hostname, upstream.port, bytes_per_s=LINK_BYTES_PER_S) as hostport:
-        yield location.model_copy(update={"endpoint": f"http://{hostport}"})
+async def slow(slow_s3: SlowS3, s3_location: S3Location) -> AsyncIterator[S3Location]:
+    async with slow_s3(s3_location, LINK_BYTES_PER_S) as far:
+        yield far
 
 
 async def _checkpointed(tmp: Path, criu_bin: Path, objects: ObjectStore) -> tuple[str, Path, int]:
@@ -65,10 +56,10 @@ async def _checkpointed(tmp: Path, criu_bin: Path, objects: ObjectStore) -> tupl
 
 
 async def test_criu_restores_the_worker_before_its_pages_are_in_and_its_memory_comes_intact(
-    criu_bin: Path, tmp_path: Path, s3_server: LocalS3, location: S3Location, slow: S3Location
+    criu_bin: Path, tmp_path: Path, s3_server: LocalS3, s3_location: S3Location, slow: S3Location
 ) -> None:
     creds = s3_server.write_credentials(tmp_path / "credentials")
-    digest, ctl, pages = await _checkpointed(tmp_path, criu_bin, ObjectStore(location, creds))
+    digest, ctl, pages = await _checkpointed(tmp_path, criu_bin, ObjectStore(s3_location, creds))
     node, runtime, cache = node_with_cache(tmp_path, criu_bin, ObjectStore(slow, creds), s3_stream_pages=True)
     assert node.streams_pages
 
@@ -96,7 +87,8 @@ async def test_criu_restores_the_worker_before_its_pages_are_in_and_its_memory_c
 async def _damage(s3_server: LocalS3, location: S3Location, at: float) -> str:
     """Flip a byte of the worker's largest pages image at fraction ``at`` of it; its object name."""
     async with s3_server.client() as client:
-        listed = await client.list_objects_v2(Bucket=location.bucket, Prefix=f"p/{HASH}/criu/pages-")
+        prefix = f"{location.prefix}{HASH}/criu/pages-"
+        listed = await client.list_objects_v2(Bucket=location.bucket, Prefix=prefix)
         name = str(max(listed["Contents"], key=lambda o: o["Size"])["Key"])
         got = await client.get_object(Bucket=location.bucket, Key=name)
         async with got["Body"] as body:
@@ -107,11 +99,11 @@ async def _damage(s3_server: LocalS3, location: S3Location, at: float) -> str:
 
 
 async def test_a_damaged_pages_chunk_never_reaches_the_worker_its_tree_is_stopped(
-    criu_bin: Path, tmp_path: Path, s3_server: LocalS3, location: S3Location, slow: S3Location
+    criu_bin: Path, tmp_path: Path, s3_server: LocalS3, s3_location: S3Location, slow: S3Location
 ) -> None:
     creds = s3_server.write_credentials(tmp_path / "credentials")
-    digest, ctl, _ = await _checkpointed(tmp_path, criu_bin, ObjectStore(location, creds))
-    await _damage(s3_server, location, 0.5)  # the worker's state: pages it takes lazily
+    digest, ctl, _ = await _checkpointed(tmp_path, criu_bin, ObjectStore(s3_location, creds))
+    await _damage(s3_server, s3_location, 0.5)  # the worker's state: pages it takes lazily
     node, runtime, cache = node_with_cache(tmp_path, criu_bin, ObjectStore(slow, creds), s3_stream_pages=True)
     failed_before = REGISTRY.get_sample_value(*FAILED) or 0.0
 
@@ -127,11 +119,11 @@ async def test_a_damaged_pages_chunk_never_reaches_the_worker_its_tree_is_stoppe
 
 
 async def test_a_damaged_chunk_of_what_criu_reads_itself_refuses_the_restore_before_it(
-    criu_bin: Path, tmp_path: Path, s3_server: LocalS3, location: S3Location, slow: S3Location
+    criu_bin: Path, tmp_path: Path, s3_server: LocalS3, s3_location: S3Location, slow: S3Location
 ) -> None:
     creds = s3_server.write_credentials(tmp_path / "credentials")
-    digest, ctl, _ = await _checkpointed(tmp_path, criu_bin, ObjectStore(location, creds))
-    name = await _damage(s3_server, location, 0.999)  # the last chunk: stacks and libraries' pages
+    digest, ctl, _ = await _checkpointed(tmp_path, criu_bin, ObjectStore(s3_location, creds))
+    name = await _damage(s3_server, s3_location, 0.999)  # the last chunk: stacks and libraries' pages
     node, runtime, cache = node_with_cache(tmp_path, criu_bin, ObjectStore(slow, creds), s3_stream_pages=True)
 
     with pytest.raises(AgentError, match=rf"{name}: chunk [0-9]+ .* does not match its digest"):

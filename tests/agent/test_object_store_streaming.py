@@ -10,7 +10,6 @@ import asyncio
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import pytest
 
@@ -21,9 +20,9 @@ from dynamo_snapshot.agent.runtime import ProcessRuntime
 from dynamo_snapshot.agent.runtime.base import pid_running
 from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_hash
 from dynamo_snapshot.artifact.s3 import S3Location
-from dynamo_snapshot_dev.localcluster.link import shaped_link
 from dynamo_snapshot_dev.localcluster.s3server import LocalS3
 from tests.agent.local_node import checkpoint_worker, local_executor, node_with_cache
+from tests.conftest import SlowS3
 from tests.helpers.polling import await_json
 
 pytestmark = pytest.mark.criu
@@ -38,17 +37,9 @@ LINK_BYTES_PER_S = 24e6
 
 
 @pytest.fixture
-async def location(s3_server: LocalS3) -> S3Location:
-    return S3Location(endpoint=s3_server.endpoint, bucket=await s3_server.new_bucket(), prefix="s/")
-
-
-@pytest.fixture
-async def slow(s3_server: LocalS3, location: S3Location) -> AsyncIterator[S3Location]:
-    upstream = urlsplit(s3_server.endpoint)
-    assert upstream.hostname is not None
-    assert upstream.port is not None
-    async with shaped_link(upstream.hostname, upstream.port, bytes_per_s=LINK_BYTES_PER_S) as hostport:
-        yield location.model_copy(update={"endpoint": f"http://{hostport}"})
+async def slow(slow_s3: SlowS3, s3_location: S3Location) -> AsyncIterator[S3Location]:
+    async with slow_s3(s3_location, LINK_BYTES_PER_S) as far:
+        yield far
 
 
 async def _checkpointed(tmp: Path, criu_bin: Path, objects: ObjectStore) -> tuple[str, Path]:
@@ -65,10 +56,10 @@ async def _checkpointed(tmp: Path, criu_bin: Path, objects: ObjectStore) -> tupl
 
 
 async def test_criu_restores_the_process_while_the_weights_still_arrive(
-    criu_bin: Path, tmp_path: Path, s3_server: LocalS3, location: S3Location, slow: S3Location
+    criu_bin: Path, tmp_path: Path, s3_server: LocalS3, s3_location: S3Location, slow: S3Location
 ) -> None:
     creds = s3_server.write_credentials(tmp_path / "credentials")
-    digest, ctl = await _checkpointed(tmp_path, criu_bin, ObjectStore(location, creds))
+    digest, ctl = await _checkpointed(tmp_path, criu_bin, ObjectStore(s3_location, creds))
     node, runtime, cache = node_with_cache(tmp_path, criu_bin, ObjectStore(slow, creds))
 
     outcome = await node.restore("restored", HASH, manifest_digest=digest)
@@ -90,17 +81,17 @@ async def test_criu_restores_the_process_while_the_weights_still_arrive(
 
 
 async def test_weights_that_arrive_damaged_fail_the_restore_after_criu_and_keep_nothing(
-    criu_bin: Path, tmp_path: Path, s3_server: LocalS3, location: S3Location, slow: S3Location
+    criu_bin: Path, tmp_path: Path, s3_server: LocalS3, s3_location: S3Location, slow: S3Location
 ) -> None:
     creds = s3_server.write_credentials(tmp_path / "credentials")
-    digest, ctl = await _checkpointed(tmp_path, criu_bin, ObjectStore(location, creds))
+    digest, ctl = await _checkpointed(tmp_path, criu_bin, ObjectStore(s3_location, creds))
     name = f"s/{HASH}/{WEIGHTS}"
     async with s3_server.client() as client:
-        got = await client.get_object(Bucket=location.bucket, Key=name)
+        got = await client.get_object(Bucket=s3_location.bucket, Key=name)
         async with got["Body"] as body:
             data = bytearray(await body.read())
         data[len(data) // 2] ^= 0xFF
-        await client.put_object(Bucket=location.bucket, Key=name, Body=bytes(data))
+        await client.put_object(Bucket=s3_location.bucket, Key=name, Body=bytes(data))
     node, runtime, cache = node_with_cache(tmp_path, criu_bin, ObjectStore(slow, creds))
 
     with pytest.raises(AgentError, match=rf"{WEIGHTS}: the content does not match its digest"):
