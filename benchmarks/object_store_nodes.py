@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import shutil
 import tempfile
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,11 +26,20 @@ from dynamo_snapshot.artifact.s3 import S3Location
 from dynamo_snapshot_dev.localcluster.link import shaped_link
 from dynamo_snapshot_dev.localcluster.s3server import LocalS3
 from tests.agent.local_node import checkpoint_worker, local_executor
+from tests.helpers.polling import await_json
 
 CRIU = Path.home() / ".cache" / "dynamo-snapshot" / "bin" / "criu"
 
 Node = tuple[Executor, ProcessRuntime, ArtifactCache]
 Restore = Callable[[Node], Awaitable[dict[str, Any]]]
+
+
+@dataclass
+class Restored:
+    back_s: float  # the restore call returned: CRIU done, the worker told to go on
+    verified_s: float  # the worker wrote its verify.json
+    phases: dict[str, float]
+    verdict: dict[str, Any]
 
 
 @dataclass
@@ -41,6 +51,23 @@ class FarNodes:
     digest: str
     control_dir: Path
     nodes: dict[str, Node]
+
+    async def restore(self, node: Node, identity_hash: str) -> Restored:
+        """One restore on ``node`` from an emptied node cache, timed to the call's return and to the
+        restored worker's verify.json; the worker is stopped after."""
+        executor, runtime, cache = node
+        await asyncio.to_thread(cache.discard, identity_hash)
+        (self.control_dir / "verify.json").unlink(missing_ok=True)
+        started = time.monotonic()
+        outcome = await executor.restore("restored", identity_hash, manifest_digest=self.digest)
+        back = time.monotonic() - started
+        try:
+            verdict = await await_json(self.control_dir / "verify.json", within=300, settle=0.05)
+            whole = time.monotonic() - started
+        finally:
+            await runtime.stop("restored")
+        phases = {k: round(v, 4) for k, v in outcome.timings.phases.items()}
+        return Restored(round(back, 4), round(whole, 4), phases, verdict)
 
     async def alternate(self, runs: int, one: Restore) -> dict[str, list[dict[str, Any]]]:
         """``one`` restore on each arm's node, arms in turn, ``runs`` times: the runs, by arm."""

@@ -12,21 +12,16 @@ to go on), its memory whole (the worker has read all of its state and found it i
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.object_store_nodes import Node, bench_main, far_nodes  # noqa: E402
-from dynamo_snapshot.agent.executor import Executor  # noqa: E402
-from dynamo_snapshot.agent.runtime import ProcessRuntime  # noqa: E402
-from dynamo_snapshot.artifact import ArtifactCache  # noqa: E402
-from tests.helpers.polling import await_json  # noqa: E402
+from benchmarks.object_store_nodes import FarNodes, Node, bench_main, far_nodes  # noqa: E402
 
 WORKER = REPO / "tests" / "agent" / "cpu_worker.py"
 HASH = "5eed5eed5eed5eed"
@@ -34,25 +29,13 @@ CRIU = Path.home() / ".cache" / "dynamo-snapshot" / "bin" / "criu"
 ARMS: dict[str, dict[str, Any]] = {"streamed_pages": {"s3_stream_pages": True}, "default": {}}
 
 
-async def _run(
-    node: Executor, runtime: ProcessRuntime, cache: ArtifactCache, digest: str, ctl: Path
-) -> dict[str, Any]:
-    await asyncio.to_thread(cache.discard, HASH)
-    (ctl / "verify.json").unlink(missing_ok=True)
-    started = time.monotonic()
-    outcome = await node.restore("restored", HASH, manifest_digest=digest)
-    back = time.monotonic() - started
-    try:
-        verdict = await await_json(ctl / "verify.json", within=300, settle=0.05)
-        whole = time.monotonic() - started
-    finally:
-        await runtime.stop("restored")
-    phases = {k: round(v, 4) for k, v in outcome.timings.phases.items()}
-    intact = verdict.get("digest_after") == verdict.get("digest_before")
+async def _run(far: FarNodes, node: Node) -> dict[str, Any]:
+    got = await far.restore(node, HASH)
+    intact = got.verdict.get("digest_after") == got.verdict.get("digest_before")
     return {
-        "process_back_s": round(back, 4),
-        "memory_whole_s": round(whole, 4),
-        "phases": phases,
+        "process_back_s": got.back_s,
+        "memory_whole_s": got.verified_s,
+        "phases": got.phases,
         "intact": intact,
     }
 
@@ -69,11 +52,7 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 async def measure(state_mib: int, runs: int, link_mbps: float) -> dict[str, Any]:
     env = {"WORKER_STATE_MIB": str(state_mib)}
     async with far_nodes("object-store-stream-pages-", WORKER, HASH, env, link_mbps, ARMS) as far:
-
-        async def one(node: Node) -> dict[str, Any]:
-            return await _run(*node, far.digest, far.control_dir)
-
-        results = await far.alternate(runs, one)
+        results = await far.alternate(runs, functools.partial(_run, far))
     summaries = {name: _summary(r) for name, r in results.items()}
     streamed, default = summaries["streamed_pages"], summaries["default"]
     files = far.manifest.files

@@ -14,22 +14,20 @@ whether the worker found its weights intact.
 from __future__ import annotations
 
 import asyncio
+import functools
 import shutil
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.object_store_nodes import Node, bench_main, far_nodes  # noqa: E402
+from benchmarks.object_store_nodes import FarNodes, Node, bench_main, far_nodes  # noqa: E402
 from dynamo_snapshot.agent.executor import Executor  # noqa: E402
-from dynamo_snapshot.agent.runtime import ProcessRuntime  # noqa: E402
 from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_hash  # noqa: E402
-from dynamo_snapshot.artifact import ArtifactCache, Manifest  # noqa: E402
-from tests.helpers.polling import await_json  # noqa: E402
+from dynamo_snapshot.artifact import Manifest  # noqa: E402
 
 WORKER = REPO / "tests" / "agent" / "weights_worker.py"
 IDENTITY = CheckpointIdentity.model_validate({"model": "bench/streamed", "backendFramework": "vllm"})
@@ -47,22 +45,13 @@ class WholeFirst(Executor):
     fetch_first = staticmethod(_everything)
 
 
-async def _run(
-    node: Executor, runtime: ProcessRuntime, cache: ArtifactCache, digest: str, ctl: Path
-) -> dict[str, Any]:
-    await asyncio.to_thread(cache.discard, HASH)
-    (ctl / "verify.json").unlink(missing_ok=True)
-    started = time.monotonic()
-    outcome = await node.restore("restored", HASH, manifest_digest=digest)
-    total = time.monotonic() - started
+async def _run(far: FarNodes, node: Node) -> dict[str, Any]:
     try:
-        verdict = await await_json(ctl / "verify.json", settle=0.05)
+        got = await far.restore(node, HASH)
     finally:
-        await runtime.stop("restored")
         # The weights put back for this worker (a link to this cache's copy): the next restore places its own.
-        await asyncio.to_thread(shutil.rmtree, ctl / "weights", True)
-    phases = {k: round(v, 4) for k, v in outcome.timings.phases.items()}
-    return {"total_s": round(total, 4), "phases": phases, "weights_ok": verdict.get("weights_ok") is True}
+        await asyncio.to_thread(shutil.rmtree, far.control_dir / "weights", True)
+    return {"total_s": got.back_s, "phases": got.phases, "weights_ok": got.verdict.get("weights_ok") is True}
 
 
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -79,11 +68,7 @@ async def measure(weights_mib: int, runs: int, link_mbps: float) -> dict[str, An
     async with far_nodes(
         "object-store-streaming-", WORKER, HASH, env, link_mbps, arms, identity=IDENTITY
     ) as far:
-
-        async def one(node: Node) -> dict[str, Any]:
-            return await _run(*node, far.digest, far.control_dir)
-
-        results = await far.alternate(runs, one)
+        results = await far.alternate(runs, functools.partial(_run, far))
     files = far.manifest.files
     weights = sum(f.size for f in files if f.path.startswith("weights/"))
     summaries = {name: _summary(r) for name, r in results.items()}
