@@ -533,9 +533,9 @@ class Executor(Node):
         await asyncio.gather(*self.fills.values(), return_exceptions=True)
 
     async def aclose(self) -> None:
-        """Stop the node cache copies in progress (an unfinished copy is never published) and the checks
-        begun ahead of restores."""
-        ahead = list(self.checks_ahead)
+        """Stop the node cache copies in progress (an unfinished copy is never published), the checks
+        begun ahead of restores and the watches of page streams (their daemons go on without them)."""
+        ahead = [*self.checks_ahead, *self.page_streams]
         for task in [*self.fills.values(), *ahead]:
             task.cancel()
         await asyncio.gather(*ahead, return_exceptions=True)

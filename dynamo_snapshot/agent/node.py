@@ -81,6 +81,8 @@ class Node:
         self.reading: collections.Counter[str] = collections.Counter()
         # Checks of artifacts begun ahead of their restores (Executor.check_ahead), held until they end.
         self.checks_ahead: set[asyncio.Task[None]] = set()
+        # Restored trees whose memory pages still stream in (agent/pages_stream.py), until all moved.
+        self.page_streams: set[asyncio.Task[None]] = set()
         self.deleting: collections.Counter[str] = collections.Counter()
         # Big files are hashed in a helper process (see artifact.isolated); start it before it is needed.
         warm_up_hashing()

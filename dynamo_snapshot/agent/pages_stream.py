@@ -43,6 +43,11 @@ class PagesStream:
         self.criu = StreamedPagesCriu(base, self.ready)
         return await runtime.restore(key, images, source_control_dir, criu=self.criu)
 
+    async def abandon(self) -> None:
+        """The restore failed after CRIU: its lazy-pages daemon and page server go too."""
+        if self.criu is not None:
+            await self.criu.abandon()
+
     def watch(self, runtime: Runtime, key: str, tasks: set[asyncio.Task[None]]) -> None:
         """Until every page moved into the restored tree (held in ``tasks``); a failure stops the tree."""
         criu = self.criu

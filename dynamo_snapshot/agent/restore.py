@@ -200,7 +200,7 @@ class RestoreRun:
             await self.hand_over(workload, undo)
             undo.pop_all()  # the restored worker runs on
         if self.stream is not None:
-            self.stream.watch(self.node.runtime, self.key, self.node.checks_ahead)
+            self.stream.watch(self.node.runtime, self.key, self.node.page_streams)
         BYTES.labels("restore").inc(self.verified_bytes)
         if self.process_stats.seconds > 0:
             THROUGHPUT.labels("restore").set(self.process_stats.bytes / self.process_stats.seconds / 1e9)
@@ -384,6 +384,8 @@ class RestoreRun:
                 if self.staging is not None:
                     await self.staging.discard()
         undo.push_async_callback(self.node.runtime.stop, self.key)
+        if self.stream is not None:
+            undo.push_async_callback(self.stream.abandon)  # its daemon and page server, if it fails on
         return workload
 
     async def criu_restore(self, images: Path, source_control_dir: str | None) -> Workload:
