@@ -5,12 +5,12 @@ A ``criu lazy-pages --page-server --ps-socket FD`` daemon fills the memory of a 
 ``--page-server`` it asks for them on the socket it was given instead of reading ``pages-*.img`` (it still
 reads the pagemaps, which say which pages there are). Each ask is a ``struct page_server_iov``
 (criu/page-xfer.c: u32 cmd, u64 nr_pages after 4 bytes of padding, u64 vaddr, u64 dst_id; before CRIU 4.2
-nr_pages is a u32 and there is no padding) with cmd PS_IOV_GET
-for ``nr_pages`` from ``vaddr`` of the process whose pagemap is ``pagemap-<dst_id>.img``. The answer is the
-same header with cmd PS_IOV_ADD_F and the flag PE_PRESENT, ``nr_pages`` as many as it gives (no more than
-asked, all from one pagemap entry), then the pages' bytes; answers go in the order of the asks. A close
-(PS_IOV_CLOSE, or PS_IOV_FORCE_CLOSE from a daemon whose socket another process also holds) is answered
-with a 32-bit zero, and the exchange is over.
+nr_pages is a u32 and there is no padding) with cmd PS_IOV_GET for ``nr_pages`` from ``vaddr`` of the
+process whose pagemap is ``pagemap-<dst_id>.img``. The answer is the same header with cmd PS_IOV_ADD_F
+and the flag PE_PRESENT, ``nr_pages`` as many as it gives (no more than asked, all from one pagemap
+entry), then the pages' bytes; answers go in the order of the asks. A close (PS_IOV_CLOSE, or
+PS_IOV_FORCE_CLOSE from a daemon whose socket another process also holds) is answered with a 32-bit
+zero, and the exchange is over.
 
 The server reads a page only once ``ready`` says the bytes that hold it are in and checked: so neither
 the daemon nor the process it fills gets a byte a fetch has not checked yet. It is given one end of a
@@ -36,9 +36,9 @@ from dynamo_snapshot.fileio.beneath import open_regular_beneath, opened_dir, reo
 
 __all__ = ["PageIndex", "PageServerError", "PageServerStats", "Ready", "serve_pages"]
 
-# struct page_server_iov as CRIU 4.2 and later send it, and as earlier ones do.
 log = logging.getLogger(__name__)
 
+# struct page_server_iov as CRIU 4.2 and later send it, and as earlier ones do.
 _IOV = struct.Struct("<I4xQQQ")
 _IOV_BEFORE_4_2 = struct.Struct("<IIQQ")
 _PS_IOV_GET = 7
