@@ -30,6 +30,7 @@ OTHER: dict[str, Any] = {
     "s3_parallel": 12,
     "s3_prefetch": "all",
     "restore_readers": 4,
+    "drop_zero_pages": "on",
 }
 
 
