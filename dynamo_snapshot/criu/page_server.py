@@ -124,13 +124,11 @@ class PageServerStats:
 
 
 async def serve_pages(
-    sock: socket.socket, images: Path, ready: Ready, criu_version: CriuVersion
+    sock: socket.socket, images: Path, index: PageIndex, ready: Ready, criu_version: CriuVersion
 ) -> PageServerStats:
     """Answer the daemon (of `criu_version`) on `sock`, its end of a socket pair, from the pages images in
-    `images` until it closes the exchange; the images' pagemaps must all be whole dumps (ImageFormatError
-    otherwise)."""
+    `images` (``index``: their pagemaps) until it closes the exchange."""
     iov = _IOV if criu_version.at_least((4, 2)) else _IOV_BEFORE_4_2
-    index = await asyncio.to_thread(PageIndex, images)
     stats = PageServerStats()
     # Opened now: the directory's names may go before the last ask (its files stay).
     opened = await asyncio.to_thread(_open_all, images, index.pages_files)

@@ -52,7 +52,9 @@ class StreamedPagesCriu(Criu):
         finally:
             theirs.close()
         self._log = work / "lazy-pages.log"
-        self._server = asyncio.create_task(serve_pages(ours, images_dir, self._ready, await self.version()))
+        self._server = asyncio.create_task(
+            serve_pages(ours, images_dir, index, self._ready, await self.version())
+        )
         extra = (*kwargs.pop("extra_args", ()), "--lazy-pages")
         try:
             return await super().restore(images_dir, **kwargs, extra_args=extra)

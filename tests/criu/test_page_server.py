@@ -78,7 +78,9 @@ async def test_a_lazy_restore_gets_its_pages_from_the_server_only_once_they_are_
     try:
         daemon = await criu.lazy_pages_daemon(images, tmp_path / "lazy", theirs.fileno())
         theirs.close()
-        server = asyncio.create_task(serve_pages(ours, images, ready, await criu.version()))
+        server = asyncio.create_task(
+            serve_pages(ours, images, PageIndex(images), ready, await criu.version())
+        )
         (work / "go").touch()
         restore = asyncio.create_task(
             criu.restore(images, log_dir=tmp_path / "lazy", extra_args=("--lazy-pages",))
