@@ -46,15 +46,23 @@ class NodeFetch(FetchHooks):
         self._room: Callable[[int], Awaitable[None]] | None = None
         # The unpublished copy once the process images are in; set (or the fetch ended) wakes readers.
         self.staged: Artifact | None = None
+        # The store's manifest, once read (by a fetch that brings the files itself).
+        self.manifest: Manifest | None = None
         self._first_files: list[str] = []
         # Files a restore may read while they arrive (``streamed``), linked beside the first ones; what
         # of every file is in and checked, by chunk offset, and the chunk size of each file.
         self._streamed_files: list[str] = []
         self._in: dict[str, set[int]] = {}
         self._step: dict[str, int] = {}
+        self._size: dict[str, int] = {}
         self._arrived = asyncio.Event()
         self._brought = False
         self._first_in = asyncio.Event()
+        # Files linked out to a worker while they arrived (``expose``): what the worker may have written
+        # into them since is not the fetch's to vouch for, so the node's verified-files record skips
+        # them; once that record is being made, nothing more is exposed.
+        self._exposed: set[str] = set()
+        self._vouching = False
         self.task: asyncio.Task[Artifact] = asyncio.create_task(self._run(), name=f"fetch-{key}")
 
     @property
@@ -74,11 +82,13 @@ class NodeFetch(FetchHooks):
             self._first_in.set()
             if cache is not None:
                 CACHE_BYTES.set(await asyncio.to_thread(cache.used_bytes))
+        self._vouching = True
         if self._verified is not None and self._brought:
             # Every byte was checked as it came (a copy found on the node instead was not: its files are
             # checked by the restore as any other). Renaming the staging directory into place leaves the
             # files' status unchanged.
-            await asyncio.to_thread(self._verified.remember, published.path, list(published.manifest.files))
+            files = [f for f in published.manifest.files if f.path not in self._exposed]
+            await asyncio.to_thread(self._verified.remember, published.path, files)
         return published
 
     # ------------------------------------------------------------------ FetchHooks
@@ -89,10 +99,12 @@ class NodeFetch(FetchHooks):
     def first(self, manifest: Manifest) -> Collection[str]:
         # Asked only of a fetch that brings the files itself.
         self._brought = True
+        self.manifest = manifest
         self._first_files = list(self._first(manifest))
         first = set(self._first_files)
         self._streamed_files = [f for f in self._streamed(manifest) if f not in first]
         self._step = {f.path: f.chunk_bytes or max(f.size, 1) for f in manifest.files}
+        self._size = {f.path: f.size for f in manifest.files}
         return self._first_files
 
     def first_done(self, staged: Artifact) -> None:
@@ -104,7 +116,7 @@ class NodeFetch(FetchHooks):
         cannot take lazily) come first, on their own: so CRIU starts after those, not after the whole
         image."""
         every = list(range(count))
-        if path not in self._streamed_files:
+        if path not in self._streamed_files or not path.startswith("criu/"):
             return [every]
         await self._first_in.wait()
         staged = self.staged
@@ -118,6 +130,10 @@ class NodeFetch(FetchHooks):
         step, name = self._step[path], path.removeprefix("criu/")
         first = {i for n, offset, length in index.eager() if n == name for i in _chunks(offset, length, step)}
         return [sorted(first), [i for i in every if i not in first]]
+
+    def in_order(self, path: str) -> bool:
+        # A streamed weights file: the worker reads it from its start as it arrives.
+        return path in self._streamed_files and not path.startswith("criu/")
 
     def chunk_in(self, path: str, offset: int, length: int) -> None:
         self._in.setdefault(path, set()).add(offset)
@@ -148,6 +164,21 @@ class NodeFetch(FetchHooks):
                 await asyncio.wait({arrived, self.task}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 arrived.cancel()
+
+    def size(self, path: str) -> int:
+        return self._size[path]
+
+    def chunk_bytes(self, path: str) -> int:
+        """The size of ``path``'s chunks as ``range_in`` counts them (the whole file where it has none)."""
+        return self._step[path]
+
+    def expose(self, path: str) -> bool:
+        """Whether ``path``, still arriving, may be linked out to a worker (which may write into it): not
+        once the fetch is vouching for its files; if so, the fetch no longer vouches for this one."""
+        if self._vouching or self.task.done():
+            return False
+        self._exposed.add(path)
+        return True
 
     def _covered(self, path: str, offset: int, length: int) -> bool:
         step = self._step.get(path)

@@ -21,6 +21,7 @@ from pydantic import JsonValue
 
 from dynamo_snapshot import __version__
 from dynamo_snapshot.agent import restore_complete
+from dynamo_snapshot.agent.artifact_files import EARLY_LOAD_KEY, READS_ARRIVING_KEY
 from dynamo_snapshot.agent.cuda_processes import resume_cuda, suspend_cuda
 from dynamo_snapshot.agent.errors import AgentError
 from dynamo_snapshot.agent.gpu_assignment import container_gpus, gpu_memory_held_mib
@@ -257,9 +258,12 @@ class CheckpointRun:
                 "bytesAfter": packed.bytes_after,
             },
             # The worker waits for weights-verified: a restore may signal it before then.
-            "weightsEarlyLoad": bool(self.carried)
+            EARLY_LOAD_KEY: bool(self.carried) and offload is not None and offload.waits_for_weights_check,
+            # Its loads wait for each byte: a restore may put the weights back while they arrive.
+            READS_ARRIVING_KEY: bool(self.carried)
             and offload is not None
-            and offload.waits_for_weights_check,
+            and offload.waits_for_weights_check
+            and offload.reads_arriving_weights,
         }
 
     async def tell_source(self) -> None:

@@ -263,6 +263,13 @@ class ObjectStoreSettings(_Section):
         "and containerd; uncompressed pages)",
     )
 
+    s3_stream_weights: bool = Field(
+        default=True,
+        description="a restore fetching its artifact puts the weights files back while they arrive, for "
+        "a worker whose SDK reads each byte only once it is in and checked (its loads overlap the "
+        "transfer)",
+    )
+
     def location(self) -> S3Location | None:
         """Where the artifacts go; None without an endpoint. ``ValueError`` for a bad bucket or prefix."""
         if self.s3_endpoint is None:

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Itera
 from typing import Any
 
 from dynamo_snapshot.agent.artifact_fetch import NodeFetch
+from dynamo_snapshot.agent.artifact_files import fetched_first, streamed_pages, streamed_weights
 from dynamo_snapshot.agent.checkpoint import CheckpointOutcome, CheckpointRun, wait_ready
 from dynamo_snapshot.agent.errors import AgentError, ArtifactRefused
 from dynamo_snapshot.agent.gpu_assignment import assigned_gpus, check_gpu_memory
@@ -33,11 +34,10 @@ from dynamo_snapshot.agent.restore import (
     check_before_reading,
     check_digest,
     compat_refused,
-    fetched_first,
-    streamed_pages,
 )
 from dynamo_snapshot.agent.runtime.base import Workload
 from dynamo_snapshot.agent.timings import Timings
+from dynamo_snapshot.agent.weights_arrival import ArrivingWeights
 from dynamo_snapshot.api.identity import CheckpointIdentity
 from dynamo_snapshot.artifact import (
     Artifact,
@@ -188,7 +188,8 @@ class Executor(Node):
         return [f for f in self.fetch_first(manifest) if f not in streamed]
 
     def _fetch_streamed(self, manifest: Manifest) -> list[str]:
-        return streamed_pages(manifest) if self.streams_pages else []
+        pages = streamed_pages(manifest) if self.streams_pages else []
+        return pages + (streamed_weights(manifest) if self.config.s3.s3_stream_weights else [])
 
     async def _fetched(self, artifact_key: str, manifest_digest: str) -> Artifact:
         """The whole artifact fetched."""
@@ -301,9 +302,10 @@ class Executor(Node):
                 run.published = whole
                 fetch = self.fetching.get(artifact_key)
                 if whole is not None and fetch is not None and fetch.streams:
-                    run.stream = PagesStream(fetch, fetch.streamed_files)
-                # The fetch's failure while the restore waits on the pages in it is the restore's.
-                with self._fetch_errors(artifact_key) if run.stream else contextlib.nullcontext():
+                    self._streaming(run, fetch)
+                # The fetch's failure while the restore waits on the files in it is the restore's.
+                streams = run.stream or run.arriving
+                with self._fetch_errors(artifact_key) if streams else contextlib.nullcontext():
                     outcome = await self._restore_fetched_or_not(run, where)
         except BaseException:
             FAILURES.labels("restore").inc()
@@ -312,6 +314,16 @@ class Executor(Node):
             CACHE_RESTORES.labels("store").inc()
             self._start_fill(artifact)
         return outcome
+
+    @staticmethod
+    def _streaming(run: RestoreRun, fetch: NodeFetch) -> None:
+        """``run`` takes the files ``fetch`` streams as they arrive: memory pages, weights."""
+        weights = set(streamed_weights(fetch.manifest)) if fetch.manifest is not None else set()
+        pages = [f for f in fetch.streamed_files if f not in weights]
+        if pages:
+            run.stream = PagesStream(fetch, pages)
+        if weights:
+            run.arriving = ArrivingWeights(fetch, sorted(weights & set(fetch.streamed_files)))
 
     async def _restore_fetched_or_not(self, run: RestoreRun, where: str) -> RestoreOutcome:
         """``run`` of an artifact ``where`` ``_on_this_node`` found it; a copy of the object store's in the

@@ -18,16 +18,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import JsonValue
-
 from dynamo_snapshot.agent import restore_complete
+from dynamo_snapshot.agent.artifact_files import EARLY_LOAD_KEY, carried_weights, process_files
 from dynamo_snapshot.agent.cuda_processes import checkpointed_pids, resume_cuda
 from dynamo_snapshot.agent.errors import AgentError, ArtifactRefused, Incompatible
 from dynamo_snapshot.agent.gpu_assignment import assigned_gpus, gpu_remap
@@ -41,15 +39,16 @@ from dynamo_snapshot.agent.sentinels import present, write_sentinel
 from dynamo_snapshot.agent.timings import Timings
 from dynamo_snapshot.agent.weights import (
     CarriedWeights,
+    WeightsNotLinked,
     WeightsPlacementError,
     check_carried,
     locate,
     place_weights,
 )
+from dynamo_snapshot.agent.weights_arrival import ArrivingWeights
 from dynamo_snapshot.api import protocol
-from dynamo_snapshot.artifact import Artifact, ArtifactError, GpuInfo, Manifest
+from dynamo_snapshot.artifact import Artifact, ArtifactError, GpuInfo
 from dynamo_snapshot.criu import CriuError
-from dynamo_snapshot.criu.packed import PACKED_SUFFIX
 from dynamo_snapshot.fileio import HASH_PARALLEL, TreeStats
 
 log = logging.getLogger(__name__)
@@ -175,6 +174,8 @@ class RestoreRun:
         self._whole: Artifact | None = None
         # Its memory pages still arriving: CRIU restores on them as they come (agent/pages_stream.py).
         self.stream: PagesStream | None = None
+        # Its weights still arriving, for a worker that reads them as they come (agent/weights_arrival.py).
+        self.arriving: ArrivingWeights | None = None
 
     @property
     def with_weights(self) -> Artifact:
@@ -245,7 +246,7 @@ class RestoreRun:
         with self.timings.phase("restore", "fetch_wait"):
             self._whole = await self.published()
         await self.verify_weights_files()
-        if self.weights_check is None:
+        if self.weights_check is None and self.arriving is None:
             self.start_weights_check(undo)
 
     def check_manifest(self) -> None:
@@ -407,20 +408,22 @@ class RestoreRun:
     async def hand_over(self, workload: Workload, undo: contextlib.AsyncExitStack) -> None:
         """The weights back in place and the worker told to go on. A worker that waits for
         weights-verified is told to resume (and load) before the check ends; any other only once it
-        passed."""
-        if self._weights_arriving:
-            await self.weights_fetched(undo)
+        passed. One that reads its weights as they arrive is told while the fetch still brings them."""
         verdict = workload.control_dir / protocol.FILE_WEIGHTS_VERIFIED
         # Left by an earlier restore into this control dir; the worker is still waiting for
-        # restore-complete, so it cannot have read it.
-        await asyncio.to_thread(verdict.unlink, missing_ok=True)
+        # restore-complete, so it cannot have read them.
+        for stale in (verdict, workload.control_dir / protocol.FILE_WEIGHTS_ARRIVED):
+            await asyncio.to_thread(stale.unlink, missing_ok=True)
+        arriving = await self.put_back_arriving(workload, undo)
+        if self._weights_arriving and not arriving:
+            await self.weights_fetched(undo)
         check = self.weights_check
-        early = check is not None and self.artifact.manifest.extra.get("weightsEarlyLoad") is True
+        early = (check is not None or arriving) and self.artifact.manifest.extra.get(EARLY_LOAD_KEY) is True
         # Still running: a worker that waits for the verdict resumes now and loads meanwhile.
-        pending = early and check is not None and not check.done()
+        pending = early and (arriving or (check is not None and not check.done()))
         if check is not None and not pending:
             self.verified_bytes += await _weights_verdict(check, verdict if early else None, self.timings)
-        if self.weights:
+        if self.weights and not arriving:
             # What is left of the placement begun before CRIU, else all of it.
             with self.timings.phase("restore", "place_weights"):
                 if self.placing is not None:
@@ -438,22 +441,60 @@ class RestoreRun:
         # A worker restored here later must not find this restore's go-ahead.
         undo.push_async_callback(_withdraw_go_ahead, workload.control_dir)
         with self.timings.phase("restore", "signal"):
-            await self.signal(workload, pending)
-        if pending and check is not None:
+            await self.signal(workload, pending, arriving)
+        if arriving:
+            await self.arrived(undo, verdict)
+        elif pending and check is not None:
             self.verified_bytes += await _weights_verdict(check, verdict, self.timings)
 
-    def _place_weights(self, workload: Workload) -> None:
+    async def put_back_arriving(self, workload: Workload, undo: contextlib.AsyncExitStack) -> bool:
+        """Weights the fetch still brings linked where the worker loads them, and FILE_WEIGHTS_ARRIVED
+        kept up to date; False where they wait for the whole artifact instead (the fetch ended, or a
+        file cannot be linked there)."""
+        arriving = self.arriving
+        if arriving is None or not self._weights_arriving:
+            return False
+        with self.timings.phase("restore", "weights_headers"):
+            try:
+                await arriving.headers_in(self.artifact, self.weights)
+            except (ValueError, WeightsPlacementError) as e:
+                raise ArtifactRefused(f"weights of artifact {self.artifact.key} refused: {e}") from None
+        if not arriving.expose():
+            return False
+        with self.timings.phase("restore", "place_weights"):
+            try:
+                await asyncio.to_thread(self._place_weights, workload, True)
+            except WeightsNotLinked as e:
+                log.info("weights wait for the whole artifact", extra={"key": self.key, "reason": str(e)})
+                return False
+        arriving.feed(workload.control_dir, self.weights)
+        undo.push_async_callback(arriving.stop)
+        return True
+
+    async def arrived(self, undo: contextlib.AsyncExitStack, verdict: Path) -> None:
+        """The fetch's end awaited, then weights-verified: every byte was checked as it arrived."""
+        assert self.arriving is not None
+        await self.weights_fetched(undo)
+        with self.timings.phase("restore", "weights_wait"):
+            await self.arriving.fed()
+        await asyncio.to_thread(write_sentinel, verdict, {})
+        sizes = {f.path: f.size for f in self.with_weights.manifest.files}
+        self.verified_bytes += sum(sizes[f] for f in self.weight_files)
+
+    def _place_weights(self, workload: Workload, link_only: bool = False) -> None:
         seen_ctl = self.node.control_dir_seen_by_worker(workload)
         try:
             for w in self.weights:
                 target = locate(
                     w.worker_path, seen_ctl, workload.control_dir, host_process=self.node.host_processes
                 )
-                place_weights(self.with_weights.path / w.file, target, w)
+                place_weights(self.with_weights.path / w.file, target, w, link_only=link_only)
+        except WeightsNotLinked:
+            raise
         except (WeightsPlacementError, OSError) as e:
             raise AgentError(f"cannot put the weights back: {e}") from None
 
-    async def signal(self, workload: Workload, weights_pending: bool) -> None:
+    async def signal(self, workload: Workload, weights_pending: bool, weights_arriving: bool = False) -> None:
         """restore-context.json where the standby left none, then restore-complete: the worker's go-ahead."""
         if self.greeting.env is not None:
             await asyncio.to_thread(ensure_restore_context, workload.control_dir, self.greeting.env)
@@ -465,6 +506,8 @@ class RestoreRun:
         }
         if weights_pending:
             info[protocol.RESTORE_WEIGHTS_CHECK] = protocol.WEIGHTS_CHECK_PENDING
+        if weights_arriving:
+            info[protocol.RESTORE_WEIGHTS_ARRIVING] = True
         fmt = self.artifact.manifest.extra.get(restore_complete.MANIFEST_KEY)
         await asyncio.to_thread(
             restore_complete.write,
@@ -527,41 +570,6 @@ async def _collect_quietly(task: asyncio.Task[PrefetchStats]) -> None:
         await _prefetch_result(task)
 
 
-def carried_weights(artifact: Artifact) -> list[CarriedWeights]:
-    """The weights files the artifact carries beside the process images, as its manifest lists them."""
-    try:
-        return [CarriedWeights.from_json(w) for w in _list(artifact.manifest.extra, "weights")]
-    except (ValueError, WeightsPlacementError) as e:
-        raise ArtifactRefused(f"artifact {artifact.key} refused: {e}") from None
-
-
-def fetched_first(manifest: Manifest) -> list[str]:
-    """What a restore needs before CRIU, so a fetch brings it first: every file but the carried weights
-    (all of them where the weights list is unreadable: the restore refuses the artifact then)."""
-    try:
-        weights = {CarriedWeights.from_json(w).file for w in _list(manifest.extra, "weights")}
-    except (ValueError, WeightsPlacementError):
-        return [f.path for f in manifest.files]
-    return [f.path for f in manifest.files if f.path not in weights]
-
-
-_PAGES_IMAGE = re.compile(r"criu/pages-[0-9]+\.img")
-
-
-def streamed_pages(manifest: Manifest) -> list[str]:
-    """The memory pages images a restore can take while they arrive (criu.streamed_pages): all of them,
-    none where any is stored compressed (those are unpacked whole first)."""
-    pages = [f.path for f in manifest.files if _PAGES_IMAGE.fullmatch(f.path)]
-    packed = any(f.path.startswith("criu/pages-") and f.path.endswith(PACKED_SUFFIX) for f in manifest.files)
-    return [] if packed else pages
-
-
-def process_files(artifact: Artifact, weights: list[CarriedWeights]) -> list[str]:
-    """The artifact's files CRIU acts on: all but the weights."""
-    weight_files = {w.file for w in weights}
-    return [f.path for f in artifact.manifest.files if f.path not in weight_files]
-
-
 def check_process_images(
     node: Node, artifact: Artifact, files: list[str]
 ) -> tuple[asyncio.Task[TreeStats], bool]:
@@ -581,10 +589,3 @@ async def check_ahead(node: Node, artifact: Artifact) -> TreeStats:
     if own:
         BYTES.labels("restore").inc(stats.bytes)
     return stats
-
-
-def _list(extra: dict[str, JsonValue], key: str) -> list[JsonValue]:
-    value = extra.get(key, [])
-    if not isinstance(value, list):
-        raise ValueError(f"manifest extra.{key} is not a list")
-    return value

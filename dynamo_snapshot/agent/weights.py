@@ -51,6 +51,7 @@ from dynamo_snapshot.workload.weights import (
 
 __all__ = [
     "CarriedWeights",
+    "WeightsNotLinked",
     "WeightsPlacementError",
     "WorkerFile",
     "capture_weights",
@@ -69,6 +70,10 @@ _MAX_MANIFEST_BYTES = 1 << 20
 
 class WeightsPlacementError(Exception):
     """The weights cannot be carried or put back; the message says which file and why."""
+
+
+class WeightsNotLinked(WeightsPlacementError):
+    """A placement that had to be a link (the file still being written) cannot be one here."""
 
 
 @dataclass(frozen=True)
@@ -226,24 +231,27 @@ def check_carried(artifact_file: Path, weights: CarriedWeights) -> None:
         )
 
 
-def place_weights(artifact_file: Path, target: WorkerFile, weights: CarriedWeights) -> None:
+def place_weights(
+    artifact_file: Path, target: WorkerFile, weights: CarriedWeights, *, link_only: bool = False
+) -> None:
     """Make `target` the artifact's copy (size and header checked; its checksums may still be being
     checked, see Executor.restore). Its directories are made beneath the control dir without following
     a link; a file already there with the same weights is replaced by the link; one with other weights,
-    or a link, FIFO, device or directory under that name, is never touched."""
+    or a link, FIFO, device or directory under that name, is never touched. With `link_only` (a file
+    still being written) WeightsNotLinked where it cannot be linked there, and nothing is copied."""
     try:
         with opened_dir(target.base) as base:
             parent = target.rel.parent
             directory = open_dirs_beneath(base, parent, create=True) if parent.parts else os.dup(base)
             try:
-                _place(artifact_file, directory, target.rel.name, weights)
+                _place(artifact_file, directory, target.rel.name, weights, link_only)
             finally:
                 os.close(directory)
     except UnsafePath as e:
         raise WeightsPlacementError(f"{e.strerror} (where the worker loads {weights.worker_path})") from None
 
 
-def _place(artifact_file: Path, directory: int, name: str, weights: CarriedWeights) -> None:
+def _place(artifact_file: Path, directory: int, name: str, weights: CarriedWeights, link_only: bool) -> None:
     st = lstat_beneath(directory, name)
     if st is not None:
         if not stat.S_ISREG(st.st_mode):
@@ -272,6 +280,8 @@ def _place(artifact_file: Path, directory: int, name: str, weights: CarriedWeigh
         except OSError as e:
             if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
                 raise
+            if link_only:
+                raise WeightsNotLinked(f"{weights.worker_path}: {e.strerror}") from None
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=directory)
             try:
                 _copy_into(artifact_file, fd)

@@ -62,6 +62,7 @@ __all__ = [
     "FILE_RESTORE_FAILED",
     "FILE_RESTORE_STANDBY",
     "FILE_SNAPSHOT_COMPLETE",
+    "FILE_WEIGHTS_ARRIVED",
     "FILE_WEIGHTS_MANIFEST",
     "FILE_WEIGHTS_VERIFIED",
     "FILE_ZERO_PAGES_RELEASED",
@@ -96,6 +97,7 @@ __all__ = [
     "RESTORE_COMPLETE_DOC_KEY",
     "RESTORE_COMPLETE_PID_KEY",
     "RESTORE_CONTEXT_ENV_NAMES",
+    "RESTORE_WEIGHTS_ARRIVING",
     "RESTORE_WEIGHTS_CHECK",
     "TRUE",
     "WEIGHTS_CHECK_PENDING",
@@ -301,6 +303,14 @@ FILE_WEIGHTS_MANIFEST: Final = "weights.json"
 FILE_WEIGHTS_VERIFIED: Final = "weights-verified"
 RESTORE_WEIGHTS_CHECK: Final = "weightsCheck"
 WEIGHTS_CHECK_PENDING: Final = "pending"
+# Written (and replaced, atomically) by the agent while the weights files it put back still arrive from
+# the object store, for a workload whose weights manifest says it reads them so
+# (`reads_arriving_weights`): restore-complete then also says {RESTORE_WEIGHTS_ARRIVING: true}, and this
+# file's {"version": 1, "files": {path as the workload recorded it: bytes}} says how much of each file,
+# from its start, is in and checked. The workload reads no byte beyond that; every file is whole once
+# FILE_WEIGHTS_VERIFIED exists.
+FILE_WEIGHTS_ARRIVED: Final = "weights-arrived"
+RESTORE_WEIGHTS_ARRIVING: Final = "weightsArriving"
 # Inside an artifact: where the agent keeps the weights files the manifest above named.
 ARTIFACT_WEIGHTS_DIR: Final = "weights"
 # The zero pages of the CUDA checkpoint's host copy, given back by the workload itself before CRIU dumps

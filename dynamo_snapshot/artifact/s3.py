@@ -7,8 +7,9 @@ files go up as multipart uploads, one part per ``part_bytes``.
 
 Nothing read from the store is trusted: ``fetch`` takes the manifest digest the checkpoint recorded (the
 grant's), refuses a manifest that does not have it, and then checks every byte against that manifest as it
-arrives: a file sealed in chunks is read as parallel ranged GETs of one chunk each, each checked against its
-chunk's digest before it is written; a file sealed whole is streamed and checked as a whole. Files are
+arrives: a file sealed in chunks is read as parallel ranged GETs of one chunk each (of parts of one chunk
+each, for a file a reader follows from its start), each chunk checked against its digest before it is
+written; a file sealed whole is streamed and checked as a whole. Files are
 written beneath the store's staging directory's descriptor (no link followed) and published with the
 store's own atomic rename once every byte passed. Wrong credentials, a missing or truncated object, a
 digest mismatch and a server that stops answering each raise ``ObjectStoreError`` naming the object, and
@@ -148,6 +149,11 @@ class FetchHooks:
         """File ``path``'s ``count`` chunks in waves (each chunk in one): a wave is asked for once the one
         before it is in."""
         return [list(range(count))]
+
+    def in_order(self, path: str) -> bool:
+        """Whether a reader follows file ``path`` from its start: each of its chunks is then asked for in
+        parallel pieces, so its chunks come one after another at the link's rate, not all together."""
+        return False
 
     def chunk_in(self, path: str, offset: int, length: int) -> None:
         """``length`` bytes of file ``path`` from ``offset`` are written and checked (a whole file sealed
@@ -325,11 +331,18 @@ class S3Artifacts:
             if entry.chunks is not None and entry.chunk_bytes is not None:
                 step = entry.chunk_bytes
 
+                split = self.location.parallel if hooks.in_order(entry.path) else 1
+
+                async def piece(start: int, length: int) -> bytes:
+                    async with gate:
+                        return await self._get_bytes(name, start=start, length=length)
+
                 async def chunk(i: int, want: str) -> None:
                     offset = i * step
                     length = min(step, entry.size - offset)
-                    async with gate:
-                        data = await self._get_bytes(name, start=offset, length=length)
+                    each = -(-length // split)
+                    end = offset + length
+                    data = await _joined([piece(at, min(each, end - at)) for at in range(offset, end, each)])
                     if await _in_thread(_write_checked, os.dup(fd), data, offset, want) != want:
                         span = f"bytes {offset}-{offset + length - 1}"
                         raise ObjectStoreError(f"{name}: chunk {i} ({span}) does not match its digest")
@@ -500,6 +513,18 @@ def _open_created(dirfd: int, path: str) -> int:
         return os.open(parts[-1], os.O_WRONLY | os.O_NOFOLLOW, dir_fd=parent)
     finally:
         os.close(parent)
+
+
+async def _joined(aws: list[Coroutine[Any, Any, bytes]]) -> bytes:
+    """The pieces' bytes in order; on the first failure the others are cancelled (as ``_all``)."""
+    if len(aws) == 1:
+        return await aws[0]
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(aw) for aw in aws]
+    except BaseExceptionGroup as failed:
+        raise failed.exceptions[0] from None
+    return b"".join(t.result() for t in tasks)
 
 
 def _requests(entry: FileEntry) -> int:

@@ -139,6 +139,7 @@ CHART: dict[str, ChartValue] = {
     "s3_parallel": ChartValue("storage.s3.parallel"),
     "s3_prefetch": ChartValue("storage.s3.prefetch"),
     "s3_stream_pages": ChartValue("storage.s3.streamPages"),
+    "s3_stream_weights": ChartValue("storage.s3.streamWeights"),
     # The probes need it.
     "health_port": ChartValue("agent.healthPort", {"minimum": 1}),
 }

@@ -8,7 +8,8 @@ agent restored the process (restore-complete), or dumped it and let it run on (s
 KV caches are mapped again and the weights read back from their files. When the agent is still
 checking the weights it carried (restore-complete says so), they are read through the page cache the
 agent's check fills, and the hook returns, so the worker serves, only once the agent wrote
-weights-verified.
+weights-verified. When the weights are still arriving from an object store (restore-complete says so
+too), each read waits until the agent says its bytes are in and checked (weights.arrival).
 
     handshake = SnapshotHandshake.from_env()
     handshake.register_kv_cache(kv)
@@ -32,7 +33,9 @@ from dynamo_snapshot.workload.weights import (
     ENCODINGS,
     LoadResult,
     SaveResult,
+    WeightsArrival,
     wait_for_weights_verified,
+    weights_arriving,
     weights_check_pending,
     write_weights_manifest,
 )
@@ -76,6 +79,7 @@ class SavableWeights(Protocol):
         buffers: int = ...,
         verify: bool = ...,
         direct: bool | None = ...,
+        arriving: WeightsArrival | None = ...,
     ) -> LoadResult: ...
 
 
@@ -169,6 +173,7 @@ class GpuOffload:
             [s.manifest_entry(w.device) for s, (w, _) in zip(report.saved, self._weights, strict=True)],
             released,
             waits_for_weights_check=True,  # on_resume waits for the verdict before the worker serves
+            reads_arriving_weights=True,  # and its loads wait for each byte still arriving
         )
         report.checkpoint_seconds = time.monotonic() - started
         self.report = report
@@ -184,6 +189,12 @@ class GpuOffload:
         # The agent may still be reading the weights to check them: read them through the page cache
         # too (O_DIRECT would read from the disk what the agent's reads just brought in).
         pending = info is not None and weights_check_pending(info.content)
+        # Still arriving from the object store: each read waits for its bytes to be in and checked.
+        arriving = (
+            WeightsArrival(handshake.control_dir, timeout=self.weights_check_timeout)
+            if pending and info is not None and weights_arriving(info.content)
+            else None
+        )
         # KV first: it is only a mapping, and holding it early keeps its memory from other users.
         while self._released_kv:
             cache = self._released_kv.pop(0)
@@ -198,6 +209,7 @@ class GpuOffload:
                     buffers=self.load_buffers,
                     verify=self.verify_load,
                     direct=False if pending else None,
+                    arriving=arriving,
                 )
             )
             self._released_weights.pop(0)

@@ -12,12 +12,15 @@ import time
 
 from dynamo_snapshot.workload import SnapshotHandshake
 from dynamo_snapshot.workload.weights import (
+    ArrivingReader,
+    WeightsArrival,
     WeightsFile,
     WeightsHeader,
     data_digest,
     plan_layout,
     read_header,
     wait_for_weights_verified,
+    weights_arriving,
     weights_check_pending,
     write_weights_manifest,
 )
@@ -64,14 +67,31 @@ write_weights_manifest(
     {0: nbytes},
     # As GpuOffload does: this worker waits for the agent's verdict before it uses the weights.
     waits_for_weights_check=os.environ.get("WORKER_WAITS_FOR_CHECK", "1") == "1",
+    reads_arriving_weights=os.environ.get("WORKER_READS_ARRIVING", "0") == "1",
 )
 del data, content  # released: from here on only the file holds the weights
 handshake.signal_ready()
 info = handshake.wait_for_restore()
+got = b""
+if weights_arriving(info.content):
+    # As the SDK's load does: every read waits for its bytes; what was in at the first read is recorded.
+    (handshake.control_dir / "reading-while-arriving").touch()  # tests look for this
+    arrival = WeightsArrival(handshake.control_dir, timeout=120)
+    first = arrival.arrived(str(path))
+    reader = ArrivingReader(path, False, arrival)
+    parts = []
+    for offset in range(0, os.path.getsize(path), CHUNK):
+        view = memoryview(bytearray(min(CHUNK, os.path.getsize(path) - offset)))
+        reader.read(view, offset)
+        parts.append(bytes(view))
+    reader.close()
+    got = b"".join(parts)
+    loaded = {"first_arrived": first, "size": len(got)}
+    (handshake.control_dir / "loaded-while-arriving.json").write_text(json.dumps(loaded))  # tests read it
 if weights_check_pending(info.content):
     (handshake.control_dir / "loading-before-verdict").touch()  # tests look for this
     wait_for_weights_verified(handshake.control_dir, timeout=120)
-got = path.read_bytes()
+got = got or path.read_bytes()
 read_back, _ = read_header(path)
 verdict = {
     "weights_ok": hashlib.sha256(got).hexdigest() == whole,

@@ -572,6 +572,7 @@ def test_weights_manifest_round_trip(tmp_path: Path) -> None:
         ],
         "released_bytes": {"0": 2 << 30},
         "waits_for_weights_check": False,
+        "reads_arriving_weights": False,
     }
     assert read_weights_manifest(tmp_path) == files
     assert read_offload_manifest(tmp_path) == OffloadManifest(files, {0: 2 << 30})
@@ -584,6 +585,16 @@ def test_weights_manifest_round_trip(tmp_path: Path) -> None:
     # Written by an SDK that waits for the agent's verdict on the weights; absent means it does not.
     w.write_weights_manifest(tmp_path, files, {0: 1}, waits_for_weights_check=True)
     assert read_offload_manifest(tmp_path) == OffloadManifest(files, {0: 1}, waits_for_weights_check=True)
+    # And reads each byte of a file still arriving only once the agent says it is in.
+    w.write_weights_manifest(
+        tmp_path, files, {0: 1}, waits_for_weights_check=True, reads_arriving_weights=True
+    )
+    assert read_offload_manifest(tmp_path) == OffloadManifest(
+        files, {0: 1}, True, reads_arriving_weights=True
+    )
+    path.write_text('{"version": 3, "files": [], "reads_arriving_weights": 1}')
+    with pytest.raises(ValueError, match="reads_arriving_weights must be true or false"):
+        read_offload_manifest(tmp_path)
     path.write_text('{"version": 2, "files": [], "waits_for_weights_check": "yes"}')
     with pytest.raises(ValueError, match="waits_for_weights_check must be true or false"):
         read_offload_manifest(tmp_path)

@@ -16,6 +16,7 @@ soon as it is full, so reading and copying overlap.
     pipeline    save and load pipelines: chunks hashed, encoded, written; records read and uploaded
     region      WeightRegion (pack, save, release, load), pack_module, SaveResult, LoadResult
     manifest    the control directory's weights.json (FILE_WEIGHTS_MANIFEST) and weights-verified
+    arrival     weights still arriving after the restore (FILE_WEIGHTS_ARRIVED): reads wait for their bytes
 
 The header's per-chunk SHA-256 digests are the file's integrity check: a load verifies them with
 verify=True, and the node agent seals the file with the artifact's own chunk digests. weights.json lists
@@ -27,6 +28,13 @@ the format included, is plain Python.
 """
 
 from dynamo_snapshot.fileio import WarmResult, page_cache_fraction, warm_page_cache
+from dynamo_snapshot.workload.weights.arrival import (
+    ArrivingReader,
+    WeightsArrival,
+    arrived_document,
+    parse_arrived,
+    weights_arriving,
+)
 from dynamo_snapshot.workload.weights.codec import count_escapes, decode_coded, encode_coded
 from dynamo_snapshot.workload.weights.engine import HostBuffer, MmapBuffer, TransferEngine
 from dynamo_snapshot.workload.weights.format import (
@@ -85,6 +93,7 @@ __all__ = [
     "NIBBLE_ESCAPE",
     "NIBBLE_TABLE",
     "PREFIX_BYTES",
+    "ArrivingReader",
     "Encoding",
     "HostBuffer",
     "LoadResult",
@@ -95,9 +104,11 @@ __all__ = [
     "TransferEngine",
     "WarmResult",
     "WeightRegion",
+    "WeightsArrival",
     "WeightsFile",
     "WeightsFileError",
     "WeightsHeader",
+    "arrived_document",
     "coded_record_bytes",
     "count_escapes",
     "data_digest",
@@ -106,6 +117,7 @@ __all__ = [
     "escape_limit",
     "pack_module",
     "page_cache_fraction",
+    "parse_arrived",
     "parse_offload_manifest",
     "plan_layout",
     "read_header",
@@ -114,6 +126,7 @@ __all__ = [
     "wait_for_weights_verified",
     "warm_page_cache",
     "warm_weights",
+    "weights_arriving",
     "weights_check_pending",
     "write_weights_manifest",
 ]

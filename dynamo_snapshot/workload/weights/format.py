@@ -60,6 +60,7 @@ __all__ = [
     "coded_record_bytes",
     "data_digest",
     "escape_limit",
+    "header_span",
     "parse_header",
     "plan_layout",
     "read_header",
@@ -334,6 +335,17 @@ def _parse_encoding(obj: Mapping[str, Any]) -> Encoding | None:
     ):
         raise WeightsFileError("encoding escapes is not a list of integers")
     return Encoding(ENCODING_SPLIT_NIBBLE, tuple(escapes))
+
+
+def header_span(prefix: bytes) -> int:
+    """The bytes read_header reads of a file that starts with ``prefix`` (its PREFIX_BYTES): the prefix
+    and the header it announces; just the prefix where it announces none a reader would accept."""
+    if len(prefix) < PREFIX_BYTES:
+        return PREFIX_BYTES
+    magic, _version, _flags, header_len, *_ = _PREFIX.unpack_from(prefix)
+    if magic != MAGIC or header_len > _MAX_HEADER_BYTES:
+        return PREFIX_BYTES
+    return int(PREFIX_BYTES + header_len)
 
 
 def read_header(path: Path | str) -> tuple[WeightsHeader, int]:

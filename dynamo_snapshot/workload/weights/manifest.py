@@ -59,6 +59,9 @@ class OffloadManifest:
     # The worker waits for FILE_WEIGHTS_VERIFIED before it serves, so the agent may let it load the
     # weights while it still checks them (absent in manifests of older SDKs: False).
     waits_for_weights_check: bool = False
+    # Its loads wait for each byte of a weights file still arriving (weights.arrival), so the agent may
+    # put the files back before they are whole (absent in manifests of older SDKs: False).
+    reads_arriving_weights: bool = False
 
 
 def write_weights_manifest(
@@ -67,6 +70,7 @@ def write_weights_manifest(
     released_bytes: Mapping[int, int] | None = None,
     *,
     waits_for_weights_check: bool = False,
+    reads_arriving_weights: bool = False,
 ) -> Path:
     """Write FILE_WEIGHTS_MANIFEST into the control directory (atomically); its path."""
     path = Path(control_dir) / FILE_WEIGHTS_MANIFEST
@@ -75,6 +79,7 @@ def write_weights_manifest(
         "files": [asdict(f) for f in files],
         "released_bytes": {str(d): int(n) for d, n in sorted((released_bytes or {}).items())},
         "waits_for_weights_check": waits_for_weights_check,
+        "reads_arriving_weights": reads_arriving_weights,
     }
     write_atomic(path, json.dumps(doc, sort_keys=True, indent=1).encode())
     return path
@@ -118,10 +123,14 @@ def parse_offload_manifest(doc: Any, source: str = FILE_WEIGHTS_MANIFEST) -> Off
         raise ValueError(f"{path}: bad released_bytes {released!r}") from None
     if any(d < 0 or n < 0 for d, n in released_bytes.items()):
         raise ValueError(f"{path}: negative released_bytes {released!r}")
-    waits = doc.get("waits_for_weights_check", False)
-    if not isinstance(waits, bool):
-        raise ValueError(f"{path}: waits_for_weights_check must be true or false, not {waits!r}")
-    return OffloadManifest(out, released_bytes, waits)
+    flags = []
+    for name in ("waits_for_weights_check", "reads_arriving_weights"):
+        flag = doc.get(name, False)
+        if not isinstance(flag, bool):
+            raise ValueError(f"{path}: {name} must be true or false, not {flag!r}")
+        flags.append(flag)
+    waits, reads_arriving = flags
+    return OffloadManifest(out, released_bytes, waits, reads_arriving)
 
 
 def weights_check_pending(content: Any) -> bool:

@@ -17,6 +17,7 @@ from dynamo_snapshot.fileio import (
     write_replacing,
 )
 from dynamo_snapshot.workload.gpu_memory import KIND_WEIGHTS, RegionPool, VmmRegion, _import_torch, round_up
+from dynamo_snapshot.workload.weights.arrival import ArrivingReader, WeightsArrival
 from dynamo_snapshot.workload.weights.engine import EngineFactory, HostBuffer, TorchEngine, TransferEngine
 from dynamo_snapshot.workload.weights.format import (
     DEFAULT_CHUNK_BYTES,
@@ -267,6 +268,7 @@ class WeightRegion:
         buffers: int = 4,
         verify: bool = False,
         direct: bool | None = None,
+        arriving: WeightsArrival | None = None,
     ) -> LoadResult:
         """Map the region again (at the same addresses) and fill it from `path`.
 
@@ -284,12 +286,18 @@ class WeightRegion:
         intact, not the GPU's expansion, and it is slow (0.125 GB/s, BENCHMARKS.md). The file's
         header, size and layout are always checked. A region that has no layout yet (a new
         WeightRegion) takes the file's.
+
+        `arriving`: the file is still arriving (weights.arrival); every read, the header's first,
+        waits until the agent says its bytes are in, and goes through the page cache.
         """
         if threads <= 0 or buffers <= 0:
             raise ValueError("threads and buffers must be positive")
         if block <= 0 or block % ALIGN:
             raise ValueError(f"block must be a positive multiple of {ALIGN}")
         path = Path(path).absolute()
+        if arriving is not None:
+            arriving.wait_header(path)
+            direct = False
         header, data_offset = read_header(path)
         self._take_layout(path, header)
         assert self.region is not None
@@ -303,7 +311,10 @@ class WeightRegion:
         try:
             size = min(block, header.data_bytes) if header.data_bytes else ALIGN
             bufs = [engine.host_buffer(size) for _ in range(buffers)]
-            reader = DirectReader(path, use_direct and all(b.aligned for b in bufs))
+            aligned = use_direct and all(b.aligned for b in bufs)
+            reader = (
+                DirectReader(path, aligned) if arriving is None else ArrivingReader(path, aligned, arriving)
+            )
             try:
                 read_into_region(
                     reader,
