@@ -79,13 +79,12 @@ if weights_arriving(info.content):
     arrival = WeightsArrival(handshake.control_dir, timeout=120)
     first = arrival.arrived(str(path))
     reader = ArrivingReader(path, False, arrival)
-    parts = []
-    for offset in range(0, os.path.getsize(path), CHUNK):
-        view = memoryview(bytearray(min(CHUNK, os.path.getsize(path) - offset)))
-        reader.read(view, offset)
-        parts.append(bytes(view))
+    size = os.path.getsize(path)
+    buf = bytearray(size)
+    for offset in range(0, size, CHUNK):
+        reader.read(memoryview(buf)[offset : offset + CHUNK], offset)
     reader.close()
-    got = b"".join(parts)
+    got = buf  # type: ignore[assignment]
     loaded = {"first_arrived": first, "size": len(got)}
     (handshake.control_dir / "loaded-while-arriving.json").write_text(json.dumps(loaded))  # tests read it
 if weights_check_pending(info.content):
