@@ -150,10 +150,11 @@ class CheckpointSettings(_Section):
         description="record the node files a worker maps at checkpoint and read them ahead at restore",
     )
     drop_zero_pages: ZeroPagesRewrite = Field(
-        default="auto",
+        default="off",
         description="leave the all-zero pages of anonymous memory out of checkpoints' CRIU images, a "
-        "rewrite after the dump: auto does it unless the worker dropped the CUDA host copy's zeros itself "
-        "(the SDK's workers do, cheaper), as for stock engines and CPU workers",
+        "rewrite after the dump: on; auto, unless the worker dropped the CUDA host copy's zeros itself "
+        "(the SDK's workers do, cheaper); off (a stock GPU worker's restore from disk gains, its restore "
+        "from the page cache loses: BENCHMARKS.md)",
     )
     compress_pages: bool = Field(
         default=False,

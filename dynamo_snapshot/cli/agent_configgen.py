@@ -220,7 +220,12 @@ def _yaml_default(model: type[BaseModel], name: str) -> str | None:
         return str(int(value))
     if isinstance(value, list):
         return "[" + ", ".join(value) + "]"
+    if isinstance(value, str) and value.lower() in _YAML_NOT_STRINGS:
+        return json.dumps(value)  # a YAML reader would take the bare word for a boolean or null
     return str(value)
+
+
+_YAML_NOT_STRINGS = frozenset({"on", "off", "yes", "no", "y", "n", "true", "false", "null", "~"})
 
 
 def _quantity(n: int) -> str:

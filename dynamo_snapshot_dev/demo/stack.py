@@ -55,6 +55,10 @@ WORKER_PORT = 8000
 # The chart's release (Stack.chart).
 RELEASE, RELEASE_NAMESPACE = "dynamo-snapshot", "dynamo-snapshot-system"
 
+# The demo's workers run on the CPU: no CUDA host copy whose zero pages the CUDA restore reads back, so the
+# agent's rewrite wins their checkpoints and restores (agent/README.md, --drop-zero-pages).
+CPU_WORKERS_DROP_ZERO_PAGES = "auto"
+
 
 class DemoError(RuntimeError):
     """A one-line reason the demo cannot go on."""
@@ -231,6 +235,7 @@ class Stack:
                 state_root=base / "state",
                 runc_root=RUNC_ROOT,
                 ready_timeout_seconds=600,
+                drop_zero_pages=CPU_WORKERS_DROP_ZERO_PAGES,
                 metrics_port=0,
                 health_port=0,
             )
@@ -242,6 +247,7 @@ class Stack:
             runtime="runc",
             launch_workloads=True,
             ready_timeout_seconds=600,
+            drop_zero_pages=CPU_WORKERS_DROP_ZERO_PAGES,
             # The workers run this checkout's Python; they register themselves where the demo looks.
             host_binds=["/usr", "/etc", "/opt", sys.prefix, sys.base_prefix, str(REPO)],
             writable_binds=[str(self.endpoint_dir)],

@@ -56,6 +56,8 @@ def node_values(
             "runtimeHostPaths": [str(RUNC_ROOT), str(node.state_dir), str(node.workdir), "/sys/fs/cgroup"],
             "seccompProfile": {"kubeletRoot": str(node.kubelet_root)},
             "capabilities": capabilities,
+            # CPU workers: no CUDA host copy for the SDK to drop; the rewrite takes their zero pages out.
+            "dropZeroPages": "auto",
             "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"memory": "2Gi"}},
         },
         "artifacts": {"hostPath": str(store / "artifacts")},

@@ -1,7 +1,8 @@
-"""The agent's zero-page rewrite by default (`--drop-zero-pages auto`): a worker that did not drop its zero
-pages before the dump (a stock engine, a CPU worker) has them taken out of its CRIU images, and is restored
-with its memory intact; `off` keeps them; a worker that dropped some itself is left as it is (its
-answer's cases, as pure logic: only a CUDA process of the tree is asked, so no CPU worker here is)."""
+"""The agent's zero-page rewrite (`--drop-zero-pages`, off by default): with `auto` a worker that did not
+drop its zero pages before the dump (a stock engine, a CPU worker) has them taken out of its CRIU images,
+and is restored with its memory intact; `off` keeps them; with `auto` a worker that dropped some itself is
+left as it is (its answer's cases, as pure logic: only a CUDA process of the tree is asked, so no CPU
+worker here is)."""
 
 from __future__ import annotations
 
@@ -55,8 +56,10 @@ def test_an_unknown_setting_is_refused_by_name() -> None:
 
 
 @pytest.mark.criu
-@pytest.mark.parametrize(("setting", "dropped"), [(None, True), ("off", False)])
-async def test_a_worker_that_kept_its_zero_pages_is_checkpointed_without_them_by_default(
+@pytest.mark.parametrize(
+    ("setting", "dropped"), [("auto", True), ("on", True), (None, False), ("off", False)]
+)
+async def test_a_worker_that_kept_its_zero_pages_is_checkpointed_without_them_unless_off(
     criu_bin: Path, tmp_path: Path, setting: str | None, dropped: bool
 ) -> None:
     settings = {} if setting is None else {"drop_zero_pages": setting}

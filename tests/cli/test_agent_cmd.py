@@ -142,7 +142,7 @@ def test_shipped_config_carries_the_agent_switches() -> None:
     shipped = yaml.safe_load((REPO / "agent" / "config.yaml").read_text())
     expected = {
         ("restore", "weightsCheckIdleIo"): True,
-        ("checkpoint", "dropZeroPages"): "auto",
+        ("checkpoint", "dropZeroPages"): "off",
         ("checkpoint", "compressPages"): False,
     }
     for (section, key), value in expected.items():
@@ -153,7 +153,7 @@ def test_shipped_config_carries_the_agent_switches() -> None:
         config.checkpoint.drop_zero_pages,
         config.checkpoint.compress_pages,
     )
-    assert switches == (True, "auto", False)
+    assert switches == (True, "off", False)
 
 
 def test_every_bool_setting_has_a_switch_whose_help_gives_its_default() -> None:
