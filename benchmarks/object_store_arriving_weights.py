@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import shutil
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.object_store_nodes import FarNodes, Node, bench_main, far_nodes  # noqa: E402
+from benchmarks.object_store_nodes import FarNodes, Node, bench_main, far_nodes, summary  # noqa: E402
 from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_hash  # noqa: E402
 
 WORKER = REPO / "tests" / "agent" / "weights_worker.py"
@@ -47,15 +46,6 @@ async def _run(far: FarNodes, node: Node) -> dict[str, Any]:
     }
 
 
-def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    return {
-        "runs": runs,
-        "median_back_s": round(statistics.median(r["back_s"] for r in runs), 4),
-        "median_weights_read_s": round(statistics.median(r["weights_read_s"] for r in runs), 4),
-        "all_weights_ok": all(r["weights_ok"] for r in runs),
-    }
-
-
 async def measure(weights_mib: int, runs: int, link_mbps: float) -> dict[str, Any]:
     env = {
         "WORKER_WAITS_FOR_CHECK": "1",
@@ -67,7 +57,7 @@ async def measure(weights_mib: int, runs: int, link_mbps: float) -> dict[str, An
     ) as far:
         results = await far.alternate(runs, functools.partial(_run, far))
     files = far.manifest.files
-    summaries = {name: _summary(r) for name, r in results.items()}
+    summaries = {name: summary(r, ("back_s", "weights_read_s"), "weights_ok") for name, r in results.items()}
     return {
         "artifact_bytes": sum(f.size for f in files),
         "weights_bytes": sum(f.size for f in files if f.path.startswith("weights/")),

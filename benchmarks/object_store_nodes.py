@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import contextlib
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -126,6 +127,16 @@ async def far_nodes(
                 yield FarNodes(manifest, manifest.digest, source.control_dir, nodes)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def summary(runs: list[dict[str, Any]], medians: tuple[str, ...], every: str) -> dict[str, Any]:
+    """An arm's runs, the median of each of ``medians`` (as ``median_<key>``) and whether ``every`` run had
+    ``every`` true (as ``all_<every>``)."""
+    out: dict[str, Any] = {"runs": runs}
+    for key in medians:
+        out[f"median_{key}"] = round(statistics.median(r[key] for r in runs), 4)
+    out[f"all_{every}"] = all(r[every] for r in runs)
+    return out
 
 
 def bench_main(

@@ -13,7 +13,6 @@ to go on), its memory whole (the worker has read all of its state and found it i
 from __future__ import annotations
 
 import functools
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.object_store_nodes import FarNodes, Node, bench_main, far_nodes  # noqa: E402
+from benchmarks.object_store_nodes import FarNodes, Node, bench_main, far_nodes, summary  # noqa: E402
 
 WORKER = REPO / "tests" / "agent" / "cpu_worker.py"
 HASH = "5eed5eed5eed5eed"
@@ -40,20 +39,13 @@ async def _run(far: FarNodes, node: Node) -> dict[str, Any]:
     }
 
 
-def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    return {
-        "runs": runs,
-        "median_process_back_s": round(statistics.median(r["process_back_s"] for r in runs), 4),
-        "median_memory_whole_s": round(statistics.median(r["memory_whole_s"] for r in runs), 4),
-        "all_intact": all(r["intact"] for r in runs),
-    }
-
-
 async def measure(state_mib: int, runs: int, link_mbps: float) -> dict[str, Any]:
     env = {"WORKER_STATE_MIB": str(state_mib)}
     async with far_nodes("object-store-stream-pages-", WORKER, HASH, env, link_mbps, ARMS) as far:
         results = await far.alternate(runs, functools.partial(_run, far))
-    summaries = {name: _summary(r) for name, r in results.items()}
+    summaries = {
+        name: summary(r, ("process_back_s", "memory_whole_s"), "intact") for name, r in results.items()
+    }
     streamed, default = summaries["streamed_pages"], summaries["default"]
     files = far.manifest.files
     return {

@@ -14,7 +14,7 @@ from dynamo_snapshot.agent.executor import CheckpointOutcome, Executor
 from dynamo_snapshot.agent.object_store import ObjectStore
 from dynamo_snapshot.agent.runtime import ProcessRuntime, WorkloadSpec
 from dynamo_snapshot.agent.runtime.base import Workload
-from dynamo_snapshot.api.identity import CheckpointIdentity
+from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_hash
 from dynamo_snapshot.artifact import ArtifactCache, ArtifactStore, Binding
 from dynamo_snapshot.criu import Criu
 from tests.helpers.polling import await_json
@@ -143,3 +143,23 @@ class RestoreCalls:
             return await restore(key, images_dir, *args, **kwargs)
 
         runtime.restore = spy  # type: ignore[method-assign]
+
+
+async def checkpointed_to_store(
+    tmp: Path,
+    criu_bin: Path,
+    objects: ObjectStore,
+    worker: Path,
+    identity: CheckpointIdentity,
+    env: dict[str, str],
+) -> tuple[str, Path]:
+    """``worker`` checkpointed on node ``tmp/a`` and written to ``objects`` (as its agent does with an object
+    store): the manifest digest, and the control dir the restored worker reports into."""
+    a, runtime = local_executor(
+        tmp / "a", criu_bin, compress_pages=False, objects=objects, kind=Executor, runtime_kind=ProcessRuntime
+    )
+    identity_hash = compute_identity_hash(identity)
+    source = await checkpoint_worker(a, runtime, worker, identity_hash, env, identity=identity)
+    digest = a.store.open(identity_hash).manifest.digest
+    assert digest is not None
+    return digest, source.control_dir

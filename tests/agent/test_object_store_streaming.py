@@ -14,14 +14,12 @@ from pathlib import Path
 import pytest
 
 from dynamo_snapshot.agent.errors import AgentError
-from dynamo_snapshot.agent.executor import Executor
 from dynamo_snapshot.agent.object_store import ObjectStore
-from dynamo_snapshot.agent.runtime import ProcessRuntime
 from dynamo_snapshot.agent.runtime.base import pid_running
 from dynamo_snapshot.api.identity import CheckpointIdentity, compute_identity_hash
 from dynamo_snapshot.artifact.s3 import S3Location
 from dynamo_snapshot_dev.localcluster.s3server import LocalS3
-from tests.agent.local_node import checkpoint_worker, local_executor, node_with_cache
+from tests.agent.local_node import checkpointed_to_store, node_with_cache
 from tests.conftest import SlowS3
 from tests.helpers.polling import await_json
 
@@ -43,16 +41,8 @@ async def slow(slow_s3: SlowS3, s3_location: S3Location) -> AsyncIterator[S3Loca
 
 
 async def _checkpointed(tmp: Path, criu_bin: Path, objects: ObjectStore) -> tuple[str, Path]:
-    """The weights worker checkpointed on node a and written to the store: the manifest digest, and the
-    control dir the restored worker reports into."""
-    a, runtime = local_executor(
-        tmp / "a", criu_bin, compress_pages=False, objects=objects, kind=Executor, runtime_kind=ProcessRuntime
-    )
     env = {"WORKER_WAITS_FOR_CHECK": "0", "WORKER_WEIGHTS_MIB": str(WEIGHTS_MIB)}
-    source = await checkpoint_worker(a, runtime, WORKER, HASH, env, identity=IDENTITY)
-    digest = a.store.open(HASH).manifest.digest
-    assert digest is not None
-    return digest, source.control_dir
+    return await checkpointed_to_store(tmp, criu_bin, objects, WORKER, IDENTITY, env)
 
 
 async def test_criu_restores_the_process_while_the_weights_still_arrive(

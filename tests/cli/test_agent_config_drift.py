@@ -41,7 +41,7 @@ def _copy(tmp: Path) -> Path:
 def test_check_reports_drift_and_write_fixes_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = _copy(tmp_path)
     config = root / agent_configgen.CONFIG_YAML
-    config.write_text(config.read_text().replace("dropZeroPages: \"off\"", "dropZeroPages: \"on\""))
+    config.write_text(config.read_text().replace('dropZeroPages: "off"', 'dropZeroPages: "on"'))
     schema = root / agent_configgen.VALUES_SCHEMA
     schema.write_text(schema.read_text().replace('"dropZeroPages"', '"dropZeroPage"'))
     assert agent_configgen.main(["--root", str(root), "--check"]) == 1

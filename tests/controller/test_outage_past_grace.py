@@ -221,8 +221,10 @@ async def _set_ready(kube: Kube, node: str, ready: bool) -> None:
     current = await kube.get(NODE, node)
     now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     status, reason = ("True", "KubeletReady") if ready else ("False", "KubeletStopped")
-    conditions = [
-        {**c, "status": status, "reason": reason, "lastTransitionTime": now} if c["type"] == "Ready" else c
-        for c in current["status"]["conditions"]
-    ]
+    # Back Ready with a heartbeat of now: one of the outage's time would have the node controller mark it
+    # Unknown again before kwok, given it back, heartbeats it (slow on a loaded machine).
+    fields = {"status": status, "reason": reason, "lastTransitionTime": now}
+    if ready:
+        fields["lastHeartbeatTime"] = now
+    conditions = [{**c, **fields} if c["type"] == "Ready" else c for c in current["status"]["conditions"]]
     await kube.merge_patch(NODE, node, {"status": {"conditions": conditions}}, subresource="status")

@@ -307,9 +307,44 @@ class WeightRegion:
         reacquired = time.monotonic()
         resident = page_cache_fraction(path)
         use_direct = direct if direct is not None else (resident is None or resident < _RESIDENT_FOR_BUFFERED)
+        size = min(block, header.data_bytes) if header.data_bytes else ALIGN
+        direct_reads = self._fill(
+            path, header, data_offset, records, (size, buffers, threads), verify, use_direct, arriving
+        )
+        done = time.monotonic()
+        return LoadResult(
+            path=str(path),
+            bytes=header.data_bytes,
+            seconds=done - reacquired,
+            direct=direct_reads,
+            verified=verify,
+            reacquire_seconds=reacquired - t0,
+            resident_fraction=resident,
+            threads=threads,
+            block=block,
+            extra={
+                "stored_bytes": header.stored_bytes,
+                "encoding": header.encoding.name if header.encoding else ENCODING_RAW,
+            },
+        )
+
+    def _fill(
+        self,
+        path: Path,
+        header: WeightsHeader,
+        data_offset: int,
+        records: Sequence[ChunkRecord],
+        ring: tuple[int, int, int],
+        verify: bool,
+        use_direct: bool,
+        arriving: WeightsArrival | None,
+    ) -> bool:
+        """The region filled from the file's ``records`` through a ring of (buffer size, buffers, reader
+        threads); whether every read went through O_DIRECT."""
+        assert self.region is not None
+        size, buffers, threads = ring
         engine = self._engine(self.region)
         try:
-            size = min(block, header.data_bytes) if header.data_bytes else ALIGN
             bufs = [engine.host_buffer(size) for _ in range(buffers)]
             aligned = use_direct and all(b.aligned for b in bufs)
             reader = (
@@ -330,22 +365,7 @@ class WeightRegion:
                 reader.close()
         finally:
             engine.close()
-        done = time.monotonic()
-        return LoadResult(
-            path=str(path),
-            bytes=header.data_bytes,
-            seconds=done - reacquired,
-            direct=reader.direct,
-            verified=verify,
-            reacquire_seconds=reacquired - t0,
-            resident_fraction=resident,
-            threads=threads,
-            block=block,
-            extra={
-                "stored_bytes": header.stored_bytes,
-                "encoding": header.encoding.name if header.encoding else ENCODING_RAW,
-            },
-        )
+        return reader.direct
 
     def _take_layout(self, path: Path, header: WeightsHeader) -> None:
         """Allocate a new region with the file's layout, or check that this region's is the file's."""
