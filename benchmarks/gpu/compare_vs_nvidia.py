@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-OURS = ("stock", "stock_keep_zeros", "plain", "decoupled")
+OURS = ("stock", "stock_keep_zeros", "stock_huge_advice", "plain", "decoupled")
 
 
 def spread(values: list[float]) -> dict[str, float] | None:

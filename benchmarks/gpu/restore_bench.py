@@ -77,9 +77,15 @@ MODES = {
     "decoupled": ["--release-kv", "--decouple-weights"],
     # stock with the agent's zero-page rewrite off (MODE_SETTINGS): the A/B of its `auto` in one call.
     "stock_keep_zeros": ["--no-release-zero-pages"],
+    # stock with the rewrite and the memory it empties marked for huge pages (--zero-pages-huge-advice).
+    "stock_huge_advice": ["--no-release-zero-pages"],
 }
 # Agent settings a mode's checkpoint takes over --drop-zero-pages and --compress-pages.
-MODE_SETTINGS: dict[str, dict[str, Any]] = {"stock_keep_zeros": {"drop_zero_pages": "off"}}
+MODE_SETTINGS: dict[str, dict[str, Any]] = {
+    "stock_keep_zeros": {"drop_zero_pages": "off"},
+    "stock_huge_advice": {"drop_zero_pages": "auto", "zero_pages_huge_advice": True},
+}
+STOCK_MODES = ("stock", "stock_keep_zeros", "stock_huge_advice")
 GIB = 2**30
 # Diagnostic restores of an artifact (--variants-for): the agent settings each one changes, and whether it
 # starts with the page cache dropped.
@@ -262,6 +268,7 @@ class Bench:
         settings = self.executor.config.checkpoint
         chosen = self.agent_config().checkpoint.model_copy(update=MODE_SETTINGS.get(mode, {}))
         rec["drop_zero_pages"] = settings.drop_zero_pages = chosen.drop_zero_pages
+        rec["zero_pages_huge_advice"] = settings.zero_pages_huge_advice = chosen.zero_pages_huge_advice
         settings.compress_pages = chosen.compress_pages
         ckpt = await self.executor.checkpoint(source, ident_hash, ident)
         rec["checkpoint_cpu_all_s"] = round(cpu_seconds() + helpers_cpu_seconds() - cpu0, 3)
@@ -283,7 +290,7 @@ class Bench:
             p = read_plan(plan)
             rec["prefetch_plan"] = {"files": len(p.files), "bytes": p.bytes, "unresolved": p.unresolved}
         # plain and stock images are mostly the GPU's copy of weights and KV cache
-        if mode not in ("plain", "stock", "stock_keep_zeros"):
+        if mode not in ("plain", *STOCK_MODES):
             pages = sorted((self.store.open(ident_hash).path / "criu").glob("pages-*.img"))
             rec["pages_stats"] = {p.name: await asyncio.to_thread(page_stats, p) for p in pages}
         memory_report = source.control_dir / "checkpoint-memory.json"

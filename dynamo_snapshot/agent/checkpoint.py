@@ -185,7 +185,8 @@ class CheckpointRun:
     async def shrink_pages(self, images: Path) -> None:
         if agent_drops_zero_pages(self.node.config.checkpoint.drop_zero_pages, self.released):
             with self.timings.phase("checkpoint", "drop_zero_pages"):
-                self.sparse = await drop_zero_pages_of(images)
+                advise = self.node.config.checkpoint.zero_pages_huge_advice
+                self.sparse = await drop_zero_pages_of(images, advise)
         if self.node.config.checkpoint.compress_pages:
             with self.timings.phase("checkpoint", "compress_pages"):
                 self.packed = await compress_pages(images, self.node.pages_threads)

@@ -156,6 +156,12 @@ class CheckpointSettings(_Section):
         "(the SDK's workers do, cheaper); off (a stock GPU worker's restore from disk gains, its restore "
         "from the page cache loses: BENCHMARKS.md)",
     )
+    zero_pages_huge_advice: bool = Field(
+        default=False,
+        description="with the zero-page rewrite, mark the private anonymous memory it emptied (2 MiB or "
+        "more, filled to half or more before) for huge pages at restore, so what reads it first (a CUDA "
+        "restore its host copy) faults it in 2 MiB at a time (not yet measured on a GPU)",
+    )
     compress_pages: bool = Field(
         default=False,
         description="store checkpoints' CRIU pages images compressed (unpacked again at each restore): "

@@ -56,13 +56,16 @@ async def in_thread_stoppable(work: Callable[[threading.Event], T]) -> T:
 
 
 # ------------------------------------------------------------------ checkpoint
-async def drop_zero_pages_of(images: Path) -> SparseStats | None:
+async def drop_zero_pages_of(images: Path, advise_huge_pages: bool = False) -> SparseStats | None:
     """criu.sparse.drop_zero_pages in a thread, logged; None (the images as CRIU wrote them) if it cannot
     read them; AgentError if it failed while moving pages, which leaves the dump unusable. Cancelled,
     it stops within a batch of pages and returns only then, so the caller's clean-up (which throws the
-    dump away) never races the rewrite."""
+    dump away) never races the rewrite. ``advise_huge_pages``: the memory it empties is marked for huge
+    pages at restore."""
     try:
-        stats = await in_thread_stoppable(lambda stop: drop_zero_pages(images, stop))
+        stats = await in_thread_stoppable(
+            lambda stop: drop_zero_pages(images, stop, advise_huge_pages=advise_huge_pages)
+        )
     except Damaged as e:
         raise AgentError(f"dropping zero pages failed mid-rewrite, the dump is discarded: {e}") from None
     except (OSError, ImageFormatError) as e:
@@ -70,12 +73,15 @@ async def drop_zero_pages_of(images: Path) -> SparseStats | None:
         return None
     if stats.skipped:
         log.warning("zero pages kept for some processes", extra={"processes": stats.skipped})
+    if stats.unadvised:
+        log.warning("emptied memory not marked for huge pages", extra={"processes": stats.unadvised})
     ZERO_PAGES_DROPPED.inc(stats.bytes_dropped)
     log.info(
         "zero pages dropped from the CRIU images",
         extra={
             "bytes": stats.bytes_dropped,
             "of_bytes": stats.pages_before * PAGE,
+            "huge_page_advice": stats.huge_page_advice,
             "seconds": round(stats.seconds, 3),
         },
     )

@@ -22,6 +22,7 @@ and hold protobuf messages each preceded by its u32 length; pages-ID.img is raw 
 
 from __future__ import annotations
 
+import bisect
 import mmap
 import os
 import struct
@@ -45,6 +46,11 @@ _VMA_ANON_PRIVATE = 1 << 9
 _VMA_NOT_PLAIN_ANON = (1 << 6) | (1 << 7) | (1 << 8) | (1 << 10) | (1 << 14) | (1 << 27) | (1 << 31)
 _PE_LAZY = 1 << 1
 _PE_PRESENT = 1 << 2
+# madvise(2)'s advice, as a VMA's bits in its madv field (images/vma.proto, field 9), which CRIU's
+# restorer applies once the memory is back.
+_MADV_HUGEPAGE = 14
+_MADV_NOHUGEPAGE = 15
+_HUGE_PAGE = 2 << 20
 # Pages read and written per step.
 _BATCH_PAGES = 256
 _ZERO_BATCH = bytes(_BATCH_PAGES * PAGE)
@@ -72,6 +78,8 @@ class SparseStats:
     seconds: float = 0.0
     processes: dict[int, int] = field(default_factory=dict)  # pid -> pages dropped
     skipped: dict[int, str] = field(default_factory=dict)  # pid -> why its images were left alone
+    huge_page_advice: int = 0  # VMAs the rewrite emptied and marked for huge pages (drop_zero_pages)
+    unadvised: dict[int, str] = field(default_factory=dict)  # pid -> why that mark was not written
 
     @property
     def pages_dropped(self) -> int:
@@ -131,6 +139,18 @@ def _put_varint(out: bytearray, value: int) -> None:
     out.append(value)
 
 
+def _put_field(out: bytearray, number: int, wire: int, value: int | bytes) -> None:
+    """One field as ``_fields`` read it, encoded again."""
+    _put_varint(out, number << 3 | wire)
+    if isinstance(value, bytes):
+        _put_varint(out, len(value))
+        out += value
+    elif wire == 0:
+        _put_varint(out, value)
+    else:
+        out += value.to_bytes(8 if wire == 1 else 4, "little")
+
+
 def _ints(msg: bytes) -> dict[int, int]:
     return {n: v for n, w, v in _fields(msg) if isinstance(v, int)}
 
@@ -167,6 +187,7 @@ class _Vma:
     start: int
     end: int
     status: int
+    madv: int = 0
 
     @property
     def plain_anon(self) -> bool:
@@ -179,7 +200,7 @@ def _vmas(images: Path, pid: int) -> list[_Vma]:
     for number, _, value in _fields(mm):
         if number == 14 and isinstance(value, bytes):  # mm_entry.vmas
             v = _ints(value)
-            out.append(_Vma(v.get(1, 0), v.get(2, 0), v.get(7, 0)))
+            out.append(_Vma(v.get(1, 0), v.get(2, 0), v.get(7, 0), v.get(9, 0)))
     return sorted(out, key=lambda v: v.start)
 
 
@@ -193,6 +214,60 @@ def _tree(images: Path) -> dict[int, int]:
 
 
 # ---- the rewrite -------------------------------------------------------------------------------------
+
+
+def _filled(vma: _Vma, runs: list[tuple[int, int]], starts: list[int]) -> int:
+    """Bytes of ``vma`` the sorted, disjoint ``runs`` (their ``starts``) cover."""
+    filled = 0
+    for lo, hi in runs[max(bisect.bisect_right(starts, vma.start) - 1, 0) :]:
+        if lo >= vma.end:
+            break
+        filled += max(0, min(hi, vma.end) - max(lo, vma.start))
+    return filled
+
+
+def _emptied(vmas: list[_Vma], before: list[tuple[int, int]], after: list[tuple[int, int]]) -> set[int]:
+    """The starts of the private anonymous VMAs of 2 MiB or more that the dump filled to half or more and
+    the rewrite left under half: where a restore that advises huge pages for densely filled memory (the
+    project's CRIU) no longer does, and the pages dropped are faulted back one 4 KiB page at a time by
+    whatever reads them first (a CUDA restore reads all of its host copy)."""
+    before, after = sorted(before), sorted(after)
+    before_starts, after_starts = [lo for lo, _ in before], [lo for lo, _ in after]
+    huge = (1 << _MADV_HUGEPAGE) | (1 << _MADV_NOHUGEPAGE)
+    return {
+        v.start
+        for v in vmas
+        if v.plain_anon
+        and v.end - v.start >= _HUGE_PAGE
+        and not v.madv & huge
+        and 2 * _filled(v, before, before_starts) >= v.end - v.start
+        and 2 * _filled(v, after, after_starts) < v.end - v.start
+    }
+
+
+def _advise_huge_pages(images: Path, pid: int, starts: set[int]) -> None:
+    """Mark the VMAs at ``starts`` in ``pid``'s mm image for huge pages (MADV_HUGEPAGE in their madv
+    bits); every other byte of the image is encoded as it was. Written aside and renamed."""
+    path = images / f"mm-{pid}.img"
+    (mm,) = _read_entries(path, _MM_MAGIC)
+    out = bytearray()
+    for number, wire, value in _fields(mm):
+        if number == 14 and isinstance(value, bytes) and _ints(value).get(1) in starts:
+            vma, marked = bytearray(), False
+            for n, w, v in _fields(value):
+                if n == 9 and isinstance(v, int):
+                    v, marked = v | 1 << _MADV_HUGEPAGE, True
+                _put_field(vma, n, w, v)
+            if not marked:
+                _put_field(vma, 9, 0, 1 << _MADV_HUGEPAGE)
+            value = bytes(vma)
+        _put_field(out, number, wire, value)
+    tmp = path.with_name(path.name + ".sparse")
+    try:
+        _write_entries(tmp, _MM_MAGIC, [bytes(out)])
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _droppable(vmas: list[_Vma]) -> list[tuple[int, int]]:
@@ -351,13 +426,18 @@ def _compact(
     return new_entries, before, dropped
 
 
+def _runs(entries: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    return [(vaddr, vaddr + nr * PAGE) for vaddr, nr, _ in entries]
+
+
 def _sparsify_process(
     images: Path,
     pid: int,
     droppable: list[tuple[int, int]],
     stop: threading.Event | None = None,
-) -> tuple[int, int]:
-    """Rewrite one process's pagemap and pages images; (pages before, pages dropped).
+) -> tuple[int, int, list[tuple[int, int]], list[tuple[int, int]]]:
+    """Rewrite one process's pagemap and pages images; (pages before, pages dropped, the memory the dump
+    filled, the memory the images fill now).
 
     Everything that can refuse the images (their format, their sizes) is read before the first byte
     moves. Once pages move, the pages image matches the old pagemap no more: a failure from then on
@@ -377,12 +457,13 @@ def _sparsify_process(
         # entry unchecked): a process whose every page is zero keeps its images, which the compaction
         # has not touched (nothing was kept, so nothing was written).
         if not dropped or not new_entries:
-            return before, 0
+            return before, 0, [], []
         # CRIU does not fsync its images either; the artifact writer fsyncs every file it seals.
         _write_entries(tmp_map, _PAGEMAP_MAGIC, [_head(pages_id), *new_entries])
         os.ftruncate(fd, (before - dropped) * PAGE)
         os.replace(tmp_map, pagemap)
-        return before, dropped
+        kept = [(v[1], v[2], 0) for v in map(_ints, new_entries)]
+        return before, dropped, _runs(entries), _runs(kept)
     except (OSError, ImageFormatError) as e:
         raise Damaged(f"{pages.name}: {e}") from e
     finally:
@@ -390,24 +471,35 @@ def _sparsify_process(
         tmp_map.unlink(missing_ok=True)
 
 
-def drop_zero_pages(images: Path, stop: threading.Event | None = None) -> SparseStats:
+def drop_zero_pages(
+    images: Path, stop: threading.Event | None = None, *, advise_huge_pages: bool = False
+) -> SparseStats:
     """Drop the zero pages of private anonymous memory from the CRIU dump in ``images`` (in place).
 
     A process whose images are not as expected is left untouched and named in ``skipped``; the dump
     stays valid either way. ``ImageFormatError`` only when the dump itself cannot be read (pstree).
     ``stop`` set: ``Stopped`` within one batch of pages. ``Damaged`` (and ``Stopped`` once pages
-    moved): the dump is not to be published.
+    moved): the dump is not to be published. ``advise_huge_pages``: the VMAs the rewrite emptied
+    (``_emptied``) are marked for huge pages in the mm image, which CRIU's restorer applies (where that
+    mark cannot be written the images stay valid without it).
     """
     started = time.monotonic()
     stats = SparseStats()
     for pid in _tree(images):
         try:
-            droppable = _droppable(_vmas(images, pid))
-            before, dropped = _sparsify_process(images, pid, droppable, stop)
+            vmas = _vmas(images, pid)
+            before, dropped, dumped, kept = _sparsify_process(images, pid, _droppable(vmas), stop)
         except (OSError, ImageFormatError, ValueError, KeyError) as e:
             stats.skipped[pid] = str(e)
             continue
         stats.pages_before += before
         stats.processes[pid] = dropped
+        emptied = _emptied(vmas, dumped, kept) if advise_huge_pages and dropped else set()
+        if emptied:
+            try:
+                _advise_huge_pages(images, pid, emptied)
+                stats.huge_page_advice += len(emptied)
+            except (OSError, ImageFormatError) as e:
+                stats.unadvised[pid] = str(e)
     stats.seconds = time.monotonic() - started
     return stats

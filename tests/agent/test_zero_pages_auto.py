@@ -12,6 +12,7 @@ import pytest
 
 from dynamo_snapshot.agent.config import AgentConfig
 from dynamo_snapshot.agent.zero_page_release import ZeroPagesReleased, agent_drops_zero_pages
+from dynamo_snapshot.criu import sparse
 from tests.agent.local_node import checkpoint_worker, local_executor
 from tests.helpers.polling import await_json
 
@@ -57,12 +58,15 @@ def test_an_unknown_setting_is_refused_by_name() -> None:
 
 @pytest.mark.criu
 @pytest.mark.parametrize(
-    ("setting", "dropped"), [("auto", True), ("on", True), (None, False), ("off", False)]
+    ("setting", "dropped", "advise"),
+    [("auto", True, False), ("on", True, True), (None, False, False), ("off", False, True)],
 )
 async def test_a_worker_that_kept_its_zero_pages_is_checkpointed_without_them_unless_off(
-    criu_bin: Path, tmp_path: Path, setting: str | None, dropped: bool
+    criu_bin: Path, tmp_path: Path, setting: str | None, dropped: bool, advise: bool
 ) -> None:
-    settings = {} if setting is None else {"drop_zero_pages": setting}
+    settings: dict[str, object] = {"zero_pages_huge_advice": advise}
+    if setting is not None:
+        settings["drop_zero_pages"] = setting
     executor, runtime = local_executor(tmp_path, criu_bin, **settings)
     source = await checkpoint_worker(
         executor, runtime, WORKER, HASH, {"WORKER_STATE_MIB": "8", "WORKER_ZERO_MIB": str(ZERO_MIB)}
@@ -76,6 +80,14 @@ async def test_a_worker_that_kept_its_zero_pages_is_checkpointed_without_them_un
         assert pages == 0
     pages_bytes = sum(f.size for f in artifact.manifest.files if f.path.startswith("criu/pages-"))
     assert (pages_bytes < ZERO_MIB << 20) is dropped, pages_bytes
+    # --zero-pages-huge-advice: the worker's zeros, a mapping the rewrite emptied, marked for huge pages.
+    marked = [
+        v
+        for mm in (artifact.path / "criu").glob("mm-*.img")
+        for v in sparse._vmas(mm.parent, int(mm.name[3:-4]))
+        if v.madv & (1 << 14) and v.end - v.start >= ZERO_MIB << 20
+    ]
+    assert bool(marked) is (dropped and advise), marked
 
     await executor.restore("restored", HASH)
     try:

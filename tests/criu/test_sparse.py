@@ -332,3 +332,79 @@ def test_a_batch_of_zeros_across_a_vma_boundary_drops_only_the_anonymous_pages(t
     assert drop_zero_pages(tmp_path).pages_dropped == 100
     assert _pagemap(tmp_path) == (3, [(split, n - 100, 6)])
     assert (tmp_path / "pages-3.img").read_bytes() == bytes((n - 100) * PAGE)
+
+
+# 8 MiB written with zeros (the rewrite empties it), 8 MiB of random bytes (it stays dense), and 8 MiB of
+# which the first 3 are random and the rest zeros (under half left): each region's address and what the
+# worker holds, before the dump and after the restore.
+HUGE_WORKER = r"""
+import ctypes, hashlib, mmap, os, sys, time
+d, M = sys.argv[1], 1 << 20
+regions = {name: mmap.mmap(-1, 8 * M, flags=mmap.MAP_PRIVATE) for name in ("zeros", "dense", "mixed")}
+# The kernel places them side by side and would merge them into one VMA: the middle one's flags differ.
+regions["dense"].madvise(mmap.MADV_DONTFORK)
+regions["zeros"][:] = bytes(8 * M)
+regions["dense"][:] = os.urandom(8 * M)
+regions["mixed"][:] = os.urandom(3 * M) + bytes(5 * M)
+
+def report(name, text):
+    with open(os.path.join(d, name + ".tmp"), "w") as f:
+        f.write(text)
+    os.rename(os.path.join(d, name + ".tmp"), os.path.join(d, name))
+
+def digest():
+    return hashlib.sha256(b"".join(m[:] for m in regions.values())).hexdigest()
+
+addrs = {n: ctypes.addressof(ctypes.c_char.from_buffer(m)) for n, m in regions.items()}
+report("addresses", " ".join(f"{n}={a:x}" for n, a in addrs.items()))
+report("before", digest())
+while not os.path.exists(os.path.join(d, "go")):
+    time.sleep(0.02)
+report("after", digest())
+while True:
+    time.sleep(1)
+"""
+
+
+def _vm_flags(pid: int, start: int) -> list[str]:
+    """The VmFlags of ``pid``'s mapping that begins at ``start``."""
+    lines = Path(f"/proc/{pid}/smaps").read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith(f"{start:x}-"))
+    flags = next(line for line in lines[at + 1 :] if line.startswith("VmFlags:"))
+    return flags.split()[1:]
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("advise", [True, False])
+async def test_memory_the_rewrite_emptied_is_marked_for_huge_pages(
+    criu_bin: Path, tmp_path: Path, advise: bool
+) -> None:
+    work, images = tmp_path / "work", tmp_path / "images"
+    proc = await start_script(HUGE_WORKER, work)
+    restored_pid = None
+    try:
+        before = await asyncio.to_thread(wait_file, work / "before")
+        text = await asyncio.to_thread(wait_file, work / "addresses")
+        addrs = {name: int(a, 16) for name, a in (item.split("=") for item in text.split())}
+        # Without the project's own advice for densely filled memory, which would mark the dense region.
+        criu = Criu(criu_bin, restore_huge_pages=False)
+        await criu.dump(proc.pid, images)
+        await proc.wait()
+
+        stats = await asyncio.to_thread(drop_zero_pages, images, advise_huge_pages=advise)
+        assert stats.pages_dropped >= (8 + 5) * 256
+        assert stats.unadvised == {}
+        marked = {v.start for v in sparse._vmas(images, proc.pid) if v.madv & (1 << 14)}
+        # The zeros and the mostly-zero region, not the dense one (nor any other of the process's).
+        assert marked == ({addrs["zeros"], addrs["mixed"]} if advise else set())
+        assert stats.huge_page_advice == len(marked)
+
+        restored = await criu.restore(images, log_dir=tmp_path / "logs")
+        restored_pid = restored.pid
+        for name, start in addrs.items():
+            hugepage = "hg" in await asyncio.to_thread(_vm_flags, restored_pid, start)
+            assert hugepage == (start in marked), name
+        (work / "go").touch()
+        assert await asyncio.to_thread(wait_file, work / "after") == before
+    finally:
+        kill_groups(proc.pid, restored_pid)
