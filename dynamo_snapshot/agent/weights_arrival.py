@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from pathlib import Path
 
 from dynamo_snapshot.agent.artifact_fetch import NodeFetch
@@ -27,8 +26,6 @@ from dynamo_snapshot.workload.weights import PREFIX_BYTES, arrived_document
 from dynamo_snapshot.workload.weights.format import header_span
 
 __all__ = ["ArrivingWeights"]
-
-log = logging.getLogger(__name__)
 
 
 class ArrivingWeights:
@@ -72,12 +69,19 @@ class ArrivingWeights:
                     arrived[w.worker_path] = offset + length
                     await asyncio.to_thread(write_sentinel, path, arrived_document(arrived))
 
-        await asyncio.gather(*(follow(w) for w in weights))
+        # One file's failure (its fetch's) ends the others' follow-ups too.
+        async with asyncio.TaskGroup() as group:
+            for w in weights:
+                group.create_task(follow(w))
 
     async def fed(self) -> None:
         """Until the last FILE_WEIGHTS_ARRIVED is written; raises what ended the fetch without them."""
-        if self._feed is not None:
+        if self._feed is None:
+            return
+        try:
             await self._feed
+        except BaseExceptionGroup as failed:
+            raise failed.exceptions[0] from None
 
     async def stop(self) -> None:
         """The restore failed: no more updates (what the feed failed with is the restore's own error)."""
