@@ -74,9 +74,16 @@ class WeightsArrival:
         self._lock = threading.Lock()
         self._known: dict[str, int] = {}
         self._whole = False
+        self._read_at = float("-inf")  # when a reader last read the document: one read per poll for all
         self.waited = 0.0  # seconds any reader spent waiting, summed
 
-    def _refresh(self) -> None:
+    def _refresh(self, *, now: bool = False) -> None:
+        """What the document says, read again; by the waits at most once per poll between them all."""
+        with self._lock:
+            at = time.monotonic()
+            if not now and at - self._read_at < self._poll:
+                return
+            self._read_at = at
         if (self._dir / FILE_WEIGHTS_VERIFIED).exists():
             self._whole = True
             return
@@ -99,7 +106,7 @@ class WeightsArrival:
 
     def arrived(self, path: str) -> int | None:
         """Bytes of ``path`` in and checked; None once every file is whole (FILE_WEIGHTS_VERIFIED)."""
-        self._refresh()
+        self._refresh(now=True)
         if self._whole:
             return None
         with self._lock:
@@ -110,11 +117,9 @@ class WeightsArrival:
         started = time.monotonic()
         while True:
             with self._lock:
-                if self._whole or self._known.get(path, 0) >= end:
+                got = self._known.get(path, 0)
+                if self._whole or got >= end:
                     break
-            got = self.arrived(path)
-            if got is None or got >= end:
-                break
             waited = time.monotonic() - started
             if self._timeout is not None and waited > self._timeout:
                 raise TimeoutError(
@@ -122,6 +127,7 @@ class WeightsArrival:
                     f"({self._dir / FILE_WEIGHTS_ARRIVED})"
                 )
             time.sleep(self._poll)
+            self._refresh()
         waited = time.monotonic() - started
         with self._lock:
             self.waited += waited
