@@ -219,7 +219,8 @@ def _tree(images: Path) -> dict[int, int]:
 def _filled(vma: _Vma, runs: list[tuple[int, int]], starts: list[int]) -> int:
     """Bytes of ``vma`` the sorted, disjoint ``runs`` (their ``starts``) cover."""
     filled = 0
-    for lo, hi in runs[max(bisect.bisect_right(starts, vma.start) - 1, 0) :]:
+    for i in range(max(bisect.bisect_right(starts, vma.start) - 1, 0), len(runs)):
+        lo, hi = runs[i]
         if lo >= vma.end:
             break
         filled += max(0, min(hi, vma.end) - max(lo, vma.start))

@@ -12,7 +12,7 @@ import pytest
 
 from dynamo_snapshot.criu import Criu
 from tests.helpers.polling import wait_file
-from tests.helpers.script_process import kill_groups, start_script
+from tests.helpers.script_process import kill_groups, smaps_field, start_script
 
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -55,14 +55,7 @@ def _thp_mode() -> str:
 def _huge_kib(pid: int, address: int) -> int:
     """AnonHugePages of the mapping of ``pid`` that holds ``address`` (the kernel may have merged it with
     a neighbour of the same kind)."""
-    inside = False
-    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
-        head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
-        if head:
-            inside = int(head.group(1), 16) <= address < int(head.group(2), 16)
-        elif inside and line.startswith("AnonHugePages:"):
-            return int(line.split()[1])
-    raise AssertionError(f"no mapping holds {address:#x} in /proc/{pid}/smaps")
+    return int(smaps_field(pid, address, "AnonHugePages").split()[0])
 
 
 @pytest.mark.criu

@@ -16,7 +16,7 @@ import pytest
 from dynamo_snapshot.criu import Criu, sparse
 from dynamo_snapshot.criu.sparse import PAGE, ImageFormatError, drop_zero_pages
 from tests.helpers.polling import cancel_and_settle, wait_file
-from tests.helpers.script_process import kill_groups, start_script
+from tests.helpers.script_process import kill_groups, smaps_field, start_script
 
 # Root: 512 anonymous pages, even ones random, odd ones written with zeros, and 256 more never touched;
 # 600 pages written with zeros;
@@ -366,14 +366,6 @@ while True:
 """
 
 
-def _vm_flags(pid: int, start: int) -> list[str]:
-    """The VmFlags of ``pid``'s mapping that begins at ``start``."""
-    lines = Path(f"/proc/{pid}/smaps").read_text().splitlines()
-    at = next(i for i, line in enumerate(lines) if line.startswith(f"{start:x}-"))
-    flags = next(line for line in lines[at + 1 :] if line.startswith("VmFlags:"))
-    return flags.split()[1:]
-
-
 @pytest.mark.criu
 @pytest.mark.parametrize("advise", [True, False])
 async def test_memory_the_rewrite_emptied_is_marked_for_huge_pages(
@@ -402,7 +394,8 @@ async def test_memory_the_rewrite_emptied_is_marked_for_huge_pages(
         restored = await criu.restore(images, log_dir=tmp_path / "logs")
         restored_pid = restored.pid
         for name, start in addrs.items():
-            hugepage = "hg" in await asyncio.to_thread(_vm_flags, restored_pid, start)
+            flags = await asyncio.to_thread(smaps_field, restored_pid, start, "VmFlags")
+            hugepage = "hg" in flags.split()
             assert hugepage == (start in marked), name
         (work / "go").touch()
         assert await asyncio.to_thread(wait_file, work / "after") == before
